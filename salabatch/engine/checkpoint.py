@@ -1,0 +1,100 @@
+"""Safetensors checkpoint directories: read (one file or HF shards + index) and write.
+
+Writing is used by `convert`, by the bundled demo model and by tests; `random_weights` makes the
+deterministic weights of a config (numpy's generator, so the same bytes on every platform).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from salabatch.engine.config import ModelConfig
+from salabatch.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from the shard index when there is one."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"unreadable shard index ({e})", path=index) from None
+        files = sorted(path / name for name in names)
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"shards listed in the index are missing: {absent}", path=index)
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError("no *.safetensors files", path=path)
+    return files
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for file in weight_files(path):
+        try:
+            shard = mx.load(str(file))
+        except Exception as e:  # MLX raises plain RuntimeError/ValueError on bad files
+            raise CheckpointError(f"cannot read safetensors ({e})", path=file) from None
+        twice = sorted(weights.keys() & shard.keys())
+        if twice:
+            raise CheckpointError(f"tensors appear in more than one shard: {twice[:5]}", path=file)
+        weights.update(shard)
+    return weights
+
+
+def write_weights(
+    path: Path, weights: dict[str, mx.array], max_shard_bytes: int | None = None
+) -> list[Path]:
+    """Writes `model.safetensors`, or HF-style shards + index when over `max_shard_bytes`."""
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(weights)
+    total = sum(weights[n].nbytes for n in names)
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        mx.save_safetensors(str(path / "model.safetensors"), {n: weights[n] for n in names})
+        return [path / "model.safetensors"]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        if shards[-1] and size + weights[n].nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += weights[n].nbytes
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = path / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(file), {n: weights[n] for n in shard})
+        weight_map.update({n: file.name for n in shard})
+        files.append(file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return files
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, mx.array]:
+    """Deterministic float32 weights with HF names: N(0, 1/fan_in) projections, norms ≈ 1."""
+    from salabatch.engine.model import Model  # deferred: model imports are heavy-ish
+
+    rng = np.random.default_rng(seed)
+    shapes = {n: tuple(p.shape) for n, p in tree_flatten(Model(cfg).parameters())}
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if len(shape) == 1:  # RMSNorm weights
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:  # [out, in] projections and the [vocab, hidden] embedding
+            w = rng.standard_normal(shape) / math.sqrt(shape[1])
+        out[name] = mx.array(w.astype(np.float32))
+    return out

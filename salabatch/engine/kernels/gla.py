@@ -1,0 +1,162 @@
+"""Simple-GLA kernels for the lightning layers (SPEC §3.6): a token-loop reference, a chunked
+prefill form, a one-token decode step, and the one dispatcher the model calls.
+
+Layout, for every function here:
+    q, k   [B, H, T, dk]   any float dtype; cast to float32 inside
+    v      [B, H, T, dv]
+    g      [H]             log-decay per head, negative: g_h = -slope_h, gamma_h = exp(g_h)
+    state  [B, H, dk, dv]  float32, or None for zeros
+    scale  float
+    returns (o [B, H, T, dv] float32, final_state [B, H, dk, dv] float32)
+
+Recurrence for token t (the current token is included in its own output):
+    S_t = gamma * S_{t-1} + k_t ⊗ v_t,    o_t = scale * q_t^T S_t
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# Full chunks are processed this many at a time: the per-chunk start states of a segment,
+# [B, H, n, dk, dv], are the largest intermediate (64 MiB for the 9B at n = 32, B = 1).
+_SEGMENT_CHUNKS = 32
+
+
+def decay_slopes(n_heads: int) -> list[float]:
+    """ALiBi slopes s_h (SPEC §3.5); the lightning log-decay is g_h = -s_h for every layer (P3).
+
+    For n a power of 2, s_h = start^(h+1) with start = 2^(-2^(-(log2 n - 3))) = 2^(-8/n).
+    Otherwise the slopes for the largest power of 2 p < n, then every other slope of the 2p
+    schedule until there are n.
+    """
+    if n_heads < 1:
+        raise ValueError(f"decay_slopes: expected n_heads >= 1, got {n_heads}")
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    p = 1 << (n_heads.bit_length() - 1)  # largest power of 2 <= n_heads
+    if p == n_heads:
+        return power_of_2(n_heads)
+    return power_of_2(p) + power_of_2(2 * p)[0::2][: n_heads - p]
+
+
+def _prepare(q, k, v, g, state):
+    """Check shapes against the layout above and cast everything to float32."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != (B, H, T) or g.shape != (H,):
+        raise ValueError(
+            "gla: expected q, k [B, H, T, dk], v [B, H, T, dv], g [H]; "
+            f"got q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}"
+        )
+    if state is None:
+        state = mx.zeros((B, H, dk, dv), dtype=mx.float32)
+    elif state.shape != (B, H, dk, dv):
+        raise ValueError(f"gla: expected state {(B, H, dk, dv)}, got {state.shape}")
+    f32 = mx.float32
+    return q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), state.astype(f32)
+
+
+def gla_recurrent_ref(q, k, v, g, scale, state=None):
+    """Float32 token loop: the reference every other form is tested against."""
+    q, k, v, g, S = _prepare(q, k, v, g, state)
+    B, H, T, _ = q.shape
+    gamma = mx.exp(g)[:, None, None]  # [H, 1, 1]
+    outs = []
+    for t in range(T):
+        S = gamma * S + k[:, :, t, :, None] * v[:, :, t, None, :]  # [B, H, dk, dv]
+        outs.append(scale * (q[:, :, t, None, :] @ S))  # [B, H, 1, dv]
+    o = mx.concatenate(outs, axis=2) if outs else mx.zeros((B, H, 0, v.shape[-1]), mx.float32)
+    return o, S
+
+
+def _chunk_decays(g, C):
+    """Decay factors for chunks of C tokens. Every exponent is g * (non-negative), so all
+    factors lie in (0, 1] and strong decays underflow to 0, never overflow to inf."""
+    pos = mx.arange(C, dtype=mx.float32)
+    gh = g[:, None]  # [H, 1]
+    q_decay = mx.exp(gh * (pos + 1))  # [H, C]  gamma^(τ+1): S_prev seen from position τ
+    k_decay = mx.exp(gh * (C - 1 - pos))  # [H, C]  gamma^(C-1-σ): token σ seen from chunk end
+    diff = pos[:, None] - pos[None, :]  # [C, C]  τ - σ
+    intra = mx.where(diff >= 0, mx.exp(gh[:, :, None] * mx.maximum(diff, 0)), 0.0)  # [H, C, C]
+    chunk_decay = mx.exp(g * C)  # [H]  gamma^C
+    return q_decay, k_decay, intra, chunk_decay
+
+
+def _gla_chunks(q, k, v, g, S, C):
+    """Whole chunks of exactly C tokens: q already scaled, T a multiple of C, all float32."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    N = T // C
+    q = q.reshape(B, H, N, C, dk)
+    k = k.reshape(B, H, N, C, dk)
+    v = v.reshape(B, H, N, C, dv)
+    q_decay, k_decay, intra, chunk_decay = _chunk_decays(g, C)
+
+    # Inside each chunk: causal decayed scores [B, H, N, C, C] applied to v.
+    o = ((q @ k.swapaxes(-1, -2)) * intra[:, None]) @ v  # [B, H, N, C, dv]
+
+    # Each chunk's own contribution to the state at its end.
+    U = (k * k_decay[:, None, :, None]).swapaxes(-1, -2) @ v  # [B, H, N, dk, dv]
+
+    # Carry the state across chunks: N elementwise steps over [B, H, dk, dv]. The parallel form
+    # (an [N+1, N] decay matrix times all N states) costs N^2 d^2 flops and was ~5x slower on CPU.
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = chunk_decay[:, None, None] * S + U[:, :, n]
+    starts = mx.stack(starts, axis=2)  # [B, H, N, dk, dv], the state before each chunk
+
+    o = o + (q * q_decay[:, None, :, None]) @ starts  # [B, H, N, C, dv]
+    return o.reshape(B, H, T, dv), S
+
+
+def gla_chunked(q, k, v, g, scale, state=None, chunk=64):
+    """Chunked prefill form: batched matmuls over [B, H, chunks], state carried between chunks.
+
+    A last partial chunk of C' < chunk tokens is processed on its own with decay factors built
+    for C', so the carried state decays by gamma^C', not gamma^chunk (SPEC §8 P4).
+    """
+    if chunk < 1:
+        raise ValueError(f"gla_chunked: expected chunk >= 1, got {chunk}")
+    q, k, v, g, S = _prepare(q, k, v, g, state)
+    B, H, T, _ = q.shape
+    q = q * scale
+    full = T - T % chunk
+    step = chunk * _SEGMENT_CHUNKS
+    # (start, end, chunk length): full chunks a segment at a time, then the partial chunk.
+    pieces = [(s, min(s + step, full), chunk) for s in range(0, full, step)]
+    if full < T:
+        pieces.append((full, T, T - full))
+    outs = []
+    for start, end, C in pieces:
+        sl = slice(start, end)
+        o, S = _gla_chunks(q[:, :, sl], k[:, :, sl], v[:, :, sl], g, S, C)
+        outs.append(o)
+    o = mx.concatenate(outs, axis=2) if outs else mx.zeros((B, H, 0, v.shape[-1]), mx.float32)
+    return o, S
+
+
+# Compiled so the decay, the outer product and the add make one pass over the state (decode is
+# memory-bound: about 1.7x faster on CPU at B = 8). Retraces once per shape and scale.
+@mx.compile
+def _step(q, k, v, g, S, scale):
+    S = mx.exp(g)[:, None, None] * S + k.swapaxes(-1, -2) * v  # [B, H, dk, 1] * [B, H, 1, dv]
+    return (scale * q) @ S, S  # [B, H, 1, dv]
+
+
+def gla_step(q, k, v, g, scale, state=None):
+    """One-token decode (T == 1): one state update and one read-out."""
+    q, k, v, g, S = _prepare(q, k, v, g, state)
+    if q.shape[2] != 1:
+        raise ValueError(f"gla_step: expected T == 1, got q {q.shape}")
+    return _step(q, k, v, g, S, scale)
+
+
+def gla(q, k, v, g, scale, state=None):
+    """The dispatcher the model calls: decode step for T == 1, chunked form otherwise."""
+    if q.shape[2] == 1:
+        return gla_step(q, k, v, g, scale, state)
+    return gla_chunked(q, k, v, g, scale, state)

@@ -1,0 +1,82 @@
+"""Lightning attention layer (simple-GLA with a fixed per-head decay), SPEC §3.
+
+x → q, k, v, z projections → qk-norm → RoPE (full head dim, NeoX layout) → float32 simple-GLA
+recurrence → full-width RMSNorm (o_norm) → × sigmoid(z) → o_proj. The recurrent state is the whole
+cache: [B, H, dk, dv] in float32, whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from salabatch.engine.cache import LightningCache
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels.gla import decay_slopes, gla
+
+
+class LightningAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.lightning_heads
+        self.n_kv_heads = cfg.lightning_kv_heads
+        self.head_dim = d = cfg.lightning_head_dim
+        self.scale = cfg.lightning_scale_value
+        self.use_rope = cfg.lightning_use_rope
+        self.rope_theta = cfg.rope_theta
+        self.eps = cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(d, eps=self.eps)
+            self.k_norm = nn.RMSNorm(d, eps=self.eps)
+        if cfg.use_output_norm:
+            self.o_norm = nn.RMSNorm(self.n_heads * d, eps=self.eps)
+        if cfg.use_output_gate:
+            self.z_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
+        # Log-decay per head: fixed ALiBi slopes, the same in every layer (SPEC §3.5, P3).
+        self._log_decay = -mx.array(decay_slopes(self.n_heads), dtype=mx.float32)
+
+    def __call__(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
+        """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
+        o = self.core(x, cache, offset).astype(x.dtype)
+        if "o_norm" in self:
+            o = self.o_norm(o)
+        if "z_proj" in self:
+            o = o * mx.sigmoid(self.z_proj(x))
+        return self.o_proj(o)
+
+    def core(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
+        """The recurrence's output [B, T, H*dv] in float32, before o_norm and the gate."""
+        B, T, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).reshape(B, T, self.n_heads, d)
+        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, d)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, d)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, H, T, d]
+        if self.use_rope:
+            q = _rope(q, offset, self.rope_theta)
+            k = _rope(k, offset, self.rope_theta)
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+        o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
+        return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]
+
+
+def _rope(x: mx.array, offset: int | mx.array, base: float) -> mx.array:
+    """NeoX-style RoPE over the full head dim, computed in float32 like HF, cast back."""
+    y = mx.fast.rope(
+        x.astype(mx.float32),
+        x.shape[-1],
+        traditional=False,
+        base=base,
+        scale=1.0,
+        offset=offset,
+    )
+    return y.astype(x.dtype)

@@ -1,0 +1,60 @@
+"""Checkpoint directory → Model.
+
+A directory holds `config.json` and safetensors with HF names: one `model.safetensors`, or shards
+listed in `model.safetensors.index.json`. Loading is strict: every tensor the config implies must be
+present with its shape, and nothing else may be. Weights and activations take `dtype`; the lightning
+state stays float32 whatever it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from salabatch.engine.checkpoint import read_weights
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.model import Model
+from salabatch.engine.runtime import resolve_dtype
+from salabatch.errors import CheckpointError
+
+
+def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
+    """Loads a checkpoint directory; `dtype` None / "auto" = float32 on CPU, bfloat16 on a GPU."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError("not a checkpoint directory", path=path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    model = Model(cfg)
+    weights = model.sanitize(read_weights(path))
+    check_weights(model, weights, path)
+    dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
+    weights = {
+        k: w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) else w for k, w in weights.items()
+    }
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(model.parameters())
+    model.path = path
+    model.dtype = dt
+    return model
+
+
+def check_weights(model: Model, weights: dict[str, mx.array], path: Path) -> None:
+    """Raises CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    mismatched = sorted(
+        f"{name} {tuple(weights[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    )
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            "checkpoint does not match config.json",
+            path=path,
+            missing=missing,
+            unexpected=unexpected,
+            mismatched=mismatched,
+        )

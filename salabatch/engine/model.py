@@ -1,0 +1,107 @@
+"""MiniCPM-SALA: embeddings → 32 hybrid blocks (sparse or lightning mixer + SwiGLU MLP) → logits.
+
+Module names mirror the HF checkpoint (`model.layers.{i}.self_attn.q_proj`, …), so weights load
+under their own names; `sanitize` is the only place that knows about checkpoint quirks.
+muP scaling (SPEC §2): embeddings × scale_emb, each residual branch × scale_depth/√L, and the final
+hidden state ÷ (hidden_size / dim_model_base) before lm_head.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from salabatch.engine.cache import ModelCache
+from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.engine.lightning import LightningAttention
+from salabatch.engine.sparse import SparseAttention
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.residual_scale = cfg.residual_scale
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        mixer = LightningAttention if kind == LIGHTNING else SparseAttention
+        self.self_attn = mixer(cfg)
+        self.mlp = MLP(cfg)
+
+    def __call__(self, h: mx.array, cache, offset: int | mx.array) -> mx.array:
+        h = h + self.residual_scale * self.self_attn(self.input_layernorm(h), cache, offset)
+        return h + self.residual_scale * self.mlp(self.post_attention_layernorm(h))
+
+
+class SALAModel(nn.Module):
+    """The decoder without the head (`model.*` in the checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.scale_emb = cfg.scale_emb
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [Block(cfg, kind) for kind in cfg.layer_kinds]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, ids: mx.array, cache: ModelCache) -> mx.array:
+        B, T = ids.shape
+        offset = cache.advance(B, T)
+        h = self.embed_tokens(ids) * self.scale_emb  # [B, T, hidden]
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer(h, layer_cache, offset)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """`model(ids [B, T], cache) -> logits [B, T, vocab]`; later calls continue the sequence."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = SALAModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def __call__(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
+        return self.logits(self.hidden(ids, cache))
+
+    def hidden(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
+        """Final-normed hidden states [B, T, hidden]; generation takes logits of the last only."""
+        if ids.ndim != 2:
+            raise ValueError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+        return self.model(ids, self.make_cache() if cache is None else cache)
+
+    def logits(self, h: mx.array) -> mx.array:
+        h = h / self.config.logit_divisor
+        if "lm_head" in self:
+            return self.lm_head(h)
+        return self.model.embed_tokens.as_linear(h)
+
+    def make_cache(self) -> ModelCache:
+        return ModelCache.for_config(self.config)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.model.layers
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint names → ours: drops rotary buffers some exports carry, and a tied head."""
+        out = {}
+        for name, w in weights.items():
+            if "rotary_emb." in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            out[name] = w
+        return out

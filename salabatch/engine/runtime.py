@@ -1,0 +1,110 @@
+"""Process-level MLX settings the engine needs: buffer cache, device name, dtype, throughput.
+
+Everything that changes a process setting restores it (`memory_cache` is a context manager).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from salabatch.errors import ConfigError
+
+DTYPES = {
+    "float32": mx.float32,
+    "fp32": mx.float32,
+    "bfloat16": mx.bfloat16,
+    "bf16": mx.bfloat16,
+    "float16": mx.float16,
+    "fp16": mx.float16,
+}
+
+
+def default_cache_limit() -> int:
+    """min(25% of RAM, 8 GB): room for a prefill chunk's and a decode step's transient buffers,
+    so they are reused rather than freed and re-faulted each step, while weights and KV caches
+    keep the rest."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(ram // 4, 8 << 30)
+
+
+@contextmanager
+def memory_cache(limit_bytes: int | None = None) -> Iterator[int]:
+    """Raise MLX's free-buffer cache limit for the block (default `default_cache_limit()`).
+
+    MLX's CPU default (32 MB) is smaller than one layer's activations at long context, so large
+    buffers would be released and page-faulted again every step. Yields the limit set.
+    """
+    limit = default_cache_limit() if limit_bytes is None else limit_bytes
+    previous = mx.set_cache_limit(limit)
+    try:
+        yield limit
+    finally:
+        mx.set_cache_limit(previous)
+
+
+def device_name() -> str:
+    """ "cpu", "gpu (Metal: Apple M2 Max)" or "gpu (CUDA: NVIDIA H100 ...)"."""
+    device = mx.default_device()
+    if device.type != mx.gpu:
+        return "cpu"
+    backend = "Metal" if mx.metal.is_available() else "CUDA"
+    name = mx.device_info(device).get("device_name")
+    return f"gpu ({backend}: {name})" if name else f"gpu ({backend})"
+
+
+def resolve_dtype(name: str | None) -> mx.Dtype:
+    """None / "auto" → float32 on CPU (no fast bf16 GEMM there), bfloat16 on GPU."""
+    if name is None or name == "auto":
+        return mx.float32 if mx.default_device().type == mx.cpu else mx.bfloat16
+    if isinstance(name, str) and name.lower() in DTYPES:
+        return DTYPES[name.lower()]
+    raise ConfigError(
+        "unknown dtype", field="dtype", expected="auto, float32, bfloat16 or float16", got=name
+    )
+
+
+def matmul_throughput(seconds: float = 1.0) -> dict[str, float]:
+    """Measured fp32 speed of the default device: GEMM 1024² (GFLOP/s) and a decode-shaped
+    x[1, 4096] @ W[4096, 4096]^T (GB/s of weights read, the bound for token-by-token decode)."""
+
+    def rate(fn, work: float, budget: float) -> float:
+        mx.eval(fn())  # warm-up: first call allocates and, for BLAS, starts its threads
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < budget or reps < 2:
+            mx.eval(fn())
+            reps += 1
+        return work * reps / elapsed / 1e9
+
+    n, d = 1024, 4096
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    w, x = mx.random.normal((d, d)), mx.random.normal((1, d))
+    mx.eval(a, b, w, x)
+    return {
+        "gemm_gflops": rate(lambda: a @ b, 2 * n**3, seconds / 2),
+        "decode_gbps": rate(lambda: x @ w.T, d * d * 4, seconds / 2),
+    }
+
+
+def doctor_report(seconds: float = 1.0) -> dict:
+    """What `salabatch doctor` prints: versions, device, the active BLAS and measured speed."""
+    import platform
+    import sys
+    from dataclasses import asdict
+
+    from salabatch import __version__
+    from salabatch.engine import blas
+
+    return {
+        "salabatch": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "mlx": mx.__version__,
+        "device": device_name(),
+        "blas": asdict(blas.active()),
+        **matmul_throughput(seconds),
+    }

@@ -1,0 +1,88 @@
+"""Errors a user can cause. Each says where (file, field, document) and what was expected.
+
+The CLI prints `str(error)` on one line and exits with `exit_code`; nothing here imports MLX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class SalabatchError(Exception):
+    """Base class. `where` parts are joined as `path: field: message (expected X, got Y)`."""
+
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        field: str | None = None,
+        doc_id: str | None = None,
+        expected: object = None,
+        got: object = None,
+    ) -> None:
+        self.message = message
+        self.path = str(path) if path is not None else None
+        self.field = field
+        self.doc_id = doc_id
+        self.expected = expected
+        self.got = got
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = [p for p in (self.path, self.doc_id and f"document {self.doc_id}", self.field) if p]
+        text = ": ".join([*parts, self.message])
+        if self.expected is not None or self.got is not None:
+            text += f" (expected {self.expected}, got {self.got!r})"
+        return text
+
+
+class ConfigError(SalabatchError):
+    """A model `config.json` that is missing, malformed or inconsistent."""
+
+    exit_code = 2
+
+
+class CheckpointError(SalabatchError):
+    """Weights that do not fit the config: missing, unexpected or mis-shaped tensors."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        mismatched: list[str] | None = None,
+    ) -> None:
+        self.missing = missing or []
+        self.unexpected = unexpected or []
+        self.mismatched = mismatched or []
+        details = []
+        for label, names in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("wrong shape", self.mismatched),
+        ):
+            if names:
+                shown = ", ".join(names[:8]) + (
+                    f", … ({len(names)} in all)" if len(names) > 8 else ""
+                )
+                details.append(f"{label}: {shown}")
+        super().__init__("; ".join([message, *details]), path=path)
+
+
+class CacheFormatError(SalabatchError):
+    """A serialized cache that is corrupt, truncated or from another model or format version."""
+
+
+class JobSpecError(SalabatchError):
+    """A job file that names something wrong: a missing path, a glob that matches nothing."""
+
+    exit_code = 2
+
+
+class TokenizerError(SalabatchError):
+    """Tokenizer files or a chat template that are missing, malformed or unsafe."""

@@ -1,0 +1,462 @@
+"""Stage 1 of a job: documents in, text out, never crash.
+
+`iter_documents(sources)` expands the files, folders and globs of a job's `documents:` list into
+files (sorted, de-duplicated), reads each and yields `Document`s: one per .txt / .md / .pdf file,
+one per non-empty line of a .jsonl file. A document that cannot be read (encrypted, corrupt or
+scanned PDF, empty or undecodable text, bad JSON line) is still yielded, with `text == ""` and a
+one-line `error`: the runner turns it into an error row for each question and the job goes on.
+Only a mistake in the job file itself (a path that does not exist, a glob that matches nothing)
+raises, as `JobSpecError`, when `iter_documents` is called and before any document is read.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob as globlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from salabatch.errors import JobSpecError
+
+# Pages of a PDF are joined with a form feed between blank lines. The form feed is the page break
+# pdftotext writes too; byte-level tokenizers keep it (one byte token), and the blank lines around
+# it keep the last paragraph of a page apart from the first of the next, for the model and for a
+# person reading the text. Form feeds inside a page become newlines, so
+# `doc.text.split(PAGE_BREAK)` gives back exactly `doc.n_pages` pages (empty ones included).
+PAGE_BREAK = "\n\n\f\n\n"
+
+SUPPORTED_SUFFIXES = (".txt", ".md", ".pdf", ".jsonl")
+
+# A PDF with fewer non-blank characters than this per page, on average, is treated as scanned
+# images: image-only PDFs often carry a stray label or page number (imagemagick-images.pdf has
+# "Background" on 4 of 6 pages, 6.7 characters a page), while one short real line has more.
+MIN_CHARS_PER_PAGE = 10
+
+_SUPPORTED_TEXT = " ".join(SUPPORTED_SUFFIXES)
+_MAX_REASON_CHARS = 200
+_MAX_WARNINGS = 20
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document, ready for the model, or the reason it is not.
+
+    doc_id: readable id, unique within a job and stable across runs and machines. It comes from
+        where the document is, never from its content, so an edited or re-extracted file keeps
+        its id (`sha256` tells the versions apart): the path relative to the source root with
+        forward slashes (folder `docs/` holding `2023/a b.pdf` -> `2023/a_b.pdf`; a file named
+        directly -> its file name; a glob -> relative to the glob's fixed leading folders),
+        Unicode NFC, every run of characters other than letters, digits and `_.+#@-` turned into
+        one `_`. A jsonl record takes its id field, sanitized the same way, or else
+        `<file id>#L<line>` (1-based line number). When two documents of a job would share an
+        id, the later one (in reading order) gets `~2`, `~3`, ...
+    path: the source file; for a jsonl record, the .jsonl file.
+    text: the text for the model (newlines are `\\n`, no NUL bytes; PDF pages joined by
+        PAGE_BREAK); "" when `error` is set.
+    sha256: hex digest of the file's bytes; for a jsonl record, of the record's canonical JSON
+        (sorted keys, compact separators, UTF-8), or of the line's bytes when it is not a JSON
+        object; "" when the file was not read at all.
+    n_pages: page count of a PDF that could be opened, else None.
+    error: one-line reason the document has no text, or None.
+    meta: JSON-compatible extras, e.g. PDF `title`, `encrypted`, `bad_pages` / `page_errors`
+        (pages whose extraction failed, 1-based), `warnings` (pypdf's, deduplicated); for a
+        jsonl record `line`, `id` (the raw id value) and `fields` (its other fields); `encoding`
+        for a text file that was not UTF-8.
+    """
+
+    doc_id: str
+    path: str
+    text: str
+    sha256: str
+    n_pages: int | None = None
+    error: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def ok(self) -> bool:
+        """True when the document has text for the model."""
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class DocumentSource:
+    """One `documents:` entry of a job: a file, a folder or a glob pattern, already resolved.
+
+    glob: for a folder, a pattern relative to it (`**/*.pdf`); default: every supported file,
+        recursively. Walks never match hidden files or folders (`.git/`, macOS `._a.pdf`), and
+        skip files of unsupported types; a file named directly is always read or reported.
+    text_field, id_field: where the records of a .jsonl file keep their text and their id.
+    """
+
+    path: str | Path
+    glob: str | None = None
+    text_field: str = "text"
+    id_field: str = "id"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A file a job will read: its path, its id (see `Document.doc_id`), the source naming it."""
+
+    path: Path
+    rel_id: str
+    source: DocumentSource
+
+
+def iter_documents(sources: Iterable[DocumentSource]) -> Iterator[Document]:
+    """Documents of `sources`, in a deterministic order, one per file (one per jsonl line).
+
+    Raises JobSpecError here, before anything is read, for a path that does not exist or a
+    folder / glob with no supported file. Never raises for a bad document: see `Document.error`.
+    """
+    files = expand_sources(sources)
+    return _read_all(files)
+
+
+def expand_sources(sources: Iterable[DocumentSource]) -> list[SourceFile]:
+    """The files named by `sources`, in job order then sorted by relative path, each file once
+    (the same file named twice, also through a link, is read at its first place)."""
+    files: list[SourceFile] = []
+    seen: set[object] = set()
+    for index, source in enumerate(sources):
+        for file in _expand(source, f"documents[{index}]"):
+            key = _file_key(file.path)
+            if key not in seen:
+                seen.add(key)
+                files.append(file)
+    return files
+
+
+def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
+    raw = os.path.expanduser(str(source.path))
+    path = Path(raw)
+    if path.is_dir():
+        root, pattern = path, source.glob or "**/*"
+    elif path.exists():
+        if source.glob:
+            raise JobSpecError(
+                "glob applies to a folder, not a file", path=raw, field=f"{where}.glob"
+            )
+        return [SourceFile(path, _sanitize(path.name), source)]
+    elif globlib.has_magic(raw):
+        if source.glob:
+            raise JobSpecError("path is already a glob pattern", path=raw, field=f"{where}.glob")
+        root, pattern = _split_glob(path)
+    else:
+        raise JobSpecError("document path does not exist", path=raw, field=f"{where}.path")
+
+    # glob.glob (unlike Path.glob) skips hidden names unless the pattern spells them out.
+    matches = sorted(
+        Path(match).as_posix()
+        for match in globlib.glob(pattern, root_dir=root, recursive=True)
+        if Path(match).suffix.lower() in SUPPORTED_SUFFIXES and (root / match).is_file()
+    )
+    if not matches:
+        raise JobSpecError(
+            f"no {_SUPPORTED_TEXT} files match {pattern!r} in {root}",
+            path=raw,
+            field=f"{where}.path",
+        )
+    return [SourceFile(root / rel, _sanitize(rel), source) for rel in matches]
+
+
+def _split_glob(pattern: Path) -> tuple[Path, str]:
+    """`/data/docs/**/*.pdf` -> (`/data/docs`, `**/*.pdf`): fixed leading folders, then the rest."""
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts) if globlib.has_magic(part))
+    return Path(*parts[:fixed]) if fixed else Path("."), "/".join(parts[fixed:])
+
+
+def _file_key(path: Path) -> object:
+    """Identity of a file: the same inode however it is named (links, case-insensitive disks)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return os.path.realpath(path)
+    return (stat.st_dev, stat.st_ino)
+
+
+def _sanitize(name: str) -> str:
+    """A readable id from a relative path or a user's id: see `Document.doc_id`."""
+    name = unicodedata.normalize("NFC", name.replace(os.sep, "/"))
+    name = re.sub(r"[^\w.+#@/-]+", "_", name)
+    return "/".join(part for part in name.split("/") if part not in ("", ".", ".."))
+
+
+def _read_all(files: list[SourceFile]) -> Iterator[Document]:
+    used: set[str] = set()
+    for file in files:
+        for doc in _read_file(file):
+            doc_id, n = doc.doc_id, 1
+            while doc_id in used:
+                n += 1
+                doc_id = f"{doc.doc_id}~{n}"
+            used.add(doc_id)
+            yield doc if doc_id == doc.doc_id else replace(doc, doc_id=doc_id)
+
+
+def _read_file(file: SourceFile) -> Iterator[Document]:
+    """The document(s) of one file; every failure becomes an error Document."""
+    suffix = file.path.suffix.lower()
+
+    def failed(reason: str, sha256: str = "", **kw: Any) -> Document:
+        return Document(file.rel_id, str(file.path), "", sha256, error=reason, **kw)
+
+    if suffix not in SUPPORTED_SUFFIXES:
+        yield failed(f"unsupported file type {suffix or '(none)'}; supported: {_SUPPORTED_TEXT}")
+        return
+    try:
+        data = file.path.read_bytes()
+    except OSError as e:
+        yield failed(f"cannot read file: {e.strerror or _one_line(e)}")
+        return
+    sha256 = hashlib.sha256(data).hexdigest()
+    if not data:
+        yield failed("empty file (0 bytes)", sha256)
+        return
+    if suffix == ".jsonl":
+        yield from _read_jsonl(file, data, sha256)
+        return
+    if suffix == ".pdf":
+        text, n_pages, error, meta = _read_pdf(data)
+    else:
+        (text, error, meta), n_pages = _decode_text(data), None
+    if error:
+        yield failed(error, sha256, n_pages=n_pages, meta=meta)
+    else:
+        yield Document(file.rel_id, str(file.path), text, sha256, n_pages=n_pages, meta=meta)
+
+
+# ---- text files -------------------------------------------------------------------------------
+
+# UTF-32 before UTF-16: the UTF-32-LE BOM starts with the UTF-16-LE one.
+_BOMS = (
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
+def _decode_text(data: bytes) -> tuple[str, str | None, dict[str, Any]]:
+    """(text, error, meta) of a text file: UTF-8 (BOM or not), or UTF-16/32 when a BOM says so."""
+    bom, codec = next(((b, c) for b, c in _BOMS if data.startswith(b)), (b"", "utf-8"))
+    try:
+        text = data[len(bom) :].decode(codec)
+    except UnicodeDecodeError as e:
+        return "", _decode_reason(e, codec, offset=len(bom)), {}
+    meta = {} if codec == "utf-8" else {"encoding": codec}
+    text = _clean(text)
+    if not text.strip():
+        return "", "empty document (only whitespace)", meta
+    return text, None, meta
+
+
+def _decode_reason(e: UnicodeDecodeError, codec: str, offset: int = 0) -> str:
+    name = "UTF-8" if codec == "utf-8" else codec
+    return f"not valid {name} text: byte 0x{e.object[e.start]:02x} at offset {e.start + offset}"
+
+
+def _clean(text: str) -> str:
+    """Newlines as `\\n`, no NUL bytes (tokenizers and Parquet readers choke on them)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+
+
+# ---- jsonl --------------------------------------------------------------------------------------
+
+
+def _read_jsonl(file: SourceFile, data: bytes, file_sha256: str) -> Iterator[Document]:
+    """One document per non-empty line; a bad line is an error document, the others go on."""
+    n_records = 0
+    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
+        if raw.strip():
+            n_records += 1
+            yield _read_record(file, number, raw)
+    if n_records == 0:
+        reason = "no records: every line is blank"
+        yield Document(file.rel_id, str(file.path), "", file_sha256, error=reason)
+
+
+def _read_record(file: SourceFile, number: int, raw: bytes) -> Document:
+    """The document of line `number` (1-based) of a jsonl file."""
+    text_field, id_field = file.source.text_field, file.source.id_field
+    doc_id, sha256 = f"{file.rel_id}#L{number}", hashlib.sha256(raw.strip()).hexdigest()
+    meta: dict[str, Any] = {"line": number}
+
+    def failed(reason: str) -> Document:  # uses doc_id / sha256 as known when it is called
+        return Document(
+            doc_id, str(file.path), "", sha256, error=f"line {number}: {reason}", meta=meta
+        )
+
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return failed(_decode_reason(e, "utf-8"))
+    except json.JSONDecodeError as e:
+        return failed(f"invalid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(record, dict):
+        return failed(f"expected a JSON object, got {type(record).__name__}")
+
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    fields = {k: v for k, v in record.items() if k not in (text_field, id_field)}
+    if fields:
+        meta["fields"] = fields
+    raw_id = record.get(id_field)
+    if raw_id is not None:
+        meta["id"] = raw_id
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+            kind = type(raw_id).__name__
+            return failed(f"id field {id_field!r} must be a string or integer, got {kind}")
+        doc_id = _sanitize(str(raw_id)) or doc_id
+
+    text = record.get(text_field)
+    if text_field not in record:
+        return failed(f"missing text field {text_field!r} (fields: {', '.join(record) or 'none'})")
+    if not isinstance(text, str):
+        return failed(f"text field {text_field!r} must be a string, got {type(text).__name__}")
+    text = _clean(text)
+    if not text.strip():
+        return failed("empty document (only whitespace)")
+    return Document(doc_id, str(file.path), text, sha256, meta=meta)
+
+
+# ---- PDF ----------------------------------------------------------------------------------------
+
+# Latin ligatures as pdfTeX fonts emit them ("ﬁlled"); spelled out they tokenize like the word.
+_LIGATURES = str.maketrans(
+    {
+        "\ufb00": "ff",
+        "\ufb01": "fi",
+        "\ufb02": "fl",
+        "\ufb03": "ffi",
+        "\ufb04": "ffl",
+        "\ufb05": "st",
+        "\ufb06": "st",
+    }
+)
+
+
+def _read_pdf(data: bytes) -> tuple[str, int | None, str | None, dict[str, Any]]:
+    """(text, n_pages, error, meta) of a PDF. Everything pypdf raises on a broken file is caught."""
+    meta: dict[str, Any] = {}
+    with _pypdf_warnings() as warnings:
+        try:
+            text, n_pages, error = _extract_pdf(data, meta)
+        except Exception as e:  # a corrupt file can fail anywhere in pypdf; the job goes on
+            # pypdf's first complaint ("EOF marker not found") often says more than the exception.
+            hint = f" ({warnings[0]})" if warnings else ""
+            text, n_pages, error = "", None, _one_line(f"corrupt PDF: {_one_line(e)}{hint}")
+    if warnings:
+        meta["warnings"] = warnings
+    return text, n_pages, error, meta
+
+
+def _extract_pdf(data: bytes, meta: dict[str, Any]) -> tuple[str, int | None, str | None]:
+    from pypdf import PdfReader  # only jobs with PDFs pay for the import
+
+    reader = PdfReader(io.BytesIO(data))
+    if reader.is_encrypted:
+        # Many PDFs are encrypted only against editing, with an empty user password: they open.
+        try:
+            opened = reader.decrypt("")
+        except Exception as e:
+            return "", None, f"encrypted PDF (cannot decrypt: {_one_line(e)})"
+        if not opened:
+            return "", None, "encrypted PDF (password required)"
+        meta["encrypted"] = True
+    with suppress(Exception):  # a broken info dictionary costs the title, not the document
+        title = _clean(reader.metadata.title or "").strip() if reader.metadata else ""
+        if title:
+            meta["title"] = title
+
+    n_pages = len(reader.pages)
+    if n_pages == 0:
+        return "", 0, "PDF has no pages"
+    pages: list[str] = []
+    bad: dict[int, str] = {}
+    for number in range(1, n_pages + 1):
+        try:
+            # "plain" mode follows the content stream: columns stay whole (multicolumn.pdf) and
+            # right-to-left text keeps its logical order (habibi.pdf); "layout" would interleave.
+            page_text = reader.pages[number - 1].extract_text(extraction_mode="plain")
+        except Exception as e:  # one bad page must not lose the document
+            bad[number] = _one_line(e)
+            page_text = ""
+        pages.append(_clean_page(page_text))
+    if bad:
+        meta["bad_pages"] = sorted(bad)
+        meta["page_errors"] = [f"page {n}: {reason}" for n, reason in sorted(bad.items())]
+
+    n_chars = sum(not c.isspace() for page in pages for c in page)
+    if len(bad) == n_pages:
+        return "", n_pages, f"corrupt PDF: text extraction failed on all {n_pages} pages ({bad[1]})"
+    if n_chars < MIN_CHARS_PER_PAGE * n_pages:
+        plural = "s" if n_pages != 1 else ""
+        reason = f"no extractable text: {n_pages} page{plural}, probably scanned images"
+        return "", n_pages, f"{reason} ({n_chars} non-blank characters in all)"
+    return PAGE_BREAK.join(pages), n_pages, None
+
+
+def _clean_page(text: str) -> str:
+    text = _clean(text).replace("\f", "\n").translate(_LIGATURES)
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
+
+
+class _ListHandler(logging.Handler):
+    """Keeps each distinct log message once, up to _MAX_WARNINGS, in a list."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with suppress(Exception):
+            message = _one_line(record.getMessage())
+            if message not in self.messages and len(self.messages) < _MAX_WARNINGS:
+                self.messages.append(message)
+
+
+@contextmanager
+def _pypdf_warnings() -> Iterator[list[str]]:
+    """Collect pypdf's log warnings for one document instead of printing them (restored after).
+
+    pypdf logs a line for every font or xref table it repairs, often dozens per file; on stderr
+    they drown a batch job's progress, but they belong to the document, so they go to its meta.
+    The pypdf logger is process-wide: extract PDFs from one thread at a time.
+    """
+    logger = logging.getLogger("pypdf")
+    messages: list[str] = []
+    handler = _ListHandler(messages)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _one_line(e: object) -> str:
+    """A short, single-line, run-independent reason from an exception or a log message."""
+    text = str(e) or type(e).__name__
+    if isinstance(e, BaseException) and not type(e).__module__.startswith("pypdf"):
+        text = f"{type(e).__name__}: {text}"  # KeyError('/Root') alone would read as "'/Root'"
+    # pypdf prints objects with their id(), which changes every run: drop it.
+    text = re.sub(r"IndirectObject\((\d+), (\d+), \d+\)", r"IndirectObject(\1, \2)", text)
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 1] + "…"

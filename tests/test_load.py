@@ -1,0 +1,82 @@
+"""Checkpoint loading: single file, HF shards + index, strict errors naming tensors."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from salabatch.engine.checkpoint import read_weights, write_weights
+from salabatch.engine.load import load_model
+from salabatch.errors import CheckpointError
+from tests.tiny import write_tiny_checkpoint
+
+IDS = mx.array([[5, 9, 17, 33, 65, 129]], dtype=mx.int32)
+
+
+def test_two_shards_load_like_one_file(tmp_path, tiny_dir):
+    weights = read_weights(tiny_dir)
+    sharded = tmp_path / "sharded"
+    total = sum(w.nbytes for w in weights.values())
+    files = write_weights(sharded, weights, max_shard_bytes=total // 2 + 1)
+    assert len(files) >= 2
+    (sharded / "config.json").write_text((tiny_dir / "config.json").read_text())
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(weights)
+    a = load_model(tiny_dir, dtype="float32")(IDS)
+    b = load_model(sharded, dtype="float32")(IDS)
+    assert mx.array_equal(a, b)
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path, tiny_dir):
+    weights = read_weights(tiny_dir)
+    del weights["model.layers.1.self_attn.z_proj.weight"]
+    weights["model.layers.0.self_attn.q_norm.weight"] = mx.ones((8,))
+    weights["model.layers.2.mlp.up_proj.weight"] = mx.zeros((128, 63))
+    bad = tmp_path / "bad"
+    write_weights(bad, weights)
+    (bad / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_model(bad)
+    assert e.value.missing == ["model.layers.1.self_attn.z_proj.weight"]
+    assert e.value.unexpected == ["model.layers.0.self_attn.q_norm.weight"]
+    assert e.value.mismatched[0].startswith("model.layers.2.mlp.up_proj.weight (128, 63)")
+    assert "model.layers.1.self_attn.z_proj.weight" in str(e.value)
+
+
+def test_missing_shard_and_bad_files(tmp_path, tiny_dir):
+    weights = read_weights(tiny_dir)
+    sharded = write_tiny_checkpoint(
+        tmp_path / "s", max_shard_bytes=sum(w.nbytes for w in weights.values()) // 2 + 1
+    )
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        load_model(sharded)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(empty)
+    (empty / "model.safetensors").write_bytes(b"\x10\x00garbage")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_model(empty)
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_rotary_buffers_are_dropped(tmp_path, tiny_dir):
+    weights = read_weights(tiny_dir)
+    weights["model.layers.1.self_attn.rotary_emb.inv_freq"] = mx.ones((4,))
+    path = tmp_path / "rot"
+    write_weights(path, weights)
+    (path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    load_model(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_dtype(tiny_dir, dtype):
+    model = load_model(tiny_dir, dtype=dtype)
+    assert model.model.embed_tokens.weight.dtype == getattr(mx, dtype)
+    assert model(IDS).dtype == getattr(mx, dtype)

@@ -1,0 +1,81 @@
+"""Model invariants on tiny random checkpoints: chunked == whole, batch == single, any layout."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.load import load_model
+from tests.tiny import L, S, tiny_config_dict, write_tiny_checkpoint
+
+TOL_CHUNKED = 1e-4  # issue 2: chunked prefill equals one call within 1e-4 (fp32)
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 256) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(3, vocab, size=(1, n)), dtype=mx.int32)
+
+
+def chunked_logits(model, ids: mx.array, chunk: int) -> mx.array:
+    cache = model.make_cache()
+    parts = [model(ids[:, s : s + chunk], cache) for s in range(0, ids.shape[1], chunk)]
+    return mx.concatenate(parts, axis=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, dtype="float32")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100])
+def test_chunked_prefill_equals_one_call(tiny, chunk):
+    ids = prompt(300)
+    whole = tiny(ids, tiny.make_cache())
+    diff = mx.abs(chunked_logits(tiny, ids, chunk) - whole).max().item()
+    assert diff < TOL_CHUNKED
+
+
+def test_prefill_then_decode_continues(tiny):
+    """Logits at position t do not depend on how many tokens come after (causality)."""
+    ids = prompt(130, seed=1)
+    whole = tiny(ids)
+    head = tiny(ids[:, :129])
+    assert mx.abs(whole[:, :129] - head).max().item() < TOL_CHUNKED
+
+
+def test_batch_equals_single(tiny):
+    a, b = prompt(150, seed=2), prompt(150, seed=3)
+    batch = tiny(mx.concatenate([a, b]), tiny.make_cache())
+    assert mx.abs(batch[0:1] - tiny(a)).max().item() < TOL_CHUNKED
+    assert mx.abs(batch[1:2] - tiny(b)).max().item() < TOL_CHUNKED
+    # and continuing the batch one token at a time keeps them apart
+    cache = tiny.make_cache()
+    tiny(mx.concatenate([a[:, :149], b[:, :149]]), cache)
+    step = tiny(mx.concatenate([a[:, 149:], b[:, 149:]]), cache)
+    assert mx.abs(step[:, 0] - batch[:, 149]).max().item() < TOL_CHUNKED
+
+
+@pytest.mark.parametrize(
+    "mixers",
+    [(L, S, L), (S, S), (L, L, L), (L, L, S, L)],
+    ids=["lightning-first", "all-sparse", "all-lightning", "sparse-last"],
+)
+def test_any_layer_layout(tmp_path, mixers):
+    model = load_model(write_tiny_checkpoint(tmp_path, tiny_config_dict(mixers)), dtype="float32")
+    ids = prompt(90, seed=4)
+    whole = model(ids)
+    assert whole.shape == (1, 90, 256)
+    assert mx.abs(chunked_logits(model, ids, 13) - whole).max().item() < TOL_CHUNKED
+
+
+def test_lightning_state_is_float32_in_bf16(tiny_dir):
+    model = load_model(tiny_dir, dtype="bfloat16")
+    cache = model.make_cache()
+    logits = model(prompt(20), cache)
+    assert logits.dtype == mx.bfloat16
+    states = [c.state for c in cache if hasattr(c, "state")]
+    assert states and all(s.dtype == mx.float32 for s in states)
+    f32 = load_model(tiny_dir, dtype="float32")(prompt(20))
+    # bf16 is a coarse approximation of the float32 model, not a different one
+    rel = mx.sqrt(mx.mean((logits.astype(mx.float32) - f32) ** 2) / mx.mean(f32**2)).item()
+    assert rel < 0.05

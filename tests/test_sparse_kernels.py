@@ -1,0 +1,152 @@
+"""InfLLM-v2 kernels against their float32 references: compression, visibility, selection,
+block-sparse attention — on odd lengths, block boundaries ±1 and compression-chunk boundaries."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.cache import SparseKVCache
+from salabatch.engine.kernels import sparse_attention, sparse_select
+from salabatch.engine.kernels.sparse_attention import (
+    block_sparse_attention,
+    block_sparse_attention_ref,
+)
+from salabatch.engine.kernels.sparse_select import select_blocks, select_blocks_ref
+from salabatch.engine.sparse import visible_chunks
+
+TOL_F32 = 1e-5
+BLOCK = 64
+B, H, HK, D = 2, 8, 2, 16
+INIT, LOCAL = 1, 2  # forced: block 0 and the query's block with 2 before it
+
+
+def random_cache(n: int, seed: int, pieces: tuple[int, ...] = ()) -> SparseKVCache:
+    """A sparse-layer cache holding n random keys/values, appended in the given piece sizes."""
+    rng = np.random.default_rng(seed)
+    k = mx.array(rng.standard_normal((B, HK, n, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, HK, n, D)).astype(np.float32))
+    cache = SparseKVCache()
+    start = 0
+    for size in [*pieces, n - sum(pieces)]:
+        cache.append(k[:, :, start : start + size], v[:, :, start : start + size])
+        start += size
+    return cache
+
+
+@pytest.mark.parametrize("n", [31, 32, 47, 48, 127, 128, 129, 191, 192, 500, 1087])
+def test_compressed_keys_are_window_means(n):
+    cache = random_cache(n, seed=n, pieces=(1, 14, 17, 63) if n > 95 else ())
+    keys = np.array(cache.keys.view())
+    for (size, stride), buf in zip(((32, 16), (128, 64)), cache.compressed, strict=True):
+        count = max(0, (n - size) // stride + 1)
+        assert buf.length == count
+        if count:
+            want = np.stack(
+                [keys[:, :, stride * j : stride * j + size].mean(2) for j in range(count)], 2
+            )
+            np.testing.assert_allclose(np.array(buf.view()), want, atol=TOL_F32)
+
+
+def test_visible_chunks_rule_and_length_quirk():
+    pos = mx.arange(0, 400)[None]
+    # ordinary length: a chunk is visible once its last token is at or before the query
+    seen = np.array(visible_chunks(pos, prefill_len=400, stride=16))[0]
+    for p in (0, 30, 31, 32, 46, 47, 399):
+        assert seen[p] == sum(16 * j + 31 <= p for j in range(100))
+    # L ≡ 15 (mod 16): one more chunk hidden for every prefill query, none for later ones
+    quirky = np.array(visible_chunks(mx.arange(0, 400)[None], prefill_len=399, stride=16))[0]
+    assert all(quirky[p] == max(seen[p] - 1, 0) for p in range(399))
+    assert quirky[399] == seen[399]
+    # level 2: L ≡ 63 (mod 64)
+    seen2 = np.array(visible_chunks(pos, prefill_len=400, stride=64))[0]
+    quirky2 = np.array(visible_chunks(pos, prefill_len=383, stride=64))[0]
+    assert seen2[127] == 1 and seen2[126] == 0
+    assert all(quirky2[p] == max(seen2[p] - 1, 0) for p in range(383))
+
+
+def selection_inputs(n: int, t: int, seed: int, prefill_len: int = 0):
+    """Queries at the last t positions of an n-token cache, with everything selection needs."""
+    cache = random_cache(n, seed)
+    rng = np.random.default_rng(seed + 1)
+    q = mx.array(rng.standard_normal((B, H, t, D)).astype(np.float32))
+    pos = mx.broadcast_to(mx.arange(n - t, n, dtype=mx.int32), (B, t))
+    vis1 = visible_chunks(pos, prefill_len, 16)
+    vis2 = visible_chunks(pos, prefill_len, 64)
+    c1, c2 = (buf.view() for buf in cache.compressed)
+    return cache, q, pos, (q, c1, c2, vis1, vis2, pos // BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("n", "t", "k"),
+    [
+        (700, 700, 6),  # one-call prefill, odd length
+        (640, 640, 6),  # length on a block boundary
+        (641, 641, 6),  # … +1
+        (639, 639, 6),  # … -1
+        (655, 655, 6),  # L ≡ 15 (mod 16): the quirk
+        (703, 703, 6),  # L ≡ 63 (mod 64): the quirk at level 2
+        (1000, 333, 8),  # a later chunk of a chunked prefill
+        (1000, 1, 8),  # decode
+        (1088, 1, 8),  # decode on a block boundary
+        (300, 300, 12),  # more slots than past blocks: -1 padding
+    ],
+)
+def test_select_blocks_matches_reference(monkeypatch, n, t, k):
+    _, _, _, args = selection_inputs(n, t, seed=n + t, prefill_len=n if t == n else 0)
+    n_blocks = -(-n // BLOCK)
+    kw = dict(
+        n_blocks=n_blocks, k=min(k, n_blocks), scale=D**-0.5, init_blocks=INIT, local_blocks=LOCAL
+    )
+    want = select_blocks_ref(*args, **kw)
+    monkeypatch.setattr(sparse_select, "MAX_SCORE_ELEMENTS", 5000)  # force many query tiles
+    got = select_blocks(*args, **kw)
+    assert got.shape == want.shape
+    assert mx.array_equal(got, want)
+
+
+def test_selection_ties_go_to_the_lowest_block():
+    """Equal pooled scores: the K-th slot goes to the lowest block id (CUDA topk rule)."""
+    scores = mx.array([[[[5.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 2.0]]]])
+    q_blk = mx.array([[7]])
+    got = sparse_select.top_k_lowest_index(scores, 3, q_blk)
+    assert got.tolist() == [[[[0, 2, 3]]]]
+
+
+@pytest.mark.parametrize(("n", "t"), [(700, 700), (1000, 333), (1000, 1), (1087, 1), (129, 65)])
+def test_block_sparse_attention_matches_reference(monkeypatch, n, t):
+    cache, q, pos, args = selection_inputs(n, t, seed=7 * n + t)
+    n_blocks = -(-n // BLOCK)
+    idx = select_blocks(
+        *args,
+        n_blocks=n_blocks,
+        k=min(5, n_blocks),
+        scale=D**-0.5,
+        init_blocks=INIT,
+        local_blocks=LOCAL,
+    )
+    keys, values = cache.keys.view(n_blocks * BLOCK), cache.values.view(n_blocks * BLOCK)
+    want = block_sparse_attention_ref(q, keys, values, idx, pos, D**-0.5)
+    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    assert mx.abs(got - want).max().item() < TOL_F32
+    # small tiles: many splits of the query range must give the same result
+    monkeypatch.setattr(sparse_attention, "MAX_TILE_ELEMENTS", 4096)
+    monkeypatch.setattr(sparse_attention, "MAX_UNION_RATIO", 1)
+    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    assert mx.abs(got - want).max().item() < TOL_F32
+
+
+def test_all_blocks_selected_equals_dense():
+    """With every past block selected, block-sparse attention is causal dense attention."""
+    from salabatch.engine.kernels.attention import dense_attention_ref
+
+    n = 300
+    cache, q, pos, _ = selection_inputs(n, n, seed=3)
+    n_blocks = -(-n // BLOCK)
+    idx = mx.broadcast_to(mx.arange(n_blocks, dtype=mx.int32), (B, HK, n, n_blocks))
+    idx = mx.where(idx > (pos // BLOCK)[:, None, :, None], -1, idx)
+    keys, values = cache.keys.view(n_blocks * BLOCK), cache.values.view(n_blocks * BLOCK)
+    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    want = dense_attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5)
+    assert mx.abs(got - want).max().item() < TOL_F32

@@ -1,0 +1,69 @@
+"""Tiny random MiniCPM-SALA configs and checkpoints for tests (CPU, float32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from salabatch.engine.checkpoint import random_weights, write_weights
+from salabatch.engine.config import ModelConfig
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+
+S, L = "minicpm4", "lightning-attn"
+
+
+def tiny_config_dict(mixers=(S, L, L, S), **overrides) -> dict:
+    """A small config with both layer kinds; sparse mode from `dense_len` (1024) tokens."""
+    raw = {
+        "architectures": ["MiniCPMSALAForCausalLM"],
+        "model_type": "minicpm_sala",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(mixers),
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "lightning_nh": 8,
+        "lightning_nkv": 8,
+        "lightning_head_dim": 8,
+        "lightning_scale": "1/sqrt(d)",
+        "qk_norm": True,
+        "use_output_norm": True,
+        "use_output_gate": True,
+        "attn_use_output_gate": True,
+        "attn_use_rope": False,
+        "lightning_use_rope": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": 16,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+        "mixer_types": list(mixers),
+        "sparse_config": {
+            "kernel_size": 32,
+            "kernel_stride": 16,
+            "block_size": 64,
+            "init_blocks": 1,
+            "window_size": 128,
+            "topk": 4,
+            "use_nope": False,
+            "dense_len": 1024,
+        },
+    }
+    raw.update(overrides)
+    return raw
+
+
+def write_tiny_checkpoint(
+    path: Path, raw: dict | None = None, seed: int = 0, max_shard_bytes: int | None = None
+) -> Path:
+    raw = raw or tiny_config_dict()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    write_weights(path, random_weights(ModelConfig.from_dict(raw), seed), max_shard_bytes)
+    return path
