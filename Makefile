@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check salabatch tests benchmarks
-	$(BIN)/ruff format --check salabatch tests benchmarks
+	$(BIN)/ruff check salabatch tests
+	$(BIN)/ruff format --check salabatch tests
 
 test: lint
 	$(BIN)/python -m pytest -q

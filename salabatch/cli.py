@@ -12,9 +12,14 @@ from salabatch.errors import SalabatchError
 
 
 class _Group(click.Group):
-    """Prints a SalabatchError as one line (no traceback) and exits with its code."""
+    """Loads the BLAS first; prints a SalabatchError as one line (no traceback) and exits with
+    its code."""
 
     def invoke(self, ctx: click.Context):
+        # Before any command can import mlx.core: the BLAS swap only works before that import.
+        from salabatch.engine.blas import activate
+
+        activate()
         try:
             return super().invoke(ctx)
         except SalabatchError as e:
@@ -47,6 +52,56 @@ def doctor(as_json: bool) -> None:
     click.echo(f"{'':10s} ({b['reason']})")
     click.echo(f"{'gemm':10s} {report['gemm_gflops']:.1f} GFLOP/s (fp32 1024x1024)")
     click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks; each prints its results as JSON (and writes them with --out)."""
+
+
+def _emit(name: str, result: dict, out: str | None) -> None:
+    import json
+
+    from salabatch.bench import environment
+
+    text = json.dumps({"bench": name, **environment(), **result}, indent=2)
+    click.echo(text)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+@bench.command("sparse")
+@click.option(
+    "--contexts",
+    default="8192,32768,131072",
+    show_default=True,
+    help="Context lengths for the decode timing, comma-separated.",
+)
+@click.option(
+    "--prefill-tokens",
+    default=65536,
+    show_default=True,
+    help="Tokens of the chunked prefill whose peak memory is measured (0: skip).",
+)
+@click.option("--chunk", default=2048, show_default=True, help="Prefill chunk size.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_sparse(contexts: str, prefill_tokens: int, chunk: int, out: str | None) -> None:
+    """InfLLM-v2: sparse-layer decode time vs context, and chunked-prefill peak memory."""
+    from salabatch.bench import sparse
+
+    sizes = [int(c) for c in contexts.split(",") if c.strip()]
+    _emit("sparse", sparse.run(sizes, prefill_tokens, chunk), out)
+
+
+@bench.command("gla")
+@click.option("--repeat", default=5, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_gla(repeat: int, out: str | None) -> None:
+    """Lightning kernels at the 9B's shape: 2048-token chunked prefill, decode steps."""
+    from salabatch.bench import gla
+
+    _emit("gla", gla.run(repeat), out)
 
 
 if __name__ == "__main__":

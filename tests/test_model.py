@@ -79,3 +79,89 @@ def test_lightning_state_is_float32_in_bf16(tiny_dir):
     # bf16 is a coarse approximation of the float32 model, not a different one
     rel = mx.sqrt(mx.mean((logits.astype(mx.float32) - f32) ** 2) / mx.mean(f32**2)).item()
     assert rel < 0.05
+
+
+# -- sparse (InfLLM-v2) mode: a config whose sparse layers switch at 256 tokens ----------------
+
+SPARSE_CFG = dict(
+    sparse_config={
+        "kernel_size": 32,
+        "kernel_stride": 16,
+        "block_size": 64,
+        "init_blocks": 1,
+        "window_size": 128,  # 2 local blocks
+        "topk": 2,  # 2 + 2 = 4 blocks selected per query
+        "use_nope": False,
+        "dense_len": 256,
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("sparse"), tiny_config_dict(**SPARSE_CFG))
+    return load_model(path, dtype="float32")
+
+
+def planned_chunks(model, ids, chunk, trace=False):
+    cache = model.make_cache()
+    cache.plan_prefill(ids.shape[1])
+    for i in model.config.sparse_layers:
+        cache[i].trace = [] if trace else None
+    parts = [model(ids[:, s : s + chunk], cache) for s in range(0, ids.shape[1], chunk)]
+    return mx.concatenate(parts, axis=1), cache
+
+
+@pytest.mark.parametrize(
+    ("length", "chunk"),
+    [(700, 100), (655, 64), (703, 250), (640, 1), (641, 333)],
+    ids=["odd", "quirk-16", "quirk-64", "block-edge-tokenwise", "block-edge+1"],
+)
+def test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk):
+    """Planned chunked prefill equals one call, also at the stage-1 quirk lengths
+    (L ≡ 15 mod 16, L ≡ 63 mod 64), where one call hides an extra compressed chunk."""
+    ids = prompt(length, seed=length)
+    whole = sparse_model(ids)
+    chunked, _ = planned_chunks(sparse_model, ids, chunk)
+    assert mx.abs(chunked - whole).max().item() < TOL_CHUNKED
+
+
+def test_sparse_mode_really_selects(sparse_model):
+    """Above dense_len fewer blocks than the history are attended, so results differ from a
+    model whose sparse layers stay dense — the sparse path is not silently dense."""
+    ids = prompt(700, seed=5)
+    _, cache = planned_chunks(sparse_model, ids, 700, trace=True)
+    idx = cache[sparse_model.config.sparse_layers[0]].trace[0]
+    assert idx.shape[-1] == 4  # topk + window/block
+    last = np.array(idx)[0, :, -1]  # the last query's selection per kv head
+    assert all((row >= 0).sum() == 4 for row in last)  # 4 of its 11 blocks
+    assert 0 in last[0] and 10 in last[0]  # init block and its own block are forced
+
+
+def test_decode_switches_to_sparse_at_dense_len(sparse_model):
+    """Prompt below dense_len, then token-by-token decode: dense while the total length is
+    < 256, InfLLM-v2 from a total of exactly 256 on (SPEC P7); the prompt part equals one call."""
+    ids = prompt(300, seed=6)
+    layer = sparse_model.config.sparse_layers[0]
+    cache = sparse_model.make_cache()
+    cache[layer].trace = []
+    head = sparse_model(ids[:, :250], cache)
+    assert mx.abs(head - sparse_model(ids[:, :250])).max().item() < TOL_CHUNKED
+    assert cache[layer].trace == []
+    for t in range(250, 300):
+        before = len(cache[layer].trace)
+        logits = sparse_model(ids[:, t : t + 1], cache)
+        assert (len(cache[layer].trace) > before) == (t + 1 >= 256), f"total length {t + 1}"
+        assert mx.isfinite(logits).all().item()
+
+
+@pytest.mark.parametrize(
+    "mixers", [(L, S, L), (S, S), (L, L, S)], ids=["lightning-first", "all-sparse", "sparse-last"]
+)
+def test_any_layer_layout_in_sparse_mode(tmp_path, mixers):
+    raw = tiny_config_dict(mixers, **SPARSE_CFG)
+    model = load_model(write_tiny_checkpoint(tmp_path, raw), dtype="float32")
+    ids = prompt(400, seed=8)
+    whole = model(ids)
+    chunked, _ = planned_chunks(model, ids, 150)
+    assert mx.abs(chunked - whole).max().item() < TOL_CHUNKED

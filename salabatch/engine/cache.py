@@ -87,6 +87,8 @@ class SparseKVCache:
         self.keys.append(k)
         self.values.append(v)
         for (size, stride), buf in zip(COMPRESSION, self.compressed, strict=True):
+            if buf.data is None:  # allocate even while no chunk is complete: views work at once
+                buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
             total = max(0, (self.length - size) // stride + 1)
             new = total - buf.length
             if new > 0:

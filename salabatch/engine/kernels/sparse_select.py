@@ -37,6 +37,8 @@ def chunk_scores(
     """
     B, H, T, d = q.shape
     Hk = c1.shape[1]
+    if c1.shape[2] == 0 or c2.shape[2] == 0:  # no complete chunk: every query scores 0
+        return mx.zeros((B, Hk, T, c1.shape[2]), dtype=mx.float32)
     qg = q.astype(mx.float32).reshape(B, Hk, H // Hk, T, d) * (scale * LOG2E)
     s1 = qg @ c1[:, :, None].swapaxes(-1, -2)  # [B, Hk, G, T, N1]
     s2 = qg @ c2[:, :, None].swapaxes(-1, -2)  # [B, Hk, G, T, N2]
