@@ -86,3 +86,9 @@ class JobSpecError(SalabatchError):
 
 class TokenizerError(SalabatchError):
     """Tokenizer files or a chat template that are missing, malformed or unsafe."""
+
+
+class OutputError(SalabatchError):
+    """A results file that cannot be written, read or resumed."""
+
+    exit_code = 2
