@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.load import load_model
-from tests.tiny import L, S, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, L, S, tiny_config_dict, write_tiny_checkpoint
 
 TOL_CHUNKED = 1e-4  # issue 2: chunked prefill equals one call within 1e-4 (fp32)
 
@@ -83,23 +83,12 @@ def test_lightning_state_is_float32_in_bf16(tiny_dir):
 
 # -- sparse (InfLLM-v2) mode: a config whose sparse layers switch at 256 tokens ----------------
 
-SPARSE_CFG = dict(
-    sparse_config={
-        "kernel_size": 32,
-        "kernel_stride": 16,
-        "block_size": 64,
-        "init_blocks": 1,
-        "window_size": 128,  # 2 local blocks
-        "topk": 2,  # 2 + 2 = 4 blocks selected per query
-        "use_nope": False,
-        "dense_len": 256,
-    }
-)
-
 
 @pytest.fixture(scope="module")
 def sparse_model(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("sparse"), tiny_config_dict(**SPARSE_CFG))
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("sparse"), tiny_config_dict(**SPARSE_AT_256)
+    )
     return load_model(path, dtype="float32")
 
 
@@ -159,7 +148,7 @@ def test_decode_switches_to_sparse_at_dense_len(sparse_model):
     "mixers", [(L, S, L), (S, S), (L, L, S)], ids=["lightning-first", "all-sparse", "sparse-last"]
 )
 def test_any_layer_layout_in_sparse_mode(tmp_path, mixers):
-    raw = tiny_config_dict(mixers, **SPARSE_CFG)
+    raw = tiny_config_dict(mixers, **SPARSE_AT_256)
     model = load_model(write_tiny_checkpoint(tmp_path, raw), dtype="float32")
     ids = prompt(400, seed=8)
     whole = model(ids)

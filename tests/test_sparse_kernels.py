@@ -41,7 +41,7 @@ def test_compressed_keys_are_window_means(n):
     keys = np.array(cache.keys.view())
     for (size, stride), buf in zip(((32, 16), (128, 64)), cache.compressed, strict=True):
         count = max(0, (n - size) // stride + 1)
-        assert buf.length == count
+        assert buf.lengths == [count] * B
         if count:
             want = np.stack(
                 [keys[:, :, stride * j : stride * j + size].mean(2) for j in range(count)], 2
@@ -74,7 +74,7 @@ def selection_inputs(n: int, t: int, seed: int, prefill_len: int = 0):
     pos = mx.broadcast_to(mx.arange(n - t, n, dtype=mx.int32), (B, t))
     vis1 = visible_chunks(pos, prefill_len, 16)
     vis2 = visible_chunks(pos, prefill_len, 64)
-    c1, c2 = (buf.view() for buf in cache.compressed)
+    c1, c2 = cache.chunk_parts(0), cache.chunk_parts(1)
     return cache, q, pos, (q, c1, c2, vis1, vis2, pos // BLOCK)
 
 
@@ -126,14 +126,14 @@ def test_block_sparse_attention_matches_reference(monkeypatch, n, t):
         init_blocks=INIT,
         local_blocks=LOCAL,
     )
-    keys, values = cache.keys.view(n_blocks * BLOCK), cache.values.view(n_blocks * BLOCK)
-    want = block_sparse_attention_ref(q, keys, values, idx, pos, D**-0.5)
-    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    kv = cache.kv_view(whole_blocks=True)
+    want = block_sparse_attention_ref(q, *kv.full(), idx, pos, D**-0.5)
+    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32
     # small tiles: many splits of the query range must give the same result
     monkeypatch.setattr(sparse_attention, "MAX_TILE_ELEMENTS", 4096)
     monkeypatch.setattr(sparse_attention, "MAX_UNION_RATIO", 1)
-    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
@@ -146,7 +146,6 @@ def test_all_blocks_selected_equals_dense():
     n_blocks = -(-n // BLOCK)
     idx = mx.broadcast_to(mx.arange(n_blocks, dtype=mx.int32), (B, HK, n, n_blocks))
     idx = mx.where(idx > (pos // BLOCK)[:, None, :, None], -1, idx)
-    keys, values = cache.keys.view(n_blocks * BLOCK), cache.values.view(n_blocks * BLOCK)
-    got = block_sparse_attention(q, keys, values, idx, pos, D**-0.5)
+    got = block_sparse_attention(q, cache.kv_view(whole_blocks=True), idx, pos, D**-0.5)
     want = dense_attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32

@@ -59,6 +59,21 @@ def tiny_config_dict(mixers=(S, L, L, S), **overrides) -> dict:
     return raw
 
 
+# A config whose sparse layers switch to InfLLM-v2 at 256 tokens, 4 blocks per query.
+SPARSE_AT_256 = {
+    "sparse_config": {
+        "kernel_size": 32,
+        "kernel_stride": 16,
+        "block_size": 64,
+        "init_blocks": 1,
+        "window_size": 128,  # 2 local blocks
+        "topk": 2,  # 2 + 2 = 4 blocks selected per query
+        "use_nope": False,
+        "dense_len": 256,
+    }
+}
+
+
 def write_tiny_checkpoint(
     path: Path, raw: dict | None = None, seed: int = 0, max_shard_bytes: int | None = None
 ) -> Path:

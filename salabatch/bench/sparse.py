@@ -89,7 +89,7 @@ def decode_rows(model, contexts: list[int], steps: int) -> list[dict]:
 
         sparse = time_ms(sparse_step, repeat=steps)
         q = mx.random.normal((1, cfg.num_attention_heads, 1, cfg.head_dim))
-        keys, values = cache.keys.view(), cache.values.view()
+        keys, values = cache.kv_view().full()
         dense = time_ms(lambda q=q, k=keys, v=values: dense_attention(q, k, v, attn.scale), steps)
         rows.append(
             {

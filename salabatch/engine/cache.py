@@ -1,118 +1,353 @@
 """Caches: one object per layer, plus the position of every sequence, held by `ModelCache`.
 
-* `LightningCache`: the simple-GLA state [B, H, dk, dv], always float32. It is the whole history of
-  the layer, so it cannot be trimmed: a prefix cache must be saved at the exact prefix boundary.
-* `SparseKVCache`: keys and values [B, Hk, n, d] of a sparse layer plus their two levels of
-  compressed keys (InfLLM-v2), in buffers that grow in steps so that chunked prefill and decode
-  do not copy the history on every call.
+A batch is B rows (sequences). Rows may be at different positions, and they may share a prefix:
+* `LightningCache`: the simple-GLA state [B, H, dk, dv], always float32. It is the layer's whole
+  history, so it cannot be trimmed: a prefix cache must be saved at the exact prefix boundary,
+  and every row of a batch gets its own copy (2 MiB per row and layer in the 9B).
+* `SparseKVCache`: a sparse layer's keys/values and their two levels of compressed keys
+  (InfLLM-v2). Row b's sequence is `shared` (positions [0, start), stored once for all rows)
+  followed by its own positions in `keys`/`values` ([B, Hk, capacity, d], row b filled to
+  `keys.lengths[b]`). `start` is a multiple of the 64-token block and every compressed chunk that
+  starts at or after it is per row, so each block and chunk lies wholly in one part.
 
-Positions belong to `ModelCache`, not to a layer, so they do not depend on which kind layer 0 is.
+`ModelCache.fork(n)` turns a one-row cache (a prefilled document) into n rows that share its
+sparse-layer keys; `select` drops rows, `concat` joins rows; positions live here, not in a layer,
+so they do not depend on which kind layer 0 is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
 
+# InfLLM-v2 key compression levels (size, stride): fixed by its kernels (SPEC P14).
+COMPRESSION = ((32, 16), (128, 64))
+BLOCK = 64
 
-class LightningCache:
-    """State of one lightning layer: [B, H, dk, dv] float32, None before the first call."""
 
-    def __init__(self) -> None:
-        self.state: mx.array | None = None
+class RowBuffer:
+    """[B, Hk, capacity, d] storage where row b holds `lengths[b]` positions; grows in steps."""
+
+    step = 256  # a multiple of the block, so whole-block views never run past the buffer
+
+    def __init__(self, data: mx.array | None = None, lengths: Sequence[int] = ()) -> None:
+        self.data = data
+        self.lengths = list(lengths)
 
     @property
-    def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes
+    def rows(self) -> int:
+        return len(self.lengths)
 
-
-class GrowingBuffer:
-    """[B, Hk, capacity, d] filled up to `length` along axis 2; grows geometrically in steps."""
-
-    step = 256  # tokens; a multiple of the 64-token block so block views never overrun
-
-    def __init__(self) -> None:
-        self.data: mx.array | None = None
-        self.length = 0
+    def _reserve(self, like: mx.array, end: int) -> None:
+        cap = 0 if self.data is None else self.data.shape[2]
+        if self.data is not None and end <= cap:
+            return
+        # Geometric growth keeps a 1M-token prefill from copying the history thousands of times.
+        capacity = -(-max(end, cap + cap // 2) // self.step) * self.step
+        B, Hk, _, d = like.shape
+        grown = mx.zeros(
+            (B if self.data is None else self.data.shape[0], Hk, capacity, d), like.dtype
+        )
+        if self.data is not None and cap:
+            grown[..., :cap, :] = self.data
+        self.data = grown
 
     def append(self, x: mx.array) -> None:
-        end = self.length + x.shape[2]
-        if self.data is None or end > self.data.shape[2]:
-            # Geometric growth keeps a 1M-token prefill from copying the history thousands of times.
-            old = 0 if self.data is None else self.data.shape[2]
-            capacity = -(-max(end, old + old // 2) // self.step) * self.step
-            grown = mx.zeros((*x.shape[:2], capacity, x.shape[3]), dtype=x.dtype)
-            if self.data is not None:
-                grown[..., : self.length, :] = self.data[..., : self.length, :]
-            self.data = grown
-        self.data[..., self.length : end, :] = x
-        self.length = end
+        """Adds x [B, Hk, T, d]: T positions to every row, each at its own length."""
+        if not self.lengths:
+            self.lengths = [0] * x.shape[0]
+        T = x.shape[2]
+        self._reserve(x, max(self.lengths) + T)
+        if len(set(self.lengths)) == 1:
+            n = self.lengths[0]
+            self.data[..., n : n + T, :] = x
+        else:
+            for b, n in enumerate(self.lengths):
+                self.data[b : b + 1, :, n : n + T, :] = x[b : b + 1]
+        self.lengths = [n + T for n in self.lengths]
+
+    def append_rows(self, parts: Sequence[mx.array | None]) -> None:
+        """Adds parts[b] [1, Hk, t_b, d] to row b (None: nothing)."""
+        sized = [p for p in parts if p is not None and p.shape[2]]
+        if not sized:
+            return
+        ends = [
+            n + (0 if p is None else p.shape[2]) for n, p in zip(self.lengths, parts, strict=True)
+        ]
+        self._reserve(sized[0], max(ends))
+        for b, p in enumerate(parts):
+            if p is not None and p.shape[2]:
+                self.data[b : b + 1, :, self.lengths[b] : ends[b], :] = p
+        self.lengths = ends
 
     def view(self, length: int | None = None) -> mx.array:
-        """The first `length` (default: all filled) positions; length may run into spare room."""
-        return self.data[..., : self.length if length is None else length, :]
+        """Positions [0, length) of every row (default: the longest row's length)."""
+        return self.data[..., : max(self.lengths, default=0) if length is None else length, :]
+
+    def select(self, rows: Sequence[int]) -> RowBuffer:
+        data = None if self.data is None else self.data[mx.array(list(rows))]
+        return RowBuffer(data, [self.lengths[b] for b in rows])
+
+    @staticmethod
+    def concat(buffers: Sequence[RowBuffer]) -> RowBuffer:
+        """Rows of all buffers, in order; capacities are padded to the largest."""
+        lengths = [n for buf in buffers for n in buf.lengths]
+        filled = [buf for buf in buffers if buf.data is not None]
+        if not filled:
+            return RowBuffer(None, lengths)
+        cap = max(buf.data.shape[2] for buf in filled)
+        ref = filled[0].data
+        parts = []
+        for buf in buffers:
+            data = buf.data
+            if data is None:
+                data = mx.zeros((buf.rows, ref.shape[1], cap, ref.shape[3]), ref.dtype)
+            elif data.shape[2] < cap:
+                data = mx.pad(data, [(0, 0), (0, 0), (0, cap - data.shape[2]), (0, 0)])
+            parts.append(data)
+        return RowBuffer(mx.concatenate(parts, axis=0), lengths)
 
     @property
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.nbytes
 
 
-# InfLLM-v2 key compression levels (size, stride): fixed by its kernels (SPEC P14).
-COMPRESSION = ((32, 16), (128, 64))
+class LightningCache:
+    """State of one lightning layer: [B, H, dk, dv] float32, None before the first call."""
 
+    def __init__(self, state: mx.array | None = None) -> None:
+        self.state = state
 
-class SparseKVCache:
-    """One sparse layer: un-rotated keys/values [B, Hk, n, d] and their compressed keys.
+    def fork(self, n: int) -> LightningCache:
+        return LightningCache(mx.repeat(self.state, n, axis=0))
 
-    Compressed keys are kept for every complete chunk of the keys so far, level 1 (mean of 32
-    keys every 16) and level 2 (128 every 64), float32. They are extended on every append, from
-    the new keys only, so a decode step never recompresses the history (SPEC §4.4).
-    """
+    def select(self, rows: Sequence[int]) -> LightningCache:
+        return LightningCache(self.state[mx.array(list(rows))])
 
-    def __init__(self) -> None:
-        self.keys, self.values = GrowingBuffer(), GrowingBuffer()
-        self.compressed = tuple(GrowingBuffer() for _ in COMPRESSION)
-        self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
-        self.trace: list[mx.array] | None = None  # set to a list to record block selections
-
-    @property
-    def length(self) -> int:
-        return self.keys.length
-
-    def append(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Adds k, v [B, Hk, T, d]; returns all keys and values so far [B, Hk, length, d]."""
-        self.keys.append(k)
-        self.values.append(v)
-        for (size, stride), buf in zip(COMPRESSION, self.compressed, strict=True):
-            if buf.data is None:  # allocate even while no chunk is complete: views work at once
-                buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
-            total = max(0, (self.length - size) // stride + 1)
-            new = total - buf.length
-            if new > 0:
-                # chunk j = mean(k[stride·j : stride·j + size]), size = 2·stride: sum stride-groups
-                span = self.keys.data[..., stride * buf.length : stride * (total + 1), :]
-                groups = span.astype(mx.float32).reshape(*span.shape[:2], new + 1, stride, -1)
-                sums = groups.sum(axis=3)
-                buf.append((sums[:, :, :-1] + sums[:, :, 1:]) / size)
-        return self.keys.view(), self.values.view()
+    @staticmethod
+    def concat(caches: Sequence[LightningCache]) -> LightningCache:
+        return LightningCache(mx.concatenate([c.state for c in caches], axis=0))
 
     @property
     def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Positions [0, start) common to all rows: keys/values [1, Hk, start, d] (start a multiple of
+    the block) and, per compression level, the chunks wholly inside the document [1, Hk, n, d]."""
+
+    keys: mx.array
+    values: mx.array
+    chunks: tuple[mx.array, ...]
+
+    @property
+    def start(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.values, *self.chunks))
+
+
+@dataclass(frozen=True)
+class KVView:
+    """What attention reads: row b's keys are `shared_k` ([1, Hk, start, d], or None when start
+    is 0) followed by `rows_k[b]` ([B, Hk, R, d]); row b has `lengths[b]` valid positions."""
+
+    shared_k: mx.array | None
+    shared_v: mx.array | None
+    rows_k: mx.array
+    rows_v: mx.array
+    lengths: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        return 0 if self.shared_k is None else self.shared_k.shape[2]
+
+    def full(self) -> tuple[mx.array, mx.array]:
+        """Each row's whole key/value sequence [B, Hk, start + R, d] (copies the shared part)."""
+        if self.shared_k is None:
+            return self.rows_k, self.rows_v
+        B = self.rows_k.shape[0]
+        k = mx.concatenate(
+            [mx.broadcast_to(self.shared_k, (B, *self.shared_k.shape[1:])), self.rows_k], 2
+        )
+        v = mx.concatenate(
+            [mx.broadcast_to(self.shared_v, (B, *self.shared_v.shape[1:])), self.rows_v], 2
+        )
+        return k, v
+
+    def take(self, rows: Sequence[int]) -> KVView:
+        idx = mx.array(list(rows))
+        return KVView(
+            self.shared_k,
+            self.shared_v,
+            self.rows_k[idx],
+            self.rows_v[idx],
+            tuple(self.lengths[b] for b in rows),
+        )
+
+
+class SparseKVCache:
+    """One sparse layer: un-rotated keys/values and their compressed keys, shared part + rows.
+
+    Compressed keys are kept for every complete chunk: level 1 (mean of 32 keys every 16) and
+    level 2 (128 every 64), float32. They are extended on every append from the new keys only, so
+    a decode step never recompresses the history (SPEC §4.4).
+    """
+
+    def __init__(self, shared: SharedPrefix | None = None) -> None:
+        self.shared = shared
+        self.keys, self.values = RowBuffer(), RowBuffer()
+        self.compressed = tuple(RowBuffer() for _ in COMPRESSION)
+        self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
+        self.trace: list[mx.array] | None = None  # set to a list to record block selections
+        self._forked: tuple[int, SharedPrefix] | None = None  # (length, shared part) of `fork`
+
+    @property
+    def start(self) -> int:
+        return 0 if self.shared is None else self.shared.start
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens in each row's sequence."""
+        return [self.start + n for n in self.keys.lengths]
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence when every row has the same number (else an error)."""
+        lengths = set(self.lengths)
+        if len(lengths) != 1:
+            raise ValueError(f"rows have different lengths: {sorted(lengths)}")
+        return lengths.pop()
+
+    def shared_chunks(self, level: int) -> int:
+        return 0 if self.shared is None else self.shared.chunks[level].shape[2]
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """Adds k, v [B, Hk, T, d] to every row, then compresses the chunks they complete."""
+        if self.keys.data is None and self.shared is None:
+            for buf in self.compressed:  # allocated now so views work before a chunk completes
+                buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
+        self.keys.append(k)
+        self.values.append(v)
+        for level, (size, stride) in enumerate(COMPRESSION):
+            self._compress(level, size, stride)
+
+    def _compress(self, level: int, size: int, stride: int) -> None:
+        buf, base, start = self.compressed[level], self.shared_chunks(level), self.start
+        if not buf.lengths:
+            buf.lengths = [0] * self.keys.rows
+        have = [base + n for n in buf.lengths]
+        total = [max(0, (n - size) // stride + 1) for n in self.lengths]
+        if all(t <= h for t, h in zip(total, have, strict=True)):
+            return
+
+        def means(rows: slice, first: int, last: int) -> mx.array:
+            # chunk j = mean(k[stride·j : stride·j + size]), size = 2·stride: sum stride-groups
+            span = self.keys.data[rows, :, stride * first - start : stride * (last + 1) - start]
+            groups = span.astype(mx.float32).reshape(*span.shape[:2], last - first + 1, stride, -1)
+            sums = groups.sum(axis=3)
+            return (sums[:, :, :-1] + sums[:, :, 1:]) / size
+
+        if len(set(have)) == 1 and len(set(total)) == 1:
+            buf.append(means(slice(None), have[0], total[0]))
+        else:
+            buf.append_rows(
+                [
+                    means(slice(b, b + 1), h, t) if t > h else None
+                    for b, (h, t) in enumerate(zip(have, total, strict=True))
+                ]
+            )
+
+    def kv_view(self, whole_blocks: bool = False) -> KVView:
+        """Keys/values as attention reads them; `whole_blocks` rounds the row part up to a
+        multiple of the block (the spare positions are masked causally)."""
+        rows = max(self.keys.lengths)
+        if whole_blocks:
+            rows = -(-rows // BLOCK) * BLOCK
+        shared = self.shared
+        return KVView(
+            None if shared is None else shared.keys,
+            None if shared is None else shared.values,
+            self.keys.view(rows),
+            self.values.view(rows),
+            tuple(self.lengths),
+        )
+
+    def chunk_parts(self, level: int) -> tuple[mx.array, ...]:
+        """Compressed keys of one level: (shared [1, Hk, n, d],) + (rows [B, Hk, m, d],)."""
+        rows = self.compressed[level].view()
+        return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
+
+    # -- batches -------------------------------------------------------------------------------
+    def fork(self, n: int) -> SparseKVCache:
+        """n rows continuing this one-row cache; its positions up to the last whole level-2
+        chunk's start become the shared part (stored once), the rest (< 128 keys) is copied."""
+        if self.shared is not None or self.keys.rows != 1:
+            raise ValueError("only a one-row cache without a shared part can be forked")
+        length = self.length
+        counts = [buf.lengths[0] for buf in self.compressed]
+        start = COMPRESSION[1][1] * counts[1]  # 64 · N2: block aligned, ≤ every per-row chunk
+        if self._forked is None or self._forked[0] != length:  # one shared part per length,
+            shared = SharedPrefix(  # so rows forked at different times can join one batch
+                self.keys.data[:, :, :start],
+                self.values.data[:, :, :start],
+                tuple(buf.data[:, :, :c] for buf, c in zip(self.compressed, counts, strict=True)),
+            )
+            self._forked = (length, shared)
+        out = SparseKVCache(self._forked[1])
+        for mine, theirs in ((out.keys, self.keys), (out.values, self.values)):
+            tail = theirs.data[:, :, start:length]
+            mine.append(mx.repeat(tail, n, axis=0))
+        for buf, theirs in zip(out.compressed, self.compressed, strict=True):
+            buf.append(mx.zeros((n, *theirs.data.shape[1:2], 0, theirs.data.shape[3]), mx.float32))
+        return out
+
+    def select(self, rows: Sequence[int]) -> SparseKVCache:
+        out = SparseKVCache(self.shared)
+        out.keys, out.values = self.keys.select(rows), self.values.select(rows)
+        out.compressed = tuple(buf.select(rows) for buf in self.compressed)
+        return out
+
+    @staticmethod
+    def concat(caches: Sequence[SparseKVCache]) -> SparseKVCache:
+        shared = caches[0].shared
+        if any(c.shared is not shared for c in caches):
+            raise ValueError("rows of one batch must share the same prefix")
+        out = SparseKVCache(shared)
+        out.keys = RowBuffer.concat([c.keys for c in caches])
+        out.values = RowBuffer.concat([c.values for c in caches])
+        out.compressed = tuple(
+            RowBuffer.concat([c.compressed[i] for c in caches]) for i in range(len(COMPRESSION))
+        )
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache holds for its rows (the shared prefix is counted by `shared_nbytes`)."""
         return sum(b.nbytes for b in (self.keys, self.values, *self.compressed))
+
+    @property
+    def shared_nbytes(self) -> int:
+        return 0 if self.shared is None else self.shared.nbytes
 
 
 LayerCache = LightningCache | SparseKVCache
 
 
 class ModelCache:
-    """The caches of all layers and the number of tokens each sequence has seen."""
+    """The caches of all layers and the number of tokens each row (sequence) has seen."""
 
-    def __init__(self, layers: list[LayerCache]) -> None:
+    def __init__(self, layers: list[LayerCache], positions: list[int] | None = None) -> None:
         self.layers = layers
-        self.positions: list[int] | None = None  # per sequence; None until the first call
+        self.positions = positions  # per row; None until the first call
         self.prefill_len = 0
 
     @classmethod
@@ -131,12 +366,16 @@ class ModelCache:
         return iter(self.layers)
 
     @property
+    def rows(self) -> int:
+        return 0 if self.positions is None else len(self.positions)
+
+    @property
     def offset(self) -> int:
-        """Tokens seen, when every sequence has seen the same number (else an error)."""
+        """Tokens seen, when every row has seen the same number (else an error)."""
         if self.positions is None:
             return 0
         if len(set(self.positions)) != 1:
-            raise ValueError(f"sequences are at different positions: {self.positions}")
+            raise ValueError(f"rows are at different positions: {self.positions}")
         return self.positions[0]
 
     def plan_prefill(self, total: int) -> None:
@@ -151,20 +390,43 @@ class ModelCache:
             if isinstance(c, SparseKVCache):
                 c.prefill_len = total
 
-    def advance(self, batch: int, tokens: int) -> int:
-        """Records `tokens` new tokens for each of `batch` sequences; returns the old offset."""
+    def advance(self, batch: int, tokens: int) -> int | mx.array:
+        """Records `tokens` new tokens for each of `batch` rows; returns where they start: an int
+        when all rows are at the same position, else an int32 array [batch]."""
         if self.positions is None:
             self.positions = [0] * batch
             if not self.prefill_len:
                 self.plan_prefill(tokens)
         if len(self.positions) != batch:
-            raise ValueError(
-                f"this cache holds {len(self.positions)} sequences, the input has {batch}"
-            )
-        start = self.offset
-        self.positions = [p + tokens for p in self.positions]
-        return start
+            raise ValueError(f"this cache holds {len(self.positions)} rows, the input has {batch}")
+        start = self.positions
+        self.positions = [p + tokens for p in start]
+        if len(set(start)) == 1:
+            return start[0]
+        return mx.array(start, dtype=mx.int32)
+
+    # -- batches -------------------------------------------------------------------------------
+    def fork(self, n: int) -> ModelCache:
+        """n rows that continue this one-row cache (a prefilled document): lightning states are
+        copied per row, sparse-layer keys are shared, not copied n times."""
+        if self.rows != 1:
+            raise ValueError(f"fork needs a one-row cache, this one has {self.rows} rows")
+        return ModelCache([c.fork(n) for c in self.layers], self.positions * n)
+
+    def select(self, rows: Sequence[int]) -> ModelCache:
+        """A cache with only these rows, in this order."""
+        return ModelCache([c.select(rows) for c in self.layers], [self.positions[b] for b in rows])
+
+    @staticmethod
+    def concat(caches: Sequence[ModelCache]) -> ModelCache:
+        """One batch of all rows of `caches` (their sparse layers must share one prefix)."""
+        layers = [type(parts[0]).concat(parts) for parts in zip(*caches, strict=True)]
+        return ModelCache(layers, [p for c in caches for p in c.positions])
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers)
+        """Bytes held, the shared prefix counted once."""
+        shared = {
+            id(c.shared): c.shared_nbytes for c in self.layers if isinstance(c, SparseKVCache)
+        }
+        return sum(c.nbytes for c in self.layers) + sum(shared.values())

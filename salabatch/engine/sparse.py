@@ -2,7 +2,8 @@
 
 x → q [H heads], k, v [Hk heads] (NoPE) → append k, v to the cache → attention: dense while the
 total length is below `dense_len`, InfLLM-v2 block-sparse from there on → × sigmoid(o_gate(x)) →
-o_proj. The mode is decided per call, so a long decode switches at exactly `dense_len` (SPEC P7).
+o_proj. The mode is decided per call and per row, so a long decode switches at exactly
+`dense_len` (SPEC P7), and rows of one batch at different lengths may run different modes.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.cache import COMPRESSION, SparseKVCache
+from salabatch.engine.cache import BLOCK, COMPRESSION, KVView, SparseKVCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels.attention import dense_attention
+from salabatch.engine.kernels.attention import attend, dense_attention
 from salabatch.engine.kernels.sparse_attention import block_sparse_attention
 from salabatch.engine.kernels.sparse_select import select_blocks
 
@@ -35,8 +36,8 @@ class SparseAttention(nn.Module):
         if cfg.attn_use_output_gate:
             self.o_gate = nn.Linear(hidden, self.n_heads * d, bias=False)
 
-    def __call__(self, x: mx.array, cache: SparseKVCache, offset: int) -> mx.array:
-        """x [B, T, hidden] (already input-normed); offset: tokens already in the cache."""
+    def __call__(self, x: mx.array, cache: SparseKVCache, offset: int | mx.array) -> mx.array:
+        """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
         B, T, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).reshape(B, T, self.n_heads, d).transpose(0, 2, 1, 3)  # [B, H, T, d]
@@ -49,40 +50,69 @@ class SparseAttention(nn.Module):
             k = mx.fast.rope(
                 k, d, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
             )
-        keys, values = cache.append(k, v)
-        if self.is_sparse(cache, offset, T):
-            o = self.infllm_v2(q, cache, offset)
-        else:
-            o = dense_attention(q, keys, values, self.scale)
+        cache.append(k, v)
+
+        starts = [n - T for n in cache.lengths]  # position of each row's first query
+        sparse = [b for b, s in enumerate(starts) if self.is_sparse(cache.prefill_len, s, T)]
+        if not sparse:
+            o = self.dense(q, cache.kv_view(), starts)
+        elif len(sparse) == B:
+            o = self.infllm_v2(q, cache, starts)
+        else:  # rows on both sides of dense_len: each group its own way, then back in order
+            dense = [b for b in range(B) if b not in sparse]
+            o_dense = self.dense(
+                q[mx.array(dense)], cache.kv_view().take(dense), [starts[b] for b in dense]
+            )
+            o_sparse = self.infllm_v2(
+                q[mx.array(sparse)], cache, [starts[b] for b in sparse], sparse
+            )
+            order = mx.argsort(mx.array(dense + sparse))
+            o = mx.concatenate([o_dense, o_sparse])[order]
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*d]
         if "o_gate" in self:
             o = o * mx.sigmoid(self.o_gate(x))
         return self.o_proj(o)
 
-    def is_sparse(self, cache: SparseKVCache, offset: int, T: int) -> bool:
+    def is_sparse(self, prefill_len: int, start: int, T: int) -> bool:
         """HF's rule (SPEC P7): sparse iff the total length is ≥ dense_len — for a planned
         prefill, the whole prompt's length, so chunked prefill decides like one call."""
         dense_len = self.sparse.dense_len
-        return offset + T >= dense_len or (
-            offset < cache.prefill_len and cache.prefill_len >= dense_len
-        )
+        return start + T >= dense_len or (start < prefill_len and prefill_len >= dense_len)
 
-    def infllm_v2(self, q: mx.array, cache: SparseKVCache, offset: int) -> mx.array:
-        """q [B, H, T, d] at positions offset… against everything cached → [B, H, T, d]."""
-        B, _, T, _ = q.shape
+    def dense(self, q: mx.array, kv: KVView, starts: list[int]) -> mx.array:
+        """Causal attention over each row's whole sequence → [B, H, T, d]."""
+        T = q.shape[2]
+        if kv.start == 0 and len(set(starts)) == 1:  # one sequence layout: the fused fast path
+            end = starts[0] + T
+            return dense_attention(q, kv.rows_k[..., :end, :], kv.rows_v[..., :end, :], self.scale)
+        keys, values = kv.full()
+        end = max(starts) + T
+        q_pos = mx.array(starts)[:, None, None, None] + mx.arange(T)[:, None]  # [B, 1, T, 1]
+        mask = mx.arange(end) <= q_pos  # also hides a shorter row's spare positions
+        return attend(q, keys[..., :end, :], values[..., :end, :], self.scale, mask)
+
+    def infllm_v2(
+        self, q: mx.array, cache: SparseKVCache, starts: list[int], rows: list[int] | None = None
+    ) -> mx.array:
+        """q [B', H, T, d] of `rows` (default: all) against their cached sequences."""
+        T = q.shape[2]
         sc = self.sparse
-        n = cache.length
-        pos = mx.broadcast_to(mx.arange(offset, offset + T, dtype=mx.int32), (B, T))
-        vis1, vis2 = (visible_chunks(pos, cache.prefill_len, stride) for _, stride in COMPRESSION)
-        q_blk = pos // sc.block_size
-        n_blocks = -(-n // sc.block_size)
-        idx = select_blocks(
+        kv = cache.kv_view(whole_blocks=True)
+        parts = [cache.chunk_parts(level) for level in range(len(COMPRESSION))]
+        if rows is not None:
+            kv = kv.take(rows)
+            idx = mx.array(rows)
+            parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
+        pos = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)  # [B', T]
+        vis = [visible_chunks(pos, cache.prefill_len, stride) for _, stride in COMPRESSION]
+        n_blocks = -(-max(kv.lengths) // BLOCK)
+        selected = select_blocks(
             q,
-            cache.compressed[0].view(),
-            cache.compressed[1].view(),
-            vis1,
-            vis2,
-            q_blk,
+            parts[0],
+            parts[1],
+            vis[0],
+            vis[1],
+            pos // BLOCK,
             n_blocks=n_blocks,
             k=min(sc.topk_eff, n_blocks),
             scale=self.scale,
@@ -90,10 +120,8 @@ class SparseAttention(nn.Module):
             local_blocks=sc.local_blocks,
         )
         if cache.trace is not None:
-            cache.trace.append(idx)
-        padded = n_blocks * sc.block_size  # whole blocks; the spare room is masked causally
-        keys, values = cache.keys.view(padded), cache.values.view(padded)
-        return block_sparse_attention(q, keys, values, idx, pos, self.scale, sc.block_size)
+            cache.trace.append(selected)
+        return block_sparse_attention(q, kv, selected, pos, self.scale, BLOCK)
 
 
 def visible_chunks(q_pos: mx.array, prefill_len: int, stride: int) -> mx.array:

@@ -2,8 +2,10 @@
 
 Layout (every function here):
   q      [B, H, T, d]    queries of this call, H = Hk · G (G query heads share one kv head)
-  c1     [B, Hk, N1, d]  level-1 compressed keys (mean of 32 keys every 16), float32
-  c2     [B, Hk, N2, d]  level-2 compressed keys (mean of 128 keys every 64), float32
+  c1     level-1 compressed keys (mean of 32 keys every 16), float32, as a tuple of parts
+         concatenated along the chunk axis: each [1 or B, Hk, n, d] (a prefix shared by all
+         rows, then the rows' own chunks); N1 = Σ n
+  c2     level-2 compressed keys (mean of 128 keys every 64), likewise (N2)
   vis1   [B, T] int32    how many leading c1 chunks each query may see (c2: vis2)
   q_blk  [B, T] int32    the 64-token key block each query sits in
   →      [B, Hk, T, K]   int32 selected block ids, ascending; -1 marks a slot holding no past block
@@ -28,7 +30,12 @@ MAX_SCORE_ELEMENTS = 1 << 25
 
 
 def chunk_scores(
-    q: mx.array, c1: mx.array, c2: mx.array, vis1: mx.array, vis2: mx.array, scale: float
+    q: mx.array,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
+    vis1: mx.array,
+    vis2: mx.array,
+    scale: float,
 ) -> mx.array:
     """Stage-1 scores summed over each kv group: [B, Hk, T, N1] float32.
 
@@ -36,19 +43,26 @@ def chunk_scores(
     rounding, and `power(2, ·)` is 2–3× cheaper than `exp` on MLX's CPU backend.
     """
     B, H, T, d = q.shape
-    Hk = c1.shape[1]
-    if c1.shape[2] == 0 or c2.shape[2] == 0:  # no complete chunk: every query scores 0
-        return mx.zeros((B, Hk, T, c1.shape[2]), dtype=mx.float32)
+    Hk = c1[0].shape[1]
+    n1, n2 = (sum(p.shape[2] for p in parts) for parts in (c1, c2))
+    if n1 == 0 or n2 == 0:  # no complete chunk: every query scores 0
+        return mx.zeros((B, Hk, T, n1), dtype=mx.float32)
     qg = q.astype(mx.float32).reshape(B, Hk, H // Hk, T, d) * (scale * LOG2E)
-    s1 = qg @ c1[:, :, None].swapaxes(-1, -2)  # [B, Hk, G, T, N1]
-    s2 = qg @ c2[:, :, None].swapaxes(-1, -2)  # [B, Hk, G, T, N2]
+    s1 = _scores(qg, c1)  # [B, Hk, G, T, N1]
+    s2 = _scores(qg, c2)  # [B, Hk, G, T, N2]
     v1 = vis1[:, None, None, :, None]
     v2 = vis2[:, None, None, :, None]
-    s2 = mx.where(mx.arange(s2.shape[-1]) < v2, s2, -mx.inf)
+    s2 = mx.where(mx.arange(n2) < v2, s2, -mx.inf)
     m2 = mx.where(v2 > 0, s2.max(axis=-1, keepdims=True), 0.0)
     lse2 = m2 + mx.log2(mx.power(2.0, s2 - m2).sum(axis=-1, keepdims=True))
-    p = mx.where((mx.arange(s1.shape[-1]) < v1) & (v2 > 0), mx.power(2.0, s1 - lse2), 0.0)
+    p = mx.where((mx.arange(n1) < v1) & (v2 > 0), mx.power(2.0, s1 - lse2), 0.0)
     return p.sum(axis=2)
+
+
+def _scores(qg: mx.array, parts: tuple[mx.array, ...]) -> mx.array:
+    """qg [B, Hk, G, T, d] against each part's chunks (a shared part is read once, broadcast)."""
+    s = [qg @ p[:, :, None].swapaxes(-1, -2) for p in parts if p.shape[2]]
+    return s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)
 
 
 def pool_blocks(scores: mx.array, n_blocks: int) -> mx.array:
@@ -93,8 +107,8 @@ def top_k_lowest_index(scores: mx.array, k: int, q_blk: mx.array) -> mx.array:
 
 def select_blocks(
     q: mx.array,
-    c1: mx.array,
-    c2: mx.array,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
     vis1: mx.array,
     vis2: mx.array,
     q_blk: mx.array,
@@ -107,7 +121,7 @@ def select_blocks(
 ) -> mx.array:
     """Fast path: the same selection, in query tiles so the score buffer stays bounded."""
     B, H, T, _ = q.shape
-    N1 = max(c1.shape[2], 1)
+    N1 = max(sum(p.shape[2] for p in c1), 1)
     rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(N1, n_blocks)))
     out = []
     for s in range(0, T, rows):
@@ -121,8 +135,8 @@ def select_blocks(
 
 def select_blocks_ref(
     q: mx.array,
-    c1: mx.array,
-    c2: mx.array,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
     vis1: mx.array,
     vis2: mx.array,
     q_blk: mx.array,

@@ -1,0 +1,52 @@
+"""Streaming detokenizer: same text as a full decode, split characters held back, O(1) window."""
+
+from __future__ import annotations
+
+import pytest
+
+from salabatch.engine.tokenizer import load_tokenizer
+from tests.test_tokenizer import TEXTS, check_stream, demo_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(demo_tokenizer_dir(tmp_path_factory))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_matches_decode_without_replacement_chars(tok, text):
+    check_stream(tok, tok.encode(text, add_bos=True) + [tok.token_id("<|im_end|>")])
+
+
+def test_streaming_holds_back_split_characters(tok):
+    ids = tok.encode("a你")  # "你" is three byte tokens in the demo vocabulary
+    assert len(ids) == 4
+    det = tok.detokenizer()
+    seen = []
+    for i in ids:
+        det.add_token(i)
+        seen.append(det.last_segment)
+    assert seen == ["a", "", "", "你"]
+
+
+def test_streaming_cut_mid_character_flushes_like_decode(tok):
+    ids = tok.encode("ok 你")[:-1]  # generation stopped inside the character
+    det = tok.detokenizer()
+    for i in ids:
+        det.add_token(i)
+    assert "\ufffd" not in det.text
+    det.finalize()
+    assert det.text == tok.decode(ids) and det.text.endswith("\ufffd")
+
+
+def test_streaming_decodes_a_bounded_window(tok):
+    ids = tok.encode(" ".join(TEXTS) * 4)
+    det = tok.detokenizer()
+    windows = []
+    inner = det._decode
+    det._decode = lambda w, **kw: windows.append(len(w)) or inner(w, **kw)
+    for i in ids:
+        det.add_token(i)
+    det.finalize()
+    assert len(ids) > 300 and max(windows) <= 8
+    assert det.text == tok.decode(ids)
