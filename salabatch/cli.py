@@ -54,6 +54,117 @@ def doctor(as_json: bool) -> None:
     click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
 
 
+@main.command()
+@click.argument("model")
+@click.argument("prompt")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--system", default=None, help="System prompt.")
+@click.option(
+    "--think/--no-think",
+    default=False,
+    show_default=True,
+    help="Let the model reason in a <think> block first (shown), or pre-seed it empty.",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+)
+@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+def generate(
+    model, prompt, max_tokens, temperature, top_p, top_k, seed, system, think, dtype, prefill_chunk
+) -> None:
+    """Answer one PROMPT with MODEL (a checkpoint folder, or builtin:tiny — an untrained demo
+    model whose text is meaningless), streamed, then print timings."""
+    from salabatch.engine import builtin
+    from salabatch.engine.session import stream_answer
+
+    if builtin.is_builtin(model):
+        click.echo(f"note: {builtin.WARNING}", err=True)
+    stats = stream_answer(
+        model,
+        prompt,
+        system=system,
+        think=think,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        dtype=dtype,
+        prefill_chunk=prefill_chunk,
+        write=lambda text: click.echo(text, nl=False),
+    )
+    click.echo()
+    click.echo(
+        f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_tok_s']:.1f} tok/s, "
+        f"first token after {stats['ttft_s']:.2f} s, {stats['completion_tokens']} tokens at "
+        f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
+)
+@click.option(
+    "--schema-only",
+    is_flag=True,
+    help="Skip checking that the model, documents and requests exist.",
+)
+def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
+    """Check a job file; errors name their field and line. Exit code 2 on errors."""
+    from salabatch.jobs.spec import validate_command
+
+    sys.exit(validate_command(job, overrides, check_files=not schema_only))
+
+
+@main.command()
+@click.argument("results", type=click.Path(dir_okay=False))
+@click.option(
+    "--show",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Also print the first N answers.",
+)
+def inspect(results: str, show: int) -> None:
+    """Summarize a results file: rows, errors, tokens, prefill and decode speed."""
+    from salabatch.jobs.export import inspect_results
+
+    click.echo(inspect_results(results, show=show))
+
+
+@main.command()
+@click.argument("results", type=click.Path(dir_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["openai-jsonl"]),
+    default="openai-jsonl",
+    show_default=True,
+)
+@click.option("-o", "--output", default="-", show_default=True, help="Output file; - for stdout.")
+def export(results: str, fmt: str, output: str) -> None:
+    """Write results in another format (OpenAI Batch output lines, joined on custom_id)."""
+    from salabatch.jobs.export import export_results
+
+    n = export_results(results, sys.stdout if output == "-" else output, fmt)
+    if output != "-":
+        click.echo(f"{n} lines -> {output}", err=True)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks; each prints its results as JSON (and writes them with --out)."""

@@ -423,6 +423,17 @@ class ModelCache:
         layers = [type(parts[0]).concat(parts) for parts in zip(*caches, strict=True)]
         return ModelCache(layers, [p for c in caches for p in c.positions])
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the cache holds (to evaluate them together with a step's output)."""
+        out = []
+        for c in self.layers:
+            if isinstance(c, LightningCache):
+                out += [] if c.state is None else [c.state]
+            else:
+                bufs = (c.keys, c.values, *c.compressed)
+                out += [b.data for b in bufs if b.data is not None]
+        return out
+
     @property
     def nbytes(self) -> int:
         """Bytes held, the shared prefix counted once."""

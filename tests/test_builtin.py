@@ -1,0 +1,73 @@
+"""builtin:tiny (an untrained demo model) is built offline, deterministically, and runs; and
+`salabatch generate` streams an answer with timings."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.engine import builtin
+from salabatch.engine.config import LIGHTNING, SPARSE, ModelConfig
+from salabatch.engine.session import AnswerStream, open_model
+from salabatch.errors import ConfigError
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("cache"))
+
+
+def test_builds_the_same_bytes_everywhere(tiny_dir, tmp_path):
+    again = builtin.resolve("builtin:tiny", tmp_path)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert digest(tiny_dir / name) == digest(again / name), name
+    assert builtin.resolve("builtin:tiny", tmp_path) == again  # second call reuses the build
+
+
+def test_config_has_both_layer_kinds_and_reaches_sparse_mode(tiny_dir):
+    cfg = ModelConfig.from_file(tiny_dir)
+    assert {SPARSE, LIGHTNING} == set(cfg.layer_kinds)
+    assert cfg.sparse.dense_len == 2048
+    assert "untrained" in cfg.extra["salabatch_note"]
+
+
+def test_loads_with_its_tokenizer(tiny_dir):
+    model, tok = open_model(str(tiny_dir))
+    assert model.config.vocab_size == tok.vocab_size
+    assert tok.eos_ids == frozenset(model.config.eos_token_ids)
+
+
+def test_unknown_builtin_and_plain_paths():
+    with pytest.raises(ConfigError, match="builtin:tiny"):
+        builtin.resolve("builtin:huge")
+    assert str(builtin.resolve("~/x")).endswith("/x") and "~" not in str(builtin.resolve("~/x"))
+
+
+@pytest.mark.parametrize(
+    ("pieces", "think", "shown"),
+    [
+        (["Hello", " world"], False, "Hello world"),
+        (["<thi", "nk>plan", "ning</th", "ink>\n\nThe answer"], False, "The answer"),
+        (["<think>never closed"], False, ""),
+        (["<think>plan</think>", "Answer"], True, "<think>plan</think>Answer"),
+        (["  <", "b>bold</b>"], False, "<b>bold</b>"),
+    ],
+)
+def test_answer_stream_hides_a_leading_think_block(pieces, think, shown):
+    stream = AnswerStream(think)
+    assert "".join(stream.feed(p) for p in pieces) == shown
+
+
+def test_generate_command_streams_and_reports(tiny_dir, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tiny_dir.parents[2]))
+    result = CliRunner().invoke(main, ["generate", "builtin:tiny", "Say hi.", "--max-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    assert "untrained demo model" in result.output
+    assert "prompt " in result.output and "tok/s" in result.output and "(length)" in result.output
