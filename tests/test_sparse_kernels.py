@@ -149,3 +149,47 @@ def test_all_blocks_selected_equals_dense():
     got = block_sparse_attention(q, cache.kv_view(whole_blocks=True), idx, pos, D**-0.5)
     want = dense_attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32
+
+
+@pytest.mark.parametrize("t", [1, 70], ids=["decode", "prefill"])
+def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t):
+    """Rows forked from one cache (keys stored once) at different lengths, against the
+    reference over each row's whole sequence."""
+    doc = random_cache(700, seed=11)
+    doc.keys.lengths, doc.values.lengths = [700], [700]
+    one = SparseKVCache()
+    one.append(doc.keys.view()[:1], doc.values.view()[:1])
+    rng = np.random.default_rng(5)
+    forks = []
+    for extra in (40, 3):  # the rows continue the document by different amounts
+        row = one.fork(1)
+        k = mx.array(rng.standard_normal((1, HK, extra, D)).astype(np.float32))
+        row.append(k, k * 0.5)
+        forks.append(row)
+    rows = SparseKVCache.concat(forks)
+    k = mx.array(rng.standard_normal((2, HK, t, D)).astype(np.float32))
+    rows.append(k, -k)
+    lengths = rows.lengths
+    assert lengths == [740 + t, 703 + t]
+    q = mx.array(rng.standard_normal((2, H, t, D)).astype(np.float32))
+    pos = mx.array([[n - t + i for i in range(t)] for n in lengths], dtype=mx.int32)
+    vis = [visible_chunks(pos, 0, stride) for stride in (16, 64)]
+    n_blocks = -(-max(lengths) // BLOCK)
+    idx = select_blocks(
+        q,
+        rows.chunk_parts(0),
+        rows.chunk_parts(1),
+        *vis,
+        pos // BLOCK,
+        n_blocks=n_blocks,
+        k=5,
+        scale=D**-0.5,
+        init_blocks=INIT,
+        local_blocks=LOCAL,
+    )
+    kv = rows.kv_view(whole_blocks=True)
+    assert kv.start > 0
+    want = block_sparse_attention_ref(q, *kv.full(), idx, pos, D**-0.5)
+    monkeypatch.setattr(sparse_attention, "MAX_TILE_ELEMENTS", 20000)  # several groups
+    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
+    assert mx.abs(got - want).max().item() < TOL_F32

@@ -17,12 +17,16 @@ so they do not depend on which kind layer 0 is.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.errors import CacheFormatError
+
+FORMAT_VERSION = 1  # of `ModelCache.to_state`; a different version is never read
 
 # InfLLM-v2 key compression levels (size, stride): fixed by its kernels (SPEC P14).
 COMPRESSION = ((32, 16), (128, 64))
@@ -433,6 +437,72 @@ class ModelCache:
                 bufs = (c.keys, c.values, *c.compressed)
                 out += [b.data for b in bufs if b.data is not None]
         return out
+
+    # -- serialization -------------------------------------------------------------------------
+    def to_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:
+        """Arrays and string metadata of a one-row cache (a document prefix, or a prefill
+        snapshot): everything needed to continue it exactly. Buffers are cut to their length."""
+        if self.rows != 1 or any(isinstance(c, SparseKVCache) and c.shared for c in self.layers):
+            raise ValueError("only a one-row cache without a shared prefix can be saved")
+        arrays: dict[str, mx.array] = {}
+        kinds = []
+        for i, c in enumerate(self.layers):
+            if isinstance(c, LightningCache):
+                kinds.append("lightning")
+                arrays[f"layers.{i}.state"] = c.state
+            else:
+                kinds.append("sparse")
+                n = c.keys.lengths[0]
+                arrays[f"layers.{i}.keys"] = c.keys.data[:, :, :n]
+                arrays[f"layers.{i}.values"] = c.values.data[:, :, :n]
+                for level, buf in enumerate(c.compressed):
+                    arrays[f"layers.{i}.chunks{level}"] = buf.data[:, :, : buf.lengths[0]]
+        meta = {
+            "format_version": str(FORMAT_VERSION),
+            "layer_kinds": json.dumps(kinds),
+            "position": str(self.offset),
+            "prefill_len": str(self.prefill_len),
+        }
+        return arrays, meta
+
+    @classmethod
+    def from_state(
+        cls, arrays: dict[str, mx.array], meta: dict[str, str], cfg: ModelConfig, source: str = ""
+    ) -> ModelCache:
+        """The inverse of `to_state`; anything inconsistent raises CacheFormatError."""
+
+        def bad(why: str) -> CacheFormatError:
+            return CacheFormatError(f"not a usable cache: {why}", path=source or None)
+
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise bad(f"format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        try:
+            kinds = json.loads(meta["layer_kinds"])
+            position, prefill_len = int(meta["position"]), int(meta["prefill_len"])
+        except (KeyError, ValueError) as e:
+            raise bad(f"metadata ({e})") from None
+        if kinds != ["lightning" if k == LIGHTNING else "sparse" for k in cfg.layer_kinds]:
+            raise bad("its layer layout is not this model's")
+        cache = cls.for_config(cfg)
+        try:
+            for i, c in enumerate(cache.layers):
+                if isinstance(c, LightningCache):
+                    c.state = arrays[f"layers.{i}.state"]
+                    continue
+                keys, values = arrays[f"layers.{i}.keys"], arrays[f"layers.{i}.values"]
+                if keys.shape[2] != position or values.shape != keys.shape:
+                    raise bad(f"layer {i} holds {keys.shape[2]} keys for position {position}")
+                c.keys, c.values = RowBuffer(keys, [position]), RowBuffer(values, [position])
+                chunks = [arrays[f"layers.{i}.chunks{level}"] for level in range(len(COMPRESSION))]
+                for (size, stride), got in zip(COMPRESSION, chunks, strict=True):
+                    if got.shape[2] != max(0, (position - size) // stride + 1):
+                        raise bad(f"layer {i} has {got.shape[2]} compressed chunks")
+                c.compressed = tuple(RowBuffer(a, [a.shape[2]]) for a in chunks)
+        except KeyError as e:
+            raise bad(f"missing array {e}") from None
+        cache.positions = [position]
+        cache.plan_prefill(prefill_len)
+        return cache
 
     @property
     def nbytes(self) -> int:

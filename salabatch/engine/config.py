@@ -311,6 +311,15 @@ class _Reader:
                 expected="2, 3, 4, 5, 6 or 8",
                 got=bits,
             )
+        mode = raw.get("mode", "affine")
+        if mode != "affine":  # mxfp4 / nvfp4 pack differently and have no biases
+            raise ConfigError(
+                "unsupported quantization mode",
+                path=self.path,
+                field="quantization.mode",
+                expected="affine",
+                got=mode,
+            )
         overrides = {k: v for k, v in raw.items() if k not in ("group_size", "bits", "mode")}
         return QuantConfig(group_size=group, bits=bits, overrides=overrides)
 

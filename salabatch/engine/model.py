@@ -101,7 +101,7 @@ class Model(nn.Module):
         for name, w in weights.items():
             if "rotary_emb." in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue  # the head is the embedding (also its quantized scales and biases)
             out[name] = w
         return out

@@ -88,45 +88,113 @@ def _gather_tokens(kv: KVView, tok: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def _prefill(q, kv: KVView, idx, q_pos, scale, block):
-    """Per (row, kv head), query tiles attend to the union of their selected blocks.
+    """Query tiles attend to the union of their selected blocks, many tiles per batched op.
 
-    The selection is brought to the host once; each tile gathers its union of blocks and masks
-    per query. Tiles are split while the union is much larger than K, which bounds both the
-    wasted work and the tile's memory.
+    The selection comes to the host once. Each (row, kv head)'s queries are split into tiles
+    whose union of blocks is small (`_tiles`); tiles of similar size are padded to a common
+    shape and processed together, so the number of MLX ops does not grow with the number of
+    tiles, and a group's score buffer stays under MAX_TILE_ELEMENTS.
     """
     B, H, T, d = q.shape
     Hk = kv.rows_k.shape[1]
     G, K = H // Hk, idx.shape[-1]
-    sel = np.array(idx)  # [B, Hk, T, K]
-    pos = np.array(q_pos)  # [B, T]
-    shared_blocks = kv.start // block
-    rows_kb = kv.rows_k.reshape(B, Hk, -1, block, d)
-    rows_vb = kv.rows_v.reshape(B, Hk, -1, block, d)
-    if shared_blocks:
-        shared_kb = kv.shared_k.reshape(Hk, shared_blocks, block, d)
-        shared_vb = kv.shared_v.reshape(Hk, shared_blocks, block, d)
-    out = []
-    for b in range(B):
-        heads = []
-        for g in range(Hk):
-            parts = []
-            for s, e, union in _tiles(sel[b, g], K, G * block):
-                member = (sel[b, g, s:e, :, None] == union).any(axis=1)  # [rows, U]
-                tok = union[:, None] * block + np.arange(block)  # [U, block]
-                allowed = member[:, :, None] & (tok <= pos[b, s:e, None, None])
-                own = mx.array(union[union >= shared_blocks] - shared_blocks)
-                k_u, v_u = rows_kb[b, g][own], rows_vb[b, g][own]
-                if shared_blocks and union[0] < shared_blocks:  # union is ascending
-                    common = mx.array(union[union < shared_blocks])
-                    k_u = mx.concatenate([shared_kb[g][common], k_u])
-                    v_u = mx.concatenate([shared_vb[g][common], v_u])
-                mask = mx.array(allowed.reshape(e - s, -1))
-                qt = q[b, g * G : (g + 1) * G, s:e][None]  # [1, G, rows, d]
-                o = attend(qt, k_u.reshape(1, 1, -1, d), v_u.reshape(1, 1, -1, d), scale, mask)
-                parts.append(o[0])
-            heads.append(mx.concatenate(parts, axis=1))  # [G, T, d]
-        out.append(mx.concatenate(heads, axis=0))  # [H, T, d]
-    return mx.stack(out)
+    sel, pos = np.array(idx), np.array(q_pos)  # [B, Hk, T, K], [B, T]
+    tiles = [
+        (b, g, s, e, union)
+        for b in range(B)
+        for g in range(Hk)
+        for s, e, union in _tiles(sel[b, g], K, G * block)
+    ]
+    tiles.sort(key=lambda t: (t[3] - t[2], len(t[4])))  # similar shapes pad little
+    S = kv.start // block  # blocks in the shared part
+    shared_k = shared_v = None
+    if S:
+        shared_k = kv.shared_k.reshape(Hk * S, block * d)  # [(g, block), block·d]
+        shared_v = kv.shared_v.reshape(Hk * S, block * d)
+    rows_k = kv.rows_k.reshape(-1, block * d)  # [(b, g, block), block·d]
+    rows_v = kv.rows_v.reshape(-1, block * d)
+    row_blocks = kv.rows_k.shape[2] // block
+    # queries as [(b, g, t), G, d], plus one spare row that padded tile rows read and write
+    flat_q = q.reshape(B, Hk, G, T, d).transpose(0, 1, 3, 2, 4).reshape(B * Hk * T, G, d)
+    flat_q = mx.concatenate([flat_q, mx.zeros((1, G, d), q.dtype)])
+    out = mx.zeros(flat_q.shape, q.dtype)
+    spare = B * Hk * T
+    group: list = []
+    for tile in tiles:
+        rows, union = max(tile[3] - tile[2] for tile in [*group, tile]), len(tile[4])
+        if group and (len(group) + 1) * rows * union * G * block > MAX_TILE_ELEMENTS:
+            out = _attend_group(
+                group,
+                out,
+                flat_q,
+                (shared_k, shared_v),
+                (rows_k, rows_v),
+                S,
+                row_blocks,
+                sel,
+                pos,
+                scale,
+                block,
+                Hk,
+                spare,
+            )
+            group = []
+        group.append(tile)
+    if group:
+        out = _attend_group(
+            group,
+            out,
+            flat_q,
+            (shared_k, shared_v),
+            (rows_k, rows_v),
+            S,
+            row_blocks,
+            sel,
+            pos,
+            scale,
+            block,
+            Hk,
+            spare,
+        )
+    o = out[:spare].reshape(B, Hk, T, G, d).transpose(0, 1, 3, 2, 4)
+    return o.reshape(B, H, T, d)
+
+
+def _attend_group(
+    group, out, flat_q, shared, rows_kv, S, row_blocks, sel, pos, scale, block, Hk, spare
+):
+    """One batched attention over tiles padded to the group's largest rows and union."""
+    n = len(group)
+    R = max(e - s for _, _, s, e, _ in group)
+    U = max(len(u) for *_, u in group)
+    q_rows = np.full((n, R), spare, dtype=np.int32)
+    from_shared = np.zeros((n, U), dtype=bool)
+    at = np.zeros((n, U), dtype=np.int32)  # block row in the shared or the rows table
+    mask = np.zeros((n, R, U, block), dtype=bool)
+    T = sel.shape[2]
+    for i, (b, g, s, e, union) in enumerate(group):
+        q_rows[i, : e - s] = (b * Hk + g) * T + np.arange(s, e)
+        common = union < S
+        from_shared[i, : len(union)] = common
+        at[i, : len(union)] = np.where(common, g * S + union, (b * Hk + g) * row_blocks + union - S)
+        member = (sel[b, g, s:e, :, None] == union).any(axis=1)  # [rows, len(union)]
+        tok = union[:, None] * block + np.arange(block)
+        mask[i, : e - s, : len(union)] = member[:, :, None] & (tok <= pos[b, s:e, None, None])
+    mask[:, :, 0, 0] |= q_rows == spare  # padded rows attend to something (their output is dropped)
+    k = mx.take(rows_kv[0], mx.array(np.where(from_shared, 0, at).reshape(-1)), axis=0)
+    v = mx.take(rows_kv[1], mx.array(np.where(from_shared, 0, at).reshape(-1)), axis=0)
+    if from_shared.any():
+        pick = mx.array(from_shared.reshape(-1, 1))
+        shared_idx = mx.array(np.where(from_shared, at, 0).reshape(-1))
+        k = mx.where(pick, mx.take(shared[0], shared_idx, axis=0), k)
+        v = mx.where(pick, mx.take(shared[1], shared_idx, axis=0), v)
+    d = flat_q.shape[-1]
+    k = k.reshape(n, 1, U * block, d)
+    v = v.reshape(n, 1, U * block, d)
+    qt = flat_q[mx.array(q_rows.reshape(-1))].reshape(n, R, -1, d).transpose(0, 2, 1, 3)
+    o = attend(qt, k, v, scale, mx.array(mask.reshape(n, 1, R, U * block)))  # [n, G, R, d]
+    out[mx.array(q_rows.reshape(-1))] = o.transpose(0, 2, 1, 3).reshape(n * R, -1, d)
+    return out
 
 
 def _tiles(sel: np.ndarray, k: int, cost_per_block: int):

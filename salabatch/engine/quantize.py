@@ -1,0 +1,240 @@
+"""MLX affine quantization of the linear layers: converting a checkpoint, and loading one.
+
+Converting quantizes every `nn.Linear` whose input dim is a multiple of the group size, `lm_head`
+included; embeddings and norms stay in full precision (SPEC §7.3). A quantized linear `p` is stored
+as `p.weight` (uint32, [out, in * bits / 32]), `p.scales` and `p.biases` ([out, in / group_size]),
+under the HF names, with `"quantization": {"group_size", "bits"}` in `config.json`; this is also
+the layout of the published MLX 8-bit checkpoint.
+
+Loading decides per module from the checkpoint itself: a module is quantized iff it has `.scales`
+(or a packed uint32 `.weight`), with group size and bits from its own entry in `quantization` when
+the config lists one (`"model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 4}`, or `false`
+for a module left in full precision), else from the global pair.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from salabatch.engine.checkpoint import INDEX, read_weights, weight_files, write_weights
+from salabatch.engine.config import ModelConfig, QuantConfig
+from salabatch.engine.runtime import resolve_dtype
+from salabatch.errors import CheckpointError, ConfigError
+
+BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine mode packs
+GROUP_SIZES = (32, 64, 128)
+MAX_SHARD_BYTES = 5 << 30  # shards of at most 5 GiB, as HF and mlx-lm write them
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+)
+
+
+def quantizable(module: nn.Module, group_size: int) -> bool:
+    """The conversion predicate: linear layers (lm_head included) whose input splits into whole
+    groups. Embeddings and norms are not `nn.Linear`, so they stay in full precision."""
+    return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
+
+
+def quantize_model(
+    model: nn.Module, *, bits: int, group_size: int = 64, dtype: mx.Dtype | None = None
+) -> int:
+    """Quantizes `model` in place with the conversion predicate; returns how many layers.
+
+    Scales and biases take `dtype` (default: the weights' own dtype), and their dtype is the
+    output dtype of `QuantizedLinear`, so it should be the activation dtype.
+    """
+    check_bits(bits, group_size)
+    paths = [p for p, m in model.named_modules() if quantizable(m, group_size)]
+    nn.quantize(model, group_size, bits, class_predicate=lambda _, m: quantizable(m, group_size))
+    if dtype is not None:
+        for _, m in model.named_modules():
+            if isinstance(m, nn.QuantizedLinear):
+                m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
+    return len(paths)
+
+
+def quantize_like(
+    model: nn.Module, quant: QuantConfig, weights: dict[str, mx.array], path: Path
+) -> None:
+    """Gives `model` the quantized structure of the checkpoint `weights` (see the module doc).
+
+    Only the structure: the strict key check and `load_weights` come after, so a missing
+    `.scales` or a wrongly shaped tensor is reported by name there.
+    """
+    config = path / "config.json"
+
+    def predicate(name: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized"):
+            return False
+        packed = weights.get(f"{name}.weight")
+        if f"{name}.scales" not in weights and (packed is None or packed.dtype != mx.uint32):
+            return False
+        entry = quant.overrides.get(name, True)
+        if entry is False:
+            raise CheckpointError(
+                f"{name} is quantized in the weights, but config.json lists it as full precision "
+                f"(quantization.{name} = false)",
+                path=path,
+            )
+        return module_params(quant, name, entry, config)
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def module_params(quant: QuantConfig, name: str, entry: Any, config: Path) -> dict:
+    """`to_quantized` arguments of module `name`: its own config entry over the global pair."""
+    if entry is True:
+        entry = {}
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            "a per-module quantization entry must be an object or false",
+            path=config,
+            field=f"quantization.{name}",
+            got=entry,
+        )
+    group_size = entry.get("group_size", quant.group_size)
+    bits = entry.get("bits", quant.bits)
+    mode = entry.get("mode", "affine")
+    if mode != "affine" or bits not in BITS or group_size not in GROUP_SIZES:
+        raise ConfigError(
+            "unsupported quantization",
+            path=config,
+            field=f"quantization.{name}",
+            expected=f"affine mode, bits in {BITS}, group_size in {GROUP_SIZES}",
+            got=entry,
+        )
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def check_bits(bits: int, group_size: int) -> None:
+    if bits not in BITS:
+        raise ConfigError("unsupported bit width", field="bits", expected=BITS, got=bits)
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(
+            "unsupported group size", field="group_size", expected=GROUP_SIZES, got=group_size
+        )
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    bits: int,
+    group_size: int = 64,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    max_shard_bytes: int | None = MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> dict:
+    """Quantizes the full-precision checkpoint `src` into the new checkpoint `dst`.
+
+    Linear weights get `bits` bits in groups of `group_size`, with scales and biases in `dtype`;
+    every other tensor is stored in `dtype`. Tokenizer and generation config files are copied, and
+    `config.json` (written last, so an interrupted run does not leave a loadable directory) gains
+    `"quantization"`. Returns a summary: tensors quantized / kept, bytes on disk before and after.
+    Peak memory is about the output plus one source tensor: sources are read lazily, one at a time.
+    """
+    from tqdm import tqdm
+
+    from salabatch.engine.load import check_weights  # load imports this module
+    from salabatch.engine.model import Model
+
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    check_bits(bits, group_size)
+    dt = resolve_dtype(dtype)
+    if not src.is_dir():
+        raise CheckpointError("not a checkpoint directory", path=src)
+    cfg = ModelConfig.from_file(src / "config.json")
+    if cfg.quantization is not None:
+        raise CheckpointError("already quantized; convert from the full-precision model", path=src)
+    check_destination(src, dst, force)
+
+    model = Model(cfg)  # structure only: its random init is lazy and never evaluated
+    weights = model.sanitize(read_weights(src))
+    check_weights(model, weights, src)
+    linears = {name for name, m in model.named_modules() if quantizable(m, group_size)}
+    float32_bytes = sum(w.size * 4 for w in weights.values())
+    out: dict[str, mx.array] = {}
+    quantized = kept = 0
+    for name in tqdm(sorted(weights), desc=f"{bits}-bit", unit="tensor", disable=not progress):
+        w = weights.pop(name)  # dropping the reference frees the source tensor once evaluated
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module in linears:
+            # Quantizing in the storage dtype lets MLX fit the rounding to bf16 scales/biases.
+            q, scales, biases = mx.quantize(w.astype(dt), group_size, bits)
+            new = {name: q, f"{module}.scales": scales, f"{module}.biases": biases}
+            quantized += 1
+        else:
+            new = {name: w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) else w}
+            kept += 1
+        mx.eval(list(new.values()))
+        out.update(new)
+        del w
+
+    clear_destination(dst)
+    files = write_weights(dst, out, max_shard_bytes)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    raw["quantization"] = {"group_size": group_size, "bits": bits}
+    for key in ("torch_dtype", "dtype"):
+        if key in raw:
+            raw[key] = _dtype_name(dt)
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+
+    before = sum(f.stat().st_size for f in weight_files(src))
+    after = sum(f.stat().st_size for f in files)
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "bits": bits,
+        "group_size": group_size,
+        "dtype": _dtype_name(dt),
+        "quantized": quantized,
+        "kept": kept,
+        "files": [f.name for f in files],
+        "copied": copied,
+        "bytes_before": before,
+        "bytes_after": after,
+        "ratio": round(after / before, 4),
+        "ratio_vs_float32": round(after / float32_bytes, 4),
+    }
+
+
+def check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuses the source itself, a file, and a non-empty directory unless `force`."""
+    if dst.resolve() == src.resolve():
+        raise CheckpointError("the destination is the source checkpoint", path=dst)
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError("the destination exists and is not a directory", path=dst)
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise CheckpointError("the destination is not empty (--force overwrites it)", path=dst)
+
+
+def clear_destination(dst: Path) -> None:
+    """Removes the weights and config a previous checkpoint left in `dst`: stale shards beside
+    new weights would be read as part of them."""
+    if not dst.is_dir():
+        return
+    for file in [*dst.glob("*.safetensors"), dst / INDEX, dst / "config.json"]:
+        if file.is_file():
+            file.unlink()
+
+
+def _dtype_name(dt: mx.Dtype) -> str:
+    return {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[dt]

@@ -1,0 +1,237 @@
+"""Quantization: convert → load round trip, accuracy against float32, the published MLX 8-bit
+layout, per-layer overrides, strict errors, and the activation dtype over quantized weights."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from salabatch.engine.cache import LightningCache
+from salabatch.engine.checkpoint import read_weights, write_weights
+from salabatch.engine.load import load_model
+from salabatch.engine.quantize import TOKENIZER_FILES, convert, quantize_model
+from salabatch.errors import CheckpointError, ConfigError
+from tests.tiny import tiny_config_dict, write_tiny_checkpoint
+
+# Relative RMS of the logits against float32, by bits.
+# 8 bits: the issue's 2%; measured 1.2-1.4% over 8 seeds (bf16 scales), 0.9% with float32 scales.
+# 4 bits: the issue asks 8%, which affine 4-bit cannot reach on these weights: min-max rounding
+# of a Gaussian group of 64 leaves 9.1% RMS weight error, so lm_head alone gives 9.1% logit error
+# (8.2% at group size 32) and the layers add theirs. Measured 14.5-15.6% over 8 seeds.
+REL_RMS = {8: 0.02, 4: 0.20}
+GREEDY_AGREEMENT_8BIT = 0.9
+PROMPT = mx.array([[(7 * i + 3) % 256 for i in range(8)]], dtype=mx.int32)
+IDS = mx.array([[(5 * i + 1) % 256 for i in range(40)]], dtype=mx.int32)
+LINEARS = 4 * 8 + 1  # 8 per layer (q k v o + o_gate or z_proj, 3 MLP) and lm_head
+
+
+def rel_rms(a: mx.array, b: mx.array) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.sqrt(mx.mean((a - b) ** 2)) / mx.sqrt(mx.mean(b**2))).item()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """The tiny float32 checkpoint with (placeholder) tokenizer and generation files."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("q") / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (path / name).write_text('{"placeholder": true}\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(src):
+    """bits → (checkpoint dir, convert summary), with the default bf16 scales."""
+    out = {}
+    for bits in (8, 4):
+        dst = src.parent / f"q{bits}"
+        out[bits] = dst, convert(src, dst, bits=bits, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(src):
+    return load_model(src, dtype="float32")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_logits_within_tolerance_of_float32(converted, reference, bits):
+    model = load_model(converted[bits][0], dtype="float32")
+    err = rel_rms(model(IDS), reference(IDS))
+    print(f"{bits}-bit logits: relative RMS {err:.4f} vs float32")
+    assert err < REL_RMS[bits]
+
+
+def test_greedy_choices_agree_at_8_bits(converted, reference):
+    """The 8-bit model's greedy choice at each of 32 decode steps along float32's greedy
+    continuation. Both are fed float32's tokens: a random model's top-2 logits are often near
+    ties, and one early flip would make two free-running continuations unrelated."""
+    model = load_model(converted[8][0], dtype="float32")
+    ref_cache, q_cache = reference.make_cache(), model.make_cache()
+    ref_logits, q_logits = reference(PROMPT, ref_cache), model(PROMPT, q_cache)
+    agree = []
+    for _ in range(32):
+        tok = mx.argmax(ref_logits[:, -1], axis=-1)
+        agree.append(tok.item() == mx.argmax(q_logits[:, -1], axis=-1).item())
+        ref_logits, q_logits = reference(tok[:, None], ref_cache), model(tok[:, None], q_cache)
+    print(f"8-bit greedy agreement {sum(agree) / len(agree):.3f}")
+    assert sum(agree) / len(agree) >= GREEDY_AGREEMENT_8BIT
+
+
+def test_convert_round_trip(src, converted):
+    for bits, (dst, summary) in converted.items():
+        print(f"{bits}-bit: {summary['bytes_after']} bytes, {summary['ratio']:.3f} of float32")
+        assert summary["quantized"] == LINEARS
+        assert summary["kept"] == len(read_weights(src)) - LINEARS
+        assert summary["ratio"] < {8: 0.35, 4: 0.25}[bits]  # embeddings stay bf16 in both
+        assert summary["copied"] == [n for n in TOKENIZER_FILES if (src / n).is_file()]
+        assert len(summary["copied"]) == 3
+        for name in summary["copied"]:
+            assert (dst / name).read_text() == (src / name).read_text()
+        raw = json.loads((dst / "config.json").read_text())
+        assert raw["quantization"] == {"group_size": 64, "bits": bits}
+        model = load_model(dst, dtype="float32")
+        assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.bits == bits
+        assert type(model.model.embed_tokens) is nn.Embedding  # full precision
+        cache = model.make_cache()  # generate: prefill, then 4 greedy steps
+        tok = mx.argmax(model(PROMPT, cache)[:, -1], axis=-1)
+        for _ in range(4):
+            tok = mx.argmax(model(tok[:, None], cache)[:, -1], axis=-1)
+        assert 0 <= tok.item() < 256
+
+
+def test_sharded_output_loads_like_one_file(src, converted):
+    one = load_model(converted[8][0], dtype="float32")
+    dst = src.parent / "q8-sharded"
+    summary = convert(src, dst, bits=8, max_shard_bytes=40_000, progress=False)
+    assert len(summary["files"]) > 1 and (dst / "model.safetensors.index.json").is_file()
+    assert mx.array_equal(load_model(dst, dtype="float32")(IDS), one(IDS))
+
+
+def test_quantize_model_matches_convert(src, reference):
+    """In-memory quantization (the benchmark's) gives the same model as convert → load."""
+    dst = src.parent / "q4-f32"
+    convert(src, dst, bits=4, dtype="float32", progress=False)
+    model = load_model(src, dtype="float32")
+    assert quantize_model(model, bits=4, group_size=64) == LINEARS
+    assert mx.array_equal(model(IDS), load_model(dst, dtype="float32")(IDS))
+
+
+def test_convert_refuses_to_overwrite(src, converted, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert(src, dst, bits=8, progress=False)
+    convert(src, dst, bits=8, force=True, progress=False)  # and removes the stale shard
+    assert sorted(p.name for p in dst.glob("*.safetensors")) == ["model.safetensors"]
+    with pytest.raises(CheckpointError, match="is the source"):
+        convert(src, src, bits=8, force=True, progress=False)
+    with pytest.raises(CheckpointError, match="already quantized"):
+        convert(converted[8][0], tmp_path / "again", bits=4, progress=False)
+
+
+def published_layout(src, path, quantized_as=lambda name: (64, 8), overrides=None):
+    """A checkpoint laid out like the published MLX 8-bit model (SPEC §7.3): every linear incl.
+    lm_head as uint32 `.weight` + bf16 `.scales` / `.biases` under HF names, embeddings and norms
+    in bf16, one model.safetensors; `quantized_as(prefix)` gives (group, bits) or None."""
+    out = {}
+    for name, w in read_weights(src).items():
+        prefix = name.removesuffix(".weight")
+        spec = None if "embed_tokens" in name or "norm" in name else quantized_as(prefix)
+        if w.ndim == 2 and spec is not None:
+            q, scales, biases = mx.quantize(w.astype(mx.bfloat16), *spec)
+            out |= {name: q, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+        else:
+            out[name] = w.astype(mx.bfloat16)
+    write_weights(path, out)
+    raw = tiny_config_dict()
+    raw["quantization"] = {"group_size": 64, "bits": 8, **(overrides or {})}
+    raw["quantization_config"] = raw["quantization"]
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def test_published_8bit_layout_loads(src, reference, tmp_path):
+    path = published_layout(src, tmp_path / "mlx-8bit")
+    weights = read_weights(path)
+    assert weights["lm_head.weight"].dtype == mx.uint32
+    assert weights["lm_head.weight"].shape == (256, 64 * 8 // 32)
+    assert weights["lm_head.scales"].shape == (256, 1)
+    model = load_model(path, dtype="float32")
+    assert rel_rms(model(IDS), reference(IDS)) < REL_RMS[8]
+
+
+def test_per_layer_overrides(src, reference, tmp_path):
+    down, z = "model.layers.1.mlp.down_proj", "model.layers.2.self_attn.z_proj"
+    specs = {down: (32, 4), z: None}
+    path = published_layout(
+        src,
+        tmp_path / "mixed",
+        lambda prefix: specs.get(prefix, (64, 8)),
+        {down: {"group_size": 32, "bits": 4}, z: False},
+    )
+    model = load_model(path, dtype="float32")
+    layers = model.model.layers
+    assert (layers[1].mlp.down_proj.group_size, layers[1].mlp.down_proj.bits) == (32, 4)
+    assert type(layers[2].self_attn.z_proj) is nn.Linear
+    assert layers[0].mlp.down_proj.bits == 8
+    assert rel_rms(model(IDS), reference(IDS)) < REL_RMS[4]  # one 4-bit layer adds ~2.5%
+
+
+def test_missing_scales_and_wrong_shapes_are_named(converted, tmp_path):
+    dst = converted[8][0]
+    weights = read_weights(dst)
+    del weights["model.layers.0.self_attn.q_proj.scales"]
+    weights["model.layers.3.mlp.up_proj.biases"] = mx.zeros((128, 2), dtype=mx.bfloat16)
+    bad = tmp_path / "bad"
+    write_weights(bad, weights)
+    (bad / "config.json").write_text((dst / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_model(bad)
+    assert e.value.missing == ["model.layers.0.self_attn.q_proj.scales"]
+    assert e.value.mismatched == ["model.layers.3.mlp.up_proj.biases (128, 2) != (128, 1)"]
+    assert "model.layers.0.self_attn.q_proj.scales" in str(e.value)
+
+
+def test_bf16_activations_keep_lightning_state_float32(converted):
+    model = load_model(converted[8][0], dtype="bfloat16")
+    assert model.lm_head.scales.dtype == mx.bfloat16
+    cache = model.make_cache()
+    logits = model(PROMPT, cache)
+    logits = model(mx.argmax(logits[:, -1:], axis=-1), cache)
+    assert logits.dtype == mx.bfloat16
+    states = [c.state for c in cache if isinstance(c, LightningCache)]
+    assert len(states) == 2 and all(s.dtype == mx.float32 for s in states)
+
+
+def test_quantized_embeddings_load(src, reference, tmp_path):
+    """mlx-lm quantizes embeddings too: their `.scales` make a QuantizedEmbedding."""
+    path = published_layout(src, tmp_path / "q-embed")
+    weights = read_weights(path)
+    w = read_weights(src)["model.embed_tokens.weight"].astype(mx.bfloat16)
+    q, scales, biases = mx.quantize(w, 64, 8)
+    prefix = "model.embed_tokens"
+    weights |= {f"{prefix}.weight": q, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+    write_weights(path, weights)
+    model = load_model(path, dtype="float32")
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert rel_rms(model(IDS), reference(IDS)) < REL_RMS[8]
+
+
+def test_quantization_config_errors_are_named(src, tmp_path):
+    lm_head = "quantization.lm_head"
+    path = published_layout(src, tmp_path / "conflict", overrides={"lm_head": False})
+    with pytest.raises(CheckpointError, match=f"{lm_head} = false"):
+        load_model(path)
+    path = published_layout(src, tmp_path / "bad-entry", overrides={"lm_head": {"bits": 7}})
+    with pytest.raises(ConfigError, match=lm_head):
+        load_model(path)
+    path = published_layout(src, tmp_path / "mxfp4", overrides={"mode": "mxfp4"})
+    with pytest.raises(ConfigError, match="quantization.mode"):
+        load_model(path)
+    with pytest.raises(ConfigError, match="bits"):
+        convert(src, tmp_path / "q7", bits=7, progress=False)
