@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint clean
+.PHONY: install test lint demo clean
 
 install: $(STAMP)
 
@@ -21,6 +21,12 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The demo job on builtin:tiny, an UNTRAINED demo model: it shows the pipeline, its answers are
+# meaningless text. Then the results table and a few answers.
+demo: $(STAMP)
+	$(BIN)/salabatch run jobs/demo.yaml
+	$(BIN)/salabatch inspect results/demo.parquet --show 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

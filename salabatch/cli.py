@@ -3,6 +3,7 @@ so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -107,6 +108,81 @@ def generate(
         f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
         err=True,
     )
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False), required=False)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Results file (default: the job's output.path).",
+)
+@click.option(
+    "--resume/--no-resume",
+    default=True,
+    show_default=True,
+    help="Skip rows the results file already has, or redo everything.",
+)
+@click.option("--retry-errors", is_flag=True, help="Redo rows that ended in an error.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Show documents, token counts, questions and the planned prefill; no weights.",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Produce at most N new rows.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
+)
+@click.option(
+    "--requests",
+    type=click.Path(dir_okay=False),
+    help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file).",
+)
+@click.option("--model", help="Model of a --requests run without a job file.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def run(
+    job, output, resume, retry_errors, dry_run, limit, overrides, requests, model, progress
+) -> None:
+    """Run a job: every document × question, answers and timings to Parquet. Resumable: rerun
+    the same command after a crash or Ctrl-C and finished rows are kept."""
+    from salabatch.jobs.spec import load_job, requests_job
+
+    if job:
+        spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
+    elif requests:
+        extra = [f"output.path={os.path.abspath(output)}"] if output else []
+        spec = requests_job(requests, model, [*overrides, *extra])
+    else:
+        raise click.UsageError("give a JOB file, or --requests FILE")
+    if dry_run:
+        from salabatch.jobs.dry_run import dry_run as show_plan
+
+        show_plan(spec, resume=resume, echo=click.echo)
+        return
+    from salabatch.jobs.runner import run_job
+
+    summary = run_job(
+        spec,
+        resume=resume,
+        retry_errors=retry_errors,
+        limit=limit,
+        progress=progress,
+        echo=lambda m: click.echo(m, err=True),
+    )
+    click.echo(
+        f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
+        f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
+        err=True,
+    )
+    if summary.interrupted:
+        click.echo("interrupted: finished rows are saved; run the same command to resume", err=True)
+        sys.exit(130)
+    click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
 
 
 @main.command()

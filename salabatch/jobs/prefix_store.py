@@ -92,6 +92,10 @@ class PrefixStore:
         with self._lock(shared=True):
             return self._read(self._prefix(key), key, cfg, key.tokens)
 
+    def has(self, key: PrefixKey) -> bool:
+        """Whether a complete cache of this prefix is stored (not verified: see `load`)."""
+        return self._prefix(key).with_suffix(".json").exists()
+
     def save(self, key: PrefixKey, cache: ModelCache) -> None:
         """Stores a complete prefix cache, then evicts least recently used entries over budget."""
         with self._lock():

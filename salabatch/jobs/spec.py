@@ -459,6 +459,44 @@ def load_job(
     return spec
 
 
+def requests_job(
+    requests: str | Path, model: str | None = None, overrides: Sequence[str] = ()
+) -> JobSpec:
+    """A job for `salabatch run --requests FILE` without a job file: named after the file, the
+    model from `model` or else the one model every request names; results under ./results."""
+    path = Path(os.path.expanduser(requests)).absolute()
+    if model is None:
+        names = set()
+        try:
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    body = json.loads(line).get("body") or {}
+                    names.add(body.get("model"))
+        except (OSError, ValueError, AttributeError) as e:
+            raise JobSpecError(
+                f"cannot read the model from the requests ({e})", path=path
+            ) from None
+        names.discard(None)
+        if len(names) != 1:
+            raise JobSpecError(
+                "give --model: the requests name "
+                + (f"several models ({', '.join(sorted(map(str, names)))})" if names else "none"),
+                path=path,
+            )
+        model = names.pop()
+    data: dict[str, Any] = {
+        "name": re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).strip("-.") or "requests",
+        "model": model,
+        "requests": str(path),
+    }
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
+    except ValidationError as e:
+        raise JobValidationError(path, format_validation_error(e)) from None
+
+
 def _read_job_file(path: str | Path) -> str:
     try:
         return Path(path).expanduser().read_text(encoding="utf-8")

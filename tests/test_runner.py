@@ -1,0 +1,324 @@
+"""`salabatch run` end to end on builtin:tiny (an untrained demo model): rows, resume after
+SIGKILL, bad input, error rows, dry run, OpenAI batch round trip, context overflow."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.engine import builtin
+from salabatch.jobs.output import read_metadata, read_results
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "inspection-letter.pdf"
+SHARED_PDFS = REPO.parent / "shared" / "pdfs"
+DESIGN_COLUMNS = [
+    "run_id",
+    "job_name",
+    "doc_id",
+    "doc_path",
+    "doc_sha256",
+    "question_id",
+    "question",
+    "custom_id",
+    "answer",
+    "finish_reason",
+    "status",
+    "model",
+    "model_sha",
+    "quant_bits",
+    "doc_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "doc_prefill_s",
+    "prefill_tok_s",
+    "ttft_s",
+    "decode_s",
+    "decode_tok_s",
+    "batch_size",
+    "cache_source",
+    "peak_mem_gb",
+    "started_at",
+    "finished_at",
+]
+QUESTIONS = [
+    {"id": "summary", "text": "Summarize this."},
+    {"id": "who", "text": "Who is named here?"},
+    {"id": "cost", "text": "What does it cost?"},
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))
+
+
+def write_docs(folder: Path) -> Path:
+    docs = folder / "docs"
+    docs.mkdir(parents=True)
+    (docs / "notes.txt").write_text("The ferry to Eastwick leaves at 7:10. " * 3)
+    (docs / "report.md").write_text("# Report\n\n" + "The quay needs new fenders. " * 60)
+    shutil.copy(DEMO_PDF, docs / "letter.pdf")
+    return docs
+
+
+def write_job(folder: Path, model: Path, **overrides) -> Path:
+    job = {
+        "name": "t",
+        "model": str(model),
+        "documents": [{"path": "docs"}],
+        "questions": QUESTIONS,
+        "generation": {"max_tokens": 6},
+        "engine": {"prefill_chunk": 128, "batch_size": 4},
+        "cache": {"dir": str(folder / "cache")},
+        "output": {"path": "out/results.parquet"},
+    }
+    for key, value in overrides.items():
+        job[key] = value
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, [*args, "--no-progress"] if args[0] == "run" else list(args))
+
+
+def rows(folder: Path) -> list[dict]:
+    return read_results(folder / "out" / "results.parquet").to_pylist()
+
+
+def test_three_documents_three_questions(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    got = table.to_pylist()
+    assert len(got) == 9 and len({r["request_key"] for r in got}) == 9
+    for r in got:
+        missing = [c for c in DESIGN_COLUMNS if r[c] is None]
+        assert not missing, f"{r['custom_id']}: {missing}"
+        assert r["status"] == "ok" and r["error"] is None
+        assert 0 < r["completion_tokens"] <= 6 and r["finish_reason"] in ("stop", "length")
+        assert r["prompt_tokens"] >= r["doc_tokens"] > 0
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] >= 0 and r["prefill_tok_s"] > 0
+        assert r["started_at"] <= r["finished_at"] and r["peak_mem_gb"] > 0
+        assert r["quant_bits"] == 32 and r["cache_source"] == "none"
+    shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over prefill_chunk: one prefix
+    assert all(1 <= r["batch_size"] <= 4 for r in shared)
+    meta = read_metadata(tmp_path / "out" / "results.parquet")
+    assert meta["job_spec"]["name"] == "t" and meta["versions"]["salabatch"]
+    shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"))
+    assert re.search(r"^rows\s+9$", shown.output, re.M)
+
+
+def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    assert run_cli("run", str(job)).exit_code == 0
+    again = run_cli("run", str(job))
+    assert "0 row(s) written" in again.output and "9 already done" in again.output
+    more = [*QUESTIONS, {"id": "when", "text": "When?"}]
+    job = write_job(tmp_path, tiny_model, questions=more)
+    assert run_cli("run", str(job)).exit_code == 0
+    new = [r for r in rows(tmp_path) if r["question_id"] == "when"]
+    assert len(new) == 3 and len(rows(tmp_path)) == 12
+    for r in new:
+        if r["doc_id"] != "notes.txt":  # long documents: prefix from disk, no document prefill
+            assert r["cache_source"] == "disk" and r["doc_prefill_s"] == 0
+            assert r["cached_tokens"] == r["doc_tokens"]
+
+
+def test_sigkill_mid_run_then_rerun_gives_every_row_once(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    for i in range(4):
+        (docs / f"extra{i}.md").write_text(f"Section {i}. " + "Tides and ledgers. " * 80)
+    job = write_job(tmp_path, tiny_model, generation={"max_tokens": 24})
+    parts = tmp_path / "out" / "results.parquet.parts"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "salabatch.cli", "run", str(job), "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < 4:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = rows(tmp_path)  # readable mid-run, from the parts
+    assert 4 <= len(partial) < 21
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    final = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    keys = [r["request_key"] for r in final]
+    assert len(final) == 21 and len(set(keys)) == 21
+    assert {(r["doc_id"], r["question_id"]) for r in final} == {
+        (d, q["id"])
+        for d in ["notes.txt", "report.md", "letter.pdf", *[f"extra{i}.md" for i in range(4)]]
+        for q in QUESTIONS
+    }
+    assert not parts.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda j: j.update(colour="red"), "colour: unknown field"),
+        (lambda j: j["questions"][1].pop("text"), "questions[1].text: field required"),
+        (lambda j: j["engine"].update(batch_size="four"), "engine.batch_size"),
+        (lambda j: j.update(documents=[{"path": "nowhere"}]), "documents[0].path"),
+    ],
+)
+def test_bad_job_files_exit_2_with_the_location(tmp_path, tiny_model, edit, where):
+    write_docs(tmp_path)
+    path = write_job(tmp_path, tiny_model)
+    job = yaml.safe_load(path.read_text())
+    edit(job)
+    path.write_text(yaml.safe_dump(job))
+    for command in ("validate", "run"):
+        result = subprocess.run(
+            [sys.executable, "-m", "salabatch.cli", command, str(path)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2, (command, result.stderr)
+        assert where in result.stderr and "Traceback" not in result.stderr
+        assert result.stderr.startswith("error: ")
+
+
+def test_unreadable_documents_become_error_rows(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    (docs / "broken.pdf").write_bytes(b"%PDF-1.4\n garbage \x00\x01 no xref")
+    (docs / "empty.txt").write_bytes(b"")
+    scanned = SHARED_PDFS / "imagemagick-images.pdf"
+    if scanned.is_file():
+        shutil.copy(scanned, docs / "scanned.pdf")
+    job = write_job(tmp_path, tiny_model)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    got = {(r["doc_id"], r["question_id"]): r for r in rows(tmp_path)}
+    bad = ["broken.pdf", "empty.txt"] + (["scanned.pdf"] if scanned.is_file() else [])
+    for doc in bad:
+        for q in QUESTIONS:
+            r = got[(doc, q["id"])]
+            assert r["status"] == "error" and r["finish_reason"] == "error" and r["error"]
+    assert "corrupt PDF" in got[("broken.pdf", "who")]["error"]
+    assert "empty" in got[("empty.txt", "who")]["error"]
+    if scanned.is_file():
+        assert "no extractable text" in got[("scanned.pdf", "who")]["error"]
+    for doc in ("notes.txt", "report.md", "letter.pdf"):
+        assert all(got[(doc, q["id"])]["status"] == "ok" for q in QUESTIONS)
+
+
+def test_dry_run_plans_without_loading_weights(tmp_path, tiny_model, monkeypatch):
+    import salabatch.engine.load as load
+
+    def refuse(*_a, **_k):
+        raise AssertionError("dry run loaded the weights")
+
+    monkeypatch.setattr(load, "load_model", refuse)
+    write_docs(tmp_path)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)), "--dry-run")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in ("letter.pdf: ", "report.md: ", "notes.txt: ", "summary: Summarize this."):
+        assert text in out
+    assert "tokens" in out and "plan: 9 row(s) to do" in out and "prefill" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_openai_batch_round_trip(tmp_path, tiny_model):
+    lines = [
+        {
+            "custom_id": "a-1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Hello?"}],
+                "max_tokens": 5,
+            },
+        },
+        {
+            "custom_id": "b-2",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Name a river."}]},
+                ],
+                "temperature": 0.7,
+                "seed": 3,
+                "max_completion_tokens": 4,
+            },
+        },
+        {
+            "custom_id": "c-3",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": "x"},
+        },
+    ]
+    requests = tmp_path / "batch.jsonl"
+    requests.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    out = tmp_path / "out" / "results.parquet"
+    result = run_cli(
+        "run",
+        "--requests",
+        str(requests),
+        "--model",
+        str(tiny_model),
+        "-o",
+        str(out),
+        "--set",
+        f"cache.dir={tmp_path / 'cache'}",
+    )
+    assert result.exit_code == 0, result.output
+    exported = tmp_path / "batch_out.jsonl"
+    assert run_cli("export", str(out), "-o", str(exported)).exit_code == 0
+    answers = {
+        json.loads(line)["custom_id"]: json.loads(line)
+        for line in exported.read_text().splitlines()
+    }
+    assert set(answers) == {"a-1", "b-2", "c-3", "line-4"}
+    table = {r["custom_id"]: r for r in read_results(out).to_pylist()}
+    for ok in ("a-1", "b-2"):
+        body = answers[ok]["response"]["body"]
+        assert answers[ok]["error"] is None
+        assert body["choices"][0]["message"]["content"] == table[ok]["answer"]
+        assert body["usage"]["completion_tokens"] == table[ok]["completion_tokens"] <= 5
+    assert table["b-2"]["question"] == "Name a river."
+    assert "chat/completions" in answers["c-3"]["error"]["message"]
+    assert "not valid JSON" in answers["line-4"]["error"]["message"]
+
+
+def test_context_overflow(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model, engine={"max_context": 400, "prefill_chunk": 128})
+    assert run_cli("run", str(job)).exit_code == 0
+    over = [r for r in rows(tmp_path) if r["doc_id"] == "report.md"]
+    assert all(r["status"] == "error" and "tokens with its prompt" in r["error"] for r in over)
+    assert all(r["status"] == "ok" for r in rows(tmp_path) if r["doc_id"] == "notes.txt")
+    engine = {"max_context": 400, "prefill_chunk": 128, "on_overflow": "truncate_middle"}
+    job = write_job(tmp_path, tiny_model, engine=engine, output={"path": "out/cut.parquet"})
+    assert run_cli("run", str(job)).exit_code == 0
+    cut = read_results(tmp_path / "out" / "cut.parquet").to_pylist()
+    assert all(r["status"] == "ok" for r in cut)
+    assert all(r["prompt_tokens"] + 6 <= 400 for r in cut)
