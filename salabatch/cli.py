@@ -110,6 +110,15 @@ def generate(
     )
 
 
+_overrides = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
+)
+
+
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False), required=False)
 @click.option(
@@ -131,13 +140,7 @@ def generate(
     help="Show documents, token counts, questions and the planned prefill; no weights.",
 )
 @click.option("--limit", type=click.IntRange(min=1), help="Produce at most N new rows.")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
-)
+@_overrides
 @click.option(
     "--requests",
     type=click.Path(dir_okay=False),
@@ -150,7 +153,7 @@ def run(
 ) -> None:
     """Run a job: every document × question, answers and timings to Parquet. Resumable: rerun
     the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec import load_job, requests_job
+    from salabatch.jobs.spec_load import load_job, requests_job
 
     if job:
         spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
@@ -187,13 +190,7 @@ def run(
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
-)
+@_overrides
 @click.option(
     "--schema-only",
     is_flag=True,
@@ -201,7 +198,7 @@ def run(
 )
 def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     """Check a job file; errors name their field and line. Exit code 2 on errors."""
-    from salabatch.jobs.spec import validate_command
+    from salabatch.jobs.spec_load import validate_command
 
     sys.exit(validate_command(job, overrides, check_files=not schema_only))
 
@@ -261,6 +258,7 @@ def convert_cmd(
     src: str, dst: str, bits: str, group_size: str, dtype: str, force: bool, max_shard_gb: float
 ) -> None:
     """Quantize a checkpoint (MLX affine, every linear layer incl. lm_head) into DST."""
+    from salabatch.cli_tools import human_size
     from salabatch.engine.quantize import convert
 
     s = convert(
@@ -274,193 +272,16 @@ def convert_cmd(
     )
     click.echo(
         f"{s['quantized']} tensors quantized, {s['kept']} kept; "
-        f"{_size(s['bytes_before'])} -> {_size(s['bytes_after'])} "
+        f"{human_size(s['bytes_before'])} -> {human_size(s['bytes_after'])} "
         f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
         f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
     )
 
 
-@main.group()
-def cache() -> None:
-    """The prefix cache store: saved document prefixes and prefill snapshots."""
+from salabatch.cli_tools import bench, cache  # noqa: E402  (after `main`: they use no MLX)
 
-
-_cache_dir = click.option(
-    "--dir",
-    "root",
-    type=click.Path(file_okay=False),
-    help="Store folder (default: ~/.cache/salabatch, the jobs' default cache.dir).",
-)
-
-
-def _store(root: str | None):
-    from salabatch.engine.builtin import default_cache_dir
-    from salabatch.jobs.prefix_store import PrefixStore
-
-    return PrefixStore(root or default_cache_dir())
-
-
-@cache.command("ls")
-@_cache_dir
-def cache_ls(root: str | None) -> None:
-    """List stored prefixes and snapshots: size, tokens, model, dtype, age."""
-    import time
-
-    entries = _store(root).entries()
-    if not entries:
-        click.echo("no stored prefixes")
-        return
-    click.echo(
-        f"{'digest':14s} {'kind':8s} {'size':>9s} {'tokens':>15s} {'dtype':9s} "
-        f"{'last used':>10s}  model"
-    )
-    now = time.time()
-    for e in entries:
-        tokens = f"{e.tokens}" if e.kind == "prefix" else f"{e.tokens}/{e.total_tokens}"
-        click.echo(
-            f"{e.digest[:12]:14s} {e.kind:8s} {_size(e.bytes):>9s} {tokens:>15s} "
-            f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {e.model}"
-        )
-    total = sum(e.bytes for e in entries)
-    click.echo(f"{len(entries)} entries, {_size(total)}")
-
-
-@cache.command("prune")
-@_cache_dir
-@click.option("--max-gb", type=click.FloatRange(min=0), help="Keep at most this much (LRU).")
-@click.option(
-    "--older-than",
-    type=click.FloatRange(min=0),
-    metavar="DAYS",
-    help="Remove entries unused for this many days.",
-)
-def cache_prune(root: str | None, max_gb: float | None, older_than: float | None) -> None:
-    """Remove least recently used entries over a size, or entries unused for a while."""
-    if max_gb is None and older_than is None:
-        raise click.UsageError("give --max-gb and/or --older-than")
-    removed = _store(root).prune(
-        max_bytes=None if max_gb is None else int(max_gb * 2**30),
-        older_than_s=None if older_than is None else older_than * 86400,
-    )
-    click.echo(f"removed {len(removed)} entries, {_size(sum(e.bytes for e in removed))}")
-
-
-@cache.command("clear")
-@_cache_dir
-@click.option("--yes", is_flag=True, help="Do not ask.")
-def cache_clear(root: str | None, yes: bool) -> None:
-    """Remove every stored prefix and snapshot."""
-    store = _store(root)
-    if not yes:
-        click.confirm(f"remove every stored prefix in {store.root}?", abort=True)
-    click.echo(f"freed {_size(store.clear())}")
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
-def _age(seconds: float) -> str:
-    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= span:
-            return f"{seconds / span:.0f} {unit}"
-    return f"{seconds:.0f} s"
-
-
-@main.group()
-def bench() -> None:
-    """Benchmarks; each prints its results as JSON (and writes them with --out)."""
-
-
-def _emit(name: str, result: dict, out: str | None) -> None:
-    import json
-
-    from salabatch.bench import environment
-
-    text = json.dumps({"bench": name, **environment(), **result}, indent=2)
-    click.echo(text)
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-
-
-@bench.command("sparse")
-@click.option(
-    "--contexts",
-    default="8192,32768,131072",
-    show_default=True,
-    help="Context lengths for the decode timing, comma-separated.",
-)
-@click.option(
-    "--prefill-tokens",
-    default=65536,
-    show_default=True,
-    help="Tokens of the chunked prefill whose peak memory is measured (0: skip).",
-)
-@click.option("--chunk", default=2048, show_default=True, help="Prefill chunk size.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def bench_sparse(contexts: str, prefill_tokens: int, chunk: int, out: str | None) -> None:
-    """InfLLM-v2: sparse-layer decode time vs context, and chunked-prefill peak memory."""
-    from salabatch.bench import sparse
-
-    sizes = [int(c) for c in contexts.split(",") if c.strip()]
-    _emit("sparse", sparse.run(sizes, prefill_tokens, chunk), out)
-
-
-@bench.command("prefix")
-@click.option("--doc-tokens", default=16384, show_default=True)
-@click.option("--questions", default=8, show_default=True)
-@click.option("--max-tokens", default=32, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | None) -> None:
-    """Prefix store on builtin:tiny: questions over one document, re-prefilled per question vs
-    prefilled once (stored) and answered as one batch, then a second run from disk."""
-    from salabatch.bench import prefix
-
-    _emit("prefix", prefix.run(doc_tokens, questions, max_tokens), out)
-
-
-@bench.command("quant")
-@click.option("--hidden", default=1024, show_default=True)
-@click.option("--layers", default=8, show_default=True)
-@click.option("--prefill", default=32, show_default=True)
-@click.option("--steps", default=16, show_default=True)
-@click.option("--formats", default="float32,bfloat16,8bit,4bit", show_default=True)
-@click.option(
-    "--act-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-)
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def bench_quant(
-    hidden: int,
-    layers: int,
-    prefill: int,
-    steps: int,
-    formats: str,
-    act_dtype: str,
-    out: str | None,
-) -> None:
-    """Decode tok/s and memory of float32 / bf16 / 8-bit / 4-bit weights on a random model."""
-    from salabatch.bench import quant
-
-    chosen = tuple(f.strip() for f in formats.split(",") if f.strip())
-    _emit("quant", quant.run(hidden, layers, prefill, steps, chosen, act_dtype), out)
-
-
-@bench.command("gla")
-@click.option("--repeat", default=5, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def bench_gla(repeat: int, out: str | None) -> None:
-    """Lightning kernels at the 9B's shape: 2048-token chunked prefill, decode steps."""
-    from salabatch.bench import gla
-
-    _emit("gla", gla.run(repeat), out)
+main.add_command(cache)
+main.add_command(bench)
 
 
 if __name__ == "__main__":

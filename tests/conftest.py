@@ -16,3 +16,12 @@ def golden_dir():
 def tiny_dir(tmp_path_factory):
     """A 4-layer checkpoint [sparse, lightning, lightning, sparse] with random weights."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh $HOME, so `~` in job files resolves inside the test's folder."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    return home

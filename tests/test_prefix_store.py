@@ -211,3 +211,32 @@ def test_two_processes_share_a_store(model, ckpt, tmp_path):
         for e in store.entries():
             ids = np.random.default_rng(e.total_tokens).integers(3, 256, size=e.total_tokens)
             assert store.load(key_for(ids.tolist()), model.config) is not None
+
+
+def test_a_corrupt_entry_is_rebuilt_by_the_next_prefill(model, tmp_path):
+    store, key, path = stored_entry(model, tmp_path)
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.warns(PrefixStoreWarning):
+        again = DocumentCaches(model, store).get(key, doc_ids(300))
+    assert again.source == "none" and store.has(key)
+    assert store.load(key, model.config) is not None
+
+
+def test_cache_commands(model, tmp_path):
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    store, key, _ = stored_entry(model, tmp_path)
+    root = str(store.root)
+    listed = CliRunner().invoke(main, ["cache", "ls", "--dir", root])
+    assert listed.exit_code == 0 and "prefix" in listed.output and " 300 " in listed.output
+    assert "1 entries" in listed.output
+    pruned = CliRunner().invoke(main, ["cache", "prune", "--dir", root, "--max-gb", "0"])
+    assert pruned.exit_code == 0 and "removed 1 entries" in pruned.output
+    stored_entry(model, tmp_path / "again")
+    cleared = CliRunner().invoke(
+        main, ["cache", "clear", "--dir", str(tmp_path / "again" / "store"), "--yes"]
+    )
+    assert cleared.exit_code == 0 and "freed" in cleared.output
+    assert CliRunner().invoke(main, ["cache", "ls", "--dir", root]).output.startswith("no stored")

@@ -81,6 +81,20 @@ def test_greedy_choices_agree_at_8_bits(converted, reference):
     assert sum(agree) / len(agree) >= GREEDY_AGREEMENT_8BIT
 
 
+def test_free_running_greedy_generation_agrees_at_8_bits(converted, reference):
+    """convert → load → generate: 32 greedy tokens from the 8-bit model, each run on its own,
+    against float32's (the literal reading; the test above isolates per-step choices)."""
+    from salabatch.engine.generate import Generator, Request
+
+    request = Request("r", tuple(PROMPT[0].tolist()), max_tokens=32)
+    model = load_model(converted[8][0], dtype="float32")
+    (ref,) = Generator(reference, batch_size=1).generate([request])
+    (got,) = Generator(model, batch_size=1).generate([request])
+    same = sum(a == b for a, b in zip(ref.tokens, got.tokens, strict=True)) / 32
+    print(f"8-bit free-running greedy agreement {same:.3f}")
+    assert len(got.tokens) == 32 and same >= GREEDY_AGREEMENT_8BIT
+
+
 def test_convert_round_trip(src, converted):
     for bits, (dst, summary) in converted.items():
         print(f"{bits}-bit: {summary['bytes_after']} bytes, {summary['ratio']:.3f} of float32")

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.engine import builtin
-from salabatch.jobs.output import read_metadata, read_results
+from salabatch.jobs.output_read import read_metadata, read_results
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "inspection-letter.pdf"
@@ -143,26 +143,33 @@ def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
             assert r["cached_tokens"] == r["doc_tokens"]
 
 
-def test_sigkill_mid_run_then_rerun_gives_every_row_once(tmp_path, tiny_model):
+def start_long_run(tmp_path: Path, model: Path, parts_wanted: int) -> subprocess.Popen:
+    """A run of 21 rows in a subprocess, returned once `parts_wanted` rows are durable."""
     docs = write_docs(tmp_path)
     for i in range(4):
         (docs / f"extra{i}.md").write_text(f"Section {i}. " + "Tides and ledgers. " * 80)
-    job = write_job(tmp_path, tiny_model, generation={"max_tokens": 24})
+    job = write_job(tmp_path, model, generation={"max_tokens": 24})
     parts = tmp_path / "out" / "results.parquet.parts"
     proc = subprocess.Popen(
         [sys.executable, "-m", "salabatch.cli", "run", str(job), "--no-progress"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 240
-    while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < 4:
-        assert proc.poll() is None, proc.stderr.read().decode()
+    while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < parts_wanted:
+        assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.05)
+    return proc
+
+
+def test_sigkill_mid_run_then_rerun_gives_every_row_once(tmp_path, tiny_model):
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=4)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = rows(tmp_path)  # readable mid-run, from the parts
     assert 4 <= len(partial) < 21
-    result = run_cli("run", str(job))
+    result = run_cli("run", str(tmp_path / "job.yaml"))
     assert result.exit_code == 0, result.output
     final = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     keys = [r["request_key"] for r in final]
@@ -172,7 +179,7 @@ def test_sigkill_mid_run_then_rerun_gives_every_row_once(tmp_path, tiny_model):
         for d in ["notes.txt", "report.md", "letter.pdf", *[f"extra{i}.md" for i in range(4)]]
         for q in QUESTIONS
     }
-    assert not parts.exists()
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()
 
 
 @pytest.mark.parametrize(
@@ -322,3 +329,14 @@ def test_context_overflow(tmp_path, tiny_model):
     cut = read_results(tmp_path / "out" / "cut.parquet").to_pylist()
     assert all(r["status"] == "ok" for r in cut)
     assert all(r["prompt_tokens"] + 6 <= 400 for r in cut)
+
+
+def test_ctrl_c_stops_after_finished_rows(tmp_path, tiny_model):
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = proc.stderr.read()
+    assert "interrupted" in err and "Traceback" not in err
+    saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
+    assert 3 <= len(saved) < 21
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()

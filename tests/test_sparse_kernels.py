@@ -7,7 +7,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from salabatch.engine.cache import SparseKVCache
 from salabatch.engine.kernels import sparse_attention, sparse_select
 from salabatch.engine.kernels.sparse_attention import (
     block_sparse_attention,
@@ -15,6 +14,7 @@ from salabatch.engine.kernels.sparse_attention import (
 )
 from salabatch.engine.kernels.sparse_select import select_blocks, select_blocks_ref
 from salabatch.engine.sparse import visible_chunks
+from salabatch.engine.sparse_cache import SparseKVCache
 
 TOL_F32 = 1e-5
 BLOCK = 64

@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from salabatch.bench import time_ms
-from salabatch.engine.cache import SparseKVCache
 from salabatch.engine.kernels.attention import dense_attention
+from salabatch.engine.sparse_cache import SparseKVCache
 
 SPARSE_9B = {
     "kernel_size": 32,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.cache import BLOCK, COMPRESSION, KVView, SparseKVCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attend, dense_attention
 from salabatch.engine.kernels.sparse_attention import block_sparse_attention
 from salabatch.engine.kernels.sparse_select import select_blocks
+from salabatch.engine.sparse_cache import BLOCK, COMPRESSION, KVView, SparseKVCache
 
 
 class SparseAttention(nn.Module):

@@ -14,37 +14,21 @@ from __future__ import annotations
 import codecs
 import glob as globlib
 import hashlib
-import io
 import json
-import logging
 import os
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from salabatch.errors import JobSpecError
-
-# Pages of a PDF are joined with a form feed between blank lines. The form feed is the page break
-# pdftotext writes too; byte-level tokenizers keep it (one byte token), and the blank lines around
-# it keep the last paragraph of a page apart from the first of the next, for the model and for a
-# person reading the text. Form feeds inside a page become newlines, so
-# `doc.text.split(PAGE_BREAK)` gives back exactly `doc.n_pages` pages (empty ones included).
-PAGE_BREAK = "\n\n\f\n\n"
+from salabatch.jobs.pdf import read_pdf
+from salabatch.jobs.text import clean_text, decode_reason, decode_text, one_line
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".pdf", ".jsonl")
-
-# A PDF with fewer non-blank characters than this per page, on average, is treated as scanned
-# images: image-only PDFs often carry a stray label or page number (imagemagick-images.pdf has
-# "Background" on 4 of 6 pages, 6.7 characters a page), while one short real line has more.
-MIN_CHARS_PER_PAGE = 10
-
 _SUPPORTED_TEXT = " ".join(SUPPORTED_SUFFIXES)
-_MAX_REASON_CHARS = 200
-_MAX_WARNINGS = 20
 
 
 @dataclass(frozen=True)
@@ -62,7 +46,7 @@ class Document:
         id, the later one (in reading order) gets `~2`, `~3`, ...
     path: the source file; for a jsonl record, the .jsonl file.
     text: the text for the model (newlines are `\\n`, no NUL bytes; PDF pages joined by
-        PAGE_BREAK); "" when `error` is set.
+        `pdf.PAGE_BREAK`); "" when `error` is set.
     sha256: hex digest of the file's bytes; for a jsonl record, of the record's canonical JSON
         (sorted keys, compact separators, UTF-8), or of the line's bytes when it is not a JSON
         object; "" when the file was not read at all.
@@ -218,7 +202,7 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
     try:
         data = file.path.read_bytes()
     except OSError as e:
-        yield failed(f"cannot read file: {e.strerror or _one_line(e)}")
+        yield failed(f"cannot read file: {e.strerror or one_line(e)}")
         return
     sha256 = hashlib.sha256(data).hexdigest()
     if not data:
@@ -228,49 +212,13 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
         yield from _read_jsonl(file, data, sha256)
         return
     if suffix == ".pdf":
-        text, n_pages, error, meta = _read_pdf(data)
+        text, n_pages, error, meta = read_pdf(data)
     else:
-        (text, error, meta), n_pages = _decode_text(data), None
+        (text, error, meta), n_pages = decode_text(data), None
     if error:
         yield failed(error, sha256, n_pages=n_pages, meta=meta)
     else:
         yield Document(file.rel_id, str(file.path), text, sha256, n_pages=n_pages, meta=meta)
-
-
-# ---- text files -------------------------------------------------------------------------------
-
-# UTF-32 before UTF-16: the UTF-32-LE BOM starts with the UTF-16-LE one.
-_BOMS = (
-    (codecs.BOM_UTF8, "utf-8"),
-    (codecs.BOM_UTF32_LE, "utf-32-le"),
-    (codecs.BOM_UTF32_BE, "utf-32-be"),
-    (codecs.BOM_UTF16_LE, "utf-16-le"),
-    (codecs.BOM_UTF16_BE, "utf-16-be"),
-)
-
-
-def _decode_text(data: bytes) -> tuple[str, str | None, dict[str, Any]]:
-    """(text, error, meta) of a text file: UTF-8 (BOM or not), or UTF-16/32 when a BOM says so."""
-    bom, codec = next(((b, c) for b, c in _BOMS if data.startswith(b)), (b"", "utf-8"))
-    try:
-        text = data[len(bom) :].decode(codec)
-    except UnicodeDecodeError as e:
-        return "", _decode_reason(e, codec, offset=len(bom)), {}
-    meta = {} if codec == "utf-8" else {"encoding": codec}
-    text = _clean(text)
-    if not text.strip():
-        return "", "empty document (only whitespace)", meta
-    return text, None, meta
-
-
-def _decode_reason(e: UnicodeDecodeError, codec: str, offset: int = 0) -> str:
-    name = "UTF-8" if codec == "utf-8" else codec
-    return f"not valid {name} text: byte 0x{e.object[e.start]:02x} at offset {e.start + offset}"
-
-
-def _clean(text: str) -> str:
-    """Newlines as `\\n`, no NUL bytes (tokenizers and Parquet readers choke on them)."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
 
 
 # ---- jsonl --------------------------------------------------------------------------------------
@@ -302,7 +250,7 @@ def _read_record(file: SourceFile, number: int, raw: bytes) -> Document:
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        return failed(_decode_reason(e, "utf-8"))
+        return failed(decode_reason(e, "utf-8"))
     except json.JSONDecodeError as e:
         return failed(f"invalid JSON: {e.msg} at column {e.colno}")
     if not isinstance(record, dict):
@@ -326,137 +274,7 @@ def _read_record(file: SourceFile, number: int, raw: bytes) -> Document:
         return failed(f"missing text field {text_field!r} (fields: {', '.join(record) or 'none'})")
     if not isinstance(text, str):
         return failed(f"text field {text_field!r} must be a string, got {type(text).__name__}")
-    text = _clean(text)
+    text = clean_text(text)
     if not text.strip():
         return failed("empty document (only whitespace)")
     return Document(doc_id, str(file.path), text, sha256, meta=meta)
-
-
-# ---- PDF ----------------------------------------------------------------------------------------
-
-# Latin ligatures as pdfTeX fonts emit them ("ﬁlled"); spelled out they tokenize like the word.
-_LIGATURES = str.maketrans(
-    {
-        "\ufb00": "ff",
-        "\ufb01": "fi",
-        "\ufb02": "fl",
-        "\ufb03": "ffi",
-        "\ufb04": "ffl",
-        "\ufb05": "st",
-        "\ufb06": "st",
-    }
-)
-
-
-def _read_pdf(data: bytes) -> tuple[str, int | None, str | None, dict[str, Any]]:
-    """(text, n_pages, error, meta) of a PDF. Everything pypdf raises on a broken file is caught."""
-    meta: dict[str, Any] = {}
-    with _pypdf_warnings() as warnings:
-        try:
-            text, n_pages, error = _extract_pdf(data, meta)
-        except Exception as e:  # a corrupt file can fail anywhere in pypdf; the job goes on
-            # pypdf's first complaint ("EOF marker not found") often says more than the exception.
-            hint = f" ({warnings[0]})" if warnings else ""
-            text, n_pages, error = "", None, _one_line(f"corrupt PDF: {_one_line(e)}{hint}")
-    if warnings:
-        meta["warnings"] = warnings
-    return text, n_pages, error, meta
-
-
-def _extract_pdf(data: bytes, meta: dict[str, Any]) -> tuple[str, int | None, str | None]:
-    from pypdf import PdfReader  # only jobs with PDFs pay for the import
-
-    reader = PdfReader(io.BytesIO(data))
-    if reader.is_encrypted:
-        # Many PDFs are encrypted only against editing, with an empty user password: they open.
-        try:
-            opened = reader.decrypt("")
-        except Exception as e:
-            return "", None, f"encrypted PDF (cannot decrypt: {_one_line(e)})"
-        if not opened:
-            return "", None, "encrypted PDF (password required)"
-        meta["encrypted"] = True
-    with suppress(Exception):  # a broken info dictionary costs the title, not the document
-        title = _clean(reader.metadata.title or "").strip() if reader.metadata else ""
-        if title:
-            meta["title"] = title
-
-    n_pages = len(reader.pages)
-    if n_pages == 0:
-        return "", 0, "PDF has no pages"
-    pages: list[str] = []
-    bad: dict[int, str] = {}
-    for number in range(1, n_pages + 1):
-        try:
-            # "plain" mode follows the content stream: columns stay whole (multicolumn.pdf) and
-            # right-to-left text keeps its logical order (habibi.pdf); "layout" would interleave.
-            page_text = reader.pages[number - 1].extract_text(extraction_mode="plain")
-        except Exception as e:  # one bad page must not lose the document
-            bad[number] = _one_line(e)
-            page_text = ""
-        pages.append(_clean_page(page_text))
-    if bad:
-        meta["bad_pages"] = sorted(bad)
-        meta["page_errors"] = [f"page {n}: {reason}" for n, reason in sorted(bad.items())]
-
-    n_chars = sum(not c.isspace() for page in pages for c in page)
-    if len(bad) == n_pages:
-        return "", n_pages, f"corrupt PDF: text extraction failed on all {n_pages} pages ({bad[1]})"
-    if n_chars < MIN_CHARS_PER_PAGE * n_pages:
-        plural = "s" if n_pages != 1 else ""
-        reason = f"no extractable text: {n_pages} page{plural}, probably scanned images"
-        return "", n_pages, f"{reason} ({n_chars} non-blank characters in all)"
-    return PAGE_BREAK.join(pages), n_pages, None
-
-
-def _clean_page(text: str) -> str:
-    text = _clean(text).replace("\f", "\n").translate(_LIGATURES)
-    return "\n".join(line.rstrip() for line in text.split("\n")).strip()
-
-
-class _ListHandler(logging.Handler):
-    """Keeps each distinct log message once, up to _MAX_WARNINGS, in a list."""
-
-    def __init__(self, messages: list[str]) -> None:
-        super().__init__(logging.WARNING)
-        self.messages = messages
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with suppress(Exception):
-            message = _one_line(record.getMessage())
-            if message not in self.messages and len(self.messages) < _MAX_WARNINGS:
-                self.messages.append(message)
-
-
-@contextmanager
-def _pypdf_warnings() -> Iterator[list[str]]:
-    """Collect pypdf's log warnings for one document instead of printing them (restored after).
-
-    pypdf logs a line for every font or xref table it repairs, often dozens per file; on stderr
-    they drown a batch job's progress, but they belong to the document, so they go to its meta.
-    The pypdf logger is process-wide: extract PDFs from one thread at a time.
-    """
-    logger = logging.getLogger("pypdf")
-    messages: list[str] = []
-    handler = _ListHandler(messages)
-    level, propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
-
-
-def _one_line(e: object) -> str:
-    """A short, single-line, run-independent reason from an exception or a log message."""
-    text = str(e) or type(e).__name__
-    if isinstance(e, BaseException) and not type(e).__module__.startswith("pypdf"):
-        text = f"{type(e).__name__}: {text}"  # KeyError('/Root') alone would read as "'/Root'"
-    # pypdf prints objects with their id(), which changes every run: drop it.
-    text = re.sub(r"IndirectObject\((\d+), (\d+), \d+\)", r"IndirectObject(\1, \2)", text)
-    text = " ".join(text.split())
-    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 1] + "…"

@@ -15,7 +15,7 @@ from salabatch.engine.runtime import resolve_dtype
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import OutputError
 from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.output import read_results
+from salabatch.jobs.output_read import read_results
 from salabatch.jobs.plan import Planner, pooled
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 from salabatch.jobs.spec import JobSpec

@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
-from salabatch.jobs.output import OutputWarning, decode_metadata, read_results
+from salabatch.jobs.output import OutputWarning, decode_metadata
+from salabatch.jobs.output_read import read_results
 
 _TOP_ERRORS = 5
 _REASON_CHARS = 90

@@ -30,7 +30,8 @@ from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.documents import expand_sources
 from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.output import ResultRow, ResultWriter, current_versions
+from salabatch.jobs.output import ResultRow, current_versions
+from salabatch.jobs.output_write import ResultWriter
 from salabatch.jobs.plan import DocPlan, Planner, Row, pooled
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 from salabatch.jobs.spec import JobSpec, spec_json

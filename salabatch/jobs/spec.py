@@ -1,11 +1,9 @@
-"""The job file: pydantic models with `extra="forbid"`, read from YAML with the safe loader.
+"""The job file's models: pydantic, `extra="forbid"`, frozen; they never touch the disk.
 
-`load_job(path, overrides)` reads a job file, applies `--set key=value` overrides, resolves paths
-(relative to the job file's folder, `~` expanded) and validates. Every mistake found becomes one
-line `location: message` (`questions[2].text: field required (line 9)`) of a single
-`JobValidationError`, a JobSpecError (exit code 2): a job left running overnight should not stop
-at 3 a.m. on a typo. The models never touch the disk; `check_paths(spec)` does (documents, model,
-requests), and `validate_command` is `salabatch validate`.
+Build a JobSpec with `salabatch.jobs.spec_load.load_job` (YAML, `--set` overrides, errors with
+line numbers), or with `JobSpec.model_validate(data, context={"base_dir": folder})`: paths are
+resolved there (relative to the job file's folder, `~` expanded). Cross-field mistakes (nothing
+to do, a question id used twice) are reported together, each at its own location.
 
 Numbers and booleans are strict: YAML already types them, so `batch_size: "4"` or `think: 1` is
 a mistake worth reporting, not something to coerce.
@@ -13,18 +11,14 @@ a mistake worth reporting, not something to coerce.
 
 from __future__ import annotations
 
-import difflib
 import glob as globlib
 import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import click
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,15 +26,13 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from salabatch.errors import JobSpecError
-from salabatch.jobs.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.documents import DocumentSource
 
 BUILTIN_MODELS = ("tiny",)  # `model: builtin:tiny`, the bundled demo model
 
@@ -48,7 +40,20 @@ BUILTIN_MODELS = ("tiny",)  # `model: builtin:tiny`, the bundled demo model
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _SAFE_TEXT = "1 to 100 letters, digits, _ . - (not starting with . or -)"
 
-Loc = tuple[int | str, ...]
+Loc = tuple[int | str, ...]  # a pydantic location: ("questions", 2, "text")
+
+
+def render_loc(loc: Loc) -> str:
+    """A location as users write it: `("questions", 2, "text")` -> `questions[2].text`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def slug(text: str) -> str:
+    """`text` with every run of characters a name cannot hold turned into `-`, ends trimmed."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.")
 
 
 def _fail(message: str) -> PydanticCustomError:
@@ -57,7 +62,7 @@ def _fail(message: str) -> PydanticCustomError:
     return PydanticCustomError("job_spec", "{message}", {"message": message})
 
 
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
     """A value as the user wrote it in YAML, short."""
     if value is None:
         return "null"
@@ -77,7 +82,7 @@ def _resolve(value: object, info: ValidationInfo) -> str:
     if isinstance(value, Path):
         value = str(value)
     if not isinstance(value, str):
-        raise _fail(f"expected a path, got {_show(value)}")
+        raise _fail(f"expected a path, got {show_value(value)}")
     if not value.strip():
         raise _fail("must not be empty")
     base = (info.context or {}).get("base_dir") or os.getcwd()
@@ -95,7 +100,7 @@ class _Strict(BaseModel):
 class DocumentEntry(_Strict):
     """One `documents:` entry: a file, a folder (with an optional `glob`) or a glob pattern.
 
-    Existence is not checked here (see `check_paths`): a spec must load on any machine.
+    Existence is not checked here (see `spec_check.check_paths`): a spec loads on any machine.
     """
 
     path: Path
@@ -116,7 +121,7 @@ class DocumentEntry(_Strict):
         if not value.strip():
             raise _fail("must not be empty (leave glob out to read every supported file)")
         if value.startswith(("/", "~")):
-            raise _fail(f"must be relative to the folder in path, got {_show(value)}")
+            raise _fail(f"must be relative to the folder in path, got {show_value(value)}")
         path = info.data.get("path")
         if path is not None and globlib.has_magic(str(path)):
             raise _fail("path is already a glob pattern: put the whole pattern in path")
@@ -142,7 +147,9 @@ class Question(_Strict):
     @classmethod
     def _check_id(cls, value: str) -> str:
         if not _SAFE_NAME.fullmatch(value):
-            raise _fail(f"must be {_SAFE_TEXT}; it names columns and files, got {_show(value)}")
+            raise _fail(
+                f"must be {_SAFE_TEXT}; it names columns and files, got {show_value(value)}"
+            )
         return value
 
     @field_validator("text")
@@ -206,7 +213,7 @@ class OutputSettings(_Strict):
 
 
 class JobSpec(_Strict):
-    """A whole job file. Build it with `load_job`, or with
+    """A whole job file. Build it with `spec_load.load_job`, or with
     `JobSpec.model_validate(data, context={"base_dir": folder})` to resolve relative paths."""
 
     name: str
@@ -223,7 +230,7 @@ class JobSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _fill_defaults(cls, data: Any) -> Any:
-        return _with_defaults(data)
+        return with_defaults(data)
 
     @field_validator("name", mode="before")
     @classmethod
@@ -235,9 +242,9 @@ class JobSpec(_Strict):
     @classmethod
     def _check_name(cls, value: str) -> str:
         if not _SAFE_NAME.fullmatch(value):
-            slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", value).strip("-.")[:100]
-            hint = f"; try {slug!r}" if slug else ""
-            raise _fail(f"must be {_SAFE_TEXT}, got {_show(value)}{hint}")
+            suggestion = slug(value)[:100]
+            hint = f"; try {suggestion!r}" if suggestion else ""
+            raise _fail(f"must be {_SAFE_TEXT}, got {show_value(value)}{hint}")
         return value
 
     @field_validator("model", mode="before")
@@ -266,17 +273,17 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_job(self) -> JobSpec:
-        problems = _job_problems(
+        problems = job_problems(
             bool(self.documents),
             bool(self.questions),
             self.requests is not None,
             [(i, q.id) for i, q in enumerate(self.questions)],
         )
         if problems:
-            # One error carrying every problem, each with its own location (see _PROBLEMS).
+            # One error carrying every problem, each with its own location.
             text = "; ".join(f"{render_loc(loc)}: {msg}" for loc, msg in problems)
             raise PydanticCustomError(
-                _PROBLEMS, "{message}", {"message": text, "problems": problems}
+                CROSS_FIELD_ERROR, "{message}", {"message": text, "problems": problems}
             )
         return self
 
@@ -289,7 +296,7 @@ class JobSpec(_Strict):
         return [entry.to_source() for entry in self.documents]
 
 
-def _with_defaults(data: Any) -> Any:
+def with_defaults(data: Any) -> Any:
     """Defaults that depend on the job file: question ids, sections whose paths resolve against
     the job's folder, the output path named after the job."""
     if not isinstance(data, dict):
@@ -316,10 +323,11 @@ def _number_as_text(value: object) -> object:
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-_PROBLEMS = "job_spec_problems"
+# The pydantic error type of the one error carrying every cross-field problem.
+CROSS_FIELD_ERROR = "job_spec_problems"
 
 
-def _job_problems(
+def job_problems(
     has_documents: bool,
     has_questions: bool,
     has_requests: bool,
@@ -378,463 +386,3 @@ def effective_generation(spec: JobSpec, question: Question) -> Generation:
 def generation_key(spec: JobSpec, question: Question) -> dict[str, Any]:
     """The effective generation settings of one question, as plain JSON values."""
     return effective_generation(spec, question).model_dump(mode="json")
-
-
-# ---- loading -----------------------------------------------------------------------------------
-
-
-class JobValidationError(JobSpecError):
-    """Every mistake of a job file, one `location: message` line each, in `errors`.
-
-    str(): `job.yaml: questions[2].text: field required` for one error, else
-    `job.yaml: 3 errors` followed by the errors, one per indented line.
-    """
-
-    def __init__(self, path: str | Path, errors: Sequence[str]) -> None:
-        self.errors = list(errors)
-        if len(self.errors) == 1:
-            message = self.errors[0]
-        else:
-            message = f"{len(self.errors)} errors\n" + "\n".join(f"  {e}" for e in self.errors)
-        super().__init__(message, path=path)
-
-
-def load_job(
-    path: str | Path,
-    overrides: Sequence[str] = (),
-    *,
-    requests: str | Path | None = None,
-    output: str | Path | None = None,
-    check_files: bool = False,
-) -> JobSpec:
-    """Read, override and validate a job file.
-
-    overrides: `key.sub=value` strings (see `apply_override`), applied in order before validation.
-    requests, output: paths given on the command line (`--requests`, `-o`): relative to the
-        current directory, they replace `requests:` / `output.path`.
-    check_files: also run `check_paths` (documents, model and requests exist).
-    Raises JobSpecError for a file that cannot be read or parsed, JobValidationError (listing
-    every mistake) for one that does not validate.
-    """
-    text = _read_job_file(path)
-    data, root = _parse_yaml(text, path)
-    errors = _duplicate_keys(root)
-
-    set_paths: list[tuple[str, ...]] = []
-    for override in overrides:
-        try:
-            set_paths.append(apply_override(data, override))
-        except JobSpecError as e:
-            errors.append(e.message)
-    if requests is not None:
-        data["requests"] = os.path.abspath(os.path.expanduser(requests))
-        set_paths.append(("requests",))
-    if output is not None:
-        section = data.get("output")
-        section = dict(section) if isinstance(section, dict) else {}
-        data["output"] = {**section, "path": os.path.abspath(os.path.expanduser(output))}
-        set_paths.append(("output", "path"))
-
-    def note(loc: Loc) -> str:
-        if any(tuple(str(p) for p in loc[: len(s)]) == s for s in set_paths):
-            return " (from the command line)"
-        line = _line_of(root, loc)
-        return f" (line {line})" if line else ""
-
-    base_dir = Path(path).expanduser().absolute().parent
-    spec = None
-    try:
-        spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
-    except ValidationError as e:
-        errors += format_validation_error(e, note=note)
-        if not any(err["type"] == _PROBLEMS for err in e.errors()):
-            # Field errors stop the cross-field checks; run them on the raw data so one
-            # `validate` shows everything.
-            errors += [f"{render_loc(loc)}: {msg}{note(loc)}" for loc, msg in _raw_problems(data)]
-    if errors:
-        raise JobValidationError(path, errors)
-    assert spec is not None
-    if check_files and (problems := check_paths(spec)):
-        raise JobValidationError(path, problems)
-    return spec
-
-
-def requests_job(
-    requests: str | Path, model: str | None = None, overrides: Sequence[str] = ()
-) -> JobSpec:
-    """A job for `salabatch run --requests FILE` without a job file: named after the file, the
-    model from `model` or else the one model every request names; results under ./results."""
-    path = Path(os.path.expanduser(requests)).absolute()
-    if model is None:
-        names = set()
-        try:
-            for line in path.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    body = json.loads(line).get("body") or {}
-                    names.add(body.get("model"))
-        except (OSError, ValueError, AttributeError) as e:
-            raise JobSpecError(
-                f"cannot read the model from the requests ({e})", path=path
-            ) from None
-        names.discard(None)
-        if len(names) != 1:
-            raise JobSpecError(
-                "give --model: the requests name "
-                + (f"several models ({', '.join(sorted(map(str, names)))})" if names else "none"),
-                path=path,
-            )
-        model = names.pop()
-    data: dict[str, Any] = {
-        "name": re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).strip("-.") or "requests",
-        "model": model,
-        "requests": str(path),
-    }
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
-    except ValidationError as e:
-        raise JobValidationError(path, format_validation_error(e)) from None
-
-
-def _read_job_file(path: str | Path) -> str:
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise JobSpecError("job file not found", path=path) from None
-    except IsADirectoryError:
-        raise JobSpecError("is a folder, not a job file", path=path) from None
-    except UnicodeDecodeError as e:
-        reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
-        raise JobSpecError(reason, path=path) from None
-    except OSError as e:
-        raise JobSpecError(f"cannot read job file: {e.strerror or e}", path=path) from None
-
-
-def _parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node]:
-    """(data, node tree) of a job file: the tree keeps line numbers for the error messages."""
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-        data = loader.construct_document(root) if root is not None else None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
-        if context and start and (not mark or start.line != mark.line):
-            problem += f" ({context} at line {start.line + 1})"
-        raise JobSpecError(f"invalid YAML{where}: {problem}", path=path) from None
-    finally:
-        loader.dispose()
-    if data is None:
-        raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
-    if not isinstance(data, dict):
-        got = "a list" if isinstance(data, list) else _show(data)
-        raise JobSpecError(
-            f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
-        )
-    return data, root
-
-
-def _line_of(root: yaml.Node, loc: Loc) -> int | None:
-    """1-based line of `loc` in the YAML tree, or of its deepest part present (a missing field
-    points at the mapping that lacks it); None for the top level."""
-    node, line = root, None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next((kv for kv in node.value if kv[0].value == part), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if part >= len(node.value):
-                break
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-def _duplicate_keys(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
-    """Keys given twice in one mapping: safe_load silently keeps the last one."""
-    seen = set() if seen is None else seen
-    if id(node) in seen:  # an alias: checked where its anchor is
-        return []
-    seen.add(id(node))
-    errors: list[str] = []
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key, value in node.value:
-            name, line = key.value, key.start_mark.line + 1
-            if isinstance(key, yaml.ScalarNode) and name != "<<":
-                if name in first:
-                    where = render_loc((*loc, name))
-                    errors.append(
-                        f"{where}: duplicate key (line {line}; first at line {first[name]})"
-                    )
-                else:
-                    first[name] = line
-            errors += _duplicate_keys(value, (*loc, str(name)), seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            errors += _duplicate_keys(item, (*loc, index), seen)
-    return errors
-
-
-def _raw_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
-    """`_job_problems` of unvalidated data (ids filled in as JobSpec does)."""
-    filled = _with_defaults(data)
-    questions = filled.get("questions")
-    questions = questions if isinstance(questions, list) else []
-    ids = [(i, q["id"]) for i, q in enumerate(questions) if isinstance(q, dict) and "id" in q]
-    ids = [(i, str(qid)) for i, qid in ids if isinstance(qid, (str, int)) and qid != ""]
-    return _job_problems(
-        bool(filled.get("documents")),
-        bool(questions),
-        filled.get("requests") is not None,
-        ids,
-    )
-
-
-# ---- --set overrides ---------------------------------------------------------------------------
-
-
-def apply_override(data: dict[str, Any], override: str) -> tuple[str, ...]:
-    """Apply one `--set key.sub=value` to the job data in place; return the key's parts.
-
-    Keys are dotted; list items are numbered from 0, as `questions.0.text` or `questions[0].text`.
-    Missing mappings on the way are created. The value is read as YAML when it is a number,
-    true/false, null, a quoted string, a [list] or a {mapping}; anything else is the text as
-    given (so `system=Answer briefly: no lists #1` stays whole). `key=` sets null.
-    Raises JobSpecError naming the override when it cannot be applied.
-    """
-
-    def fail(reason: str) -> JobSpecError:
-        return JobSpecError(f"--set {override!r}: {reason}")
-
-    key, sep, raw = override.partition("=")
-    key = key.strip()
-    if not sep:
-        raise fail("expected key=value, e.g. engine.batch_size=4")
-    parts = tuple(re.sub(r"\[(\d+)\]", r".\1", key).split("."))
-    if not key or any(not p or "[" in p or "]" in p for p in parts):
-        raise fail("expected a dotted key such as generation.max_tokens or questions[0].text")
-    value = _override_value(raw, fail)
-
-    # Containers on the way are copied: YAML aliases share them with other places.
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = render_loc(tuple(int(p) if p.isdigit() else p for p in parts[:depth]))
-        if isinstance(node, dict):
-            slot: Any = part
-        elif isinstance(node, list):
-            if not part.isdigit():
-                raise fail(f"{where} is a list: give an item number, e.g. {where}[0]")
-            slot = int(part)
-            if slot >= len(node):
-                raise fail(f"{where} has {len(node)} items (numbered from 0)")
-        else:
-            raise fail(f"{where} is {_show(node)}, not a mapping or a list")
-        if last:
-            node[slot] = value
-            break
-        child = node.get(slot) if isinstance(node, dict) else node[slot]
-        if child is None:
-            child = {}
-        elif isinstance(child, (dict, list)):
-            child = type(child)(child)
-        node[slot] = child
-        node = child
-    return parts
-
-
-def _override_value(raw: str, fail: Callable[[str], JobSpecError]) -> Any:
-    structured = raw.lstrip()[:1] in ("[", "{")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        if structured:
-            raise fail(f"invalid YAML value: {getattr(e, 'problem', None) or e}") from None
-        return raw
-    if structured or raw.lstrip()[:1] in ("'", '"'):
-        return value
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    return raw  # plain text: YAML would cut `#...` comments or read `a: b` as a mapping
-
-
-# ---- error messages ----------------------------------------------------------------------------
-
-
-def render_loc(loc: Loc) -> str:
-    """A pydantic location as users write it: `("questions", 2, "text")` -> `questions[2].text`."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-_SHORT = {
-    "int_type": "expected an integer",
-    "int_parsing": "expected an integer",
-    "int_from_float": "expected a whole number",
-    "float_type": "expected a number",
-    "float_parsing": "expected a number",
-    "finite_number": "expected a finite number",
-    "bool_type": "expected true or false",
-    "bool_parsing": "expected true or false",
-    "string_type": "expected a string",
-    "list_type": "expected a list",
-    "model_type": "expected a mapping",
-    "model_attributes_type": "expected a mapping",
-    "dict_type": "expected a mapping",
-}
-
-
-def format_validation_error(
-    error: ValidationError, *, note: Callable[[Loc], str] | None = None
-) -> list[str]:
-    """One `location: message` line per error of a JobSpec validation; `note(loc)` is appended
-    (load_job adds the YAML line)."""
-    lines = []
-    for err in error.errors(include_url=False):
-        if err["type"] == _PROBLEMS:
-            items = err["ctx"]["problems"]
-        else:
-            items = [(tuple(err["loc"]), _message(err))]
-        for loc, message in items:
-            lines.append(f"{render_loc(loc)}: {message}{note(loc) if note else ''}")
-    return lines
-
-
-def _message(err: Any) -> str:
-    kind, value = err["type"], err.get("input")
-    if kind == "missing":
-        return "field required"
-    if kind == "extra_forbidden":
-        return _unknown_field(tuple(err["loc"]))
-    if kind == "job_spec":
-        return err["msg"]
-    text = _SHORT.get(kind)
-    if text is None:
-        text = err["msg"].removeprefix("Value error, ")
-        text = f"must be {text[16:]}" if text.startswith("Input should be ") else text
-    return f"{text}, got {_show(value)}"
-
-
-def _unknown_field(loc: Loc) -> str:
-    model = _model_at(loc[:-1])
-    if model is None:
-        return "unknown field"
-    allowed = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-    hint = f", did you mean {close[0]!r}?" if close else ""
-    return f"unknown field{hint} (allowed: {', '.join(allowed)})"
-
-
-def _model_at(loc: Loc) -> type[BaseModel] | None:
-    """The model class validating the mapping at `loc` (list items step through)."""
-    model: type[BaseModel] | None = JobSpec
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if model else None
-        model = _submodel(field.annotation) if field else None
-    return model
-
-
-def _submodel(annotation: object) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return next((m for arg in get_args(annotation) if (m := _submodel(arg))), None)
-
-
-# ---- what needs the disk -----------------------------------------------------------------------
-
-
-def check_paths(spec: JobSpec) -> list[str]:
-    """`location: message` lines for what the job names but the disk lacks: document paths and
-    globs (as `iter_documents` would report them, every entry), the model folder, the requests
-    file, an output path that is a folder. Empty when all is there."""
-    return _check_paths(spec)[0]
-
-
-def _check_paths(spec: JobSpec) -> tuple[list[str], int | None]:
-    """(problems, number of distinct document files, or None when the documents have problems)."""
-    problems: list[str] = []
-    if not spec.model_is_builtin:
-        model = Path(spec.model)
-        if not model.exists():
-            problems.append(f"model: no such folder: {model}")
-        elif not model.is_dir():
-            problems.append(f"model: not a folder: {model} (expected a checkpoint folder)")
-        elif not (model / "config.json").is_file():
-            problems.append(f"model: no config.json in {model} (expected a checkpoint folder)")
-    if spec.requests is not None and not spec.requests.is_file():
-        kind = "a folder" if spec.requests.is_dir() else "no such file"
-        problems.append(f"requests: {kind}: {spec.requests} (expected a .jsonl file)")
-    if spec.output.path.is_dir():
-        problems.append(f"output.path: is a folder: {spec.output.path} (expected a file path)")
-
-    sources = spec.sources()
-    try:
-        files = expand_sources(sources)
-    except JobSpecError:
-        files = None
-    if files is not None:
-        for file in files:  # only a file named directly can have an unsupported type
-            if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
-                where = f"documents[{sources.index(file.source)}].path"
-                supported = " ".join(SUPPORTED_SUFFIXES)
-                kind = file.path.suffix or "(none)"
-                problems.append(f"{where}: unsupported file type {kind} (supported: {supported})")
-        return problems, len(files)
-    # expand_sources stops at the first bad entry: expand each alone to report them all. It
-    # names an entry by its place in the list it was given, so put back the real index.
-    for index, source in enumerate(sources):
-        try:
-            expand_sources([source])
-        except JobSpecError as e:
-            where = (e.field or "documents[0].path").replace("documents[0]", f"documents[{index}]")
-            shown = "" if e.path is None or e.path in e.message else f": {e.path}"
-            problems.append(f"{where}: {e.message}{shown}")
-    return problems, None
-
-
-# ---- salabatch validate ------------------------------------------------------------------------
-
-
-def validate_command(path: str, overrides: Sequence[str] = (), *, check_files: bool = True) -> int:
-    """`salabatch validate JOB.yaml [--set k=v]... [--schema-only]`: print a summary of the job
-    and return 0, or print every mistake (`error: job.yaml: …`, one per line) and return 2.
-
-    check_files: also check that documents, model and requests exist (`check_paths`).
-    """
-    try:
-        spec = load_job(path, overrides)
-        problems, n_files = _check_paths(spec) if check_files else ([], None)
-        if problems:
-            raise JobValidationError(path, problems)
-    except JobSpecError as e:
-        click.echo(f"error: {e}", err=True)
-        return e.exit_code
-
-    entries = len(spec.documents)
-    found = f", {n_files} file{'s' * (n_files != 1)}" if n_files is not None and entries else ""
-    ids = [q.id for q in spec.questions]
-    shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
-    rows = {
-        "name": spec.name,
-        "model": spec.model,
-        "documents": f"{entries} entr{'y' if entries == 1 else 'ies'}{found}",
-        "questions": f"{len(ids)}" + (f": {shown}" if ids else ""),
-        "requests": str(spec.requests) if spec.requests else "none",
-        "output": str(spec.output.path),
-    }
-    click.echo(f"{path}: ok")
-    for key, value in rows.items():
-        click.echo(f"  {key:10s} {value}")
-    return 0

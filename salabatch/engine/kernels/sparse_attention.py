@@ -18,8 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from salabatch.engine.cache import KVView
 from salabatch.engine.kernels.attention import attend
+from salabatch.engine.sparse_cache import KVView
 
 # Bound on the [G, rows, union·block] score tile of the prefill path (elements).
 MAX_TILE_ELEMENTS = 1 << 24
@@ -119,42 +119,17 @@ def _prefill(q, kv: KVView, idx, q_pos, scale, block):
     flat_q = mx.concatenate([flat_q, mx.zeros((1, G, d), q.dtype)])
     out = mx.zeros(flat_q.shape, q.dtype)
     spare = B * Hk * T
-    group: list = []
+    groups: list[list] = [[]]  # consecutive tiles whose padded scores fit the budget
     for tile in tiles:
-        rows, union = max(tile[3] - tile[2] for tile in [*group, tile]), len(tile[4])
-        if group and (len(group) + 1) * rows * union * G * block > MAX_TILE_ELEMENTS:
-            out = _attend_group(
-                group,
-                out,
-                flat_q,
-                (shared_k, shared_v),
-                (rows_k, rows_v),
-                S,
-                row_blocks,
-                sel,
-                pos,
-                scale,
-                block,
-                Hk,
-                spare,
-            )
-            group = []
-        group.append(tile)
-    if group:
+        group = groups[-1]
+        rows = max(t[3] - t[2] for t in [*group, tile])
+        if group and (len(group) + 1) * rows * len(tile[4]) * G * block > MAX_TILE_ELEMENTS:
+            groups.append([])
+        groups[-1].append(tile)
+    tables = ((shared_k, shared_v), (rows_k, rows_v))
+    for group in filter(None, groups):
         out = _attend_group(
-            group,
-            out,
-            flat_q,
-            (shared_k, shared_v),
-            (rows_k, rows_v),
-            S,
-            row_blocks,
-            sel,
-            pos,
-            scale,
-            block,
-            Hk,
-            spare,
+            group, out, flat_q, *tables, S, row_blocks, sel, pos, scale, block, Hk, spare
         )
     o = out[:spare].reshape(B, Hk, T, G, d).transpose(0, 1, 3, 2, 4)
     return o.reshape(B, H, T, d)

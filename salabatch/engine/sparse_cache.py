@@ -1,0 +1,307 @@
+"""The cache of one sparse (InfLLM-v2) layer, for a batch of rows that may share a prefix.
+
+Row b's sequence is `shared` (positions [0, start), stored once for all rows) followed by its own
+positions in `keys`/`values` ([B, Hk, capacity, d], row b filled to `keys.lengths[b]`). `start`
+is a multiple of the 64-token block and every compressed chunk that starts at or after it is per
+row, so each block and chunk lies wholly in one part. `KVView` is what attention reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+# InfLLM-v2 key compression levels (size, stride): fixed by its kernels (SPEC P14).
+COMPRESSION = ((32, 16), (128, 64))
+BLOCK = 64
+
+
+class RowBuffer:
+    """[B, Hk, capacity, d] storage where row b holds `lengths[b]` positions; grows in steps."""
+
+    step = 256  # a multiple of the block, so whole-block views never run past the buffer
+
+    def __init__(self, data: mx.array | None = None, lengths: Sequence[int] = ()) -> None:
+        self.data = data
+        self.lengths = list(lengths)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def _reserve(self, like: mx.array, end: int) -> None:
+        cap = 0 if self.data is None else self.data.shape[2]
+        if self.data is not None and end <= cap:
+            return
+        # Geometric growth keeps a 1M-token prefill from copying the history thousands of times.
+        capacity = -(-max(end, cap + cap // 2) // self.step) * self.step
+        B, Hk, _, d = like.shape
+        grown = mx.zeros(
+            (B if self.data is None else self.data.shape[0], Hk, capacity, d), like.dtype
+        )
+        if self.data is not None and cap:
+            grown[..., :cap, :] = self.data
+        self.data = grown
+
+    def append(self, x: mx.array) -> None:
+        """Adds x [B, Hk, T, d]: T positions to every row, each at its own length."""
+        if not self.lengths:
+            self.lengths = [0] * x.shape[0]
+        T = x.shape[2]
+        self._reserve(x, max(self.lengths) + T)
+        if len(set(self.lengths)) == 1:
+            n = self.lengths[0]
+            self.data[..., n : n + T, :] = x
+        else:
+            for b, n in enumerate(self.lengths):
+                self.data[b : b + 1, :, n : n + T, :] = x[b : b + 1]
+        self.lengths = [n + T for n in self.lengths]
+
+    def append_rows(self, parts: Sequence[mx.array | None]) -> None:
+        """Adds parts[b] [1, Hk, t_b, d] to row b (None: nothing)."""
+        sized = [p for p in parts if p is not None and p.shape[2]]
+        if not sized:
+            return
+        ends = [
+            n + (0 if p is None else p.shape[2]) for n, p in zip(self.lengths, parts, strict=True)
+        ]
+        self._reserve(sized[0], max(ends))
+        for b, p in enumerate(parts):
+            if p is not None and p.shape[2]:
+                self.data[b : b + 1, :, self.lengths[b] : ends[b], :] = p
+        self.lengths = ends
+
+    def view(self, length: int | None = None) -> mx.array:
+        """Positions [0, length) of every row (default: the longest row's length)."""
+        return self.data[..., : max(self.lengths, default=0) if length is None else length, :]
+
+    def select(self, rows: Sequence[int]) -> RowBuffer:
+        data = None if self.data is None else self.data[mx.array(list(rows))]
+        return RowBuffer(data, [self.lengths[b] for b in rows])
+
+    @staticmethod
+    def concat(buffers: Sequence[RowBuffer]) -> RowBuffer:
+        """Rows of all buffers, in order; capacities are padded to the largest."""
+        lengths = [n for buf in buffers for n in buf.lengths]
+        filled = [buf for buf in buffers if buf.data is not None]
+        if not filled:
+            return RowBuffer(None, lengths)
+        cap = max(buf.data.shape[2] for buf in filled)
+        ref = filled[0].data
+        parts = []
+        for buf in buffers:
+            data = buf.data
+            if data is None:
+                data = mx.zeros((buf.rows, ref.shape[1], cap, ref.shape[3]), ref.dtype)
+            elif data.shape[2] < cap:
+                data = mx.pad(data, [(0, 0), (0, 0), (0, cap - data.shape[2]), (0, 0)])
+            parts.append(data)
+        return RowBuffer(mx.concatenate(parts, axis=0), lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.nbytes
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Positions [0, start) common to all rows: keys/values [1, Hk, start, d] (start a multiple of
+    the block) and, per compression level, the chunks wholly inside the document [1, Hk, n, d]."""
+
+    keys: mx.array
+    values: mx.array
+    chunks: tuple[mx.array, ...]
+
+    @property
+    def start(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.values, *self.chunks))
+
+
+@dataclass(frozen=True)
+class KVView:
+    """What attention reads: row b's keys are `shared_k` ([1, Hk, start, d], or None when start
+    is 0) followed by `rows_k[b]` ([B, Hk, R, d]); row b has `lengths[b]` valid positions."""
+
+    shared_k: mx.array | None
+    shared_v: mx.array | None
+    rows_k: mx.array
+    rows_v: mx.array
+    lengths: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        return 0 if self.shared_k is None else self.shared_k.shape[2]
+
+    def full(self) -> tuple[mx.array, mx.array]:
+        """Each row's whole key/value sequence [B, Hk, start + R, d] (copies the shared part)."""
+        if self.shared_k is None:
+            return self.rows_k, self.rows_v
+        B = self.rows_k.shape[0]
+        k = mx.concatenate(
+            [mx.broadcast_to(self.shared_k, (B, *self.shared_k.shape[1:])), self.rows_k], 2
+        )
+        v = mx.concatenate(
+            [mx.broadcast_to(self.shared_v, (B, *self.shared_v.shape[1:])), self.rows_v], 2
+        )
+        return k, v
+
+    def take(self, rows: Sequence[int]) -> KVView:
+        idx = mx.array(list(rows))
+        return KVView(
+            self.shared_k,
+            self.shared_v,
+            self.rows_k[idx],
+            self.rows_v[idx],
+            tuple(self.lengths[b] for b in rows),
+        )
+
+
+class SparseKVCache:
+    """One sparse layer: un-rotated keys/values and their compressed keys, shared part + rows.
+
+    Compressed keys are kept for every complete chunk: level 1 (mean of 32 keys every 16) and
+    level 2 (128 every 64), float32. They are extended on every append from the new keys only, so
+    a decode step never recompresses the history (SPEC §4.4).
+    """
+
+    def __init__(self, shared: SharedPrefix | None = None) -> None:
+        self.shared = shared
+        self.keys, self.values = RowBuffer(), RowBuffer()
+        self.compressed = tuple(RowBuffer() for _ in COMPRESSION)
+        self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
+        self.trace: list[mx.array] | None = None  # set to a list to record block selections
+        self._forked: tuple[int, SharedPrefix] | None = None  # (length, shared part) of `fork`
+
+    @property
+    def start(self) -> int:
+        return 0 if self.shared is None else self.shared.start
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens in each row's sequence."""
+        return [self.start + n for n in self.keys.lengths]
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence when every row has the same number (else an error)."""
+        lengths = set(self.lengths)
+        if len(lengths) != 1:
+            raise ValueError(f"rows have different lengths: {sorted(lengths)}")
+        return lengths.pop()
+
+    def shared_chunks(self, level: int) -> int:
+        return 0 if self.shared is None else self.shared.chunks[level].shape[2]
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """Adds k, v [B, Hk, T, d] to every row, then compresses the chunks they complete."""
+        if self.keys.data is None and self.shared is None:
+            for buf in self.compressed:  # allocated now so views work before a chunk completes
+                buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
+        self.keys.append(k)
+        self.values.append(v)
+        for level, (size, stride) in enumerate(COMPRESSION):
+            self._compress(level, size, stride)
+
+    def _compress(self, level: int, size: int, stride: int) -> None:
+        buf, base, start = self.compressed[level], self.shared_chunks(level), self.start
+        if not buf.lengths:
+            buf.lengths = [0] * self.keys.rows
+        have = [base + n for n in buf.lengths]
+        total = [max(0, (n - size) // stride + 1) for n in self.lengths]
+        if all(t <= h for t, h in zip(total, have, strict=True)):
+            return
+
+        def means(rows: slice, first: int, last: int) -> mx.array:
+            # chunk j = mean(k[stride·j : stride·j + size]), size = 2·stride: sum stride-groups
+            span = self.keys.data[rows, :, stride * first - start : stride * (last + 1) - start]
+            groups = span.astype(mx.float32).reshape(*span.shape[:2], last - first + 1, stride, -1)
+            sums = groups.sum(axis=3)
+            return (sums[:, :, :-1] + sums[:, :, 1:]) / size
+
+        if len(set(have)) == 1 and len(set(total)) == 1:
+            buf.append(means(slice(None), have[0], total[0]))
+        else:
+            buf.append_rows(
+                [
+                    means(slice(b, b + 1), h, t) if t > h else None
+                    for b, (h, t) in enumerate(zip(have, total, strict=True))
+                ]
+            )
+
+    def kv_view(self, whole_blocks: bool = False) -> KVView:
+        """Keys/values as attention reads them; `whole_blocks` rounds the row part up to a
+        multiple of the block (the spare positions are masked causally)."""
+        rows = max(self.keys.lengths)
+        if whole_blocks:
+            rows = -(-rows // BLOCK) * BLOCK
+        shared = self.shared
+        return KVView(
+            None if shared is None else shared.keys,
+            None if shared is None else shared.values,
+            self.keys.view(rows),
+            self.values.view(rows),
+            tuple(self.lengths),
+        )
+
+    def chunk_parts(self, level: int) -> tuple[mx.array, ...]:
+        """Compressed keys of one level: (shared [1, Hk, n, d],) + (rows [B, Hk, m, d],)."""
+        rows = self.compressed[level].view()
+        return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
+
+    # -- batches -------------------------------------------------------------------------------
+    def fork(self, n: int) -> SparseKVCache:
+        """n rows continuing this one-row cache; its positions up to the last whole level-2
+        chunk's start become the shared part (stored once), the rest (< 128 keys) is copied."""
+        if self.shared is not None or self.keys.rows != 1:
+            raise ValueError("only a one-row cache without a shared part can be forked")
+        length = self.length
+        counts = [buf.lengths[0] for buf in self.compressed]
+        start = COMPRESSION[1][1] * counts[1]  # 64 · N2: block aligned, ≤ every per-row chunk
+        if self._forked is None or self._forked[0] != length:  # one shared part per length,
+            shared = SharedPrefix(  # so rows forked at different times can join one batch
+                self.keys.data[:, :, :start],
+                self.values.data[:, :, :start],
+                tuple(buf.data[:, :, :c] for buf, c in zip(self.compressed, counts, strict=True)),
+            )
+            self._forked = (length, shared)
+        out = SparseKVCache(self._forked[1])
+        for mine, theirs in ((out.keys, self.keys), (out.values, self.values)):
+            tail = theirs.data[:, :, start:length]
+            mine.append(mx.repeat(tail, n, axis=0))
+        for buf, theirs in zip(out.compressed, self.compressed, strict=True):
+            buf.append(mx.zeros((n, *theirs.data.shape[1:2], 0, theirs.data.shape[3]), mx.float32))
+        return out
+
+    def select(self, rows: Sequence[int]) -> SparseKVCache:
+        out = SparseKVCache(self.shared)
+        out.keys, out.values = self.keys.select(rows), self.values.select(rows)
+        out.compressed = tuple(buf.select(rows) for buf in self.compressed)
+        return out
+
+    @staticmethod
+    def concat(caches: Sequence[SparseKVCache]) -> SparseKVCache:
+        shared = caches[0].shared
+        if any(c.shared is not shared for c in caches):
+            raise ValueError("rows of one batch must share the same prefix")
+        out = SparseKVCache(shared)
+        out.keys = RowBuffer.concat([c.keys for c in caches])
+        out.values = RowBuffer.concat([c.values for c in caches])
+        out.compressed = tuple(
+            RowBuffer.concat([c.compressed[i] for c in caches]) for i in range(len(COMPRESSION))
+        )
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache holds for its rows (the shared prefix is counted by `shared_nbytes`)."""
+        return sum(b.nbytes for b in (self.keys, self.values, *self.compressed))
+
+    @property
+    def shared_nbytes(self) -> int:
+        return 0 if self.shared is None else self.shared.nbytes

@@ -1,0 +1,57 @@
+"""Bytes to text as a Document holds it, and failures as the one-line reasons it gives.
+
+Text files are UTF-8 (with or without a BOM), or UTF-16/32 when a BOM says so; any newline
+becomes `\\n` and NUL bytes go. Reasons are short, single-line and the same on every run.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from typing import Any
+
+_MAX_REASON_CHARS = 200
+
+# UTF-32 before UTF-16: the UTF-32-LE BOM starts with the UTF-16-LE one.
+_BOMS = (
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
+def decode_text(data: bytes) -> tuple[str, str | None, dict[str, Any]]:
+    """(text, error, meta) of a text file: UTF-8 (BOM or not), or UTF-16/32 when a BOM says so."""
+    bom, codec = next(((b, c) for b, c in _BOMS if data.startswith(b)), (b"", "utf-8"))
+    try:
+        text = data[len(bom) :].decode(codec)
+    except UnicodeDecodeError as e:
+        return "", decode_reason(e, codec, offset=len(bom)), {}
+    meta = {} if codec == "utf-8" else {"encoding": codec}
+    text = clean_text(text)
+    if not text.strip():
+        return "", "empty document (only whitespace)", meta
+    return text, None, meta
+
+
+def decode_reason(e: UnicodeDecodeError, codec: str, offset: int = 0) -> str:
+    name = "UTF-8" if codec == "utf-8" else codec
+    return f"not valid {name} text: byte 0x{e.object[e.start]:02x} at offset {e.start + offset}"
+
+
+def clean_text(text: str) -> str:
+    """Newlines as `\\n`, no NUL bytes (tokenizers and Parquet readers choke on them)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+
+
+def one_line(e: object) -> str:
+    """A short, single-line, run-independent reason from an exception or a log message."""
+    text = str(e) or type(e).__name__
+    if isinstance(e, BaseException) and not type(e).__module__.startswith("pypdf"):
+        text = f"{type(e).__name__}: {text}"  # KeyError('/Root') alone would read as "'/Root'"
+    # pypdf prints objects with their id(), which changes every run: drop it.
+    text = re.sub(r"IndirectObject\((\d+), (\d+), \d+\)", r"IndirectObject(\1, \2)", text)
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 1] + "…"

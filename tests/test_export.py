@@ -1,0 +1,81 @@
+"""inspect and export of a results file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from salabatch.errors import OutputError
+from salabatch.jobs.export import export_openai_jsonl, export_results, inspect_results
+from tests.test_output import T0, make_row, writer
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write(
+            [
+                make_row("a.q0", answer="line 1\nline 2\nline 3\nline 4\nline 5\nline 6"),
+                make_row("a.q1", cache_source="memory", doc_prefill_s=0.0, prefill_tok_s=9e9),
+                make_row("b.q0", prefill_tok_s=300.0, decode_tok_s=30.0, finish_reason="length"),
+                make_row("b.q1", status="error", error="out of memory"),
+                make_row("c.q0", status="error", error="document has no text: scanned PDF"),
+                make_row("c.q1", status="error", error="document has no text: scanned PDF"),
+            ]
+        )
+    return path
+
+
+def test_inspect_summarizes_counts_tokens_speeds_and_errors(results):
+    text = inspect_results(results)
+    lines = {line.strip().split("  ")[0]: " ".join(line.split()) for line in text.splitlines()}
+    assert lines["rows"] == "rows 6" and lines["ok"] == "ok 3" and lines["errors"] == "errors 3"
+    assert lines["documents"] == "documents 3" and lines["questions"] == "questions 2"
+    assert lines["completion tokens"] == "completion tokens 120"
+    assert lines["prompt tokens"] == "prompt tokens 6,060"
+    # prefill: only rows that prefilled their document (a.q1 came from memory)
+    assert lines["prefill tok/s, mean"].startswith("prefill tok/s, mean 400.0 (over 2 rows")
+    assert lines["decode tok/s, mean"] == "decode tok/s, mean 23.3"
+    assert "contracts" in lines["job"] and "builtin:tiny (8-bit, sha f00df00df00d)" in text
+    assert "2  document has no text: scanned PDF" in text and "1  out of memory" in text
+    assert "answers" not in text
+
+
+def test_inspect_shows_answers(results):
+    text = inspect_results(results, show=2)
+    assert "answers (first 2 of 6)" in text
+    assert "[a / q0] stop, 20 tokens\n    line 1\n    line 2\n    line 3\n    line 4\n" in text
+    assert "… (2 more lines)" in text and "[a / q1] stop" in text and "[b / q0]" not in text
+
+
+def test_export_openai_batch_output_lines(results, tmp_path):
+    out = tmp_path / "batch_output.jsonl"
+    assert export_openai_jsonl(results, out) == 6
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [x["custom_id"] for x in lines] == ["a/q0", "a/q1", "b/q0", "b/q1", "c/q0", "c/q1"]
+    ok, error = lines[2], lines[3]
+    assert set(ok) == {"id", "custom_id", "response", "error"} and ok["error"] is None
+    assert ok["id"].startswith("batch_req_") and ok["response"]["status_code"] == 200
+    body = ok["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "builtin:tiny"
+    assert body["created"] == int(T0.timestamp())
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "answer to b.q0\nsecond line",
+        "refusal": None,
+    }
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == 1010 and body["usage"]["completion_tokens"] == 20
+    assert body["usage"]["total_tokens"] == 1030
+    assert error["response"] is None
+    assert error["error"] == {"code": "salabatch_error", "message": "out of memory"}
+    assert len({x["id"] for x in lines}) == 6
+
+    again = tmp_path / "again.jsonl"
+    export_results(results, again, "openai-jsonl")
+    assert again.read_bytes() == out.read_bytes()  # stable ids: same results, same bytes
+    with pytest.raises(OutputError, match="format"):
+        export_results(results, again, "csv")
