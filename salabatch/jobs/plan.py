@@ -80,11 +80,11 @@ class Planner:
         self.spec, self.tok, self.done = spec, tok, frozenset(done)
         self.identity = {"model": model_sha, "tokenizer": tok.fingerprint, "dtype": dtype}
         self.skipped = 0  # rows found already done
+        self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
 
     def documents(self) -> Iterator[DocPlan]:
         for doc in iter_documents(self.spec.sources()):
-            plans = self.plan(doc)
-            yield from plans
+            yield from self.plan(doc)
 
     def rows_of(self, doc: Document) -> list[Row]:
         """The document's rows that are not done yet (prompts not filled in)."""
@@ -138,12 +138,17 @@ class Planner:
                 plans[key] = plan
         return list(plans.values())
 
+    def _suffix(self, question: str, think: bool) -> tuple[int, ...]:
+        """A question's prompt suffix: it does not depend on the document, so it is encoded once."""
+        key = (question, think)
+        if key not in self._suffixes:
+            ids = self.tok.prompt_suffix(question, system=self.spec.system, think=think)
+            self._suffixes[key] = tuple(ids)
+        return self._suffixes[key]
+
     def _prompts(self, doc: Document, rows: list[Row], think: bool) -> DocPlan:
         tok, system = self.tok, self.spec.system
-        with_prompts = [
-            replace(r, prompt=tuple(tok.prompt_suffix(r.question, system=system, think=think)))
-            for r in rows
-        ]
+        with_prompts = [replace(r, prompt=self._suffix(r.question, think)) for r in rows]
         room = max(len(r.prompt) + r.max_tokens for r in with_prompts)
         budget = self.spec.engine.max_context - room
         text = doc.text
