@@ -12,8 +12,12 @@ from salabatch.engine.kernels.sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_ref,
 )
-from salabatch.engine.kernels.sparse_select import select_blocks, select_blocks_ref
-from salabatch.engine.sparse import visible_chunks
+from salabatch.engine.kernels.sparse_select import (
+    select_blocks,
+    select_blocks_ref,
+    visible_chunks,
+    visible_count,
+)
 from salabatch.engine.sparse_cache import SparseKVCache
 
 TOL_F32 = 1e-5
@@ -64,18 +68,19 @@ def test_visible_chunks_rule_and_length_quirk():
     quirky2 = np.array(visible_chunks(pos, prefill_len=383, stride=64))[0]
     assert seen2[127] == 1 and seen2[126] == 0
     assert all(quirky2[p] == max(seen2[p] - 1, 0) for p in range(383))
+    # the host-side count the query tiles use agrees with the device rule everywhere
+    for prefill_len, stride, want in ((400, 16, seen), (399, 16, quirky), (383, 64, quirky2)):
+        assert [visible_count(p, prefill_len, stride) for p in range(400)] == want.tolist()
 
 
-def selection_inputs(n: int, t: int, seed: int, prefill_len: int = 0):
+def selection_inputs(n: int, t: int, seed: int):
     """Queries at the last t positions of an n-token cache, with everything selection needs."""
     cache = random_cache(n, seed)
     rng = np.random.default_rng(seed + 1)
     q = mx.array(rng.standard_normal((B, H, t, D)).astype(np.float32))
     pos = mx.broadcast_to(mx.arange(n - t, n, dtype=mx.int32), (B, t))
-    vis1 = visible_chunks(pos, prefill_len, 16)
-    vis2 = visible_chunks(pos, prefill_len, 64)
     c1, c2 = cache.chunk_parts(0), cache.chunk_parts(1)
-    return cache, q, pos, (q, c1, c2, vis1, vis2, pos // BLOCK)
+    return cache, q, pos, (q, c1, c2, [n - t] * B)
 
 
 @pytest.mark.parametrize(
@@ -94,10 +99,15 @@ def selection_inputs(n: int, t: int, seed: int, prefill_len: int = 0):
     ],
 )
 def test_select_blocks_matches_reference(monkeypatch, n, t, k):
-    _, _, _, args = selection_inputs(n, t, seed=n + t, prefill_len=n if t == n else 0)
+    _, _, _, args = selection_inputs(n, t, seed=n + t)
     n_blocks = -(-n // BLOCK)
     kw = dict(
-        n_blocks=n_blocks, k=min(k, n_blocks), scale=D**-0.5, init_blocks=INIT, local_blocks=LOCAL
+        prefill_len=n if t == n else 0,
+        n_blocks=n_blocks,
+        k=min(k, n_blocks),
+        scale=D**-0.5,
+        init_blocks=INIT,
+        local_blocks=LOCAL,
     )
     want = select_blocks_ref(*args, **kw)
     monkeypatch.setattr(sparse_select, "MAX_SCORE_ELEMENTS", 5000)  # force many query tiles
@@ -114,45 +124,61 @@ def test_selection_ties_go_to_the_lowest_block():
     assert got.tolist() == [[[[0, 2, 3]]]]
 
 
+# Both stage-2 paths, forced: gather each query's blocks, or score every key and keep the
+# selected blocks' (tiles of a few rows each, so every tiling edge is crossed).
+PATHS = {
+    "gathered": {"SCORED_KEYS_PER_SLOT": 0, "MAX_GATHER_BYTES": 1},
+    "scored": {"SCORED_KEYS_PER_SLOT": 1 << 20, "MAX_SCORE_ELEMENTS": 1},
+    "default": {},
+}
+
+
+def force(monkeypatch, path: str) -> None:
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(sparse_attention, name, value)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(("n", "t"), [(700, 700), (1000, 333), (1000, 1), (1087, 1), (129, 65)])
-def test_block_sparse_attention_matches_reference(monkeypatch, n, t):
+def test_block_sparse_attention_matches_reference(monkeypatch, n, t, path):
     cache, q, pos, args = selection_inputs(n, t, seed=7 * n + t)
+    starts = args[-1]
     n_blocks = -(-n // BLOCK)
     idx = select_blocks(
         *args,
+        prefill_len=0,
         n_blocks=n_blocks,
         k=min(5, n_blocks),
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
     )
-    kv = cache.kv_view(whole_blocks=True)
-    want = block_sparse_attention_ref(q, *kv.full(), idx, pos, D**-0.5)
-    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
-    assert mx.abs(got - want).max().item() < TOL_F32
-    # small tiles: many splits of the query range must give the same result
-    monkeypatch.setattr(sparse_attention, "MAX_TILE_ELEMENTS", 4096)
-    monkeypatch.setattr(sparse_attention, "MAX_UNION_RATIO", 1)
-    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
+    kv = cache.kv_view()
+    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5)
+    force(monkeypatch, path)
+    got = block_sparse_attention(q, kv, idx, starts, D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
-def test_all_blocks_selected_equals_dense():
+@pytest.mark.parametrize("path", list(PATHS))
+def test_all_blocks_selected_equals_dense(monkeypatch, path):
     """With every past block selected, block-sparse attention is causal dense attention."""
-    from salabatch.engine.kernels.attention import dense_attention_ref
+    from salabatch.engine.kernels.attention import attention_ref
 
     n = 300
     cache, q, pos, _ = selection_inputs(n, n, seed=3)
     n_blocks = -(-n // BLOCK)
     idx = mx.broadcast_to(mx.arange(n_blocks, dtype=mx.int32), (B, HK, n, n_blocks))
     idx = mx.where(idx > (pos // BLOCK)[:, None, :, None], -1, idx)
-    got = block_sparse_attention(q, cache.kv_view(whole_blocks=True), idx, pos, D**-0.5)
-    want = dense_attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5)
+    force(monkeypatch, path)
+    got = block_sparse_attention(q, cache.kv_view(), idx, [0] * B, D**-0.5)
+    want = attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5, "causal")
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("t", [1, 70], ids=["decode", "prefill"])
-def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t):
+def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
     """Rows forked from one cache (keys stored once) at different lengths, against the
     reference over each row's whole sequence."""
     doc = random_cache(700, seed=11)
@@ -172,24 +198,23 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t):
     lengths = rows.lengths
     assert lengths == [740 + t, 703 + t]
     q = mx.array(rng.standard_normal((2, H, t, D)).astype(np.float32))
-    pos = mx.array([[n - t + i for i in range(t)] for n in lengths], dtype=mx.int32)
-    vis = [visible_chunks(pos, 0, stride) for stride in (16, 64)]
+    starts = [n - t for n in lengths]
     n_blocks = -(-max(lengths) // BLOCK)
     idx = select_blocks(
         q,
         rows.chunk_parts(0),
         rows.chunk_parts(1),
-        *vis,
-        pos // BLOCK,
+        starts,
+        prefill_len=0,
         n_blocks=n_blocks,
         k=5,
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
     )
-    kv = rows.kv_view(whole_blocks=True)
+    kv = rows.kv_view()
     assert kv.start > 0
-    want = block_sparse_attention_ref(q, *kv.full(), idx, pos, D**-0.5)
-    monkeypatch.setattr(sparse_attention, "MAX_TILE_ELEMENTS", 20000)  # several groups
-    got = block_sparse_attention(q, kv, idx, pos, D**-0.5)
+    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5)
+    force(monkeypatch, path)
+    got = block_sparse_attention(q, kv, idx, starts, D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32

@@ -12,10 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels.attention import attend, dense_attention
-from salabatch.engine.kernels.sparse_attention import block_sparse_attention
-from salabatch.engine.kernels.sparse_select import select_blocks
-from salabatch.engine.sparse_cache import BLOCK, COMPRESSION, KVView, SparseKVCache
+from salabatch.engine.kernels.attention import attention
+from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
+from salabatch.engine.kernels.sparse_select import BLOCK, COMPRESSION, select_blocks
+from salabatch.engine.sparse_cache import SparseKVCache
 
 
 class SparseAttention(nn.Module):
@@ -82,37 +82,32 @@ class SparseAttention(nn.Module):
     def dense(self, q: mx.array, kv: KVView, starts: list[int]) -> mx.array:
         """Causal attention over each row's whole sequence → [B, H, T, d]."""
         T = q.shape[2]
-        if kv.start == 0 and len(set(starts)) == 1:  # one sequence layout: the fused fast path
-            end = starts[0] + T
-            return dense_attention(q, kv.rows_k[..., :end, :], kv.rows_v[..., :end, :], self.scale)
-        keys, values = kv.full()
         end = max(starts) + T
+        keys, values = kv.parts(end)
+        if kv.start == 0 and len(set(starts)) == 1:  # queries are the last T keys: fused causal
+            return attention(q, keys, values, self.scale, "causal" if T > 1 else None)
         q_pos = mx.array(starts)[:, None, None, None] + mx.arange(T)[:, None]  # [B, 1, T, 1]
         mask = mx.arange(end) <= q_pos  # also hides a shorter row's spare positions
-        return attend(q, keys[..., :end, :], values[..., :end, :], self.scale, mask)
+        return attention(q, keys, values, self.scale, mask)
 
     def infllm_v2(
         self, q: mx.array, cache: SparseKVCache, starts: list[int], rows: list[int] | None = None
     ) -> mx.array:
         """q [B', H, T, d] of `rows` (default: all) against their cached sequences."""
-        T = q.shape[2]
         sc = self.sparse
-        kv = cache.kv_view(whole_blocks=True)
+        kv = cache.kv_view()
         parts = [cache.chunk_parts(level) for level in range(len(COMPRESSION))]
         if rows is not None:
             kv = kv.take(rows)
             idx = mx.array(rows)
             parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
-        pos = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)  # [B', T]
-        vis = [visible_chunks(pos, cache.prefill_len, stride) for _, stride in COMPRESSION]
         n_blocks = -(-max(kv.lengths) // BLOCK)
         selected = select_blocks(
             q,
             parts[0],
             parts[1],
-            vis[0],
-            vis[1],
-            pos // BLOCK,
+            starts,
+            prefill_len=cache.prefill_len,
             n_blocks=n_blocks,
             k=min(sc.topk_eff, n_blocks),
             scale=self.scale,
@@ -121,17 +116,4 @@ class SparseAttention(nn.Module):
         )
         if cache.trace is not None:
             cache.trace.append(selected)
-        return block_sparse_attention(q, kv, selected, pos, self.scale, BLOCK)
-
-
-def visible_chunks(q_pos: mx.array, prefill_len: int, stride: int) -> mx.array:
-    """How many compressed chunks (size 2·stride) each query may score: those that end at or
-    before it. Inside a planned prefill of L tokens the kernel hides one more when
-    L ≡ stride − 1 (mod stride) (SPEC §4.3 length quirk); decode steps never do."""
-    size = 2 * stride
-    seen = (q_pos + 1) // stride - 1
-    quirk = 0
-    if prefill_len >= size:
-        quirk = (prefill_len - size) // stride + 1 - (prefill_len - stride + 1) // stride
-    seen = mx.where(q_pos < prefill_len, seen + quirk, seen)
-    return mx.maximum(seen, 0)
+        return block_sparse_attention(q, kv, selected, starts, self.scale)

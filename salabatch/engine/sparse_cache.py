@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-# InfLLM-v2 key compression levels (size, stride): fixed by its kernels (SPEC P14).
-COMPRESSION = ((32, 16), (128, 64))
-BLOCK = 64
+from salabatch.engine.kernels.sparse_attention import KVView
+from salabatch.engine.kernels.sparse_select import COMPRESSION
 
 
 class RowBuffer:
@@ -107,59 +106,19 @@ class RowBuffer:
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    """Positions [0, start) common to all rows: keys/values [1, Hk, start, d] (start a multiple of
-    the block) and, per compression level, the chunks wholly inside the document [1, Hk, n, d]."""
+    """Positions [0, start) common to all rows (start a multiple of the block): the document's
+    key/value buffers [1, Hk, capacity ≥ start, d], read only up to `start` and never copied,
+    and, per compression level, the chunks wholly inside the document [1, Hk, n, d]."""
 
     keys: mx.array
     values: mx.array
+    start: int
     chunks: tuple[mx.array, ...]
 
     @property
-    def start(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.values, *self.chunks))
-
-
-@dataclass(frozen=True)
-class KVView:
-    """What attention reads: row b's keys are `shared_k` ([1, Hk, start, d], or None when start
-    is 0) followed by `rows_k[b]` ([B, Hk, R, d]); row b has `lengths[b]` valid positions."""
-
-    shared_k: mx.array | None
-    shared_v: mx.array | None
-    rows_k: mx.array
-    rows_v: mx.array
-    lengths: tuple[int, ...]
-
-    @property
-    def start(self) -> int:
-        return 0 if self.shared_k is None else self.shared_k.shape[2]
-
-    def full(self) -> tuple[mx.array, mx.array]:
-        """Each row's whole key/value sequence [B, Hk, start + R, d] (copies the shared part)."""
-        if self.shared_k is None:
-            return self.rows_k, self.rows_v
-        B = self.rows_k.shape[0]
-        k = mx.concatenate(
-            [mx.broadcast_to(self.shared_k, (B, *self.shared_k.shape[1:])), self.rows_k], 2
-        )
-        v = mx.concatenate(
-            [mx.broadcast_to(self.shared_v, (B, *self.shared_v.shape[1:])), self.rows_v], 2
-        )
-        return k, v
-
-    def take(self, rows: Sequence[int]) -> KVView:
-        idx = mx.array(list(rows))
-        return KVView(
-            self.shared_k,
-            self.shared_v,
-            self.rows_k[idx],
-            self.rows_v[idx],
-            tuple(self.lengths[b] for b in rows),
-        )
+        held = 2 * self.keys.nbytes * self.start // self.keys.shape[2]
+        return held + sum(a.nbytes for a in self.chunks)
 
 
 class SparseKVCache:
@@ -234,18 +193,16 @@ class SparseKVCache:
                 ]
             )
 
-    def kv_view(self, whole_blocks: bool = False) -> KVView:
-        """Keys/values as attention reads them; `whole_blocks` rounds the row part up to a
-        multiple of the block (the spare positions are masked causally)."""
-        rows = max(self.keys.lengths)
-        if whole_blocks:
-            rows = -(-rows // BLOCK) * BLOCK
+    def kv_view(self) -> KVView:
+        """Keys/values as attention reads them: whole buffers (capacities are multiples of the
+        block), valid up to each row's length."""
         shared = self.shared
         return KVView(
             None if shared is None else shared.keys,
             None if shared is None else shared.values,
-            self.keys.view(rows),
-            self.values.view(rows),
+            self.start,
+            self.keys.data,
+            self.values.data,
             tuple(self.lengths),
         )
 
@@ -265,8 +222,9 @@ class SparseKVCache:
         start = COMPRESSION[1][1] * counts[1]  # 64 · N2: block aligned, ≤ every per-row chunk
         if self._forked is None or self._forked[0] != length:  # one shared part per length,
             shared = SharedPrefix(  # so rows forked at different times can join one batch
-                self.keys.data[:, :, :start],
-                self.values.data[:, :, :start],
+                self.keys.data,
+                self.values.data,
+                start,
                 tuple(buf.data[:, :, :c] for buf, c in zip(self.compressed, counts, strict=True)),
             )
             self._forked = (length, shared)

@@ -1,76 +1,190 @@
-"""Softmax attention for the sparse layers: dense causal (below `dense_len`) and masked.
+"""Softmax attention, the one dispatcher every attention of the sparse layers goes through.
 
-Layout: q [B, H, Tq, d]; k, v [B, Hk, Tk, d] with H a multiple of Hk (GQA: query head h reads kv
-head h // (H / Hk)). Dense attention's queries are the last Tq of the Tk positions (causal mask
-aligned bottom-right). Results are [B, H, Tq, d] in q's dtype.
+Layout: q [B, H, Tq, d]; keys and values [B, Hk, Tk, d], H a multiple of Hk (GQA: query head h
+reads kv head h // (H / Hk)); the result is [B, H, Tq, d] in q's dtype. Keys and values may also
+come as a tuple of parts concatenated along Tk, each [B or 1, Hk, n, d]: a part with batch 1 is
+a prefix shared by every row, read once rather than copied per row.
 
-`attend` is the one dispatcher: on a GPU, MLX's fused SDPA; on the CPU, where MLX's `exp` costs
-~30 ns an element (12× numpy), a softmax in base 2 (`power(2, ·)` is 2–3× cheaper there), which
-changes results by float32 rounding only.
+mask: None (every key), "causal" (query i sits at position Tk − Tq + i: the queries are the last
+Tq of the keys), or a boolean array (True = attend) broadcastable to [B, H, Tq, Tk]. Every query
+must be allowed at least one key.
+
+On a GPU the dispatcher calls MLX's fused SDPA in one call (`mask="causal"` stays a string, so
+the fused kernel never reads a mask array). On the CPU, where MLX's `exp` costs ~13 ns an
+element, it computes a base-2 softmax (`power(2, ·)` is about 3× cheaper, same numbers up to
+float32 rounding) in query tiles, so the score buffer stays bounded whatever the length.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
 
 LOG2E = math.log2(math.e)
-# Query rows per call: bounds the [B, H, rows, Tk] score buffer a non-fused path materialises
-# (2048 × 8192 × 32 heads × 4 B = 2 GiB for one 9B chunk otherwise).
+# CPU: bound on the [B, H, rows, Tk] float32 score tile (elements, 256 MiB).
 MAX_SCORE_ELEMENTS = 1 << 26
 
+Parts = mx.array | tuple[mx.array, ...]
 
-def dense_attention_ref(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """Plain float32 softmax attention; the reference the fast paths are tested against."""
+
+@functools.cache
+def _cpu_lanes() -> tuple[mx.Stream, mx.Stream]:
+    # Created once per process: every MLX stream owns a thread for its lifetime.
+    return mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)
+
+
+def lanes() -> tuple[mx.Stream, ...]:
+    """Streams that independent query tiles take turns on. On the CPU, two: MLX runs the ops of
+    one stream on one thread, so the elementwise work of a softmax (most of a sparse layer's
+    time there) uses one core per stream. Elsewhere the default stream only: a GPU already runs
+    each op across the device."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return _cpu_lanes()
+    return (mx.default_stream(mx.default_device()),)
+
+
+def attention_ref(
+    q: mx.array, keys: Parts, values: Parts, scale: float, mask: str | mx.array | None = None
+) -> mx.array:
+    """Plain float32 softmax attention, the reference the fast paths are tested against."""
+    k, v = _joined(keys, q.shape[0]), _joined(values, q.shape[0])
     B, H, Tq, d = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    G = H // Hk
-    qf = q.astype(mx.float32).reshape(B, Hk, G, Tq, d)
-    kf = k.astype(mx.float32)[:, :, None]
-    vf = v.astype(mx.float32)[:, :, None]
-    s = (qf @ kf.swapaxes(-1, -2)) * scale  # [B, Hk, G, Tq, Tk]
-    q_pos = mx.arange(Tk - Tq, Tk)[:, None]
-    s = mx.where(mx.arange(Tk)[None, :] <= q_pos, s, -mx.inf)
-    o = mx.softmax(s, axis=-1) @ vf
+    qf = q.astype(mx.float32).reshape(B, Hk, H // Hk, Tq, d)
+    s = (qf @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)) * scale  # [B, Hk, G, Tq, Tk]
+    allowed = _causal(Tq, Tk, 0, Tq) if isinstance(mask, str) else mask
+    if allowed is not None:
+        s = mx.where(_per_group(allowed, Hk, H), s, -mx.inf)
+    o = mx.softmax(s, axis=-1) @ v.astype(mx.float32)[:, :, None]
     return o.reshape(B, H, Tq, d).astype(q.dtype)
 
 
-def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """Causal attention, split into query tiles when the score matrix would be large."""
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    rows = max(1, MAX_SCORE_ELEMENTS // (B * H * Tk))
-    outs = []
-    for start in range(0, Tq, rows):
-        stop = min(start + rows, Tq)
-        end_key = Tk - Tq + stop  # each tile sees the keys up to its own last query
-        mask = None
-        if stop - start > 1:
-            q_pos = mx.arange(end_key - (stop - start), end_key)[:, None]
-            mask = mx.arange(end_key)[None, :] <= q_pos
-        outs.append(attend(q[:, :, start:stop], k[:, :, :end_key], v[:, :, :end_key], scale, mask))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-
-
-def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
-    """softmax(q·kᵀ·scale, where mask) · v; mask is boolean (True = attend), broadcast to
-    [B, H, Tq, Tk], or None. Every query must be allowed at least one key."""
+def attention(
+    q: mx.array, keys: Parts, values: Parts, scale: float, mask: str | mx.array | None = None
+) -> mx.array:
+    """Dispatcher: fused SDPA on a GPU, base-2 query tiles on the CPU (same results)."""
+    if mask is not None and isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"attention: mask must be None, 'causal' or an array, got {mask!r}")
     if mx.default_device().type == mx.DeviceType.gpu:
+        k, v = _joined(keys, q.shape[0]), _joined(values, q.shape[0])
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return _attend_base2(q, k, v, scale, mask)
+    return attention_cpu(q, _parts(keys), _parts(values), scale, mask)
 
 
-def _attend_base2(q, k, v, scale, mask):
+def attention_cpu(
+    q: mx.array,
+    keys: tuple[mx.array, ...],
+    values: tuple[mx.array, ...],
+    scale: float,
+    mask: str | mx.array | None,
+) -> mx.array:
+    """The CPU path: query tiles of at most MAX_SCORE_ELEMENTS scores; under a causal mask
+    each tile reads only the keys up to its last query."""
     B, H, Tq, d = q.shape
-    Hk = k.shape[1]
-    qg = q.reshape(B, Hk, H // Hk, Tq, d)
-    s = (qg @ k[:, :, None].swapaxes(-1, -2)) * (scale * LOG2E)  # [B, Hk, G, Tq, Tk]
-    if mask is not None:  # to [b, Hk, G, Tq, Tk] or [b, 1, 1, Tq, Tk], never copied per head
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-        b, h = mask.shape[:2]
-        mask = mask.reshape(b, Hk, H // Hk, *mask.shape[2:]) if h == H > 1 else mask[:, :, None]
-        s = mx.where(mask, s, -mx.inf)
-    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
-    o = (p @ v[:, :, None]) / p.sum(axis=-1, keepdims=True)
+    Hk = keys[0].shape[1]
+    Tk = sum(k.shape[2] for k in keys)
+    qg = q.reshape(B, Hk, H // Hk, Tq, d) * (scale * LOG2E)  # base 2: 2^(s·log2e) = e^s
+    rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(Tk, 1)))
+    if Tq > 1:  # at least one tile per lane
+        rows = min(rows, -(-Tq // len(lanes())))
+    outs = []
+    for i, s in enumerate(range(0, Tq, rows)):
+        e = min(Tq, s + rows)
+        if isinstance(mask, str):  # causal: keys past this tile's last query are never read
+            end = Tk - Tq + e
+            tile_mask = _causal(Tq, Tk, s, e)[..., :end]
+        else:
+            end = Tk
+            tile_mask = _rows(mask, Tq, s, e)
+        ks, vs = _prefix(keys, end), _prefix(values, end)
+        with mx.stream(lanes()[i % len(lanes())]):
+            outs.append(_softmax_base2(qg[:, :, :, s:e], ks, vs, tile_mask, Hk, H))
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return o.reshape(B, H, Tq, d).astype(q.dtype)
+
+
+def _softmax_base2(qg, keys, values, mask, Hk, H):
+    """qg [B, Hk, G, t, d] (pre-scaled by scale·log2e) → [B, Hk, G, t, d] float32."""
+    s = mx.concatenate([grouped_scores(qg, k) for k in keys], axis=-1)  # [B, Hk, G, t, Tk]
+    if mask is not None:
+        s = mx.where(_per_group(mask, Hk, H), s, -mx.inf)
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
+    o, at = None, 0
+    for v in values:
+        n = v.shape[2]
+        part = grouped_weighted(p[..., at : at + n], v)
+        o, at = part if o is None else o + part, at + n
+    return o / p.sum(axis=-1, keepdims=True)
+
+
+def grouped_scores(qg: mx.array, k: mx.array) -> mx.array:
+    """qg [B, Hk, G, t, d] · k [b, Hk, n, d] → [B, Hk, G, t, n]. A shared part (b = 1) is one
+    matmul with every row's queries stacked, not B broadcast ones."""
+    B, Hk, G, t, d = qg.shape
+    if k.shape[0] == 1 and B > 1:
+        stacked = qg.transpose(1, 0, 2, 3, 4).reshape(1, Hk, B * G * t, d)
+        s = stacked @ k.swapaxes(-1, -2)  # [1, Hk, B·G·t, n]
+        return s.reshape(Hk, B, G, t, -1).transpose(1, 0, 2, 3, 4)
+    return qg @ k[:, :, None].swapaxes(-1, -2)
+
+
+def grouped_weighted(p: mx.array, v: mx.array) -> mx.array:
+    """p [B, Hk, G, t, n] · v [b, Hk, n, d] → [B, Hk, G, t, d] (a shared part: as in
+    grouped_scores)."""
+    B, Hk, G, t, n = p.shape
+    if v.shape[0] == 1 and B > 1:
+        stacked = p.transpose(1, 0, 2, 3, 4).reshape(1, Hk, B * G * t, n)
+        return (stacked @ v).reshape(Hk, B, G, t, -1).transpose(1, 0, 2, 3, 4)
+    return p @ v[:, :, None]
+
+
+def _causal(Tq: int, Tk: int, s: int, e: int) -> mx.array:
+    """[e − s, Tk] mask of queries s..e−1 when the Tq queries are the last Tq of Tk keys."""
+    q_pos = mx.arange(Tk - Tq + s, Tk - Tq + e)[:, None]
+    return mx.arange(Tk)[None, :] <= q_pos
+
+
+def _rows(mask: mx.array | None, Tq: int, s: int, e: int) -> mx.array | None:
+    """The query rows s..e−1 of a mask (a mask without a per-query axis applies as it is)."""
+    if mask is None or mask.ndim < 2 or mask.shape[-2] != Tq or (s == 0 and e == Tq):
+        return mask
+    return mask[..., s:e, :]
+
+
+def _per_group(mask: mx.array, Hk: int, H: int) -> mx.array:
+    """A mask broadcastable to [B, H, Tq, Tk] as [b, Hk, G or 1, Tq, Tk], never copied per
+    head."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    b, h = mask.shape[:2]
+    if h == H and H > 1:
+        return mask.reshape(b, Hk, H // Hk, *mask.shape[2:])
+    return mask[:, :, None]
+
+
+def _parts(x: Parts) -> tuple[mx.array, ...]:
+    return tuple(p for p in x if p.shape[2]) if isinstance(x, tuple) else (x,)
+
+
+def _joined(x: Parts, batch: int) -> mx.array:
+    """The parts as one array [B, Hk, Tk, d] (a shared part copied per row)."""
+    parts = _parts(x)
+    if len(parts) == 1 and parts[0].shape[0] == batch:
+        return parts[0]
+    return mx.concatenate(
+        [mx.broadcast_to(p, (batch, *p.shape[1:])) if p.shape[0] != batch else p for p in parts],
+        axis=2,
+    )
+
+
+def _prefix(parts: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
+    """The first `end` positions of the concatenation of parts, still as parts."""
+    out, at = [], 0
+    for p in parts:
+        n = min(p.shape[2], end - at)
+        if n <= 0:
+            break
+        out.append(p if n == p.shape[2] else p[:, :, :n])
+        at += n
+    return tuple(out)

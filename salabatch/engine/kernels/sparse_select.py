@@ -1,14 +1,13 @@
 """InfLLM-v2 block selection (SPEC §4.3 steps B–D): stage-1 scores → block max-pool → top-k.
 
 Layout (every function here):
-  q      [B, H, T, d]    queries of this call, H = Hk · G (G query heads share one kv head)
-  c1     level-1 compressed keys (mean of 32 keys every 16), float32, as a tuple of parts
-         concatenated along the chunk axis: each [1 or B, Hk, n, d] (a prefix shared by all
-         rows, then the rows' own chunks); N1 = Σ n
-  c2     level-2 compressed keys (mean of 128 keys every 64), likewise (N2)
-  vis1   [B, T] int32    how many leading c1 chunks each query may see (c2: vis2)
-  q_blk  [B, T] int32    the 64-token key block each query sits in
-  →      [B, Hk, T, K]   int32 selected block ids, ascending; -1 marks a slot holding no past block
+  q       [B, H, T, d]   queries of this call, H = Hk · G (G query heads share one kv head)
+  c1      level-1 compressed keys (mean of 32 keys every 16), float32, as a tuple of parts
+          concatenated along the chunk axis: each [1 or B, Hk, n, d] (a prefix shared by all
+          rows, then the rows' own chunks); N1 = Σ n
+  c2      level-2 compressed keys (mean of 128 keys every 64), likewise (N2)
+  starts  the position of each row's first query (row b's queries sit at starts[b] + 0..T-1)
+  →       [B, Hk, T, K]  int32 selected block ids, ascending; -1 marks a slot holding no block
 
 Scores: p[h, t, j] = exp(q·c1_j · scale − logsumexp_j' q·c2_j' · scale) over visible chunks (the
 normaliser comes from the coarse level, SPEC P6), summed over the G heads of a kv group; a query
@@ -16,17 +15,47 @@ that sees no level-2 chunk scores 0 everywhere. A block scores the max over the 
 overlap it (4b−1 … 4b+3); the first `init_blocks` blocks and the local window (the query's block
 and `local_blocks` before it) are forced; then the K best, ties going to the lowest block id (the
 CUDA torch.topk rule the golden vectors follow, SPEC P11).
+
+The kernels hard-code the compression sizes and the block (SPEC P14), so they are constants here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import numpy as np
 
-from salabatch.engine.kernels.attention import LOG2E
+from salabatch.engine.kernels.attention import LOG2E, grouped_scores, lanes
 
-# Bound on the [B, Hk, G, rows, N1] score tile the fast path materialises (float32 elements).
-MAX_SCORE_ELEMENTS = 1 << 25
+COMPRESSION = ((32, 16), (128, 64))  # (size, stride) of the two compression levels
+BLOCK = 64  # key block of stage 2
+# Bound on the [B, Hk, G, rows, N1] score tile of one query tile (float32 elements).
+MAX_SCORE_ELEMENTS = 1 << 24
+
+
+def visible_chunks(q_pos: mx.array, prefill_len: int, stride: int) -> mx.array:
+    """How many compressed chunks (size 2·stride) each query may score: those that end at or
+    before it. Inside a planned prefill of L tokens the kernel hides one more when
+    L ≡ stride − 1 (mod stride) (SPEC §4.3 length quirk); decode steps never do."""
+    seen = (q_pos + 1) // stride - 1
+    seen = mx.where(q_pos < prefill_len, seen + _quirk(prefill_len, stride), seen)
+    return mx.maximum(seen, 0)
+
+
+def visible_count(pos: int, prefill_len: int, stride: int) -> int:
+    """`visible_chunks` of one query position, as a Python int."""
+    seen = (pos + 1) // stride - 1
+    if pos < prefill_len:
+        seen += _quirk(prefill_len, stride)
+    return max(seen, 0)
+
+
+def _quirk(prefill_len: int, stride: int) -> int:
+    size = 2 * stride
+    if prefill_len < size:
+        return 0
+    return (prefill_len - size) // stride + 1 - (prefill_len - stride + 1) // stride
 
 
 def chunk_scores(
@@ -37,10 +66,10 @@ def chunk_scores(
     vis2: mx.array,
     scale: float,
 ) -> mx.array:
-    """Stage-1 scores summed over each kv group: [B, Hk, T, N1] float32.
+    """Stage-1 scores summed over each kv group: [B, Hk, T, N1] float32; vis1/vis2 [B, T].
 
     Computed in base 2 (exp(x − lse) = 2^(x·log2e − lse2)): the same numbers up to float32
-    rounding, and `power(2, ·)` is 2–3× cheaper than `exp` on MLX's CPU backend.
+    rounding, and `power(2, ·)` is about 3× cheaper than `exp` on MLX's CPU backend.
     """
     B, H, T, d = q.shape
     Hk = c1[0].shape[1]
@@ -60,8 +89,7 @@ def chunk_scores(
 
 
 def _scores(qg: mx.array, parts: tuple[mx.array, ...]) -> mx.array:
-    """qg [B, Hk, G, T, d] against each part's chunks (a shared part is read once, broadcast)."""
-    s = [qg @ p[:, :, None].swapaxes(-1, -2) for p in parts if p.shape[2]]
+    s = [grouped_scores(qg, p) for p in parts if p.shape[2]]
     return s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)
 
 
@@ -71,7 +99,8 @@ def pool_blocks(scores: mx.array, n_blocks: int) -> mx.array:
     Block b overlaps chunks 4b−1 … 4b+3; chunks that do not exist count as −inf.
     """
     lead = scores.shape[:-1]
-    n1 = scores.shape[-1]
+    n1 = min(scores.shape[-1], 4 * n_blocks + 3)  # later chunks overlap no block here
+    scores = scores[..., :n1]
     width = 4 * n_blocks + 4  # padded[j + 1] holds chunk j
     left = mx.full((*lead, 1), -mx.inf, dtype=scores.dtype)
     right = mx.full((*lead, width - 1 - n1), -mx.inf, dtype=scores.dtype)
@@ -109,38 +138,66 @@ def select_blocks(
     q: mx.array,
     c1: tuple[mx.array, ...],
     c2: tuple[mx.array, ...],
-    vis1: mx.array,
-    vis2: mx.array,
-    q_blk: mx.array,
+    starts: Sequence[int],
     *,
+    prefill_len: int,
     n_blocks: int,
     k: int,
     scale: float,
     init_blocks: int,
     local_blocks: int,
 ) -> mx.array:
-    """Fast path: the same selection, in query tiles so the score buffer stays bounded."""
+    """Fast path, in query tiles: each tile scores only the chunks and blocks its last query can
+    see (causal), so the score buffer stays under MAX_SCORE_ELEMENTS and a prefill does half
+    the work of scoring every chunk; slots past a tile's blocks are -1 padding."""
     B, H, T, _ = q.shape
-    N1 = max(sum(p.shape[2] for p in c1), 1)
-    rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(N1, n_blocks)))
+    N1 = sum(p.shape[2] for p in c1)
+    pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
+    (_, stride1), (_, stride2) = COMPRESSION
+    lane = lanes()
+    rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(N1, n_blocks, 1)))
+    rows = min(rows, -(-T // len(lane)))  # at least one tile per lane
     out = []
     for s in range(0, T, rows):
         e = min(T, s + rows)
-        scores = chunk_scores(q[:, :, s:e], c1, c2, vis1[:, s:e], vis2[:, s:e], scale)
-        pooled = pool_blocks(scores, n_blocks)
-        masked = force_and_mask(pooled, q_blk[:, s:e], init_blocks, local_blocks)
-        out.append(top_k_lowest_index(masked, k, q_blk[:, s:e]))
+        last = max(starts) + e - 1  # the tile's furthest query
+        blocks = min(n_blocks, last // BLOCK + 1)
+        p = pos[:, s:e]
+        with mx.stream(lane[len(out) % len(lane)]):
+            scores = chunk_scores(
+                q[:, :, s:e],
+                _head(c1, visible_count(last, prefill_len, stride1)),
+                _head(c2, visible_count(last, prefill_len, stride2)),
+                visible_chunks(p, prefill_len, stride1),
+                visible_chunks(p, prefill_len, stride2),
+                scale,
+            )
+            pooled = pool_blocks(scores, blocks)
+            pooled = force_and_mask(pooled, p // BLOCK, init_blocks, local_blocks)
+            idx = top_k_lowest_index(pooled, min(k, blocks), p // BLOCK)
+            if idx.shape[-1] < k:
+                idx = mx.pad(idx, [(0, 0)] * 3 + [(0, k - idx.shape[-1])], constant_values=-1)
+        out.append(idx)
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def _head(parts: tuple[mx.array, ...], n: int) -> tuple[mx.array, ...]:
+    """The first n chunks of the concatenated parts, still as parts."""
+    out, left = [], n
+    for p in parts:
+        take = min(p.shape[2], left)
+        out.append(p if take == p.shape[2] else p[:, :, :take])
+        left -= take
+    return tuple(out)
 
 
 def select_blocks_ref(
     q: mx.array,
     c1: tuple[mx.array, ...],
     c2: tuple[mx.array, ...],
-    vis1: mx.array,
-    vis2: mx.array,
-    q_blk: mx.array,
+    starts: Sequence[int],
     *,
+    prefill_len: int,
     n_blocks: int,
     k: int,
     scale: float,
@@ -148,9 +205,12 @@ def select_blocks_ref(
     local_blocks: int,
 ) -> mx.array:
     """Reference: whole score matrix, pooling by explicit ranges, top-k by a stable sort."""
-    scores = np.array(chunk_scores(q, c1, c2, vis1, vis2, scale))  # [B, Hk, T, N1]
+    T = q.shape[2]
+    pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
+    vis = [visible_chunks(pos, prefill_len, stride) for _, stride in COMPRESSION]
+    scores = np.array(chunk_scores(q, c1, c2, *vis, scale))  # [B, Hk, T, N1]
     B, Hk, T, n1 = scores.shape
-    qb = np.array(q_blk)
+    qb = np.array(pos) // BLOCK
     out = np.full((B, Hk, T, k), -1, dtype=np.int32)
     for b in range(B):
         for g in range(Hk):
