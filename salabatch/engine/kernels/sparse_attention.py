@@ -32,18 +32,22 @@ from salabatch.engine.kernels.attention import (
     attention,
     attention_ref,
     grouped_scores,
-    grouped_weighted,
     lanes,
 )
 from salabatch.engine.kernels.sparse_select import BLOCK
 
-# Bound on the keys + values one query tile gathers (bytes).
-MAX_GATHER_BYTES = 1 << 27
+# Bound on the keys + values one query tile gathers (bytes). MLX keeps about ten tiles in
+# flight, so this sets the transient memory of a sparse layer (~0.7 GB at 32K).
+MAX_GATHER_BYTES = 1 << 25
 # Bound on the [B, H, rows, keys] float32 score tile of `_scored` (elements).
 MAX_SCORE_ELEMENTS = 1 << 24
 # `_scored` while the keys before a tile are at most this many per selected key slot: past
-# that, scoring every key costs more than gathering the selected ones (measured on CPU).
-SCORED_KEYS_PER_SLOT = 4
+# that, scoring every key costs more than gathering the selected ones (CPU: 7.3 → 9.6 ns per
+# selected score from 8K to 28K keys, gathered 16 ns; lanes on, one BLAS thread).
+SCORED_KEYS_PER_SLOT = 16
+# `_scored` reads keys up to a multiple of this: tiles and chunks then share buffer shapes, so
+# MLX reuses its cached buffers instead of faulting in fresh memory for every tile.
+KEY_BUCKET = 4096
 
 
 @dataclass(frozen=True)
@@ -109,34 +113,55 @@ def block_sparse_attention_ref(
 def block_sparse_attention(
     q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float
 ) -> mx.array:
-    """The dispatcher, per query tile: `_scored` while the keys up to the tile are few (at most
-    SCORED_KEYS_PER_SLOT per selected key slot), else `_gathered`; row b's queries sit at
-    starts[b] + 0..T-1."""
+    """The dispatcher; row b's queries sit at starts[b] + 0..T-1. Query tiles alternate lanes
+    and each takes the cheapest exact path:
+
+    * `_causal`: every query of the tile sits in a block below K, so its K slots hold every
+      block up to its own (top-k of fewer candidates than slots): plain causal attention;
+    * `_scored`: while the keys before the tile are at most SCORED_KEYS_PER_SLOT per slot;
+    * `_gathered`: otherwise, and for fewer queries than a block (decode).
+    """
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
-    G = H // Hk
     q_pos = _positions(starts, T)
-    qg = q.reshape(B, Hk, G, T, d).transpose(0, 1, 3, 2, 4)  # [B, Hk, T, G, d]
-    block = BLOCK
-    gather_rows = max(1, MAX_GATHER_BYTES // (2 * B * Hk * K * block * d * kv.rows_k.itemsize))
+    qg = q.reshape(B, Hk, H // Hk, T, d).transpose(0, 1, 3, 2, 4)  # [B, Hk, T, G, d]
+    block, first = BLOCK, max(starts)
+    per_query = B * Hk * K * block * d * kv.rows_k.itemsize  # one gathered K or V
+    gather_rows = max(1, MAX_GATHER_BYTES // (2 * per_query))
+    dense_rows = K * block - first  # queries before position K·block
+    # one row count for every scored tile of the call, so their buffers are reused
+    score_rows = min(MAX_SCORE_ELEMENTS // (B * H * (first + T)), MAX_GATHER_BYTES // per_query)
+    score_rows = max(1, score_rows)
+    capacity = kv.start + kv.rows_k.shape[2]
     outs, s = [], 0
     lane = lanes()
     while s < T:
-        end_key = -(-(max(starts) + min(T, s + block)) // block) * block  # keys up to the tile
-        if T - s >= block and end_key <= SCORED_KEYS_PER_SLOT * K * block:
-            score_rows = MAX_SCORE_ELEMENTS // (B * H * end_key)
-            e = min(T, s + max(block, score_rows // block * block))
-            end_key = -(-(max(starts) + e) // block) * block
-            with mx.stream(lane[len(outs) % len(lane)]):
-                o = _scored(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, end_key)
-        else:
-            e = min(T, s + gather_rows)
-            with mx.stream(lane[len(outs) % len(lane)]):
+        with mx.stream(lane[len(outs) % len(lane)]):
+            if s < dense_rows:
+                e = min(T, dense_rows)
+                o = _causal(q[:, :, s:e], kv, starts, s, scale)
+            elif T - s >= block and first + s <= SCORED_KEYS_PER_SLOT * K * block:
+                e = min(T, s + score_rows)
+                end = min(capacity, -(-(first + e) // KEY_BUCKET) * KEY_BUCKET)
+                o = _scored(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, end)
+            else:
+                e = min(T, s + gather_rows)
                 o = _gathered(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale)
         outs.append(o)
         s = e
-    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [B, Hk, T, G, d]
-    return o.transpose(0, 1, 3, 2, 4).reshape(B, H, T, d)
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [B, H, T, d]
+    return o
+
+
+def _causal(q, kv: KVView, starts: Sequence[int], s: int, scale: float) -> mx.array:
+    """q [B, H, t, d], the queries s.. of each row, against every key before them."""
+    t = q.shape[2]
+    end = max(starts) + s + t
+    keys, values = kv.parts(end)
+    if kv.start == 0 and len(set(starts)) == 1:
+        return attention(q, keys, values, scale, "causal")
+    q_pos = _positions(starts, t) + s
+    return attention(q, keys, values, scale, mx.arange(end) <= q_pos[:, None, :, None])
 
 
 def _positions(starts: Sequence[int], T: int) -> mx.array:
@@ -154,7 +179,8 @@ def _gathered(qg, kv: KVView, idx, q_pos, scale):
     """Each query's K blocks gathered: qg [B, Hk, t, G, d], idx [B, Hk, t, K] → like qg."""
     B, Hk, t, G, d = qg.shape
     K, block = idx.shape[-1], BLOCK
-    keys, values = _gather_blocks(kv, idx)  # [B, Hk, t, K, block·d]
+    keys = _gather_blocks(kv.rows_k, kv.shared_k, kv.start, idx)  # [B, Hk, t, K, block·d]
+    values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx)
     n = B * Hk * t
     # one attention per (row, kv head, query): its G heads are the query rows, no GQA inside
     o = attention(
@@ -164,61 +190,51 @@ def _gathered(qg, kv: KVView, idx, q_pos, scale):
         scale,
         _allowed(idx, q_pos, block).reshape(n, 1, 1, K * block),
     )
-    return o.reshape(B, Hk, t, G, d)
+    return _heads(o.reshape(B, Hk, t, G, d))
 
 
 def _scored(qg, kv: KVView, idx, q_pos, scale, end: int):
-    """Scores of every key before `end` as one matmul per kv head (cheap next to a softmax),
-    then the softmax of the selected blocks only, scattered back for one matmul with the
-    values: qg [B, Hk, t, G, d], idx [B, Hk, t, K] → like qg, float32 softmax in base 2."""
+    """Scores of every key before `end` as one matmul per kv head (a matmul costs far less per
+    score than the softmax, and reads each key once per tile, not once per query), then the
+    softmax of the selected blocks only, against their gathered values:
+    qg [B, Hk, t, G, d], idx [B, Hk, t, K] → [B, H, t, d], a float32 softmax in base 2."""
     B, Hk, t, G, d = qg.shape
-    block = BLOCK
-    nb = end // block
-    keys, values = kv.parts(end)
+    K, block = idx.shape[-1], BLOCK
+    keys, _ = kv.parts(end)
     q2 = (qg.astype(mx.float32) * (scale * LOG2E)).reshape(B, Hk, 1, t * G, d)
     s = mx.concatenate([grouped_scores(q2, k) for k in keys], axis=-1)  # [B, Hk, 1, t·G, end]
-    s = s.reshape(B, Hk, t, G, nb, block)
-    slots = idx[:, :, :, None, :, None]  # [B, Hk, t, 1, K, 1]
-    sel = mx.take_along_axis(s, mx.maximum(slots, 0), axis=4)  # [B, Hk, t, G, K, block]
+    s = s.reshape(B, Hk, t, G, end // block, block)
+    slots = mx.maximum(idx, 0)[:, :, :, None, :, None]  # [B, Hk, t, 1, K, 1]
+    sel = mx.take_along_axis(s, slots, axis=4)  # [B, Hk, t, G, K, block]
     sel = mx.where(_allowed(idx, q_pos, block)[:, :, :, None], sel, -mx.inf)
     p = mx.power(2.0, sel - sel.max(axis=(-2, -1), keepdims=True))
     total = p.sum(axis=(-2, -1))[..., None]  # [B, Hk, t, G, 1]
-    # back to key order; empty slots write to a spare block past the end
-    spread = mx.zeros((B, Hk, t, G, nb + 1, block), dtype=p.dtype)
-    to = mx.broadcast_to(mx.where(slots >= 0, slots, nb), p.shape)
-    spread = mx.put_along_axis(spread, to, p, axis=4)[:, :, :, :, :nb]
-    spread = spread.reshape(B, Hk, 1, t * G, end)
-    o = None
-    at = 0
-    for v in values:
-        n = v.shape[2]
-        part = grouped_weighted(spread[..., at : at + n], v)  # [B, Hk, 1, t·G, d]
-        o, at = part if o is None else o + part, at + n
-    o = o.reshape(B, Hk, t, G, d) / total
-    return o.astype(qg.dtype)
+    values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx)  # [B, Hk, t, K, block·d]
+    o = p.reshape(B, Hk, t, G, K * block) @ values.reshape(B, Hk, t, K * block, d)
+    return _heads((o / total).astype(qg.dtype))
 
 
-def _gather_blocks(kv: KVView, idx: mx.array) -> tuple[mx.array, mx.array]:
-    """Keys and values of the blocks idx [B, Hk, t, K] → [B, Hk, t, K, block·d] each.
+def _heads(o: mx.array) -> mx.array:
+    """[B, Hk, t, G, d] → [B, H, t, d]."""
+    B, Hk, t, G, d = o.shape
+    return o.transpose(0, 1, 3, 2, 4).reshape(B, Hk * G, t, d)
 
-    Each table is flat, one block per row ([(b, g, block), block·d]), so one `take` gathers
-    whole blocks; a -1 slot reads block 0 (it is masked). Blocks below the shared part's end
-    come from the shared table.
+
+def _gather_blocks(rows: mx.array, shared: mx.array | None, start: int, idx: mx.array) -> mx.array:
+    """The blocks idx [B, Hk, t, K] of each row's sequence → [B, Hk, t, K, block·d].
+
+    rows [B, Hk, R, d] and shared [1, Hk, C, d] (positions [0, start) are the shared part) are
+    read as flat tables of one block per row ([(b, g, block), block·d]), so one `take` copies
+    whole blocks; a -1 slot reads block 0 (the caller masks it).
     """
     B, Hk, t, K = idx.shape
-    d, block = kv.rows_k.shape[-1], BLOCK
-    S = kv.start // block
-    R = kv.rows_k.shape[2] // block
-    C = 0 if kv.shared_k is None else kv.shared_k.shape[2] // block  # shared buffer, in blocks
+    d, block = rows.shape[-1], BLOCK
+    S = start // block
     safe = mx.maximum(idx, 0)
-    base = (mx.arange(B)[:, None] * Hk + mx.arange(Hk)[None, :]) * R  # [B, Hk]
-    at = base[:, :, None, None] + mx.maximum(safe - S, 0)
-    rows_k = mx.take(kv.rows_k.reshape(-1, block * d), at, axis=0)
-    rows_v = mx.take(kv.rows_v.reshape(-1, block * d), at, axis=0)
+    base = (mx.arange(B)[:, None] * Hk + mx.arange(Hk)[None, :]) * (rows.shape[2] // block)
+    own = mx.take(rows.reshape(-1, block * d), base[:, :, None, None] + mx.maximum(safe - S, 0), 0)
     if not S:
-        return rows_k, rows_v
-    in_shared = (safe < S)[..., None]
-    at = mx.arange(Hk)[None, :, None, None] * C + mx.minimum(safe, S - 1)
-    shared_k = mx.take(kv.shared_k.reshape(-1, block * d), at, axis=0)
-    shared_v = mx.take(kv.shared_v.reshape(-1, block * d), at, axis=0)
-    return mx.where(in_shared, shared_k, rows_k), mx.where(in_shared, shared_v, rows_v)
+        return own
+    at = mx.arange(Hk)[None, :, None, None] * (shared.shape[2] // block) + mx.minimum(safe, S - 1)
+    common = mx.take(shared.reshape(-1, block * d), at, axis=0)
+    return mx.where((safe < S)[..., None], common, own)

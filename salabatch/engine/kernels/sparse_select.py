@@ -32,6 +32,9 @@ COMPRESSION = ((32, 16), (128, 64))  # (size, stride) of the two compression lev
 BLOCK = 64  # key block of stage 2
 # Bound on the [B, Hk, G, rows, N1] score tile of one query tile (float32 elements).
 MAX_SCORE_ELEMENTS = 1 << 24
+# A tile scores level-1 chunks up to a multiple of this (its later ones are masked), so tiles
+# share buffer shapes and MLX reuses its cached buffers.
+CHUNK_BUCKET = 256
 
 
 def visible_chunks(q_pos: mx.array, prefill_len: int, stride: int) -> mx.array:
@@ -151,7 +154,7 @@ def select_blocks(
     see (causal), so the score buffer stays under MAX_SCORE_ELEMENTS and a prefill does half
     the work of scoring every chunk; slots past a tile's blocks are -1 padding."""
     B, H, T, _ = q.shape
-    N1 = sum(p.shape[2] for p in c1)
+    N1, N2 = (sum(p.shape[2] for p in parts) for parts in (c1, c2))
     pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
     (_, stride1), (_, stride2) = COMPRESSION
     lane = lanes()
@@ -161,13 +164,16 @@ def select_blocks(
     for s in range(0, T, rows):
         e = min(T, s + rows)
         last = max(starts) + e - 1  # the tile's furthest query
-        blocks = min(n_blocks, last // BLOCK + 1)
+        # counts rounded up (what the tile cannot see is masked), so tiles share buffer shapes
+        n1 = _bucket(visible_count(last, prefill_len, stride1), N1, CHUNK_BUCKET)
+        n2 = _bucket(visible_count(last, prefill_len, stride2), N2, CHUNK_BUCKET // 4)
+        blocks = _bucket(last // BLOCK + 1, n_blocks, CHUNK_BUCKET // 4)
         p = pos[:, s:e]
         with mx.stream(lane[len(out) % len(lane)]):
             scores = chunk_scores(
                 q[:, :, s:e],
-                _head(c1, visible_count(last, prefill_len, stride1)),
-                _head(c2, visible_count(last, prefill_len, stride2)),
+                _head(c1, n1),
+                _head(c2, n2),
                 visible_chunks(p, prefill_len, stride1),
                 visible_chunks(p, prefill_len, stride2),
                 scale,
@@ -179,6 +185,10 @@ def select_blocks(
                 idx = mx.pad(idx, [(0, 0)] * 3 + [(0, k - idx.shape[-1])], constant_values=-1)
         out.append(idx)
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def _bucket(n: int, limit: int, step: int) -> int:
+    return min(limit, -(-n // step) * step)
 
 
 def _head(parts: tuple[mx.array, ...], n: int) -> tuple[mx.array, ...]:
