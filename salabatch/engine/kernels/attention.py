@@ -25,6 +25,8 @@ import mlx.core as mx
 LOG2E = math.log2(math.e)
 # CPU: bound on the [B, H, rows, Tk] float32 score tile (elements, 256 MiB).
 MAX_SCORE_ELEMENTS = 1 << 26
+# CPU: queries are split between lanes only in tiles of at least this many.
+LANE_ROWS = 64
 
 Parts = mx.array | tuple[mx.array, ...]
 
@@ -35,14 +37,19 @@ def _cpu_lanes() -> tuple[mx.Stream, mx.Stream]:
     return mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)
 
 
+def on_gpu() -> bool:
+    """Whether ops run on a GPU (Metal or CUDA): the one place the kernels ask."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def lanes() -> tuple[mx.Stream, ...]:
     """Streams that independent query tiles take turns on. On the CPU, two: MLX runs the ops of
     one stream on one thread, so the elementwise work of a softmax (most of a sparse layer's
     time there) uses one core per stream. Elsewhere the default stream only: a GPU already runs
     each op across the device."""
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return _cpu_lanes()
-    return (mx.default_stream(mx.default_device()),)
+    if on_gpu():
+        return (mx.default_stream(mx.default_device()),)
+    return _cpu_lanes()
 
 
 def attention_ref(
@@ -67,7 +74,7 @@ def attention(
     """Dispatcher: fused SDPA on a GPU, base-2 query tiles on the CPU (same results)."""
     if mask is not None and isinstance(mask, str) and mask != "causal":
         raise ValueError(f"attention: mask must be None, 'causal' or an array, got {mask!r}")
-    if mx.default_device().type == mx.DeviceType.gpu:
+    if on_gpu():
         k, v = _joined(keys, q.shape[0]), _joined(values, q.shape[0])
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return attention_cpu(q, _parts(keys), _parts(values), scale, mask)
@@ -87,7 +94,7 @@ def attention_cpu(
     Tk = sum(k.shape[2] for k in keys)
     qg = q.reshape(B, Hk, H // Hk, Tq, d) * (scale * LOG2E)  # base 2: 2^(s·log2e) = e^s
     rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(Tk, 1)))
-    if Tq > 1:  # at least one tile per lane
+    if Tq >= 2 * LANE_ROWS:  # a long prefill: at least one tile per lane
         rows = min(rows, -(-Tq // len(lanes())))
     outs = []
     for i, s in enumerate(range(0, Tq, rows)):

@@ -176,21 +176,81 @@ def _allowed(idx: mx.array, q_pos: mx.array, block: int) -> mx.array:
 
 
 def _gathered(qg, kv: KVView, idx, q_pos, scale):
-    """Each query's K blocks gathered: qg [B, Hk, t, G, d], idx [B, Hk, t, K] → like qg."""
+    """Each query's K blocks gathered: qg [B, Hk, t, G, d], idx [B, Hk, t, K] → [B, H, t, d].
+
+    The (row, kv head) pairs are split between the lanes (a decode step is one query per row,
+    so this is where its parallelism is).
+    """
     B, Hk, t, G, d = qg.shape
-    K, block = idx.shape[-1], BLOCK
-    keys = _gather_blocks(kv.rows_k, kv.shared_k, kv.start, idx)  # [B, Hk, t, K, block·d]
-    values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx)
-    n = B * Hk * t
-    # one attention per (row, kv head, query): its G heads are the query rows, no GQA inside
-    o = attention(
-        qg.reshape(n, 1, G, d),
-        keys.reshape(n, 1, K * block, d),
-        values.reshape(n, 1, K * block, d),
-        scale,
-        _allowed(idx, q_pos, block).reshape(n, 1, 1, K * block),
-    )
+    P, K = B * Hk, idx.shape[-1]
+    lane = lanes()
+    n = min(len(lane), P)
+    bounds = [P * i // n for i in range(n + 1)]
+    outs = []
+    for i in range(n):
+        p0, p1 = bounds[i], bounds[i + 1]
+        with mx.stream(lane[i]):
+            q = qg.reshape(P, t, G, d)[p0:p1]
+            sel = idx.reshape(P, t, K)[p0:p1]
+            pos = mx.repeat(q_pos, Hk, axis=0)[p0:p1]  # [P', t]
+            outs.append(_gathered_pairs(q, kv, sel, pos, p0, scale))
+    o = outs[0] if n == 1 else mx.concatenate(outs, axis=0)
     return _heads(o.reshape(B, Hk, t, G, d))
+
+
+def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale):
+    """Pairs p0.. of (row, kv head), as p = b·Hk + g: q [P', t, G, d], idx [P', t, K],
+    q_pos [P', t] → [P', t, G, d].
+
+    Without a shared prefix, one `take` of whole blocks from the row buffer read as a flat
+    table ([(b, g, block), block·d]). With one, the slots in the prefix are gathered from the
+    shared buffer, and the row's own positions (after a document: its question and answer, a
+    few blocks) are read whole, masked to the selected blocks, so no gathered array is built
+    twice and merged.
+    """
+    Pn, t, G, d = q.shape
+    K, block = idx.shape[-1], BLOCK
+    Hk = kv.rows_k.shape[1]
+    S = kv.start // block
+    g = (mx.arange(p0, p0 + Pn) % Hk)[:, None, None]
+    safe = mx.maximum(idx, 0)
+    allowed = _allowed(idx[:, None], q_pos, block)[:, 0]  # [P', t, K, block]
+    n = Pn * t
+    if not S:
+        R = kv.rows_k.shape[2] // block
+        at = mx.arange(p0, p0 + Pn)[:, None, None] * R + safe
+        keys = _take_blocks(kv.rows_k, at)
+        values = _take_blocks(kv.rows_v, at)
+        mask = allowed.reshape(n, 1, 1, K * block)
+        return attention(q.reshape(n, 1, G, d), keys, values, scale, mask).reshape(q.shape)
+    C = kv.shared_k.shape[2] // block
+    at = g * C + mx.minimum(safe, S - 1)
+    keys = (_take_blocks(kv.shared_k, at),)
+    values = (_take_blocks(kv.shared_v, at),)
+    mask = (allowed & (idx < S)[..., None]).reshape(Pn, t, K * block)
+    own = max(kv.lengths) - kv.start
+    if own > 0:
+        R = -(-own // block) * block
+        rows_k = kv.rows_k[:, :, :R].reshape(-1, R, kv.rows_k.shape[-1])[p0 : p0 + Pn]
+        rows_v = kv.rows_v[:, :, :R].reshape(-1, R, kv.rows_v.shape[-1])[p0 : p0 + Pn]
+        keys += (mx.broadcast_to(rows_k[:, None], (Pn, t, R, d)).reshape(n, 1, R, d),)
+        values += (mx.broadcast_to(rows_v[:, None], (Pn, t, R, d)).reshape(n, 1, R, d),)
+        blocks = S + mx.arange(R // block)
+        member = (idx[..., None] == blocks).any(axis=-2)  # [P', t, R/block]
+        key_pos = kv.start + mx.arange(R)
+        own_mask = mx.repeat(member, block, axis=-1) & (key_pos <= q_pos[..., None])
+        mask = mx.concatenate([mask, own_mask], axis=-1)
+    mask = mask.reshape(n, 1, 1, -1)
+    return attention(q.reshape(n, 1, G, d), keys, values, scale, mask).reshape(q.shape)
+
+
+def _take_blocks(buffer: mx.array, at: mx.array) -> mx.array:
+    """buffer [b, Hk, N, d] read as a table of 64-token blocks; at [P', t, K] table rows →
+    [P'·t, 1, K·block, d]."""
+    d = buffer.shape[-1]
+    Pn, t, K = at.shape
+    out = mx.take(buffer.reshape(-1, BLOCK * d), at, axis=0)
+    return out.reshape(Pn * t, 1, K * BLOCK, d)
 
 
 def _scored(qg, kv: KVView, idx, q_pos, scale, end: int):
