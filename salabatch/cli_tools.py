@@ -187,3 +187,77 @@ def bench_gla(repeat: int, out: str | None) -> None:
     from salabatch.bench import gla
 
     _emit("gla", gla.run(repeat), out)
+
+
+@bench.command("long")
+@click.option(
+    "--contexts",
+    help="Context lengths, comma-separated; K = 1024 [GPU: 8K,32K,128K; CPU: 4K,16K,32K].",
+)
+@click.option(
+    "--shapes",
+    type=click.Choice(["9b", "small"]),
+    help="9b: the 9B vs Qwen3-8B shapes; small: both at 1/16 width [GPU: 9b; CPU: small].",
+)
+@click.option("--batch", default=8, show_default=True, help="Rows of SALA's batched decode.")
+@click.option("--steps", default=16, show_default=True, help="Decode steps timed.")
+@click.option("--chunk", type=int, help="Prefill chunk [GPU: 8192; CPU: 2048].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--peer/--no-peer", default=True, help="Also run mlx-lm's dense llama.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False),
+    help="PNG chart here (default: beside --out, as .png).",
+)
+def bench_long(
+    contexts: str | None,
+    shapes: str | None,
+    batch: int,
+    steps: int,
+    chunk: int | None,
+    dtype: str,
+    peer: bool,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """SALA vs mlx-lm's dense llama at long context: prefill, decode at batch 1 and --batch,
+    peak memory, the ratios. Random weights, the current device. Needs `salabatch[bench]`."""
+    import json
+
+    from salabatch.bench import environment, long
+
+    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
+    result = long.run(
+        sizes,
+        shapes=shapes,
+        batch=batch,
+        steps=steps,
+        chunk=chunk,
+        dtype=dtype,
+        peer=peer,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    result = {"bench": "long", **environment(), **result}
+    click.echo(long.table(result))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(json.dumps(result, indent=2) + "\n")
+        click.echo(f"wrote {out}")
+    chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
+    if chart:
+        long.chart(result, chart, f"salabatch bench long — {result['device']}")
+        click.echo(f"wrote {chart}")
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().upper()
+    try:
+        return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+    except ValueError:
+        raise click.BadParameter(f"not a token count: {text!r}", param_hint="--contexts") from None

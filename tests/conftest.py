@@ -1,6 +1,35 @@
-import pytest
+import os
 
-from tests.tiny import GOLDEN, write_tiny_checkpoint
+# On a CUDA GPU, MLX runs float32 matmuls in TF32 unless told not to; the float32 exactness tests
+# (golden vectors, references at 1e-5) need full float32. Set before MLX is first imported.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import pytest  # noqa: E402
+
+from tests.tiny import GOLDEN, write_tiny_checkpoint  # noqa: E402  (loads the BLAS before MLX)
+
+
+def _mlx():
+    import mlx.core as mx
+
+    return mx
+
+
+ON_GPU = _mlx().default_device().type == _mlx().DeviceType.gpu
+# Tests of MLX's CPU backend itself (the BLAS it calls, CPU-only speed paths).
+cpu_backend = pytest.mark.skipif(
+    ON_GPU, reason="tests MLX's CPU backend; this run's default device is the GPU"
+)
+
+
+@pytest.fixture
+def cpu_device():
+    """Runs the test on the CPU whatever the default device, and restores it."""
+    mx = _mlx()
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 @pytest.fixture(scope="session")

@@ -41,14 +41,14 @@ def tiles(request, monkeypatch):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_cpu_path_matches_reference(tiles, case):
+def test_cpu_path_matches_reference(cpu_device, tiles, case):
     n, t, mask = CASES[case]
     q, k, v = rand(B, H, t, D, seed=1), rand(B, HK, n, D, seed=2), rand(B, HK, n, D, seed=3)
     got = attention(q, k, v, D**-0.5, mask)
     assert mx.abs(got - attention_ref(q, k, v, D**-0.5, mask)).max().item() < TOL_F32
 
 
-def test_rows_at_different_positions_with_a_shared_prefix(tiles):
+def test_rows_at_different_positions_with_a_shared_prefix(cpu_device, tiles):
     """Keys as parts: a prefix [1, Hk, S, d] shared by the rows, then each row's own keys."""
     S, R, t = 192, 40, 5
     shared_k, shared_v = rand(1, HK, S, D, seed=4), rand(1, HK, S, D, seed=5)

@@ -218,3 +218,44 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
     force(monkeypatch, path)
     got = block_sparse_attention(q, kv, idx, starts, D**-0.5)
     assert mx.abs(got - want).max().item() < TOL_F32
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared prefix"])
+def test_decode_step_matches_the_references(shared):
+    """The compiled decode step (whole buffers, bucketed blocks) selects and attends exactly
+    as select_blocks_ref then block_sparse_attention_ref."""
+    from salabatch.engine.kernels.sparse_decode import infllm_v2_step
+
+    rng = np.random.default_rng(21)
+    if shared:
+        doc = random_cache(1100, seed=12)
+        one = SparseKVCache()
+        one.append(doc.keys.view()[:1], doc.values.view()[:1])
+        forks = []
+        for extra in (90, 7):
+            row = one.fork(1)
+            k = mx.array(rng.standard_normal((1, HK, extra, D)).astype(np.float32))
+            row.append(k, k * 0.5)
+            forks.append(row)
+        cache = SparseKVCache.concat(forks)
+    else:
+        cache = random_cache(1187, seed=13)
+    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
+    cache.append(k, -k)  # the step's own key
+    q = mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32))
+    starts = [n - 1 for n in cache.lengths]
+    n_blocks = -(-max(cache.lengths) // BLOCK)
+    kw = dict(
+        prefill_len=0,
+        n_blocks=n_blocks,
+        k=min(8, n_blocks),
+        scale=D**-0.5,
+        init_blocks=INIT,
+        local_blocks=LOCAL,
+    )
+    whole = [cache.chunk_parts(level, whole=True) for level in (0, 1)]
+    got, got_idx = infllm_v2_step(q, cache.kv_view(), *whole, starts, **kw)
+    want_idx = select_blocks_ref(q, cache.chunk_parts(0), cache.chunk_parts(1), starts, **kw)
+    assert mx.array_equal(got_idx, want_idx)
+    want = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, D**-0.5)
+    assert mx.abs(got - want).max().item() < TOL_F32

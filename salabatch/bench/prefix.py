@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from salabatch.engine.generate import Generator, Request
-from salabatch.engine.runtime import memory_cache
+from salabatch.engine.runtime import engine_runtime
 from salabatch.engine.session import open_model
 from salabatch.jobs.document_cache import DocumentCaches
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
@@ -27,7 +27,7 @@ def run(doc_tokens: int, questions: int, max_tokens: int) -> dict:
     asks = [tuple(rng.integers(3, 500, size=12 + 3 * i).tolist()) for i in range(questions)]
     requests = [Request(f"q{i}", q, max_tokens=max_tokens) for i, q in enumerate(asks)]
     key = PrefixKey.of("builtin:tiny", "bench", tok.fingerprint, "float32", doc)
-    with memory_cache(), tempfile.TemporaryDirectory() as root:
+    with engine_runtime(), tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         for r in requests:  # no reuse: each question pays the whole document
             whole = Request(r.id, (*doc, *r.prompt), r.params, max_tokens)

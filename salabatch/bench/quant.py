@@ -87,7 +87,7 @@ def run(
     from salabatch.engine.config import ModelConfig
     from salabatch.engine.load import load_model
     from salabatch.engine.quantize import convert
-    from salabatch.engine.runtime import memory_cache, resolve_dtype
+    from salabatch.engine.runtime import engine_runtime, resolve_dtype
     from salabatch.errors import ConfigError
 
     unknown = sorted(set(formats) - set(FORMATS))
@@ -96,7 +96,7 @@ def run(
     raw = bench_config(hidden, layers)
     act = resolve_dtype(act_dtype)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, memory_cache():
+    with tempfile.TemporaryDirectory() as tmp, engine_runtime():
         src = Path(tmp) / "float32"
         src.mkdir()
         (src / "config.json").write_text(json.dumps(raw))

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from salabatch.bench import time_ms
-from salabatch.engine.kernels.attention import dense_attention
+from salabatch.engine.kernels.attention import attention
 from salabatch.engine.sparse_cache import SparseKVCache
 
 SPARSE_9B = {
@@ -89,8 +89,8 @@ def decode_rows(model, contexts: list[int], steps: int) -> list[dict]:
 
         sparse = time_ms(sparse_step, repeat=steps)
         q = mx.random.normal((1, cfg.num_attention_heads, 1, cfg.head_dim))
-        keys, values = cache.kv_view().full()
-        dense = time_ms(lambda q=q, k=keys, v=values: dense_attention(q, k, v, attn.scale), steps)
+        keys, values = cache.kv_view().parts()
+        dense = time_ms(lambda q=q, k=keys, v=values: attention(q, k, v, attn.scale), steps)
         rows.append(
             {
                 "context": n,
@@ -130,10 +130,10 @@ def prefill_row(model, tokens: int, chunk: int) -> dict:
 
 
 def run(contexts: list[int], prefill_tokens: int, chunk: int, steps: int = 8) -> dict:
-    from salabatch.engine.runtime import memory_cache
+    from salabatch.engine.runtime import engine_runtime
 
     model = load_bench_model()
-    with memory_cache():
+    with engine_runtime():
         result = {"model": bench_config(), "decode": decode_rows(model, contexts, steps)}
         if prefill_tokens:
             result["prefill"] = prefill_row(model, prefill_tokens, chunk)

@@ -36,6 +36,8 @@ import platform
 import struct
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,13 +220,37 @@ def _load(kind: str, path: str, reason: str) -> BlasInfo:
     return BlasInfo(kind, provider, _threads(lib), reason)
 
 
-def _set_threads(lib: ctypes.CDLL) -> None:
-    """Physical cores, unless the user chose (the libraries read these variables themselves)."""
-    if any(
-        v in os.environ for v in ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "OMP_NUM_THREADS")
-    ):
+_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+@contextmanager
+def threads(n: int) -> Iterator[int | None]:
+    """Run the block with the active BLAS on n threads, then restore its count. Nothing changes
+    when the user chose a count (OPENBLAS_NUM_THREADS, …) or the BLAS has no such setting.
+    Yields the count in force."""
+    info = active()
+    lib = (
+        ctypes.CDLL(info.path)
+        if info.path and info.kind in ("openblas", "blis", "scipy-openblas32", "custom")
+        else None
+    )
+    before = _threads(lib) if lib is not None else None
+    if before is None or any(v in os.environ for v in _THREAD_VARIABLES):
+        yield before
         return
-    n = physical_cores()
+    _set_threads(lib, n)
+    try:
+        yield n
+    finally:
+        _set_threads(lib, before)
+
+
+def _set_threads(lib: ctypes.CDLL, n: int | None = None) -> None:
+    """n threads (default: physical cores), unless the user chose (the libraries read these
+    variables themselves)."""
+    if any(v in os.environ for v in _THREAD_VARIABLES):
+        return
+    n = n or physical_cores()
     if hasattr(lib, "openblas_set_num_threads"):
         lib.openblas_set_num_threads(ctypes.c_int(n))
     if hasattr(lib, "bli_thread_set_num_threads"):  # BLIS defaults to one thread

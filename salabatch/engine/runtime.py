@@ -1,6 +1,7 @@
 """Process-level MLX settings the engine needs: buffer cache, device name, dtype, throughput.
 
-Everything that changes a process setting restores it (`memory_cache` is a context manager).
+Everything that changes a process setting restores it (`engine_runtime` and `memory_cache` are
+context managers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def default_cache_limit() -> int:
     keep the rest."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(ram // 4, 8 << 30)
+
+
+@contextmanager
+def engine_runtime(limit_bytes: int | None = None) -> Iterator[int]:
+    """What the engine runs under: MLX's buffer cache raised (`memory_cache`) and, on the CPU,
+    BLAS at one thread per core and lane: the kernels run their independent tiles on their own
+    lanes (`kernels.attention.lanes`), and a BLAS that spreads each small matmul over every core
+    as well only makes the lanes wait on each other. Both restored after the block."""
+    from salabatch.engine import blas
+    from salabatch.engine.kernels.attention import lanes
+
+    per_lane = max(1, blas.physical_cores() // len(lanes()))
+    with memory_cache(limit_bytes) as limit, blas.threads(per_lane):
+        yield limit
 
 
 @contextmanager

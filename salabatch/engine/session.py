@@ -11,7 +11,7 @@ from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN, split_thinking
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
-from salabatch.engine.runtime import memory_cache
+from salabatch.engine.runtime import engine_runtime
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -79,7 +79,7 @@ def stream_answer(
         frozenset(tok.eos_ids),
     )
     start = time.perf_counter()
-    with memory_cache():
+    with engine_runtime():
         (g,) = Generator(
             model, batch_size=1, prefill_chunk=prefill_chunk, on_token=on_token
         ).generate([request])

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
+from salabatch.engine.kernels.sparse_decode import infllm_v2_step
 from salabatch.engine.kernels.sparse_select import BLOCK, COMPRESSION, select_blocks
 from salabatch.engine.sparse_cache import SparseKVCache
 
@@ -96,17 +97,8 @@ class SparseAttention(nn.Module):
         """q [B', H, T, d] of `rows` (default: all) against their cached sequences."""
         sc = self.sparse
         kv = cache.kv_view()
-        parts = [cache.chunk_parts(level) for level in range(len(COMPRESSION))]
-        if rows is not None:
-            kv = kv.take(rows)
-            idx = mx.array(rows)
-            parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
         n_blocks = -(-max(kv.lengths) // BLOCK)
-        selected = select_blocks(
-            q,
-            parts[0],
-            parts[1],
-            starts,
+        settings = dict(
             prefill_len=cache.prefill_len,
             n_blocks=n_blocks,
             k=min(sc.topk_eff, n_blocks),
@@ -114,6 +106,20 @@ class SparseAttention(nn.Module):
             init_blocks=sc.init_blocks,
             local_blocks=sc.local_blocks,
         )
+        if q.shape[2] == 1 and rows is None:  # decode: one compiled step
+            whole = [cache.chunk_parts(level, whole=True) for level in range(len(COMPRESSION))]
+            o, selected = infllm_v2_step(q, kv, *whole, starts, **settings)
+            if cache.trace is not None:
+                cache.trace.append(selected)
+            return o
+        parts = [cache.chunk_parts(level) for level in range(len(COMPRESSION))]
+        if rows is not None:
+            kv = kv.take(rows)
+            idx = mx.array(rows)
+            parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
+        n_blocks = -(-max(kv.lengths) // BLOCK)
+        settings["n_blocks"], settings["k"] = n_blocks, min(sc.topk_eff, n_blocks)
+        selected = select_blocks(q, parts[0], parts[1], starts, **settings)
         if cache.trace is not None:
             cache.trace.append(selected)
         return block_sparse_attention(q, kv, selected, starts, self.scale)

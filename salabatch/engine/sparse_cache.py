@@ -206,9 +206,11 @@ class SparseKVCache:
             tuple(self.lengths),
         )
 
-    def chunk_parts(self, level: int) -> tuple[mx.array, ...]:
-        """Compressed keys of one level: (shared [1, Hk, n, d],) + (rows [B, Hk, m, d],)."""
-        rows = self.compressed[level].view()
+    def chunk_parts(self, level: int, whole: bool = False) -> tuple[mx.array, ...]:
+        """Compressed keys of one level: (shared [1, Hk, n, d],) + (rows [B, Hk, m, d],); with
+        `whole`, the rows' whole buffer (chunks past a row's count hold anything)."""
+        buf = self.compressed[level]
+        rows = buf.data if whole else buf.view()
         return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
 
     # -- batches -------------------------------------------------------------------------------

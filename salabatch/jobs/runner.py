@@ -25,7 +25,7 @@ from salabatch.engine.chat import split_thinking
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.load import load_model
-from salabatch.engine.runtime import memory_cache
+from salabatch.engine.runtime import engine_runtime
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.documents import expand_sources
@@ -72,7 +72,7 @@ def run_job(
     store = PrefixStore(spec.cache.dir, spec.cache.max_gb) if spec.cache.enabled else None
     try:
         with (
-            memory_cache(),
+            engine_runtime(),
             ResultWriter(
                 spec.output.path,
                 job_spec_json=spec_json(spec),

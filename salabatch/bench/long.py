@@ -1,0 +1,377 @@
+"""Long context, side by side: MiniCPM-SALA against the dense model a user would pick instead,
+mlx-lm's llama, both with random weights, on the current device, in one run.
+
+Shapes: on a GPU, the 9B itself against Qwen3-8B's shapes (hidden 4096, 36 layers, 32 query /
+8 kv heads of 128, MLP 12288, vocab 151936) in bfloat16; on a CPU, both at 1/16 of the 9B's
+width and the same small dims (hidden 256, 8 layers, 8 query / 2 kv heads of 32, MLP 1024, vocab
+4096), SALA keeping its 9B sparse settings (dense below 8192 tokens, 2048-token window, top-64
+blocks) with 3 of its 8 layers sparse, in float32.
+
+Per context: prefill in chunks the way each engine runs it (SALA's planned chunked prefill;
+mlx-lm's model call per chunk with its KV cache) up to the first token's logits; then a
+16-token question on top and greedy decode steps, at batch 1 for both and, for SALA, at batch
+`batch` with every row forked from the one prefilled document (what `salabatch run` does with
+a document's questions). Peak memory is MLX's peak over prefill and batch-1 decode, weights
+included. Decode speed is the median step.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from salabatch.errors import ConfigError
+
+SPARSE_9B = {
+    "kernel_size": 32,
+    "kernel_stride": 16,
+    "block_size": 64,
+    "init_blocks": 1,
+    "window_size": 2048,
+    "topk": 64,
+    "use_nope": False,
+    "dense_len": 8192,
+}
+SALA_9B_SPARSE_LAYERS = (0, 9, 16, 17, 22, 29, 30, 31)
+QUESTION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One pair of models of the same width: SALA's config.json and mlx-lm llama's args."""
+
+    name: str
+    sala: dict
+    peer: dict
+
+
+def _sala(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, sparse_layers, base) -> dict:
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "lightning_nh": heads,
+        "lightning_nkv": heads,
+        "lightning_head_dim": head_dim,
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": base,
+        "mixer_types": [
+            "minicpm4" if i in sparse_layers else "lightning-attn" for i in range(layers)
+        ],
+        "sparse_config": SPARSE_9B,
+    }
+
+
+def _llama(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, rope_theta) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": mlp,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": False,
+    }
+
+
+SHAPES = {
+    "9b": Shapes(
+        "MiniCPM-SALA 9B vs Qwen3-8B shapes",
+        _sala(4096, 32, 32, 2, 128, 16384, 73448, SALA_9B_SPARSE_LAYERS, 256),
+        _llama(4096, 36, 32, 8, 128, 12288, 151936, 1e6),
+    ),
+    "small": Shapes(
+        "1/16-width SALA vs llama of the same dims",
+        _sala(256, 8, 8, 2, 32, 1024, 4096, (0, 4, 7), 16),
+        _llama(256, 8, 8, 2, 32, 1024, 4096, 1e4),
+    ),
+}
+
+
+def defaults() -> dict:
+    """What a run measures when not told: by the device."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return {"shapes": "9b", "contexts": [8192, 32768, 131072], "chunk": 8192}
+    return {"shapes": "small", "contexts": [4096, 16384, 32768], "chunk": 2048}
+
+
+def random_init(model, dtype: mx.Dtype, seed: int):
+    """Replaces every parameter, before any is computed: projections N(0, 1/fan_in), norms 1.
+    The modules' own initial values stay lazy and are never materialised."""
+    leaves = []
+
+    def init(p: mx.array) -> mx.array:
+        if p.ndim == 1:
+            return mx.ones(p.shape, dtype=dtype)
+        leaves.append(p)
+        k = mx.random.key(seed * 1_000_003 + len(leaves))
+        return (mx.random.normal(p.shape, key=k) * (1 / math.sqrt(p.shape[-1]))).astype(dtype)
+
+    model.update(tree_map(init, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def build(kind: str, shapes: Shapes, dtype: mx.Dtype):
+    if kind == "sala":
+        from salabatch.engine.config import ModelConfig
+        from salabatch.engine.model import Model
+
+        return random_init(Model(ModelConfig.from_dict(shapes.sala)), dtype, seed=0)
+    try:
+        from mlx_lm.models import llama
+    except ImportError:
+        raise ConfigError(
+            "the dense peer needs mlx-lm", expected="pip install 'salabatch[bench]'"
+        ) from None
+    return random_init(llama.Model(llama.ModelArgs(**shapes.peer)), dtype, seed=0)
+
+
+class _Sala:
+    """The engine as the pipeline drives it."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, ids: mx.array, chunk: int):
+        from salabatch.engine.generate import prefill
+
+        cache = self.model.make_cache()
+        logits = prefill(self.model, ids[0].tolist(), cache, chunk)
+        mx.eval(logits)
+        return cache
+
+    def rows(self, doc, questions: list[mx.array]):
+        from salabatch.engine.cache import ModelCache
+
+        rows = []
+        for q in questions:
+            row = doc.fork(1)
+            mx.eval(self.model(q, row))
+            rows.append(row)
+        return rows[0] if len(rows) == 1 else ModelCache.concat(rows)
+
+    def step(self, ids: mx.array, cache) -> mx.array:
+        return self.model(ids, cache)
+
+
+class _Peer:
+    """mlx-lm's llama as mlx-lm drives it: a model call per chunk, then its caches evaluated."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, ids: mx.array, chunk: int):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        *head, last = range(0, ids.shape[1], chunk)
+        for s in head:
+            self.model(ids[:, s : s + chunk], cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.eval(self.model(ids[:, last:], cache=cache)[:, -1])
+        return cache
+
+    def rows(self, doc, questions: list[mx.array]):
+        (q,) = questions  # the peer runs batch 1 only
+        mx.eval(self.model(q, cache=doc))
+        return doc
+
+    def step(self, ids: mx.array, cache) -> mx.array:
+        return self.model(ids, cache=cache)
+
+
+def _tokens(n: int, vocab: int, seed: int, rows: int = 1) -> mx.array:
+    return mx.random.randint(3, vocab, (rows, n), key=mx.random.key(seed)).astype(mx.int32)
+
+
+def _decode(engine, cache, rows: int, vocab: int, steps: int) -> float:
+    """Median seconds of one greedy step of `rows` rows."""
+    tok = _tokens(1, vocab, seed=7, rows=rows).reshape(rows, 1)
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        tok = mx.argmax(engine.step(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
+        mx.eval(tok)
+        if i >= 2:  # warm-up steps: buffers, compiled graphs
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(kind: str, model, n: int, chunk: int, batch: int, steps: int, vocab: int) -> dict:
+    engine = _Sala(model) if kind == "sala" else _Peer(model)
+    ids = _tokens(n, vocab, seed=n)
+    mx.eval(ids)
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    doc = engine.prefill(ids, chunk)
+    prefill_s = time.perf_counter() - start
+    question = _tokens(QUESTION_TOKENS, vocab, seed=1)
+    one = engine.rows(doc, [question])
+    b1 = _decode(engine, one, 1, vocab, steps)
+    row = {
+        "model": kind,
+        "context": n,
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tok_s": round(n / prefill_s, 1),
+        "decode_b1_tok_s": round(1 / b1, 2),
+        "peak_gb": round(mx.get_peak_memory() / 2**30, 3),
+    }
+    if kind == "sala" and batch > 1:
+        del one
+        questions = [_tokens(QUESTION_TOKENS + i, vocab, seed=10 + i) for i in range(batch)]
+        many = engine.rows(doc, questions)
+        bn = _decode(engine, many, batch, vocab, steps)
+        row[f"decode_b{batch}_tok_s"] = round(batch / bn, 2)
+        row[f"peak_gb_b{batch}"] = round(mx.get_peak_memory() / 2**30, 3)
+    return row
+
+
+def run(
+    contexts: list[int] | None = None,
+    *,
+    shapes: str | Shapes | None = None,
+    batch: int = 8,
+    steps: int = 16,
+    chunk: int | None = None,
+    dtype: str | None = None,
+    peer: bool = True,
+    progress=print,
+) -> dict:
+    """Every context for SALA, then for the peer (one model in memory at a time)."""
+    from salabatch.engine.runtime import engine_runtime, memory_cache, resolve_dtype
+
+    auto = defaults()
+    pair = shapes if isinstance(shapes, Shapes) else SHAPES.get(shapes or auto["shapes"])
+    if pair is None:
+        raise ConfigError("unknown shapes", field="shapes", expected=list(SHAPES), got=shapes)
+    contexts = contexts or auto["contexts"]
+    chunk = chunk or auto["chunk"]
+    dt = resolve_dtype(dtype)
+    rows = []
+    for kind in ("sala", "peer") if peer else ("sala",):
+        # each as it runs for its users: salabatch's runtime settings, mlx-lm's defaults
+        with engine_runtime() if kind == "sala" else memory_cache():
+            model = build(kind, pair, dt)
+            vocab = pair.sala["vocab_size"] if kind == "sala" else pair.peer["vocab_size"]
+            for n in contexts:
+                progress(f"{kind}: {n} tokens …")
+                rows.append(measure(kind, model, n, chunk, batch, steps, vocab))
+            del model
+            gc.collect()
+            mx.clear_cache()
+    return {
+        "shapes": pair.name,
+        "models": {"sala": pair.sala, "peer": pair.peer},
+        "dtype": str(dt).removeprefix("mlx.core."),
+        "chunk": chunk,
+        "batch": batch,
+        "decode_steps": steps,
+        "results": rows,
+        "ratios": ratios(rows, batch),
+    }
+
+
+def ratios(rows: list[dict], batch: int) -> list[dict]:
+    """Per context: SALA against the peer, and SALA's batch and context scaling."""
+    sala = {r["context"]: r for r in rows if r["model"] == "sala"}
+    peer = {r["context"]: r for r in rows if r["model"] == "peer"}
+    first = sala[min(sala)]["decode_b1_tok_s"] if sala else None
+    out = []
+    for n, s in sorted(sala.items()):
+        r = {"context": n}
+        if n in peer:
+            p = peer[n]
+            r["prefill_speedup"] = round(p["prefill_s"] / s["prefill_s"], 2)
+            r["decode_b1_speedup"] = round(s["decode_b1_tok_s"] / p["decode_b1_tok_s"], 2)
+            r["peak_memory_ratio"] = round(s["peak_gb"] / p["peak_gb"], 2)
+        if f"decode_b{batch}_tok_s" in s:
+            r[f"b{batch}_over_b1"] = round(s[f"decode_b{batch}_tok_s"] / s["decode_b1_tok_s"], 2)
+        r["decode_vs_shortest"] = round(s["decode_b1_tok_s"] / first, 2)
+        out.append(r)
+    return out
+
+
+def table(result: dict) -> str:
+    """The terminal table: one line per context."""
+    batch = result["batch"]
+    rows = {(r["model"], r["context"]): r for r in result["results"]}
+    lines = [
+        f"{'context':>8} | {'prefill s SALA':>14} {'peer':>8} {'x':>6} | "
+        f"{'decode b1 SALA':>14} {'peer':>7} {'x':>6} | {f'b{batch} SALA':>8} {'x b1':>5} | "
+        f"{'peak GB SALA':>12} {'peer':>6}"
+    ]
+
+    def cell(row, key, width, fmt="{:.1f}"):
+        return f"{fmt.format(row[key]) if row and key in row else '–':>{width}}"
+
+    for r in result["ratios"]:
+        n = r["context"]
+        s, p = rows.get(("sala", n)), rows.get(("peer", n))
+        lines.append(
+            f"{n:>8} | {cell(s, 'prefill_s', 14)} {cell(p, 'prefill_s', 8)} "
+            f"{cell(r, 'prefill_speedup', 6, '{:.2f}')} | {cell(s, 'decode_b1_tok_s', 14)} "
+            f"{cell(p, 'decode_b1_tok_s', 7)} {cell(r, 'decode_b1_speedup', 6, '{:.2f}')} | "
+            f"{cell(s, f'decode_b{batch}_tok_s', 8)} {cell(r, f'b{batch}_over_b1', 5, '{:.2f}')} | "
+            f"{cell(s, 'peak_gb', 12, '{:.2f}')} {cell(p, 'peak_gb', 6, '{:.2f}')}"
+        )
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: str, title: str) -> None:
+    """Prefill time, decode speed and peak memory against context, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = result["batch"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    sala, sala_b, peer = (
+        ("sala", "SALA", "C0"),
+        ("sala_b", f"SALA b{batch}", "C2"),
+        ("peer", "dense peer", "C1"),
+    )
+    series = [
+        ("prefill_s", "prefill (s, lower is better)", [sala, peer]),
+        ("decode", "decode at batch 1 and 8 (tok/s, higher is better)", [sala, sala_b, peer]),
+        ("peak_gb", "peak memory (GB, lower is better)", [sala, peer]),
+    ]
+    for ax, (key, label, lines) in zip(axes, series, strict=True):
+        for who, name, color in lines:
+            model = "sala" if who.startswith("sala") else "peer"
+            field = key
+            if key == "decode":
+                field = f"decode_b{batch}_tok_s" if who == "sala_b" else "decode_b1_tok_s"
+            pts = [
+                (r["context"], r[field])
+                for r in result["results"]
+                if r["model"] == model and field in r
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name, color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""InfLLM-v2 for one query per row, the decode step (SPEC §4.4): stage-1 scores, block pooling,
+top-k and stage-2 attention as one compiled graph.
+
+In a decode step the arithmetic of a sparse layer is small and its ~70 op dispatches are most
+of the time. The step's shapes stay the same for thousands of tokens when every buffer is read
+whole (its capacity; what is not written yet is masked by position) and the block count is
+rounded up to a multiple of 64: then one compiled graph per shape replaces those dispatches.
+The same layouts and results as `select_blocks` then `block_sparse_attention`, whose
+references this is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from salabatch.engine.kernels.attention import attention
+from salabatch.engine.kernels.sparse_attention import KVView
+from salabatch.engine.kernels.sparse_select import (
+    BLOCK,
+    COMPRESSION,
+    chunk_scores,
+    force_and_mask,
+    pool_blocks,
+    top_k_lowest_index,
+    visible_chunks,
+)
+
+BLOCK_BUCKET = 64  # blocks: the step's shapes change once per 4096 tokens
+
+
+def infllm_v2_step(
+    q: mx.array,
+    kv: KVView,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
+    starts: Sequence[int],
+    *,
+    prefill_len: int,
+    n_blocks: int,
+    k: int,
+    scale: float,
+    init_blocks: int,
+    local_blocks: int,
+) -> tuple[mx.array, mx.array]:
+    """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
+    a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K])."""
+    blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
+    pos = mx.array(list(starts), dtype=mx.int32)
+    idx = _select(q, pos, c1, c2, prefill_len, blocks, k, scale, init_blocks, local_blocks)
+    # stage 2: one attention per (row, kv head) pair, its G query heads as the rows. (Splitting
+    # the pairs between CPU lanes measured slower here: a step is too short for two streams.)
+    B, H, _, d = q.shape
+    Hk = kv.rows_k.shape[1]
+    shared = () if kv.shared_k is None else (kv.shared_k, kv.shared_v)
+    o = _attend(
+        q.reshape(B * Hk, 1, H // Hk, d), idx.reshape(B * Hk, k), mx.repeat(pos, Hk),
+        shared, kv.rows_k, kv.rows_v, kv.start, scale,
+    )  # fmt: skip
+    return o.reshape(B, H, 1, d), idx
+
+
+def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local):
+    """Stage 1, pooling and top-k for one query per row → idx [B, Hk, 1, k]."""
+    q_pos = pos[:, None]  # [B, 1]
+    vis = [visible_chunks(q_pos, prefill_len, stride) for _, stride in COMPRESSION]
+    scores = chunk_scores(q, c1, c2, *vis, scale)  # [B, Hk, 1, N1]
+    q_blk = q_pos // BLOCK
+    pooled = force_and_mask(pool_blocks(scores, blocks), q_blk, init, local)
+    return top_k_lowest_index(pooled, k, q_blk)
+
+
+def _attend_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
+    """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q.
+
+    Without a shared prefix one `take` of whole blocks from the rows' buffer. With one, the
+    slots in the prefix are gathered from the shared buffer and the row's own positions (its
+    question and answer) are read whole, masked to the selected blocks."""
+    n, _, G, d = q.shape
+    k = sel.shape[-1]
+    Hk = rows_k.shape[1]
+    pairs = mx.arange(n)
+    allowed = (sel[..., None] >= 0) & (
+        sel[..., None] * BLOCK + mx.arange(BLOCK) <= pos[:, None, None]
+    )
+    allowed = allowed.reshape(n, k * BLOCK)
+    safe = mx.maximum(sel, 0)
+    if not start:
+        at = pairs[:, None] * (rows_k.shape[2] // BLOCK) + safe
+        keys, values = _take(rows_k, at), _take(rows_v, at)
+        return attention(q, keys, values, scale, allowed.reshape(n, 1, 1, -1))
+    shared_k, shared_v = shared
+    S = start // BLOCK
+    at = (pairs % Hk)[:, None] * (shared_k.shape[2] // BLOCK) + mx.minimum(safe, S - 1)
+    R = rows_k.shape[2]
+    own_k, own_v = rows_k.reshape(n, 1, R, d), rows_v.reshape(n, 1, R, d)
+    member = (sel[:, :, None] == S + mx.arange(R // BLOCK)).any(axis=1)  # [n, R/block]
+    own = mx.repeat(member, BLOCK, axis=-1) & (start + mx.arange(R) <= pos[:, None])
+    in_shared = mx.repeat(sel < S, BLOCK, axis=-1)
+    mask = mx.concatenate([allowed & in_shared, own], axis=-1)
+    return attention(
+        q,
+        (_take(shared_k, at), own_k),
+        (_take(shared_v, at), own_v),
+        scale,
+        mask.reshape(n, 1, 1, -1),
+    )
+
+
+_select = mx.compile(_select_graph)
+_attend = mx.compile(_attend_graph)
+
+
+def _take(buffer: mx.array, at: mx.array) -> mx.array:
+    """buffer [b, Hk, N, d] as a table of blocks; at [n, k] → [n, 1, k·block, d]."""
+    d = buffer.shape[-1]
+    n, k = at.shape
+    return mx.take(buffer.reshape(-1, BLOCK * d), at, axis=0).reshape(n, 1, k * BLOCK, d)

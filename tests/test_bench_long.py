@@ -1,0 +1,78 @@
+"""`salabatch bench long` end to end on tiny shapes (sparse from 256 tokens): its rows, ratios,
+table, JSON and chart. It measures nothing here; the numbers live in benchmarks/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from salabatch.bench import long
+from tests.tiny import SPARSE_AT_256, tiny_config_dict
+
+TINY = long.Shapes(
+    "tiny",
+    tiny_config_dict(**SPARSE_AT_256),
+    long._llama(64, 4, 8, 2, 8, 128, 256, 1e4),
+)
+
+
+@pytest.fixture(scope="module")
+def result():
+    pytest.importorskip("mlx_lm", reason="the dense peer needs mlx-lm (salabatch[bench])")
+    return long.run([200, 700], shapes=TINY, batch=3, steps=2, chunk=256, progress=lambda _: None)
+
+
+def test_rows_for_both_models_at_every_context(result):
+    got = [(r["model"], r["context"]) for r in result["results"]]
+    assert got == [("sala", 200), ("sala", 700), ("peer", 200), ("peer", 700)]
+    for r in result["results"]:
+        assert r["prefill_s"] > 0 and r["decode_b1_tok_s"] > 0 and r["peak_gb"] > 0
+        assert ("decode_b3_tok_s" in r) == (r["model"] == "sala")
+
+
+def test_ratios_compare_like_with_like(result):
+    rows = {(r["model"], r["context"]): r for r in result["results"]}
+    for ratio in result["ratios"]:
+        s, p = rows["sala", ratio["context"]], rows["peer", ratio["context"]]
+        assert ratio["prefill_speedup"] == pytest.approx(p["prefill_s"] / s["prefill_s"], 0.01)
+        assert ratio["b3_over_b1"] == pytest.approx(
+            s["decode_b3_tok_s"] / s["decode_b1_tok_s"], 0.01
+        )
+    assert result["ratios"][0]["decode_vs_shortest"] == 1.0
+
+
+def test_command_writes_table_json_and_chart(tmp_path, monkeypatch):
+    pytest.importorskip("mlx_lm", reason="the dense peer needs mlx-lm (salabatch[bench])")
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (salabatch[bench])")
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    monkeypatch.setitem(long.SHAPES, "small", TINY)  # the CPU default, shrunk
+    out = tmp_path / "long.json"
+    run = CliRunner().invoke(
+        main,
+        ["bench", "long", "--contexts", "300", "--steps", "2", "--batch", "2", "--out", str(out)],
+    )
+    assert run.exit_code == 0, run.output
+    assert "prefill s SALA" in run.output and "300" in run.output
+    data = json.loads(out.read_text())
+    assert data["bench"] == "long" and data["device"] and data["ratios"]
+    png = out.with_suffix(".png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_without_mlx_lm_the_error_says_how_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mlx_lm(name, *args, **kwargs):
+        if name.startswith("mlx_lm"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mlx_lm)
+    with pytest.raises(Exception, match="mlx-lm"):
+        long.build("peer", TINY, None)
