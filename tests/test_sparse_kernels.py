@@ -220,11 +220,16 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
+@pytest.mark.parametrize("stage2", ["blocks", "take"])
 @pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared prefix"])
-def test_decode_step_matches_the_references(shared):
+def test_decode_step_matches_the_references(shared, stage2, monkeypatch):
     """The compiled decode step (whole buffers, bucketed blocks) selects and attends exactly
-    as select_blocks_ref then block_sparse_attention_ref."""
+    as select_blocks_ref then block_sparse_attention_ref, in both stage-2 forms (blocks
+    multiplied in place: the CPU's; a gathered copy: a GPU's)."""
+    from salabatch.engine.kernels import sparse_decode
     from salabatch.engine.kernels.sparse_decode import infllm_v2_step
+
+    monkeypatch.setattr(sparse_decode, "STAGE2", stage2)
 
     rng = np.random.default_rng(21)
     if shared:

@@ -31,6 +31,7 @@ from salabatch.engine.kernels.attention import (
     LOG2E,
     attention,
     attention_ref,
+    exp2,
     grouped_scores,
     lanes,
 )
@@ -267,7 +268,7 @@ def _scored(qg, kv: KVView, idx, q_pos, scale, end: int):
     slots = mx.maximum(idx, 0)[:, :, :, None, :, None]  # [B, Hk, t, 1, K, 1]
     sel = mx.take_along_axis(s, slots, axis=4)  # [B, Hk, t, G, K, block]
     sel = mx.where(_allowed(idx, q_pos, block)[:, :, :, None], sel, -mx.inf)
-    p = mx.power(2.0, sel - sel.max(axis=(-2, -1), keepdims=True))
+    p = exp2(sel - sel.max(axis=(-2, -1), keepdims=True))
     total = p.sum(axis=(-2, -1))[..., None]  # [B, Hk, t, G, 1]
     values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx)  # [B, Hk, t, K, block·d]
     o = p.reshape(B, Hk, t, G, K * block) @ values.reshape(B, Hk, t, K * block, d)

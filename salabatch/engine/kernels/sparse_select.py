@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from salabatch.engine.kernels.attention import LOG2E, grouped_scores, lanes
+from salabatch.engine.kernels.attention import LOG2E, exp2, grouped_scores, lanes
 
 COMPRESSION = ((32, 16), (128, 64))  # (size, stride) of the two compression levels
 BLOCK = 64  # key block of stage 2
@@ -68,8 +68,10 @@ def chunk_scores(
     vis1: mx.array,
     vis2: mx.array,
     scale: float,
+    exp2=exp2,
 ) -> mx.array:
     """Stage-1 scores summed over each kv group: [B, Hk, T, N1] float32; vis1/vis2 [B, T].
+    `exp2`: `attention.exp2`, or `exp2_poly` inside a compiled graph.
 
     Computed in base 2 (exp(x − lse) = 2^(x·log2e − lse2)): the same numbers up to float32
     rounding, and `power(2, ·)` is about 3× cheaper than `exp` on MLX's CPU backend.
@@ -86,8 +88,8 @@ def chunk_scores(
     v2 = vis2[:, None, None, :, None]
     s2 = mx.where(mx.arange(n2) < v2, s2, -mx.inf)
     m2 = mx.where(v2 > 0, s2.max(axis=-1, keepdims=True), 0.0)
-    lse2 = m2 + mx.log2(mx.power(2.0, s2 - m2).sum(axis=-1, keepdims=True))
-    p = mx.where((mx.arange(n1) < v1) & (v2 > 0), mx.power(2.0, s1 - lse2), 0.0)
+    lse2 = m2 + mx.log2(exp2(s2 - m2).sum(axis=-1, keepdims=True))
+    p = mx.where((mx.arange(n1) < v1) & (v2 > 0), exp2(s1 - lse2), 0.0)
     return p.sum(axis=2)
 
 
