@@ -233,6 +233,13 @@ def bench_long(
     from salabatch.bench import environment, long
 
     sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
+
+    def save(partial: dict) -> None:  # after every measurement: a run cut short keeps its rows
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"bench": "long", **env, **partial}, indent=2) + "\n")
+
+    env = environment()
     result = long.run(
         sizes,
         shapes=shapes,
@@ -242,17 +249,23 @@ def bench_long(
         dtype=dtype,
         peer=peer,
         progress=lambda line: click.echo(line, err=True),
+        on_result=save,
     )
-    result = {"bench": "long", **environment(), **result}
+    result = {"bench": "long", **env, **result}
     click.echo(long.table(result))
     if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(json.dumps(result, indent=2) + "\n")
+        save(result)
         click.echo(f"wrote {out}")
     chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
     if chart:
-        long.chart(result, chart, f"salabatch bench long — {result['device']}")
-        click.echo(f"wrote {chart}")
+        try:
+            long.chart(result, chart, f"salabatch bench long — {result['device']}")
+        except ImportError:
+            click.echo(
+                "no chart: matplotlib is not installed (pip install salabatch[bench])", err=True
+            )
+        else:
+            click.echo(f"wrote {chart}")
 
 
 def _tokens(text: str) -> int:

@@ -76,3 +76,40 @@ def test_without_mlx_lm_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mlx_lm)
     with pytest.raises(Exception, match="mlx-lm"):
         long.build("peer", TINY, None)
+
+
+def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The JSON is written after every measurement; without matplotlib the chart is a note."""
+    import builtins
+
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    monkeypatch.setitem(long.SHAPES, "small", TINY)
+    real_measure, real_import = long.measure, builtins.__import__
+    out = tmp_path / "long.json"
+
+    def measure(kind, *args):
+        if kind == "peer":  # the run dies after SALA's rows (a device's time limit, say)
+            assert [r["model"] for r in json.loads(out.read_text())["results"]] == ["sala"] * 2
+            raise TimeoutError("the device's time limit")
+        return real_measure(kind, *args)
+
+    monkeypatch.setattr(long, "measure", measure)
+    argv = ["bench", "long", "--contexts", "200,300", "--steps", "1", "--batch", "2"]
+    run = CliRunner().invoke(main, [*argv, "--out", str(out)])
+    assert isinstance(run.exception, TimeoutError)
+    kept = json.loads(out.read_text())
+    assert [r["context"] for r in kept["results"]] == [200, 300] and kept["ratios"]
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    run = CliRunner().invoke(main, [*argv, "--no-peer", "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    assert "no chart: matplotlib is not installed" in run.output
+    assert not out.with_suffix(".png").exists()

@@ -253,8 +253,10 @@ def run(
     dtype: str | None = None,
     peer: bool = True,
     progress=print,
+    on_result=None,
 ) -> dict:
-    """Every context for SALA, then for the peer (one model in memory at a time)."""
+    """Every context for SALA, then for the peer (one model in memory at a time). `on_result`
+    gets the result so far after each measurement (a run cut short keeps what it measured)."""
     from salabatch.engine.runtime import engine_runtime, memory_cache, resolve_dtype
 
     auto = defaults()
@@ -273,9 +275,15 @@ def run(
             for n in contexts:
                 progress(f"{kind}: {n} tokens …")
                 rows.append(measure(kind, model, n, chunk, batch, steps, vocab))
+                if on_result is not None:
+                    on_result(_result(pair, dt, chunk, batch, steps, rows))
             del model
             gc.collect()
             mx.clear_cache()
+    return _result(pair, dt, chunk, batch, steps, rows)
+
+
+def _result(pair: Shapes, dt: mx.Dtype, chunk: int, batch: int, steps: int, rows: list) -> dict:
     return {
         "shapes": pair.name,
         "models": {"sala": pair.sala, "peer": pair.peer},
@@ -283,7 +291,7 @@ def run(
         "chunk": chunk,
         "batch": batch,
         "decode_steps": steps,
-        "results": rows,
+        "results": list(rows),
         "ratios": ratios(rows, batch),
     }
 

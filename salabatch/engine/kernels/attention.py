@@ -156,25 +156,30 @@ def exp2_poly(x: mx.array) -> mx.array:
 
 
 def grouped_scores(qg: mx.array, k: mx.array) -> mx.array:
-    """qg [B, Hk, G, t, d] · k [b, Hk, n, d] → [B, Hk, G, t, n], one matmul per kv head with the
-    G·t queries as its rows (a 5-D broadcast matmul would copy the keys per group: ~4× slower on
-    a decode step). A shared part (b = 1) takes every row's queries stacked, not B matmuls."""
+    """qg [B, Hk, G, t, d] · k [b, Hk, n, d] → [B, Hk, G, t, n]. A shared part (b = 1) is one
+    matmul with every row's queries stacked, not B broadcast ones. A single query (t = 1, a
+    decode step) has its G heads as the rows of one matmul: G vector products would read the
+    keys G times (~4× slower); longer tiles keep the group axis (no copy of a strided tile)."""
     B, Hk, G, t, d = qg.shape
     if k.shape[0] == 1 and B > 1:
         stacked = qg.transpose(1, 0, 2, 3, 4).reshape(1, Hk, B * G * t, d)
         s = stacked @ k.swapaxes(-1, -2)  # [1, Hk, B·G·t, n]
         return s.reshape(Hk, B, G, t, -1).transpose(1, 0, 2, 3, 4)
-    return (qg.reshape(B, Hk, G * t, d) @ k.swapaxes(-1, -2)).reshape(B, Hk, G, t, -1)
+    if t == 1:
+        return (qg.reshape(B, Hk, G, d) @ k.swapaxes(-1, -2)).reshape(B, Hk, G, 1, -1)
+    return qg @ k[:, :, None].swapaxes(-1, -2)
 
 
 def grouped_weighted(p: mx.array, v: mx.array) -> mx.array:
-    """p [B, Hk, G, t, n] · v [b, Hk, n, d] → [B, Hk, G, t, d] (rows folded and a shared part
-    stacked as in grouped_scores)."""
+    """p [B, Hk, G, t, n] · v [b, Hk, n, d] → [B, Hk, G, t, d] (a shared part and a single query
+    as in grouped_scores)."""
     B, Hk, G, t, n = p.shape
     if v.shape[0] == 1 and B > 1:
         stacked = p.transpose(1, 0, 2, 3, 4).reshape(1, Hk, B * G * t, n)
         return (stacked @ v).reshape(Hk, B, G, t, -1).transpose(1, 0, 2, 3, 4)
-    return (p.reshape(B, Hk, G * t, n) @ v).reshape(B, Hk, G, t, -1)
+    if t == 1:
+        return (p.reshape(B, Hk, G, n) @ v).reshape(B, Hk, G, 1, -1)
+    return p @ v[:, :, None]
 
 
 def _causal(Tq: int, Tk: int, s: int, e: int) -> mx.array:
