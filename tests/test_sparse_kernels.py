@@ -220,9 +220,10 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
+@pytest.mark.parametrize("lane_rows", [1, 99], ids=["rows split between lanes", "one lane"])
 @pytest.mark.parametrize("stage2", ["blocks", "take"])
 @pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared prefix"])
-def test_decode_step_matches_the_references(shared, stage2, monkeypatch):
+def test_decode_step_matches_the_references(shared, stage2, lane_rows, monkeypatch):
     """The compiled decode step (whole buffers, bucketed blocks) selects and attends exactly
     as select_blocks_ref then block_sparse_attention_ref, in both stage-2 forms (blocks
     multiplied in place: the CPU's; a gathered copy: a GPU's)."""
@@ -230,6 +231,7 @@ def test_decode_step_matches_the_references(shared, stage2, monkeypatch):
     from salabatch.engine.kernels.sparse_decode import infllm_v2_step
 
     monkeypatch.setattr(sparse_decode, "STAGE2", stage2)
+    monkeypatch.setattr(sparse_decode, "LANE_ROWS", lane_rows)
 
     rng = np.random.default_rng(21)
     if shared:

@@ -85,6 +85,17 @@ class KVView:
             for parts in (keys, values)
         )
 
+    def slice(self, a: int, b: int) -> KVView:
+        """Rows a..b−1 (views, no copy)."""
+        return KVView(
+            self.shared_k,
+            self.shared_v,
+            self.start,
+            self.rows_k[a:b],
+            self.rows_v[a:b],
+            self.lengths[a:b],
+        )
+
     def take(self, rows: Sequence[int]) -> KVView:
         idx = mx.array(list(rows))
         return KVView(

@@ -11,11 +11,12 @@ references this is tested against.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import mlx.core as mx
 
-from salabatch.engine.kernels.attention import LOG2E, attention, exp2_poly, on_gpu
+from salabatch.engine.kernels.attention import LOG2E, attention, exp2_poly, lanes, on_gpu
 from salabatch.engine.kernels.sparse_attention import KVView
 from salabatch.engine.kernels.sparse_select import (
     BLOCK,
@@ -28,6 +29,7 @@ from salabatch.engine.kernels.sparse_select import (
 )
 
 BLOCK_BUCKET = 64  # blocks: the step's shapes change once per 4096 tokens
+LANE_ROWS = 4  # rows from which a step is split between the lanes
 
 
 def infllm_v2_step(
@@ -45,12 +47,30 @@ def infllm_v2_step(
     local_blocks: int,
 ) -> tuple[mx.array, mx.array]:
     """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
-    a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K])."""
+    a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K]).
+
+    A batch of at least LANE_ROWS rows is split between the lanes (on the CPU, a core each:
+    ~1.5× at batch 8); a smaller one is too short a step for two streams."""
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
+    settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks)
+    B = q.shape[0]
+    lane = lanes() if B >= LANE_ROWS else lanes()[:1]
+    cut = [B * i // len(lane) for i in range(len(lane) + 1)]
+    outs = []
+    for i, (a, b) in enumerate(itertools.pairwise(cut)):
+        rows = [(*parts[:-1], parts[-1][a:b]) for parts in (c1, c2)]  # shared parts stay whole
+        with mx.stream(lane[i]):
+            outs.append(_step(q[a:b], kv.slice(a, b), *rows, starts[a:b], settings))
+    if len(outs) == 1:
+        return outs[0]
+    return tuple(mx.concatenate(part) for part in zip(*outs, strict=True))
+
+
+def _step(q, kv, c1, c2, starts, settings):
+    prefill_len, blocks, k, scale, init_blocks, local_blocks = settings
     pos = mx.array(list(starts), dtype=mx.int32)
     idx = _select(q, pos, c1, c2, prefill_len, blocks, k, scale, init_blocks, local_blocks)
-    # stage 2: one attention per (row, kv head) pair, its G query heads as the rows. (Splitting
-    # the pairs between CPU lanes measured slower here: a step is too short for two streams.)
+    # stage 2: one attention per (row, kv head) pair, its G query heads as the rows
     B, H, _, d = q.shape
     Hk = kv.rows_k.shape[1]
     shared = () if kv.shared_k is None else (kv.shared_k, kv.shared_v)
