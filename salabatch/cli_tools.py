@@ -15,15 +15,16 @@ _cache_dir = click.option(
     "--dir",
     "root",
     type=click.Path(file_okay=False),
-    help="Store folder (default: ~/.cache/salabatch, the jobs' default cache.dir).",
+    help="Store folder (default: $XDG_CACHE_HOME/salabatch or ~/.cache/salabatch, the jobs' "
+    "default cache.dir).",
 )
 
 
 def _store(root: str | None):
-    from salabatch.engine.builtin import default_cache_dir
+    from salabatch.files import cache_dir
     from salabatch.jobs.prefix_store import PrefixStore
 
-    return PrefixStore(root or default_cache_dir())
+    return PrefixStore(root or cache_dir())
 
 
 @cache.command("ls")

@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from salabatch import files
+
 ENV = "SALABATCH_BLAS"
 _OFF = {"off", "0", "none", "reference"}
 
@@ -328,19 +330,19 @@ def patch_scipy_openblas(src: Path, cache_dir: Path | None = None) -> Path:
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}:{PATCH_VERSION}".encode())
     if cache_dir is None:
-        cache_dir = Path(
-            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "salabatch", "blas"
-        )
+        cache_dir = files.cache_dir() / "blas"
     out = cache_dir / f"libopenblas-scipy-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     data = bytearray(src.read_bytes())
     _strip_prefix(data)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    tmp.chmod(0o755)
-    os.replace(tmp, out)  # atomic: a concurrent process sees the old state or the whole file
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+        tmp.chmod(0o755)
+
+    files.write_atomic(out, write)  # a concurrent process sees no file or the whole file
     return out
 
 

@@ -16,15 +16,12 @@ import os
 import shutil
 from pathlib import Path
 
+from salabatch import files
 from salabatch.errors import ConfigError
 
 PREFIX = "builtin:"
 VERSION = 1  # bump when the recipe changes: old builds stay where they are, unused
 WARNING = "builtin:tiny is an untrained demo model: its answers are meaningless text"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "salabatch"
 
 
 def is_builtin(model: str | os.PathLike) -> bool:
@@ -40,9 +37,7 @@ def resolve(model: str | os.PathLike, cache_dir: str | Path | None = None) -> Pa
         raise ConfigError(
             "unknown builtin model", field="model", expected="builtin:tiny", got=str(model)
         )
-    dest = (
-        Path(cache_dir or default_cache_dir()).expanduser() / "models" / f"builtin-tiny-v{VERSION}"
-    )
+    dest = Path(cache_dir or files.cache_dir()).expanduser() / "models" / f"builtin-tiny-v{VERSION}"
     if not (dest / "model.safetensors").is_file():
         _build(dest)
     return dest

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer as _Backend
 
 from salabatch.engine.tokenizer_files import TOKENIZER_FILE
 from salabatch.errors import TokenizerError
+from salabatch.files import write_text_atomic
 
 # Ids shared with the 9B: <unk> <s> </s> first, these 8 last (73440..73447 there).
 HEAD_TOKENS = ("<unk>", "<s>", "</s>")
@@ -97,9 +97,9 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
 
     dest = Path(dest_dir)
     dest.mkdir(parents=True, exist_ok=True)
-    _write_atomic(dest / TOKENIZER_FILE, backend.to_str(pretty=True) + "\n")
-    _write_atomic(dest / "tokenizer_config.json", _json_text(tok_config))
-    _write_atomic(dest / "generation_config.json", _json_text(gen_config))
+    write_text_atomic(dest / TOKENIZER_FILE, backend.to_str(pretty=True) + "\n")
+    write_text_atomic(dest / "tokenizer_config.json", _json_text(tok_config))
+    write_text_atomic(dest / "generation_config.json", _json_text(gen_config))
     return final
 
 
@@ -168,12 +168,6 @@ def _train_merges(words: Counter[str], budget: int, known: set[str]) -> list[tup
 
 def _json_text(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # Training text for the demo merges; written for this file. Changing it changes the tokenizer.

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from salabatch.engine.checkpoint import weight_files
+from salabatch.files import write_text_atomic
 
 CHUNK = 1 << 24
 
@@ -56,6 +56,4 @@ def _read_memo(memo: Path | None) -> dict[str, str]:
 
 def _write_memo(memo: Path, known: dict[str, str]) -> None:
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-    os.replace(tmp, memo)
+    write_text_atomic(memo, json.dumps(known, indent=1, sort_keys=True))

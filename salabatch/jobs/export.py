@@ -6,11 +6,9 @@ of a running or killed run, one row per request.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import uuid
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
+from salabatch.files import write_atomic
 from salabatch.jobs.output import OutputWarning, decode_metadata
 from salabatch.jobs.output_read import read_results
 
@@ -175,14 +174,14 @@ def _write_text(out: str | os.PathLike | TextIO, lines: Any) -> None:
         out.writelines(lines)
         return
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             f.writelines(lines)
-        os.replace(tmp, out)
+
+    try:
+        write_atomic(out, write)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise OutputError(f"cannot write the export ({e.strerror or e})", path=out) from e
 
 

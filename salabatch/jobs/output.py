@@ -7,7 +7,7 @@ One row per document × question. On disk, for `output.path: results/x.parquet`:
         LOCK                         flock'd by the running writer: one writer per results file
         FRESH                        present when this run replaces x.parquet (--no-resume)
         part-000007-<uuid>.parquet   the rows of one `ResultWriter.write()` call, complete
-        .tmp-<uuid>.parquet          a part or a merge being written; deleted at the next open
+        .<name>.tmp-<pid>-<hex>.parquet  a part or a merge being written; deleted at the next open
 
 `output_write.ResultWriter` writes them (durably, resumably); `output_read.read_results` reads
 them as one table, mid-run and after a kill included.

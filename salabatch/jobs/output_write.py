@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -31,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError
+from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
 from salabatch.jobs.output import (
     META_CREATED_AT,
     META_JOB_SPEC,
@@ -102,8 +102,9 @@ class ResultWriter:
             raise
 
     def _open(self) -> None:
-        for tmp in self.parts_dir.glob(".tmp-*"):
-            tmp.unlink(missing_ok=True)  # a write or merge a killed writer left unfinished
+        for tmp in self.parts_dir.iterdir():
+            if is_temp(tmp):
+                tmp.unlink(missing_ok=True)  # a write or merge a killed writer left unfinished
         created = None
         if not self.resume:
             for _, part in list_parts(self.parts_dir):
@@ -198,7 +199,7 @@ class ResultWriter:
             # The final file holds every row now. FRESH goes first: with it gone and parts
             # left, a rerun merges final + parts, which gives the same rows again.
             fresh_marker.unlink(missing_ok=True)
-            _fsync_dir(self.parts_dir)
+            fsync_dir(self.parts_dir)
             for part in parts:
                 part.unlink()
         except OSError as e:
@@ -246,57 +247,22 @@ class ResultWriter:
 
 
 def _write_durably(table: pa.Table, dst: Path, *, tmp_dir: Path) -> None:
-    """Write `table` to a temp file in `tmp_dir`, fsync it, rename it to `dst`, fsync the
-    folder. `tmp_dir` must be on `dst`'s file system (a sibling folder is)."""
-    tmp = tmp_dir / f".tmp-{uuid.uuid4().hex}.parquet"
-    try:
-        pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            _fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(dst.parent)
+    """`table` as `dst`, atomically and durably; its temporary file lives in `tmp_dir` (on
+    `dst`'s file system: a sibling folder is), where a killed write's leftovers are swept."""
+    write_atomic(
+        dst,
+        lambda tmp: pq.write_table(table, tmp, compression="zstd", write_page_checksum=True),
+        tmp_dir=tmp_dir,
+    )
 
 
 def _touch_durably(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        _fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
-
-
-def _fsync(fd: int) -> None:
-    # On macOS fsync only reaches the drive's cache; F_FULLFSYNC reaches the medium.
-    if sys.platform == "darwin":
-        import fcntl
-
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-    os.fsync(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames and deletions in `folder` durable; some file systems refuse, and there the
-    rename is still atomic, only possibly not yet on disk."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        _fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _lock(lock_path: Path, results: Path) -> int:

@@ -33,6 +33,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.fingerprint import file_sha256
 from salabatch.errors import CacheFormatError
+from salabatch.files import write_atomic, write_text_atomic
 
 
 class PrefixStoreWarning(UserWarning):
@@ -175,21 +176,21 @@ class PrefixStore:
     def _write(self, stem: Path, key: PrefixKey, cache: ModelCache, kind: str) -> None:
         arrays, meta = cache.to_state()
         stem.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stem.with_name(f"{stem.name}.tmp-{os.getpid()}.safetensors")
-        mx.save_safetensors(str(tmp), arrays, metadata={**meta, **key.identity()})
-        _fsync(tmp)
+        data = stem.with_suffix(".safetensors")
+        write_atomic(
+            data, lambda tmp: mx.save_safetensors(str(tmp), arrays, {**meta, **key.identity()})
+        )
         manifest = {
             **key.identity(),
             "model": key.model,
             "kind": kind,
             "position": cache.offset,
-            "bytes": tmp.stat().st_size,
-            "sha256": file_sha256(tmp),
+            "bytes": data.stat().st_size,
+            "sha256": file_sha256(data),
             "created": time.time(),
         }
-        os.replace(tmp, stem.with_suffix(".safetensors"))
-        _write_atomic(stem.with_suffix(".json"), json.dumps(manifest, indent=1))  # commit point
-        _fsync(stem.parent)
+        # the commit point: a data file without its manifest is never read
+        write_text_atomic(stem.with_suffix(".json"), json.dumps(manifest, indent=1))
 
     def _read(self, stem: Path, key: PrefixKey, cfg: ModelConfig, position: int):
         manifest_path, data_path = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
@@ -270,20 +271,3 @@ def _position(manifest: Path) -> int:
         return int(manifest.stem)
     except ValueError:
         return -1
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

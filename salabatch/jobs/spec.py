@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from salabatch.files import cache_dir
 from salabatch.jobs.documents import DocumentSource
 
 BUILTIN_MODELS = ("tiny",)  # `model: builtin:tiny`, the bundled demo model
@@ -188,7 +189,7 @@ class Engine(_Strict):
 class CacheSettings(_Strict):
     """The on-disk store of prefilled documents (prefix caches)."""
 
-    dir: Path = Field(Path("~/.cache/salabatch"), validate_default=True)
+    dir: Path = Field(default_factory=cache_dir, validate_default=True)  # as `salabatch cache`
     max_gb: StrictFloat = Field(50.0, gt=0, allow_inf_nan=False)
     enabled: StrictBool = True
     # Tokens between resumable snapshots of a long prefill (0: off). At ~200 tok/s, a Mac's
