@@ -9,7 +9,7 @@ import sys
 import click
 
 from salabatch import __version__
-from salabatch.errors import SalabatchError
+from salabatch.errors import JobValidationError, SalabatchError
 
 
 class _Group(click.Group):
@@ -18,9 +18,9 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         # Before any command can import mlx.core: the BLAS swap only works before that import.
-        from salabatch.engine.blas import activate
+        from salabatch.engine import activate_blas
 
-        activate()
+        activate_blas()
         try:
             return super().invoke(ctx)
         except SalabatchError as e:
@@ -82,7 +82,7 @@ def generate(
 ) -> None:
     """Answer one PROMPT with MODEL (a checkpoint folder, or builtin:tiny — an untrained demo
     model whose text is meaningless), streamed, then print timings."""
-    from salabatch.engine import builtin
+    from salabatch.demo import builtin
     from salabatch.engine.session import stream_answer
 
     if builtin.is_builtin(model):
@@ -153,7 +153,7 @@ def run(
 ) -> None:
     """Run a job: every document × question, answers and timings to Parquet. Resumable: rerun
     the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec_load import load_job, requests_job
+    from salabatch.jobs.spec import load_job, requests_job
 
     if job:
         spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
@@ -165,7 +165,7 @@ def run(
     if dry_run:
         from salabatch.jobs.dry_run import dry_run as show_plan
 
-        show_plan(spec, resume=resume, echo=click.echo)
+        show_plan(spec, resume=resume, retry_errors=retry_errors, echo=click.echo)
         return
     from salabatch.jobs.runner import run_job
 
@@ -198,9 +198,28 @@ def run(
 )
 def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     """Check a job file; errors name their field and line. Exit code 2 on errors."""
-    from salabatch.jobs.spec_load import validate_command
+    from salabatch.jobs.spec import load_job, path_problems
 
-    sys.exit(validate_command(job, overrides, check_files=not schema_only))
+    spec = load_job(job, overrides)
+    problems, n_files = ([], None) if schema_only else path_problems(spec)
+    if problems:
+        raise JobValidationError(job, problems)
+
+    entries = len(spec.documents)
+    found = f", {n_files} file{'s' * (n_files != 1)}" if n_files is not None and entries else ""
+    ids = [q.id for q in spec.questions]
+    shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
+    rows = {
+        "name": spec.name,
+        "model": spec.model,
+        "documents": f"{entries} entr{'y' if entries == 1 else 'ies'}{found}",
+        "questions": f"{len(ids)}" + (f": {shown}" if ids else ""),
+        "requests": str(spec.requests) if spec.requests else "none",
+        "output": str(spec.output.path),
+    }
+    click.echo(f"{job}: ok")
+    for key, value in rows.items():
+        click.echo(f"  {key:10s} {value}")
 
 
 @main.command()

@@ -201,7 +201,7 @@ def bench_gla(repeat: int, out: str | None) -> None:
     help="9b: the 9B vs Qwen3-8B shapes; small: both at 1/16 width [GPU: 9b; CPU: small].",
 )
 @click.option("--batch", default=8, show_default=True, help="Rows of SALA's batched decode.")
-@click.option("--steps", default=16, show_default=True, help="Decode steps timed.")
+@click.option("--steps", default=48, show_default=True, help="Decode steps timed (median).")
 @click.option("--chunk", type=int, help="Prefill chunk [GPU: 8192; CPU: 2048].")
 @click.option(
     "--dtype",

@@ -5,6 +5,7 @@ The CLI prints `str(error)` on one line and exits with `exit_code`; nothing here
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -84,6 +85,22 @@ class JobSpecError(SalabatchError):
     exit_code = 2
 
 
+class JobValidationError(JobSpecError):
+    """Every mistake of a job file, one `location: message` line each, in `errors`.
+
+    str(): `job.yaml: questions[2].text: field required` for one error, else
+    `job.yaml: 3 errors` followed by the errors, one per indented line.
+    """
+
+    def __init__(self, path: str | Path, errors: Sequence[str]) -> None:
+        self.errors = list(errors)
+        if len(self.errors) == 1:
+            message = self.errors[0]
+        else:
+            message = f"{len(self.errors)} errors\n" + "\n".join(f"  {e}" for e in self.errors)
+        super().__init__(message, path=path)
+
+
 class TokenizerError(SalabatchError):
     """Tokenizer files or a chat template that are missing, malformed or unsafe."""
 
@@ -92,3 +109,10 @@ class OutputError(SalabatchError):
     """A results file that cannot be written, read or resumed."""
 
     exit_code = 2
+
+
+def error_text(e: BaseException) -> str:
+    """Why an OS or Arrow call failed, on one line (for an OSError, its reason without the path:
+    the error that quotes it names the path itself)."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return " ".join(text.split()) or type(e).__name__

@@ -6,7 +6,13 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest  # noqa: E402
 
-from tests.tiny import GOLDEN, write_tiny_checkpoint  # noqa: E402  (loads the BLAS before MLX)
+from salabatch.engine import activate_blas  # noqa: E402
+
+# The suite runs on the optimized BLAS, as every `salabatch` command does: loaded before anything
+# imports mlx.core (tests.tiny does).
+activate_blas()
+
+from tests.tiny import GOLDEN, write_tiny_checkpoint  # noqa: E402
 
 
 def _mlx():

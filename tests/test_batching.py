@@ -100,6 +100,23 @@ def test_forks_of_one_document_share_one_prefix_object(model):
     assert ModelCache.concat([a, b]).rows == 3
 
 
+def test_rows_over_different_prefixes_do_not_join(model):
+    """A batch reads one shared prefix: forks made after the document grew, and caches with no
+    shared prefix, cannot join earlier forks (concat refuses rather than mixing them)."""
+    doc_cache = model.make_cache()
+    model(tokens(300, seed=4), doc_cache)
+    early = doc_cache.fork(1)
+    model(tokens(5, seed=5), doc_cache)
+    late = doc_cache.fork(1)
+    for i in model.config.sparse_layers:
+        assert late[i].shared is not early[i].shared
+    fresh = model.make_cache()
+    model(tokens(300, seed=4), fresh)
+    for other in (late, fresh):
+        with pytest.raises(ValueError, match="same prefix"):
+            ModelCache.concat([early, other])
+
+
 def test_rows_leave_and_join(model):
     """A finished row leaves (select) and a waiting one joins (concat) without disturbing others."""
     doc = tokens(500, seed=3)

@@ -1,4 +1,4 @@
-"""The BLAS swap (engine/blas.py), the runtime helpers and `salabatch doctor`.
+"""The BLAS swap (engine/blas.py), its thread counts, the runtime helpers and `salabatch doctor`.
 
 Which BLAS a process uses is fixed when `mlx.core` is first imported, so each case that needs a
 fresh choice runs in a subprocess.
@@ -11,13 +11,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from click.testing import CliRunner
 
-from salabatch.cli import main
 from salabatch.engine import blas
 from salabatch.engine.runtime import memory_cache, resolve_dtype
 from salabatch.errors import ConfigError
@@ -29,13 +28,15 @@ linux_only = pytest.mark.skipif(
 )
 
 # Prints what the fresh process chose, every warning raised while choosing, and how `a @ b`
-# (odd shapes, one side transposed) compares with numpy under that BLAS.
+# (odd shapes, one side transposed) compares with numpy under that BLAS. ACTIVATE is replaced.
 PROBE = textwrap.dedent(
     """
     import json, warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         from salabatch.engine import blas
+        ACTIVATE
+        from salabatch.engine import load_model  # the model code, which imports mlx.core
     import mlx.core as mx, numpy as np
     a, b = np.random.rand(65, 127).astype("f4"), np.random.rand(33, 127).astype("f4")
     got = np.array(mx.array(a) @ mx.array(b).T)
@@ -49,12 +50,13 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(tmp_path, env: dict[str, str], prelude: str = "") -> dict:
+def probe(tmp_path, env: dict[str, str], prelude: str = "", activate: bool = True) -> dict:
     full_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
     if "SALABATCH_BLAS" not in env:
         full_env.pop("SALABATCH_BLAS", None)
+    code = PROBE.replace("ACTIVATE", "blas.activate_blas()" if activate else "pass")
     done = subprocess.run(
-        [sys.executable, "-c", prelude + PROBE],
+        [sys.executable, "-c", prelude + code],
         env=full_env,
         capture_output=True,
         text=True,
@@ -66,7 +68,7 @@ def probe(tmp_path, env: dict[str, str], prelude: str = "") -> dict:
 
 @linux_only
 def test_this_process_uses_an_optimized_blas():
-    # conftest imports salabatch.engine before mlx; the reference BLAS here means a broken setup
+    # conftest calls activate_blas() before mlx; the reference BLAS here means a broken setup
     assert blas.active().kind != "reference", blas.active().reason
 
 
@@ -77,6 +79,15 @@ def test_fresh_process_picks_an_optimized_blas(tmp_path):
     assert out["provider"] == out["info"]["path"]
     assert out["warnings"] == []
     assert out["max_err"] < 1e-3
+
+
+@linux_only
+def test_importing_the_engine_swaps_nothing(tmp_path):
+    out = probe(tmp_path, {}, activate=False)
+    assert out["provider"] is None  # MLX's cblas_sgemm is its own
+    assert out["info"]["kind"] == "reference"
+    assert out["info"]["reason"] == "activate_blas() was not called"
+    assert out["warnings"] == []
 
 
 @linux_only
@@ -120,7 +131,50 @@ def test_mlx_imported_first_is_reported(tmp_path):
 
 
 def test_activate_is_idempotent():
-    assert blas.activate() is blas.activate() is blas.active()
+    assert blas.activate_blas() is blas.activate_blas() is blas.active()
+
+
+@linux_only
+def test_threads_sets_and_restores_the_count(monkeypatch):
+    path = blas.active().path
+    before = blas._threads(path)
+    if before is None:
+        pytest.skip(f"threadpoolctl has no thread setting for {path}")
+    for variable in blas._THREAD_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    seen = []
+
+    def run_block():
+        with blas.threads(before + 1):
+            seen.append(blas._threads(path))
+        seen.append(blas._threads(path))
+
+    worker = threading.Thread(target=run_block)  # not only the thread that activated
+    worker.start()
+    worker.join()
+    run_block()
+    assert seen == [before + 1, before] * 2
+    # the user's own variable wins
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", str(before))
+    with blas.threads(before + 1):
+        assert blas._threads(path) == before
+
+
+def test_cli_help_imports_no_mlx_nor_blas():
+    code = textwrap.dedent(
+        """
+        import sys
+        from salabatch.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        print(sorted(m for m in sys.modules if m.startswith(("mlx", "salabatch.engine"))))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_memory_cache_restores_previous_limit():
@@ -148,10 +202,16 @@ def test_resolve_dtype():
     assert e.value.field == "dtype" and e.value.got == "int8"
 
 
-def test_doctor_json_reports_speed():
-    result = CliRunner().invoke(main, ["doctor", "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+def test_doctor_in_a_fresh_process_reports_the_activated_blas():
+    # the command activates the BLAS itself: a fresh process chooses as this one did
+    done = subprocess.run(
+        [sys.executable, "-c", "from salabatch.cli import main; main()", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
     assert report["gemm_gflops"] > 0 and report["decode_gbps"] > 0
     assert report["blas"]["kind"] == blas.active().kind
     assert report["mlx"] == mx.__version__

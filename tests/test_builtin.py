@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from salabatch.cli import main
-from salabatch.engine import builtin
+from salabatch.demo import builtin
 from salabatch.engine.config import LIGHTNING, SPARSE, ModelConfig
 from salabatch.engine.session import AnswerStream, open_model
 from salabatch.errors import ConfigError

@@ -80,6 +80,8 @@ def test_9b_config_fields_and_derived_values():
     assert math.isclose(cfg.lightning_scale_value, 1 / math.sqrt(128))
     assert cfg.sparse.topk_eff == 96 and cfg.sparse.local_blocks == 32
     assert cfg.sparse.dense_len == 8192
+    # level 1 as configured, level 2 derived: 4× both (SPEC §4.3)
+    assert cfg.sparse.compression == ((32, 16), (128, 64)) and cfg.sparse.block_size == 64
     assert cfg.eos_token_ids == (2, 73440)
     assert cfg.torch_dtype == "bfloat16"
     assert cfg.scale_emb == 12.0 and cfg.mup_denominator == 32
@@ -117,6 +119,8 @@ def test_golden_config_loads(golden_dir):
         (lambda c: c["mixer_types"].pop(), "mixer_types"),
         (lambda c: c["sparse_config"].update(topk=-1), "sparse_config.topk"),
         (lambda c: c["sparse_config"].update(block_size=128), "sparse_config.block_size"),
+        (lambda c: c["sparse_config"].update(kernel_size=64), "sparse_config.kernel_size"),
+        (lambda c: c["sparse_config"].update(kernel_stride=32), "sparse_config.kernel_stride"),
         (lambda c: c.update(lightning_nh=16), "lightning_nh"),
         (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
         (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),

@@ -3,6 +3,7 @@ entries are never used, a killed prefill resumes from its snapshot, the budget e
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -12,8 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
+from salabatch.errors import CacheFormatError
 from salabatch.jobs.document_cache import DocumentCaches
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore, PrefixStoreWarning
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
@@ -72,6 +75,58 @@ def test_saved_prefix_continues_like_the_live_cache_in_a_new_process(model, ckpt
     )
     assert result.returncode == 0, result.stderr
     assert np.abs(np.load(out) - want).max() <= 1e-6
+
+
+def test_saved_cache_keeps_format_1(model):
+    """What the store has always written: each layer's kind, and its arrays under
+    `layers.{i}.`: `state` (lightning), or `keys`, `values`, `chunks0`, `chunks1` cut to their
+    lengths (sparse)."""
+    cache = model.make_cache()
+    prefill(model, doc_ids(300), cache)
+    arrays, meta = cache.to_state()
+    assert meta == {
+        "format_version": "1",
+        "layer_kinds": json.dumps(["sparse", "lightning", "lightning", "sparse"]),
+        "position": "300",
+        "prefill_len": "300",
+    }
+    sparse = {"keys": 300, "values": 300, "chunks0": (300 - 32) // 16 + 1, "chunks1": 3}
+    want = {f"layers.{i}.{name}": n for i in (0, 3) for name, n in sparse.items()}
+    assert {name: a.shape[2] for name, a in arrays.items() if "state" not in name} == want
+    assert {name for name in arrays if "state" in name} == {"layers.1.state", "layers.2.state"}
+
+
+def test_inconsistent_states_are_refused(model):
+    cache = model.make_cache()
+    prefill(model, doc_ids(300), cache)
+    arrays, meta = cache.to_state()
+    broken = [
+        ({k: a for k, a in arrays.items() if k != "layers.3.chunks1"}, meta, "missing array"),
+        ({k: a for k, a in arrays.items() if k != "layers.2.state"}, meta, "missing array"),
+        (arrays, {**meta, "position": "299"}, "layer 0 holds 300 keys"),
+        ({**arrays, "layers.0.chunks0": arrays["layers.0.chunks0"][:, :, :-1]}, meta, "chunks"),
+        (arrays, {**meta, "layer_kinds": json.dumps(["sparse"] * 4)}, "layer layout"),
+        (arrays, {**meta, "format_version": "2"}, "format version"),
+    ]
+    for state, header, why in broken:
+        with pytest.raises(CacheFormatError, match=why):
+            ModelCache.from_state(state, header, model.config)
+
+
+def test_a_loaded_document_forks_like_the_live_one(model):
+    """Rows forked from a loaded (sparse-mode) document and batched continue exactly like rows
+    forked from the live cache."""
+    live = model.make_cache()
+    prefill(model, doc_ids(711), live)
+    loaded = ModelCache.from_state(*live.to_state(), model.config)
+    outs = []
+    for doc in (live, loaded):
+        rows = [doc.fork(1), doc.fork(1)]
+        model(mx.array([[5, 6, 7]]), rows[0])
+        model(mx.array([[9]]), rows[1])
+        batch = ModelCache.concat(rows)
+        outs.append(model(mx.array(NEXT[0][:2])[:, None], batch))
+    assert mx.abs(outs[0] - outs[1]).max().item() <= 1e-6
 
 
 def stored_entry(model, tmp_path, n=300):

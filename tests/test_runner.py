@@ -18,9 +18,9 @@ import yaml
 from click.testing import CliRunner
 
 from salabatch.cli import main
-from salabatch.engine import builtin
-from salabatch.jobs.output_read import read_metadata, read_results
-from tests.test_output import DESIGN_COLUMNS
+from salabatch.demo import builtin
+from salabatch.jobs.results import read_metadata, read_results
+from tests.test_results import DESIGN_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "inspection-letter.pdf"
@@ -55,7 +55,7 @@ def write_job(folder: Path, model: Path, **overrides) -> Path:
         "documents": [{"path": "docs"}],
         "questions": QUESTIONS,
         "generation": {"max_tokens": 6},
-        "engine": {"prefill_chunk": 128, "batch_size": 4},
+        "engine": {"prefill_chunk": 128, "pool_max_tokens": 128, "batch_size": 4},
         "cache": {"dir": str(folder / "cache")},
         "output": {"path": "out/results.parquet"},
     }
@@ -91,7 +91,7 @@ def test_three_documents_three_questions(tmp_path, tiny_model):
         assert r["ttft_s"] > 0 and r["decode_tok_s"] >= 0 and r["prefill_tok_s"] > 0
         assert r["started_at"] <= r["finished_at"] and r["peak_mem_gb"] > 0
         assert r["quant_bits"] == 32 and r["cache_source"] == "none"
-    shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over prefill_chunk: one prefix
+    shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over pool_max_tokens: one prefix
     assert all(1 <= r["batch_size"] <= 4 for r in shared)
     meta = read_metadata(tmp_path / "out" / "results.parquet")
     assert meta["job_spec"]["name"] == "t" and meta["versions"]["salabatch"]
@@ -114,6 +114,40 @@ def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
         if r["doc_id"] != "notes.txt":  # long documents: prefix from disk, no document prefill
             assert r["cache_source"] == "disk" and r["doc_prefill_s"] == 0
             assert r["cached_tokens"] == r["doc_tokens"]
+
+
+def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    first_run = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+
+    def pairs() -> set[tuple[str, str]]:
+        return {(r["doc_id"], r["question_id"]) for r in rows(tmp_path)}
+
+    questions = [q for q in QUESTIONS if q["id"] != "cost"] + [{"id": "when", "text": "When?"}]
+    job = write_job(tmp_path, tiny_model, questions=questions)
+    # --limit leaves the rest of the job unplanned: nothing is dropped yet
+    assert run_cli("run", str(job), "--limit", "1").exit_code == 0
+    assert len(pairs()) == 10 and ("notes.txt", "cost") in pairs()
+    plan = run_cli("run", str(job), "--dry-run").output
+    assert "plan: 2 row(s) to do, 7 already done" in plan
+    assert "3 row(s) of earlier runs are no longer in the job" in plan
+    assert len(pairs()) == 10  # a dry run writes nothing
+
+    assert run_cli("run", str(job)).exit_code == 0
+    docs_now = ["letter.pdf", "notes.txt", "report.md"]
+    assert pairs() == {(d, q["id"]) for d in docs_now for q in questions}
+    kept = [r for r in rows(tmp_path) if r["question_id"] != "when"]
+    assert all(first_run[r["request_key"]] == r["run_id"] for r in kept)  # not recomputed
+
+    (docs / "notes.txt").unlink()
+    again = run_cli("run", str(job))
+    assert again.exit_code == 0 and "0 row(s) written" in again.output
+    assert pairs() == {(d, q["id"]) for d in docs_now if d != "notes.txt" for q in questions}
+
+    job = write_job(tmp_path, tiny_model, questions=QUESTIONS[:1])
+    assert run_cli("run", str(job), "--no-resume").exit_code == 0
+    assert pairs() == {("letter.pdf", "summary"), ("report.md", "summary")}
 
 
 def start_long_run(tmp_path: Path, model: Path, parts_wanted: int) -> subprocess.Popen:
@@ -291,12 +325,21 @@ def test_openai_batch_round_trip(tmp_path, tiny_model):
 
 def test_context_overflow(tmp_path, tiny_model):
     write_docs(tmp_path)
-    job = write_job(tmp_path, tiny_model, engine={"max_context": 400, "prefill_chunk": 128})
+    job = write_job(
+        tmp_path,
+        tiny_model,
+        engine={"max_context": 400, "prefill_chunk": 128, "pool_max_tokens": 128},
+    )
     assert run_cli("run", str(job)).exit_code == 0
     over = [r for r in rows(tmp_path) if r["doc_id"] == "report.md"]
     assert all(r["status"] == "error" and "tokens with its prompt" in r["error"] for r in over)
     assert all(r["status"] == "ok" for r in rows(tmp_path) if r["doc_id"] == "notes.txt")
-    engine = {"max_context": 400, "prefill_chunk": 128, "on_overflow": "truncate_middle"}
+    engine = {
+        "max_context": 400,
+        "prefill_chunk": 128,
+        "pool_max_tokens": 128,
+        "on_overflow": "truncate_middle",
+    }
     job = write_job(tmp_path, tiny_model, engine=engine, output={"path": "out/cut.parquet"})
     assert run_cli("run", str(job)).exit_code == 0
     cut = read_results(tmp_path / "out" / "cut.parquet").to_pylist()

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.engine.config import SparseConfig
 from salabatch.engine.kernels import sparse_attention, sparse_select
 from salabatch.engine.kernels.sparse_attention import (
     block_sparse_attention,
@@ -21,7 +22,9 @@ from salabatch.engine.kernels.sparse_select import (
 from salabatch.engine.sparse_cache import SparseKVCache
 
 TOL_F32 = 1e-5
-BLOCK = 64
+SC = SparseConfig()  # the 9B's block and compression levels
+BLOCK = SC.block_size
+GEOMETRY = dict(block=BLOCK, compression=SC.compression)
 B, H, HK, D = 2, 8, 2, 16
 INIT, LOCAL = 1, 2  # forced: block 0 and the query's block with 2 before it
 
@@ -31,7 +34,7 @@ def random_cache(n: int, seed: int, pieces: tuple[int, ...] = ()) -> SparseKVCac
     rng = np.random.default_rng(seed)
     k = mx.array(rng.standard_normal((B, HK, n, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((B, HK, n, D)).astype(np.float32))
-    cache = SparseKVCache()
+    cache = SparseKVCache(SC)
     start = 0
     for size in [*pieces, n - sum(pieces)]:
         cache.append(k[:, :, start : start + size], v[:, :, start : start + size])
@@ -108,6 +111,7 @@ def test_select_blocks_matches_reference(monkeypatch, n, t, k):
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
+        **GEOMETRY,
     )
     want = select_blocks_ref(*args, **kw)
     monkeypatch.setattr(sparse_select, "MAX_SCORE_ELEMENTS", 5000)  # force many query tiles
@@ -152,11 +156,12 @@ def test_block_sparse_attention_matches_reference(monkeypatch, n, t, path):
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
+        **GEOMETRY,
     )
     kv = cache.kv_view()
-    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5)
+    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5, BLOCK)
     force(monkeypatch, path)
-    got = block_sparse_attention(q, kv, idx, starts, D**-0.5)
+    got = block_sparse_attention(q, kv, idx, starts, D**-0.5, BLOCK)
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
@@ -171,7 +176,7 @@ def test_all_blocks_selected_equals_dense(monkeypatch, path):
     idx = mx.broadcast_to(mx.arange(n_blocks, dtype=mx.int32), (B, HK, n, n_blocks))
     idx = mx.where(idx > (pos // BLOCK)[:, None, :, None], -1, idx)
     force(monkeypatch, path)
-    got = block_sparse_attention(q, cache.kv_view(), idx, [0] * B, D**-0.5)
+    got = block_sparse_attention(q, cache.kv_view(), idx, [0] * B, D**-0.5, BLOCK)
     want = attention_ref(q, cache.keys.view(), cache.values.view(), D**-0.5, "causal")
     assert mx.abs(got - want).max().item() < TOL_F32
 
@@ -183,7 +188,7 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
     reference over each row's whole sequence."""
     doc = random_cache(700, seed=11)
     doc.keys.lengths, doc.values.lengths = [700], [700]
-    one = SparseKVCache()
+    one = SparseKVCache(SC)
     one.append(doc.keys.view()[:1], doc.values.view()[:1])
     rng = np.random.default_rng(5)
     forks = []
@@ -211,12 +216,13 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
+        **GEOMETRY,
     )
     kv = rows.kv_view()
     assert kv.start > 0
-    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5)
+    want = block_sparse_attention_ref(q, kv, idx, starts, D**-0.5, BLOCK)
     force(monkeypatch, path)
-    got = block_sparse_attention(q, kv, idx, starts, D**-0.5)
+    got = block_sparse_attention(q, kv, idx, starts, D**-0.5, BLOCK)
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
@@ -236,7 +242,7 @@ def test_decode_step_matches_the_references(shared, stage2, lane_rows, monkeypat
     rng = np.random.default_rng(21)
     if shared:
         doc = random_cache(1100, seed=12)
-        one = SparseKVCache()
+        one = SparseKVCache(SC)
         one.append(doc.keys.view()[:1], doc.values.view()[:1])
         forks = []
         for extra in (90, 7):
@@ -259,10 +265,11 @@ def test_decode_step_matches_the_references(shared, stage2, lane_rows, monkeypat
         scale=D**-0.5,
         init_blocks=INIT,
         local_blocks=LOCAL,
+        **GEOMETRY,
     )
     whole = [cache.chunk_parts(level, whole=True) for level in (0, 1)]
     got, got_idx = infllm_v2_step(q, cache.kv_view(), *whole, starts, **kw)
     want_idx = select_blocks_ref(q, cache.chunk_parts(0), cache.chunk_parts(1), starts, **kw)
     assert mx.array_equal(got_idx, want_idx)
-    want = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, D**-0.5)
+    want = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, D**-0.5, BLOCK)
     assert mx.abs(got - want).max().item() < TOL_F32

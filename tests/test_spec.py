@@ -1,4 +1,5 @@
-"""The job file's models: schema, path resolution, one located line per mistake, identities."""
+"""The job file: schema, path resolution, one located line per mistake, files that are not job
+files, --set overrides, check_paths, identities."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.errors import JobSpecError
+from salabatch.errors import JobSpecError, JobValidationError
 from salabatch.jobs.documents import DocumentSource
-from salabatch.jobs.spec import JobSpec, generation_key, spec_fingerprint, spec_json
-from salabatch.jobs.spec_check import JobValidationError
-from salabatch.jobs.spec_load import load_job
+from salabatch.jobs.spec import (
+    JobSpec,
+    check_paths,
+    generation_key,
+    load_job,
+    spec_fingerprint,
+    spec_json,
+)
 
 DESIGN_JOB = """\
 name: contracts-review
@@ -82,6 +88,7 @@ def test_defaults(tmp_path, home):
     assert (g.repetition_penalty, g.seed, g.think) == (1.0, 0, False)
     assert (e.prefill_chunk, e.batch_size, e.dtype) == (2048, 8, "auto")
     assert (e.max_context, e.on_overflow) == (1048576, "error")
+    assert e.pool_max_tokens == 2048
     assert (c.dir, c.max_gb, c.enabled, c.snapshot_every) == (
         home / ".cache" / "salabatch",
         50.0,
@@ -168,7 +175,8 @@ def test_unknown_top_level_key_lists_allowed_fields(tmp_path):
 def test_unknown_nested_key_suggests_the_close_one(tmp_path):
     error = error_of(write(tmp_path, MINIMAL + "engine: {batchsize: 4}\n"))
     assert error.startswith("engine.batchsize: unknown field, did you mean 'batch_size'?")
-    assert "(allowed: prefill_chunk, batch_size, dtype, max_context, on_overflow)" in error
+    allowed = "prefill_chunk, batch_size, dtype, max_context, on_overflow, pool_max_tokens"
+    assert f"(allowed: {allowed})" in error
 
 
 def test_missing_question_text_is_located(tmp_path):
@@ -291,6 +299,154 @@ def test_one_error_is_one_line_and_several_are_listed(tmp_path):
     assert text.splitlines()[0] == f"{job}: 2 errors"
     assert text.splitlines()[1].startswith("  colour: unknown field")
     assert info.value.exit_code == 2
+
+
+# ---- files that are not job files --------------------------------------------------------------
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    job = write(tmp_path, "name: x\nmodel: builtin:tiny\n  questions: [\n")
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    assert str(info.value).startswith(f"{job}: invalid YAML at line 3, column 12:")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("- a\n- b\n", "expected a mapping (name:, model:, …) at the top, got a list"),
+        ("just text\n", "expected a mapping (name:, model:, …) at the top, got 'just text'"),
+        ("", "job file is empty"),
+        ("# only a comment\n", "job file is empty"),
+        ("!!python/object:os.system {}\n", "invalid YAML at line 1, column 1: could not determine"),
+    ],
+)
+def test_not_a_job_mapping(tmp_path, text, message):
+    job = write(tmp_path, text)
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    assert str(info.value).startswith(f"{job}: {message}")
+
+
+def test_missing_and_unreadable_job_files(tmp_path):
+    with pytest.raises(JobSpecError, match="job file not found"):
+        load_job(tmp_path / "nope.yaml")
+    with pytest.raises(JobSpecError, match="is a folder"):
+        load_job(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(JobSpecError, match="not UTF-8 text: byte 0xe9 at offset 9"):
+        load_job(tmp_path / "latin1.yaml")
+
+
+# ---- --set overrides ---------------------------------------------------------------------------
+
+
+def test_overrides_of_every_kind(tmp_path):
+    job = write(tmp_path, MINIMAL.replace("[{text: Summarize.}]", "[{text: a}, {text: b}]"))
+    spec = load_job(
+        job,
+        [
+            "engine.batch_size=4",
+            "generation.think=true",
+            "generation.temperature=0.7",
+            "name=renamed",
+            "system=Answer briefly: no lists #1",
+            "questions.0.text=first?",
+            "questions[1].id='007'",
+            "cache.snapshot_every=0",
+            "documents=[{path: other, glob: '*.md'}]",
+        ],
+    )
+    assert spec.engine.batch_size == 4 and spec.generation.think is True
+    assert spec.generation.temperature == 0.7
+    assert spec.name == "renamed" and spec.output.path == tmp_path / "results" / "renamed.parquet"
+    assert spec.system == "Answer briefly: no lists #1"
+    assert [(q.id, q.text) for q in spec.questions] == [("q1", "first?"), ("007", "b")]
+    assert spec.cache.snapshot_every == 0
+    assert spec.documents[0].path == tmp_path / "other" and spec.documents[0].glob == "*.md"
+
+
+def test_override_errors_are_located(tmp_path):
+    job = write(tmp_path, MINIMAL)
+    assert error_of(job, ("engine.batch_size=four",)) == (
+        "engine.batch_size: expected an integer, got 'four' (from the command line)"
+    )
+    assert error_of(job, ("engine.batchsize=4",)).startswith(
+        "engine.batchsize: unknown field, did you mean 'batch_size'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ("engine.batch_size", "expected key=value"),
+        ("=4", "expected a dotted key"),
+        ("engine..batch_size=4", "expected a dotted key"),
+        ("questions[x].text=a", "expected a dotted key"),
+        ("name.first=a", "name is 'mini', not a mapping or a list"),
+        ("questions.text=a", "questions is a list: give an item number, e.g. questions[0]"),
+        ("questions[3].text=a", "questions has 1 items (numbered from 0)"),
+        ("documents=[{path: a", "invalid YAML value"),
+    ],
+)
+def test_malformed_overrides_name_the_override(tmp_path, override, reason):
+    error = error_of(write(tmp_path, MINIMAL), (override,))
+    assert error.startswith(f"--set {override!r}: {reason}")
+
+
+def test_overrides_do_not_leak_through_yaml_aliases(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: alias
+        model: builtin:tiny
+        documents: [{path: d}]
+        questions:
+          - &base {id: a, text: same}
+          - *base
+        """,
+    )
+    spec = load_job(job, ["questions[1].id=b"])
+    assert [q.id for q in spec.questions] == ["a", "b"]
+
+
+# ---- the disk: check_paths ---------------------------------------------------------------------
+
+
+def test_check_paths_reports_every_entry_with_its_index(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    (tmp_path / "notes.docx").write_text("x")
+    (tmp_path / "model").mkdir()
+    job = write(
+        tmp_path,
+        """\
+        name: paths
+        model: model
+        requests: missing.jsonl
+        documents:
+          - path: docs
+          - path: nowhere
+          - path: docs
+            glob: "*.pdf"
+        questions: [{text: q}]
+        """,
+    )
+    assert check_paths(load_job(job)) == [
+        f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder)",
+        f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file)",
+        f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'}",
+        f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'}",
+    ]
+    (tmp_path / "model" / "config.json").write_text("{}")
+    fixed = load_job(job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"])
+    assert check_paths(fixed) == [
+        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl)"
+    ]
+    with pytest.raises(JobValidationError, match="documents\\[1\\].path: unsupported file type"):
+        load_job(
+            job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"], check_files=True
+        )
 
 
 # ---- identities --------------------------------------------------------------------------------

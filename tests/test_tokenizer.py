@@ -12,12 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.engine.tokenizer import (
-    HEAD_TOKENS,
-    TAIL_TOKENS,
-    build_byte_tokenizer,
-    load_tokenizer,
-)
+from salabatch.demo.tokenizer import HEAD_TOKENS, TAIL_TOKENS, build_byte_tokenizer
+from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
 
 TEXTS = [

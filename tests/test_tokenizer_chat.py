@@ -10,7 +10,9 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Backend
 
-from salabatch.engine.tokenizer import EMPTY_THINK, HEAD_TOKENS, load_tokenizer, split_thinking
+from salabatch.demo.tokenizer import HEAD_TOKENS
+from salabatch.engine.chat import EMPTY_THINK, split_thinking
+from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
 from tests.test_tokenizer import (
     SYSTEM,

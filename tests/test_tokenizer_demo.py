@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from salabatch.engine.tokenizer import (
+from salabatch.demo.tokenizer import (
     HEAD_TOKENS,
     MIN_DEMO_VOCAB,
     TAIL_TOKENS,
     build_byte_tokenizer,
-    load_tokenizer,
 )
+from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
 from tests.test_tokenizer import demo_tokenizer_dir
 
@@ -58,7 +58,7 @@ def test_demo_build_is_deterministic(demo_dir, tmp_path):
     names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
     build_byte_tokenizer(tmp_path / "again")
     # another process too: hash-map iteration order differs between processes
-    code = "import sys, salabatch.engine.tokenizer as t; t.build_byte_tokenizer(sys.argv[1])"
+    code = "import sys, salabatch.demo.tokenizer as t; t.build_byte_tokenizer(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], check=True)
     for name in names:
         ref = (demo_dir / name).read_bytes()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from salabatch.engine.checkpoint import random_weights, write_weights
-from salabatch.engine.config import ModelConfig
+from salabatch.demo.checkpoint import write_random_checkpoint
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
@@ -77,8 +75,4 @@ SPARSE_AT_256 = {
 def write_tiny_checkpoint(
     path: Path, raw: dict | None = None, seed: int = 0, max_shard_bytes: int | None = None
 ) -> Path:
-    raw = raw or tiny_config_dict()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    write_weights(path, random_weights(ModelConfig.from_dict(raw), seed), max_shard_bytes)
-    return path
+    return write_random_checkpoint(path, raw or tiny_config_dict(), seed, max_shard_bytes)

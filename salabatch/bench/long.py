@@ -248,7 +248,7 @@ def run(
     *,
     shapes: str | Shapes | None = None,
     batch: int = 8,
-    steps: int = 16,
+    steps: int = 48,
     chunk: int | None = None,
     dtype: str | None = None,
     peer: bool = True,
@@ -284,10 +284,12 @@ def run(
 
 
 def _result(pair: Shapes, dt: mx.Dtype, chunk: int, batch: int, steps: int, rows: list) -> dict:
+    from salabatch.engine.runtime import dtype_name
+
     return {
         "shapes": pair.name,
         "models": {"sala": pair.sala, "peer": pair.peer},
-        "dtype": str(dt).removeprefix("mlx.core."),
+        "dtype": dtype_name(dt),
         "chunk": chunk,
         "batch": batch,
         "decode_steps": steps,

@@ -11,7 +11,6 @@ not use the BLAS and are slower than float32: that is expected, and measured her
 from __future__ import annotations
 
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -83,11 +82,10 @@ def run(
     """One row per format: weight memory (parameter bytes), checkpoint size on disk (none for
     bfloat16: it is cast from the float32 file at load), peak memory over prefill + decode
     (weights included), prefill and decode tok/s."""
-    from salabatch.engine.checkpoint import random_weights, write_weights
-    from salabatch.engine.config import ModelConfig
+    from salabatch.demo.checkpoint import write_random_checkpoint
     from salabatch.engine.load import load_model
     from salabatch.engine.quantize import convert
-    from salabatch.engine.runtime import engine_runtime, resolve_dtype
+    from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
     from salabatch.errors import ConfigError
 
     unknown = sorted(set(formats) - set(FORMATS))
@@ -97,10 +95,7 @@ def run(
     act = resolve_dtype(act_dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, engine_runtime():
-        src = Path(tmp) / "float32"
-        src.mkdir()
-        (src / "config.json").write_text(json.dumps(raw))
-        write_weights(src, random_weights(ModelConfig.from_dict(raw), seed=0))
+        src = write_random_checkpoint(Path(tmp) / "float32", raw)
         for fmt in formats:
             if fmt.endswith("bit"):
                 path, dtype = Path(tmp) / fmt, act
@@ -112,7 +107,7 @@ def run(
             disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             row = {
                 "format": fmt,
-                "activations": str(dtype).removeprefix("mlx.core."),
+                "activations": dtype_name(dtype),
                 "weight_memory_mb": round(sum(p.nbytes for _, p in params) / 2**20, 1),
                 "disk_mb": None if fmt == "bfloat16" else round(disk / 2**20, 1),
                 **decode_row(model, prefill, steps),

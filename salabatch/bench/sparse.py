@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from salabatch.bench import time_ms
+from salabatch.engine.config import SparseConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.sparse_cache import SparseKVCache
 
@@ -47,23 +48,17 @@ def bench_config() -> dict:
 
 
 def load_bench_model():
-    import json
-
-    from salabatch.engine.checkpoint import random_weights, write_weights
-    from salabatch.engine.config import ModelConfig
+    from salabatch.demo.checkpoint import write_random_checkpoint
     from salabatch.engine.load import load_model
 
-    raw = bench_config()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp)
-        (path / "config.json").write_text(json.dumps(raw))
-        write_weights(path, random_weights(ModelConfig.from_dict(raw), seed=0))
+        path = write_random_checkpoint(Path(tmp), bench_config())
         return load_model(path, dtype="float32")
 
 
-def filled_cache(n: int, kv_heads: int, head_dim: int) -> SparseKVCache:
+def filled_cache(n: int, sparse: SparseConfig, kv_heads: int, head_dim: int) -> SparseKVCache:
     """A sparse-layer cache holding n random keys/values (compressed keys included)."""
-    cache = SparseKVCache()
+    cache = SparseKVCache(sparse)
     for start in range(0, n, 8192):
         size = min(8192, n - start)
         k, v = (mx.random.normal((1, kv_heads, size, head_dim)) for _ in range(2))
@@ -78,7 +73,7 @@ def decode_rows(model, contexts: list[int], steps: int) -> list[dict]:
     rows = []
     for n in contexts:
         mx.random.seed(n)
-        cache = filled_cache(n, cfg.num_key_value_heads, cfg.head_dim)
+        cache = filled_cache(n, cfg.sparse, cfg.num_key_value_heads, cfg.head_dim)
         x = mx.random.normal((1, 1, cfg.hidden_size))
         offset = [n]
 

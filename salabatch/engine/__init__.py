@@ -1,16 +1,15 @@
 """The MiniCPM-SALA engine on MLX.
 
-The BLAS is swapped in first: MLX binds `cblas_sgemm` when `mlx.core` is first imported, and
-every module below imports it (see `blas.py`).
+Importing it changes nothing in the process. On Linux CPU, call `activate_blas()` once before
+anything imports `mlx.core` so MLX runs on an optimized BLAS (see `blas.py`); the `salabatch`
+command does so at start.
 """
 
-from salabatch.engine.blas import activate as _activate
-
-_activate()
+from salabatch.engine.blas import activate_blas
 
 
 def __getattr__(name: str):
-    # lazy, so `salabatch.engine.blas` can be imported without loading the model code
+    # lazy: `load_model` imports mlx.core, which must come after `activate_blas()`
     if name == "load_model":
         from salabatch.engine.load import load_model
 
@@ -18,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'salabatch.engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model"]
+__all__ = ["activate_blas", "load_model"]

@@ -3,7 +3,9 @@
 Why: the `mlx[cpu]` wheel links the reference (netlib) BLAS from `mlx_cpu.libs/`, and
 `libmlx.so` resolves `cblas_sgemm` at load time. A library loaded earlier with RTLD_GLOBAL is
 searched first, so loading OpenBLAS or BLIS that way makes MLX use it. It must happen before the
-first `import mlx.core`; `salabatch.engine` calls `activate()` on import for that reason.
+first `import mlx.core`, and it changes the whole process for good, so importing salabatch never
+does it: the `salabatch` command calls `activate_blas()` at start, and library users call it
+once themselves (`salabatch.engine.activate_blas()`).
 
 Measured on the 2-core Linux x86_64 dev machine (AVX-512, fp32, 2 threads, best of 4 runs): GEMM
 1024² in GFLOP/s; x[M, 4096] @ W[4096, 4096]^T in GB/s of weights read (decode, batch M):
@@ -20,8 +22,9 @@ BLIS comes next, then scipy-openblas32 (pip-installed, so present without root o
 
 Choose with `SALABATCH_BLAS`: `off` / `0` / `none` keeps MLX's own BLAS; `openblas`, `blis` or
 `scipy` forces a kind; any other value is a path to a library exporting `cblas_sgemm`.
-Thread count: the physical cores available to the process, unless OPENBLAS_NUM_THREADS,
-BLIS_NUM_THREADS or OMP_NUM_THREADS is set (the libraries read those themselves).
+Thread count, set through threadpoolctl: the physical cores available to the process, unless
+OPENBLAS_NUM_THREADS, BLIS_NUM_THREADS, MKL_NUM_THREADS or OMP_NUM_THREADS is set (the libraries
+read those themselves).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from threadpoolctl import ThreadpoolController
 
 from salabatch import files
 
@@ -70,10 +75,11 @@ class BlasLoadError(Exception):
 _ACTIVE: BlasInfo | None = None
 
 
-def activate() -> BlasInfo:
+def activate_blas() -> BlasInfo:
     """Load the best available BLAS into the global symbol scope (once) and return what is used.
 
-    Never raises: any failure is one `BlasWarning` and MLX keeps its reference BLAS.
+    Call it before anything imports `mlx.core`; later it can only warn. Never raises: any
+    failure is one `BlasWarning` and MLX keeps its reference BLAS.
     """
     global _ACTIVE
     if _ACTIVE is None:
@@ -85,26 +91,42 @@ def activate() -> BlasInfo:
 
 
 def active() -> BlasInfo:
-    """The BLAS in use (calls `activate()` if nothing has yet)."""
-    return _ACTIVE or activate()
+    """The BLAS MLX uses in this process: what `activate_blas()` chose, else MLX's own (or one
+    loaded before salabatch, e.g. with LD_PRELOAD). Changes nothing."""
+    if _ACTIVE is not None:
+        return _ACTIVE
+    return _unswapped() or BlasInfo(
+        "reference", _reference_path(), None, "activate_blas() was not called"
+    )
 
 
-def _choose() -> BlasInfo:
+def _unswapped() -> BlasInfo | None:
+    """What MLX uses where there is nothing to swap: not Linux, or a BLAS already in the global
+    scope (LD_PRELOAD, or loaded globally before us), which wins. None otherwise."""
     if sys.platform == "darwin":
         return BlasInfo("accelerate", None, None, "macOS: MLX uses Accelerate")
     if not sys.platform.startswith("linux"):
         return BlasInfo("reference", None, None, f"no BLAS swap on {sys.platform}")
+    provider = _global_provider("cblas_sgemm")
+    if provider is None:
+        return None
+    return BlasInfo(
+        _kind_of(provider), provider, _threads(provider), "already loaded (LD_PRELOAD?)"
+    )
+
+
+def _choose() -> BlasInfo:
+    found = _unswapped()
+    if found is not None:
+        if found.path:  # a BLAS loaded before us wins; its thread count is still ours to set
+            _set_default_threads(found.path)
+            found = replace(found, threads=_threads(found.path))
+        return found
     want = os.environ.get(ENV, "").strip()
     if want.lower() in _OFF:
         return BlasInfo("reference", _reference_path(), None, f"disabled by {ENV}={want}")
-
-    provider = _global_provider("cblas_sgemm")
-    if provider:  # LD_PRELOAD, or a library loaded globally before us: it already wins
-        lib = ctypes.CDLL(provider)
-        _set_threads(lib)
-        return BlasInfo(_kind_of(provider), provider, _threads(lib), "already loaded (LD_PRELOAD?)")
     if "mlx.core" in sys.modules:
-        return _fallback("mlx.core was imported before salabatch.engine, too late to swap the BLAS")
+        return _fallback("mlx.core was imported before activate_blas(), too late to swap the BLAS")
 
     if want.lower() in ("", "auto"):
         candidates, reason = _candidates(), "first found of openblas, blis, scipy-openblas32"
@@ -218,55 +240,58 @@ def _load(kind: str, path: str, reason: str) -> BlasInfo:
     if _address(ctypes.CDLL(None), "cblas_sgemm") != _address(lib, "cblas_sgemm"):
         raise BlasLoadError(f"cblas_sgemm still resolves to {_global_provider('cblas_sgemm')}")
     provider = _global_provider("cblas_sgemm")  # the absolute path, also for a bare soname
-    _set_threads(lib)
-    return BlasInfo(kind, provider, _threads(lib), reason)
+    _set_default_threads(provider)
+    return BlasInfo(kind, provider, _threads(provider), reason)
 
 
-_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "OMP_NUM_THREADS")
+# ----- threads ----------------------------------------------------------------------------------
+
+_THREAD_VARIABLES = (
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_NUM_THREADS",
+)
 
 
 @contextmanager
-def threads(n: int) -> Iterator[int | None]:
-    """Run the block with the active BLAS on n threads, then restore its count. Nothing changes
-    when the user chose a count (OPENBLAS_NUM_THREADS, …) or the BLAS has no such setting.
-    Yields the count in force."""
+def threads(n: int) -> Iterator[None]:
+    """Run the block with MLX's BLAS on n threads, then restore its count. Nothing changes when
+    the user chose a count (OPENBLAS_NUM_THREADS, …) or the BLAS has no such setting."""
     info = active()
-    lib = (
-        ctypes.CDLL(info.path)
-        if info.path and info.kind in ("openblas", "blis", "scipy-openblas32", "custom")
-        else None
-    )
-    before = _threads(lib) if lib is not None else None
-    if before is None or any(v in os.environ for v in _THREAD_VARIABLES):
-        yield before
+    if info.path is None or _user_chose_threads():
+        yield
         return
-    _set_threads(lib, n)
-    try:
-        yield n
-    finally:
-        _set_threads(lib, before)
+    with _controller(info.path).limit(limits=n):
+        yield
 
 
-def _set_threads(lib: ctypes.CDLL, n: int | None = None) -> None:
-    """n threads (default: physical cores), unless the user chose (the libraries read these
-    variables themselves)."""
-    if any(v in os.environ for v in _THREAD_VARIABLES):
+def _user_chose_threads() -> bool:
+    return any(v in os.environ for v in _THREAD_VARIABLES)
+
+
+def _controller(path: str) -> ThreadpoolController:
+    """threadpoolctl's handle on the loaded library at `path`; empty for a library it does not
+    know (MLX's reference BLAS). It lists loaded libraries by resolved path, ctypes-loaded too."""
+    return ThreadpoolController().select(filepath=os.path.realpath(path))
+
+
+def _threads(path: str) -> int | None:
+    libraries = _controller(path).info()
+    return libraries[0]["num_threads"] if libraries else None
+
+
+def _set_default_threads(path: str) -> None:
+    """One thread per physical core (OpenBLAS starts with one per hyperthread, BLIS with one in
+    all), for the rest of the process, unless the user chose (the libraries read the variables)."""
+    if _user_chose_threads():
         return
-    n = n or physical_cores()
-    if hasattr(lib, "openblas_set_num_threads"):
-        lib.openblas_set_num_threads(ctypes.c_int(n))
-    if hasattr(lib, "bli_thread_set_num_threads"):  # BLIS defaults to one thread
-        lib.bli_thread_set_num_threads(ctypes.c_int64(n))
-
-
-def _threads(lib: ctypes.CDLL) -> int | None:
-    n = None
-    if hasattr(lib, "openblas_get_num_threads"):
-        n = lib.openblas_get_num_threads()
-    elif hasattr(lib, "bli_thread_get_num_threads"):
-        lib.bli_thread_get_num_threads.restype = ctypes.c_int64
-        n = lib.bli_thread_get_num_threads()
-    return n if n and n > 0 else None  # BLIS says -1 until it is initialized
+    controller, n = _controller(path), physical_cores()
+    controller.limit(limits=n)  # called, not entered: the count stays
+    # threadpoolctl lets only the thread that set OpenBLAS's count change it again until one of
+    # its `with` blocks ends; ending one here (it restores n) lets `threads()` run on any thread.
+    with controller.limit(limits=n):
+        pass
 
 
 def physical_cores() -> int:

@@ -10,6 +10,10 @@ A batch is B rows (sequences). Rows may be at different positions, and they may 
 `ModelCache.fork(n)` turns a one-row cache (a prefilled document) into n rows that share its
 sparse-layer keys; `select` drops rows, `concat` joins rows; positions live here, not in a layer,
 so they do not depend on which kind layer 0 is.
+
+Each layer cache owns its serialization (`to_state` / `from_state`, arrays named within the
+layer); `ModelCache` adds the layer prefix, the metadata and the format version, and finds a
+layer's class by its kind in `LAYER_CACHES`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
-from salabatch.engine.sparse_cache import COMPRESSION, RowBuffer, SparseKVCache
+from salabatch.engine.sparse_cache import SparseKVCache
 from salabatch.errors import CacheFormatError
 
 FORMAT_VERSION = 1  # of `ModelCache.to_state`; a different version is never read
@@ -29,8 +33,17 @@ FORMAT_VERSION = 1  # of `ModelCache.to_state`; a different version is never rea
 class LightningCache:
     """State of one lightning layer: [B, H, dk, dv] float32, None before the first call."""
 
+    kind = LIGHTNING  # the layer kind it caches (config.LIGHTNING), also its name on disk
+
     def __init__(self, state: mx.array | None = None) -> None:
         self.state = state
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> LightningCache:
+        return cls()
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.state is None else [self.state]
 
     def fork(self, n: int) -> LightningCache:
         return LightningCache(mx.repeat(self.state, n, axis=0))
@@ -42,12 +55,28 @@ class LightningCache:
     def concat(caches: Sequence[LightningCache]) -> LightningCache:
         return LightningCache(mx.concatenate([c.state for c in caches], axis=0))
 
+    def to_state(self) -> dict[str, mx.array]:
+        """`state` [1, H, dk, dv] of a one-row cache."""
+        if self.state is None or self.state.shape[0] != 1:
+            raise ValueError("only a one-row cache can be saved")
+        return {"state": self.state}
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, mx.array], position: int, cfg: ModelConfig
+    ) -> LightningCache:
+        """The inverse of `to_state` (KeyError for a missing array)."""
+        return cls(state["state"])
+
     @property
     def nbytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes
 
 
 LayerCache = LightningCache | SparseKVCache
+
+# kind → class: what `ModelCache` builds for a layer of that kind, and reads back from disk.
+LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (LightningCache, SparseKVCache)}
 
 
 class ModelCache:
@@ -60,9 +89,7 @@ class ModelCache:
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> ModelCache:
-        return cls(
-            [LightningCache() if k == LIGHTNING else SparseKVCache() for k in cfg.layer_kinds]
-        )
+        return cls([LAYER_CACHES[k].for_config(cfg) for k in cfg.layer_kinds])
 
     def __getitem__(self, i: int) -> LayerCache:
         return self.layers[i]
@@ -116,54 +143,50 @@ class ModelCache:
     # -- batches -------------------------------------------------------------------------------
     def fork(self, n: int) -> ModelCache:
         """n rows that continue this one-row cache (a prefilled document): lightning states are
-        copied per row, sparse-layer keys are shared, not copied n times."""
+        copied per row, sparse-layer keys are shared, not copied n times.
+
+        Forks made while this cache holds the same number of tokens share the same prefix
+        objects, so they can be concatenated, however many forks and whenever they were made
+        (see `SparseKVCache.fork`). The document must not be continued meanwhile: forks made
+        after it grew cannot join rows forked before.
+        """
         if self.rows != 1:
             raise ValueError(f"fork needs a one-row cache, this one has {self.rows} rows")
         return ModelCache([c.fork(n) for c in self.layers], self.positions * n)
 
     def select(self, rows: Sequence[int]) -> ModelCache:
-        """A cache with only these rows, in this order."""
+        """A cache with only these rows, in this order; it keeps the shared prefix, so it can be
+        concatenated with other forks of the same document."""
         return ModelCache([c.select(rows) for c in self.layers], [self.positions[b] for b in rows])
 
     @staticmethod
     def concat(caches: Sequence[ModelCache]) -> ModelCache:
-        """One batch of all rows of `caches` (their sparse layers must share one prefix)."""
+        """One batch of all rows of `caches`, at any positions. Their sparse layers must hold the
+        same shared prefix: either all are forks of one document (made at one length, perhaps
+        selected or concatenated since), or none shares a prefix (fresh caches, each prefilled
+        on its own). A batch reads its prefix from one buffer, so mixing is refused."""
         layers = [type(parts[0]).concat(parts) for parts in zip(*caches, strict=True)]
         return ModelCache(layers, [p for c in caches for p in c.positions])
 
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (to evaluate them together with a step's output)."""
-        out = []
-        for c in self.layers:
-            if isinstance(c, LightningCache):
-                out += [] if c.state is None else [c.state]
-            else:
-                bufs = (c.keys, c.values, *c.compressed)
-                out += [b.data for b in bufs if b.data is not None]
-        return out
+        return [a for c in self.layers for a in c.arrays()]
 
     # -- serialization -------------------------------------------------------------------------
     def to_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:
         """Arrays and string metadata of a one-row cache (a document prefix, or a prefill
-        snapshot): everything needed to continue it exactly. Buffers are cut to their length."""
-        if self.rows != 1 or any(isinstance(c, SparseKVCache) and c.shared for c in self.layers):
-            raise ValueError("only a one-row cache without a shared prefix can be saved")
-        arrays: dict[str, mx.array] = {}
-        kinds = []
-        for i, c in enumerate(self.layers):
-            if isinstance(c, LightningCache):
-                kinds.append("lightning")
-                arrays[f"layers.{i}.state"] = c.state
-            else:
-                kinds.append("sparse")
-                n = c.keys.lengths[0]
-                arrays[f"layers.{i}.keys"] = c.keys.data[:, :, :n]
-                arrays[f"layers.{i}.values"] = c.values.data[:, :, :n]
-                for level, buf in enumerate(c.compressed):
-                    arrays[f"layers.{i}.chunks{level}"] = buf.data[:, :, : buf.lengths[0]]
+        snapshot): everything needed to continue it exactly. Layer i's arrays are named
+        `layers.{i}.<name>`; buffers are cut to their length."""
+        if self.rows != 1:
+            raise ValueError(f"only a one-row cache can be saved, this one has {self.rows} rows")
+        arrays = {
+            f"layers.{i}.{name}": a
+            for i, c in enumerate(self.layers)
+            for name, a in c.to_state().items()
+        }
         meta = {
             "format_version": str(FORMAT_VERSION),
-            "layer_kinds": json.dumps(kinds),
+            "layer_kinds": json.dumps([c.kind for c in self.layers]),
             "position": str(self.offset),
             "prefill_len": str(self.prefill_len),
         }
@@ -185,26 +208,19 @@ class ModelCache:
             position, prefill_len = int(meta["position"]), int(meta["prefill_len"])
         except (KeyError, ValueError) as e:
             raise bad(f"metadata ({e})") from None
-        if kinds != ["lightning" if k == LIGHTNING else "sparse" for k in cfg.layer_kinds]:
+        if kinds != list(cfg.layer_kinds):
             raise bad("its layer layout is not this model's")
-        cache = cls.for_config(cfg)
-        try:
-            for i, c in enumerate(cache.layers):
-                if isinstance(c, LightningCache):
-                    c.state = arrays[f"layers.{i}.state"]
-                    continue
-                keys, values = arrays[f"layers.{i}.keys"], arrays[f"layers.{i}.values"]
-                if keys.shape[2] != position or values.shape != keys.shape:
-                    raise bad(f"layer {i} holds {keys.shape[2]} keys for position {position}")
-                c.keys, c.values = RowBuffer(keys, [position]), RowBuffer(values, [position])
-                chunks = [arrays[f"layers.{i}.chunks{level}"] for level in range(len(COMPRESSION))]
-                for (size, stride), got in zip(COMPRESSION, chunks, strict=True):
-                    if got.shape[2] != max(0, (position - size) // stride + 1):
-                        raise bad(f"layer {i} has {got.shape[2]} compressed chunks")
-                c.compressed = tuple(RowBuffer(a, [a.shape[2]]) for a in chunks)
-        except KeyError as e:
-            raise bad(f"missing array {e}") from None
-        cache.positions = [position]
+        layers = []
+        for i, kind in enumerate(kinds):
+            prefix = f"layers.{i}."
+            state = {k[len(prefix) :]: a for k, a in arrays.items() if k.startswith(prefix)}
+            try:
+                layers.append(LAYER_CACHES[kind].from_state(state, position, cfg))
+            except KeyError as e:
+                raise bad(f"missing array '{prefix}{e.args[0]}'") from None
+            except ValueError as e:
+                raise bad(f"layer {i} {e}") from None
+        cache = cls(layers, [position])
         cache.plan_prefill(prefill_len)
         return cache
 

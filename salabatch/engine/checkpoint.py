@@ -1,20 +1,18 @@
-"""Safetensors checkpoint directories: read (one file or HF shards + index) and write.
+"""Safetensors checkpoint directories: read (one file or HF shards + index), check against a
+model, and write.
 
-Writing is used by `convert`, by the bundled demo model and by tests; `random_weights` makes the
-deterministic weights of a config (numpy's generator, so the same bytes on every platform).
+Writing is used by `convert`, by the random-weight checkpoints of `salabatch.demo` and by tests.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from salabatch.engine.config import ModelConfig
 from salabatch.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -54,6 +52,26 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+def check_weights(model: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
+    """Raises CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    mismatched = sorted(
+        f"{name} {tuple(weights[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    )
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            "checkpoint does not match config.json",
+            path=path,
+            missing=missing,
+            unexpected=unexpected,
+            mismatched=mismatched,
+        )
+
+
 def write_weights(
     path: Path, weights: dict[str, mx.array], max_shard_bytes: int | None = None
 ) -> list[Path]:
@@ -81,20 +99,3 @@ def write_weights(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
     return files
-
-
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, mx.array]:
-    """Deterministic float32 weights with HF names: N(0, 1/fan_in) projections, norms ≈ 1."""
-    from salabatch.engine.model import Model  # deferred: model imports are heavy-ish
-
-    rng = np.random.default_rng(seed)
-    shapes = {n: tuple(p.shape) for n, p in tree_flatten(Model(cfg).parameters())}
-    out = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if len(shape) == 1:  # RMSNorm weights
-            w = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:  # [out, in] projections and the [vocab, hidden] embedding
-            w = rng.standard_normal(shape) / math.sqrt(shape[1])
-        out[name] = mx.array(w.astype(np.float32))
-    return out

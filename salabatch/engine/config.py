@@ -25,9 +25,19 @@ MIXER_KINDS = {
 }
 
 
+# What the InfLLM-v2 kernels are written for (SPEC §4.3, P14). The CUDA kernels hard-code these
+# values, and ours rely on the geometry they imply: a compressed chunk spans two strides, a block
+# four level-1 strides, and the level-2 stride is the block. Other values are not the algorithm.
+KERNEL_VALUES = {"kernel_size": 32, "kernel_stride": 16, "block_size": 64}
+
+
 @dataclass(frozen=True)
 class SparseConfig:
-    """InfLLM-v2 parameters (`sparse_config`). Defaults are the released 9B's."""
+    """InfLLM-v2 parameters (`sparse_config`). Defaults are the released 9B's.
+
+    The one source of the block size and the compression levels: the cache, the sparse layer
+    and (through their arguments) the kernels read them from here.
+    """
 
     kernel_size: int = 32  # level-1 compression: mean of 32 keys every 16
     kernel_stride: int = 16
@@ -37,6 +47,13 @@ class SparseConfig:
     topk: int = 64  # retrieved blocks, on top of the local window
     dense_len: int = 8192  # dense attention while total length < dense_len
     use_nope: bool = False
+
+    @property
+    def compression(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(size, stride) of the two key-compression levels: level 1 as configured (32, 16), and
+        level 2 four times both (128, 64), which HF derives the same way (SPEC §4.3)."""
+        size, stride = self.kernel_size, self.kernel_stride
+        return (size, stride), (4 * size, 4 * stride)
 
     @property
     def local_blocks(self) -> int:
@@ -268,12 +285,10 @@ class _Reader:
             value = raw.get(name, getattr(defaults, name))
             values[name] = _typed(value, kind, self.path, key, positive=kind is int)
         sc = SparseConfig(**values)
-        # The InfLLM-v2 kernels hard-code these (SPEC P14); other values are not the algorithm.
-        fixed = {"kernel_size": 32, "kernel_stride": 16, "block_size": 64}
-        for name, want in fixed.items():
+        for name, want in KERNEL_VALUES.items():
             if getattr(sc, name) != want:
                 raise ConfigError(
-                    "InfLLM-v2 fixes this value (its kernels hard-code it)",
+                    "InfLLM-v2 fixes this value (its kernels support no other)",
                     path=self.path,
                     field=f"sparse_config.{name}",
                     expected=want,

@@ -14,9 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from salabatch.engine.checkpoint import read_weights
+from salabatch.engine.checkpoint import check_weights, read_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.model import Model
 from salabatch.engine.quantize import quantize_like
@@ -44,23 +43,3 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     model.path = path
     model.dtype = dt
     return model
-
-
-def check_weights(model: Model, weights: dict[str, mx.array], path: Path) -> None:
-    """Raises CheckpointError naming every missing, unexpected and mis-shaped tensor."""
-    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
-    missing = sorted(expected.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - expected.keys())
-    mismatched = sorted(
-        f"{name} {tuple(weights[name].shape)} != {shape}"
-        for name, shape in expected.items()
-        if name in weights and tuple(weights[name].shape) != shape
-    )
-    if missing or unexpected or mismatched:
-        raise CheckpointError(
-            "checkpoint does not match config.json",
-            path=path,
-            missing=missing,
-            unexpected=unexpected,
-            mismatched=mismatched,
-        )

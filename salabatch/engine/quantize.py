@@ -22,23 +22,22 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.checkpoint import INDEX, read_weights, weight_files, write_weights
+from salabatch.engine.checkpoint import (
+    INDEX,
+    check_weights,
+    read_weights,
+    weight_files,
+    write_weights,
+)
 from salabatch.engine.config import ModelConfig, QuantConfig
-from salabatch.engine.runtime import resolve_dtype
+from salabatch.engine.model import Model
+from salabatch.engine.runtime import dtype_name, resolve_dtype
+from salabatch.engine.tokenizer import TOKENIZER_FILES
 from salabatch.errors import CheckpointError, ConfigError
 
 BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine mode packs
 GROUP_SIZES = (32, 64, 128)
 MAX_SHARD_BYTES = 5 << 30  # shards of at most 5 GiB, as HF and mlx-lm write them
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "tokenizer.model",
-)
 
 
 def quantizable(module: nn.Module, group_size: int) -> bool:
@@ -146,11 +145,6 @@ def convert(
     `"quantization"`. Returns a summary: tensors quantized / kept, bytes on disk before and after.
     Peak memory is about the output plus one source tensor: sources are read lazily, one at a time.
     """
-    from tqdm import tqdm
-
-    from salabatch.engine.load import check_weights  # load imports this module
-    from salabatch.engine.model import Model
-
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     check_bits(bits, group_size)
     dt = resolve_dtype(dtype)
@@ -166,37 +160,11 @@ def convert(
     check_weights(model, weights, src)
     linears = {name for name, m in model.named_modules() if quantizable(m, group_size)}
     float32_bytes = sum(w.size * 4 for w in weights.values())
-    out: dict[str, mx.array] = {}
-    quantized = kept = 0
-    for name in tqdm(sorted(weights), desc=f"{bits}-bit", unit="tensor", disable=not progress):
-        w = weights.pop(name)  # dropping the reference frees the source tensor once evaluated
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module in linears:
-            # Quantizing in the storage dtype lets MLX fit the rounding to bf16 scales/biases.
-            q, scales, biases = mx.quantize(w.astype(dt), group_size, bits)
-            new = {name: q, f"{module}.scales": scales, f"{module}.biases": biases}
-            quantized += 1
-        else:
-            new = {name: w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) else w}
-            kept += 1
-        mx.eval(list(new.values()))
-        out.update(new)
-        del w
+    count = len(weights)
+    out, quantized = _quantize_weights(weights, linears, bits, group_size, dt, progress)
 
-    clear_destination(dst)
-    files = write_weights(dst, out, max_shard_bytes)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    raw["quantization"] = {"group_size": group_size, "bits": bits}
-    for key in ("torch_dtype", "dtype"):
-        if key in raw:
-            raw[key] = _dtype_name(dt)
-    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-
+    quantization = {"group_size": group_size, "bits": bits}
+    files, copied = _write_converted(src, dst, out, quantization, dt, max_shard_bytes)
     before = sum(f.stat().st_size for f in weight_files(src))
     after = sum(f.stat().st_size for f in files)
     return {
@@ -204,9 +172,9 @@ def convert(
         "dst": str(dst),
         "bits": bits,
         "group_size": group_size,
-        "dtype": _dtype_name(dt),
+        "dtype": dtype_name(dt),
         "quantized": quantized,
-        "kept": kept,
+        "kept": count - quantized,
         "files": [f.name for f in files],
         "copied": copied,
         "bytes_before": before,
@@ -214,6 +182,63 @@ def convert(
         "ratio": round(after / before, 4),
         "ratio_vs_float32": round(after / float32_bytes, 4),
     }
+
+
+def _quantize_weights(
+    weights: dict[str, mx.array],
+    linears: set[str],
+    bits: int,
+    group_size: int,
+    dtype: mx.Dtype,
+    progress: bool,
+) -> tuple[dict[str, mx.array], int]:
+    """(the converted tensors, how many weights were quantized): the weights of `linears` become
+    `.weight` / `.scales` / `.biases`, every other float tensor is cast to `dtype`.
+
+    Empties `weights` as it goes, so only one source tensor is in memory at a time.
+    """
+    from tqdm import tqdm
+
+    out: dict[str, mx.array] = {}
+    quantized = 0
+    for name in tqdm(sorted(weights), desc=f"{bits}-bit", unit="tensor", disable=not progress):
+        w = weights.pop(name)  # dropping the reference frees the source tensor once evaluated
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module in linears:
+            # Quantizing in the storage dtype lets MLX fit the rounding to bf16 scales/biases.
+            q, scales, biases = mx.quantize(w.astype(dtype), group_size, bits)
+            new = {name: q, f"{module}.scales": scales, f"{module}.biases": biases}
+            quantized += 1
+        else:
+            new = {name: w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w}
+        mx.eval(list(new.values()))
+        out.update(new)
+        del w
+    return out, quantized
+
+
+def _write_converted(
+    src: Path,
+    dst: Path,
+    weights: dict[str, mx.array],
+    quantization: dict,
+    dtype: mx.Dtype,
+    max_shard_bytes: int | None,
+) -> tuple[list[Path], list[str]]:
+    """(weight files, copied file names): writes `weights`, copies the tokenizer files of `src`,
+    and writes its config.json with `quantization` last."""
+    clear_destination(dst)
+    files = write_weights(dst, weights, max_shard_bytes)
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    raw["quantization"] = quantization
+    for key in ("torch_dtype", "dtype"):
+        if key in raw:
+            raw[key] = dtype_name(dtype)
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    return files, copied
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -234,7 +259,3 @@ def clear_destination(dst: Path) -> None:
     for file in [*dst.glob("*.safetensors"), dst / INDEX, dst / "config.json"]:
         if file.is_file():
             file.unlink()
-
-
-def _dtype_name(dt: mx.Dtype) -> str:
-    return {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[dt]

@@ -83,6 +83,11 @@ def resolve_dtype(name: str | None) -> mx.Dtype:
     )
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The plain name of an MLX dtype ("bfloat16"), as config.json files and reports write it."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def matmul_throughput(seconds: float = 1.0) -> dict[str, float]:
     """Measured fp32 speed of the default device: GEMM 1024² (GFLOP/s) and a decode-shaped
     x[1, 4096] @ W[4096, 4096]^T (GB/s of weights read, the bound for token-by-token decode)."""

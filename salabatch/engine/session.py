@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from salabatch.engine import builtin
+from salabatch.demo import builtin
 from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN, split_thinking
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.load import load_model

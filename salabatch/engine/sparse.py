@@ -15,7 +15,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
 from salabatch.engine.kernels.sparse_decode import infllm_v2_step
-from salabatch.engine.kernels.sparse_select import BLOCK, COMPRESSION, select_blocks
+from salabatch.engine.kernels.sparse_select import select_blocks
 from salabatch.engine.sparse_cache import SparseKVCache
 
 
@@ -96,8 +96,9 @@ class SparseAttention(nn.Module):
     ) -> mx.array:
         """q [B', H, T, d] of `rows` (default: all) against their cached sequences."""
         sc = self.sparse
+        block = sc.block_size
         kv = cache.kv_view()
-        n_blocks = -(-max(kv.lengths) // BLOCK)
+        n_blocks = -(-max(kv.lengths) // block)
         settings = dict(
             prefill_len=cache.prefill_len,
             n_blocks=n_blocks,
@@ -105,21 +106,24 @@ class SparseAttention(nn.Module):
             scale=self.scale,
             init_blocks=sc.init_blocks,
             local_blocks=sc.local_blocks,
+            block=block,
+            compression=sc.compression,
         )
+        levels = range(len(sc.compression))
         if q.shape[2] == 1 and rows is None:  # decode: one compiled step
-            whole = [cache.chunk_parts(level, whole=True) for level in range(len(COMPRESSION))]
+            whole = [cache.chunk_parts(level, whole=True) for level in levels]
             o, selected = infllm_v2_step(q, kv, *whole, starts, **settings)
             if cache.trace is not None:
                 cache.trace.append(selected)
             return o
-        parts = [cache.chunk_parts(level) for level in range(len(COMPRESSION))]
+        parts = [cache.chunk_parts(level) for level in levels]
         if rows is not None:
             kv = kv.take(rows)
             idx = mx.array(rows)
             parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
-        n_blocks = -(-max(kv.lengths) // BLOCK)
+        n_blocks = -(-max(kv.lengths) // block)
         settings["n_blocks"], settings["k"] = n_blocks, min(sc.topk_eff, n_blocks)
         selected = select_blocks(q, parts[0], parts[1], starts, **settings)
         if cache.trace is not None:
             cache.trace.append(selected)
-        return block_sparse_attention(q, kv, selected, starts, self.scale)
+        return block_sparse_attention(q, kv, selected, starts, self.scale, block)

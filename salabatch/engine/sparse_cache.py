@@ -2,8 +2,9 @@
 
 Row b's sequence is `shared` (positions [0, start), stored once for all rows) followed by its own
 positions in `keys`/`values` ([B, Hk, capacity, d], row b filled to `keys.lengths[b]`). `start`
-is a multiple of the 64-token block and every compressed chunk that starts at or after it is per
-row, so each block and chunk lies wholly in one part. `KVView` is what attention reads.
+is a multiple of the block, so each block lies wholly in one part; a compressed chunk is either
+the shared document's or one the row computed from its own keys (all at or after `start`).
+`KVView` is what attention reads. The block and the compression levels are `SparseConfig`'s.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from salabatch.engine.config import SPARSE, ModelConfig, SparseConfig
 from salabatch.engine.kernels.sparse_attention import KVView
-from salabatch.engine.kernels.sparse_select import COMPRESSION
 
 
 class RowBuffer:
     """[B, Hk, capacity, d] storage where row b holds `lengths[b]` positions; grows in steps."""
 
-    step = 256  # a multiple of the block, so whole-block views never run past the buffer
+    step = 256  # a multiple of the block (64, fixed by the config): whole blocks fit in it
 
     def __init__(self, data: mx.array | None = None, lengths: Sequence[int] = ()) -> None:
         self.data = data
@@ -124,18 +125,33 @@ class SharedPrefix:
 class SparseKVCache:
     """One sparse layer: un-rotated keys/values and their compressed keys, shared part + rows.
 
-    Compressed keys are kept for every complete chunk: level 1 (mean of 32 keys every 16) and
-    level 2 (128 every 64), float32. They are extended on every append from the new keys only, so
-    a decode step never recompresses the history (SPEC §4.4).
+    Compressed keys are kept for every complete chunk of each level of `sparse.compression`
+    (level 1: mean of 32 keys every 16, level 2: 128 every 64), float32. They are extended on
+    every append from the new keys only, so a decode step never recompresses the history
+    (SPEC §4.4).
+
+    Batches: `fork` turns a one-row cache (a prefilled document) into rows over one
+    `SharedPrefix`; `select` and `concat` keep or join rows. A batch reads its prefix from one
+    set of arrays (the kernels take a single shared part for all rows), so rows can be joined
+    only when they hold the same `SharedPrefix` object, or none. `fork` keeps that true over
+    time: it builds the prefix once per length of the document and gives that object to every
+    fork made at that length (the Generator forks the document once per admitted request).
     """
 
-    def __init__(self, shared: SharedPrefix | None = None) -> None:
+    kind = SPARSE  # the layer kind it caches (config.SPARSE), also its name in a saved cache
+
+    def __init__(self, sparse: SparseConfig, shared: SharedPrefix | None = None) -> None:
+        self.sparse = sparse
         self.shared = shared
         self.keys, self.values = RowBuffer(), RowBuffer()
-        self.compressed = tuple(RowBuffer() for _ in COMPRESSION)
+        self.compressed = tuple(RowBuffer() for _ in sparse.compression)
         self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
         self.trace: list[mx.array] | None = None  # set to a list to record block selections
-        self._forked: tuple[int, SharedPrefix] | None = None  # (length, shared part) of `fork`
+        self._forked: tuple[int, SharedPrefix] | None = None  # (length, prefix) given to forks
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> SparseKVCache:
+        return cls(cfg.sparse)
 
     @property
     def start(self) -> int:
@@ -164,7 +180,7 @@ class SparseKVCache:
                 buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
         self.keys.append(k)
         self.values.append(v)
-        for level, (size, stride) in enumerate(COMPRESSION):
+        for level, (size, stride) in enumerate(self.sparse.compression):
             self._compress(level, size, stride)
 
     def _compress(self, level: int, size: int, stride: int) -> None:
@@ -213,24 +229,35 @@ class SparseKVCache:
         rows = buf.data if whole else buf.view()
         return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays of its rows (the shared prefix is the document's)."""
+        return [b.data for b in (self.keys, self.values, *self.compressed) if b.data is not None]
+
     # -- batches -------------------------------------------------------------------------------
     def fork(self, n: int) -> SparseKVCache:
-        """n rows continuing this one-row cache; its positions up to the last whole level-2
-        chunk's start become the shared part (stored once), the rest (< 128 keys) is copied."""
+        """n rows continuing this one-row cache, over its `SharedPrefix`: its positions up to
+        the last whole level-2 chunk's start (stored once, a view of this cache's buffers), the
+        rest (< 128 keys) copied per row.
+
+        Every fork made while this cache holds the same number of tokens gets the same prefix
+        object, so forks made one at a time can be concatenated; after an append, forks get a
+        new prefix and cannot join rows forked before it.
+        """
         if self.shared is not None or self.keys.rows != 1:
             raise ValueError("only a one-row cache without a shared part can be forked")
         length = self.length
         counts = [buf.lengths[0] for buf in self.compressed]
-        start = COMPRESSION[1][1] * counts[1]  # 64 · N2: block aligned, ≤ every per-row chunk
-        if self._forked is None or self._forked[0] != length:  # one shared part per length,
-            shared = SharedPrefix(  # so rows forked at different times can join one batch
+        # the level-2 stride is the block: 64 · N2 is block aligned and ≤ every row's own chunk
+        start = self.sparse.compression[1][1] * counts[1]
+        if self._forked is None or self._forked[0] != length:
+            shared = SharedPrefix(
                 self.keys.data,
                 self.values.data,
                 start,
                 tuple(buf.data[:, :, :c] for buf, c in zip(self.compressed, counts, strict=True)),
             )
             self._forked = (length, shared)
-        out = SparseKVCache(self._forked[1])
+        out = SparseKVCache(self.sparse, self._forked[1])
         for mine, theirs in ((out.keys, self.keys), (out.values, self.values)):
             tail = theirs.data[:, :, start:length]
             mine.append(mx.repeat(tail, n, axis=0))
@@ -239,23 +266,60 @@ class SparseKVCache:
         return out
 
     def select(self, rows: Sequence[int]) -> SparseKVCache:
-        out = SparseKVCache(self.shared)
+        """These rows, in this order, over the same shared prefix (so they can join its other
+        forks again)."""
+        out = SparseKVCache(self.sparse, self.shared)
         out.keys, out.values = self.keys.select(rows), self.values.select(rows)
         out.compressed = tuple(buf.select(rows) for buf in self.compressed)
         return out
 
     @staticmethod
     def concat(caches: Sequence[SparseKVCache]) -> SparseKVCache:
+        """All rows of `caches`, in order. They must hold the same `SharedPrefix` object (forks
+        of one document at one length, and selections and concatenations of those) or none (each
+        row its own whole sequence); rows may be at different lengths."""
         shared = caches[0].shared
         if any(c.shared is not shared for c in caches):
             raise ValueError("rows of one batch must share the same prefix")
-        out = SparseKVCache(shared)
+        out = SparseKVCache(caches[0].sparse, shared)
         out.keys = RowBuffer.concat([c.keys for c in caches])
         out.values = RowBuffer.concat([c.values for c in caches])
         out.compressed = tuple(
-            RowBuffer.concat([c.compressed[i] for c in caches]) for i in range(len(COMPRESSION))
+            RowBuffer.concat([c.compressed[i] for c in caches]) for i in range(len(out.compressed))
         )
         return out
+
+    # -- serialization -------------------------------------------------------------------------
+    def to_state(self) -> dict[str, mx.array]:
+        """The arrays of a one-row cache without a shared prefix, cut to their lengths:
+        `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d] float32."""
+        if self.shared is not None or self.keys.rows != 1:
+            raise ValueError("only a one-row cache without a shared prefix can be saved")
+        n = self.keys.lengths[0]
+        state = {"keys": self.keys.data[:, :, :n], "values": self.values.data[:, :, :n]}
+        for level, buf in enumerate(self.compressed):
+            state[f"chunks{level}"] = buf.data[:, :, : buf.lengths[0]]
+        return state
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, mx.array], position: int, cfg: ModelConfig
+    ) -> SparseKVCache:
+        """The inverse of `to_state` for a sequence of `position` tokens: KeyError for a missing
+        array, ValueError for one of the wrong size. The buffers get room to grow in whole
+        blocks, as a live cache's have (forks read the keys as a table of blocks)."""
+        cache = cls(cfg.sparse)
+        keys, values = state["keys"], state["values"]
+        if keys.shape[2] != position or values.shape != keys.shape:
+            raise ValueError(f"holds {keys.shape[2]} keys for position {position}")
+        chunks = [state[f"chunks{level}"] for level in range(len(cache.compressed))]
+        for (size, stride), got in zip(cfg.sparse.compression, chunks, strict=True):
+            if got.shape[2] != max(0, (position - size) // stride + 1):
+                raise ValueError(f"has {got.shape[2]} compressed chunks")
+        bufs = (cache.keys, cache.values, *cache.compressed)
+        for buf, a in zip(bufs, (keys, values, *chunks), strict=True):
+            buf.append(a)
+        return cache
 
     @property
     def nbytes(self) -> int:

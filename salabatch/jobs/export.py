@@ -20,8 +20,7 @@ import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
 from salabatch.files import write_atomic
-from salabatch.jobs.output import OutputWarning, decode_metadata
-from salabatch.jobs.output_read import read_results
+from salabatch.jobs.results import OutputWarning, decode_metadata, read_results
 
 _TOP_ERRORS = 5
 _REASON_CHARS = 90

@@ -49,6 +49,7 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         )
         sha = hashlib.sha256(canonical.encode()).hexdigest()
         key = request_key(**planner.identity, custom_id=custom_id, request=canonical)
+        planner.job_keys.add(key)
         if key in planner.done:
             planner.skipped += 1
             continue

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.jobs.documents import Document, iter_documents
-from salabatch.jobs.spec import JobSpec, effective_generation, generation_key
+from salabatch.jobs.spec import GenerationSettings, JobSpec, effective_generation, generation_key
 
 TRUNCATION_MARK = "\n\n[…]\n\n"
 
@@ -51,17 +51,19 @@ class DocPlan:
         return len(self.prefix) if self.prefix else 0
 
 
-def pooled(plan: DocPlan, prefill_chunk: int, batch_size: int) -> bool:
-    """Rows without a shared prefix: requests, and short documents with fewer questions than a
-    batch, whose rows carry their whole prompt so they decode in full batches across documents."""
-    return plan.prefix is None or (plan.doc_tokens <= prefill_chunk and len(plan.rows) < batch_size)
+def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
+    """Rows without a shared prefix: requests, and short documents (`engine.pool_max_tokens`)
+    with fewer questions than a batch, whose rows carry their whole prompt so they decode in full
+    batches across documents."""
+    short = plan.doc_tokens <= pool_max_tokens and len(plan.rows) < batch_size
+    return plan.prefix is None or short
 
 
 def request_key(**parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def sampling(spec: JobSpec, generation) -> SamplingParams:
+def sampling(spec: JobSpec, generation: GenerationSettings) -> SamplingParams:
     return SamplingParams(
         temperature=generation.temperature,
         top_p=generation.top_p,
@@ -80,6 +82,7 @@ class Planner:
         self.spec, self.tok, self.done = spec, tok, frozenset(done)
         self.identity = {"model": model_sha, "tokenizer": tok.fingerprint, "dtype": dtype}
         self.skipped = 0  # rows found already done
+        self.job_keys: set[str] = set()  # every row's key planned so far, done ones too
         self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
 
     def documents(self) -> Iterator[DocPlan]:
@@ -102,6 +105,7 @@ class Planner:
                 max_context=spec.engine.max_context,
                 on_overflow=spec.engine.on_overflow,
             )
+            self.job_keys.add(key)
             if key in self.done:
                 self.skipped += 1
             else:

@@ -5,6 +5,11 @@ A long document's questions share its prefix cache; short documents with few que
 pooled, each row carrying its whole prompt, so that they still decode in full batches. A row
 that cannot be answered (unreadable document, overflow, a failure while generating) becomes an
 error row and the run goes on; Ctrl-C stops after the rows already finished are written.
+
+Rows already in the results are skipped; once the whole job is planned, rows of earlier runs
+that are no longer in it are dropped when the results are merged. What happens before the model
+loads (`JobSetup`: tokenizer, weights digest, dtype, planning, prefix keys) is shared with
+`--dry-run`.
 """
 
 from __future__ import annotations
@@ -12,28 +17,31 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from itertools import chain
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from tqdm import tqdm
 
-from salabatch.engine import builtin
+from salabatch.demo import builtin
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.load import load_model
-from salabatch.engine.runtime import engine_runtime
+from salabatch.engine.model import Model
+from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.documents import expand_sources
 from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.output import ResultRow, current_versions
-from salabatch.jobs.output_write import ResultWriter
 from salabatch.jobs.plan import DocPlan, Planner, Row, pooled
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+from salabatch.jobs.result_writer import ResultWriter
+from salabatch.jobs.results import ResultRow, current_versions
 from salabatch.jobs.spec import JobSpec, spec_json
 
 POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
@@ -51,6 +59,53 @@ class RunSummary:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class JobSetup:
+    """What a run prepares before its model loads, and what `--dry-run` shows without loading
+    it: the checkpoint folder, the tokenizer, the weights digest, the dtype, the prefix store."""
+
+    spec: JobSpec
+    model_path: Path
+    tok: Tokenizer
+    model_sha: str
+    dtype: str  # e.g. "bfloat16": the weights are loaded in it, and it is part of every key
+    store: PrefixStore | None
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> JobSetup:
+        """Resolves the model (a builtin one is made on first use); reads no weights into memory."""
+        path = builtin.resolve(spec.model, spec.cache.dir)
+        return cls(
+            spec=spec,
+            model_path=path,
+            tok=load_tokenizer(path),
+            model_sha=model_fingerprint(path, memo=spec.cache.dir / "fingerprints.json"),
+            dtype=dtype_name(resolve_dtype(spec.engine.dtype)),
+            store=PrefixStore(spec.cache.dir, spec.cache.max_gb) if spec.cache.enabled else None,
+        )
+
+    def planner(self, done: Iterable[str]) -> Planner:
+        """A planner of the job's rows that skips the request keys `done`."""
+        return Planner(self.spec, self.tok, self.model_sha, self.dtype, done)
+
+    def plans(self, planner: Planner) -> Iterator[DocPlan]:
+        """The rows still to do: the documents' first, then the request lines'."""
+        if not self.spec.requests:
+            return planner.documents()
+        return chain(planner.documents(), plan_requests(self.spec, self.tok, planner))
+
+    def is_pooled(self, plan: DocPlan) -> bool:
+        """Whether the rows of `plan` decode in batches across documents, each with its whole
+        prompt (see `plan.pooled`), rather than from the document's shared prefix."""
+        return pooled(plan, self.spec.engine.pool_max_tokens, self.spec.engine.batch_size)
+
+    def prefix_key(self, plan: DocPlan) -> PrefixKey:
+        """Where the document prefix of `plan` is stored."""
+        return PrefixKey.of(
+            self.spec.model, self.model_sha, self.tok.fingerprint, self.dtype, plan.prefix
+        )
+
+
 def run_job(
     spec: JobSpec,
     *,
@@ -63,13 +118,10 @@ def run_job(
     """Runs the job; returns what was done. KeyboardInterrupt stops it after finished rows."""
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
-    path = builtin.resolve(spec.model, spec.cache.dir)
+    setup = JobSetup.of(spec)
     if builtin.is_builtin(spec.model):
         echo(f"note: {builtin.WARNING}")
-    model = load_model(path, dtype=spec.engine.dtype)
-    tok = load_tokenizer(path)
-    model_sha = model_fingerprint(path, memo=spec.cache.dir / "fingerprints.json")
-    store = PrefixStore(spec.cache.dir, spec.cache.max_gb) if spec.cache.enabled else None
+    model = load_model(setup.model_path, dtype=setup.dtype)
     try:
         with (
             engine_runtime(),
@@ -81,8 +133,7 @@ def run_job(
                 retry_errors=retry_errors,
             ) as writer,
         ):
-            runner = _Runner(spec, model, tok, model_sha, store, writer, summary, progress, echo)
-            runner.run(limit)
+            _Runner(setup, model, writer, summary, progress, echo).run(limit)
     except KeyboardInterrupt:
         summary.interrupted = True
     summary.seconds = time.perf_counter() - start
@@ -91,19 +142,27 @@ def run_job(
 
 class _Runner:
     def __init__(
-        self, spec, model, tok: Tokenizer, model_sha, store, writer, summary, progress, echo
+        self,
+        setup: JobSetup,
+        model: Model,
+        writer: ResultWriter,
+        summary: RunSummary,
+        progress: bool,
+        echo: Callable[[str], None],
     ) -> None:
-        self.spec, self.model, self.tok, self.model_sha = spec, model, tok, model_sha
+        spec = setup.spec
+        self.setup, self.spec, self.model, self.tok = setup, spec, model, setup.tok
         self.writer, self.summary, self.echo = writer, summary, echo
-        self.dtype = str(model.dtype).removeprefix("mlx.core.")
         quant = model.config.quantization  # bits per weight: the quantization's, or the dtype's
         self.quant_bits = quant.bits if quant else model.dtype.size * 8
         self.run_id = _run_id(spec)
         self.caches = DocumentCaches(
-            model, store, chunk=spec.engine.prefill_chunk, snapshot_every=spec.cache.snapshot_every
+            model,
+            setup.store,
+            chunk=spec.engine.prefill_chunk,
+            snapshot_every=spec.cache.snapshot_every,
         )
-        self.store = store
-        self.stop = frozenset(tok.eos_ids)
+        self.stop = frozenset(setup.tok.eos_ids)
         self.bar = tqdm(
             total=count_rows(spec),
             unit="row",
@@ -114,30 +173,31 @@ class _Runner:
         self.progress = progress
 
     def run(self, limit: int | None) -> None:
-        planner = Planner(self.spec, self.tok, self.model_sha, self.dtype, self.writer.done_keys())
-        plans: Iterable[DocPlan] = planner.documents()
-        if self.spec.requests:
-            plans = chain(plans, plan_requests(self.spec, self.tok, planner))
+        planner = self.setup.planner(self.writer.done_keys())
         pool: list[tuple[Row, DocPlan]] = []
         budget = limit if limit is not None else -1
         try:
-            for plan in plans:
+            for plan in self.setup.plans(planner):
                 self._count_skipped(planner)
                 if budget == 0:
-                    break
+                    break  # --limit: the rest of the job stays unplanned, so no row is dropped
                 if budget > 0:
                     plan.rows = plan.rows[:budget]
                     budget -= len(plan.rows)
                 self.summary.documents += 1
                 if plan.error:
                     self._write([self._error_row(r, plan, plan.error) for r in plan.rows])
-                elif pooled(plan, self.spec.engine.prefill_chunk, self.spec.engine.batch_size):
+                elif self.setup.is_pooled(plan):
                     pool += [(r, plan) for r in plan.rows]
                     if len(pool) >= POOL_FACTOR * self.spec.engine.batch_size:
                         self._pool(pool)
                         pool = []
                 else:
                     self._document(plan)
+            else:
+                # The whole job is planned: rows of earlier runs outside it go when the writer
+                # closes (a document or question removed from the job, a changed document).
+                self.writer.retain(planner.job_keys)
             self._pool(pool)
             self._count_skipped(planner)
         finally:
@@ -151,9 +211,7 @@ class _Runner:
     def _document(self, plan: DocPlan) -> None:
         started = _now()
         mx.reset_peak_memory()
-        key = PrefixKey.of(
-            self.spec.model, self.model_sha, self.tok.fingerprint, self.dtype, plan.prefix
-        )
+        key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
         try:
             with tqdm(
@@ -204,37 +262,21 @@ class _Runner:
     def _request(self, row: Row, prompt: tuple[int, ...]) -> Request:
         return Request(row.key, tuple(prompt), row.params, row.max_tokens, self.stop)
 
-    def _row(self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started):
+    def _row(
+        self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: datetime
+    ) -> ResultRow:
         reasoning, answer = split_thinking(self.tok.decode(g.tokens, skip_special=True))
-        doc_tokens = plan.doc_tokens if plan.prefix is not None else None
-        if prefix is None:  # pooled: the row prefilled its whole prompt itself
-            prompt_tokens, cached, source, doc_prefill = g.prompt_tokens, 0, "none", g.prefill_s
-            rate = g.prompt_tokens / g.prefill_s if g.prefill_s else None
-        else:
-            prompt_tokens, source = plan.doc_tokens + g.prompt_tokens, prefix.source
-            if source == "none":  # prefilled in this run (perhaps from a snapshot)
-                cached, doc_prefill = prefix.resumed_from, prefix.prefill_s
-                done = plan.doc_tokens - prefix.resumed_from
-                rate = done / prefix.prefill_s if prefix.prefill_s else None
-            else:
-                cached, doc_prefill = plan.doc_tokens, 0.0
-                rate = g.prompt_tokens / g.prefill_s if g.prefill_s else None
         return ResultRow(
             **self._identity(row, plan),
             answer=answer,
             reasoning=reasoning if row.think else None,
             finish_reason=g.finish_reason,
-            doc_tokens=doc_tokens,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached,
+            **_prefill_columns(plan, g, prefix),
             completion_tokens=g.completion_tokens,
-            doc_prefill_s=doc_prefill,
-            prefill_tok_s=rate,
             ttft_s=g.ttft_s,
             decode_s=g.decode_s,
             decode_tok_s=g.decode_tok_s,
             batch_size=g.batch_size,
-            cache_source=source,
             peak_mem_gb=mx.get_peak_memory() / 2**30,
             started_at=started,
             finished_at=_now(),
@@ -262,7 +304,7 @@ class _Runner:
             "custom_id": row.custom_id,
             "request_key": row.key,
             "model": self.spec.model,
-            "model_sha": self.model_sha,
+            "model_sha": self.setup.model_sha,
             "quant_bits": self.quant_bits,
         }
 
@@ -273,6 +315,38 @@ class _Runner:
         self.summary.written += len(rows)
         self.summary.errors += sum(r.status == "error" for r in rows)
         self.bar.update(len(rows))
+
+
+def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dict[str, Any]:
+    """A finished row's prompt columns: doc_tokens, prompt_tokens, cached_tokens, cache_source,
+    doc_prefill_s and prefill_tok_s (of the document when this run prefilled it, else of the
+    row's own tokens)."""
+    if prefix is None:  # pooled: the row prefilled its whole prompt itself
+        return {
+            "doc_tokens": plan.doc_tokens if plan.prefix is not None else None,
+            "prompt_tokens": g.prompt_tokens,
+            "cached_tokens": 0,
+            "cache_source": "none",
+            "doc_prefill_s": g.prefill_s,
+            "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+        }
+    columns = {
+        "doc_tokens": plan.doc_tokens,
+        "prompt_tokens": plan.doc_tokens + g.prompt_tokens,
+        "cache_source": prefix.source,
+    }
+    if prefix.source == "none":  # prefilled in this run (perhaps from a snapshot)
+        prefilled = plan.doc_tokens - prefix.resumed_from
+        return columns | {
+            "cached_tokens": prefix.resumed_from,
+            "doc_prefill_s": prefix.prefill_s,
+            "prefill_tok_s": prefilled / prefix.prefill_s if prefix.prefill_s else None,
+        }
+    return columns | {
+        "cached_tokens": plan.doc_tokens,
+        "doc_prefill_s": 0.0,
+        "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+    }
 
 
 def count_rows(spec: JobSpec) -> int:

@@ -1,4 +1,4 @@
-"""InfLLM-v2 stage 2: each query attends to its selected 64-token key blocks only (SPEC §4.3 E).
+"""InfLLM-v2 stage 2: each query attends to its selected key blocks only (SPEC §4.3 E).
 
 Layout:
   q       [B, H, T, d]    queries; query head h reads kv head h // G (G = H / Hk)
@@ -8,6 +8,7 @@ Layout:
                           masks them)
   idx     [B, Hk, T, K]   selected block ids per query (-1 = none), shared by a kv group
   q_pos   [B, T] int32    absolute position of each query
+  block   int             tokens per key block (`SparseConfig.block_size`, 64)
   →       [B, H, T, d]    in q's dtype
 
 Query t attends to key j iff block(j) is in idx[.., t, :] and j ≤ q_pos[t].
@@ -35,7 +36,6 @@ from salabatch.engine.kernels.attention import (
     grouped_scores,
     lanes,
 )
-from salabatch.engine.kernels.sparse_select import BLOCK
 
 # Bound on the keys + values one query tile gathers (bytes). MLX keeps about ten tiles in
 # flight, so this sets the transient memory of a sparse layer (~0.7 GB at 32K).
@@ -109,21 +109,21 @@ class KVView:
 
 
 def block_sparse_attention_ref(
-    q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float
+    q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float, block: int
 ) -> mx.array:
     """Reference: a float32 masked softmax over each row's whole sequence (O(T·N) memory)."""
     keys, values = kv.full()
     B, H, T, d = q.shape
     N, Hk = keys.shape[2], keys.shape[1]
     q_pos = _positions(starts, T)
-    chosen = (idx[..., None] == mx.arange(N) // BLOCK).any(axis=-2)  # [B, Hk, T, N]
+    chosen = (idx[..., None] == mx.arange(N) // block).any(axis=-2)  # [B, Hk, T, N]
     causal = mx.arange(N) <= q_pos[:, None, :, None]
     allowed = mx.repeat(chosen & causal, H // Hk, axis=1)  # [B, H, T, N]
     return attention_ref(q, keys, values, scale, allowed)
 
 
 def block_sparse_attention(
-    q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float
+    q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float, block: int
 ) -> mx.array:
     """The dispatcher; row b's queries sit at starts[b] + 0..T-1. Query tiles alternate lanes
     and each takes the cheapest exact path:
@@ -137,7 +137,7 @@ def block_sparse_attention(
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     q_pos = _positions(starts, T)
     qg = q.reshape(B, Hk, H // Hk, T, d).transpose(0, 1, 3, 2, 4)  # [B, Hk, T, G, d]
-    block, first = BLOCK, max(starts)
+    first = max(starts)
     per_query = B * Hk * K * block * d * kv.rows_k.itemsize  # one gathered K or V
     gather_rows = max(1, MAX_GATHER_BYTES // (2 * per_query))
     dense_rows = K * block - first  # queries before position K·block
@@ -155,10 +155,10 @@ def block_sparse_attention(
             elif T - s >= block and first + s <= SCORED_KEYS_PER_SLOT * K * block:
                 e = min(T, s + score_rows)
                 end = min(capacity, -(-(first + e) // KEY_BUCKET) * KEY_BUCKET)
-                o = _scored(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, end)
+                o = _scored(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, block, end)
             else:
                 e = min(T, s + gather_rows)
-                o = _gathered(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale)
+                o = _gathered(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, block)
         outs.append(o)
         s = e
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [B, H, T, d]
@@ -187,7 +187,7 @@ def _allowed(idx: mx.array, q_pos: mx.array, block: int) -> mx.array:
     return (idx[..., None] >= 0) & (tok <= q_pos[:, None, :, None, None])
 
 
-def _gathered(qg, kv: KVView, idx, q_pos, scale):
+def _gathered(qg, kv: KVView, idx, q_pos, scale, block: int):
     """Each query's K blocks gathered: qg [B, Hk, t, G, d], idx [B, Hk, t, K] → [B, H, t, d].
 
     The (row, kv head) pairs are split between the lanes (a decode step is one query per row,
@@ -205,12 +205,12 @@ def _gathered(qg, kv: KVView, idx, q_pos, scale):
             q = qg.reshape(P, t, G, d)[p0:p1]
             sel = idx.reshape(P, t, K)[p0:p1]
             pos = mx.repeat(q_pos, Hk, axis=0)[p0:p1]  # [P', t]
-            outs.append(_gathered_pairs(q, kv, sel, pos, p0, scale))
+            outs.append(_gathered_pairs(q, kv, sel, pos, p0, scale, block))
     o = outs[0] if n == 1 else mx.concatenate(outs, axis=0)
     return _heads(o.reshape(B, Hk, t, G, d))
 
 
-def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale):
+def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale, block: int):
     """Pairs p0.. of (row, kv head), as p = b·Hk + g: q [P', t, G, d], idx [P', t, K],
     q_pos [P', t] → [P', t, G, d].
 
@@ -221,7 +221,7 @@ def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale):
     twice and merged.
     """
     Pn, t, G, d = q.shape
-    K, block = idx.shape[-1], BLOCK
+    K = idx.shape[-1]
     Hk = kv.rows_k.shape[1]
     S = kv.start // block
     g = (mx.arange(p0, p0 + Pn) % Hk)[:, None, None]
@@ -231,14 +231,14 @@ def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale):
     if not S:
         R = kv.rows_k.shape[2] // block
         at = mx.arange(p0, p0 + Pn)[:, None, None] * R + safe
-        keys = _take_blocks(kv.rows_k, at)
-        values = _take_blocks(kv.rows_v, at)
+        keys = _take_blocks(kv.rows_k, at, block)
+        values = _take_blocks(kv.rows_v, at, block)
         mask = allowed.reshape(n, 1, 1, K * block)
         return attention(q.reshape(n, 1, G, d), keys, values, scale, mask).reshape(q.shape)
     C = kv.shared_k.shape[2] // block
     at = g * C + mx.minimum(safe, S - 1)
-    keys = (_take_blocks(kv.shared_k, at),)
-    values = (_take_blocks(kv.shared_v, at),)
+    keys = (_take_blocks(kv.shared_k, at, block),)
+    values = (_take_blocks(kv.shared_v, at, block),)
     mask = (allowed & (idx < S)[..., None]).reshape(Pn, t, K * block)
     own = max(kv.lengths) - kv.start
     if own > 0:
@@ -256,22 +256,22 @@ def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale):
     return attention(q.reshape(n, 1, G, d), keys, values, scale, mask).reshape(q.shape)
 
 
-def _take_blocks(buffer: mx.array, at: mx.array) -> mx.array:
-    """buffer [b, Hk, N, d] read as a table of 64-token blocks; at [P', t, K] table rows →
+def _take_blocks(buffer: mx.array, at: mx.array, block: int) -> mx.array:
+    """buffer [b, Hk, N, d] read as a table of blocks; at [P', t, K] table rows →
     [P'·t, 1, K·block, d]."""
     d = buffer.shape[-1]
     Pn, t, K = at.shape
-    out = mx.take(buffer.reshape(-1, BLOCK * d), at, axis=0)
-    return out.reshape(Pn * t, 1, K * BLOCK, d)
+    out = mx.take(buffer.reshape(-1, block * d), at, axis=0)
+    return out.reshape(Pn * t, 1, K * block, d)
 
 
-def _scored(qg, kv: KVView, idx, q_pos, scale, end: int):
+def _scored(qg, kv: KVView, idx, q_pos, scale, block: int, end: int):
     """Scores of every key before `end` as one matmul per kv head (a matmul costs far less per
     score than the softmax, and reads each key once per tile, not once per query), then the
     softmax of the selected blocks only, against their gathered values:
     qg [B, Hk, t, G, d], idx [B, Hk, t, K] → [B, H, t, d], a float32 softmax in base 2."""
     B, Hk, t, G, d = qg.shape
-    K, block = idx.shape[-1], BLOCK
+    K = idx.shape[-1]
     keys, _ = kv.parts(end)
     q2 = (qg.astype(mx.float32) * (scale * LOG2E)).reshape(B, Hk, 1, t * G, d)
     s = mx.concatenate([grouped_scores(q2, k) for k in keys], axis=-1)  # [B, Hk, 1, t·G, end]
@@ -281,7 +281,7 @@ def _scored(qg, kv: KVView, idx, q_pos, scale, end: int):
     sel = mx.where(_allowed(idx, q_pos, block)[:, :, :, None], sel, -mx.inf)
     p = exp2(sel - sel.max(axis=(-2, -1), keepdims=True))
     total = p.sum(axis=(-2, -1))[..., None]  # [B, Hk, t, G, 1]
-    values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx)  # [B, Hk, t, K, block·d]
+    values = _gather_blocks(kv.rows_v, kv.shared_v, kv.start, idx, block)  # [B, Hk, t, K, block·d]
     o = p.reshape(B, Hk, t, G, K * block) @ values.reshape(B, Hk, t, K * block, d)
     return _heads((o / total).astype(qg.dtype))
 
@@ -292,7 +292,9 @@ def _heads(o: mx.array) -> mx.array:
     return o.transpose(0, 1, 3, 2, 4).reshape(B, Hk * G, t, d)
 
 
-def _gather_blocks(rows: mx.array, shared: mx.array | None, start: int, idx: mx.array) -> mx.array:
+def _gather_blocks(
+    rows: mx.array, shared: mx.array | None, start: int, idx: mx.array, block: int
+) -> mx.array:
     """The blocks idx [B, Hk, t, K] of each row's sequence → [B, Hk, t, K, block·d].
 
     rows [B, Hk, R, d] and shared [1, Hk, C, d] (positions [0, start) are the shared part) are
@@ -300,7 +302,7 @@ def _gather_blocks(rows: mx.array, shared: mx.array | None, start: int, idx: mx.
     whole blocks; a -1 slot reads block 0 (the caller masks it).
     """
     B, Hk, t, K = idx.shape
-    d, block = rows.shape[-1], BLOCK
+    d = rows.shape[-1]
     S = start // block
     safe = mx.maximum(idx, 0)
     base = (mx.arange(B)[:, None] * Hk + mx.arange(Hk)[None, :]) * (rows.shape[2] // block)

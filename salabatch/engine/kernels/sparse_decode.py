@@ -6,7 +6,8 @@ of the time. The step's shapes stay the same for thousands of tokens when every 
 whole (its capacity; what is not written yet is masked by position) and the block count is
 rounded up to a multiple of 64: then one compiled graph per shape replaces those dispatches.
 The same layouts and results as `select_blocks` then `block_sparse_attention`, whose
-references this is tested against.
+references this is tested against. The config's `block` and `compression` reach the compiled
+graphs as plain ints, which `mx.compile` treats as constants of the graph, not as inputs.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import mlx.core as mx
 from salabatch.engine.kernels.attention import LOG2E, attention, exp2_poly, lanes, on_gpu
 from salabatch.engine.kernels.sparse_attention import KVView
 from salabatch.engine.kernels.sparse_select import (
-    BLOCK,
-    COMPRESSION,
     chunk_scores,
     force_and_mask,
     pool_blocks,
@@ -45,6 +44,8 @@ def infllm_v2_step(
     scale: float,
     init_blocks: int,
     local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
 ) -> tuple[mx.array, mx.array]:
     """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
     a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K]).
@@ -52,7 +53,7 @@ def infllm_v2_step(
     A batch of at least LANE_ROWS rows is split between the lanes (on the CPU, a core each:
     ~1.5× at batch 8); a smaller one is too short a step for two streams."""
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
-    settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks)
+    settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression)
     B = q.shape[0]
     lane = lanes() if B >= LANE_ROWS else lanes()[:1]
     cut = [B * i // len(lane) for i in range(len(lane) + 1)]
@@ -67,9 +68,11 @@ def infllm_v2_step(
 
 
 def _step(q, kv, c1, c2, starts, settings):
-    prefill_len, blocks, k, scale, init_blocks, local_blocks = settings
+    prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression = settings
     pos = mx.array(list(starts), dtype=mx.int32)
-    idx = _select(q, pos, c1, c2, prefill_len, blocks, k, scale, init_blocks, local_blocks)
+    idx = _select(
+        q, pos, c1, c2, prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression
+    )
     # stage 2: one attention per (row, kv head) pair, its G query heads as the rows
     B, H, _, d = q.shape
     Hk = kv.rows_k.shape[1]
@@ -77,22 +80,23 @@ def _step(q, kv, c1, c2, starts, settings):
     attend = _attend_take if on_gpu() or STAGE2 == "take" else _attend_blocks
     o = attend(
         q.reshape(B * Hk, 1, H // Hk, d), idx.reshape(B * Hk, k), mx.repeat(pos, Hk),
-        shared, kv.rows_k, kv.rows_v, kv.start, scale,
+        shared, kv.rows_k, kv.rows_v, kv.start, scale, block,
     )  # fmt: skip
     return o.reshape(B, H, 1, d), idx
 
 
-def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local):
+def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local, block, compression):
     """Stage 1, pooling and top-k for one query per row → idx [B, Hk, 1, k]."""
     q_pos = pos[:, None]  # [B, 1]
-    vis = [visible_chunks(q_pos, prefill_len, stride) for _, stride in COMPRESSION]
+    vis = [visible_chunks(q_pos, prefill_len, stride) for _, stride in compression]
     scores = chunk_scores(q, c1, c2, *vis, scale, exp2=exp2_poly)  # [B, Hk, 1, N1]
-    q_blk = q_pos // BLOCK
-    pooled = force_and_mask(pool_blocks(scores, blocks), q_blk, init, local)
+    q_blk = q_pos // block
+    r = block // compression[0][1]  # level-1 strides per block
+    pooled = force_and_mask(pool_blocks(scores, blocks, r), q_blk, init, local)
     return top_k_lowest_index(pooled, k, q_blk)
 
 
-def _attend_take_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
+def _attend_take_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
     """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q.
 
     Without a shared prefix one `take` of whole blocks from the rows' buffer. With one, the
@@ -103,33 +107,33 @@ def _attend_take_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
     Hk = rows_k.shape[1]
     pairs = mx.arange(n)
     allowed = (sel[..., None] >= 0) & (
-        sel[..., None] * BLOCK + mx.arange(BLOCK) <= pos[:, None, None]
+        sel[..., None] * block + mx.arange(block) <= pos[:, None, None]
     )
-    allowed = allowed.reshape(n, k * BLOCK)
+    allowed = allowed.reshape(n, k * block)
     safe = mx.maximum(sel, 0)
     if not start:
-        at = pairs[:, None] * (rows_k.shape[2] // BLOCK) + safe
-        keys, values = _take(rows_k, at), _take(rows_v, at)
+        at = pairs[:, None] * (rows_k.shape[2] // block) + safe
+        keys, values = _take(rows_k, at, block), _take(rows_v, at, block)
         return attention(q, keys, values, scale, allowed.reshape(n, 1, 1, -1))
     shared_k, shared_v = shared
-    S = start // BLOCK
-    at = (pairs % Hk)[:, None] * (shared_k.shape[2] // BLOCK) + mx.minimum(safe, S - 1)
+    S = start // block
+    at = (pairs % Hk)[:, None] * (shared_k.shape[2] // block) + mx.minimum(safe, S - 1)
     R = rows_k.shape[2]
     own_k, own_v = rows_k.reshape(n, 1, R, d), rows_v.reshape(n, 1, R, d)
-    member = (sel[:, :, None] == S + mx.arange(R // BLOCK)).any(axis=1)  # [n, R/block]
-    own = mx.repeat(member, BLOCK, axis=-1) & (start + mx.arange(R) <= pos[:, None])
-    in_shared = mx.repeat(sel < S, BLOCK, axis=-1)
+    member = (sel[:, :, None] == S + mx.arange(R // block)).any(axis=1)  # [n, R/block]
+    own = mx.repeat(member, block, axis=-1) & (start + mx.arange(R) <= pos[:, None])
+    in_shared = mx.repeat(sel < S, block, axis=-1)
     mask = mx.concatenate([allowed & in_shared, own], axis=-1)
     return attention(
         q,
-        (_take(shared_k, at), own_k),
-        (_take(shared_v, at), own_v),
+        (_take(shared_k, at, block), own_k),
+        (_take(shared_v, at, block), own_v),
         scale,
         mask.reshape(n, 1, 1, -1),
     )
 
 
-def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
+def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
     """Stage 2 as `_attend_take_graph`, each selected block multiplied where it lies
     (`gather_mm`): no gathered copy of the keys and values, ~4× less time on the CPU at batch 8.
     Scores stay per block, [n, k, G, block], and the softmax runs over the (k, block) axes."""
@@ -139,18 +143,18 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
     pairs = mx.arange(n)
     safe = mx.maximum(sel, 0)
     allowed = (sel[..., None] >= 0) & (
-        sel[..., None] * BLOCK + mx.arange(BLOCK) <= pos[:, None, None]
+        sel[..., None] * block + mx.arange(block) <= pos[:, None, None]
     )  # [n, k, block]
     qs = q.reshape(n, 1, G, d) * (scale * LOG2E)  # base 2 as on the CPU path of `attention`
     if start:  # blocks in the shared prefix; the row's own positions below, read whole
         table_k, table_v = shared
-        S = start // BLOCK
-        at = (pairs % Hk)[:, None] * (table_k.shape[2] // BLOCK) + mx.minimum(safe, S - 1)
+        S = start // block
+        at = (pairs % Hk)[:, None] * (table_k.shape[2] // block) + mx.minimum(safe, S - 1)
         allowed = allowed & (sel < S)[..., None]
     else:
         table_k, table_v = rows_k, rows_v
-        at = pairs[:, None] * (rows_k.shape[2] // BLOCK) + safe
-    table_k, table_v = table_k.reshape(-1, BLOCK, d), table_v.reshape(-1, BLOCK, d)
+        at = pairs[:, None] * (rows_k.shape[2] // block) + safe
+    table_k, table_v = table_k.reshape(-1, block, d), table_v.reshape(-1, block, d)
     at = at.astype(mx.uint32)
     lhs = mx.broadcast_to(pairs[:, None], (n, k)).astype(mx.uint32)
     s = mx.gather_mm(qs, table_k.swapaxes(-1, -2), lhs, at)  # [n, k, G, block]
@@ -159,8 +163,8 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale):
     if start:
         R = rows_k.shape[2]
         own_k, own_v = rows_k.reshape(n, R, d), rows_v.reshape(n, R, d)
-        member = (sel[:, :, None] == S + mx.arange(R // BLOCK)).any(axis=1)  # [n, R/block]
-        own = mx.repeat(member, BLOCK, axis=-1) & (start + mx.arange(R) <= pos[:, None])
+        member = (sel[:, :, None] == S + mx.arange(R // block)).any(axis=1)  # [n, R/block]
+        own = mx.repeat(member, block, axis=-1) & (start + mx.arange(R) <= pos[:, None])
         s_own = mx.where(own[:, None], qs.reshape(n, G, d) @ own_k.swapaxes(-1, -2), -mx.inf)
         top = mx.maximum(top, s_own.max(axis=-1))
     p = exp2_poly(s - top[:, None, :, None])
@@ -181,8 +185,8 @@ _attend_take = mx.compile(_attend_take_graph)
 _attend_blocks = mx.compile(_attend_blocks_graph)
 
 
-def _take(buffer: mx.array, at: mx.array) -> mx.array:
+def _take(buffer: mx.array, at: mx.array, block: int) -> mx.array:
     """buffer [b, Hk, N, d] as a table of blocks; at [n, k] → [n, 1, k·block, d]."""
     d = buffer.shape[-1]
     n, k = at.shape
-    return mx.take(buffer.reshape(-1, BLOCK * d), at, axis=0).reshape(n, 1, k * BLOCK, d)
+    return mx.take(buffer.reshape(-1, block * d), at, axis=0).reshape(n, 1, k * block, d)

@@ -7,6 +7,8 @@ Layout (every function here):
           rows, then the rows' own chunks); N1 = Σ n
   c2      level-2 compressed keys (mean of 128 keys every 64), likewise (N2)
   starts  the position of each row's first query (row b's queries sit at starts[b] + 0..T-1)
+  block   tokens per key block, `SparseConfig.block_size` (64); `compression`: the (size, stride)
+          of each level, `SparseConfig.compression` ((32, 16), (128, 64))
   →       [B, Hk, T, K]  int32 selected block ids, ascending; -1 marks a slot holding no block
 
 Scores: p[h, t, j] = exp(q·c1_j · scale − logsumexp_j' q·c2_j' · scale) over visible chunks (the
@@ -16,7 +18,9 @@ overlap it (4b−1 … 4b+3); the first `init_blocks` blocks and the local windo
 and `local_blocks` before it) are forced; then the K best, ties going to the lowest block id (the
 CUDA torch.topk rule the golden vectors follow, SPEC P11).
 
-The kernels hard-code the compression sizes and the block (SPEC P14), so they are constants here.
+The block and the compression levels come from the config (arguments above); the code relies on
+the geometry InfLLM-v2 fixes and the config enforces (SPEC P14): a chunk spans two strides and a
+block a whole number r of level-1 strides (r = 4), so block b overlaps chunks r·b−1 … r·b+r−1.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import numpy as np
 
 from salabatch.engine.kernels.attention import LOG2E, exp2, grouped_scores, lanes
 
-COMPRESSION = ((32, 16), (128, 64))  # (size, stride) of the two compression levels
-BLOCK = 64  # key block of stage 2
 # Bound on the [B, Hk, G, rows, N1] score tile of one query tile (float32 elements).
 MAX_SCORE_ELEMENTS = 1 << 24
 # A tile scores level-1 chunks up to a multiple of this (its later ones are masked), so tiles
@@ -98,20 +100,21 @@ def _scores(qg: mx.array, parts: tuple[mx.array, ...]) -> mx.array:
     return s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)
 
 
-def pool_blocks(scores: mx.array, n_blocks: int) -> mx.array:
-    """Max over the level-1 chunks overlapping each 64-token block: [..., N1] → [..., n_blocks].
+def pool_blocks(scores: mx.array, n_blocks: int, r: int) -> mx.array:
+    """Max over the level-1 chunks overlapping each block of r level-1 strides (r = 4):
+    [..., N1] → [..., n_blocks].
 
-    Block b overlaps chunks 4b−1 … 4b+3; chunks that do not exist count as −inf.
+    Block b overlaps chunks r·b−1 … r·b+r−1; chunks that do not exist count as −inf.
     """
     lead = scores.shape[:-1]
-    n1 = min(scores.shape[-1], 4 * n_blocks + 3)  # later chunks overlap no block here
+    n1 = min(scores.shape[-1], r * n_blocks + r - 1)  # later chunks overlap no block here
     scores = scores[..., :n1]
-    width = 4 * n_blocks + 4  # padded[j + 1] holds chunk j
+    width = r * n_blocks + r  # padded[j + 1] holds chunk j
     left = mx.full((*lead, 1), -mx.inf, dtype=scores.dtype)
     right = mx.full((*lead, width - 1 - n1), -mx.inf, dtype=scores.dtype)
     padded = mx.concatenate([left, scores, right], axis=-1)
-    body = padded[..., : 4 * n_blocks].reshape(*lead, n_blocks, 4).max(axis=-1)
-    return mx.maximum(body, padded[..., 4 : 4 * n_blocks + 4 : 4])
+    body = padded[..., : r * n_blocks].reshape(*lead, n_blocks, r).max(axis=-1)
+    return mx.maximum(body, padded[..., r : r * n_blocks + r : r])
 
 
 def force_and_mask(
@@ -151,6 +154,8 @@ def select_blocks(
     scale: float,
     init_blocks: int,
     local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
 ) -> mx.array:
     """Fast path, in query tiles: each tile scores only the chunks and blocks its last query can
     see (causal), so the score buffer stays under MAX_SCORE_ELEMENTS and a prefill does half
@@ -158,7 +163,7 @@ def select_blocks(
     B, H, T, _ = q.shape
     N1, N2 = (sum(p.shape[2] for p in parts) for parts in (c1, c2))
     pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
-    (_, stride1), (_, stride2) = COMPRESSION
+    (_, stride1), (_, stride2) = compression
     lane = lanes()
     rows = max(1, MAX_SCORE_ELEMENTS // (B * H * max(N1, n_blocks, 1)))
     rows = min(rows, -(-T // len(lane)))  # at least one tile per lane
@@ -169,7 +174,7 @@ def select_blocks(
         # counts rounded up (what the tile cannot see is masked), so tiles share buffer shapes
         n1 = _bucket(visible_count(last, prefill_len, stride1), N1, CHUNK_BUCKET)
         n2 = _bucket(visible_count(last, prefill_len, stride2), N2, CHUNK_BUCKET // 4)
-        blocks = _bucket(last // BLOCK + 1, n_blocks, CHUNK_BUCKET // 4)
+        blocks = _bucket(last // block + 1, n_blocks, CHUNK_BUCKET // 4)
         p = pos[:, s:e]
         with mx.stream(lane[len(out) % len(lane)]):
             scores = chunk_scores(
@@ -180,9 +185,9 @@ def select_blocks(
                 visible_chunks(p, prefill_len, stride2),
                 scale,
             )
-            pooled = pool_blocks(scores, blocks)
-            pooled = force_and_mask(pooled, p // BLOCK, init_blocks, local_blocks)
-            idx = top_k_lowest_index(pooled, min(k, blocks), p // BLOCK)
+            pooled = pool_blocks(scores, blocks, block // stride1)
+            pooled = force_and_mask(pooled, p // block, init_blocks, local_blocks)
+            idx = top_k_lowest_index(pooled, min(k, blocks), p // block)
             if idx.shape[-1] < k:
                 idx = mx.pad(idx, [(0, 0)] * 3 + [(0, k - idx.shape[-1])], constant_values=-1)
         out.append(idx)
@@ -215,21 +220,24 @@ def select_blocks_ref(
     scale: float,
     init_blocks: int,
     local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
 ) -> mx.array:
     """Reference: whole score matrix, pooling by explicit ranges, top-k by a stable sort."""
     T = q.shape[2]
     pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
-    vis = [visible_chunks(pos, prefill_len, stride) for _, stride in COMPRESSION]
+    vis = [visible_chunks(pos, prefill_len, stride) for _, stride in compression]
     scores = np.array(chunk_scores(q, c1, c2, *vis, scale))  # [B, Hk, T, N1]
     B, Hk, T, n1 = scores.shape
-    qb = np.array(pos) // BLOCK
+    qb = np.array(pos) // block
+    r = block // compression[0][1]  # level-1 strides per block
     out = np.full((B, Hk, T, k), -1, dtype=np.int32)
     for b in range(B):
         for g in range(Hk):
             for t in range(T):
                 block = np.full(n_blocks, -np.inf, dtype=np.float32)
                 for i in range(n_blocks):
-                    lo, hi = max(4 * i - 1, 0), min(4 * i + 4, n1)
+                    lo, hi = max(r * i - 1, 0), min(r * i + r, n1)
                     if lo < hi:
                         block[i] = scores[b, g, t, lo:hi].max()
                 blk = qb[b, t]

@@ -7,11 +7,14 @@ fsyncs it, renames it over x.parquet, and only then deletes the parts; a merge i
 point loses nothing, and the next writer's close redoes it with the same result.
 
 Resume (the default): rows whose request_key is already there count as done (error rows too,
-unless retry_errors), and the runner skips them. `--no-resume` deletes leftover parts, marks the
-run FRESH and leaves x.parquet untouched on disk until this run closes and replaces it; from the
-start, readers see only the new run's rows, and a killed --no-resume run resumes as itself. A
-run that closes without having written a row (it failed before its first document) changes
-nothing: the old results stay, and no empty file is created.
+unless retry_errors), and the runner skips them. Once the runner has planned the whole job, it
+names the job's keys (`retain`) and the merge drops rows of earlier runs that are no longer in
+the job (a removed document or question, a changed document or model). `--no-resume` deletes
+leftover parts, marks the run FRESH and leaves x.parquet untouched on disk until this run closes
+and replaces it; from the start, readers see only the new run's rows, and a killed --no-resume
+run resumes as itself. A run that closes without a new row (it failed before its first
+document, or every row was done) writes nothing beyond dropping rows no longer in the job: the
+old results stay, and no empty file is created.
 """
 
 from __future__ import annotations
@@ -29,22 +32,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from salabatch.errors import OutputError
+from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
-from salabatch.jobs.output import (
-    META_CREATED_AT,
-    META_JOB_SPEC,
-    META_SCHEMA_VERSION,
-    META_UPDATED_AT,
-    META_VERSIONS,
+from salabatch.jobs.results import (
+    FRESH,
     RESULT_SCHEMA,
-    SCHEMA_VERSION,
     ResultRow,
     decode_metadata,
+    dedupe,
+    encode_metadata,
     list_parts,
     parts_dir_of,
+    read_final,
+    read_part,
+    warn_bad_part,
 )
-from salabatch.jobs.output_read import dedupe, error_text, read_final, read_part, warn_bad_part
 
 
 class ResultWriter:
@@ -109,9 +111,9 @@ class ResultWriter:
         if not self.resume:
             for _, part in list_parts(self.parts_dir):
                 part.unlink()
-            _touch_durably(self.parts_dir / "FRESH")
+            _touch_durably(self.parts_dir / FRESH)
         else:
-            fresh = (self.parts_dir / "FRESH").exists()
+            fresh = (self.parts_dir / FRESH).exists()
             if self.path.exists() and not fresh:
                 final, meta = read_final(self.path, columns=["request_key", "status"])
                 created = decode_metadata(meta)["created_at"]
@@ -174,7 +176,7 @@ class ResultWriter:
             self._unlock()
 
     def _merge(self) -> None:
-        fresh_marker = self.parts_dir / "FRESH"
+        fresh_marker = self.parts_dir / FRESH
         fresh = fresh_marker.exists()
         parts = [part for _, part in list_parts(self.parts_dir)]
         if not parts and (fresh or self._retain is None):
@@ -192,7 +194,10 @@ class ResultWriter:
         merged = dedupe(tables)
         if self._retain is not None:
             keep = pa.array(sorted(self._retain | self._written), pa.string())
-            merged = merged.filter(pc.is_in(merged["request_key"], value_set=keep))
+            retained = merged.filter(pc.is_in(merged["request_key"], value_set=keep))
+            if not parts and retained.num_rows == merged.num_rows:
+                return  # no new row and none to drop: the results stay as they are
+            merged = retained
         merged = merged.replace_schema_metadata(self._metadata(updated=True))
         try:
             _write_durably(merged, self.path, tmp_dir=self.parts_dir)
@@ -219,15 +224,12 @@ class ResultWriter:
             self._done[key] = self._done.get(key, False) or status == "ok"
 
     def _metadata(self, *, updated: bool) -> dict[bytes, bytes]:
-        meta = {
-            META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
-            META_JOB_SPEC: self._job_spec_json.encode(),
-            META_VERSIONS: self._versions_json.encode(),
-            META_CREATED_AT: self._created_at.encode(),
-        }
-        if updated:
-            meta[META_UPDATED_AT] = _now_iso().encode()
-        return meta
+        return encode_metadata(
+            job_spec_json=self._job_spec_json,
+            versions_json=self._versions_json,
+            created_at=self._created_at,
+            updated_at=_now_iso() if updated else None,
+        )
 
     def _unlock(self) -> None:
         lock = self.parts_dir / "LOCK"

@@ -13,9 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.output import SCHEMA_VERSION, current_versions
-from salabatch.jobs.output_read import read_metadata, read_results
-from tests.test_output import SPEC, VERSIONS, keys_of, make_row, writer
+from salabatch.jobs.results import SCHEMA_VERSION, current_versions, read_metadata, read_results
+from tests.test_results import SPEC, VERSIONS, keys_of, make_row, writer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,6 +138,19 @@ def test_retain_drops_stale_rows_of_earlier_runs(tmp_path):
     assert keys_of(read_results(path)) == ["a.q0", "a.q1", "b.q0", "extra.q0"]
 
 
+def test_retain_with_nothing_new_or_stale_leaves_the_file_alone(tmp_path):
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.retain([])
+    assert not path.exists() and not out.parts_dir.exists()  # no empty file
+    with writer(path) as out:
+        out.write([make_row("a.q0")])
+    before = path.read_bytes()
+    with writer(path) as out:
+        out.retain(["a.q0", "b.q0"])
+    assert path.read_bytes() == before
+
+
 # --- SIGKILL at any moment --------------------------------------------------------------------
 
 # Writes N_BATCHES batches of two rows ("<b>.q0", "<b>.q1") and kills itself with SIGKILL at the
@@ -146,8 +158,8 @@ def test_retain_drops_stale_rows_of_earlier_runs(tmp_path):
 KILLED_RUN = r"""
 import os, signal, sys
 from datetime import datetime, timezone
-from salabatch.jobs import output_write
-from salabatch.jobs.output import ResultRow
+from salabatch.jobs import result_writer
+from salabatch.jobs.results import ResultRow
 
 path, resume, moment = sys.argv[1], sys.argv[2] == "resume", sys.argv[3]
 n_batches, kill_after = int(sys.argv[4]), int(sys.argv[5])
@@ -173,7 +185,7 @@ def unlink(p, *a, **k):
     real_unlink(p, *a, **k)
     unlinked_parts[0] += "part-" in str(p)
 
-output_write.os.replace, output_write.os.unlink = replace, unlink
+result_writer.os.replace, result_writer.os.unlink = replace, unlink
 
 def row(key):
     doc, q = key.split(".")
@@ -183,7 +195,7 @@ def row(key):
         finished_at=datetime.now(timezone.utc),
     )
 
-out = output_write.ResultWriter(path, job_spec_json="{}", versions={}, resume=resume)
+out = result_writer.ResultWriter(path, job_spec_json="{}", versions={}, resume=resume)
 for b in range(n_batches):
     if moment == "between-parts" and b == kill_after:
         die()

@@ -5,13 +5,13 @@ meaningless. It exists so that pipelines, tests, demos and benchmarks run anywhe
 kinds are present and its sparse layers switch to InfLLM-v2 at 2048 tokens, so a document of a
 few thousand tokens exercises the real long-context path.
 
-Built once into `<cache dir>/models/builtin-tiny-v1/` (config.json, model.safetensors,
-tokenizer files); the same bytes on every machine.
+Built once into `<cache dir>/models/builtin-tiny-v2/` (config.json, model.safetensors,
+tokenizer files); the same bytes on every machine. This module is the only one that knows the
+`builtin:` prefix: everything else asks `is_builtin` / `builtin_name`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -20,24 +20,36 @@ from salabatch import files
 from salabatch.errors import ConfigError
 
 PREFIX = "builtin:"
-VERSION = 1  # bump when the recipe changes: old builds stay where they are, unused
+MODELS = ("tiny",)
+# Bump when the recipe changes: old builds stay where they are, unused.
+# v2: the demo tokenizer is trained by tokenizers' BpeTrainer.
+VERSION = 2
 WARNING = "builtin:tiny is an untrained demo model: its answers are meaningless text"
 
 
 def is_builtin(model: str | os.PathLike) -> bool:
+    """Whether `model` names a builtin model (`builtin:NAME`) rather than a checkpoint folder."""
     return str(model).startswith(PREFIX)
+
+
+def builtin_name(model: str | os.PathLike) -> str | None:
+    """NAME of a `builtin:NAME` model, None for a checkpoint folder; ConfigError if unknown."""
+    if not is_builtin(model):
+        return None
+    name = str(model).removeprefix(PREFIX)
+    if name not in MODELS:
+        known = ", ".join(PREFIX + m for m in MODELS)
+        raise ConfigError(f"unknown builtin model {str(model)!r} (available: {known})")
+    return name
 
 
 def resolve(model: str | os.PathLike, cache_dir: str | Path | None = None) -> Path:
     """A checkpoint directory for `model`: a path as given, or `builtin:tiny` built if needed."""
-    if not is_builtin(model):
+    name = builtin_name(model)
+    if name is None:
         return Path(model).expanduser()
-    name = str(model)[len(PREFIX) :]
-    if name != "tiny":
-        raise ConfigError(
-            "unknown builtin model", field="model", expected="builtin:tiny", got=str(model)
-        )
-    dest = Path(cache_dir or files.cache_dir()).expanduser() / "models" / f"builtin-tiny-v{VERSION}"
+    root = Path(cache_dir or files.cache_dir()).expanduser()
+    dest = root / "models" / f"builtin-{name}-v{VERSION}"
     if not (dest / "model.safetensors").is_file():
         _build(dest)
     return dest
@@ -90,21 +102,19 @@ def tiny_config(vocab_size: int, eos: list[int]) -> dict:
 def _build(dest: Path) -> None:
     """Writes the model into a private folder, then renames it into place (another process
     building at the same time loses the race harmlessly)."""
-    from salabatch.engine.checkpoint import random_weights, write_weights
-    from salabatch.engine.config import ModelConfig
-    from salabatch.engine.demo_tokenizer import build_byte_tokenizer
+    from salabatch.demo.checkpoint import write_random_checkpoint
+    from salabatch.demo.tokenizer import TAIL_TOKENS, build_byte_tokenizer
 
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = files.temp_path(dest)
     tmp.mkdir(parents=True)
-    vocab = build_byte_tokenizer(tmp, vocab_size=1024)
-    im_end = vocab - 8  # the demo tokenizer puts <|im_end|> first of its last 8 ids
-    raw = tiny_config(vocab, [2, im_end])
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    write_weights(tmp, random_weights(ModelConfig.from_dict(raw), seed=0))
     try:
-        os.rename(tmp, dest)
-    except OSError:  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (dest / "model.safetensors").is_file():
-            raise
+        vocab = build_byte_tokenizer(tmp, vocab_size=1024)
+        im_end = vocab - len(TAIL_TOKENS)  # <|im_end|> is the first of the last 8 ids
+        write_random_checkpoint(tmp, tiny_config(vocab, [2, im_end]))
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # someone else finished first
+            if not (dest / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left there after the rename

@@ -1,4 +1,5 @@
-"""The demo tokenizer of `builtin:tiny`: byte-level BPE, trained here on a built-in text.
+"""The demo tokenizer of `builtin:tiny`: byte-level BPE, trained by `tokenizers`' BpeTrainer on
+a built-in text.
 
 Its special tokens sit at the ids they have in the 9B, so chat prompts and stop tokens take the
 same paths as with the real model. The training text is at the end of this file.
@@ -6,17 +7,14 @@ same paths as with the real model. The training text is at the end of this file.
 
 from __future__ import annotations
 
-import heapq
 import json
-from collections import Counter
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 
-from salabatch.engine.tokenizer_files import TOKENIZER_FILE
+from salabatch.engine.tokenizer import TOKENIZER_FILE
 from salabatch.errors import TokenizerError
 from salabatch.files import write_text_atomic
 
@@ -41,8 +39,8 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
     The builtin model is untrained: its weights are random and the text it generates is
     meaningless. This tokenizer only makes it run end to end, offline.
 
-    Byte-level BPE: ids 0..2 are `<unk> <s> </s>`, then the 256 bytes (id 3 + byte), then merges
-    trained deterministically on a small built-in English text, and the 8 chat/tool/FIM special
+    Byte-level BPE: ids 0..2 are `<unk> <s> </s>`, then the 256 bytes (id 3 + byte), then the
+    merges BpeTrainer learns from a small built-in English text, and the 8 chat/tool/FIM special
     tokens of the 9B as the last 8 ids (`<|im_end|>` = vocab_size - 8). Writes
     `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` (eos = [2, <|im_end|>]),
     byte-for-byte the same on every run. The returned size is `vocab_size` unless the training
@@ -54,18 +52,7 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
         raise TokenizerError(
             "vocab too small", field="vocab_size", expected=f">= {MIN_DEMO_VOCAB}", got=vocab_size
         )
-    vocab = {t: i for i, t in enumerate([*HEAD_TOKENS, *_byte_symbols()])}
-
-    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    words = Counter(w for w, _ in pre.pre_tokenize_str(_DEMO_CORPUS))
-    budget = vocab_size - len(vocab) - len(TAIL_TOKENS)
-    merges = _train_merges(words, budget, set(vocab))
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-
-    backend = _Backend(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = pre
-    backend.decoder = decoders.ByteLevel()
+    backend = _trained_backend(vocab_size - len(TAIL_TOKENS))
     specials = (*HEAD_TOKENS, *TAIL_TOKENS)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     # Like MiniCPM's: the backend would prepend <s>; salabatch never lets it (BOS policy in
@@ -103,6 +90,37 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
     return final
 
 
+def _trained_backend(size: int) -> _Backend:
+    """A byte-level BPE of at most `size` entries (<unk> <s> </s>, the bytes, merges).
+
+    BpeTrainer is deterministic here: it numbers the alphabet in code-point order and breaks
+    ties between equally frequent pairs by those numbers (only continuing-subword prefixes,
+    unused here, get numbers in hash-map order). Its numbering is then replaced by byte order,
+    so byte b is id 3 + b whatever the training text; merges keep their order.
+    """
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    symbols = _byte_symbols()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=list(HEAD_TOKENS),
+        initial_alphabet=symbols,
+        show_progress=False,
+    )
+    trained = _Backend(models.BPE())
+    trained.pre_tokenizer = pre
+    trained.train_from_iterator([_DEMO_CORPUS], trainer)
+    model = json.loads(trained.to_str())["model"]
+    base = {*HEAD_TOKENS, *symbols}
+    learned = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if t not in base]
+    vocab = {t: i for i, t in enumerate([*HEAD_TOKENS, *symbols, *learned])}
+    merges = [(a, b) for a, b in model["merges"]]
+
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
 def _byte_symbols() -> list[str]:
     """The printable stand-in for each byte 0..255 used by the ByteLevel pre-tokenizer/decoder.
 
@@ -111,59 +129,6 @@ def _byte_symbols() -> list[str]:
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-def _train_merges(words: Counter[str], budget: int, known: set[str]) -> list[tuple[str, str]]:
-    """Byte-level BPE merges until `budget` new vocabulary entries exist (or no pairs remain).
-
-    Deterministic: the most frequent pair wins, ties go to the lexicographically smallest pair.
-    """
-    ordered = sorted(words)
-    seqs = [list(w) for w in ordered]
-    counts = [words[w] for w in ordered]
-    pair_count: Counter[tuple[str, str]] = Counter()
-    where: dict[tuple[str, str], set[int]] = {}
-    for wi, seq in enumerate(seqs):
-        for pair in pairwise(seq):
-            pair_count[pair] += counts[wi]
-            where.setdefault(pair, set()).add(wi)
-    heap = [(-c, a, b) for (a, b), c in pair_count.items()]
-    heapq.heapify(heap)
-    merges: list[tuple[str, str]] = []
-    added = 0
-    while heap and added < budget:
-        neg, a, b = heapq.heappop(heap)
-        if pair_count.get((a, b), 0) != -neg:
-            continue  # stale heap entry: the pair's count changed since it was pushed
-        merges.append((a, b))
-        if a + b not in known:
-            known.add(a + b)
-            added += 1
-        touched: set[tuple[str, str]] = set()
-        for wi in sorted(where.pop((a, b), ())):
-            seq, c = seqs[wi], counts[wi]
-            for pair in pairwise(seq):
-                pair_count[pair] -= c
-                touched.add(pair)
-            merged, k = [], 0
-            while k < len(seq):
-                if k + 1 < len(seq) and seq[k] == a and seq[k + 1] == b:
-                    merged.append(a + b)
-                    k += 2
-                else:
-                    merged.append(seq[k])
-                    k += 1
-            seqs[wi] = merged
-            for pair in pairwise(merged):
-                pair_count[pair] += c
-                touched.add(pair)
-                where.setdefault(pair, set()).add(wi)
-        for pair in sorted(touched):
-            if pair_count[pair] > 0:
-                heapq.heappush(heap, (-pair_count[pair], *pair))
-            else:
-                del pair_count[pair]
-    return merges
 
 
 def _json_text(obj: Any) -> str:

@@ -1,4 +1,5 @@
-"""The Parquet sink's format and reading: schema, rows, files that are not ours, damaged parts."""
+"""What a results file is and how it reads: schema, rows, files that are not ours, damaged
+parts."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.output import RESULT_SCHEMA, SCHEMA_VERSION, OutputWarning, ResultRow
-from salabatch.jobs.output_read import read_results
-from salabatch.jobs.output_write import ResultWriter
+from salabatch.jobs.result_writer import ResultWriter
+from salabatch.jobs.results import (
+    RESULT_SCHEMA,
+    SCHEMA_VERSION,
+    OutputWarning,
+    ResultRow,
+    read_results,
+)
 
 SPEC = json.dumps({"name": "contracts", "questions": [{"id": "q0", "text": "Who?"}]})
 VERSIONS = {"salabatch": "0.1.0", "mlx": "0.30.0", "python": "3.11.0"}
