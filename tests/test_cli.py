@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner, Result
 
 from salabatch.cli import main
-from tests.test_spec import MINIMAL, write
+from tests.jobs.test_spec import MINIMAL, write
 
 EXAMPLE = Path(__file__).parents[1] / "jobs" / "example.yaml"
 

@@ -14,7 +14,7 @@ from salabatch.demo.tokenizer import HEAD_TOKENS
 from salabatch.engine.chat import EMPTY_THINK, split_thinking
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
-from tests.test_tokenizer import (
+from tests.engine.test_tokenizer import (
     SYSTEM,
     TEMPLATE,
     check_stream,

@@ -9,7 +9,7 @@ import pytest
 
 from salabatch.errors import OutputError
 from salabatch.jobs.export import export_openai_jsonl, export_results, inspect_results
-from tests.test_results import T0, make_row, writer
+from tests.jobs.test_results import T0, make_row, writer
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.load import load_model
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
-# the stage-2 paths, each forced in turn (see tests/test_sparse_kernels.py)
+# the stage-2 paths, each forced in turn (see tests/engine/kernels/test_sparse_kernels.py)
 PATHS = {
     "default": {},
     "gathered": {"SCORED_KEYS_PER_SLOT": 0, "MAX_GATHER_BYTES": 1 << 16},

@@ -16,7 +16,7 @@ from salabatch.demo.tokenizer import (
 )
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
-from tests.test_tokenizer import demo_tokenizer_dir
+from tests.engine.test_tokenizer import demo_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

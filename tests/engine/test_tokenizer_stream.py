@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from salabatch.engine.tokenizer import load_tokenizer
-from tests.test_tokenizer import TEXTS, check_stream, demo_tokenizer_dir
+from tests.engine.test_tokenizer import TEXTS, check_stream, demo_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from salabatch.cli import main
 from salabatch.demo import builtin
 from salabatch.jobs.results import read_metadata, read_results
-from tests.test_results import DESIGN_COLUMNS
+from tests.jobs.test_results import DESIGN_COLUMNS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "inspection-letter.pdf"
 SHARED_PDFS = REPO.parent / "shared" / "pdfs"
 # every column an ok row must fill (think is off, so no reasoning; no error)

@@ -14,9 +14,9 @@ import pytest
 
 from salabatch.errors import OutputError
 from salabatch.jobs.results import SCHEMA_VERSION, current_versions, read_metadata, read_results
-from tests.test_results import SPEC, VERSIONS, keys_of, make_row, writer
+from tests.jobs.test_results import SPEC, VERSIONS, keys_of, make_row, writer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- writing, merging, metadata --------------------------------------------------------------
