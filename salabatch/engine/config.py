@@ -172,29 +172,7 @@ class _Reader:
         g = self.get
         hidden = g("hidden_size", int, positive=True)
         layers = g("num_hidden_layers", int, positive=True)
-        heads = g("num_attention_heads", int, positive=True)
-        kv_heads = g("num_key_value_heads", int, heads, positive=True)
-        head_dim = g("head_dim", int, hidden // heads, positive=True)
-        if heads % kv_heads:
-            raise ConfigError(
-                "num_attention_heads must be a multiple of num_key_value_heads",
-                path=self.path,
-                field="num_key_value_heads",
-                got=kv_heads,
-            )
-        # HF builds the lightning layer from num_attention_heads / lightning_nkv / head_dim; the
-        # lightning_* copies must agree with them when present.
-        l_heads = self._agree("lightning_nh", heads, "num_attention_heads")
-        l_dim = self._agree("lightning_head_dim", head_dim, "head_dim")
-        l_kv = g("lightning_nkv", int, l_heads, positive=True)
-        if l_heads % l_kv:
-            raise ConfigError(
-                "must divide the lightning head count",
-                path=self.path,
-                field="lightning_nkv",
-                expected=f"a divisor of {l_heads}",
-                got=l_kv,
-            )
+        heads, kv_heads, head_dim, l_heads, l_kv, l_dim = self._heads(hidden)
         kinds = self._layer_kinds(layers)
         dtype = self.get("torch_dtype", str, None)
         dtype = self.get("dtype", str, dtype)  # transformers >= 4.56 writes `dtype`
@@ -239,6 +217,34 @@ class _Reader:
         extra = {k: v for k, v in self.raw.items() if k not in self.used}
         object.__setattr__(cfg, "extra", extra)
         return cfg
+
+    def _heads(self, hidden: int) -> tuple[int, int, int, int, int, int]:
+        """Sparse-layer heads, kv heads, head dim; then the lightning layer's three."""
+        g = self.get
+        heads = g("num_attention_heads", int, positive=True)
+        kv_heads = g("num_key_value_heads", int, heads, positive=True)
+        head_dim = g("head_dim", int, hidden // heads, positive=True)
+        if heads % kv_heads:
+            raise ConfigError(
+                "num_attention_heads must be a multiple of num_key_value_heads",
+                path=self.path,
+                field="num_key_value_heads",
+                got=kv_heads,
+            )
+        # HF builds the lightning layer from num_attention_heads / lightning_nkv / head_dim; the
+        # lightning_* copies must agree with them when present.
+        l_heads = self._agree("lightning_nh", heads, "num_attention_heads")
+        l_dim = self._agree("lightning_head_dim", head_dim, "head_dim")
+        l_kv = g("lightning_nkv", int, l_heads, positive=True)
+        if l_heads % l_kv:
+            raise ConfigError(
+                "must divide the lightning head count",
+                path=self.path,
+                field="lightning_nkv",
+                expected=f"a divisor of {l_heads}",
+                got=l_kv,
+            )
+        return heads, kv_heads, head_dim, l_heads, l_kv, l_dim
 
     def _agree(self, key: str, value: int, other: str) -> int:
         got = self.get(key, int, value, positive=True)
