@@ -1,19 +1,19 @@
 """Caches: one object per layer, plus the position of every sequence, held by `ModelCache`.
 
-A batch is B rows (sequences). Rows may be at different positions, and they may share a prefix:
+A batch is B rows (sequences). Rows may be at different positions, and they may hold shared keys:
 * `LightningCache`: the simple-GLA state [B, H, dk, dv], always float32. It is the layer's whole
-  history, so it cannot be trimmed: a prefix cache must be saved at the exact prefix boundary,
-  and every row of a batch gets its own copy (2 MiB per row and layer in the 9B).
+  history, so it cannot be trimmed: a prefix cache must be saved at the exact end of its
+  document prompt, and every row of a batch gets its own copy (2 MiB per row and layer in the 9B).
 * `SparseKVCache` (sparse_cache.py): a sparse layer's keys/values and their two levels of
-  compressed keys (InfLLM-v2), with a prefix shared by all rows stored once.
+  compressed keys (InfLLM-v2), with the shared keys of all rows stored once.
 
 `ModelCache.fork(n)` turns a one-row cache (a prefilled document) into n rows that share its
 sparse-layer keys; `select` drops rows, `concat` joins rows; positions live here, not in a layer,
 so they do not depend on which kind layer 0 is.
 
 Each layer cache owns its serialization (`to_state` / `from_state`, arrays named within the
-layer); `ModelCache` adds the layer prefix, the metadata and the format version, and finds a
-layer's class by its kind in `LAYER_CACHES`.
+layer); `ModelCache` adds the layer's name scope (`layers.{i}.`), the metadata and the format
+version, and finds a layer's class by its kind in `LAYER_CACHES`.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class ModelCache:
         """n rows that continue this one-row cache (a prefilled document): lightning states are
         copied per row, sparse-layer keys are shared, not copied n times.
 
-        Forks made while this cache holds the same number of tokens share the same prefix
+        Forks made while this cache holds the same number of tokens share the same `SharedKeys`
         objects, so they can be concatenated, however many forks and whenever they were made
         (see `SparseKVCache.fork`). The document must not be continued meanwhile: forks made
         after it grew cannot join rows forked before.
@@ -155,16 +155,16 @@ class ModelCache:
         return ModelCache([c.fork(n) for c in self.layers], self.positions * n)
 
     def select(self, rows: Sequence[int]) -> ModelCache:
-        """A cache with only these rows, in this order; it keeps the shared prefix, so it can be
+        """A cache with only these rows, in this order; it keeps the shared keys, so it can be
         concatenated with other forks of the same document."""
         return ModelCache([c.select(rows) for c in self.layers], [self.positions[b] for b in rows])
 
     @staticmethod
     def concat(caches: Sequence[ModelCache]) -> ModelCache:
         """One batch of all rows of `caches`, at any positions. Their sparse layers must hold the
-        same shared prefix: either all are forks of one document (made at one length, perhaps
-        selected or concatenated since), or none shares a prefix (fresh caches, each prefilled
-        on its own). A batch reads its prefix from one buffer, so mixing is refused."""
+        same shared keys: either all are forks of one document (made at one length, perhaps
+        selected or concatenated since), or none holds shared keys (fresh caches, each prefilled
+        on its own). A batch reads its shared keys from one buffer, so mixing is refused."""
         layers = [type(parts[0]).concat(parts) for parts in zip(*caches, strict=True)]
         return ModelCache(layers, [p for c in caches for p in c.positions])
 
@@ -174,7 +174,7 @@ class ModelCache:
 
     # -- serialization -------------------------------------------------------------------------
     def to_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:
-        """Arrays and string metadata of a one-row cache (a document prefix, or a prefill
+        """Arrays and string metadata of a one-row cache (a prefix, or a prefill
         snapshot): everything needed to continue it exactly. Layer i's arrays are named
         `layers.{i}.<name>`; buffers are cut to their length."""
         if self.rows != 1:
@@ -212,12 +212,12 @@ class ModelCache:
             raise bad("its layer layout is not this model's")
         layers = []
         for i, kind in enumerate(kinds):
-            prefix = f"layers.{i}."
-            state = {k[len(prefix) :]: a for k, a in arrays.items() if k.startswith(prefix)}
+            scope = f"layers.{i}."
+            state = {k[len(scope) :]: a for k, a in arrays.items() if k.startswith(scope)}
             try:
                 layers.append(LAYER_CACHES[kind].from_state(state, position, cfg))
             except KeyError as e:
-                raise bad(f"missing array '{prefix}{e.args[0]}'") from None
+                raise bad(f"missing array '{scope}{e.args[0]}'") from None
             except ValueError as e:
                 raise bad(f"layer {i} {e}") from None
         cache = cls(layers, [position])
@@ -226,7 +226,7 @@ class ModelCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, the shared prefix counted once."""
+        """Bytes held, the shared keys counted once."""
         shared = {
             id(c.shared): c.shared_nbytes for c in self.layers if isinstance(c, SparseKVCache)
         }

@@ -90,7 +90,8 @@ class ChatFormat:
     def document_prompt(
         self, document: str, question: str, *, system: str | None, think: bool
     ) -> tuple[list[Segment], list[Segment]]:
-        """(prefix, suffix) segments of a document question, cut right after the document.
+        """(document prompt, suffix) segments of a document question, cut right after the
+        document.
 
         The user message is `document.strip() + DOC_QUESTION_SEP + question.strip()`; an empty
         document is refused (the cut must follow a non-space character, see

@@ -49,7 +49,7 @@ def prefill(
 @dataclass(frozen=True)
 class Request:
     id: str
-    prompt: tuple[int, ...]  # the row's own tokens, after any shared prefix
+    prompt: tuple[int, ...]  # the row's own tokens, after any document prompt
     params: SamplingParams = SamplingParams()
     max_tokens: int = 256
     stop: frozenset[int] = frozenset()

@@ -1,4 +1,4 @@
-"""The cache of one sparse (InfLLM-v2) layer, for a batch of rows that may share a prefix.
+"""The cache of one sparse (InfLLM-v2) layer, for a batch of rows that may hold shared keys.
 
 Row b's sequence is `shared` (positions [0, start), stored once for all rows) followed by its own
 positions in `keys`/`values` ([B, Hk, capacity, d], row b filled to `keys.lengths[b]`). `start`
@@ -106,10 +106,11 @@ class RowBuffer:
 
 
 @dataclass(frozen=True)
-class SharedPrefix:
-    """Positions [0, start) common to all rows (start a multiple of the block): the document's
-    key/value buffers [1, Hk, capacity ≥ start, d], read only up to `start` and never copied,
-    and, per compression level, the chunks wholly inside the document [1, Hk, n, d]."""
+class SharedKeys:
+    """The shared keys of forked rows: positions [0, start) common to all rows (start a multiple
+    of the block): the document's key/value buffers [1, Hk, capacity ≥ start, d], read only up
+    to `start` and never copied, and, per compression level, the chunks wholly inside the
+    document [1, Hk, n, d]."""
 
     keys: mx.array
     values: mx.array
@@ -131,23 +132,23 @@ class SparseKVCache:
     (SPEC §4.4).
 
     Batches: `fork` turns a one-row cache (a prefilled document) into rows over one
-    `SharedPrefix`; `select` and `concat` keep or join rows. A batch reads its prefix from one
+    `SharedKeys`; `select` and `concat` keep or join rows. A batch reads its shared keys from one
     set of arrays (the kernels take a single shared part for all rows), so rows can be joined
-    only when they hold the same `SharedPrefix` object, or none. `fork` keeps that true over
-    time: it builds the prefix once per length of the document and gives that object to every
+    only when they hold the same `SharedKeys` object, or none. `fork` keeps that true over
+    time: it builds the shared keys once per length of the document and gives that object to every
     fork made at that length (the Generator forks the document once per admitted request).
     """
 
     kind = SPARSE  # the layer kind it caches (config.SPARSE), also its name in a saved cache
 
-    def __init__(self, sparse: SparseConfig, shared: SharedPrefix | None = None) -> None:
+    def __init__(self, sparse: SparseConfig, shared: SharedKeys | None = None) -> None:
         self.sparse = sparse
         self.shared = shared
         self.keys, self.values = RowBuffer(), RowBuffer()
         self.compressed = tuple(RowBuffer() for _ in sparse.compression)
         self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
         self.trace: list[mx.array] | None = None  # set to a list to record block selections
-        self._forked: tuple[int, SharedPrefix] | None = None  # (length, prefix) given to forks
+        self._forked: tuple[int, SharedKeys] | None = None  # (length, shared keys) given to forks
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> SparseKVCache:
@@ -230,27 +231,27 @@ class SparseKVCache:
         return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
 
     def arrays(self) -> list[mx.array]:
-        """The arrays of its rows (the shared prefix is the document's)."""
+        """The arrays of its rows (the shared keys are the document's)."""
         return [b.data for b in (self.keys, self.values, *self.compressed) if b.data is not None]
 
     # -- batches -------------------------------------------------------------------------------
     def fork(self, n: int) -> SparseKVCache:
-        """n rows continuing this one-row cache, over its `SharedPrefix`: its positions up to
+        """n rows continuing this one-row cache, over its `SharedKeys`: its positions up to
         the last whole level-2 chunk's start (stored once, a view of this cache's buffers), the
         rest (< 128 keys) copied per row.
 
-        Every fork made while this cache holds the same number of tokens gets the same prefix
-        object, so forks made one at a time can be concatenated; after an append, forks get a
-        new prefix and cannot join rows forked before it.
+        Every fork made while this cache holds the same number of tokens gets the same
+        `SharedKeys` object, so forks made one at a time can be concatenated; after an append,
+        forks get new shared keys and cannot join rows forked before it.
         """
         if self.shared is not None or self.keys.rows != 1:
-            raise ValueError("only a one-row cache without a shared part can be forked")
+            raise ValueError("only a one-row cache without shared keys can be forked")
         length = self.length
         counts = [buf.lengths[0] for buf in self.compressed]
         # the level-2 stride is the block: 64 · N2 is block aligned and ≤ every row's own chunk
         start = self.sparse.compression[1][1] * counts[1]
         if self._forked is None or self._forked[0] != length:
-            shared = SharedPrefix(
+            shared = SharedKeys(
                 self.keys.data,
                 self.values.data,
                 start,
@@ -266,7 +267,7 @@ class SparseKVCache:
         return out
 
     def select(self, rows: Sequence[int]) -> SparseKVCache:
-        """These rows, in this order, over the same shared prefix (so they can join its other
+        """These rows, in this order, over the same shared keys (so they can join its other
         forks again)."""
         out = SparseKVCache(self.sparse, self.shared)
         out.keys, out.values = self.keys.select(rows), self.values.select(rows)
@@ -275,12 +276,12 @@ class SparseKVCache:
 
     @staticmethod
     def concat(caches: Sequence[SparseKVCache]) -> SparseKVCache:
-        """All rows of `caches`, in order. They must hold the same `SharedPrefix` object (forks
+        """All rows of `caches`, in order. They must hold the same `SharedKeys` object (forks
         of one document at one length, and selections and concatenations of those) or none (each
         row its own whole sequence); rows may be at different lengths."""
         shared = caches[0].shared
         if any(c.shared is not shared for c in caches):
-            raise ValueError("rows of one batch must share the same prefix")
+            raise ValueError("rows of one batch must hold the same shared keys")
         out = SparseKVCache(caches[0].sparse, shared)
         out.keys = RowBuffer.concat([c.keys for c in caches])
         out.values = RowBuffer.concat([c.values for c in caches])
@@ -291,10 +292,10 @@ class SparseKVCache:
 
     # -- serialization -------------------------------------------------------------------------
     def to_state(self) -> dict[str, mx.array]:
-        """The arrays of a one-row cache without a shared prefix, cut to their lengths:
+        """The arrays of a one-row cache without shared keys, cut to their lengths:
         `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d] float32."""
         if self.shared is not None or self.keys.rows != 1:
-            raise ValueError("only a one-row cache without a shared prefix can be saved")
+            raise ValueError("only a one-row cache without shared keys can be saved")
         n = self.keys.lengths[0]
         state = {"keys": self.keys.data[:, :, :n], "values": self.values.data[:, :, :n]}
         for level, buf in enumerate(self.compressed):
@@ -323,7 +324,7 @@ class SparseKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this cache holds for its rows (the shared prefix is counted by `shared_nbytes`)."""
+        """Bytes this cache holds for its rows (the shared keys are counted by `shared_nbytes`)."""
         return sum(b.nbytes for b in (self.keys, self.values, *self.compressed))
 
     @property

@@ -412,31 +412,33 @@ class Tokenizer:
     def split_chat_prompt(
         self, document: str, question: str, *, system: str | None, think: bool
     ) -> tuple[list[int], list[int]]:
-        r"""(prefix ids, suffix ids) of a document question; the prefix is shared by all questions.
+        r"""(document prompt ids, suffix ids) of a document question; the document prompt is
+        shared by all questions.
 
         The user message is `document.strip() + "\n\n" + question.strip()`; the cut is right
         after the document. With the built-in ChatML::
 
-            prefix: [BOS]<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{document}
-            suffix: \n\n{question}<|im_end|>\n<|im_start|>assistant\n[<think>\n\n</think>\n\n]
+            doc_prompt: [BOS]<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{document}
+            suffix:     \n\n{question}<|im_end|>\n<|im_start|>assistant\n[<think>\n\n</think>\n\n]
 
-        The two parts are tokenized separately, yet `prefix + suffix == chat_prompt_ids(...)` of
-        the whole prompt: the cut sits between a non-space character and "\n" (ByteLevel and
+        The two parts are tokenized separately, yet `doc_prompt + suffix == chat_prompt_ids(...)`
+        of the whole prompt: the cut sits between a non-space character and "\n" (ByteLevel and
         Metaspace pre-tokenizers split there; SentencePiece vocabularies keep "\n" a byte
         token), and the suffix is encoded as a continuation, without the word-start marker a
         SentencePiece-style backend puts at the start of a text. That is why the document and
-        question are stripped and an empty document is refused. A template may make the prefix
-        depend on `think`; the built-in ChatML does not.
+        question are stripped and an empty document is refused. A template may make the document
+        prompt depend on `think`; the built-in ChatML does not.
         """
         return (
-            self.prompt_prefix(document, system=system, think=think),
+            self.document_prompt(document, system=system, think=think),
             self.prompt_suffix(question, system=system, think=think),
         )
 
-    def prompt_prefix(self, document: str, *, system: str | None, think: bool) -> list[int]:
-        """The prefix of `split_chat_prompt` (encode the document once, not once per question)."""
-        prefix, _ = self._chat.document_prompt(document, "", system=system, think=think)
-        return self._prompt_start_ids(prefix)
+    def document_prompt(self, document: str, *, system: str | None, think: bool) -> list[int]:
+        """The document prompt of `split_chat_prompt` (encode the document once, not once per
+        question)."""
+        segments, _ = self._chat.document_prompt(document, "", system=system, think=think)
+        return self._prompt_start_ids(segments)
 
     def prompt_suffix(self, question: str, *, system: str | None, think: bool) -> list[int]:
         """The suffix of `split_chat_prompt`; it does not depend on the document."""

@@ -15,6 +15,8 @@ from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 
 @dataclass
 class Prefix:
+    """A document's prefix: its prefilled cache, and where it came from this time."""
+
     cache: ModelCache
     source: str  # "memory" | "disk" | "none" (prefilled now)
     prefill_s: float = 0.0  # time spent prefilling in this run

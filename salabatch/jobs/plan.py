@@ -33,22 +33,22 @@ class Row:
     params: SamplingParams
     max_tokens: int
     think: bool
-    prompt: tuple[int, ...] = ()  # after the document prefix; the whole prompt without one
+    prompt: tuple[int, ...] = ()  # after the document prompt; the whole prompt without one
 
 
 @dataclass
 class DocPlan:
-    """A document's rows still to do, and its prompt prefix (None: rows hold whole prompts)."""
+    """A document's rows still to do, and its document prompt (None: rows hold whole prompts)."""
 
     doc: Document
     rows: list[Row]
-    prefix: list[int] | None = None
+    doc_prompt: list[int] | None = None
     error: str | None = None  # every row fails with this (unreadable document, overflow)
     notes: list[str] = field(default_factory=list)  # e.g. "truncated to 1000 of 1500 tokens"
 
     @property
     def doc_tokens(self) -> int:
-        return len(self.prefix) if self.prefix else 0
+        return len(self.doc_prompt) if self.doc_prompt else 0
 
 
 def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
@@ -56,7 +56,7 @@ def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
     with fewer questions than a batch, whose rows carry their whole prompt so they decode in full
     batches across documents."""
     short = plan.doc_tokens <= pool_max_tokens and len(plan.rows) < batch_size
-    return plan.prefix is None or short
+    return plan.doc_prompt is None or short
 
 
 def request_key(**parts: object) -> str:
@@ -124,7 +124,7 @@ class Planner:
         return rows
 
     def plan(self, doc: Document) -> list[DocPlan]:
-        """One DocPlan per distinct prompt prefix (questions that differ in `think` may need
+        """One DocPlan per distinct document prompt (questions that differ in `think` may need
         their own when a chat template depends on it); [] when every row is done."""
         rows = self.rows_of(doc)
         if not rows:
@@ -135,7 +135,7 @@ class Planner:
         for think in sorted({r.think for r in rows}):
             group = [r for r in rows if r.think == think]
             plan = self._prompts(doc, group, think)
-            key = tuple(plan.prefix or ()) if plan.error is None else ("error", think)
+            key = tuple(plan.doc_prompt or ()) if plan.error is None else ("error", think)
             if key in plans:
                 plans[key].rows += plan.rows
             else:
@@ -156,15 +156,15 @@ class Planner:
         room = max(len(r.prompt) + r.max_tokens for r in with_prompts)
         budget = self.spec.engine.max_context - room
         text = doc.text
-        prefix = tok.prompt_prefix(text, system=system, think=think)
-        plan = DocPlan(doc, with_prompts, prefix)
-        if len(prefix) <= budget:
+        doc_prompt = tok.document_prompt(text, system=system, think=think)
+        plan = DocPlan(doc, with_prompts, doc_prompt)
+        if len(doc_prompt) <= budget:
             return plan
         mode = self.spec.engine.on_overflow
-        full = len(prefix)
+        full = len(doc_prompt)
         if mode == "error" or budget <= 0:
             limit = self.spec.engine.max_context
-            plan.prefix = None
+            plan.doc_prompt = None
             plan.error = (
                 f"document has {full} tokens with its prompt; engine.max_context {limit} leaves "
                 f"{max(budget, 0)} after the question and answer ({room}); raise max_context or "
@@ -172,15 +172,15 @@ class Planner:
             )
             return plan
         for _ in range(12):  # shrink the text by the overshoot until the prompt fits
-            keep = int(len(text) * min(budget / len(prefix), 0.999) * 0.99)
+            keep = int(len(text) * min(budget / len(doc_prompt), 0.999) * 0.99)
             if mode == "truncate_end":
                 text = text[:keep]
             else:
                 text = text[: keep // 2] + TRUNCATION_MARK + text[len(text) - keep // 2 :]
-            prefix = tok.prompt_prefix(text, system=system, think=think)
-            if len(prefix) <= budget:
-                plan.prefix = prefix
-                plan.notes.append(f"{mode}: document cut from {full} to {len(prefix)} tokens")
+            doc_prompt = tok.document_prompt(text, system=system, think=think)
+            if len(doc_prompt) <= budget:
+                plan.doc_prompt = doc_prompt
+                plan.notes.append(f"{mode}: document cut from {full} to {len(doc_prompt)} tokens")
                 return plan
-        plan.prefix, plan.error = None, f"could not truncate the document to {budget} tokens"
+        plan.doc_prompt, plan.error = None, f"could not truncate the document to {budget} tokens"
         return plan

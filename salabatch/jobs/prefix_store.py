@@ -7,10 +7,10 @@ Layout under the store's root (the job's `cache.dir`):
   .lock                           flock: exclusive to change the store, shared to read it
 
 The digest is a content address: sha256 of (model fingerprint, tokenizer fingerprint, dtype,
-sha256 of the prefix token ids). Writes go to a temporary file, are fsync'd and renamed; reads
-check size and sha256 and the manifest's identity fields; an entry that fails any check is
-reported (PrefixStoreWarning), deleted and rebuilt, never used. A size budget evicts the least
-recently used entries.
+sha256 of the document prompt's token ids). Writes go to a temporary file, are fsync'd and
+renamed; reads check size and sha256 and the manifest's identity fields; an entry that fails any
+check is reported (PrefixStoreWarning), deleted and rebuilt, never used. A size budget evicts the
+least recently used entries.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Entry:
     path: Path
     bytes: int
     tokens: int  # tokens the cache holds (a snapshot: how far the prefill got)
-    total_tokens: int  # the prefix's length
+    total_tokens: int  # the document prompt's length (a complete prefix's tokens)
     model: str
     dtype: str
     created: float
@@ -87,21 +87,21 @@ class PrefixStore:
         self.root = Path(root).expanduser()
         self.max_bytes = int(max_gb * 2**30)
 
-    # -- prefixes --------------------------------------------------------------------------
+    # -- complete prefixes -----------------------------------------------------------------
     def load(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
         """The stored cache of this exact prefix, or None (also when it failed a check)."""
         with self._lock(shared=True):
-            return self._read(self._prefix(key), key, cfg, key.tokens)
+            return self._read(self._entry_stem(key), key, cfg, key.tokens)
 
     def has(self, key: PrefixKey) -> bool:
         """Whether a complete cache of this prefix is stored (not verified: see `load`)."""
-        return self._prefix(key).with_suffix(".json").exists()
+        return self._entry_stem(key).with_suffix(".json").exists()
 
     def save(self, key: PrefixKey, cache: ModelCache) -> None:
         """Stores a complete prefix cache, then evicts least recently used entries over budget."""
         with self._lock():
-            self._write(self._prefix(key), key, cache, "prefix")
-            self._evict(keep=self._prefix(key))
+            self._write(self._entry_stem(key), key, cache, "prefix")
+            self._evict(keep=self._entry_stem(key))
 
     # -- snapshots of a prefill in progress ---------------------------------------------------
     def load_snapshot(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
@@ -159,7 +159,8 @@ class PrefixStore:
             return freed
 
     # -- internals ---------------------------------------------------------------------------
-    def _prefix(self, key: PrefixKey) -> Path:
+    def _entry_stem(self, key: PrefixKey) -> Path:
+        """A complete prefix's entry, without its suffix (.json manifest, .safetensors data)."""
         return self.root / "prefixes" / key.digest
 
     @contextlib.contextmanager
@@ -200,7 +201,7 @@ class PrefixStore:
         try:
             manifest = json.loads(manifest_path.read_text())
             if any(manifest.get(k) != v for k, v in key.identity().items()):
-                problem = "it belongs to another model, tokenizer, dtype or prefix"
+                problem = "it belongs to another model, tokenizer, dtype or document prompt"
             elif manifest.get("position") != position:
                 problem = f"it holds {manifest.get('position')} tokens, expected {position}"
             elif data_path.stat().st_size != manifest["bytes"]:
@@ -210,7 +211,7 @@ class PrefixStore:
             else:
                 arrays, header = mx.load(str(data_path), return_metadata=True)
                 if any(header.get(k) != v for k, v in key.identity().items()):
-                    problem = "its header belongs to another prefix"
+                    problem = "its header belongs to another entry"
                 else:
                     cache = ModelCache.from_state(arrays, header, cfg, str(data_path))
                     os.utime(manifest_path)  # last use, for LRU eviction

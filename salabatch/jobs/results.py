@@ -92,8 +92,8 @@ RESULT_SCHEMA = pa.schema(
         _col("model_sha", _S, "digest of the checkpoint weights"),
         _col("quant_bits", _I, "4 or 8 for a quantized checkpoint, null for full precision"),
         # tokens
-        _col("doc_tokens", _I, "tokens of the document prefix"),
-        _col("prompt_tokens", _I, "tokens of the whole prompt: document prefix + question"),
+        _col("doc_tokens", _I, "tokens of the document prompt"),
+        _col("prompt_tokens", _I, "tokens of the whole prompt: document prompt + question"),
         _col("cached_tokens", _I, "prompt tokens served from the prefix cache"),
         _col("completion_tokens", _I, "generated tokens, think block included"),
         # timings
@@ -103,7 +103,7 @@ RESULT_SCHEMA = pa.schema(
         _col("decode_s", _F, "seconds decoding the answer"),
         _col("decode_tok_s", _F, "decode throughput of this sequence, tokens/s"),
         _col("batch_size", _I, "sequences decoded together"),
-        _col("cache_source", _S, "where the document prefix came from: memory | disk | none"),
+        _col("cache_source", _S, "where the document's prefix came from: memory | disk | none"),
         _col("peak_mem_gb", _F, "peak accelerator/process memory during the request, GB"),
         _col("started_at", _TS, "when the request started (UTC)"),
         _col("finished_at", _TS, "when the row was finished (UTC)", nullable=False),

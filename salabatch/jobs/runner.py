@@ -100,9 +100,9 @@ class JobSetup:
         return pooled(plan, self.spec.engine.pool_max_tokens, self.spec.engine.batch_size)
 
     def prefix_key(self, plan: DocPlan) -> PrefixKey:
-        """Where the document prefix of `plan` is stored."""
+        """Where the prefix of `plan` (its document prompt, prefilled) is stored."""
         return PrefixKey.of(
-            self.spec.model, self.model_sha, self.tok.fingerprint, self.dtype, plan.prefix
+            self.spec.model, self.model_sha, self.tok.fingerprint, self.dtype, plan.doc_prompt
         )
 
 
@@ -215,14 +215,16 @@ class _Runner:
         rows = {r.key: r for r in plan.rows}
         try:
             with tqdm(
-                total=len(plan.prefix),
+                total=len(plan.doc_prompt),
                 unit="tok",
                 desc=f"prefill {plan.doc.doc_id}",
                 leave=False,
                 disable=not self.progress,
                 dynamic_ncols=True,
             ) as bar:
-                prefix = self.caches.get(key, plan.prefix, lambda done, _: bar.update(done - bar.n))
+                prefix = self.caches.get(
+                    key, plan.doc_prompt, lambda done, _: bar.update(done - bar.n)
+                )
             requests = [self._request(r, r.prompt) for r in plan.rows]
             gen = Generator(
                 self.model,
@@ -243,7 +245,7 @@ class _Runner:
             return
         started = _now()
         by_key = {r.key: (r, plan) for r, plan in pool}
-        requests = [self._request(r, (*(plan.prefix or ()), *r.prompt)) for r, plan in pool]
+        requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
             gen = Generator(
                 self.model,
@@ -323,7 +325,7 @@ def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dic
     row's own tokens)."""
     if prefix is None:  # pooled: the row prefilled its whole prompt itself
         return {
-            "doc_tokens": plan.doc_tokens if plan.prefix is not None else None,
+            "doc_tokens": plan.doc_tokens if plan.doc_prompt is not None else None,
             "prompt_tokens": g.prompt_tokens,
             "cached_tokens": 0,
             "cache_source": "none",

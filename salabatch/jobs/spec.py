@@ -197,8 +197,9 @@ class Engine(_Strict):
     # its start and end, or its start.
     on_overflow: Literal["error", "truncate_middle", "truncate_end"] = "error"
     # A document of at most this many tokens, with fewer questions than batch_size, is pooled:
-    # its rows prefill their whole prompts and decode in full batches across documents, since
-    # a short prefix is cheap to prefill again and its own batch would be mostly empty. 0: never.
+    # its rows prefill their whole prompts and decode in full batches across documents, since a
+    # short document prompt is cheap to prefill again and its own batch would be mostly empty.
+    # 0: never.
     pool_max_tokens: StrictInt = Field(2048, ge=0)
 
 

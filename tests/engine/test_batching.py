@@ -1,5 +1,6 @@
 """Batches of rows at different positions, sharing a document prefix or not: every row gets
-what it would get alone, in dense and in sparse (InfLLM-v2) mode, and the prefix is stored once."""
+what it would get alone, in dense and in sparse (InfLLM-v2) mode, and the shared keys are stored
+once."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_shared_prefix_batch_equals_each_alone(model, doc_len, label):
             assert mx.abs(g[b] - w[0]).max().item() < TOL, f"row {b}, step {t} ({label})"
 
 
-def test_prefix_is_stored_once(model):
+def test_shared_keys_are_stored_once(model):
     """8 rows over a 2000-token document hold the document's keys once (assert on bytes held and
     on memory allocated), plus per-row tails under 128 positions (in 256-position buffers)."""
     doc_cache = model.make_cache()
@@ -82,7 +83,7 @@ def test_prefix_is_stored_once(model):
         assert max(batch[i].keys.lengths) < 128
         assert batch[i].shared.start == 1920  # 64 · N2(2000): whole level-2 chunks only
     assert tails < doc_bytes  # 8 rows of tails together are smaller than one document
-    assert allocated < doc_bytes  # the shared part is a view of the document's buffers
+    assert allocated < doc_bytes  # the shared keys are a view of the document's buffers
     assert (
         batch.nbytes - sum(c.nbytes for c in batch if isinstance(c, LightningCache)) < 2 * doc_bytes
     )
@@ -91,7 +92,7 @@ def test_prefix_is_stored_once(model):
             assert isinstance(batch[i], LightningCache) and batch[i].state.shape[0] == 8
 
 
-def test_forks_of_one_document_share_one_prefix_object(model):
+def test_forks_of_one_document_share_one_shared_keys_object(model):
     doc_cache = model.make_cache()
     model(tokens(300, seed=2), doc_cache)
     a, b = doc_cache.fork(1), doc_cache.fork(2)
@@ -100,9 +101,9 @@ def test_forks_of_one_document_share_one_prefix_object(model):
     assert ModelCache.concat([a, b]).rows == 3
 
 
-def test_rows_over_different_prefixes_do_not_join(model):
-    """A batch reads one shared prefix: forks made after the document grew, and caches with no
-    shared prefix, cannot join earlier forks (concat refuses rather than mixing them)."""
+def test_rows_over_different_shared_keys_do_not_join(model):
+    """A batch reads one set of shared keys: forks made after the document grew, and caches with
+    no shared keys, cannot join earlier forks (concat refuses rather than mixing them)."""
     doc_cache = model.make_cache()
     model(tokens(300, seed=4), doc_cache)
     early = doc_cache.fork(1)
@@ -113,7 +114,7 @@ def test_rows_over_different_prefixes_do_not_join(model):
     fresh = model.make_cache()
     model(tokens(300, seed=4), fresh)
     for other in (late, fresh):
-        with pytest.raises(ValueError, match="same prefix"):
+        with pytest.raises(ValueError, match="same shared keys"):
             ModelCache.concat([early, other])
 
 

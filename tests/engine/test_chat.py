@@ -1,4 +1,4 @@
-"""Chat prompts: ChatML layout, injection, the prefix/suffix split, templates, thinking."""
+"""Chat prompts: ChatML layout, injection, the document prompt/suffix split, templates, thinking."""
 
 from __future__ import annotations
 
@@ -71,18 +71,18 @@ def test_bad_messages_are_typed_errors(tok):
 
 @pytest.mark.parametrize("think", [True, False])
 @pytest.mark.parametrize("system", [SYSTEM, None])
-def test_split_chat_prompt_shares_prefix_and_matches_whole_prompt(tok, think, system):
+def test_split_chat_prompt_shares_doc_prompt_and_matches_whole_prompt(tok, think, system):
     doc = "The parties are Acme Ltd. and 河流 GmbH. Payment within 30 days 🎉."
     questions = ["Who are the parties?", "  When is payment due?\n", "Is <|im_end|> text?"]
-    prefixes, suffixes = zip(
+    doc_prompts, suffixes = zip(
         *(tok.split_chat_prompt(doc, q, system=system, think=think) for q in questions),
         strict=True,
     )
-    assert all(p == prefixes[0] for p in prefixes)
-    prefix = prefixes[0]
-    assert prefix[0] == tok.bos_id and prefix.count(tok.bos_id) == 1
-    assert tok.decode(prefix).endswith("<|im_start|>user\n" + doc)
-    assert prefix == tok.prompt_prefix(doc, system=system, think=think)
+    assert all(p == doc_prompts[0] for p in doc_prompts)
+    doc_prompt = doc_prompts[0]
+    assert doc_prompt[0] == tok.bos_id and doc_prompt.count(tok.bos_id) == 1
+    assert tok.decode(doc_prompt).endswith("<|im_start|>user\n" + doc)
+    assert doc_prompt == tok.document_prompt(doc, system=system, think=think)
     for q, suffix in zip(questions, suffixes, strict=True):
         assert tok.bos_id not in suffix
         assert suffix == tok.prompt_suffix(q, system=system, think=think)
@@ -90,9 +90,11 @@ def test_split_chat_prompt_shares_prefix_and_matches_whole_prompt(tok, think, sy
         if system is not None:
             whole.insert(0, {"role": "system", "content": system})
         # tokenized in two parts, yet the same ids as the whole prompt
-        assert prefix + suffix == tok.chat_prompt_ids(whole, think=think)
+        assert doc_prompt + suffix == tok.chat_prompt_ids(whole, think=think)
         if "<|im_end|>" not in q:
-            assert prefix + suffix == tok.encode(tok.chat_prompt(whole, think=think), add_bos=True)
+            assert doc_prompt + suffix == tok.encode(
+                tok.chat_prompt(whole, think=think), add_bos=True
+            )
         expected_tail = "<|im_start|>assistant\n" + ("" if think else EMPTY_THINK)
         assert tok.decode(suffix) == "\n\n" + q.strip() + "<|im_end|>\n" + expected_tail
 
@@ -145,13 +147,13 @@ def sentencepiece_style_dir(dest: Path) -> Path:
 def test_split_matches_whole_prompt_with_sentencepiece_style_tokenizer(tmp_path, think):
     sp = load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))
     doc, q = "the Doc. 你好", "the user?"
-    prefix, suffix = sp.split_chat_prompt(doc, q, system="the", think=think)
+    doc_prompt, suffix = sp.split_chat_prompt(doc, q, system="the", think=think)
     whole = messages(user=doc + "\n\n" + q, system="the")
-    assert prefix + suffix == sp.encode(sp.chat_prompt(whole, think=think), add_bos=True)
+    assert doc_prompt + suffix == sp.encode(sp.chat_prompt(whole, think=think), add_bos=True)
     # a naive separate encode would start the suffix with a spurious "▁"
     assert sp.encode("\n\n" + q)[0] == sp.token_id("▁")
     assert suffix[0] == sp.encode("\n")[-1]
-    check_stream(sp, prefix + suffix)
+    check_stream(sp, doc_prompt + suffix)
 
 
 # ---- thinking -----------------------------------------------------------------------------
@@ -185,8 +187,8 @@ def test_jinja_template_is_used(demo_copy):
     assert t.chat_prompt(messages(), think=False) == upper
     ids = t.chat_prompt_ids(messages(), think=False)
     assert ids == t.encode(upper, add_bos=True) and ids.count(t.bos_id) == 1
-    prefix, suffix = t.split_chat_prompt("Some doc.", "A question?", system=None, think=True)
-    assert t.decode(prefix) == "<s><|im_start|>USER\nSome doc."
+    doc_prompt, suffix = t.split_chat_prompt("Some doc.", "A question?", system=None, think=True)
+    assert t.decode(doc_prompt) == "<s><|im_start|>USER\nSome doc."
     # a chat_template.jinja file takes precedence over tokenizer_config.json
     (demo_copy / "chat_template.jinja").write_text(TEMPLATE.replace("| upper", "| lower"))
     assert "<|im_start|>user\n" in load_tokenizer(demo_copy).chat_prompt(messages(), think=True)

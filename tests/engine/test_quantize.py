@@ -152,14 +152,14 @@ def test_convert_refuses_to_overwrite(src, converted, tmp_path):
 def published_layout(src, path, quantized_as=lambda name: (64, 8), overrides=None):
     """A checkpoint laid out like the published MLX 8-bit model (SPEC §7.3): every linear incl.
     lm_head as uint32 `.weight` + bf16 `.scales` / `.biases` under HF names, embeddings and norms
-    in bf16, one model.safetensors; `quantized_as(prefix)` gives (group, bits) or None."""
+    in bf16, one model.safetensors; `quantized_as(module)` gives (group, bits) or None."""
     out = {}
     for name, w in read_weights(src).items():
-        prefix = name.removesuffix(".weight")
-        spec = None if "embed_tokens" in name or "norm" in name else quantized_as(prefix)
+        module = name.removesuffix(".weight")
+        spec = None if "embed_tokens" in name or "norm" in name else quantized_as(module)
         if w.ndim == 2 and spec is not None:
             q, scales, biases = mx.quantize(w.astype(mx.bfloat16), *spec)
-            out |= {name: q, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+            out |= {name: q, f"{module}.scales": scales, f"{module}.biases": biases}
         else:
             out[name] = w.astype(mx.bfloat16)
     write_weights(path, out)
@@ -186,7 +186,7 @@ def test_per_layer_overrides(src, reference, tmp_path):
     path = published_layout(
         src,
         tmp_path / "mixed",
-        lambda prefix: specs.get(prefix, (64, 8)),
+        lambda module: specs.get(module, (64, 8)),
         {down: {"group_size": 32, "bits": 4}, z: False},
     )
     model = load_model(path, dtype="float32")
@@ -229,8 +229,8 @@ def test_quantized_embeddings_load(src, reference, tmp_path):
     weights = read_weights(path)
     w = read_weights(src)["model.embed_tokens.weight"].astype(mx.bfloat16)
     q, scales, biases = mx.quantize(w, 64, 8)
-    prefix = "model.embed_tokens"
-    weights |= {f"{prefix}.weight": q, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+    module = "model.embed_tokens"
+    weights |= {f"{module}.weight": q, f"{module}.scales": scales, f"{module}.biases": biases}
     write_weights(path, weights)
     model = load_model(path, dtype="float32")
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)

@@ -1,6 +1,6 @@
 """Tokenizer: encode/decode, BOS, loading; and the data and helpers test_tokenizer_*.py share.
 
-The other files: test_tokenizer_chat.py (chat prompts, prefix split, templates, thinking),
+The other files: test_tokenizer_chat.py (chat prompts, document prompt split, templates, thinking),
 test_tokenizer_detokenizer.py (streaming) and test_tokenizer_demo.py (the demo tokenizer).
 """
 

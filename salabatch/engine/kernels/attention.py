@@ -3,7 +3,7 @@
 Layout: q [B, H, Tq, d]; keys and values [B, Hk, Tk, d], H a multiple of Hk (GQA: query head h
 reads kv head h // (H / Hk)); the result is [B, H, Tq, d] in q's dtype. Keys and values may also
 come as a tuple of parts concatenated along Tk, each [B or 1, Hk, n, d]: a part with batch 1 is
-a prefix shared by every row, read once rather than copied per row.
+the shared keys (or values) of every row, read once rather than copied per row.
 
 mask: None (every key), "causal" (query i sits at position Tk − Tq + i: the queries are the last
 Tq of the keys), or a boolean array (True = attend) broadcastable to [B, H, Tq, Tk]. Every query
@@ -105,7 +105,7 @@ def attention_cpu(
         else:
             end = Tk
             tile_mask = _rows(mask, Tq, s, e)
-        ks, vs = _prefix(keys, end), _prefix(values, end)
+        ks, vs = _first(keys, end), _first(values, end)
         with mx.stream(lanes()[i % len(lanes())]):
             outs.append(_softmax_base2(qg[:, :, :, s:e], ks, vs, tile_mask, Hk, H))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
@@ -220,7 +220,7 @@ def _joined(x: Parts, batch: int) -> mx.array:
     )
 
 
-def _prefix(parts: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
+def _first(parts: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
     """The first `end` positions of the concatenation of parts, still as parts."""
     out, at = [], 0
     for p in parts:

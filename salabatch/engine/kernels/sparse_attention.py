@@ -53,7 +53,7 @@ KEY_BUCKET = 4096
 
 @dataclass(frozen=True)
 class KVView:
-    """What attention reads. Row b's sequence is the shared prefix, positions [0, start) of
+    """What attention reads. Row b's sequence is the shared keys, positions [0, start) of
     `shared_k` ([1, Hk, capacity, d], or None when start is 0), followed by `rows_k[b]`
     ([B, Hk, R, d], R a multiple of the block): `lengths[b]` positions in all. Buffers are
     passed whole (never sliced and copied); positions past a row's length hold anything."""
@@ -67,7 +67,7 @@ class KVView:
 
     def parts(self, end: int | None = None) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
         """Positions [0, end) (default: the longest row) as attention's parts: (shared, rows),
-        or (rows,) without a shared prefix."""
+        or (rows,) without shared keys."""
         end = max(self.lengths) if end is None else end
         own = end - self.start
         rows = (self.rows_k[:, :, :own], self.rows_v[:, :, :own])
@@ -214,9 +214,9 @@ def _gathered_pairs(q, kv: KVView, idx, q_pos, p0: int, scale, block: int):
     """Pairs p0.. of (row, kv head), as p = b·Hk + g: q [P', t, G, d], idx [P', t, K],
     q_pos [P', t] → [P', t, G, d].
 
-    Without a shared prefix, one `take` of whole blocks from the row buffer read as a flat
-    table ([(b, g, block), block·d]). With one, the slots in the prefix are gathered from the
-    shared buffer, and the row's own positions (after a document: its question and answer, a
+    Without shared keys, one `take` of whole blocks from the row buffer read as a flat
+    table ([(b, g, block), block·d]). With them, the slots in the shared keys are gathered from
+    the shared buffer, and the row's own positions (after a document: its question and answer, a
     few blocks) are read whole, masked to the selected blocks, so no gathered array is built
     twice and merged.
     """

@@ -99,8 +99,8 @@ def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local, bl
 def _attend_take_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
     """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q.
 
-    Without a shared prefix one `take` of whole blocks from the rows' buffer. With one, the
-    slots in the prefix are gathered from the shared buffer and the row's own positions (its
+    Without shared keys one `take` of whole blocks from the rows' buffer. With them, the
+    slots in the shared keys are gathered from the shared buffer and the row's own positions (its
     question and answer) are read whole, masked to the selected blocks."""
     n, _, G, d = q.shape
     k = sel.shape[-1]
@@ -146,7 +146,7 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
         sel[..., None] * block + mx.arange(block) <= pos[:, None, None]
     )  # [n, k, block]
     qs = q.reshape(n, 1, G, d) * (scale * LOG2E)  # base 2 as on the CPU path of `attention`
-    if start:  # blocks in the shared prefix; the row's own positions below, read whole
+    if start:  # blocks in the shared keys; the row's own positions below, read whole
         table_k, table_v = shared
         S = start // block
         at = (pairs % Hk)[:, None] * (table_k.shape[2] // block) + mx.minimum(safe, S - 1)

@@ -3,8 +3,8 @@
 Layout (every function here):
   q       [B, H, T, d]   queries of this call, H = Hk · G (G query heads share one kv head)
   c1      level-1 compressed keys (mean of 32 keys every 16), float32, as a tuple of parts
-          concatenated along the chunk axis: each [1 or B, Hk, n, d] (a prefix shared by all
-          rows, then the rows' own chunks); N1 = Σ n
+          concatenated along the chunk axis: each [1 or B, Hk, n, d] (the shared keys' chunks,
+          common to all rows, then the rows' own chunks); N1 = Σ n
   c2      level-2 compressed keys (mean of 128 keys every 64), likewise (N2)
   starts  the position of each row's first query (row b's queries sit at starts[b] + 0..T-1)
   block   tokens per key block, `SparseConfig.block_size` (64); `compression`: the (size, stride)

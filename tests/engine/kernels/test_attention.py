@@ -48,8 +48,8 @@ def test_cpu_path_matches_reference(cpu_device, tiles, case):
     assert mx.abs(got - attention_ref(q, k, v, D**-0.5, mask)).max().item() < TOL_F32
 
 
-def test_rows_at_different_positions_with_a_shared_prefix(cpu_device, tiles):
-    """Keys as parts: a prefix [1, Hk, S, d] shared by the rows, then each row's own keys."""
+def test_rows_at_different_positions_with_shared_keys(cpu_device, tiles):
+    """Keys as parts: shared keys [1, Hk, S, d] common to the rows, then each row's own keys."""
     S, R, t = 192, 40, 5
     shared_k, shared_v = rand(1, HK, S, D, seed=4), rand(1, HK, S, D, seed=5)
     rows_k, rows_v = rand(B, HK, R, D, seed=6), rand(B, HK, R, D, seed=7)

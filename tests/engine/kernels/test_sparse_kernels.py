@@ -183,7 +183,7 @@ def test_all_blocks_selected_equals_dense(monkeypatch, path):
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("t", [1, 70], ids=["decode", "prefill"])
-def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
+def test_block_sparse_attention_over_shared_keys(monkeypatch, t, path):
     """Rows forked from one cache (keys stored once) at different lengths, against the
     reference over each row's whole sequence."""
     doc = random_cache(700, seed=11)
@@ -228,7 +228,7 @@ def test_block_sparse_attention_over_a_shared_prefix(monkeypatch, t, path):
 
 @pytest.mark.parametrize("lane_rows", [1, 99], ids=["rows split between lanes", "one lane"])
 @pytest.mark.parametrize("stage2", ["blocks", "take"])
-@pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared prefix"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared keys"])
 def test_decode_step_matches_the_references(shared, stage2, lane_rows, monkeypatch):
     """The compiled decode step (whole buffers, bucketed blocks) selects and attends exactly
     as select_blocks_ref then block_sparse_attention_ref, in both stage-2 forms (blocks
