@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from tests.engine.test_tokenizer import (
     SYSTEM,
     TEMPLATE,
     check_stream,
-    demo_tokenizer_dir,
     edit_json,
     messages,
 )
@@ -29,17 +27,6 @@ CHATML_THINK = (
     "<|im_start|>assistant\n"
 )
 CHATML_NO_THINK = CHATML_THINK + "<think>\n\n</think>\n\n"
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(demo_tokenizer_dir(tmp_path_factory))
-
-
-@pytest.fixture
-def demo_copy(tok, tmp_path):
-    """A private copy of the demo tokenizer dir, for tests that edit its files."""
-    return Path(shutil.copytree(tok.model_dir, tmp_path / "tok"))
 
 
 # ---- chat prompts -------------------------------------------------------------------------

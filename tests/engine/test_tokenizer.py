@@ -7,7 +7,6 @@ test_tokenizer_detokenizer.py (streaming) and test_tokenizer_demo.py (the demo t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -44,17 +43,6 @@ def demo_tokenizer_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("demo_tok")
     assert build_byte_tokenizer(d) == 1024
     return d
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(demo_tokenizer_dir(tmp_path_factory))
-
-
-@pytest.fixture
-def demo_copy(tok, tmp_path):
-    """A private copy of the demo tokenizer dir, for tests that edit its files."""
-    return Path(shutil.copytree(tok.model_dir, tmp_path / "tok"))
 
 
 def messages(user=USER, system=SYSTEM):

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from salabatch.engine.tokenizer import load_tokenizer
-from tests.engine.test_tokenizer import TEXTS, check_stream, demo_tokenizer_dir
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return load_tokenizer(demo_tokenizer_dir(tmp_path_factory))
+from tests.engine.test_tokenizer import TEXTS, check_stream
 
 
 @pytest.mark.parametrize("text", TEXTS)
