@@ -111,6 +111,11 @@ class OutputError(SalabatchError):
     exit_code = 2
 
 
+class CacheWarning(UserWarning):
+    """The cache (prefix store, snapshots, builtin model, fingerprint memo) could not be used;
+    the run goes on without it. The cache is an optimisation: it never costs an answer."""
+
+
 def error_text(e: BaseException) -> str:
     """Why an OS or Arrow call failed, on one line (for an OSError, its reason without the path:
     the error that quotes it names the path itself)."""

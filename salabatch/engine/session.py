@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from salabatch.demo import builtin
 from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN, split_thinking
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
+from salabatch.engine.models import resolve_model
 from salabatch.engine.runtime import engine_runtime
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
@@ -18,7 +18,7 @@ from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 
 def open_model(ref: str, dtype: str | None = None, cache_dir=None) -> tuple[Model, Tokenizer]:
     """A checkpoint folder or `builtin:tiny` → (model, tokenizer)."""
-    path = builtin.resolve(ref, cache_dir)
+    path = resolve_model(ref, cache_dir)
     return load_model(path, dtype=dtype), load_tokenizer(path)
 
 

@@ -33,6 +33,7 @@ from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
+from salabatch.engine.models import resolve_model
 from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
@@ -74,7 +75,7 @@ class JobSetup:
     @classmethod
     def of(cls, spec: JobSpec) -> JobSetup:
         """Resolves the model (a builtin one is made on first use); reads no weights into memory."""
-        path = builtin.resolve(spec.model, spec.cache.dir)
+        path = resolve_model(spec.model, spec.cache.dir)
         return cls(
             spec=spec,
             model_path=path,
