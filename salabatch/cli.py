@@ -5,32 +5,68 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+import warnings
 
 import click
 
 from salabatch import __version__
 from salabatch.errors import JobValidationError, SalabatchError
 
+# Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
+# an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
+# 3 the run finished but results of the job are error rows; 130 interrupted (rows kept).
+EXIT_ERROR_ROWS = 3
+EXIT_INTERRUPTED = 130
+
 
 class _Group(click.Group):
-    """Loads the BLAS first; prints a SalabatchError as one line (no traceback) and exits with
-    its code."""
+    """Loads the BLAS first; prints warnings and errors as one line each (`--debug`: with their
+    traceback) and exits with the error's code."""
 
     def invoke(self, ctx: click.Context):
         # Before any command can import mlx.core: the BLAS swap only works before that import.
         from salabatch.engine import activate_blas
 
-        activate_blas()
-        try:
-            return super().invoke(ctx)
-        except SalabatchError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
+        debug = bool(ctx.params.get("debug"))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning if not debug else warnings.showwarning
+            activate_blas()
+            try:
+                return super().invoke(ctx)
+            except SalabatchError as e:
+                if debug:
+                    traceback.print_exc()
+                click.echo(f"error: {e}", err=True)
+                sys.exit(e.exit_code)
+            except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+                raise
+            except Exception as e:  # a bug, or a failure nothing above foresaw
+                if debug:
+                    raise
+                what = " ".join(str(e).split()) or "no message"
+                click.echo(
+                    f"error: {type(e).__name__}: {what} (run with --debug for the traceback)",
+                    err=True,
+                )
+                sys.exit(1)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr: `warning: <message>` (no source path or code line)."""
+    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
+
+
+def debug_enabled() -> bool:
+    """Whether `salabatch --debug` was given (for commands that report errors themselves)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.find_root().params.get("debug"))
 
 
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="salabatch")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show tracebacks and warnings' sources.")
+def main(debug: bool) -> None:
     """Answer questions over long documents with MiniCPM-SALA on MLX."""
 
 
@@ -56,14 +92,18 @@ def doctor(as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("model")
-@click.argument("prompt")
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]")
+@click.option("--model", "model_opt", help="MODEL as an option (mlx-lm's spelling).")
+@click.option("-p", "--prompt", "prompt_opt", help="PROMPT as an option; - reads standard input.")
+@click.option("-m", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(min=0)
+)
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True)
-@click.option("--system", default=None, help="System prompt.")
+@click.option("--system", "--system-prompt", default=None, help="System prompt.")
 @click.option(
     "--think/--no-think",
     default=False,
@@ -78,28 +118,50 @@ def doctor(as_json: bool) -> None:
 )
 @click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
 def generate(
-    model, prompt, max_tokens, temperature, top_p, top_k, seed, system, think, dtype, prefill_chunk
+    args,
+    model_opt,
+    prompt_opt,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    system,
+    think,
+    dtype,
+    prefill_chunk,
 ) -> None:
-    """Answer one PROMPT with MODEL (a checkpoint folder, or builtin:tiny — an untrained demo
-    model whose text is meaningless), streamed, then print timings."""
+    """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
+    builtin:tiny — an untrained demo model whose text is meaningless), streamed, then print
+    timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
+    --system-prompt."""
+    from salabatch.api import load
     from salabatch.demo import builtin
     from salabatch.engine.session import stream_answer
 
+    model, prompt = _positional(
+        args, ("MODEL", "PROMPT"), (model_opt, prompt_opt), "--model and --prompt"
+    )
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
     if builtin.is_builtin(model):
         click.echo(f"note: {builtin.WARNING}", err=True)
+    loaded, tok = load(model, dtype)
     stats = stream_answer(
-        model,
+        loaded,
+        tok,
         prompt,
-        system=system,
         think=think,
+        write=lambda text: click.echo(text, nl=False),
+        system=system,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        min_p=min_p,
         seed=seed,
-        dtype=dtype,
         prefill_chunk=prefill_chunk,
-        write=lambda text: click.echo(text, nl=False),
     )
     click.echo()
     click.echo(
@@ -125,7 +187,8 @@ _overrides = click.option(
     "-o",
     "--output",
     type=click.Path(dir_okay=False),
-    help="Results file (default: the job's output.path).",
+    help="Results file (default: the job's output.path): x.parquet, or x.jsonl for OpenAI Batch "
+    "output lines in input order, its resumable results kept beside it in x.parquet.",
 )
 @click.option(
     "--resume/--no-resume",
@@ -151,10 +214,16 @@ _overrides = click.option(
 def run(
     job, output, resume, retry_errors, dry_run, limit, overrides, requests, model, progress
 ) -> None:
-    """Run a job: every document × question, answers and timings to Parquet. Resumable: rerun
-    the same command after a crash or Ctrl-C and finished rows are kept."""
+    """Run a job: every document × question and request line, answers and timings to Parquet
+    (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
+    Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
     from salabatch.jobs.spec import load_job, requests_job
 
+    if output is not None and os.path.splitext(output)[1].lower() not in (".parquet", ".jsonl"):
+        raise click.BadParameter(
+            f"{output}: expected a .parquet results file or a .jsonl OpenAI Batch output file",
+            param_hint="-o/--output",
+        )
     if job:
         spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
     elif requests:
@@ -162,6 +231,10 @@ def run(
         spec = requests_job(requests, model, [*overrides, *extra])
     else:
         raise click.UsageError("give a JOB file, or --requests FILE")
+    jsonl = spec.output.path if spec.output.path.suffix.lower() == ".jsonl" else None
+    if jsonl is not None:  # OpenAI Batch output; the results stay Parquet, beside it
+        results = spec.output.model_copy(update={"path": jsonl.with_suffix(".parquet")})
+        spec = spec.model_copy(update={"output": results})
     if dry_run:
         from salabatch.jobs.dry_run import dry_run as show_plan
 
@@ -176,20 +249,31 @@ def run(
         limit=limit,
         progress=progress,
         echo=lambda m: click.echo(m, err=True),
+        debug=debug_enabled(),
+        jsonl=jsonl,
     )
     click.echo(
         f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
         f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
         err=True,
     )
+    if jsonl is not None and not summary.interrupted:
+        click.echo(f"OpenAI Batch output -> {jsonl}", err=True)
     if summary.interrupted:
         click.echo("interrupted: finished rows are saved; run the same command to resume", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
+    if summary.failed:
+        click.echo(
+            f"{summary.failed} row(s) of the job are errors; fix their cause and rerun with "
+            "--retry-errors to redo them",
+            err=True,
+        )
+        sys.exit(EXIT_ERROR_ROWS)
 
 
 @main.command()
-@click.argument("job", type=click.Path(dir_okay=False))
+@click.argument("job", metavar="PATH", type=click.Path())
 @_overrides
 @click.option(
     "--schema-only",
@@ -197,7 +281,14 @@ def run(
     help="Skip checking that the model, documents and requests exist.",
 )
 def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
-    """Check a job file; errors name their field and line. Exit code 2 on errors."""
+    """Check a job file (errors name their field and line), or a checkpoint folder (config,
+    tokenizer, and the weight files' tensors against the config, from their headers). Exit
+    code 2 on errors."""
+    if os.path.isdir(job):
+        if overrides or schema_only:
+            raise click.UsageError("--set and --schema-only are for a job file, not a folder")
+        _validate_checkpoint(job)
+        return
     from salabatch.jobs.spec import load_job, path_problems
 
     spec = load_job(job, overrides)
@@ -218,6 +309,32 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
         "output": str(spec.output.path),
     }
     click.echo(f"{job}: ok")
+    for key, value in rows.items():
+        click.echo(f"  {key:10s} {value}")
+
+
+def _validate_checkpoint(path: str) -> None:
+    """`validate` of a checkpoint folder: each problem on one line (exit 2), else a summary."""
+    from salabatch.cli_tools import human_size
+    from salabatch.engine.load import check_checkpoint
+
+    report = check_checkpoint(path)
+    for problem in report.problems:
+        click.echo(f"error: {problem}", err=True)
+    if report.problems:
+        sys.exit(2)
+    cfg, tok, files = report.config, report.tokenizer, report.weight_files
+    sparse, quant = len(cfg.sparse_layers), cfg.quantization
+    rows = {
+        "layers": f"{cfg.num_hidden_layers} ({sparse} sparse, "
+        f"{cfg.num_hidden_layers - sparse} lightning)",
+        "weights": f"{len(files)} file{'s' * (len(files) != 1)}, "
+        f"{human_size(sum(f.stat().st_size for f in files))}, "
+        + (f"{quant.bits}-bit, group size {quant.group_size}" if quant else "full precision"),
+        "tokenizer": f"{tok.vocab_size} tokens, stop ids {sorted(tok.eos_ids)}, "
+        + ("its chat template" if tok.has_chat_template else "built-in ChatML"),
+    }
+    click.echo(f"{path}: ok")
     for key, value in rows.items():
         click.echo(f"  {key:10s} {value}")
 
@@ -258,11 +375,22 @@ def export(results: str, fmt: str, output: str) -> None:
 
 
 @main.command("convert")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--bits", type=click.Choice(["4", "8"]), required=True)
+@click.argument("args", nargs=-1, metavar="[SRC] [DST]")
+@click.option("--hf-path", "--model", "src_opt", help="SRC as an option (mlx-lm's spelling).")
+@click.option("--mlx-path", "dst_opt", help="DST as an option (mlx-lm's spelling).")
 @click.option(
-    "--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True
+    "--bits",
+    "--q-bits",
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Bits per weight (MLX affine).",
+)
+@click.option("-q", "--quantize", is_flag=True, help="Quantize; without --bits, to 4 bits.")
+@click.option(
+    "--group-size",
+    "--q-group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default="64",
+    show_default=True,
 )
 @click.option(
     "--dtype",
@@ -274,16 +402,30 @@ def export(results: str, fmt: str, output: str) -> None:
 @click.option("--force", is_flag=True, help="Overwrite a non-empty DST.")
 @click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
 def convert_cmd(
-    src: str, dst: str, bits: str, group_size: str, dtype: str, force: bool, max_shard_gb: float
+    args: tuple[str, ...],
+    src_opt: str | None,
+    dst_opt: str | None,
+    bits: str | None,
+    quantize: bool,
+    group_size: str,
+    dtype: str,
+    force: bool,
+    max_shard_gb: float,
 ) -> None:
-    """Quantize a checkpoint (MLX affine, every linear layer incl. lm_head) into DST."""
+    """Quantize the checkpoint SRC (a folder, a Hugging Face repo id or builtin:tiny) into the
+    folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
+    --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
     from salabatch.cli_tools import human_size
+    from salabatch.engine.models import resolve_model
     from salabatch.engine.quantize import convert
 
+    src, dst = _positional(args, ("SRC", "DST"), (src_opt, dst_opt), "--hf-path and --mlx-path")
+    if bits is None and not quantize:
+        raise click.UsageError("give --bits (or --q-bits), or -q for 4 bits")
     s = convert(
-        src,
+        resolve_model(src),
         dst,
-        bits=int(bits),
+        bits=int(bits or 4),
         group_size=int(group_size),
         dtype=dtype,
         force=force,
@@ -295,6 +437,20 @@ def convert_cmd(
         f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
         f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
     )
+
+
+def _positional(
+    args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
+) -> list[str]:
+    """The values of `names`: each from its option when given, else from the positional `args`
+    in order (so `generate --model M PROMPT` and `generate M PROMPT` agree)."""
+    free = [name for name, value in zip(names, options, strict=True) if value is None]
+    if len(args) < len(free):
+        raise click.UsageError(f"give {' and '.join(names)}, as arguments or with {spelled}")
+    if len(args) > len(free):
+        raise click.UsageError(f"unexpected argument {args[len(free)]!r}")
+    rest = iter(args)
+    return [value if value is not None else next(rest) for value in options]
 
 
 from salabatch.cli_tools import bench, cache  # noqa: E402  (after `main`: they use no MLX)

@@ -30,26 +30,34 @@ def _store(root: str | None):
 @cache.command("ls")
 @_cache_dir
 def cache_ls(root: str | None) -> None:
-    """List stored prefixes and snapshots: size, tokens, model, dtype, age."""
+    """List stored prefixes and snapshots: size, tokens, model, dtype, age; and the temporary
+    files that killed writers left behind."""
     import time
 
-    entries = _store(root).entries()
+    store = _store(root)
+    entries = store.entries()
     if not entries:
         click.echo("no stored prefixes")
-        return
-    click.echo(
-        f"{'digest':14s} {'kind':8s} {'size':>9s} {'tokens':>15s} {'dtype':9s} "
-        f"{'last used':>10s}  model"
-    )
-    now = time.time()
-    for e in entries:
-        tokens = f"{e.tokens}" if e.kind == "prefix" else f"{e.tokens}/{e.total_tokens}"
+    else:
         click.echo(
-            f"{e.digest[:12]:14s} {e.kind:8s} {human_size(e.bytes):>9s} {tokens:>15s} "
-            f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {e.model}"
+            f"{'digest':14s} {'kind':8s} {'size':>9s} {'tokens':>15s} {'dtype':9s} "
+            f"{'last used':>10s}  model"
         )
-    total = sum(e.bytes for e in entries)
-    click.echo(f"{len(entries)} entries, {human_size(total)}")
+        now = time.time()
+        for e in entries:
+            tokens = f"{e.tokens}" if e.kind == "prefix" else f"{e.tokens}/{e.total_tokens}"
+            click.echo(
+                f"{e.digest[:12]:14s} {e.kind:8s} {human_size(e.bytes):>9s} {tokens:>15s} "
+                f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {e.model}"
+            )
+        total = sum(e.bytes for e in entries)
+        click.echo(f"{len(entries)} entries, {human_size(total)}")
+    stale = [t for t in store.temps() if t.stale]
+    if stale:
+        click.echo(
+            f"{len(stale)} stale temporary files, {human_size(sum(t.bytes for t in stale))} "
+            "(left by killed writes; the next run or `salabatch cache prune` removes them)"
+        )
 
 
 @cache.command("prune")
@@ -62,14 +70,20 @@ def cache_ls(root: str | None) -> None:
     help="Remove entries unused for this many days.",
 )
 def cache_prune(root: str | None, max_gb: float | None, older_than: float | None) -> None:
-    """Remove least recently used entries over a size, or entries unused for a while."""
+    """Remove least recently used entries over a size, or entries unused for a while; and the
+    temporary files that killed writers left behind."""
     if max_gb is None and older_than is None:
         raise click.UsageError("give --max-gb and/or --older-than")
-    removed = _store(root).prune(
+    store = _store(root)
+    removed = store.prune(
         max_bytes=None if max_gb is None else int(max_gb * 2**30),
         older_than_s=None if older_than is None else older_than * 86400,
     )
-    click.echo(f"removed {len(removed)} entries, {human_size(sum(e.bytes for e in removed))}")
+    line = f"removed {len(removed)} entries, {human_size(sum(e.bytes for e in removed))}"
+    if store.swept:
+        swept = human_size(sum(t.bytes for t in store.swept))
+        line += f"; {len(store.swept)} stale temporary files, {swept}"
+    click.echo(line)
 
 
 @cache.command("clear")

@@ -6,19 +6,23 @@ fingerprint memos, the patched BLAS): `$XDG_CACHE_HOME/salabatch`, else `~/.cach
 `write_atomic(dst, write)` has `write` fill a temporary file beside `dst` (or in `tmp_dir`, on
 the same file system), fsyncs it, renames it over `dst` and fsyncs the folder: a reader sees the
 old file or the new one, never a part. Temporary files are named `.<stem>.tmp-<pid>-<hex><suffix>`
-(`is_temp` recognises them) and are deleted when the write fails.
+(`is_temp` recognises them) and are deleted when the write fails. A temporary whose writer was
+killed stays: `temp_pid` names its writer and `pid_alive` says whether it may still finish it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"
+_TEMP_NAME = re.compile(r"\.(.*)\.tmp-([0-9]+)-[0-9a-f]{8}(.*)", re.S)
 
 
 def cache_dir() -> Path:
@@ -36,6 +40,50 @@ def temp_path(dst: Path, tmp_dir: Path | None = None) -> Path:
 def is_temp(path: Path) -> bool:
     """Whether `path` is one of `temp_path`'s names (a write in progress, or one that died)."""
     return path.name.startswith(".") and TEMP_MARK in path.name
+
+
+def temp_pid(path: Path) -> int | None:
+    """The process that made `temp_path` name `path`, or None for any other name."""
+    match = _TEMP_NAME.fullmatch(path.name)
+    return int(match[2]) if match else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (in this PID namespace). A temporary of a
+    dead writer is stale; a live one's may be a write in progress."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user's process
+    except OverflowError:
+        return False
+    return True
+
+
+def disk_bytes(path: Path) -> int:
+    """The bytes of a file, or of the files in a folder (0 for what cannot be read)."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return path.lstat().st_size
+        return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+    except OSError:
+        return 0
+
+
+def remove_path(path: Path) -> bool:
+    """Removes a file or a folder; whether it is gone now (False where it cannot be removed)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        return not os.path.lexists(path)
+    return True
 
 
 def write_atomic(dst: Path, write: Callable[[Path], None], *, tmp_dir: Path | None = None) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,25 @@ def test_temporaries_go_where_they_are_told(tmp_path):
     tmp = files.temp_path(tmp_path / "x.parquet", parts)
     assert tmp.parent == parts and files.is_temp(tmp) and tmp.name.endswith(".parquet")
     assert not files.is_temp(tmp_path / "part-000001-abc.parquet")
+
+
+def test_a_temporary_names_its_writer_and_a_dead_writer_is_not_alive(tmp_path):
+    for dst in (tmp_path / "a.b.safetensors", tmp_path / "builtin-tiny-v2", tmp_path / ".x.json"):
+        assert files.temp_pid(files.temp_path(dst)) == os.getpid()
+    assert files.temp_pid(tmp_path / "a.safetensors") is None
+    assert files.temp_pid(tmp_path / ".a.tmp-12-notahex.json") is None
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    assert files.pid_alive(os.getpid()) and not files.pid_alive(child.pid)
+    assert files.pid_alive(1)  # init: alive, whoever owns it
+    assert not files.pid_alive(0) and not files.pid_alive(2**40)
+
+
+def test_disk_bytes_and_remove_path_take_files_and_folders(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f").write_bytes(bytes(300))
+    (tmp_path / "d" / "g").write_bytes(bytes(200))
+    assert files.disk_bytes(tmp_path / "d") == 500 and files.disk_bytes(tmp_path / "d" / "g") == 200
+    assert files.disk_bytes(tmp_path / "missing") == 0
+    assert files.remove_path(tmp_path / "d" / "g") and files.remove_path(tmp_path / "d")
+    assert not (tmp_path / "d").exists() and files.remove_path(tmp_path / "missing")

@@ -13,15 +13,15 @@ import time
 
 import numpy as np
 
+from salabatch.api import load
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.runtime import engine_runtime
-from salabatch.engine.session import open_model
 from salabatch.jobs.document_cache import DocumentCaches
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 
 
 def run(doc_tokens: int, questions: int, max_tokens: int) -> dict:
-    model, tok = open_model("builtin:tiny")
+    model, tok = load("builtin:tiny")
     rng = np.random.default_rng(0)
     doc = rng.integers(3, tok.vocab_size - 8, size=doc_tokens).tolist()
     asks = [tuple(rng.integers(3, 500, size=12 + 3 * i).tolist()) for i in range(questions)]

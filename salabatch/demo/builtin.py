@@ -6,18 +6,24 @@ kinds are present and its sparse layers switch to InfLLM-v2 at 2048 tokens, so a
 few thousand tokens exercises the real long-context path.
 
 Built once into `<cache dir>/models/builtin-tiny-v2/` (config.json, model.safetensors,
-tokenizer files); the same bytes on every machine. This module is the only one that knows the
-`builtin:` prefix: everything else asks `is_builtin` / `builtin_name`.
+tokenizer files); the same bytes on every machine. Where the cache dir cannot take it (read-only,
+full, no permission) it is built into a private temporary folder instead, removed when the
+process exits, with one warning (CacheWarning): a run never fails for its cache. This module is
+the only one that knows the `builtin:` prefix: everything else asks `is_builtin` /
+`builtin_name`.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 from salabatch import files
-from salabatch.errors import ConfigError
+from salabatch.errors import CacheWarning, CheckpointError, ConfigError, error_text
 
 PREFIX = "builtin:"
 MODELS = ("tiny",)
@@ -50,9 +56,34 @@ def resolve(model: str | os.PathLike, cache_dir: str | Path | None = None) -> Pa
         return Path(model).expanduser()
     root = Path(cache_dir or files.cache_dir()).expanduser()
     dest = root / "models" / f"builtin-{name}-v{VERSION}"
-    if not (dest / "model.safetensors").is_file():
-        _build(dest)
-    return dest
+    try:
+        if not (dest / "model.safetensors").is_file():
+            _build(dest)
+        return dest
+    except (OSError, RuntimeError) as e:  # MLX reports a failed write as a RuntimeError
+        return _build_private(dest, error_text(e))
+
+
+def _build_private(dest: Path, reason: str) -> Path:
+    """Builds `dest`'s model into a temporary folder removed at exit, since the cache dir
+    cannot take it (`reason`); CheckpointError if that fails too."""
+    try:
+        private = Path(tempfile.mkdtemp(prefix=f"salabatch-{dest.name}-"))
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        warnings.warn(
+            f"{dest.parent}: cannot build the builtin model there ({reason}); "
+            f"it is built in {private} instead, removed when this process ends",
+            CacheWarning,
+            stacklevel=3,
+        )
+        _build(private / dest.name)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(
+            f"cannot build the builtin model here ({reason}) nor in a temporary folder "
+            f"({error_text(e)})",
+            path=dest.parent,
+        ) from None
+    return private / dest.name
 
 
 def tiny_config(vocab_size: int, eos: list[int]) -> dict:

@@ -2,7 +2,7 @@
 
 Importing it changes nothing in the process. On Linux CPU, call `activate_blas()` once before
 anything imports `mlx.core` so MLX runs on an optimized BLAS (see `blas.py`); the `salabatch`
-command does so at start.
+command does so at start, and `salabatch.load` before it loads a model.
 """
 
 from salabatch.engine.blas import activate_blas

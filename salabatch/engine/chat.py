@@ -1,23 +1,38 @@
 r"""Chat prompts: messages → prompt text, and the think block of generated text (SPEC §6).
 
-The checkpoint's chat template (a sandboxed Jinja template) renders the prompt; without one, the
-built-in ChatML does::
+The checkpoint's chat template renders the prompt exactly as transformers' `apply_chat_template`
+renders it: the same sandboxed Jinja environment (trim_blocks, lstrip_blocks, loop controls, the
+`{% generation %}` tag), the same `tojson`, `raise_exception`, `strftime_now`, `dict` and
+`namespace`, and the same variables (`messages`, `add_generation_prompt`, `tools`, `documents`,
+the named special tokens such as `bos_token`/`eos_token`/`pad_token`, and `enable_thinking`, our
+`think`). Messages go in as transformers passes them: keys whose value is None dropped, the
+reasoning under `reasoning_content` and `thinking`. Two deliberate differences: the text never
+starts with the BOS text (the ids get BOS, see `salabatch.engine.tokenizer`), and with
+`think=False` an empty think block is seeded after the generation prompt when the template did
+not write one (MiniCPM's template ignores `enable_thinking`). Without a template, the built-in
+ChatML does::
 
     [BOS] <|im_start|>system\n{system}<|im_end|>\n    (only when a system prompt is given)
           <|im_start|>user\n{content}<|im_end|>\n
           <|im_start|>assistant\n<think>\n\n</think>\n\n   (empty think block: think=False)
 
-A rendered prompt is a list of segments `(text, is_content)`: template scaffolding alternating
-with message contents, so that the tokenizer (`salabatch.engine.tokenizer`) can parse special
-tokens in the scaffolding only. Prompt text never contains the BOS text; the ids get BOS. This
-module knows no token ids.
+Document injection. The template sees the real message strings, so its filters (`trim`,
+slicing, `split`) act as in transformers; but special-token text inside any message string is
+wrapped in two Unicode noncharacters first (markers are removed from the input beforehand, so
+they cannot be forged). A rendered prompt is a list of segments `(text, plain)`: the wrapped
+pieces come out as `plain` segments, which the tokenizer encodes as ordinary characters; the rest
+(template scaffolding and ordinary message text) is parsed for special tokens. A template that
+lets special-token text of a message through without its markers (it escapes or re-prints the
+string: `tojson(ensure_ascii=true)`, printing a list) is refused with a TokenizerError rather than
+parsed. Not caught, as in transformers: a template that builds special-token text out of pieces
+of message text (case changes, joining two strings). This module knows no token ids.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,18 +46,25 @@ EMPTY_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 DOC_QUESTION_SEP = "\n\n"
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
-# Stand-ins for message contents while a template renders: contents are spliced in afterwards,
-# so the template never sees (and never re-parses) user text, and we know where each one sits.
-_MARK = "\ue000{}\ue001"
-_MARK_RE = re.compile("\ue000([0-9]+)\ue001")
+# Noncharacters (reserved by Unicode for internal use): around special-token text of messages,
+# and where a document prompt is cut. Removed from every message string before rendering.
+_OPEN, _CLOSE, _CUT = "\ufdd0", "\ufdd1", "\ufdd2"
+_MARKERS = re.compile(f"[{_OPEN}{_CLOSE}{_CUT}]")
+# A wrapped piece, or a lone marker (a template string method split a pair): the latter is
+# dropped but still separates the text on either side, so that it cannot join into a token.
+_PIECE = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}|[{_OPEN}{_CLOSE}]")
+# Other names transformers passes a message's reasoning under; the first is what templates read.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
-Segment = tuple[str, bool]  # (text, is_content)
+Segment = tuple[str, bool]  # (text, plain): plain text is never parsed for special tokens
 
 
 class ChatFormat:
     """Renders messages with a chat template, or with the built-in ChatML when there is none.
 
     `path` is named in errors: the template's file, or the model directory for ChatML.
+    `special_tokens` are the template's named tokens (`{"bos_token": "<s>", ...}`);
+    `control_tokens` the texts never parsed inside messages (the special added tokens);
     `has_token(text)` says whether the vocabulary has a token (ChatML needs `CHATML_TOKENS`).
     """
 
@@ -52,12 +74,17 @@ class ChatFormat:
         *,
         path: Path | None,
         bos_text: str | None,
-        eos_text: str,
+        special_tokens: Mapping[str, str],
+        control_tokens: Iterable[str],
         has_token: Callable[[str], bool],
     ) -> None:
         self.path = path
         self._bos_text = bos_text
-        self._eos_text = eos_text
+        self._special_tokens = dict(special_tokens)
+        longest_first = sorted({t for t in control_tokens if t}, key=len, reverse=True)
+        self._control = (
+            re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        )
         self._has_token = has_token
         self._template = compile_template(template, path) if template is not None else None
 
@@ -68,24 +95,12 @@ class ChatFormat:
     def render(
         self, messages: Sequence[dict], *, think: bool, add_generation_prompt: bool
     ) -> list[Segment]:
-        """Segments of the prompt of `messages` ({'role': str, 'content': str} each)."""
-        marked, fills = [], []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise TokenizerError(
-                    "bad message", field=f"messages[{i}]", expected="{'role': str, 'content': str}"
-                )
-            if not isinstance(m.get("content"), str):
-                raise TokenizerError(
-                    "content must be a string",
-                    field=f"messages[{i}].content",
-                    got=type(m.get("content")).__name__,
-                )
-            marked.append({**m, "content": _MARK.format(i)})
-            fills.append(m["content"])
-        return self._render_marked(
-            marked, fills, think=think, add_generation_prompt=add_generation_prompt
+        """Segments of the prompt of `messages` ({'role': str, 'content': str, ...} each)."""
+        checked = [_template_message(i, m) for i, m in enumerate(messages)]
+        text = self._render_safely(
+            lambda t: [_map_strings(m, t) for m in checked], think, add_generation_prompt
         )
+        return _segments(text)
 
     def document_prompt(
         self, document: str, question: str, *, system: str | None, think: bool
@@ -95,33 +110,69 @@ class ChatFormat:
 
         The user message is `document.strip() + DOC_QUESTION_SEP + question.strip()`; an empty
         document is refused (the cut must follow a non-space character, see
-        `Tokenizer.split_chat_prompt`).
+        `Tokenizer.split_chat_prompt`). The template must write the document exactly once.
         """
         document, question = document.strip(), question.strip()
         if not document:
             raise TokenizerError(
                 "document has no text", expected="non-whitespace text", got=document
             )
-        messages, fills = [], []
-        if system is not None:
-            messages.append({"role": "system", "content": _MARK.format(0)})
-            fills.append(system)
-        n = len(fills)
-        user = _MARK.format(n) + DOC_QUESTION_SEP + _MARK.format(n + 1)
-        messages.append({"role": "user", "content": user})
-        fills += [document, question]
-        segments = self._render_marked(messages, fills, think=think, add_generation_prompt=True)
-        # Segments alternate scaffold/content: content k sits at 2k + 1, the document at 2n + 1.
-        cut = 2 * n + 2
-        return segments[:cut], segments[cut:]
 
-    def _render_marked(
-        self, messages: list[dict], fills: list[str], *, think: bool, add_generation_prompt: bool
-    ) -> list[Segment]:
-        """Render with content markers, then splice contents in.
+        def build(t: Callable[[str], str]) -> list[dict]:
+            user = t(document) + _CUT + DOC_QUESTION_SEP + t(question)
+            head = [{"role": "system", "content": t(system)}] if system is not None else []
+            return [*head, {"role": "user", "content": user}]
 
-        Always alternating, starting and ending with a scaffold segment (possibly empty).
+        parts = self._render_safely(build, think, True).split(_CUT)
+        if len(parts) != 2:
+            raise TokenizerError(
+                "chat template does not write the user message's document exactly once",
+                path=self.path,
+                field="chat_template",
+            )
+        return _segments(parts[0]), _segments(parts[1])
+
+    def _render_safely(
+        self,
+        build: Callable[[Callable[[str], str]], list[dict]],
+        think: bool,
+        add_generation_prompt: bool,
+    ) -> str:
+        """Text of the messages `build(t)` makes, `t` applied to each of their strings, with the
+        special-token text of those strings marked.
+
+        When there was any, the template is rendered once more with it removed: the text outside
+        the marked pieces must hold no more special tokens than that render (else the template
+        let message text through unmarked, and it is refused).
         """
+        marked = build(self._mark)
+        text = self._text(marked, think, add_generation_prompt)
+        neutral = build(self._remove_tokens)
+        if neutral != marked:
+            bare = self._text(neutral, think, add_generation_prompt)
+            parsed = "".join(t for t, plain in _segments(text.replace(_CUT, "")) if not plain)
+            if self._count_tokens(parsed) > self._count_tokens(bare.replace(_CUT, "")):
+                raise TokenizerError(
+                    "chat template writes special-token text of a message without its markers "
+                    "(it escapes or re-prints the string); refusing to parse it as tokens",
+                    path=self.path,
+                    field="chat_template",
+                )
+        return text
+
+    def _mark(self, text: str) -> str:
+        text = _MARKERS.sub("", text)
+        return self._control.sub(lambda m: _OPEN + m[0] + _CLOSE, text) if self._control else text
+
+    def _remove_tokens(self, text: str) -> str:
+        text = _MARKERS.sub("", text)
+        return self._control.sub("", text) if self._control else text
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self._control.findall(text)) if self._control else 0
+
+    def _text(self, messages: list[dict], think: bool, add_generation_prompt: bool) -> str:
+        """The rendered prompt, less a leading BOS text, with the think seed (module docstring)."""
         if self._template is None:
             text = self._chatml(messages, add_generation_prompt)
         else:
@@ -131,19 +182,7 @@ class ChatFormat:
             text += EMPTY_THINK
         if self._bos_text and text.startswith(self._bos_text):
             text = text[len(self._bos_text) :]  # BOS goes in as an id, never as text
-        parts = _MARK_RE.split(text)  # [scaffold, index, scaffold, index, ..., scaffold]
-        found = [int(p) for p in parts[1::2]]
-        if found != list(range(len(fills))):
-            raise TokenizerError(
-                "chat template does not insert each message content exactly once, verbatim",
-                path=self.path,
-                field="chat_template",
-            )
-        scaffolds = parts[0::2]
-        segments: list[Segment] = [(scaffolds[0], False)]
-        for fill, scaffold in zip(fills, scaffolds[1:], strict=True):
-            segments += [(fill, True), (scaffold, False)]
-        return segments
+        return text
 
     def _chatml(self, messages: list[dict], add_generation_prompt: bool) -> str:
         for token in CHATML_TOKENS:
@@ -156,29 +195,81 @@ class ChatFormat:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def _render_template(self, messages: list[dict], think: bool, add_gen: bool) -> str:
-        from jinja2 import TemplateError
-
+        # As transformers: the named special tokens first, the call's own variables over them.
+        variables = {
+            **self._special_tokens,
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_gen,
+            "enable_thinking": think,
+        }
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_gen,
-                enable_thinking=think,
-                bos_token=self._bos_text or "",
-                eos_token=self._eos_text,
-                tools=None,
-                documents=None,
-            )
-        except TemplateError as e:
+            return self._template.render(**variables)
+        except Exception as e:  # template code can raise anything (TemplateError, TypeError, ...)
             raise TokenizerError(
                 f"chat template failed: {e}", path=self.path, field="chat_template"
             ) from e
 
 
+def _template_message(i: int, m: Any) -> dict:
+    """Message `i` as transformers hands it to a template: None values dropped, the reasoning
+    under its standard names."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise TokenizerError(
+            "bad message", field=f"messages[{i}]", expected="{'role': str, 'content': str}"
+        )
+    if not isinstance(m.get("content"), str):
+        raise TokenizerError(
+            "content must be a string",
+            field=f"messages[{i}].content",
+            got=type(m.get("content")).__name__,
+        )
+    m = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
+    if reasoning is not None:
+        m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+    return m
+
+
+def _map_strings(value: Any, t: Callable[[str], str]) -> Any:
+    """`value` with `t` applied to every string in it (dict keys excepted)."""
+    if isinstance(value, str):
+        return t(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, t) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_map_strings(v, t) for v in value)
+    if isinstance(value, list):
+        return [_map_strings(v, t) for v in value]
+    return value
+
+
+def _segments(text: str) -> list[Segment]:
+    """Split rendered text at its marked pieces: (unmarked text, False), (piece, True), ...
+
+    Empty texts are left out; a lone marker only separates the texts around it.
+    """
+    segments: list[Segment] = []
+    start = 0
+    for m in _PIECE.finditer(text):
+        if start < m.start():
+            segments.append((text[start : m.start()], False))
+        if m[1]:
+            segments.append((m[1], True))
+        start = m.end()
+    if start < len(text):
+        segments.append((text[start:], False))
+    return segments
+
+
 def compile_template(source: str, path: Path | None) -> Any:
-    """Compile a Jinja chat template in an immutable sandbox (HF conventions and helpers)."""
-    from jinja2 import TemplateError
+    """Compile a Jinja chat template in the immutable sandbox transformers renders it in."""
+    from jinja2 import TemplateError, nodes
     from jinja2.exceptions import SecurityError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
 
     class Sandbox(ImmutableSandboxedEnvironment):
         # The stock sandbox renders an unsafe attribute as an empty Undefined; refuse outright.
@@ -187,17 +278,79 @@ def compile_template(source: str, path: Path | None) -> Any:
                 f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
             )
 
+    class GenerationTag(Extension):
+        """`{% generation %}…{% endgeneration %}` marks assistant text for training masks;
+        rendering writes its body unchanged (in its own scope, a call block, as transformers)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    class TemplateNamespace(Namespace):
+        """`namespace()` whose attributes cannot start with "_" (no way to CPython internals)."""
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_attribute(name)
+            super().__setitem__(name, value)
+
+    def _check_attribute(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot set namespace attribute {name!r}")
+
+    def namespace(*args: Any, **kwargs: Any) -> TemplateNamespace:
+        attributes = dict(*args, **kwargs)
+        for name in attributes:
+            _check_attribute(name)
+        return TemplateNamespace(attributes)
+
+    class Dicts:
+        """`dict` in templates: builds dicts without handing out the `dict` type itself."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, keys: Iterable, value: Any = None) -> dict:
+            return dict.fromkeys(keys, value)
+
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-        # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson HTML-escapes; chat templates expect plain JSON (transformers' order
+        # of arguments: `x | tojson(true)` means ensure_ascii).
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
+    )
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=Dicts(),
+        namespace=namespace,
+    )
     try:
         return env.from_string(source)
     except TemplateError as e:

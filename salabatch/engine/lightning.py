@@ -37,8 +37,9 @@ class LightningAttention(nn.Module):
             self.o_norm = nn.RMSNorm(self.n_heads * d, eps=self.eps)
         if cfg.use_output_gate:
             self.z_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
-        # Log-decay per head: fixed ALiBi slopes, the same in every layer (SPEC §3.5, P3).
-        self._log_decay = -mx.array(decay_slopes(self.n_heads), dtype=mx.float32)
+        # Log-decay per head: fixed ALiBi slopes, the same in every layer (SPEC §3.5, P3). Built
+        # from Python floats, so it is data, not an op bound to the stream of the loading thread.
+        self._log_decay = mx.array([-s for s in decay_slopes(self.n_heads)], dtype=mx.float32)
         # A decode step has the same shapes every time: one compiled graph per batch size
         # replaces ~25 op dispatches; the weights are its implicit inputs, so it sees updates.
         self._step = mx.compile(self._forward, inputs=self.state)

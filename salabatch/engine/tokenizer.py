@@ -13,10 +13,12 @@ Policies, stated once:
   post-processor (MiniCPM's prepends `<s>`, id 1) never runs. BOS is added only by us: by
   `encode(text, add_bos=True)` and by every chat-prompt function (when `add_bos_token`). Chat
   prompt *strings* never contain the BOS text; the ids get the BOS id prepended, exactly once.
-* **Special tokens.** `encode` turns special-token text (`<|im_end|>`) into its id. Message
-  contents (documents, questions, system prompts) are encoded as plain text: a document that
-  contains the text `<|im_start|>` cannot inject a turn. Only the template's own scaffolding is
-  parsed for special tokens.
+* **Special tokens.** `encode` turns special-token text (`<|im_end|>`) into its id. Inside a
+  chat prompt, special-token text that comes from a message (document, question, system prompt)
+  is encoded as plain text: a document that contains the text `<|im_start|>` cannot inject a
+  turn. The rest of the prompt, the template's scaffolding and ordinary message text, is encoded
+  as one text, so the ids are those of the rendered prompt (what transformers'
+  `apply_chat_template` gives).
 
 Prompt text is rendered by `salabatch.engine.chat` (the ChatML layout is shown there). The demo
 tokenizer of `builtin:tiny` is built by `salabatch.demo.tokenizer`.
@@ -63,6 +65,17 @@ _JSON_FILES = (
 )
 _ID_CONFIGS = ("generation_config.json", "config.json")
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id")
+# The special tokens transformers names (`special_tokens_map`); a chat template sees each one that
+# is set as a variable of that name.
+_NAMED_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 # --------------------------------------------------------------------------------------------
 # Loading
@@ -86,7 +99,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         bos_id=bos_id,
         eos_ids=eos_ids,
         add_bos_token=_adds_bos(backend, tok_cfg, bos_id),
-        eos_token=_token_text(cfgs, "eos_token"),
+        named_tokens=_named_tokens(cfgs),
         chat_template=template,
         chat_template_path=template_path,
         fingerprint=_fingerprint(model_dir, {name: cfgs[name] for name in _ID_CONFIGS}),
@@ -133,15 +146,33 @@ def _adds_bos(backend: _Backend, tok_cfg: dict, bos_id: int | None) -> bool:
     return bos_id is not None and full[:1] == [bos_id] and plain[:1] != [bos_id]
 
 
+def _named_tokens(cfgs: dict[str, dict]) -> dict[str, str]:
+    """The special tokens a chat template sees by name, as transformers passes them: the
+    standard names, tokenizer_config's other `*_token` entries and the names of a mapping
+    `extra_special_tokens` (model-specific tokens such as `image_token`). A list of extra special
+    tokens is not passed."""
+    tok_cfg = cfgs["tokenizer_config.json"]
+    extra = tok_cfg.get("extra_special_tokens")
+    names = [*_NAMED_TOKENS, *(k for k in tok_cfg if k.endswith("_token"))]
+    tokens = {name: text for name in names if (text := _token_text(cfgs, name)) is not None}
+    if isinstance(extra, dict):
+        tokens.update({k: text for k, v in extra.items() if (text := _content(v)) is not None})
+    return tokens
+
+
 def _token_text(cfgs: dict[str, dict], key: str) -> str | None:
     """The text of special token `key`; tokenizer_config wins over special_tokens_map."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        value = cfgs[name].get(key)
-        if isinstance(value, dict):  # HF writes "<s>" or {"content": "<s>", ...}
-            value = value.get("content")
-        if isinstance(value, str):
-            return value
+        if (text := _content(cfgs[name].get(key))) is not None:
+            return text
     return None
+
+
+def _content(value: Any) -> str | None:
+    """The text of a token entry: HF writes "<s>" or {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _text_id(backend: _Backend, cfgs: dict[str, dict], key: str, model_dir: Path) -> int | None:
@@ -298,7 +329,7 @@ class Tokenizer:
         bos_id: int | None,
         eos_ids: frozenset[int],
         add_bos_token: bool,
-        eos_token: str | None,
+        named_tokens: dict[str, str],
         chat_template: str | None,
         chat_template_path: Path | None,
         fingerprint: str,
@@ -317,12 +348,16 @@ class Tokenizer:
         cont = _continuation_source(source)
         self._cont = _parse_backend(cont, plain=False) if cont is not None else None
         self._cont_plain = _parse_backend(cont, plain=True) if cont is not None else None
-        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        bos_text = backend.id_to_token(bos_id) if bos_id is not None else None
         self._chat = ChatFormat(
             chat_template,
             path=chat_template_path if chat_template is not None else model_dir,
-            bos_text=backend.id_to_token(bos_id) if bos_id is not None else None,
-            eos_text=eos_token or "",
+            bos_text=bos_text,
+            # A BOS known only by id (config.json) still reaches the template as bos_token.
+            special_tokens={"bos_token": bos_text, **named_tokens} if bos_text else named_tokens,
+            control_tokens=[t.content for t in added.values() if t.special],
             has_token=lambda text: backend.token_to_id(text) is not None,
         )
 
@@ -452,14 +487,14 @@ class Tokenizer:
         return self._with_bos(ids) if self.add_bos_token else ids
 
     def _encode_segments(self, segments: list[Segment], *, after_split: bool) -> list[int]:
-        """Encode segments in order; contents as plain text, scaffolding with special tokens.
+        """Encode segments in order; plain ones as plain text, the others with special tokens.
 
         `after_split` says whether the text so far ends at a split point of the backend (the
         prompt start or an added token); each piece updates it for the next.
         """
         ids: list[int] = []
-        for text, is_content in segments:
-            part = self._encode_piece(text, special=not is_content, after_split=after_split)
+        for text, plain in segments:
+            part = self._encode_piece(text, special=not plain, after_split=after_split)
             ids += part
             if part:
                 after_split = part[-1] in self._added_ids

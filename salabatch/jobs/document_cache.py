@@ -1,5 +1,8 @@
 """A document's prefix cache, from the cheapest source: this run's memory, the store on disk,
-or a prefill — resumed from the last snapshot when an earlier run was killed mid-document."""
+or a prefill — resumed from the last snapshot when an earlier run was killed mid-document.
+
+A store that cannot be read or written costs no answer: it warns and misses, or stores nothing,
+and the prefill's live cache answers the document's questions all the same."""
 
 from __future__ import annotations
 

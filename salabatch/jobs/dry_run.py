@@ -42,10 +42,15 @@ def dry_run(
     echo("documents:")
     rows, prefill, cached = _show_documents(setup, planner, echo)
     if spec.requests:
-        requests = list(plan_requests(spec, setup.tok, planner))
-        bad = sum(1 for p in requests if p.error)
-        rows += len(requests)
-        echo(f"requests {spec.requests}: {len(requests)} to do ({bad} invalid)")
+        plans = list(plan_requests(spec, setup.tok, planner))
+        todo = sum(len(p.rows) for p in plans)
+        bad = sum(len(p.rows) for p in plans if p.error)
+        shared = [p for p in plans if p.doc_prompt is not None]
+        rows += todo
+        echo(
+            f"requests {spec.requests}: {todo} to do ({bad} invalid; "
+            f"{sum(len(p.rows) for p in shared)} in {len(shared)} group(s) sharing a prefix)"
+        )
     echo(
         f"plan: {rows} row(s) to do, {planner.skipped} already done; prefill {prefill} document "
         f"tokens, {cached} from stored prefixes"

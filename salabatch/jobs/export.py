@@ -11,7 +11,7 @@ import json
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -81,14 +81,26 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
     return "\n".join(lines)
 
 
-def export_openai_jsonl(path: str | os.PathLike, out: str | os.PathLike | TextIO) -> int:
+def export_openai_jsonl(
+    path: str | os.PathLike,
+    out: str | os.PathLike | TextIO,
+    *,
+    lines: Mapping[str, int] | None = None,
+) -> int:
     """Write the rows as the OpenAI Batch API's output file: one JSON object per line,
     `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion>},
-    "error": null}`, or for an error row `"response": null, "error": {"code", "message"}`.
-    Ordered by custom_id. `out`: a file path (written atomically) or an open text stream.
-    Returns the number of lines."""
-    table = read_results(path)
-    records = sorted(table.to_pylist(), key=lambda r: (r["custom_id"], r["request_key"]))
+    "error": null}`, or for an error row `"response": null, "error": {"code", "message", "line"}`.
+    A think row's reasoning is the message's `reasoning_content`.
+
+    Request rows come first, in the order of their lines in the requests file (`lines`:
+    request_key -> line, the file as it is now, where a run knows it; else the line each row
+    was answered from), then document rows in the results' order (doc_id, question_id).
+    `out`: a file path (written atomically) or an open text stream. Returns the number of lines.
+    """
+    records = read_results(path).to_pylist()
+    for r in records:
+        r["request_line"] = (lines or {}).get(r["request_key"], r["request_line"])
+    records.sort(key=lambda r: (r["request_line"] is None, r["request_line"] or 0))
     repeated = [cid for cid, n in Counter(r["custom_id"] for r in records).items() if n > 1]
     if repeated:
         warnings.warn(
@@ -130,6 +142,8 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
     }
     if r["status"] != "ok":
         line["error"] = {"code": "salabatch_error", "message": r["error"] or "unknown error"}
+        if r["request_line"] is not None:
+            line["error"]["line"] = r["request_line"]
         return line
     prompt, completion = r["prompt_tokens"] or 0, r["completion_tokens"] or 0
     usage: dict[str, Any] = {
@@ -140,6 +154,9 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
     if r["cached_tokens"] is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": r["cached_tokens"]}
     created = r["started_at"] or r["finished_at"]
+    message = {"role": "assistant", "content": r["answer"], "refusal": None}
+    if r["reasoning"] is not None:
+        message["reasoning_content"] = r["reasoning"]
     line["response"] = {
         "status_code": 200,
         "request_id": _stable_id("request", r),
@@ -151,7 +168,7 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": r["answer"], "refusal": None},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": r["finish_reason"],
                 }

@@ -34,6 +34,8 @@ class Row:
     max_tokens: int
     think: bool
     prompt: tuple[int, ...] = ()  # after the document prompt; the whole prompt without one
+    stop_strings: tuple[str, ...] = ()  # the answer ends before the first one it contains
+    request_line: int | None = None  # its line in the requests file; None for a document's row
 
 
 @dataclass
@@ -52,9 +54,9 @@ class DocPlan:
 
 
 def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
-    """Rows without a shared prefix: requests, and short documents (`engine.pool_max_tokens`)
-    with fewer questions than a batch, whose rows carry their whole prompt so they decode in full
-    batches across documents."""
+    """Rows without a shared prefix (request lines that share none with another), and short
+    documents (`engine.pool_max_tokens`) with fewer questions than a batch, whose rows carry
+    their whole prompt so they decode in full batches across documents."""
     short = plan.doc_tokens <= pool_max_tokens and len(plan.rows) < batch_size
     return plan.doc_prompt is None or short
 
@@ -83,6 +85,7 @@ class Planner:
         self.identity = {"model": model_sha, "tokenizer": tok.fingerprint, "dtype": dtype}
         self.skipped = 0  # rows found already done
         self.job_keys: set[str] = set()  # every row's key planned so far, done ones too
+        self.request_lines: dict[str, int] = {}  # request line keys -> line, done ones too
         self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
 
     def documents(self) -> Iterator[DocPlan]:

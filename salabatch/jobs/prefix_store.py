@@ -10,7 +10,13 @@ The digest is a content address: sha256 of (model fingerprint, tokenizer fingerp
 sha256 of the document prompt's token ids). Writes go to a temporary file, are fsync'd and
 renamed; reads check size and sha256 and the manifest's identity fields; an entry that fails any
 check is reported (PrefixStoreWarning), deleted and rebuilt, never used. A size budget evicts the
-least recently used entries.
+least recently used entries, counting the temporary files in the store too.
+
+The store is an optimisation and never costs an answer: a store that cannot be written
+(read-only, full, no permission, a folder that cannot be made) warns once and stores nothing
+more in this run; a file that cannot be read is a miss. When the store opens (its first locked
+use) it removes the temporaries of writers that died (killed mid-write): `files.temp_path` names
+carry their writer's PID, and a live writer's temporaries are left alone.
 """
 
 from __future__ import annotations
@@ -23,21 +29,32 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.fingerprint import file_sha256
-from salabatch.errors import CacheFormatError
-from salabatch.files import write_atomic, write_text_atomic
+from salabatch.errors import CacheFormatError, CacheWarning, error_text
+from salabatch.files import (
+    disk_bytes,
+    pid_alive,
+    remove_path,
+    temp_pid,
+    write_atomic,
+    write_text_atomic,
+)
+
+T = TypeVar("T")
 
 
-class PrefixStoreWarning(UserWarning):
-    """A stored cache was unusable (corrupt, truncated, mismatched) and was removed."""
+class PrefixStoreWarning(CacheWarning):
+    """The prefix store could not be used as it should: a stored cache was unusable (corrupt,
+    truncated, mismatched) and was removed, or the store cannot be written or read."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +99,26 @@ class Entry:
     last_used: float
 
 
+@dataclass(frozen=True)
+class Temp:
+    """A temporary file (or a builtin model's build folder) in the store."""
+
+    path: Path
+    bytes: int
+    stale: bool  # its writer is gone: killed mid-write; nothing will finish or remove it
+
+
 class PrefixStore:
+    """The store under `root`, with a budget of `max_gb`. Constructing one touches no file:
+    the folder is made, and stale temporaries swept, at its first locked use."""
+
     def __init__(self, root: str | Path, max_gb: float = 50.0) -> None:
         self.root = Path(root).expanduser()
         self.max_bytes = int(max_gb * 2**30)
+        self.swept: list[Temp] = []  # stale temporaries removed when the store opened
+        self._opened = False
+        self._cannot_write: str | None = None  # why writes stopped, once one failed
+        self._read_failed = False  # a read failure was reported
 
     # -- complete prefixes -----------------------------------------------------------------
     def load(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
@@ -95,21 +128,26 @@ class PrefixStore:
 
     def has(self, key: PrefixKey) -> bool:
         """Whether a complete cache of this prefix is stored (not verified: see `load`)."""
-        return self._entry_stem(key).with_suffix(".json").exists()
+        with contextlib.suppress(OSError):
+            return self._entry_stem(key).with_suffix(".json").exists()
+        return False
 
     def save(self, key: PrefixKey, cache: ModelCache) -> None:
         """Stores a complete prefix cache, then evicts least recently used entries over budget."""
-        with self._lock():
-            self._write(self._entry_stem(key), key, cache, "prefix")
-            self._evict(keep=self._entry_stem(key))
+        stem = self._entry_stem(key)
+
+        def change() -> None:
+            self._write(stem, key, cache, "prefix")
+            self._evict(keep=stem)
+
+        self._change(change)
 
     # -- snapshots of a prefill in progress ---------------------------------------------------
     def load_snapshot(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
         """The furthest usable snapshot of this prefix's prefill, or None."""
         folder = self.root / "snapshots" / key.digest
         with self._lock(shared=True):
-            stems = sorted(folder.glob("*.json"), key=lambda p: -_position(p))
-            for manifest in stems:
+            for manifest in sorted(_manifests(folder, "*.json"), key=lambda p: -_position(p)):
                 cache = self._read(manifest.with_suffix(""), key, cfg, _position(manifest))
                 if cache is not None:
                     return cache
@@ -118,30 +156,48 @@ class PrefixStore:
     def save_snapshot(self, key: PrefixKey, cache: ModelCache) -> None:
         """Stores a partial prefill and drops the older snapshots of the same prefix."""
         folder = self.root / "snapshots" / key.digest
-        with self._lock():
+
+        def change() -> None:
             self._write(folder / str(cache.offset), key, cache, "snapshot")
-            for manifest in folder.glob("*.json"):
+            for manifest in _manifests(folder, "*.json"):
                 if _position(manifest) < cache.offset:
                     self._remove(manifest.with_suffix(""))
 
+        self._change(change)
+
     def drop_snapshots(self, key: PrefixKey) -> None:
-        with self._lock():
-            shutil.rmtree(self.root / "snapshots" / key.digest, ignore_errors=True)
+        folder = self.root / "snapshots" / key.digest
+        self._change(lambda: shutil.rmtree(folder, ignore_errors=True))
 
     # -- housekeeping ----------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
         """Every stored cache, most recently used first."""
         out = []
-        for manifest in self.root.glob("prefixes/*.json"):
+        for manifest in _manifests(self.root, "prefixes/*.json"):
             out += self._entry(manifest, "prefix")
-        for manifest in self.root.glob("snapshots/*/*.json"):
+        for manifest in _manifests(self.root, "snapshots/*/*.json"):
             out += self._entry(manifest, "snapshot")
         return sorted(out, key=lambda e: -e.last_used)
 
+    def temps(self) -> list[Temp]:
+        """The temporary files and build folders in the store: writes in progress, and stale
+        ones whose writer died (`cache ls` counts them, the budget includes them)."""
+        folders = [self.root, self.root / "prefixes", self.root / "models"]
+        folders += _glob(self.root, "snapshots/*")
+        out = []
+        for folder in folders:
+            for path in _glob(folder, ".*"):
+                pid = temp_pid(path)
+                if pid is not None:
+                    out.append(Temp(path, disk_bytes(path), stale=not pid_alive(pid)))
+        return out
+
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> list[Entry]:
         """Removes entries unused for `older_than_s`, then the least recently used over
-        `max_bytes` (default: the store's budget). Returns what was removed."""
-        with self._lock():
+        `max_bytes` (default: the store's budget). Returns what was removed (the stale
+        temporaries removed on opening are in `swept`)."""
+
+        def change() -> list[Entry]:
             removed = []
             now = time.time()
             for e in self.entries():
@@ -150,55 +206,121 @@ class PrefixStore:
                     removed.append(e)
             return removed + self._evict(max_bytes=max_bytes)
 
+        return self._change(change) or []
+
     def clear(self) -> int:
         """Removes every entry; returns the bytes freed."""
-        with self._lock():
-            freed = sum(e.bytes for e in self.entries())
+
+        def change() -> int:
+            before = sum(e.bytes for e in self.entries())
             shutil.rmtree(self.root / "prefixes", ignore_errors=True)
             shutil.rmtree(self.root / "snapshots", ignore_errors=True)
-            return freed
+            return before - sum(e.bytes for e in self.entries())
 
-    # -- internals ---------------------------------------------------------------------------
+        return self._change(change) or 0
+
+    # -- opening, locking, failing ---------------------------------------------------------------
+    def _open(self) -> None:
+        """On first use: make the folder, remove the temporaries of writers that died (a
+        store that cannot be changed is only warned about if there is something to change)."""
+        if self._opened:
+            return
+        self._opened = True
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._stop_writing(e)
+            return
+        stale = [t for t in self.temps() if t.stale]
+        if stale:
+            self._change(lambda: self.swept.extend(t for t in stale if remove_path(t.path)))
+
+    @contextlib.contextmanager
+    def _lock(self, shared: bool = False) -> Iterator[None]:
+        """flock on the store: many readers, one writer, across processes. A reader that
+        cannot make the lock file (a read-only or foreign store) reads unlocked: each entry
+        is verified as it is read anyway."""
+        self._open()
+        with contextlib.ExitStack() as stack:
+            try:
+                f = stack.enter_context(open(self.root / ".lock", "a+"))
+            except OSError:
+                if not shared:
+                    raise
+            else:
+                fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+            yield
+
+    def _change(self, change: Callable[[], T]) -> T | None:
+        """`change()` under the exclusive lock; None once writing has failed. A write that
+        fails (read-only, full, no permission) stops this store's writes for the rest of the
+        run, with one warning: a full disk stays full, and each failure costs time."""
+        self._open()
+        if self._cannot_write is not None:
+            return None
+        try:
+            with self._lock():
+                return change()
+        except OSError as e:
+            self._stop_writing(e)
+            return None
+
+    def _stop_writing(self, e: OSError) -> None:
+        if self._cannot_write is None:
+            self._cannot_write = error_text(e)
+            warnings.warn(
+                f"{self.root}: cannot store prefix caches ({self._cannot_write}); "
+                "the run goes on without storing them",
+                PrefixStoreWarning,
+                stacklevel=2,
+            )
+
+    def _cannot_read(self, path: Path, e: OSError) -> None:
+        if not self._read_failed:
+            self._read_failed = True
+            warnings.warn(
+                f"{path}: cannot read the stored prefix cache ({error_text(e)}); "
+                "the document is prefilled instead",
+                PrefixStoreWarning,
+                stacklevel=2,
+            )
+
+    # -- entries -----------------------------------------------------------------------------
     def _entry_stem(self, key: PrefixKey) -> Path:
         """A complete prefix's entry, without its suffix (.json manifest, .safetensors data)."""
         return self.root / "prefixes" / key.digest
 
-    @contextlib.contextmanager
-    def _lock(self, shared: bool = False) -> Iterator[None]:
-        """flock on the store: many readers, one writer, across processes."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
     def _write(self, stem: Path, key: PrefixKey, cache: ModelCache, kind: str) -> None:
+        """Writes the data, then its manifest; a failure leaves neither (nor a temporary)."""
         arrays, meta = cache.to_state()
-        stem.parent.mkdir(parents=True, exist_ok=True)
         data = stem.with_suffix(".safetensors")
-        write_atomic(
-            data, lambda tmp: mx.save_safetensors(str(tmp), arrays, {**meta, **key.identity()})
-        )
-        manifest = {
-            **key.identity(),
-            "model": key.model,
-            "kind": kind,
-            "position": cache.offset,
-            "bytes": data.stat().st_size,
-            "sha256": file_sha256(data),
-            "created": time.time(),
-        }
-        # the commit point: a data file without its manifest is never read
-        write_text_atomic(stem.with_suffix(".json"), json.dumps(manifest, indent=1))
+        try:
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            # through a Python file, so a failed write is an OSError with its reason (a path
+            # given to MLX fails as a RuntimeError that names no cause)
+            write_atomic(data, lambda tmp: _save_safetensors(tmp, arrays, meta | key.identity()))
+            manifest = {
+                **key.identity(),
+                "model": key.model,
+                "kind": kind,
+                "position": cache.offset,
+                "bytes": data.stat().st_size,
+                "sha256": file_sha256(data),
+                "created": time.time(),
+            }
+            # the commit point: a data file without its manifest is never read
+            write_text_atomic(stem.with_suffix(".json"), json.dumps(manifest, indent=1))
+        except OSError:
+            self._remove(stem)
+            raise
 
     def _read(self, stem: Path, key: PrefixKey, cfg: ModelConfig, position: int):
         manifest_path, data_path = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
-        if not manifest_path.exists():
-            return None
         problem = None
         try:
+            if not manifest_path.exists():
+                return None
             manifest = json.loads(manifest_path.read_text())
             if any(manifest.get(k) != v for k, v in key.identity().items()):
                 problem = "it belongs to another model, tokenizer, dtype or document prompt"
@@ -214,9 +336,15 @@ class PrefixStore:
                     problem = "its header belongs to another entry"
                 else:
                     cache = ModelCache.from_state(arrays, header, cfg, str(data_path))
-                    os.utime(manifest_path)  # last use, for LRU eviction
+                    with contextlib.suppress(OSError):  # a read-only store: no LRU order
+                        os.utime(manifest_path)  # last use, for LRU eviction
                     return cache
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError, CacheFormatError) as e:
+        except FileNotFoundError as e:
+            problem = f"unreadable ({e})"  # a manifest whose data is gone
+        except OSError as e:  # permission, I/O: the entry may be fine, this process cannot read it
+            self._cannot_read(data_path, e)
+            return None
+        except (ValueError, KeyError, TypeError, RuntimeError, CacheFormatError) as e:
             problem = f"unreadable ({e})"
         warnings.warn(
             f"prefix cache {data_path} is unusable, {problem}; it is removed and rebuilt",
@@ -227,13 +355,16 @@ class PrefixStore:
         return None
 
     def _remove(self, stem: Path) -> None:
+        """Removes an entry where it can (a read-only store keeps it, and it is never used
+        unless it verifies)."""
         for suffix in (".json", ".safetensors"):
-            stem.with_suffix(suffix).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                stem.with_suffix(suffix).unlink(missing_ok=True)
 
     def _evict(self, keep: Path | None = None, max_bytes: int | None = None) -> list[Entry]:
         budget = self.max_bytes if max_bytes is None else max_bytes
         entries = self.entries()
-        total = sum(e.bytes for e in entries)
+        total = sum(e.bytes for e in entries) + sum(t.bytes for t in self.temps())
         removed = []
         for e in reversed(entries):  # least recently used first
             if total <= budget:
@@ -265,6 +396,24 @@ class PrefixStore:
             ]
         except (OSError, ValueError, KeyError):
             return []  # a half-written or foreign file: not an entry
+
+
+def _save_safetensors(path: Path, arrays: dict[str, mx.array], meta: dict[str, str]) -> None:
+    with open(path, "wb") as f:
+        mx.save_safetensors(f, arrays, meta)
+
+
+def _manifests(folder: Path, pattern: str) -> list[Path]:
+    """The manifests `pattern` matches, not the temporaries of manifests being written."""
+    return [p for p in _glob(folder, pattern) if temp_pid(p) is None]
+
+
+def _glob(folder: Path, pattern: str) -> list[Path]:
+    """`folder.glob(pattern)`, empty where the folder cannot be listed."""
+    try:
+        return list(folder.glob(pattern))
+    except OSError:
+        return []
 
 
 def _position(manifest: Path) -> int:

@@ -88,8 +88,17 @@ class ResultWriter:
         self._closed = False
         if self.path.is_dir():
             raise OutputError("is a folder, expected a .parquet results file", path=self.path)
-        if self.path.exists():
-            read_final(self.path, columns=[])  # before anything is written: whose file is it?
+        if self.path.exists():  # before anything is written: whose file is it?
+            try:
+                read_final(self.path, columns=[])
+            except OutputError as e:
+                raise OutputError(
+                    f"{e.message}; refusing to overwrite it, choose another output path or move "
+                    "the file away",
+                    path=self.path,
+                    expected=e.expected,
+                    got=e.got,
+                ) from None
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -137,6 +146,10 @@ class ResultWriter:
         """request_keys finished in earlier runs or by this writer (error rows count unless
         retry_errors)."""
         return frozenset(k for k, ok in self._done.items() if ok or not self.retry_errors)
+
+    def failed_keys(self) -> frozenset[str]:
+        """request_keys that have only error rows, from earlier runs or this writer."""
+        return frozenset(k for k, ok in self._done.items() if not ok)
 
     def retain(self, keys: Iterable[str]) -> None:
         """Declare the request_keys of the whole job (not just this run's --limit share): at

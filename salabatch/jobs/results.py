@@ -13,9 +13,10 @@ One row per document × question. On disk, for `output.path: results/x.parquet`:
 `result_writer.ResultWriter` writes them (durably, resumably). What a results file holds
 (`read_results`): the rows of x.parquet (ignored when FRESH is present) followed by the rows of
 the readable parts in sequence order, one row per `request_key`: an ok row beats an error row,
-otherwise the later row wins; sorted by doc_id, question_id, custom_id, request_key. `inspect`,
-`export` and resume all read it this way, so they agree with each other at every instant,
-mid-run and after a kill included.
+otherwise the later row wins, and one row per custom_id: the most recently written key (the
+row of an edited question supersedes the old one); sorted by doc_id, question_id, custom_id,
+request_key. `inspect`, `export` and resume all read it this way, so they agree with each other
+at every instant, mid-run and after a kill included.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ RESULT_SCHEMA = pa.schema(
             "deterministic key of the request; resume skips done keys",
             nullable=False,
         ),
+        _col("request_line", _I, "1-based line of the request in the --requests file, else null"),
         # result
         _col("answer", _S, "the answer (think block removed); null for an error row"),
         _col("reasoning", _S, "the think block when generation.think is true, else null"),
@@ -90,7 +92,7 @@ RESULT_SCHEMA = pa.schema(
         # model
         _col("model", _S, "the job's model (checkpoint path or builtin:name)", nullable=False),
         _col("model_sha", _S, "digest of the checkpoint weights"),
-        _col("quant_bits", _I, "4 or 8 for a quantized checkpoint, null for full precision"),
+        _col("quant_bits", _I, "bits of a quantized checkpoint (2 to 8), null for full precision"),
         # tokens
         _col("doc_tokens", _I, "tokens of the document prompt"),
         _col("prompt_tokens", _I, "tokens of the whole prompt: document prompt + question"),
@@ -110,6 +112,9 @@ RESULT_SCHEMA = pa.schema(
     ],
     metadata={META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()},
 )
+
+# Columns added to schema v1 later: a file without them reads as if they held nulls.
+ADDED_COLUMNS = ("request_line",)
 
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
@@ -134,6 +139,7 @@ class ResultRow:
     question: str
     custom_id: str | None = None  # None -> "<doc_id>/<question_id>"
     request_key: str
+    request_line: int | None = None
     answer: str | None = None
     reasoning: str | None = None
     finish_reason: str = "stop"
@@ -367,23 +373,18 @@ def read_final(
         with pq.ParquetFile(path, page_checksum_verification=True) as f:
             _check_schema(f.schema_arrow, path)
             table = f.read(columns=columns)
-            return table, f.schema_arrow.metadata
+            return table if columns is not None else _with_added(table), f.schema_arrow.metadata
     except FileNotFoundError:
         raise
     except (pa.ArrowException, OSError) as e:
-        raise OutputError(
-            f"not a readable Parquet file ({error_text(e)}); refusing to overwrite it, "
-            "choose another output path or move the file away",
-            path=path,
-        ) from e
+        raise OutputError(f"not a readable Parquet file ({error_text(e)})", path=path) from e
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> None:
     version = (schema.metadata or {}).get(META_SCHEMA_VERSION)
     if version is None:
         raise OutputError(
-            "a Parquet file salabatch did not write (no salabatch.schema_version in its "
-            "metadata); refusing to overwrite it, choose another output path",
+            "a Parquet file salabatch did not write (no salabatch.schema_version in its metadata)",
             path=path,
         )
     if version != str(SCHEMA_VERSION).encode():
@@ -393,8 +394,8 @@ def _check_schema(schema: pa.Schema, path: Path) -> None:
             expected=SCHEMA_VERSION,
             got=version.decode(errors="replace"),
         )
-    want = {f.name: f.type for f in RESULT_SCHEMA}
     got = {f.name: f.type for f in schema}
+    want = {f.name: f.type for f in RESULT_SCHEMA if f.name in got or f.name not in ADDED_COLUMNS}
     if got != want:
         bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         raise OutputError(
@@ -403,6 +404,15 @@ def _check_schema(schema: pa.Schema, path: Path) -> None:
             expected="RESULT_SCHEMA",
             got=", ".join(f"{n}: {got.get(n, 'missing')}" for n in bad[:8]),
         )
+
+
+def _with_added(table: pa.Table) -> pa.Table:
+    """`table` with the ADDED_COLUMNS it lacks, as nulls (a file of an older salabatch)."""
+    for name in ADDED_COLUMNS:
+        if name not in table.column_names:
+            field = RESULT_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table
 
 
 def read_part(path: Path) -> tuple[pa.Table | None, Mapping[bytes, bytes] | None, str | None]:
@@ -424,8 +434,9 @@ def warn_bad_part(part: Path, problem: str) -> None:
 
 
 def dedupe(tables: list[pa.Table]) -> pa.Table:
-    """Tables oldest first -> one row per request_key (ok beats error, then the later row),
-    sorted by _SORT_KEYS."""
+    """Tables oldest first -> one row per request_key (ok beats error, then the later row), then
+    one row per custom_id (the later key: a row of an edited question, request or document
+    supersedes the row the job asked for before), sorted by _SORT_KEYS."""
     tables = [t.select(RESULT_SCHEMA.names).cast(RESULT_SCHEMA) for t in tables]
     table = pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table()
     keys = table.column("request_key").to_pylist()
@@ -435,5 +446,10 @@ def dedupe(tables: list[pa.Table]) -> pa.Table:
         j = best.get(key)
         if j is None or ok[i] or not ok[j]:
             best[key] = i
-    table = table.take(pa.array(sorted(best.values()), pa.int64()))
+    custom_ids = table.column("custom_id").to_pylist()
+    latest: dict[str, int] = {}  # custom_id -> the row of its most recently written key
+    last_seen = {key: i for i, key in enumerate(keys)}
+    for _key, i in sorted(best.items(), key=lambda kv: last_seen[kv[0]]):
+        latest[custom_ids[i]] = i
+    table = table.take(pa.array(sorted(latest.values()), pa.int64()))
     return table.sort_by([(name, "ascending") for name in _SORT_KEYS])

@@ -15,6 +15,7 @@ loads (`JobSetup`: tokenizer, weights digest, dtype, planning, prefix keys) is s
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -35,9 +36,11 @@ from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.models import resolve_model
 from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
-from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
+from salabatch.engine.tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
+from salabatch.errors import OutputError, error_text
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.documents import expand_sources
+from salabatch.jobs.export import export_openai_jsonl
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Planner, Row, pooled
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
@@ -46,6 +49,7 @@ from salabatch.jobs.results import ResultRow, current_versions
 from salabatch.jobs.spec import JobSpec, spec_json
 
 POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
+MIN_FREE_BYTES = 64 * 2**20  # refuse to start a run with less room than this for its results
 
 
 @dataclass
@@ -54,6 +58,7 @@ class RunSummary:
     written: int = 0
     errors: int = 0
     skipped: int = 0  # rows already in the results file
+    failed: int = 0  # error rows of the job in the results, this run's and earlier ones'
     documents: int = 0
     seconds: float = 0.0
     interrupted: bool = False
@@ -115,30 +120,51 @@ def run_job(
     limit: int | None = None,
     progress: bool = True,
     echo: Callable[[str], None] = print,
+    debug: bool = False,
+    jsonl: Path | None = None,
 ) -> RunSummary:
-    """Runs the job; returns what was done. KeyboardInterrupt stops it after finished rows."""
+    """Runs the job; returns what was done. KeyboardInterrupt stops it after finished rows.
+    A document that fails becomes error rows, reported by `echo` in one line (with its
+    traceback when `debug`); a failure of the results file (OutputError) ends the run.
+    `jsonl`: when the run was not interrupted, every row of the results is also written there
+    as OpenAI Batch output lines, request lines in the requests file's order (atomically)."""
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
-    setup = JobSetup.of(spec)
-    if builtin.is_builtin(spec.model):
-        echo(f"note: {builtin.WARNING}")
-    model = load_model(setup.model_path, dtype=setup.dtype)
     try:
-        with (
-            engine_runtime(),
-            ResultWriter(
-                spec.output.path,
-                job_spec_json=spec_json(spec),
-                versions=current_versions(),
-                resume=resume,
-                retry_errors=retry_errors,
-            ) as writer,
-        ):
-            _Runner(setup, model, writer, summary, progress, echo).run(limit)
+        # The cheap checks first: the output (writable, not another run's, space left), then
+        # the model's files; the weights load last.
+        with ResultWriter(
+            spec.output.path,
+            job_spec_json=spec_json(spec),
+            versions=current_versions(),
+            resume=resume,
+            retry_errors=retry_errors,
+        ) as writer:
+            check_free_space(spec.output.path.parent)
+            setup = JobSetup.of(spec)
+            if builtin.is_builtin(spec.model):
+                echo(f"note: {builtin.WARNING}")
+            model = load_model(setup.model_path, dtype=setup.dtype)
+            with engine_runtime():
+                runner = _Runner(setup, model, writer, summary, progress, echo, debug)
+                runner.run(limit)
+        if jsonl is not None:  # from the merged results, earlier runs' rows included
+            export_openai_jsonl(spec.output.path, jsonl, lines=runner.request_lines)
     except KeyboardInterrupt:
         summary.interrupted = True
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def check_free_space(folder: Path, needed: int = MIN_FREE_BYTES) -> None:
+    """OutputError unless the file system of `folder` has `needed` bytes free for results."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OutputError(
+            f"only {free / 2**20:.1f} MB free for the results; free at least "
+            f"{needed / 2**20:.0f} MB or choose another output path",
+            path=folder,
+        )
 
 
 class _Runner:
@@ -150,12 +176,13 @@ class _Runner:
         summary: RunSummary,
         progress: bool,
         echo: Callable[[str], None],
+        debug: bool = False,
     ) -> None:
         spec = setup.spec
         self.setup, self.spec, self.model, self.tok = setup, spec, model, setup.tok
-        self.writer, self.summary, self.echo = writer, summary, echo
-        quant = model.config.quantization  # bits per weight: the quantization's, or the dtype's
-        self.quant_bits = quant.bits if quant else model.dtype.size * 8
+        self.writer, self.summary, self.echo, self.debug = writer, summary, echo, debug
+        quant = model.config.quantization  # bits per weight of a quantized checkpoint, else None
+        self.quant_bits = quant.bits if quant else None
         self.run_id = _run_id(spec)
         self.caches = DocumentCaches(
             model,
@@ -164,6 +191,7 @@ class _Runner:
             snapshot_every=spec.cache.snapshot_every,
         )
         self.stop = frozenset(setup.tok.eos_ids)
+        self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
         self.bar = tqdm(
             total=count_rows(spec),
             unit="row",
@@ -201,6 +229,8 @@ class _Runner:
                 self.writer.retain(planner.job_keys)
             self._pool(pool)
             self._count_skipped(planner)
+            self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
+            self.request_lines = planner.request_lines
         finally:
             self.bar.close()
 
@@ -231,13 +261,15 @@ class _Runner:
                 self.model,
                 batch_size=self.spec.engine.batch_size,
                 prefill_chunk=self.spec.engine.prefill_chunk,
+                detokenizer=self._detokenizer,
             )
             for g in gen.generate(requests, prefix.cache):
                 row = rows.pop(g.request.id)
-                self._write([self._row(row, plan, g, prefix, started)])
+                self._write([self._row(row, plan, g, _row_prefix(prefix, row, plan), started)])
+        except OutputError:
+            raise  # the results cannot be written: nothing more can be saved
         except Exception as e:  # one document's failure must not end an overnight run
-            reason = f"{type(e).__name__}: {e}"
-            self.echo(f"error in document {plan.doc.doc_id}: {reason}\n{traceback.format_exc()}")
+            reason = self._report(e, f"document {plan.doc.doc_id}")
             self._write([self._error_row(r, plan, reason) for r in rows.values()])
 
     # -- short documents and requests: whole prompts, batched across documents ---------------
@@ -252,25 +284,42 @@ class _Runner:
                 self.model,
                 batch_size=self.spec.engine.batch_size,
                 prefill_chunk=self.spec.engine.prefill_chunk,
+                detokenizer=self._detokenizer,
             )
             for g in gen.generate(requests):
                 row, plan = by_key.pop(g.request.id)
                 self._write([self._row(row, plan, g, None, started)])
+        except OutputError:
+            raise
         except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-            self.echo(f"error in a pooled batch: {reason}\n{traceback.format_exc()}")
+            reason = self._report(e, "a pooled batch")
             self._write([self._error_row(r, plan, reason) for r, plan in by_key.values()])
+
+    def _report(self, e: Exception, where: str) -> str:
+        """Says in one line (with the traceback under --debug) that `where` failed; returns the
+        reason its error rows carry."""
+        reason = f"{type(e).__name__}: {error_text(e)}"
+        trace = f"\n{traceback.format_exc().rstrip()}" if self.debug else ""
+        self.echo(f"error in {where}: {reason}{trace}")
+        return reason
 
     # -- rows ----------------------------------------------------------------------------------
     def _request(self, row: Row, prompt: tuple[int, ...]) -> Request:
-        return Request(row.key, tuple(prompt), row.params, row.max_tokens, self.stop)
+        return Request(
+            row.key, tuple(prompt), row.params, row.max_tokens, self.stop, row.stop_strings
+        )
+
+    def _detokenizer(self) -> StreamingDetokenizer:
+        """The decoder the Generator follows a row's text with (rows with stop strings only)."""
+        return self.tok.detokenizer(skip_special=True)
 
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: datetime
     ) -> ResultRow:
-        reasoning, answer = split_thinking(self.tok.decode(g.tokens, skip_special=True))
+        text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
+        reasoning, answer = split_thinking(text)
         return ResultRow(
-            **self._identity(row, plan),
+            **self._identity(row),
             answer=answer,
             reasoning=reasoning if row.think else None,
             finish_reason=g.finish_reason,
@@ -287,7 +336,7 @@ class _Runner:
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
         return ResultRow(
-            **self._identity(row, plan),
+            **self._identity(row),
             status="error",
             finish_reason="error",
             error=reason,
@@ -295,17 +344,18 @@ class _Runner:
             finished_at=_now(),
         )
 
-    def _identity(self, row: Row, plan: DocPlan) -> dict:
+    def _identity(self, row: Row) -> dict:
         return {
             "run_id": self.run_id,
             "job_name": self.spec.name,
-            "doc_id": plan.doc.doc_id,
-            "doc_path": plan.doc.path,
-            "doc_sha256": plan.doc.sha256,
+            "doc_id": row.doc.doc_id,
+            "doc_path": row.doc.path,
+            "doc_sha256": row.doc.sha256,
             "question_id": row.question_id,
             "question": row.question,
             "custom_id": row.custom_id,
             "request_key": row.key,
+            "request_line": row.request_line,
             "model": self.spec.model,
             "model_sha": self.setup.model_sha,
             "quant_bits": self.quant_bits,
@@ -318,6 +368,15 @@ class _Runner:
         self.summary.written += len(rows)
         self.summary.errors += sum(r.status == "error" for r in rows)
         self.bar.update(len(rows))
+
+
+def _row_prefix(prefix: Prefix, row: Row, plan: DocPlan) -> Prefix:
+    """The prefix as `row` saw it. Request lines sharing a prefix (automatic prefix caching)
+    are separate requests: the first line prefilled it, the others found it in memory. A
+    document's questions all show where the document came from."""
+    if row.request_line is None or prefix.source != "none" or row is plan.rows[0]:
+        return prefix
+    return Prefix(prefix.cache, "memory")
 
 
 def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dict[str, Any]:

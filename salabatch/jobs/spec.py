@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from salabatch.demo import builtin
+from salabatch.engine.models import hub_repo
 from salabatch.errors import ConfigError, JobSpecError, JobValidationError
 from salabatch.files import cache_dir
 from salabatch.jobs.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
@@ -235,7 +236,7 @@ class JobSpec(_Strict):
     `JobSpec.model_validate(data, context={"base_dir": folder})` to resolve relative paths."""
 
     name: str
-    model: str  # a checkpoint folder (resolved) or "builtin:NAME" (kept as is)
+    model: str  # a checkpoint folder (resolved), or "builtin:NAME" or a Hub repo id (kept as is)
     documents: list[DocumentEntry] = Field(default_factory=list)
     questions: list[Question] = Field(default_factory=list)
     requests: Path | None = None  # an OpenAI batch .jsonl of chat requests
@@ -291,7 +292,10 @@ class JobSpec(_Strict):
             except ConfigError as e:
                 raise _fail(e.message) from None
             return value
-        return _resolve(value, info)
+        path = _resolve(value, info)
+        if isinstance(value, str) and hub_repo(value) and not os.path.exists(path):
+            return value  # `org/name`, no such folder: a Hugging Face repo id (engine.models)
+        return path
 
     @field_validator("requests", mode="before")
     @classmethod
@@ -737,7 +741,7 @@ def path_problems(spec: JobSpec) -> tuple[list[str], int | None]:
     """(`check_paths(spec)`, number of distinct document files or None when the documents have
     problems)."""
     problems: list[str] = []
-    if not spec.model_is_builtin:
+    if not spec.model_is_builtin and hub_repo(spec.model) is None:  # a Hub id resolves at run
         model = Path(spec.model)
         if not model.exists():
             problems.append(f"model: no such folder: {model}")

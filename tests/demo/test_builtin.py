@@ -8,10 +8,11 @@ import hashlib
 import pytest
 from click.testing import CliRunner
 
+from salabatch.api import load
 from salabatch.cli import main
 from salabatch.demo import builtin
 from salabatch.engine.config import LIGHTNING, SPARSE, ModelConfig
-from salabatch.engine.session import AnswerStream, open_model
+from salabatch.engine.session import AnswerStream
 from salabatch.errors import ConfigError
 
 
@@ -39,7 +40,7 @@ def test_config_has_both_layer_kinds_and_reaches_sparse_mode(tiny_dir):
 
 
 def test_loads_with_its_tokenizer(tiny_dir):
-    model, tok = open_model(str(tiny_dir))
+    model, tok = load(tiny_dir)
     assert model.config.vocab_size == tok.vocab_size
     assert tok.eos_ids == frozenset(model.config.eos_token_ids)
 

@@ -1,15 +1,16 @@
 """Generation: greedy batches equal each request alone (dense and sparse), sampling is
-reproducible per (prompt, seed), stop tokens and max_tokens end a row."""
+reproducible per (prompt, seed), stop tokens, stop strings and max_tokens end a row."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.demo import builtin
 from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.load import load_model
-from salabatch.engine.sampling import SamplingParams, sample
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.tokenizer import load_tokenizer
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 
@@ -85,24 +86,52 @@ def test_stop_tokens_and_max_tokens(model):
     assert one.tokens == free.tokens[:1] and one.finish_reason == "length"
 
 
-def test_sampling_rules():
-    logits = mx.array([[0.0, 5.0, 4.0, -1.0, 4.5]])
-    assert sample(logits, [SamplingParams()], [0], [[]]) == [1]
-    # top_k = 1 is greedy whatever the temperature
-    assert sample(logits, [SamplingParams(temperature=5.0, top_k=1)], [3], [[]]) == [1]
-    # top_p keeps the smallest set reaching p: with p tiny only the argmax remains
-    assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [9], [[]]) == [1]
-    # a strong repetition penalty moves greedy off a token already generated
-    assert sample(logits, [SamplingParams(repetition_penalty=10.0)], [1], [[1]]) == [4]
-    draws = {
-        sample(logits, [SamplingParams(temperature=1.0, seed=s)], [0], [[]])[0] for s in range(40)
-    }
-    assert draws <= {0, 1, 2, 3, 4} and len(draws) > 1
-    with pytest.raises(ValueError):
-        SamplingParams(top_p=0)
-
-
 def test_timings_are_recorded(model):
     g = run(model, [Request("a", ids(50, 2), max_tokens=8)])["a"]
     assert g.prompt_tokens == 50 and g.completion_tokens == 8
     assert 0 < g.prefill_s <= g.ttft_s and g.decode_s > 0 and g.decode_tok_s > 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """builtin:tiny (an untrained demo model) with its tokenizer, for decoded text."""
+    path = builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("builtin"))
+    return load_model(path, dtype="float32"), load_tokenizer(path)
+
+
+def test_stop_strings_cut_the_text_before_the_first_one(tiny):
+    model, tok = tiny
+    prompt = tuple(tok.chat_prompt_ids([{"role": "user", "content": "Name a river."}], think=False))
+
+    def generate(*requests: Request) -> dict:
+        detok = lambda: tok.detokenizer(skip_special=True)  # noqa: E731
+        out = Generator(model, batch_size=4, detokenizer=detok).generate(requests)
+        return {g.request.id: g for g in out}
+
+    free = run(model, [Request("free", prompt, max_tokens=24)])["free"]
+    text = tok.decode(free.tokens, skip_special=True)
+    stop = text[len(text) // 2 :][:3]  # text the answer provably contains, past its start
+    cut = text.find(stop)
+    assert 0 < cut < len(text) - 3, text
+    got = generate(
+        Request("stopped", prompt, max_tokens=24, stop_strings=(stop, "never in it")),
+        Request("free", prompt, max_tokens=24),  # decodes beside it, unaffected
+        Request("no match", prompt, max_tokens=24, stop_strings=("never in it",)),
+    )
+    stopped = got["stopped"]
+    assert stopped.text == text[:cut] and stopped.finish_reason == "stop"
+    assert stopped.tokens == free.tokens[: len(stopped.tokens)] and len(stopped.tokens) < 24
+    assert tok.decode(stopped.tokens, skip_special=True).startswith(text[:cut] + stop)
+    assert got["free"].tokens == free.tokens and got["free"].text is None
+    assert got["no match"].text == text and got["no match"].finish_reason == "length"
+    # two stop strings: the one that appears first in the text wins, whatever their order
+    earlier = text[cut - 2 : cut]
+    both = generate(Request("r", prompt, max_tokens=24, stop_strings=(stop, earlier)))["r"]
+    assert both.text == text[: text.find(earlier)]
+
+
+def test_stop_strings_need_a_detokenizer(model):
+    with pytest.raises(ValueError, match="detokenizer"):
+        run(model, [Request("a", ids(5, 1), stop_strings=("x",))])
+    with pytest.raises(ValueError, match="empty"):
+        Request("a", ids(5, 1), stop_strings=("",))

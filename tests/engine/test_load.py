@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from salabatch.engine.checkpoint import read_weights, write_weights
-from salabatch.engine.load import load_model
+from salabatch.engine.load import check_checkpoint, load_model
 from salabatch.errors import CheckpointError
 from tests.tiny import write_tiny_checkpoint
 
@@ -84,3 +84,28 @@ def test_dtype(tiny_dir, dtype):
     model = load_model(tiny_dir, dtype=dtype)
     assert model.model.embed_tokens.weight.dtype == getattr(mx, dtype)
     assert model(IDS).dtype == getattr(mx, dtype)
+
+
+def test_check_checkpoint_reads_only_headers(tmp_path, tiny_dir):
+    """`salabatch validate FOLDER` checks names and shapes without reading weight data, and
+    reports every problem: here the tokenizer, then also the weights."""
+    data = (tiny_dir / "model.safetensors").stat().st_size
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()  # arrays earlier tests still hold
+    report = check_checkpoint(tiny_dir)
+    assert mx.get_peak_memory() - held < data // 100  # reading the data would allocate it all
+    assert report.problems == [f"{tiny_dir}: missing tokenizer.json"]
+    assert report.config.vocab_size == 256 and report.weight_files == [
+        tiny_dir / "model.safetensors"
+    ]
+
+    bad = tmp_path / "bad"
+    weights = read_weights(tiny_dir)
+    weights["model.norm.weight"] = mx.ones((3,))
+    write_weights(bad, weights)
+    (bad / "config.json").write_text((tiny_dir / "config.json").read_text())
+    problems = check_checkpoint(bad).problems
+    assert len(problems) == 2 and "wrong shape: model.norm.weight (3,) != (64,)" in problems[0]
+    assert check_checkpoint(tmp_path / "nowhere").problems == [
+        f"{tmp_path / 'nowhere'}: not a directory"
+    ]

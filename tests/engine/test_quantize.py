@@ -135,6 +135,27 @@ def test_quantize_model_matches_convert(src, reference):
     assert mx.array_equal(model(IDS), load_model(dst, dtype="float32")(IDS))
 
 
+@pytest.mark.parametrize(("bits", "group_size"), [(2, 32), (3, 64), (5, 64), (6, 128)])
+def test_other_bit_widths_and_group_sizes_load_and_run(src, tmp_path, bits, group_size):
+    """Every bit width MLX packs converts, loads and generates; convert → load equals quantizing
+    in memory. Group size 128 leaves the linears with 64 inputs (all but down_proj) as they are."""
+    dst = tmp_path / f"q{bits}"
+    summary = convert(src, dst, bits=bits, group_size=group_size, dtype="float32", progress=False)
+    model = load_model(dst, dtype="float32")
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(layers) == summary["quantized"] == (4 if group_size == 128 else LINEARS)
+    assert all(m.bits == bits and m.group_size == group_size for m in layers)
+    in_memory = load_model(src, dtype="float32")
+    quantize_model(in_memory, bits=bits, group_size=group_size)
+    logits = model(IDS)
+    assert mx.array_equal(logits, in_memory(IDS)) and mx.isfinite(logits).all().item()
+    cache = model.make_cache()  # generate: prefill, then 4 greedy steps
+    tok = mx.argmax(model(PROMPT, cache)[:, -1], axis=-1)
+    for _ in range(4):
+        tok = mx.argmax(model(tok[:, None], cache)[:, -1], axis=-1)
+    assert 0 <= tok.item() < 256
+
+
 def test_convert_refuses_to_overwrite(src, converted, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()

@@ -1,7 +1,8 @@
-"""Tokenizer: encode/decode, BOS, loading; and the data and helpers test_tokenizer_*.py share.
+"""Tokenizer: encode/decode, BOS, loading; and the data and helpers the other files share.
 
-The other files: test_tokenizer_chat.py (chat prompts, document prompt split, templates, thinking),
-test_tokenizer_detokenizer.py (streaming) and test_tokenizer_demo.py (the demo tokenizer).
+The other files: test_chat.py (chat prompts, document prompt split, templates, thinking),
+test_chat_transformers.py (templates rendered by transformers and by us, compared),
+test_tokenizer_stream.py (streaming) and tests/demo/test_tokenizer.py (the demo tokenizer).
 """
 
 from __future__ import annotations
@@ -156,3 +157,22 @@ def test_fingerprint_tracks_tokenizer_files_only(demo_copy, tok):
     assert load_tokenizer(demo_copy).fingerprint != tok.fingerprint
     edit_json(demo_copy / "tokenizer_config.json", chat_template=TEMPLATE)
     assert len({load_tokenizer(demo_copy).fingerprint, tok.fingerprint}) == 2
+
+
+def test_named_special_tokens_reach_the_chat_template(demo_copy):
+    # as transformers passes them: standard names, other `*_token` entries, a mapping of extra
+    # special tokens (not a list). A BOS named only by id (generation_config) is passed too, as
+    # transformers' Llama tokenizer (MiniCPM's class) does with its default "<s>".
+    edit_json(
+        demo_copy / "tokenizer_config.json",
+        bos_token=None,
+        image_token={"content": "<|fim_middle|>", "special": True},
+        extra_special_tokens={"audio_token": "<|fim_suffix|>"},
+        additional_special_tokens=["<|tool_call|>"],
+        chat_template="x{{ bos_token }}|{{ eos_token }}|{{ image_token }}|{{ audio_token }}"
+        "|{{ additional_special_tokens is defined }}|{{ sep_token is defined }}",
+    )
+    t = load_tokenizer(demo_copy)
+    assert t.bos_id == 1  # from generation_config.json
+    text = t.chat_prompt([], think=True, add_generation_prompt=False)
+    assert text == "x<s>|</s>|<|fim_middle|>|<|fim_suffix|>|False|False"

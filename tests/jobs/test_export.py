@@ -1,14 +1,19 @@
-"""inspect and export of a results file."""
+"""inspect and export of a results file: OpenAI Batch output lines in input order, with the
+reasoning; results of an older salabatch."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
 from salabatch.jobs.export import export_openai_jsonl, export_results, inspect_results
+from salabatch.jobs.results import RESULT_SCHEMA, read_results
 from tests.jobs.test_results import T0, make_row, writer
 
 
@@ -79,3 +84,61 @@ def test_export_openai_batch_output_lines(results, tmp_path):
     assert again.read_bytes() == out.read_bytes()  # stable ids: same results, same bytes
     with pytest.raises(OutputError, match="format"):
         export_results(results, again, "csv")
+
+
+def test_export_puts_request_rows_first_in_line_order_then_documents(tmp_path):
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write(
+            [
+                make_row("doc.q1"),
+                make_row("req.z", custom_id="z", question_id="request", request_line=1),
+                make_row("req.a", custom_id="a", question_id="request", request_line=3),
+                make_row(
+                    "req.m",
+                    custom_id="m",
+                    question_id="request",
+                    request_line=2,
+                    status="error",
+                    error="line 2: unsupported field: tools",
+                ),
+                make_row("doc.q0"),
+            ]
+        )
+    stream = io.StringIO()
+    assert export_openai_jsonl(path, stream) == 5
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["z", "m", "a", "doc/q0", "doc/q1"]
+    assert lines[1]["error"]["line"] == 2 and "line" not in lines[3]
+    # the lines of the requests file as it is now, where a run knows them, win
+    stream = io.StringIO()
+    export_openai_jsonl(path, stream, lines={"req.a": 1, "req.z": 7})
+    got = [json.loads(x)["custom_id"] for x in stream.getvalue().splitlines()]
+    assert got == ["a", "m", "z", "doc/q0", "doc/q1"]
+
+
+def test_export_gives_the_reasoning_of_a_think_row(tmp_path):
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row("a.q0", reasoning="first, the dates"), make_row("a.q1")])
+    stream = io.StringIO()
+    export_openai_jsonl(path, stream)
+    think, plain = (json.loads(x) for x in stream.getvalue().splitlines())
+    message = think["response"]["body"]["choices"][0]["message"]
+    assert message["reasoning_content"] == "first, the dates"
+    assert "reasoning_content" not in plain["response"]["body"]["choices"][0]["message"]
+
+
+def test_results_of_an_older_salabatch_without_request_line_still_read(tmp_path):
+    path = tmp_path / "old.parquet"
+    table = pa.Table.from_pylist(
+        [make_row("b.q0").to_record(), make_row("a.q0").to_record()], schema=RESULT_SCHEMA
+    )
+    pq.write_table(table.drop_columns(["request_line"]), path)
+    assert read_results(path)["request_line"].to_pylist() == [None, None]
+    stream = io.StringIO()
+    assert export_openai_jsonl(path, stream) == 2
+    assert [json.loads(x)["custom_id"] for x in stream.getvalue().splitlines()] == ["a/q0", "b/q0"]
+    with writer(path) as out:  # a run resumes it, and merges it into the current schema
+        out.write([make_row("c.q0", request_line=4)])
+    assert read_results(path)["request_line"].to_pylist() == [None, None, 4]

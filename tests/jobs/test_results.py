@@ -37,6 +37,7 @@ DESIGN_COLUMNS = [
     "question",
     "custom_id",
     "request_key",
+    "request_line",
     "answer",
     "reasoning",
     "finish_reason",

@@ -32,9 +32,12 @@ Parts = mx.array | tuple[mx.array, ...]
 
 
 @functools.cache
-def _cpu_lanes() -> tuple[mx.Stream, mx.Stream]:
-    # Created once per process: every MLX stream owns a thread for its lifetime.
-    return mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)
+def _second_lane() -> mx.Stream:
+    # Created once per process, and per thread by MLX: since MLX 0.31.2 a stream belongs to the
+    # thread that made it, so a plain `new_stream` cached here would fail on any other thread.
+    # Older MLX, whose streams are global, has no thread-local kind and needs none.
+    new = getattr(mx, "new_thread_local_stream", mx.new_stream)
+    return new(mx.cpu)
 
 
 def on_gpu() -> bool:
@@ -49,7 +52,7 @@ def lanes() -> tuple[mx.Stream, ...]:
     each op across the device."""
     if on_gpu():
         return (mx.default_stream(mx.default_device()),)
-    return _cpu_lanes()
+    return mx.default_stream(mx.cpu), _second_lane()
 
 
 def attention_ref(

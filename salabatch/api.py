@@ -1,0 +1,254 @@
+"""The Python API, shaped like mlx-lm's: load a model once, then generate on it.
+
+    import salabatch
+
+    model, tokenizer = salabatch.load("builtin:tiny")
+    text = salabatch.generate(model, tokenizer, "Say hi.", max_tokens=32)
+    for response in salabatch.stream_generate(model, tokenizer, "Say hi."):
+        print(response.text, end="", flush=True)
+    answers = salabatch.batch_generate(model, tokenizer, document, ["Who?", "When?"])
+
+A text prompt is one user message, put in the model's chat template (with `system` and `think`
+as `salabatch generate` takes them); a list of token ids is used as it is. Answers are the text
+as generated, special tokens left out: with `think=True` it starts with the `<think>` block
+(`salabatch.engine.chat.split_thinking` splits it off).
+
+The engine modules are imported inside the functions: they import mlx.core, which must come
+after `activate_blas()` (see `salabatch.engine.blas`), and `load` calls it first. A loaded model
+runs on any thread (one call at a time); a thread that ran MLX work should call
+`mx.clear_streams()` before it ends, as MLX asks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from salabatch.engine.blas import activate_blas
+from salabatch.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from salabatch.engine.model import Model
+    from salabatch.engine.sampling import SamplingParams
+    from salabatch.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    """One step of `stream_generate`, with the fields of mlx-lm's `GenerationResponse` (less
+    `logprobs` and `from_draft`). The last one has a `finish_reason`; when the model stops, its
+    `token` is the stop token, which no text and no count includes."""
+
+    text: str  # the new piece of text; may be empty (a character still incomplete)
+    token: int  # the token just generated
+    prompt_tokens: int
+    prompt_tps: float  # prompt tokens per second, up to the first token
+    generation_tokens: int  # tokens of the answer so far
+    generation_tps: float  # answer tokens per second after the first (0.0 until the second)
+    peak_memory: float  # GB, MLX's peak so far
+    finish_reason: str | None = None  # "stop" | "length" on the last response
+
+
+def load(
+    path_or_ref: str | os.PathLike,
+    dtype: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+) -> tuple[Model, Tokenizer]:
+    """(model, tokenizer) of a checkpoint folder, `builtin:tiny` or a Hugging Face repo id
+    (see `salabatch.engine.models`); `dtype` None / "auto": float32 on CPU, bfloat16 on a GPU;
+    `cache_dir` holds builtin models (default: the salabatch cache)."""
+    activate_blas()  # before the engine's first import of mlx.core
+    from salabatch.engine.load import load_model
+    from salabatch.engine.models import resolve_model
+    from salabatch.engine.tokenizer import load_tokenizer
+
+    path = resolve_model(path_or_ref, cache_dir)
+    return load_model(path, dtype=dtype), load_tokenizer(path)
+
+
+def stream_generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    max_tokens: int = 256,
+    *,
+    system: str | None = None,
+    think: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int = 0,
+    prefill_chunk: int = 2048,
+) -> Iterator[GenerationResponse]:
+    """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
+    the tokenizer or `max_tokens`. Greedy unless `temperature` > 0; the same seed gives the same
+    text, as in `salabatch run`."""
+    import mlx.core as mx
+
+    from salabatch.engine.generate import prefill
+    from salabatch.engine.runtime import engine_runtime
+    from salabatch.engine.sampling import sample
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
+    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    detok = tokenizer.detokenizer(skip_special=True)
+    tokens: list[int] = []
+    with engine_runtime():
+        start = time.perf_counter()
+        cache = model.make_cache()
+        logits = prefill(model, ids, cache, prefill_chunk)  # [vocab]
+        prompt_tps = 0.0
+        while True:
+            token = sample(logits[None], [params], [len(tokens)], [tokens])[0]
+            now = time.perf_counter()
+            if not tokens:
+                prompt_tps, first_at = len(ids) / (now - start), now
+            stop = token in tokenizer.eos_ids
+            if not stop:
+                tokens.append(token)
+                detok.add_token(token)
+            finish = "stop" if stop else "length" if len(tokens) >= max_tokens else None
+            if finish:
+                detok.finalize()
+            yield GenerationResponse(
+                text=detok.last_segment,
+                token=token,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=len(tokens),
+                generation_tps=(len(tokens) - 1) / (now - first_at) if len(tokens) > 1 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+            )
+            if finish:
+                return
+            logits = model(mx.array([[token]], dtype=mx.int32), cache)[0, -1]
+            mx.eval(logits, *cache.arrays())
+
+
+def generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    verbose: bool = False,
+    **settings,
+) -> str:
+    """The whole answer to `prompt` (`settings`: those of `stream_generate`, `max_tokens`
+    included). `verbose` prints it as it comes, then the token counts and speeds."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, **settings):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {last.generation_tokens} tokens, "
+            f"{last.generation_tps:.3f} tokens-per-sec ({last.finish_reason})"
+        )
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text
+
+
+def batch_generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    document: str,
+    questions: Sequence[str],
+    max_tokens: int = 256,
+    *,
+    system: str | None = None,
+    think: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    prefill_chunk: int = 2048,
+) -> list[str]:
+    """The answers to `questions` about `document`, in question order. The document's prompt
+    is prefilled once and every question continues it, up to `batch_size` decoding together;
+    each prompt is the one `salabatch run` builds (document, then question, one user message)."""
+    from salabatch.engine.generate import Generator, Request, prefill
+    from salabatch.engine.runtime import engine_runtime
+
+    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    stop = frozenset(tokenizer.eos_ids)
+    requests = [
+        Request(
+            str(i),
+            tuple(tokenizer.prompt_suffix(q, system=system, think=think)),
+            params,
+            max_tokens,
+            stop,
+        )
+        for i, q in enumerate(questions)
+    ]
+    if not requests:
+        return []
+    doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
+    with engine_runtime():
+        prefix = model.make_cache()
+        prefill(model, doc_prompt, prefix, prefill_chunk)
+        generator = Generator(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+        done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
+    return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
+
+
+def _prompt_ids(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    system: str | None = None,
+    think: bool = False,
+) -> list[int]:
+    """The token ids of a prompt: a text is one user message in the chat template (after
+    `system`, if given); token ids are checked against the model's vocabulary."""
+    if isinstance(prompt, str):
+        system_message = [{"role": "system", "content": system}] if system else []
+        messages = [*system_message, {"role": "user", "content": prompt}]
+        return tokenizer.chat_prompt_ids(messages, think=think)
+    if system is not None:
+        raise TokenizerError(
+            "a system prompt needs a text prompt; token ids are used as they are", field="system"
+        )
+    ids = [int(t) for t in prompt]
+    vocab = model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if not ids or bad:
+        raise TokenizerError(
+            "prompt token ids out of range" if bad else "the prompt has no tokens",
+            field="prompt",
+            expected=f"ids in [0, {vocab})",
+            got=bad[0] if bad else [],
+        )
+    return ids
+
+
+def _params(
+    temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float, seed: int
+) -> SamplingParams:
+    from salabatch.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )

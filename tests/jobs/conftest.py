@@ -1,0 +1,14 @@
+"""Fixtures of the job tests: builtin:tiny (an untrained demo model), made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from salabatch.demo import builtin
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))

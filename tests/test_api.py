@@ -1,0 +1,132 @@
+"""The Python API (`salabatch.load / generate / stream_generate / batch_generate`) on builtin:tiny
+(an untrained demo model): it generates what the engine generates, on a model loaded once, from
+any thread; `import salabatch` stays light and `load` activates the BLAS before MLX."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import salabatch
+from salabatch.engine.generate import Generator, Request
+from salabatch.engine.sampling import SamplingParams
+from salabatch.errors import TokenizerError
+from tests.engine.test_threads import on_thread
+
+DOC = "The ferry to Eastwick leaves at 7:10 from the north quay. " * 12
+QUESTIONS = ["When does it leave?", "Where to?", "Why?", "Who runs the ferry to Eastwick?"]
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def loaded(cache_dir):
+    return salabatch.load("builtin:tiny", cache_dir=cache_dir)
+
+
+def engine_tokens(model, tok, ids, max_tokens, params=GREEDY) -> list[int]:
+    request = Request("r", tuple(ids), params, max_tokens, frozenset(tok.eos_ids))
+    (g,) = Generator(model, batch_size=1).generate([request])
+    return g.tokens
+
+
+def user_ids(tok, text: str) -> list[int]:
+    return tok.chat_prompt_ids([{"role": "user", "content": text}], think=False)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7}]
+)
+def test_generates_what_the_engine_generates(loaded, sampling):
+    model, tok = loaded
+    responses = list(salabatch.stream_generate(model, tok, "Say hi.", 12, **sampling))
+    tokens = [r.token for r in responses if r.finish_reason != "stop"]
+    assert tokens == engine_tokens(
+        model, tok, user_ids(tok, "Say hi."), 12, SamplingParams(**sampling)
+    )
+    text = salabatch.generate(model, tok, "Say hi.", max_tokens=12, **sampling)
+    assert text == "".join(r.text for r in responses) == tok.decode(tokens, skip_special=True)
+
+
+def test_stream_responses_count_and_finish(loaded):
+    model, tok = loaded
+    responses = list(salabatch.stream_generate(model, tok, "Say hi.", max_tokens=5))
+    assert [r.generation_tokens for r in responses] == [1, 2, 3, 4, 5]
+    assert [r.finish_reason for r in responses] == [None] * 4 + ["length"]
+    first, last = responses[0], responses[-1]
+    assert first.prompt_tokens == len(user_ids(tok, "Say hi.")) and first.prompt_tps > 0
+    assert first.generation_tps == 0 and last.generation_tps > 0 and last.peak_memory > 0
+
+    # A stop token ends the answer: the last response carries it, no text and no count.
+    tokens = engine_tokens(model, tok, user_ids(tok, "Say hi."), 3)
+    n = tokens.index(tokens[2])  # the answer's tokens before the first of it
+    stopping = copy.copy(tok)
+    stopping.eos_ids = tok.eos_ids | {tokens[2]}
+    responses = list(salabatch.stream_generate(model, stopping, "Say hi.", max_tokens=5))
+    assert [r.finish_reason for r in responses] == [None] * n + ["stop"]
+    assert responses[-1].token == tokens[2] and responses[-1].generation_tokens == n
+    assert "".join(r.text for r in responses) == tok.decode(tokens[:n], skip_special=True)
+
+
+def test_token_ids_are_used_as_they_are(loaded):
+    model, tok = loaded
+    ids = tok.chat_prompt_ids(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        think=False,
+    )
+    by_text = salabatch.generate(model, tok, "Say hi.", system="Be brief.", max_tokens=6)
+    assert salabatch.generate(model, tok, ids, max_tokens=6) == by_text
+    with pytest.raises(TokenizerError, match="out of range") as e:
+        salabatch.generate(model, tok, [5, model.config.vocab_size])
+    assert e.value.field == "prompt"
+    with pytest.raises(TokenizerError, match="no tokens"):
+        salabatch.generate(model, tok, [])
+    with pytest.raises(TokenizerError, match="system prompt needs a text prompt"):
+        salabatch.generate(model, tok, ids, system="Be brief.")
+
+
+def test_batch_generate_answers_in_question_order(loaded):
+    model, tok = loaded
+    got = salabatch.batch_generate(model, tok, DOC, QUESTIONS, max_tokens=8, batch_size=3)
+    # Each alone, from its whole prompt (no shared prefix): the document and the question in
+    # one user message, as `salabatch run` asks it.
+    alone = [
+        salabatch.generate(model, tok, f"{DOC.strip()}\n\n{q}", max_tokens=8) for q in QUESTIONS
+    ]
+    assert got == alone and len(set(alone)) > 1
+    assert salabatch.batch_generate(model, tok, DOC, []) == []
+
+
+def test_load_on_one_thread_generate_on_another(cache_dir, loaded):
+    model, tok = on_thread(lambda: salabatch.load("builtin:tiny", cache_dir=cache_dir))
+    text = on_thread(lambda: salabatch.generate(model, tok, "Say hi.", max_tokens=8))
+    assert text == salabatch.generate(*loaded, "Say hi.", max_tokens=8)
+    answers = on_thread(lambda: salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4))
+    assert answers == salabatch.batch_generate(*loaded, DOC, QUESTIONS[:2], 4)
+
+
+def test_import_is_light_and_load_activates_the_blas_first(cache_dir):
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        import salabatch, salabatch.api
+        light = "mlx.core" not in sys.modules and callable(salabatch.load)
+        model, tok = salabatch.load("builtin:tiny", cache_dir={str(cache_dir)!r})
+        from salabatch.engine import blas
+        print(json.dumps({{"light": light, "blas": blas.active().reason}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["light"]
+    assert "imported before" not in out["blas"] and "not called" not in out["blas"]
