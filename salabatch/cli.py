@@ -293,6 +293,8 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
 
     spec = load_job(job, overrides)
     problems, n_files = ([], None) if schema_only else path_problems(spec)
+    if not schema_only and not any(p.startswith("model:") for p in problems):
+        problems = _model_problems(spec.model) + problems
     if problems:
         raise JobValidationError(job, problems)
 
@@ -311,6 +313,17 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     click.echo(f"{job}: ok")
     for key, value in rows.items():
         click.echo(f"  {key:10s} {value}")
+
+
+def _model_problems(model: str) -> list[str]:
+    """`validate` of a job's model, when it is a checkpoint folder here (a builtin model is made
+    and a Hub id fetched when the job runs): its files, as `validate FOLDER` checks them."""
+    from salabatch.demo import builtin
+    from salabatch.engine.load import check_checkpoint
+
+    if builtin.is_builtin(model) or not os.path.isdir(os.path.expanduser(model)):
+        return []
+    return [f"model: {problem}" for problem in check_checkpoint(model).problems]
 
 
 def _validate_checkpoint(path: str) -> None:

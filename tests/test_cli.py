@@ -57,11 +57,19 @@ def test_example_job_validates(tmp_path, home):
     shutil.copy(EXAMPLE, tmp_path / "example.yaml")
     (tmp_path / "contracts" / "2024").mkdir(parents=True)
     (tmp_path / "contracts" / "2024" / "lease.pdf").write_bytes(b"%PDF-1.4")
-    (home / "models" / "MiniCPM-SALA-8bit").mkdir(parents=True)
-    (home / "models" / "MiniCPM-SALA-8bit" / "config.json").write_text("{}")
+    model = home / "models" / "MiniCPM-SALA-8bit"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    result = validate(str(tmp_path / "example.yaml"))  # the model folder is checked too
+    assert result.exit_code == 2 and "model: " in result.output
+    shutil.rmtree(model)
+    shutil.copytree(builtin.resolve("builtin:tiny", tmp_path / "cache"), model)
     result = validate(str(tmp_path / "example.yaml"))
-    assert result.exit_code == 0
+    assert result.exit_code == 0, result.output
     assert "  documents  1 entry, 1 file" in result.stdout
+    (model / "tokenizer.json").unlink()
+    result = validate(str(tmp_path / "example.yaml"))
+    assert result.exit_code == 2 and "model: " in result.output and "tokenizer" in result.output
 
 
 # -- checkpoint folders, and mlx-lm's spellings of generate and convert ----------------------
