@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@sh scripts/install-system-blas.sh || echo "note: no system BLAS installed; salabatch falls back to scipy-openblas32"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,ray]"
 	@touch $(STAMP)
 
 lint: $(STAMP)

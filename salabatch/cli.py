@@ -3,6 +3,7 @@ so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -211,13 +212,46 @@ _overrides = click.option(
 )
 @click.option("--model", help="Model of a --requests run without a job file.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="ray: across the machines of a Ray cluster, a document per model actor (needs "
+    'pip install "salabatch[ray]").',
+)
+@click.option(
+    "--address",
+    metavar="auto|HOST:PORT",
+    help="--executor ray: the cluster to join (default: start Ray on this machine).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="--executor ray: at most N model actors (default: one per salabatch_slot).",
+)
 def run(
-    job, output, resume, retry_errors, dry_run, limit, overrides, requests, model, progress
+    job,
+    output,
+    resume,
+    retry_errors,
+    dry_run,
+    limit,
+    overrides,
+    requests,
+    model,
+    progress,
+    executor,
+    address,
+    workers,
 ) -> None:
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
     from salabatch.jobs.spec import load_job, requests_job
+
+    if executor == "local" and (address is not None or workers is not None):
+        raise click.UsageError("--address and --workers are options of --executor ray")
 
     if output is not None and os.path.splitext(output)[1].lower() not in (".parquet", ".jsonl"):
         raise click.BadParameter(
@@ -240,9 +274,13 @@ def run(
 
         show_plan(spec, resume=resume, retry_errors=retry_errors, echo=click.echo)
         return
-    from salabatch.jobs.runner import run_job
+    if executor == "ray":
+        from salabatch.jobs.ray_executor import run_job_ray
 
-    summary = run_job(
+        execute = functools.partial(run_job_ray, address=address, workers=workers)
+    else:
+        from salabatch.jobs.runner import run_job as execute
+    summary = execute(
         spec,
         resume=resume,
         retry_errors=retry_errors,
@@ -353,7 +391,7 @@ def _validate_checkpoint(path: str) -> None:
 
 
 @main.command()
-@click.argument("results", type=click.Path(dir_okay=False))
+@click.argument("results", type=click.Path())
 @click.option(
     "--show",
     type=click.IntRange(min=0),
@@ -362,14 +400,15 @@ def _validate_checkpoint(path: str) -> None:
     help="Also print the first N answers.",
 )
 def inspect(results: str, show: int) -> None:
-    """Summarize a results file: rows, errors, tokens, prefill and decode speed."""
+    """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
+    tokens, prefill and decode speed."""
     from salabatch.jobs.export import inspect_results
 
     click.echo(inspect_results(results, show=show))
 
 
 @main.command()
-@click.argument("results", type=click.Path(dir_okay=False))
+@click.argument("results", type=click.Path())
 @click.option(
     "--format",
     "fmt",

@@ -283,6 +283,63 @@ def bench_long(
             click.echo(f"wrote {chart}")
 
 
+@bench.command("scale")
+@click.option("--docs", default=16, show_default=True, help="Synthetic documents.")
+@click.option("--tokens", default=1000, show_default=True, help="Tokens per document, about.")
+@click.option(
+    "--actors",
+    default="1,2,4",
+    show_default=True,
+    help="Ray model actors of each Ray run, comma-separated.",
+)
+@click.option("--questions", default=4, show_default=True, help="Questions per document.")
+@click.option("--max-tokens", default=8, show_default=True, help="Tokens per answer.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_scale(
+    docs: int, tokens: int, actors: str, questions: int, max_tokens: int, out: str | None
+) -> None:
+    """Documents/hour of the local executor and of the Ray executor on a local Ray cluster
+    with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:tiny, a fresh prefix
+    store per run. Needs `salabatch[ray]`."""
+    import json
+
+    from salabatch.bench import environment, scale
+
+    counts = tuple(_count(a, "--actors") for a in actors.split(",") if a.strip())
+    if not counts:
+        raise click.BadParameter("give at least one actor count", param_hint="--actors")
+    env = environment()
+
+    def save(partial: dict) -> None:  # after every configuration: a run cut short keeps its rows
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"bench": "scale", **env, **partial}, indent=2) + "\n")
+
+    result = scale.run(
+        docs,
+        tokens,
+        counts,
+        questions,
+        max_tokens,
+        progress=lambda line: click.echo(line, err=True),
+        on_result=save,
+    )
+    click.echo(scale.table(result))
+    if out:
+        save(result)
+        click.echo(f"wrote {out}", err=True)
+
+
+def _count(text: str, option: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"not a count of 1 or more: {text.strip()!r}", param_hint=option)
+    return n
+
+
 def _tokens(text: str) -> int:
     text = text.strip().upper()
     try:

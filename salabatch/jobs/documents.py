@@ -7,6 +7,11 @@ scanned PDF, empty or undecodable text, bad JSON line) is still yielded, with `t
 one-line `error`: the runner turns it into an error row for each question and the job goes on.
 Only a mistake in the job file itself (a path that does not exist, a glob that matches nothing)
 raises, as `JobSpecError`, when `iter_documents` is called and before any document is read.
+
+`identify_documents(sources)` is the cheap pass beside it: per file, the ids and sha256 of its
+documents exactly as `iter_documents` gives them, without extracting any text (a PDF is hashed,
+not parsed). A row's key needs no more, so a resumed run finds its finished documents with it;
+`read_documents` then reads one file's documents under the ids that pass gave them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +102,15 @@ class SourceFile:
     source: DocumentSource
 
 
+@dataclass(frozen=True)
+class FileDocuments:
+    """A file of a job and what names its documents, in reading order: (doc_id, sha256) each,
+    as `iter_documents` gives them (`~2` suffixes included)."""
+
+    file: SourceFile
+    ids: tuple[tuple[str, str], ...]
+
+
 def iter_documents(sources: Iterable[DocumentSource]) -> Iterator[Document]:
     """Documents of `sources`, in a deterministic order, one per file (one per jsonl line).
 
@@ -105,6 +119,30 @@ def iter_documents(sources: Iterable[DocumentSource]) -> Iterator[Document]:
     """
     files = expand_sources(sources)
     return _read_all(files)
+
+
+def identify_documents(sources: Iterable[DocumentSource]) -> Iterator[FileDocuments]:
+    """Per file of `sources`, the doc_id and sha256 of each document `iter_documents` would
+    yield, without extracting text: files are hashed, only jsonl lines are parsed (their ids
+    and hashes come from the JSON). Raises JobSpecError as `iter_documents` does."""
+    files = expand_sources(sources)
+    return _identify_all(files)
+
+
+def read_documents(file: SourceFile, ids: Sequence[tuple[str, str]]) -> list[Document]:
+    """The documents of `file`, named as `identify_documents` named them (`ids`: its
+    (doc_id, sha256) pairs for this file). Raises JobSpecError when the file no longer holds
+    those documents: it changed since they were identified, or differs on this machine."""
+    docs = list(_read_file(file))
+    found = [doc.sha256 for doc in docs]
+    if found != [sha256 for _, sha256 in ids]:
+        raise JobSpecError(
+            "the file changed since the run listed its documents, or differs on this machine",
+            path=file.path,
+            expected=f"{len(ids)} document(s) with the listed sha256",
+            got=f"{len(docs)} document(s), sha256 {', '.join(s[:12] for s in found)}",
+        )
+    return [replace(doc, doc_id=doc_id) for doc, (doc_id, _) in zip(docs, ids, strict=True)]
 
 
 def expand_sources(sources: Iterable[DocumentSource]) -> list[SourceFile]:
@@ -181,12 +219,40 @@ def _read_all(files: list[SourceFile]) -> Iterator[Document]:
     used: set[str] = set()
     for file in files:
         for doc in _read_file(file):
-            doc_id, n = doc.doc_id, 1
-            while doc_id in used:
-                n += 1
-                doc_id = f"{doc.doc_id}~{n}"
-            used.add(doc_id)
+            doc_id = _unique(doc.doc_id, used)
             yield doc if doc_id == doc.doc_id else replace(doc, doc_id=doc_id)
+
+
+def _identify_all(files: list[SourceFile]) -> Iterator[FileDocuments]:
+    used: set[str] = set()
+    for file in files:
+        ids = tuple((_unique(doc_id, used), sha256) for doc_id, sha256 in _identify_file(file))
+        yield FileDocuments(file, ids)
+
+
+def _unique(doc_id: str, used: set[str]) -> str:
+    """`doc_id`, or `doc_id~2`, `~3`, ... when a document read earlier has it; noted in `used`."""
+    unique, n = doc_id, 1
+    while unique in used:
+        n += 1
+        unique = f"{doc_id}~{n}"
+    used.add(unique)
+    return unique
+
+
+def _identify_file(file: SourceFile) -> list[tuple[str, str]]:
+    """(doc_id, sha256) of each document `_read_file(file)` yields, before de-duplication."""
+    if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        return [(file.rel_id, "")]
+    try:
+        data = file.path.read_bytes()
+    except OSError:
+        return [(file.rel_id, "")]
+    sha256 = hashlib.sha256(data).hexdigest()
+    if data and file.path.suffix.lower() == ".jsonl":
+        records = [_parse_record(file, number, raw)[:2] for number, raw in _lines(data)]
+        return records or [(file.rel_id, sha256)]
+    return [(file.rel_id, sha256)]
 
 
 def _read_file(file: SourceFile) -> Iterator[Document]:
@@ -227,47 +293,68 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
 def _read_jsonl(file: SourceFile, data: bytes, file_sha256: str) -> Iterator[Document]:
     """One document per non-empty line; a bad line is an error document, the others go on."""
     n_records = 0
-    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
-        if raw.strip():
-            n_records += 1
-            yield _read_record(file, number, raw)
+    for number, raw in _lines(data):
+        n_records += 1
+        yield _read_record(file, number, raw)
     if n_records == 0:
         reason = "no records: every line is blank"
         yield Document(file.rel_id, str(file.path), "", file_sha256, error=reason)
 
 
+def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of a jsonl file, with their 1-based numbers."""
+    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
+        if raw.strip():
+            yield number, raw
+
+
+def _parse_record(
+    file: SourceFile, number: int, raw: bytes
+) -> tuple[str, str, dict[str, Any] | None, str | None]:
+    """(doc_id, sha256, record, problem) of line `number`: its id and hash as `Document` gives
+    them, the JSON object (None when the line holds none), and why it is not a usable record."""
+    id_field = file.source.id_field
+    doc_id, sha256 = f"{file.rel_id}#L{number}", hashlib.sha256(raw.strip()).hexdigest()
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return doc_id, sha256, None, decode_reason(e, "utf-8")
+    except json.JSONDecodeError as e:
+        return doc_id, sha256, None, f"invalid JSON: {e.msg} at column {e.colno}"
+    if not isinstance(record, dict):
+        return doc_id, sha256, None, f"expected a JSON object, got {type(record).__name__}"
+
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    raw_id = record.get(id_field)
+    if raw_id is not None:
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+            kind = type(raw_id).__name__
+            problem = f"id field {id_field!r} must be a string or integer, got {kind}"
+            return doc_id, sha256, record, problem
+        doc_id = _sanitize(str(raw_id)) or doc_id
+    return doc_id, sha256, record, None
+
+
 def _read_record(file: SourceFile, number: int, raw: bytes) -> Document:
     """The document of line `number` (1-based) of a jsonl file."""
     text_field, id_field = file.source.text_field, file.source.id_field
-    doc_id, sha256 = f"{file.rel_id}#L{number}", hashlib.sha256(raw.strip()).hexdigest()
+    doc_id, sha256, record, problem = _parse_record(file, number, raw)
     meta: dict[str, Any] = {"line": number}
 
-    def failed(reason: str) -> Document:  # uses doc_id / sha256 as known when it is called
+    def failed(reason: str) -> Document:
         return Document(
             doc_id, str(file.path), "", sha256, error=f"line {number}: {reason}", meta=meta
         )
 
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return failed(decode_reason(e, "utf-8"))
-    except json.JSONDecodeError as e:
-        return failed(f"invalid JSON: {e.msg} at column {e.colno}")
-    if not isinstance(record, dict):
-        return failed(f"expected a JSON object, got {type(record).__name__}")
-
-    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-    fields = {k: v for k, v in record.items() if k not in (text_field, id_field)}
-    if fields:
-        meta["fields"] = fields
-    raw_id = record.get(id_field)
-    if raw_id is not None:
-        meta["id"] = raw_id
-        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
-            kind = type(raw_id).__name__
-            return failed(f"id field {id_field!r} must be a string or integer, got {kind}")
-        doc_id = _sanitize(str(raw_id)) or doc_id
+    if record is not None:
+        fields = {k: v for k, v in record.items() if k not in (text_field, id_field)}
+        if fields:
+            meta["fields"] = fields
+        if record.get(id_field) is not None:
+            meta["id"] = record[id_field]
+    if problem:
+        return failed(problem)
 
     text = record.get(text_field)
     if text_field not in record:

@@ -1,7 +1,8 @@
 """A results file for people and for other tools: `salabatch inspect` and `salabatch export`.
 
 Both read through `read_results`, so they see what resume sees: the merged file plus the parts
-of a running or killed run, one row per request.
+of a running or killed run, one row per request; or, given a folder (a Parquet dataset written
+by Ray, results collected from several machines), the rows of all its files, deduplicated.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
 from salabatch.files import write_atomic
-from salabatch.jobs.results import OutputWarning, decode_metadata, read_results
+from salabatch.jobs.results import OutputWarning, dataset_files, decode_metadata, read_results
 
 _TOP_ERRORS = 5
 _REASON_CHARS = 90
@@ -29,20 +30,30 @@ _ANSWER_CHARS = 100
 
 
 def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
-    """A plain-text summary of a results file: counts, tokens, mean speeds, the most common
-    errors; then the first `show` answers (in the file's doc_id, question_id order)."""
+    """A plain-text summary of a results file or folder: counts, tokens, mean speeds, the most
+    common errors; then the first `show` answers (in the file's doc_id, question_id order)."""
     table = read_results(path)
     meta = decode_metadata(table.schema.metadata)
+    folder = Path(path).is_dir()
     ok = pc.equal(table["status"], "ok")
     n_ok = pc.sum(ok).as_py() or 0
     prefilled = table.filter(pc.greater(pc.fill_null(table["doc_prefill_s"], 0.0), 0.0))
 
     head = [
-        ("results", str(path)),
+        (
+            "results",
+            f"{path} (a folder: {len(dataset_files(Path(path)))} .parquet files)"
+            if folder
+            else str(path),
+        ),
         ("job", _distinct(table["job_name"]) or _job_name(meta)),
         ("model", _models(table)),
         ("created", meta["created_at"] or "-"),
-        ("updated", meta["updated_at"] or "- (not merged yet: a run is going or was killed)"),
+        (
+            "updated",
+            meta["updated_at"]
+            or ("-" if folder else "- (not merged yet: a run is going or was killed)"),
+        ),
         ("runs", str(len(pc.unique(table["run_id"])))),
     ]
     counts = [

@@ -17,6 +17,12 @@ otherwise the later row wins, and one row per custom_id: the most recently writt
 row of an edited question supersedes the old one); sorted by doc_id, question_id, custom_id,
 request_key. `inspect`, `export` and resume all read it this way, so they agree with each other
 at every instant, mid-run and after a kill included.
+
+`read_results` also reads a results *folder* (a dataset): every `*.parquet` below it, at any
+depth, whose name and folders do not start with `.` or `_` (temp files, Spark/Hive markers), as
+Ray's `Dataset.write_parquet` writes them, a `.parts` folder, or results files collected from
+several machines. Its rows are deduplicated as above, "later" meaning a later `finished_at`
+(the files have no sequence); a file that is not salabatch's is skipped with an OutputWarning.
 """
 
 from __future__ import annotations
@@ -306,17 +312,21 @@ _SORT_KEYS = ("doc_id", "question_id", "custom_id", "request_key")
 
 def read_results(path: str | os.PathLike) -> pa.Table:
     """Every row of a results file, one per request_key, sorted (see the module docstring):
-    the final file plus the parts of a running or killed run. Schema: RESULT_SCHEMA, with the
-    file metadata (job spec, versions, created/updated) of the newest contributor.
+    the final file plus the parts of a running or killed run; or every row of a results folder.
+    Schema: RESULT_SCHEMA, with the file metadata (job spec, versions, created/updated) of the
+    newest contributor.
 
-    Raises OutputError when there is neither file nor parts, or the file is not salabatch's.
+    Raises OutputError when there is neither file nor parts, the file is not salabatch's, or
+    the folder holds no salabatch results file.
     """
     path = Path(path)
-    parts_dir = parts_dir_of(path)
-    if not path.exists() and not parts_dir.is_dir():
-        raise OutputError("no such results file", path=path)
     for _ in range(3):
         try:
+            if path.is_dir():
+                return _read_folder(path)
+            parts_dir = parts_dir_of(path)
+            if not path.exists() and not parts_dir.is_dir():
+                raise OutputError("no such results file", path=path)
             return _read_contents(path, parts_dir)
         except (FileNotFoundError, _Changed):
             continue  # a writer merged and removed its parts while we read: read again
@@ -355,6 +365,62 @@ def _read_contents(path: Path, parts_dir: Path) -> pa.Table:
         raise _Changed
     meta[META_SCHEMA_VERSION] = str(SCHEMA_VERSION).encode()
     return dedupe(tables).replace_schema_metadata(meta)
+
+
+def dataset_files(folder: Path) -> list[Path]:
+    """The Parquet files of a results folder, sorted: every `*.parquet` below it, skipping
+    names (of files and of folders) that start with `.` or `_`."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        found += [
+            Path(root, n) for n in names if n.endswith(".parquet") and not n.startswith((".", "_"))
+        ]
+    return sorted(found)
+
+
+def _read_folder(folder: Path) -> pa.Table:
+    files = dataset_files(folder)
+    if not files:
+        raise OutputError(
+            "a folder without .parquet files; expected a results file or a folder of them",
+            path=folder,
+        )
+    tables, metas, skipped = [], [], []
+    for file in files:
+        table, meta, problem = read_part(file)
+        if problem:
+            skipped.append(f"{file}: {problem}")
+            warnings.warn(
+                f"{file}: skipping a file that is not salabatch results ({problem})",
+                OutputWarning,
+                stacklevel=3,
+            )
+            continue
+        tables.append(table.select(RESULT_SCHEMA.names).cast(RESULT_SCHEMA))
+        metas.append(meta or {})
+    if not tables:
+        raise OutputError(
+            f"none of its {len(files)} .parquet files is salabatch results (first: {skipped[0]})",
+            path=folder,
+        )
+    # The files have no order: a later finish wins (the sort is stable, ties keep file order).
+    rows = pa.concat_tables(tables).sort_by("finished_at")
+    return dedupe([rows]).replace_schema_metadata(_folder_metadata(metas))
+
+
+def _folder_metadata(metas: list[Mapping[bytes, bytes]]) -> dict[bytes, bytes]:
+    """salabatch's metadata of the newest file (job spec, versions), with the earliest
+    created_at and the latest updated_at (none unless some file was a merged results file)."""
+    stamps = [m.get(META_UPDATED_AT) or m.get(META_CREATED_AT) or b"" for m in metas]
+    newest = metas[stamps.index(max(stamps))]  # ISO 8601 UTC stamps sort as text
+    stamped = (META_CREATED_AT, META_UPDATED_AT)
+    meta = {k: v for k, v in newest.items() if k.startswith(b"salabatch.") and k not in stamped}
+    for key, pick in ((META_CREATED_AT, min), (META_UPDATED_AT, max)):
+        stamps = [m[key] for m in metas if m.get(key)]
+        if stamps:
+            meta[key] = pick(stamps)
+    return meta
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

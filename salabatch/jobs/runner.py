@@ -9,7 +9,7 @@ error row and the run goes on; Ctrl-C stops after the rows already finished are 
 Rows already in the results are skipped; once the whole job is planned, rows of earlier runs
 that are no longer in it are dropped when the results are merged. What happens before the model
 loads (`JobSetup`: tokenizer, weights digest, dtype, planning, prefix keys) is shared with
-`--dry-run`.
+`--dry-run`; what turns plans into rows (`Answerer`) with the Ray executor's workers.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from salabatch.demo import builtin
 from salabatch.engine.chat import split_thinking
+from salabatch.engine.config import ModelConfig
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.load import load_model
@@ -167,23 +168,78 @@ def check_free_space(folder: Path, needed: int = MIN_FREE_BYTES) -> None:
         )
 
 
-class _Runner:
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every row of one run says about where it comes from (run, job, model), and the
+    error rows, which need no loaded model: a Ray driver writes them for a document whose
+    workers all died."""
+
+    run_id: str
+    job_name: str
+    model: str
+    model_sha: str
+    quant_bits: int | None  # bits per weight of a quantized checkpoint, else None
+
+    @classmethod
+    def of(cls, setup: JobSetup, config: ModelConfig, run_id: str | None = None) -> RunIdentity:
+        """The identity of a new run of `setup`'s job (`run_id`: a run already under way)."""
+        quant = config.quantization
+        return cls(
+            run_id=run_id or _run_id(setup.spec),
+            job_name=setup.spec.name,
+            model=setup.spec.model,
+            model_sha=setup.model_sha,
+            quant_bits=quant.bits if quant else None,
+        )
+
+    def columns(self, row: Row) -> dict[str, Any]:
+        """The identity columns of `row`'s result."""
+        return {
+            "run_id": self.run_id,
+            "job_name": self.job_name,
+            "doc_id": row.doc.doc_id,
+            "doc_path": row.doc.path,
+            "doc_sha256": row.doc.sha256,
+            "question_id": row.question_id,
+            "question": row.question,
+            "custom_id": row.custom_id,
+            "request_key": row.key,
+            "request_line": row.request_line,
+            "model": self.model,
+            "model_sha": self.model_sha,
+            "quant_bits": self.quant_bits,
+        }
+
+    def error_row(self, row: Row, reason: str, doc_tokens: int | None = None) -> ResultRow:
+        return ResultRow(
+            **self.columns(row),
+            status="error",
+            finish_reason="error",
+            error=reason,
+            doc_tokens=doc_tokens,
+            finished_at=_now(),
+        )
+
+
+class Answerer:
+    """Turns DocPlans into result rows with one loaded model: a document's questions decoded
+    together from its prefix (prefilled once, or found in memory or the store), short documents
+    and request lines pooled into batches with their whole prompts, error rows for whatever
+    fails. The local runner writes the rows as they come; a Ray worker collects a unit's."""
+
     def __init__(
         self,
         setup: JobSetup,
         model: Model,
-        writer: ResultWriter,
-        summary: RunSummary,
+        identity: RunIdentity,
+        *,
         progress: bool,
         echo: Callable[[str], None],
         debug: bool = False,
     ) -> None:
         spec = setup.spec
         self.setup, self.spec, self.model, self.tok = setup, spec, model, setup.tok
-        self.writer, self.summary, self.echo, self.debug = writer, summary, echo, debug
-        quant = model.config.quantization  # bits per weight of a quantized checkpoint, else None
-        self.quant_bits = quant.bits if quant else None
-        self.run_id = _run_id(spec)
+        self.identity, self.progress, self.echo, self.debug = identity, progress, echo, debug
         self.caches = DocumentCaches(
             model,
             setup.store,
@@ -191,55 +247,25 @@ class _Runner:
             snapshot_every=spec.cache.snapshot_every,
         )
         self.stop = frozenset(setup.tok.eos_ids)
-        self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
-        self.bar = tqdm(
-            total=count_rows(spec),
-            unit="row",
-            desc=spec.name,
-            disable=not progress,
-            dynamic_ncols=True,
-        )
-        self.progress = progress
 
-    def run(self, limit: int | None) -> None:
-        planner = self.setup.planner(self.writer.done_keys())
+    def answer(self, plans: Iterable[DocPlan]) -> Iterator[list[ResultRow]]:
+        """The rows of `plans` as they finish: one finished row at a time, or the error rows of
+        a document together. Pooled rows wait for a full pool, or for the last plan."""
         pool: list[tuple[Row, DocPlan]] = []
-        budget = limit if limit is not None else -1
-        try:
-            for plan in self.setup.plans(planner):
-                self._count_skipped(planner)
-                if budget == 0:
-                    break  # --limit: the rest of the job stays unplanned, so no row is dropped
-                if budget > 0:
-                    plan.rows = plan.rows[:budget]
-                    budget -= len(plan.rows)
-                self.summary.documents += 1
-                if plan.error:
-                    self._write([self._error_row(r, plan, plan.error) for r in plan.rows])
-                elif self.setup.is_pooled(plan):
-                    pool += [(r, plan) for r in plan.rows]
-                    if len(pool) >= POOL_FACTOR * self.spec.engine.batch_size:
-                        self._pool(pool)
-                        pool = []
-                else:
-                    self._document(plan)
+        for plan in plans:
+            if plan.error:
+                yield [self._error_row(r, plan, plan.error) for r in plan.rows]
+            elif self.setup.is_pooled(plan):
+                pool += [(r, plan) for r in plan.rows]
+                if len(pool) >= POOL_FACTOR * self.spec.engine.batch_size:
+                    yield from self._pool(pool)
+                    pool = []
             else:
-                # The whole job is planned: rows of earlier runs outside it go when the writer
-                # closes (a document or question removed from the job, a changed document).
-                self.writer.retain(planner.job_keys)
-            self._pool(pool)
-            self._count_skipped(planner)
-            self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
-            self.request_lines = planner.request_lines
-        finally:
-            self.bar.close()
-
-    def _count_skipped(self, planner: Planner) -> None:
-        self.bar.update(planner.skipped - self.summary.skipped)
-        self.summary.skipped = planner.skipped
+                yield from self._document(plan)
+        yield from self._pool(pool)
 
     # -- a long document: prefix once, questions together ------------------------------------
-    def _document(self, plan: DocPlan) -> None:
+    def _document(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
         started = _now()
         mx.reset_peak_memory()
         key = self.setup.prefix_key(plan)
@@ -257,43 +283,39 @@ class _Runner:
                     key, plan.doc_prompt, lambda done, _: bar.update(done - bar.n)
                 )
             requests = [self._request(r, r.prompt) for r in plan.rows]
-            gen = Generator(
-                self.model,
-                batch_size=self.spec.engine.batch_size,
-                prefill_chunk=self.spec.engine.prefill_chunk,
-                detokenizer=self._detokenizer,
-            )
-            for g in gen.generate(requests, prefix.cache):
+            for g in self._generator().generate(requests, prefix.cache):
                 row = rows.pop(g.request.id)
-                self._write([self._row(row, plan, g, _row_prefix(prefix, row, plan), started)])
+                yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
         except OutputError:
             raise  # the results cannot be written: nothing more can be saved
         except Exception as e:  # one document's failure must not end an overnight run
             reason = self._report(e, f"document {plan.doc.doc_id}")
-            self._write([self._error_row(r, plan, reason) for r in rows.values()])
+            yield [self._error_row(r, plan, reason) for r in rows.values()]
 
     # -- short documents and requests: whole prompts, batched across documents ---------------
-    def _pool(self, pool: list[tuple[Row, DocPlan]]) -> None:
+    def _pool(self, pool: list[tuple[Row, DocPlan]]) -> Iterator[list[ResultRow]]:
         if not pool:
             return
         started = _now()
         by_key = {r.key: (r, plan) for r, plan in pool}
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
-            gen = Generator(
-                self.model,
-                batch_size=self.spec.engine.batch_size,
-                prefill_chunk=self.spec.engine.prefill_chunk,
-                detokenizer=self._detokenizer,
-            )
-            for g in gen.generate(requests):
+            for g in self._generator().generate(requests):
                 row, plan = by_key.pop(g.request.id)
-                self._write([self._row(row, plan, g, None, started)])
+                yield [self._row(row, plan, g, None, started)]
         except OutputError:
             raise
         except Exception as e:
             reason = self._report(e, "a pooled batch")
-            self._write([self._error_row(r, plan, reason) for r, plan in by_key.values()])
+            yield [self._error_row(r, plan, reason) for r, plan in by_key.values()]
+
+    def _generator(self) -> Generator:
+        return Generator(
+            self.model,
+            batch_size=self.spec.engine.batch_size,
+            prefill_chunk=self.spec.engine.prefill_chunk,
+            detokenizer=self._detokenizer,
+        )
 
     def _report(self, e: Exception, where: str) -> str:
         """Says in one line (with the traceback under --debug) that `where` failed; returns the
@@ -319,7 +341,7 @@ class _Runner:
         text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
         reasoning, answer = split_thinking(text)
         return ResultRow(
-            **self._identity(row),
+            **self.identity.columns(row),
             answer=answer,
             reasoning=reasoning if row.think else None,
             finish_reason=g.finish_reason,
@@ -335,31 +357,68 @@ class _Runner:
         )
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
-        return ResultRow(
-            **self._identity(row),
-            status="error",
-            finish_reason="error",
-            error=reason,
-            doc_tokens=plan.doc_tokens or None,
-            finished_at=_now(),
+        return self.identity.error_row(row, reason, plan.doc_tokens or None)
+
+
+class _Runner:
+    """The local executor: plans the job in order (`--limit` cuts it), answers it with one
+    model and writes each finished row."""
+
+    def __init__(
+        self,
+        setup: JobSetup,
+        model: Model,
+        writer: ResultWriter,
+        summary: RunSummary,
+        progress: bool,
+        echo: Callable[[str], None],
+        debug: bool = False,
+    ) -> None:
+        self.setup, self.writer, self.summary = setup, writer, summary
+        identity = RunIdentity.of(setup, model.config)
+        self.answerer = Answerer(setup, model, identity, progress=progress, echo=echo, debug=debug)
+        self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
+        self.planned_all = False  # every plan of the job was drawn (no --limit cut)
+        self.bar = tqdm(
+            total=count_rows(setup.spec),
+            unit="row",
+            desc=setup.spec.name,
+            disable=not progress,
+            dynamic_ncols=True,
         )
 
-    def _identity(self, row: Row) -> dict:
-        return {
-            "run_id": self.run_id,
-            "job_name": self.spec.name,
-            "doc_id": row.doc.doc_id,
-            "doc_path": row.doc.path,
-            "doc_sha256": row.doc.sha256,
-            "question_id": row.question_id,
-            "question": row.question,
-            "custom_id": row.custom_id,
-            "request_key": row.key,
-            "request_line": row.request_line,
-            "model": self.spec.model,
-            "model_sha": self.setup.model_sha,
-            "quant_bits": self.quant_bits,
-        }
+    def run(self, limit: int | None) -> None:
+        planner = self.setup.planner(self.writer.done_keys())
+        try:
+            for rows in self.answerer.answer(self._plans(planner, limit)):
+                self._write(rows)
+            if self.planned_all:
+                # Rows of earlier runs outside the job go when the writer closes (a document or
+                # question removed from the job, a changed document).
+                self.writer.retain(planner.job_keys)
+            self._count_skipped(planner)
+            self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
+            self.request_lines = planner.request_lines
+        finally:
+            self.bar.close()
+
+    def _plans(self, planner: Planner, limit: int | None) -> Iterator[DocPlan]:
+        """The job's plans in order, at most `limit` rows in all."""
+        budget = limit if limit is not None else -1
+        for plan in self.setup.plans(planner):
+            self._count_skipped(planner)
+            if budget == 0:
+                return  # --limit: the rest of the job stays unplanned, so no row is dropped
+            if budget > 0:
+                plan.rows = plan.rows[:budget]
+                budget -= len(plan.rows)
+            self.summary.documents += 1
+            yield plan
+        self.planned_all = True
+
+    def _count_skipped(self, planner: Planner) -> None:
+        self.bar.update(planner.skipped - self.summary.skipped)
+        self.summary.skipped = planner.skipped
 
     def _write(self, rows: list[ResultRow]) -> None:
         if not rows:

@@ -1,10 +1,11 @@
 """inspect and export of a results file: OpenAI Batch output lines in input order, with the
-reasoning; results of an older salabatch."""
+reasoning; results of an older salabatch; a folder of results files (Ray's dataset)."""
 
 from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,8 +14,13 @@ import pytest
 
 from salabatch.errors import OutputError
 from salabatch.jobs.export import export_openai_jsonl, export_results, inspect_results
-from salabatch.jobs.results import RESULT_SCHEMA, read_results
-from tests.jobs.test_results import T0, make_row, writer
+from salabatch.jobs.results import (
+    RESULT_SCHEMA,
+    ResultRow,
+    encode_metadata,
+    read_results,
+)
+from tests.jobs.test_results import SPEC, T0, make_row, write_file, writer
 
 
 @pytest.fixture
@@ -142,3 +148,64 @@ def test_results_of_an_older_salabatch_without_request_line_still_read(tmp_path)
     with writer(path) as out:  # a run resumes it, and merges it into the current schema
         out.write([make_row("c.q0", request_line=4)])
     assert read_results(path)["request_line"].to_pylist() == [None, None, 4]
+
+
+def test_inspect_and_export_read_a_folder_as_a_file(tmp_path, results):
+    folder = tmp_path / "collected"
+    write_file(folder / "mac-1.parquet", [make_row("a.q0"), make_row("b.q1", status="error")])
+    write_file(folder / "mac-2.parquet", [make_row("b.q1"), make_row("c.q0"), make_row("a.q0")])
+    text = inspect_results(folder)
+    assert f"results  {folder} (a folder: 2 .parquet files)" in text
+    lines = {line.strip().split("  ")[0]: " ".join(line.split()) for line in text.splitlines()}
+    assert lines["rows"] == "rows 3" and lines["errors"] == "errors 0"
+    assert lines["updated"] == "updated -"
+    stream = io.StringIO()
+    assert export_openai_jsonl(folder, stream) == 3
+    got = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [x["custom_id"] for x in got] == ["a/q0", "b/q1", "c/q0"]
+    assert all(x["error"] is None for x in got)
+
+    # a results file copied in joins them: its b.q1 and c.q0 are error rows, mac-2's are ok
+    shutil.copy(results, folder / "r.parquet")
+    both = read_results(folder)
+    assert both["request_key"].to_pylist() == ["a.q0", "a.q1", "b.q0", "b.q1", "c.q0", "c.q1"]
+    assert both["status"].to_pylist() == ["ok"] * 5 + ["error"]
+
+
+@pytest.mark.ray
+def test_a_dataset_ray_wrote_reads_as_its_rows(tmp_path):
+    ray = pytest.importorskip("ray", reason="needs ray: pip install 'salabatch[ray]'")
+    rows = [make_row(f"d{i}.q0", finished_at=T0) for i in range(6)]
+    table = pa.Table.from_pylist([r.to_record() for r in rows], schema=RESULT_SCHEMA)
+    meta = encode_metadata(job_spec_json=SPEC, versions_json="{}", created_at=T0.isoformat())
+    table = table.replace_schema_metadata({**RESULT_SCHEMA.metadata, **meta})
+    started = ray.is_initialized()
+    if not started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.data.from_arrow(table).repartition(3).write_parquet(str(tmp_path / "ds"))
+    finally:
+        if not started:
+            ray.shutdown()
+    assert len(list((tmp_path / "ds").glob("*.parquet"))) >= 2
+    assert [ResultRow.from_record(r) for r in read_results(tmp_path / "ds").to_pylist()] == rows
+    summary = [" ".join(line.split()) for line in inspect_results(tmp_path / "ds").splitlines()]
+    assert "rows 6" in summary
+
+
+def test_the_cli_reads_a_folder_and_says_in_one_line_when_it_holds_no_results(tmp_path):
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    write_file(tmp_path / "ds" / "0.parquet", [make_row("a.q0"), make_row("a.q1")])
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "ds"), "--show", "1"])
+    assert shown.exit_code == 0 and "[a / q0] stop" in shown.output
+    out = tmp_path / "out.jsonl"
+    assert CliRunner().invoke(main, ["export", str(tmp_path / "ds"), "-o", str(out)]).exit_code == 0
+    assert len(out.read_text().splitlines()) == 2
+    (tmp_path / "empty").mkdir()
+    for command in ("inspect", "export"):
+        result = CliRunner().invoke(main, [command, str(tmp_path / "empty")])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+        assert "a folder without .parquet files" in result.output

@@ -19,6 +19,8 @@ from salabatch.jobs.results import (
     SCHEMA_VERSION,
     OutputWarning,
     ResultRow,
+    encode_metadata,
+    read_metadata,
     read_results,
 )
 
@@ -222,3 +224,91 @@ def test_truncated_part_is_skipped_with_a_warning(tmp_path):
 def test_no_results_at_all(tmp_path):
     with pytest.raises(OutputError, match="no such results file"):
         read_results(tmp_path / "missing.parquet")
+
+
+# --- a results folder (a dataset: Ray's write_parquet, files from several machines) -----------
+
+
+def write_file(path: Path, rows: list[ResultRow], spec: dict | None = None) -> None:
+    """One Parquet file of `rows` as a Ray worker writes it: salabatch's schema and metadata."""
+    meta = encode_metadata(
+        job_spec_json=json.dumps(spec or json.loads(SPEC)),
+        versions_json=json.dumps(VERSIONS),
+        created_at=(T0 + timedelta(minutes=len(rows))).isoformat(),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist([r.to_record() for r in rows], schema=RESULT_SCHEMA)
+    pq.write_table(table.replace_schema_metadata({**RESULT_SCHEMA.metadata, **meta}), path)
+
+
+def test_a_folder_reads_as_the_dedupe_of_its_files(tmp_path):
+    later = T0 + timedelta(hours=1)
+    write_file(
+        tmp_path / "0_000001.parquet",
+        [
+            make_row("a.q0", finished_at=later, answer="newer"),  # a later finish wins
+            make_row("a.q1", status="error"),
+            make_row("b.q0"),
+            make_row("c.q0", request_key="c.q0-edited", finished_at=later),  # one per custom_id
+        ],
+    )
+    write_file(
+        tmp_path / "mac-2" / "r.parquet",
+        [
+            make_row("a.q0", answer="older"),
+            make_row("a.q1"),  # ok beats error
+            make_row("b.q0", status="error", finished_at=later),
+            make_row("c.q0"),
+            make_row("d.q0", run_id="run-2"),
+        ],
+        spec={"name": "newest"},
+    )
+    write_file(tmp_path / ".tmp-1.parquet", [make_row("z.q0")])  # hidden: a write under way
+    write_file(tmp_path / "_staging" / "r.parquet", [make_row("y.q0")])
+    (tmp_path / "_SUCCESS").write_text("")
+
+    table = read_results(tmp_path)
+    assert keys_of(table) == ["a.q0", "a.q1", "b.q0", "c.q0-edited", "d.q0"]
+    assert table["status"].to_pylist() == ["ok"] * 5
+    assert table["answer"][0].as_py() == "newer"
+    assert table.schema.equals(RESULT_SCHEMA, check_metadata=False)
+    meta = read_metadata(tmp_path)
+    assert meta["job_spec"] == {"name": "newest"}  # the newest file's
+    assert meta["created_at"] == (T0 + timedelta(minutes=4)).isoformat()  # the earliest
+    assert meta["updated_at"] is None and meta["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_parts_folder_reads_as_its_results_file_does(tmp_path):
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row("a.q0", status="error")])
+        out.write([make_row("a.q0"), make_row("b.q0")])
+        out.write([make_row("b.q0", custom_id="b/q0", request_key="b.q0-edited")])
+        parts = out.parts_dir
+        assert read_results(parts).equals(read_results(path))
+    assert keys_of(read_results(path)) == ["a.q0", "b.q0-edited"]
+
+
+def test_a_folder_skips_files_that_are_not_results_with_a_warning(tmp_path):
+    write_file(tmp_path / "good.parquet", [make_row("a.q0")])
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.warns(OutputWarning) as caught:
+        assert keys_of(read_results(tmp_path)) == ["a.q0"]
+    assert sorted(Path(str(w.message).split(":")[0]).name for w in caught) == [
+        "broken.parquet",
+        "other.parquet",
+    ]
+    (tmp_path / "good.parquet").unlink()
+    with pytest.warns(OutputWarning), pytest.raises(OutputError) as e:
+        read_results(tmp_path)
+    assert "none of its 2 .parquet files is salabatch results" in str(e.value)
+
+
+def test_an_empty_folder_is_a_one_line_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("no results here")
+    with pytest.raises(OutputError) as e:
+        read_results(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: a folder without .parquet files; expected a results file or a folder of them"
+    )
