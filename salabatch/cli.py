@@ -505,10 +505,11 @@ def _positional(
     return [value if value is not None else next(rest) for value in options]
 
 
-from salabatch.cli_tools import bench, cache  # noqa: E402  (after `main`: they use no MLX)
+from salabatch.cli_tools import bench, cache, train  # noqa: E402  (after `main`: no MLX)
 
 main.add_command(cache)
 main.add_command(bench)
+main.add_command(train)
 
 
 if __name__ == "__main__":

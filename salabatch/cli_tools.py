@@ -346,3 +346,44 @@ def _tokens(text: str) -> int:
         return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
     except ValueError:
         raise click.BadParameter(f"not a token count: {text!r}", param_hint="--contexts") from None
+
+
+@click.command()
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--length", default=3072, show_default=True, type=click.IntRange(min=64),
+              help="Longest prompt in tokens (sparse mode from 2048).")  # fmt: skip
+@click.option("--min-length", default=512, show_default=True, type=click.IntRange(min=0),
+              help="Shortest prompt; each step draws one in between (0: --length).")  # fmt: skip
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1))
+def train(
+    out: str,
+    steps: int,
+    seed: int,
+    length: int,
+    min_length: int,
+    batch: int,
+    lr: float,
+    log_every: int,
+) -> None:
+    """Train a small MiniCPM-SALA on synthetic document questions (CPU or GPU, MLX); writes a
+    checkpoint folder that `run` and `generate` load, with loss.jsonl and training.json."""
+    from salabatch.train.train import TrainConfig
+    from salabatch.train.train import train as run_training
+
+    def show(r: dict) -> None:
+        if r["step"] % log_every == 0 or "eval_loss" in r or r["step"] == steps:
+            extra = "".join(f" {k} {r[k]:.3f}" for k in ("eval_loss", "eval_exact") if k in r)
+            click.echo(
+                f"step {r['step']:6d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
+                f"{r['seconds']:.2f}s/step{extra}"
+            )
+
+    cfg = TrainConfig(
+        out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
+        batch=batch, lr=lr,
+    )  # fmt: skip
+    click.echo(f"wrote {run_training(cfg, log=show)}")

@@ -123,7 +123,9 @@ class SparseAttention(nn.Module):
             parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
         n_blocks = -(-max(kv.lengths) // block)
         settings["n_blocks"], settings["k"] = n_blocks, min(sc.topk_eff, n_blocks)
-        selected = select_blocks(q, parts[0], parts[1], starts, **settings)
+        # The choice of blocks is discrete: no gradient through it (its ids index gathers), only
+        # through the keys and values it attends (what training needs; inference is unchanged).
+        selected = mx.stop_gradient(select_blocks(q, parts[0], parts[1], starts, **settings))
         if cache.trace is not None:
             cache.trace.append(selected)
         return block_sparse_attention(q, kv, selected, starts, self.scale, block)

@@ -1,0 +1,481 @@
+"""Synthetic long-document question answering: the training and evaluation tasks, no download.
+
+Three kinds of sample, each a document, a question whose answer is a short span of it, and the
+answer:
+
+* `needle`: one fact ("The secret verification code for Project Aurora is 739258.") somewhere
+  in filler text;
+* `multi`: several facts plus distractors: the asked entity with other attributes and the asked
+  attribute of other entities, each with its own value;
+* `contract`: a contract-like document (parties, amount, dates, term, governing law, payment
+  days) padded with boilerplate clauses; the question asks one field.
+
+Filler is built from word lists and many sentence shapes, with numbers in it, so a value is not
+the only digit run and the text is not periodic. Every choice comes from a numpy generator seeded
+by (seed, split, index): sample i is the same on every machine.
+
+Train / eval split: every pool a fact or a question is drawn from (entity names, value formats,
+fact sentences, question phrasings, contract fields' formats) is cut in two, disjointly, by
+`_split`; eval samples use only the eval halves, so evaluation never sees a training needle.
+Filler words and attribute names are shared (they are the language, not the facts).
+
+`encode_sample` renders a sample exactly as `salabatch run` feeds it: the tokenizer's
+`document_prompt(document) + prompt_suffix(question)`, then the answer and the end-of-turn token
+as the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import ConfigError
+
+TRAIN, EVAL = "train", "eval"
+SPLITS = (TRAIN, EVAL)
+KINDS = ("needle", "multi", "contract")
+END_OF_TURN = "<|im_end|>"
+
+
+def _split(items: Sequence, split: str, every: int = 4) -> tuple:
+    """The `split` half of a pool: every `every`-th item (from the last of each group) is eval."""
+    if split not in SPLITS:
+        raise ConfigError(f"unknown split {split!r}", expected=" or ".join(SPLITS), got=split)
+    held = [i % every == every - 1 for i in range(len(items))]
+    return tuple(x for x, h in zip(items, held, strict=True) if h == (split == EVAL))
+
+
+# -- pools (split by `_split`) ----------------------------------------------------------------
+
+CODENAMES = (
+    "Aurora", "Basalt", "Cinder", "Dynamo", "Ember", "Falcon", "Glacier", "Harbor", "Indigo",
+    "Juniper", "Kestrel", "Lantern", "Meridian", "Nimbus", "Obsidian", "Pioneer", "Quartz",
+    "Rampart", "Sapphire", "Tundra", "Umber", "Vanguard", "Willow", "Xenon", "Yarrow", "Zephyr",
+    "Atlas", "Beacon", "Cobalt", "Delta", "Echo", "Fjord", "Granite", "Helios", "Iris", "Jasper",
+    "Kodiak", "Lumen", "Monsoon", "Nova", "Orchid", "Polaris", "Quill", "Raven", "Sierra",
+    "Talon", "Ultra", "Vertex", "Wren", "Yukon",
+)  # fmt: skip
+FIRST_NAMES = (
+    "Mira", "Jonas", "Elena", "Tobias", "Priya", "Marcus", "Ingrid", "Rafael", "Sofia", "Dmitri",
+    "Amara", "Henrik", "Lucia", "Kenji", "Nadia", "Oscar", "Freya", "Mateo", "Yara", "Anton",
+    "Clara", "Idris", "Leona", "Felix", "Zara", "Bruno", "Helga", "Omar", "Tessa", "Viktor",
+    "Alma", "Emil",
+)  # fmt: skip
+LAST_NAMES = (
+    "Castell", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Brennan", "Kowalski", "Haddad",
+    "Varga", "Osei", "Petrov", "Delgado", "Nakamura", "Falk", "Quint", "Rossi", "Sundberg",
+    "Achebe", "Holm", "Ivanova", "Marsh", "Novak", "Paredes", "Strand", "Whitlock", "Yilmaz",
+    "Berg", "Calloway",
+)  # fmt: skip
+COMPANY_STEMS = (
+    "Northwind", "Bluefield", "Ironbridge", "Silverline", "Redcliff", "Greystone", "Oakhaven",
+    "Brightwater", "Stonegate", "Clearpath", "Highmoor", "Westbrook", "Eastmere", "Goldcrest",
+    "Riverton", "Ashford", "Larkspur", "Pinecrest", "Seabright", "Thornbury",
+)  # fmt: skip
+COMPANY_KINDS = (
+    "Logistics", "Analytics", "Holdings", "Systems", "Foods", "Robotics", "Energy", "Textiles",
+    "Labs", "Partners", "Freight", "Media",
+)  # fmt: skip
+JURISDICTIONS = (
+    "Delaware", "New York", "Ontario", "Bavaria", "Victoria", "Texas", "Scotland", "Quebec",
+    "California", "Geneva", "Oregon", "Lisbon",
+)  # fmt: skip
+MONTHS = (
+    "January", "February", "March", "April", "May", "June", "July", "August", "September",
+    "October", "November", "December",
+)  # fmt: skip
+LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+def _digits(rng: np.random.Generator, n: int) -> str:
+    return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, n - 1))
+
+
+def _letters(rng: np.random.Generator, n: int) -> str:
+    return "".join(LETTERS[i] for i in rng.integers(0, len(LETTERS), n))
+
+
+# Value formats of facts: 6 digits, 4-4 digits, AB-1234 ... (every 4th is eval: 5 digits, ...).
+VALUE_FORMATS = (
+    lambda r: _digits(r, 6),
+    lambda r: f"{_digits(r, 4)}-{_digits(r, 4)}",
+    lambda r: f"{_letters(r, 2)}-{_digits(r, 4)}",
+    lambda r: _digits(r, 5),
+    lambda r: _digits(r, 8),
+    lambda r: f"{_letters(r, 1)}{_digits(r, 5)}",
+    lambda r: f"{_digits(r, 3)}.{_digits(r, 3)}",
+    lambda r: f"{_digits(r, 3)}-{_digits(r, 3)}-{_digits(r, 3)}",
+)
+ATTRIBUTES = (
+    "secret verification code", "access PIN", "vault combination", "launch code",
+    "badge number", "reference number", "override key", "serial number", "account number",
+    "gate code", "license key", "tracking number",
+)  # fmt: skip
+FACTS = (
+    "The {attr} for {ent} is {val}.",
+    "For {ent}, the {attr} was set to {val}.",
+    "Please note that the {attr} of {ent} is {val}.",
+    "{ent} uses {val} as its {attr}.",
+    "Record: {attr} of {ent} = {val}.",
+    "It was confirmed that {ent} has the {attr} {val}.",
+    "Remember this: the {attr} assigned to {ent} is {val}.",
+    "According to the memo, {ent} received {val} as the {attr}.",
+)
+QUESTIONS = (
+    "What is the {attr} for {ent}?",
+    "Which {attr} belongs to {ent}?",
+    "Tell me the {attr} of {ent}.",
+    "What {attr} was given to {ent}? Answer with the value only.",
+    "Find the {attr} assigned to {ent}.",
+    "According to the document, what is {ent}'s {attr}?",
+    "Give the {attr} for {ent}, nothing else.",
+    "I need the {attr} of {ent}. What is it?",
+)
+ENTITY_SHAPES = (
+    "Project {code}",
+    "the {code} facility",
+    "{first} {last}",
+    "Operation {code}",
+)
+
+# Contract fields: the question phrasings per field (split like QUESTIONS).
+CONTRACT_QUESTIONS = {
+    "provider": (
+        "Who is the service provider in this agreement?",
+        "Which company provides the services?",
+        "Name the provider under this contract.",
+        "What company acts as the Provider?",
+    ),
+    "client": (
+        "Who is the client in this agreement?",
+        "Which company receives the services?",
+        "Name the client party of the contract.",
+        "What company is the Client?",
+    ),
+    "amount": (
+        "What is the total contract amount?",
+        "How much is the client required to pay in total?",
+        "State the total fee of the agreement.",
+        "What is the contract value?",
+    ),
+    "start": (
+        "What is the effective date of the agreement?",
+        "When does the contract take effect?",
+        "On what date does this agreement start?",
+        "Give the commencement date of the contract.",
+    ),
+    "term": (
+        "How long is the initial term?",
+        "What is the duration of the agreement?",
+        "For how many months does the contract run?",
+        "State the length of the initial term.",
+    ),
+    "law": (
+        "Which jurisdiction's law governs the agreement?",
+        "What is the governing law of the contract?",
+        "Under whose laws is the agreement construed?",
+        "Name the governing jurisdiction.",
+    ),
+    "payment": (
+        "Within how many days must invoices be paid?",
+        "What are the payment terms in days?",
+        "How many days does the client have to pay an invoice?",
+        "State the invoice payment period.",
+    ),
+}
+# Contract formats, by split: train then eval.
+AMOUNT_FORMATS = (
+    lambda n: f"${n:,}",
+    lambda n: f"${n:,}.00",
+    lambda n: f"USD {n:,}",
+    lambda n: f"{n:,} US dollars",
+)
+DATE_FORMATS = (
+    lambda y, m, d: f"{MONTHS[m]} {d}, {y}",
+    lambda y, m, d: f"{y}-{m + 1:02d}-{d:02d}",
+    lambda y, m, d: f"{d:02d}/{m + 1:02d}/{y}",
+    lambda y, m, d: f"{d} {MONTHS[m]} {y}",
+)
+
+# -- filler (shared by both splits) -----------------------------------------------------------
+
+NOUNS = (
+    "committee", "river", "engine", "garden", "report", "market", "bridge", "library", "storm",
+    "harvest", "village", "factory", "orchestra", "satellite", "museum", "forest", "ferry",
+    "workshop", "council", "laboratory", "highway", "festival", "archive", "harbor", "tower",
+    "schedule", "budget", "survey", "kitchen", "network",
+)  # fmt: skip
+ADJECTIVES = (
+    "quiet", "crowded", "ancient", "modern", "narrow", "bright", "muddy", "careful", "distant",
+    "local", "remarkable", "ordinary", "fragile", "busy", "gentle", "noisy", "famous", "empty",
+)  # fmt: skip
+VERBS = (
+    "inspected", "repaired", "visited", "described", "ignored", "praised", "moved", "painted",
+    "measured", "delayed", "expanded", "cleaned", "photographed", "studied", "rebuilt",
+)  # fmt: skip
+TIMES = (
+    "on Monday", "last spring", "after the rain", "before dawn", "in the late afternoon",
+    "during the winter", "every other week", "at the end of the season", "that evening",
+)  # fmt: skip
+PLACES = (
+    "the old quarter", "the northern valley", "the coast", "the central square",
+    "the eastern district", "the hills", "the station", "the lakeside", "the port",
+)  # fmt: skip
+FILLER = (
+    "The {adj} {noun} was {verb} {time}.",
+    "Near {place}, the {adj} {noun} drew {n} visitors {time}.",
+    "Nobody expected the {noun} to be {verb} so quickly.",
+    "{Time}, the residents of {place} {verb} the {noun}.",
+    "The {adj} {noun} stood beside the {noun2} for {n} years.",
+    "Reports say the {noun} near {place} is {adj} but {adj2}.",
+    "In {year}, the {noun} was {verb} by the {adj} crew.",
+    "The {noun2} and the {noun} were both {verb} {time}.",
+    "Some say the {noun} is the most {adj} place in {place_bare}.",
+    "It took {n} days to finish the {adj} {noun}.",
+    "Why the {noun} was {verb} remains unclear.",
+    "Travelers often mention the {adj} {noun} of {place_bare}.",
+    "After {n} attempts, the {noun} was finally {verb}.",
+    "The {noun} closes at {hour} o'clock {time}.",
+    "Every {noun} in {place_bare} looks {adj} {time}.",
+    "She {verb} the {noun2} while the {noun} stayed {adj}.",
+    "There were {n} {noun}s and one {adj} {noun2}.",
+    "The guide {verb} the {adj} {noun} twice.",
+)
+BOILERPLATE = (
+    "Each party shall keep the other party's confidential information secret.",
+    "Neither party may assign this agreement without prior written consent.",
+    "Notices shall be given in writing to the addresses stated above.",
+    "This agreement constitutes the entire understanding between the parties.",
+    "Any amendment must be signed by authorized representatives of both parties.",
+    "The Provider shall perform the services with reasonable skill and care.",
+    "Failure to enforce any provision shall not be deemed a waiver.",
+    "If any clause is held invalid, the remaining clauses stay in force.",
+    "The Client shall provide timely access to information the services require.",
+    "Neither party is liable for delays caused by events beyond its control.",
+    "Headings are for convenience only and do not affect interpretation.",
+    "Either party may terminate for material breach not cured within {n} days.",
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One task: `document`, `question`, the `answer` (a span of the document), its `kind`,
+    and `depth`: where the answering sentence sits in the document (0 = start, 1 = end)."""
+
+    document: str
+    question: str
+    answer: str
+    kind: str
+    depth: float
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Token ids of prompt + target; the target (answer + end of turn) is `ids[answer_start:]`."""
+
+    ids: list[int]
+    answer_start: int
+
+
+class TaskGenerator:
+    """Samples of one split; `sample(index, length)` is a pure function of (seed, split, index,
+    length, kinds). `length` is the target of the whole prompt in tokens (±1 sentence)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        split: str = TRAIN,
+        seed: int = 0,
+        kinds: Sequence[str] = KINDS,
+        system: str | None = None,
+    ) -> None:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown or not kinds:
+            raise ConfigError("unknown task kinds", expected=", ".join(KINDS), got=kinds)
+        self.tok = tokenizer
+        self.split = split
+        self.seed = seed
+        self.kinds = tuple(kinds)
+        self.system = system
+        self.pools = {
+            name: _split(pool, split)
+            for name, pool in {
+                "codes": CODENAMES,
+                "first": FIRST_NAMES,
+                "last": LAST_NAMES,
+                "stems": COMPANY_STEMS,
+                "law": JURISDICTIONS,
+                "values": VALUE_FORMATS,
+                "facts": FACTS,
+                "questions": QUESTIONS,
+                "amounts": AMOUNT_FORMATS,
+                "dates": DATE_FORMATS,
+            }.items()
+        }
+        self.contract_questions = {k: _split(v, split) for k, v in CONTRACT_QUESTIONS.items()}
+        # The chat wrapping's own tokens, so a document is sized to fill `length`.
+        self.overhead = len(tokenizer.document_prompt("x", system=system, think=False))
+
+    def sample(self, index: int, length: int) -> Sample:
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
+        kind = self.kinds[rng.integers(len(self.kinds))]
+        budget = max(length - self.overhead - 48, 16)  # question + answer ≈ 48 tokens
+        if kind == "contract":
+            return self._contract(rng, budget)
+        return self._facts(rng, budget, n_facts=1 if kind == "needle" else int(rng.integers(3, 7)))
+
+    def encode(self, sample: Sample, think: bool = False) -> Encoded:
+        return encode_sample(self.tok, sample, system=self.system, think=think)
+
+    # -- kinds --------------------------------------------------------------------------------
+    def _facts(self, rng: np.random.Generator, budget: int, n_facts: int) -> Sample:
+        """One asked fact plus `n_facts - 1` distractors sharing its entity or its attribute."""
+        p = self.pools
+        ents = _distinct(rng, lambda: self._entity(rng), n_facts)
+        attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n_facts]]
+        values = _distinct(rng, lambda: _pick(rng, p["values"])(rng), n_facts)
+        # fact 0 is asked; the others share its entity (odd) or its attribute (even)
+        pairs = [(ents[0], attrs[0])] + [
+            (ents[0], attrs[i]) if i % 2 else (ents[i], attrs[0]) for i in range(1, n_facts)
+        ]
+        facts = [
+            _pick(rng, p["facts"]).format(attr=a, ent=e, val=v)
+            for (e, a), v in zip(pairs, values, strict=True)
+        ]
+        facts = [f[0].upper() + f[1:] for f in facts]
+        question = _pick(rng, p["questions"]).format(attr=attrs[0], ent=ents[0])
+        document, depths = self._embed(rng, facts, budget, shuffle=True)
+        kind = "needle" if n_facts == 1 else "multi"
+        return Sample(document, question[0].upper() + question[1:], values[0], kind, depths[0])
+
+    def _contract(self, rng: np.random.Generator, budget: int) -> Sample:
+        p = self.pools
+        provider, client = _distinct(rng, lambda: self._company(rng), 2)
+        fields = {
+            "provider": provider,
+            "client": client,
+            "amount": _pick(rng, p["amounts"])(int(rng.integers(20, 5000)) * 250),
+            "start": _pick(rng, p["dates"])(
+                int(rng.integers(2024, 2036)), int(rng.integers(12)), int(rng.integers(1, 29))
+            ),
+            "term": f"{int(rng.choice([6, 12, 18, 24, 36, 48, 60]))} months",
+            "law": _pick(rng, p["law"]),
+            "payment": f"{int(rng.choice([10, 14, 15, 21, 30, 45, 60, 90]))} days",
+        }
+        head = (
+            f"SERVICES AGREEMENT. This agreement is made between {provider} (the Provider) "
+            f"and {client} (the Client)."
+        )
+        clauses = [
+            f"The agreement takes effect on {fields['start']}.",
+            f"The initial term is {fields['term']} from the effective date.",
+            f"The Client shall pay the Provider a total of {fields['amount']}.",
+            f"Invoices are payable within {fields['payment']} of receipt.",
+            f"This agreement is governed by the laws of {fields['law']}.",
+        ]
+        asked = list(fields)[int(rng.integers(len(fields)))]
+        question = _pick(rng, self.contract_questions[asked])
+        body, depths = self._embed(
+            rng, clauses, budget - self._count(head), shuffle=False, shapes=BOILERPLATE + FILLER
+        )
+        depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
+        return Sample(f"{head}\n\n{body}", question, fields[asked], "contract", depth)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _entity(self, rng: np.random.Generator) -> str:
+        p = self.pools
+        shape = _pick(rng, ENTITY_SHAPES)
+        return shape.format(
+            code=_pick(rng, p["codes"]), first=_pick(rng, p["first"]), last=_pick(rng, p["last"])
+        )
+
+    def _company(self, rng: np.random.Generator) -> str:
+        return f"{_pick(rng, self.pools['stems'])} {_pick(rng, COMPANY_KINDS)}"
+
+    def _count(self, text: str) -> int:
+        return len(self.tok.encode(" " + text, special=False))
+
+    def _embed(
+        self,
+        rng: np.random.Generator,
+        facts: list[str],
+        budget: int,
+        *,
+        shuffle: bool,
+        shapes: Sequence[str] = FILLER,
+    ) -> tuple[str, list[float]]:
+        """Sentences of `shapes` totalling about `budget` tokens with `facts` placed at random
+        depths (in a random order if `shuffle`, else in the order given), in paragraphs; the
+        depth of each fact, in the order given."""
+        budget -= sum(self._count(f) for f in facts)
+        filler: list[str] = []
+        while budget > 0:
+            sentence = _filler_sentence(rng, shapes)
+            budget -= self._count(sentence)
+            filler.append(sentence)
+        n = len(filler)
+        slots = sorted(rng.integers(0, n + 1, len(facts)).tolist())
+        order = rng.permutation(len(facts)) if shuffle else range(len(facts))
+        sentences, depths = list(filler), [0.0] * len(facts)
+        for shift, (slot, which) in enumerate(zip(slots, order, strict=True)):
+            sentences.insert(slot + shift, facts[which])
+            depths[which] = slot / max(n, 1)
+        paragraphs, i = [], 0
+        while i < len(sentences):
+            size = int(rng.integers(3, 9))
+            paragraphs.append(" ".join(sentences[i : i + size]))
+            i += size
+        return "\n\n".join(paragraphs), depths
+
+
+_CLAUSE_OF = {"start": 0, "term": 1, "amount": 2, "payment": 3, "law": 4}
+
+
+def _pick(rng: np.random.Generator, items: Sequence):
+    return items[int(rng.integers(len(items)))]
+
+
+def _distinct(rng: np.random.Generator, draw, n: int) -> list:
+    """`n` different values of `draw()`."""
+    out: list = []
+    while len(out) < n:
+        x = draw()
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def _filler_sentence(rng: np.random.Generator, shapes: Sequence[str]) -> str:
+    nouns = rng.permutation(len(NOUNS))[:2]
+    adjs = rng.permutation(len(ADJECTIVES))[:2]
+    time = _pick(rng, TIMES)
+    place = _pick(rng, PLACES)
+    return _pick(rng, shapes).format(
+        adj=ADJECTIVES[adjs[0]],
+        adj2=ADJECTIVES[adjs[1]],
+        noun=NOUNS[nouns[0]],
+        noun2=NOUNS[nouns[1]],
+        verb=_pick(rng, VERBS),
+        time=time,
+        Time=time[0].upper() + time[1:],
+        place=place,
+        place_bare=place.removeprefix("the "),
+        n=int(rng.integers(2, 400)),
+        year=int(rng.integers(1890, 2024)),
+        hour=int(rng.integers(1, 13)),
+    )
+
+
+def encode_sample(
+    tokenizer: Tokenizer, sample: Sample, *, system: str | None = None, think: bool = False
+) -> Encoded:
+    """The prompt `salabatch run` builds for (document, question), then the answer's tokens and
+    the end-of-turn token: what the model must generate."""
+    prompt = tokenizer.document_prompt(sample.document, system=system, think=think)
+    prompt += tokenizer.prompt_suffix(sample.question, system=system, think=think)
+    target = tokenizer.encode(sample.answer, special=False) + [tokenizer.token_id(END_OF_TURN)]
+    return Encoded(prompt + target, len(prompt))

@@ -1,0 +1,291 @@
+"""Train a small MiniCPM-SALA on the synthetic tasks of `data.py`, with the project's own `Model`.
+
+The architecture is the 9B's in small (`model_config`): one sparse (InfLLM-v2, NoPE) layer per
+three lightning (simple-GLA, RoPE) layers, GQA in the sparse layers, the same muP scalings, and
+`dense_len` / window / top-k scaled down so documents of a few thousand tokens run the sparse
+path. Training is a plain forward without a cache (`model.hidden(ids)`): the same code that
+prefills a document, so the trained weights see at training time exactly what inference does.
+
+Gradients: InfLLM-v2's block selection (top-k over compressed-key scores) is discrete; gradients
+flow through the keys and values of the selected blocks, not into the choice. The sparse layer
+wraps the selection in `mx.stop_gradient` for this (MLX cannot differentiate a gather with
+respect to its indices), so the compressed keys learn only through the attention they feed.
+
+Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given).
+AdamW, linear warmup then cosine decay to a tenth, global-norm clipping. Deterministic: the
+initial weights come from numpy's generator (`random_weights`), the samples from (seed, index),
+the batch lengths from the seed.
+
+Output folder: a checkpoint `load_model` / `salabatch.load` reads (config.json, model.safetensors,
+the builtin model's tokenizer files), plus `training.json` (the TrainConfig and a summary) and
+`loss.jsonl` (one line per step: step, loss, lr, grad norm, tokens, seconds; eval lines too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from salabatch.demo import builtin
+from salabatch.demo.checkpoint import random_weights
+from salabatch.engine.checkpoint import write_weights
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.model import Model
+from salabatch.engine.tokenizer import load_tokenizer
+from salabatch.errors import ConfigError
+from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, Encoded, TaskGenerator
+
+NOTE = "trained by `salabatch train` on synthetic document questions (see training.json)"
+
+
+def model_config(
+    vocab_size: int,
+    eos: Sequence[int],
+    *,
+    hidden: int = 256,
+    intermediate: int = 640,
+    layers: int = 8,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    dense_len: int = 2048,
+    window: int = 256,
+    topk: int = 8,
+) -> dict:
+    """config.json of a small MiniCPM-SALA: layers 3, 7, 11, … sparse (1 in 4, as the 9B's 8 of
+    32), the rest lightning; the block geometry is InfLLM-v2's fixed one (SPEC P14)."""
+    if layers < 4 or layers % 4:
+        raise ConfigError("layers must be a multiple of 4", field="layers", got=layers)
+    return {
+        "architectures": ["MiniCPMSALAForCausalLM"],
+        "model_type": "minicpm_sala",
+        "salabatch_note": NOTE,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "lightning_nh": heads,
+        "lightning_nkv": heads,
+        "lightning_head_dim": head_dim,
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": 16,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": list(eos),
+        "pad_token_id": 2,
+        # the sparse layer last in each group of 4: it reads keys the lightning layers before
+        # it have mixed with their neighbours (what a retrieval head needs)
+        "mixer_types": ["minicpm4" if i % 4 == 3 else "lightning-attn" for i in range(layers)],
+        "sparse_config": {
+            "kernel_size": 32,
+            "kernel_stride": 16,
+            "block_size": 64,
+            "init_blocks": 1,
+            "window_size": window,
+            "topk": topk,
+            "use_nope": False,
+            "dense_len": dense_len,
+        },
+        "torch_dtype": "float32",
+    }
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a run trains; saved in training.json. Batch lengths are drawn per step in
+    [min_length, length] tokens (min_length 0: always `length`); `samples` > 0 cycles over
+    that many fixed samples (overfitting checks) instead of a fresh sample every time."""
+
+    out: str
+    steps: int = 2000
+    seed: int = 0
+    length: int = 3072
+    min_length: int = 0
+    batch: int = 1
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    kinds: tuple[str, ...] = KINDS
+    samples: int = 0
+    eval_every: int = 200
+    eval_samples: int = 16
+    model: dict = field(default_factory=dict)  # model_config's size arguments
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_length <= self.length:
+            raise ConfigError("need 0 <= min_length <= length", got=(self.min_length, self.length))
+        for name in ("steps", "batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be at least 1", field=name, got=getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """inputs [B, T] (right-padded prompts + targets minus the last token); at [B, A] the
+    positions whose next token is a target token, targets [B, A] those tokens, mask [B, A]."""
+
+    inputs: mx.array
+    at: mx.array
+    targets: mx.array
+    mask: mx.array
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.size
+
+
+def make_batch(encoded: Sequence[Encoded], pad_id: int) -> Batch:
+    T = max(len(e.ids) for e in encoded) - 1
+    A = max(len(e.ids) - e.answer_start for e in encoded)
+    inputs = np.full((len(encoded), T), pad_id, np.int32)
+    at = np.zeros((len(encoded), A), np.int32)
+    targets = np.zeros((len(encoded), A), np.int32)
+    mask = np.zeros((len(encoded), A), np.float32)
+    for b, e in enumerate(encoded):
+        n = len(e.ids) - e.answer_start
+        inputs[b, : len(e.ids) - 1] = e.ids[:-1]
+        at[b, :n] = np.arange(e.answer_start - 1, len(e.ids) - 1)
+        targets[b, :n] = e.ids[e.answer_start :]
+        mask[b, :n] = 1.0
+    return Batch(*(mx.array(x) for x in (inputs, at, targets, mask)))
+
+
+def answer_logits(model: Model, batch: Batch) -> mx.array:
+    """Logits [B, A, vocab] at the target positions (the head runs on those only)."""
+    h = model.hidden(batch.inputs)  # [B, T, hidden]
+    return model.logits(mx.take_along_axis(h, batch.at[..., None], axis=1))
+
+
+def loss_fn(model: Model, batch: Batch) -> mx.array:
+    """Mean cross-entropy over the target tokens of the batch."""
+    ce = nn.losses.cross_entropy(answer_logits(model, batch), batch.targets)  # [B, A]
+    return (ce * batch.mask).sum() / batch.mask.sum()
+
+
+def evaluate(model: Model, batches: Sequence[Batch]) -> dict:
+    """Loss and exact-match share: a row is right when every target token is the argmax after
+    the true prefix, i.e. exactly when greedy decoding produces the answer and then stops."""
+    losses, right, rows = [], 0, 0
+    for batch in batches:
+        logits = answer_logits(model, batch)
+        ce = nn.losses.cross_entropy(logits, batch.targets)
+        hit = ((logits.argmax(-1) == batch.targets) | (batch.mask == 0)).all(-1)
+        mx.eval(ce, hit)
+        losses.append(float((ce * batch.mask).sum() / batch.mask.sum()))
+        right += int(hit.sum())
+        rows += hit.size
+    return {"eval_loss": float(np.mean(losses)), "eval_exact": right / rows}
+
+
+def schedule(cfg: TrainConfig) -> Callable[[mx.array], mx.array]:
+    """Linear warmup to `lr`, then cosine decay to lr / 10 at the last step."""
+    warmup = min(cfg.warmup, cfg.steps - 1)
+    cosine = optim.cosine_decay(cfg.lr, max(cfg.steps - warmup, 1), end=cfg.lr / 10)
+    if warmup == 0:
+        return cosine
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.lr / warmup, cfg.lr, warmup), cosine], [warmup]
+    )
+
+
+def train(
+    cfg: TrainConfig,
+    log: Callable[[dict], None] = lambda record: None,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Trains, writes the checkpoint folder `cfg.out` and returns it; `log` gets every record
+    written to loss.jsonl as it happens. `cache_dir`: where builtin:tiny (the tokenizer's
+    source) is built, default the user's cache dir."""
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    source = builtin.resolve("builtin:tiny", cache_dir)  # the demo tokenizer: its files are copied
+    tok = load_tokenizer(source)
+    eos = [2, tok.token_id(END_OF_TURN)]
+    raw = model_config(tok.vocab_size, eos, **cfg.model)
+    model = Model(ModelConfig.from_dict(raw))
+    model.load_weights(list(random_weights(model.config, cfg.seed).items()))
+    mx.random.seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+
+    train_gen = TaskGenerator(tok, split=TRAIN, seed=cfg.seed, kinds=cfg.kinds)
+    eval_gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=cfg.kinds)
+    eval_batches = [
+        make_batch([eval_gen.encode(eval_gen.sample(i, cfg.length))], pad_id=2)
+        for i in range(cfg.eval_samples)
+    ]
+    optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+    step_fn = nn.value_and_grad(model, loss_fn)
+
+    records = []
+    with (out / "loss.jsonl").open("w") as sink:
+
+        def emit(record: dict) -> None:
+            records.append(record)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            log(record)
+
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            if cfg.samples or not cfg.min_length:
+                length = cfg.length
+            else:
+                length = int(rng.integers(cfg.min_length, cfg.length + 1))
+            if cfg.samples:
+                indices = [(step * cfg.batch + j) % cfg.samples for j in range(cfg.batch)]
+            else:
+                indices = [step * cfg.batch + j for j in range(cfg.batch)]
+            batch = make_batch(
+                [train_gen.encode(train_gen.sample(i, length)) for i in indices], pad_id=2
+            )
+            lr = float(optimizer.learning_rate)
+            loss, grads = step_fn(model, batch)
+            grads, norm = optim.clip_grad_norm(grads, cfg.clip)
+            optimizer.update(model, grads)
+            mx.eval(loss, norm, model.parameters(), optimizer.state)
+            record = {
+                "step": step,
+                "loss": float(loss),
+                "lr": lr,
+                "grad_norm": float(norm),
+                "tokens": batch.tokens,
+                "seconds": round(time.perf_counter() - t0, 4),
+            }
+            if not math.isfinite(record["loss"]):
+                raise ConfigError(f"loss is {record['loss']} at step {step}", path=out)
+            if cfg.eval_samples and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record |= evaluate(model, eval_batches)
+            emit(record)
+
+    _save(out, model, raw, source)
+    summary = {"final_loss": records[-1]["loss"], "seconds": sum(r["seconds"] for r in records)}
+    summary |= {k: v for k, v in records[-1].items() if k.startswith("eval_")}
+    (out / "training.json").write_text(
+        json.dumps({"config": asdict(cfg), "summary": summary}, indent=2) + "\n"
+    )
+    return out
+
+
+def _save(out: Path, model: Model, raw: dict, source: Path) -> None:
+    """config.json, model.safetensors and the tokenizer files of `source`."""
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_weights(out, dict(tree_flatten(model.parameters())))
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.name != "config.json" and f.suffix != ".safetensors":
+            shutil.copyfile(f, out / f.name)

@@ -1,0 +1,19 @@
+"""Training tests' fixtures: the builtin model's folder (for its tokenizer), once a session."""
+
+import pytest
+
+from salabatch.demo import builtin
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models")
+    builtin.resolve("builtin:tiny", path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(models_dir):
+    from salabatch.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(builtin.resolve("builtin:tiny", models_dir))

@@ -1,0 +1,75 @@
+"""The synthetic tasks: deterministic, split apart, rendered in the pipeline's chat format."""
+
+import re
+
+import pytest
+
+from salabatch.errors import ConfigError
+from salabatch.train import data
+from salabatch.train.data import EVAL, KINDS, TRAIN, TaskGenerator, encode_sample
+
+
+def test_samples_are_deterministic_and_vary(tokenizer):
+    a = TaskGenerator(tokenizer, seed=3)
+    b = TaskGenerator(tokenizer, seed=3)
+    assert [a.sample(i, 400) for i in range(6)] == [b.sample(i, 400) for i in range(6)]
+    other = TaskGenerator(tokenizer, seed=4)
+    assert a.sample(0, 400) != other.sample(0, 400)
+    assert len({a.sample(i, 400).document for i in range(6)}) == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_answer_is_in_the_document_once_per_value(tokenizer, kind):
+    gen = TaskGenerator(tokenizer, kinds=[kind], seed=1)
+    for i in range(8):
+        s = gen.sample(i, 600)
+        assert s.kind == kind and s.answer in s.document and 0 <= s.depth <= 1
+        if kind != "contract":  # fact values are distinct: the asked one appears once
+            assert s.document.count(s.answer) == 1
+
+
+def test_length_is_close_to_the_target(tokenizer):
+    gen = TaskGenerator(tokenizer)
+    for length in (300, 2500):
+        n = [len(gen.encode(gen.sample(i, length)).ids) for i in range(4)]
+        assert all(length * 0.9 <= x <= length * 1.1 for x in n), n
+
+
+def test_split_pools_are_disjoint_and_cover_everything():
+    for pool in (data.CODENAMES, data.FIRST_NAMES, data.FACTS, data.QUESTIONS, data.VALUE_FORMATS):
+        train, test = data._split(pool, TRAIN), data._split(pool, EVAL)
+        assert not set(train) & set(test) and len(train) + len(test) == len(pool) and test
+    with pytest.raises(ConfigError):
+        data._split(data.FACTS, "dev")
+
+
+def _entities(text):
+    names = data.CODENAMES + data.FIRST_NAMES + data.LAST_NAMES + data.COMPANY_STEMS
+    return {n for n in names if re.search(rf"\b{n}\b", text)}
+
+
+def test_eval_samples_share_no_entity_question_or_format_with_training(tokenizer):
+    train = [TaskGenerator(tokenizer, split=TRAIN).sample(i, 300) for i in range(60)]
+    test = [TaskGenerator(tokenizer, split=EVAL).sample(i, 300) for i in range(60)]
+    assert not {q.question for q in train} & {q.question for q in test}
+    assert not set().union(*map(_entities, (s.question for s in train))) & set().union(
+        *map(_entities, (s.question for s in test))
+    )
+    # eval fact values come only from the eval formats: 5 digits or ddd-ddd-ddd
+    facts = [s.answer for s in test if s.kind != "contract"]
+    assert facts and all(re.fullmatch(r"\d{5}|\d{3}-\d{3}-\d{3}", v) for v in facts)
+
+
+def test_encoded_sample_is_the_run_prompt_then_answer_and_end_of_turn(tokenizer):
+    s = TaskGenerator(tokenizer, seed=2).sample(0, 300)
+    e = encode_sample(tokenizer, s)
+    doc, suffix = tokenizer.split_chat_prompt(s.document, s.question, system=None, think=False)
+    assert e.ids[: e.answer_start] == doc + suffix
+    target = e.ids[e.answer_start :]
+    assert target[-1] in tokenizer.eos_ids and target[-1] == tokenizer.token_id("<|im_end|>")
+    assert tokenizer.decode(target[:-1]) == s.answer
+
+
+def test_unknown_kind_is_refused(tokenizer):
+    with pytest.raises(ConfigError, match="kinds"):
+        TaskGenerator(tokenizer, kinds=["poem"])
