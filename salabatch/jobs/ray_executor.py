@@ -38,16 +38,15 @@ from types import ModuleType
 
 from tqdm import tqdm
 
-from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
 from salabatch.errors import SalabatchError, error_text
 from salabatch.jobs.export import export_openai_jsonl
 from salabatch.jobs.manifest import Unit, plan_manifest
 from salabatch.jobs.plan import Row
 from salabatch.jobs.result_writer import ResultWriter
-from salabatch.jobs.results import ResultRow, current_versions
-from salabatch.jobs.runner import JobSetup, RunIdentity, RunSummary, check_free_space, count_rows
-from salabatch.jobs.spec import JobSpec, spec_json
+from salabatch.jobs.results import ResultRow
+from salabatch.jobs.runner import RunIdentity, RunSummary, count_rows, prepared
+from salabatch.jobs.spec import JobSpec
 
 SLOT = "salabatch_slot"  # the custom resource an actor takes one of: a model on that machine
 INSTALL = 'pip install "salabatch[ray]"'
@@ -95,17 +94,10 @@ def run_job_ray(
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
     try:
-        with ResultWriter(
-            spec.output.path,
-            job_spec_json=spec_json(spec),
-            versions=current_versions(),
-            resume=resume,
-            retry_errors=retry_errors,
-        ) as writer:
-            check_free_space(spec.output.path.parent)
-            setup = JobSetup.of(spec)
-            if builtin.is_builtin(spec.model):
-                echo(f"note: {builtin.WARNING}")
+        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
+            writer,
+            setup,
+        ):
             manifest = plan_manifest(setup, writer.done_keys(), limit)
             identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
             summary.skipped, summary.documents = manifest.skipped, manifest.documents

@@ -19,6 +19,7 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from itertools import chain
@@ -132,19 +133,10 @@ def run_job(
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
     try:
-        # The cheap checks first: the output (writable, not another run's, space left), then
-        # the model's files; the weights load last.
-        with ResultWriter(
-            spec.output.path,
-            job_spec_json=spec_json(spec),
-            versions=current_versions(),
-            resume=resume,
-            retry_errors=retry_errors,
-        ) as writer:
-            check_free_space(spec.output.path.parent)
-            setup = JobSetup.of(spec)
-            if builtin.is_builtin(spec.model):
-                echo(f"note: {builtin.WARNING}")
+        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
+            writer,
+            setup,
+        ):
             model = load_model(setup.model_path, dtype=setup.dtype)
             with engine_runtime():
                 runner = _Runner(setup, model, writer, summary, progress, echo, debug)
@@ -155,6 +147,27 @@ def run_job(
         summary.interrupted = True
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+@contextmanager
+def prepared(
+    spec: JobSpec, *, resume: bool, retry_errors: bool, echo: Callable[[str], None]
+) -> Iterator[tuple[ResultWriter, JobSetup]]:
+    """What every executor does before its expensive part, cheap checks first: the results
+    writer (writable, not another run's: its lock), room for the results, then the model's
+    files (`JobSetup`). The writer merges the results when the block ends."""
+    with ResultWriter(
+        spec.output.path,
+        job_spec_json=spec_json(spec),
+        versions=current_versions(),
+        resume=resume,
+        retry_errors=retry_errors,
+    ) as writer:
+        check_free_space(spec.output.path.parent)
+        setup = JobSetup.of(spec)
+        if builtin.is_builtin(spec.model):
+            echo(f"note: {builtin.WARNING}")
+        yield writer, setup
 
 
 def check_free_space(folder: Path, needed: int = MIN_FREE_BYTES) -> None:
