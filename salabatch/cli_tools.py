@@ -340,6 +340,18 @@ def _count(text: str, option: str) -> int:
     return n
 
 
+def _sizes(text: str) -> dict[str, int]:
+    """`hidden=128,heads=4` → {"hidden": 128, "heads": 4} (names checked by the trainer)."""
+    sizes = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            sizes[key.strip()] = int(value)
+        except ValueError:
+            raise click.BadParameter(f"not KEY=N: {item!r}", param_hint="--model") from None
+    return sizes
+
+
 def _tokens(text: str) -> int:
     text = text.strip().upper()
     try:
@@ -353,11 +365,22 @@ def _tokens(text: str) -> int:
 @click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--length", default=3072, show_default=True, type=click.IntRange(min=64),
-              help="Longest prompt in tokens (sparse mode from 2048).")  # fmt: skip
+              help="Longest prompt in tokens (sparse from dense_len).")  # fmt: skip
 @click.option("--min-length", default=512, show_default=True, type=click.IntRange(min=0),
               help="Shortest prompt; each step draws one in between (0: --length).")  # fmt: skip
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--warmup", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option("--kinds", default="needle,multi,contract", show_default=True,
+              help="Task kinds to draw from.")  # fmt: skip
+@click.option("--turns", default=1, show_default=True, type=click.IntRange(1, 6),
+              help="Questions per document (the rest as follow-up chat turns).")  # fmt: skip
+@click.option("--model", "sizes", default="", metavar="KEY=N,...",
+              help="Model sizes (hidden, intermediate, layers, heads, kv_heads, head_dim, "
+              "dense_len, window, topk); with --init only dense_len, window, topk.")  # fmt: skip
+@click.option("--init", type=click.Path(file_okay=False, exists=True),
+              help="Start from this checkpoint (a previous stage).")  # fmt: skip
+@click.option("--eval-every", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1))
 def train(
     out: str,
@@ -367,10 +390,17 @@ def train(
     min_length: int,
     batch: int,
     lr: float,
+    warmup: int,
+    kinds: str,
+    turns: int,
+    sizes: str,
+    init: str | None,
+    eval_every: int,
     log_every: int,
 ) -> None:
     """Train a small MiniCPM-SALA on synthetic document questions (CPU or GPU, MLX); writes a
-    checkpoint folder that `run` and `generate` load, with loss.jsonl and training.json."""
+    checkpoint folder that `run` and `generate` load, with loss.jsonl and training.json (and
+    the checkpoint so far at every evaluation)."""
     from salabatch.train.train import TrainConfig
     from salabatch.train.train import train as run_training
 
@@ -384,6 +414,7 @@ def train(
 
     cfg = TrainConfig(
         out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
-        batch=batch, lr=lr,
+        batch=batch, lr=lr, warmup=warmup, turns=turns, init=init, eval_every=eval_every,
+        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()), model=_sizes(sizes),
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")

@@ -263,26 +263,35 @@ BOILERPLATE = (
 @dataclass(frozen=True)
 class Sample:
     """One task: `document`, `question`, the `answer` (a span of the document), its `kind`,
-    and `depth`: where the answering sentence sits in the document (0 = start, 1 = end)."""
+    and `depth`: where the answering sentence sits in the document (0 = start, 1 = end).
+    `more`: further questions about the same document, asked as later chat turns."""
 
     document: str
     question: str
     answer: str
     kind: str
     depth: float
+    more: tuple[tuple[str, str], ...] = ()  # follow-up (question, answer) turns (training)
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids of prompt + target; the target (answer + end of turn) is `ids[answer_start:]`."""
+    """Token ids of prompt + targets; `targets` are the [start, stop) spans of `ids` the model
+    must generate (each answer + its end of turn), the first at `answer_start`."""
 
     ids: list[int]
-    answer_start: int
+    targets: tuple[tuple[int, int], ...]
+
+    @property
+    def answer_start(self) -> int:
+        return self.targets[0][0]
 
 
 class TaskGenerator:
     """Samples of one split; `sample(index, length)` is a pure function of (seed, split, index,
-    length, kinds). `length` is the target of the whole prompt in tokens (±1 sentence)."""
+    length, kinds, turns). `length` is the target of the whole prompt in tokens (±1 sentence).
+    `turns` > 1 asks up to that many questions per document (the first as `salabatch run` asks
+    it, the rest as follow-up turns): more answer tokens per document token when training."""
 
     def __init__(
         self,
@@ -292,6 +301,7 @@ class TaskGenerator:
         seed: int = 0,
         kinds: Sequence[str] = KINDS,
         system: str | None = None,
+        turns: int = 1,
     ) -> None:
         unknown = sorted(set(kinds) - set(KINDS))
         if unknown or not kinds:
@@ -301,6 +311,9 @@ class TaskGenerator:
         self.seed = seed
         self.kinds = tuple(kinds)
         self.system = system
+        if not 1 <= turns <= 6:
+            raise ConfigError("turns must be 1 to 6", field="turns", got=turns)
+        self.turns = turns
         self.pools = {
             name: _split(pool, split)
             for name, pool in {
@@ -323,34 +336,86 @@ class TaskGenerator:
     def sample(self, index: int, length: int) -> Sample:
         rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
         kind = self.kinds[rng.integers(len(self.kinds))]
-        budget = max(length - self.overhead - 48, 16)  # question + answer ≈ 48 tokens
+        budget = max(length - self.overhead - 48 * self.turns, 16)  # question + answer ≈ 48
         if kind == "contract":
             return self._contract(rng, budget)
-        return self._facts(rng, budget, n_facts=1 if kind == "needle" else int(rng.integers(3, 7)))
+        if kind == "needle":
+            return self._facts(rng, budget, n_facts=self.turns, related=False)
+        return self._facts(rng, budget, n_facts=int(rng.integers(max(3, self.turns), 7)))
+
+    def needle_document(self, index: int, length: int, depths: Sequence[float]) -> list[Sample]:
+        """One document of about `length` prompt tokens holding one unrelated key → value fact
+        at each of `depths` (0 = start, 1 = end; up to 12); a Sample per fact, all with the same
+        document, each asking its fact (what `bench needle` asks as one batch)."""
+        if not 1 <= len(depths) <= len(ATTRIBUTES) or not all(0 <= d <= 1 for d in depths):
+            raise ConfigError("need 1 to 12 depths in [0, 1]", field="depths", got=depths)
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index, 1])
+        p, n = self.pools, len(depths)
+        ents = _distinct(rng, lambda: self._entity(rng), n)
+        attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n]]
+        values = _distinct(rng, lambda: _pick(rng, p["values"])(rng), n)
+        facts = [
+            _capital(_pick(rng, p["facts"]).format(attr=a, ent=e, val=v))
+            for e, a, v in zip(ents, attrs, values, strict=True)
+        ]
+        budget = max(length - self.overhead - 48, 16) - sum(self._count(f) for f in facts)
+        filler: list[str] = []
+        while budget > 0:
+            filler.append(_filler_sentence(rng, FILLER))
+            budget -= self._count(filler[-1])
+        # each fact goes before the filler sentence at its depth's share of the filler tokens
+        sizes = np.cumsum([0] + [self._count(f) for f in filler])
+        slots = [int(np.searchsorted(sizes, d * sizes[-1])) for d in depths]
+        sentences: list[str] = []
+        for i in range(len(filler) + 1):
+            sentences += [facts[j] for j in np.argsort(slots, kind="stable") if slots[j] == i]
+            if i < len(filler):
+                sentences.append(filler[i])
+        paragraphs = [" ".join(sentences[i : i + 6]) for i in range(0, len(sentences), 6)]
+        document = "\n\n".join(paragraphs)
+        return [
+            Sample(
+                document,
+                _capital(_pick(rng, p["questions"]).format(attr=a, ent=e)),
+                v,
+                "needle",
+                float(d),
+            )
+            for e, a, v, d in zip(ents, attrs, values, depths, strict=True)
+        ]
 
     def encode(self, sample: Sample, think: bool = False) -> Encoded:
         return encode_sample(self.tok, sample, system=self.system, think=think)
 
     # -- kinds --------------------------------------------------------------------------------
-    def _facts(self, rng: np.random.Generator, budget: int, n_facts: int) -> Sample:
-        """One asked fact plus `n_facts - 1` distractors sharing its entity or its attribute."""
+    def _facts(
+        self, rng: np.random.Generator, budget: int, n_facts: int, related: bool = True
+    ) -> Sample:
+        """One asked fact plus `n_facts - 1` others: distractors sharing its entity or its
+        attribute if `related`, else unrelated needles. Follow-up turns ask some of the others."""
         p = self.pools
         ents = _distinct(rng, lambda: self._entity(rng), n_facts)
         attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n_facts]]
         values = _distinct(rng, lambda: _pick(rng, p["values"])(rng), n_facts)
-        # fact 0 is asked; the others share its entity (odd) or its attribute (even)
+        # fact 0 is asked; related others share its entity (odd) or its attribute (even)
         pairs = [(ents[0], attrs[0])] + [
-            (ents[0], attrs[i]) if i % 2 else (ents[i], attrs[0]) for i in range(1, n_facts)
+            (ents[0], attrs[i]) if i % 2 and related else (ents[i], attrs[i if not related else 0])
+            for i in range(1, n_facts)
         ]
         facts = [
             _pick(rng, p["facts"]).format(attr=a, ent=e, val=v)
             for (e, a), v in zip(pairs, values, strict=True)
         ]
-        facts = [f[0].upper() + f[1:] for f in facts]
-        question = _pick(rng, p["questions"]).format(attr=attrs[0], ent=ents[0])
+        facts = [_capital(f) for f in facts]
+        questions = [_capital(_pick(rng, p["questions"]).format(attr=a, ent=e)) for e, a in pairs]
         document, depths = self._embed(rng, facts, budget, shuffle=True)
-        kind = "needle" if n_facts == 1 else "multi"
-        return Sample(document, question[0].upper() + question[1:], values[0], kind, depths[0])
+        kind = "needle" if not related else "multi"
+        more = [(questions[i], values[i]) for i in self._follow_ups(rng, n_facts)]
+        return Sample(document, questions[0], values[0], kind, depths[0], tuple(more))
+
+    def _follow_ups(self, rng: np.random.Generator, n: int) -> list[int]:
+        """Which of items 1..n-1 the follow-up turns ask, in a random order."""
+        return [1 + int(i) for i in rng.permutation(n - 1)[: self.turns - 1]]
 
     def _contract(self, rng: np.random.Generator, budget: int) -> Sample:
         p = self.pools
@@ -377,13 +442,18 @@ class TaskGenerator:
             f"Invoices are payable within {fields['payment']} of receipt.",
             f"This agreement is governed by the laws of {fields['law']}.",
         ]
-        asked = list(fields)[int(rng.integers(len(fields)))]
+        names = list(rng.permutation(list(fields)))
+        asked = names[0]
         question = _pick(rng, self.contract_questions[asked])
+        more = tuple(
+            (_pick(rng, self.contract_questions[names[i]]), fields[names[i]])
+            for i in self._follow_ups(rng, len(names))
+        )
         body, depths = self._embed(
             rng, clauses, budget - self._count(head), shuffle=False, shapes=BOILERPLATE + FILLER
         )
         depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
-        return Sample(f"{head}\n\n{body}", question, fields[asked], "contract", depth)
+        return Sample(f"{head}\n\n{body}", question, fields[asked], "contract", depth, more)
 
     # -- pieces -------------------------------------------------------------------------------
     def _entity(self, rng: np.random.Generator) -> str:
@@ -435,6 +505,10 @@ class TaskGenerator:
 _CLAUSE_OF = {"start": 0, "term": 1, "amount": 2, "payment": 3, "law": 4}
 
 
+def _capital(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
 def _pick(rng: np.random.Generator, items: Sequence):
     return items[int(rng.integers(len(items)))]
 
@@ -474,8 +548,19 @@ def encode_sample(
     tokenizer: Tokenizer, sample: Sample, *, system: str | None = None, think: bool = False
 ) -> Encoded:
     """The prompt `salabatch run` builds for (document, question), then the answer's tokens and
-    the end-of-turn token: what the model must generate."""
-    prompt = tokenizer.document_prompt(sample.document, system=system, think=think)
-    prompt += tokenizer.prompt_suffix(sample.question, system=system, think=think)
-    target = tokenizer.encode(sample.answer, special=False) + [tokenizer.token_id(END_OF_TURN)]
-    return Encoded(prompt + target, len(prompt))
+    the end-of-turn token: what the model must generate. Follow-up questions (`sample.more`)
+    continue as further user turns of the chat, each followed by its answer."""
+    ids = tokenizer.document_prompt(sample.document, system=system, think=think)
+    ids += tokenizer.prompt_suffix(sample.question, system=system, think=think)
+    eot = tokenizer.token_id(END_OF_TURN)
+    targets = []
+    for i, (question, answer) in enumerate(((sample.question, sample.answer), *sample.more)):
+        if i:
+            turn = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+            if not think:
+                turn += "<think>\n\n</think>\n\n"
+            ids += tokenizer.encode(turn, special=True)
+        start = len(ids)
+        ids += tokenizer.encode(answer, special=False) + [eot]
+        targets.append((start, len(ids)))
+    return Encoded(ids, tuple(targets))

@@ -11,7 +11,9 @@ flow through the keys and values of the selected blocks, not into the choice. Th
 wraps the selection in `mx.stop_gradient` for this (MLX cannot differentiate a gather with
 respect to its indices), so the compressed keys learn only through the attention they feed.
 
-Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given).
+Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given),
+of every turn when samples carry follow-up questions (`turns`). A run may start from an earlier
+checkpoint (`init`: a curriculum's next stage, e.g. longer documents with sparse mode earlier).
 AdamW, linear warmup then cosine decay to a tenth, global-norm clipping. Deterministic: the
 initial weights come from numpy's generator (`random_weights`), the samples from (seed, index),
 the batch lengths from the seed.
@@ -23,6 +25,7 @@ the builtin model's tokenizer files), plus `training.json` (the TrainConfig and 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -122,6 +125,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     kinds: tuple[str, ...] = KINDS
+    turns: int = 1
+    init: str | None = None  # a checkpoint folder to start from instead of random weights
     samples: int = 0
     eval_every: int = 200
     eval_samples: int = 16
@@ -130,6 +135,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.min_length <= self.length:
             raise ConfigError("need 0 <= min_length <= length", got=(self.min_length, self.length))
+        unknown = sorted(set(self.model) - set(inspect.signature(model_config).parameters))
+        if unknown or "vocab_size" in self.model or "eos" in self.model:
+            raise ConfigError("unknown model sizes", field="model", got=unknown or self.model)
         for name in ("steps", "batch"):
             if getattr(self, name) < 1:
                 raise ConfigError("must be at least 1", field=name, got=getattr(self, name))
@@ -138,7 +146,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Batch:
     """inputs [B, T] (right-padded prompts + targets minus the last token); at [B, A] the
-    positions whose next token is a target token, targets [B, A] those tokens, mask [B, A]."""
+    positions whose next token is a target token, targets [B, A] those tokens, mask [B, A]
+    (1 where a row has that many target tokens)."""
 
     inputs: mx.array
     at: mx.array
@@ -152,16 +161,17 @@ class Batch:
 
 def make_batch(encoded: Sequence[Encoded], pad_id: int) -> Batch:
     T = max(len(e.ids) for e in encoded) - 1
-    A = max(len(e.ids) - e.answer_start for e in encoded)
+    spans = [[p for start, stop in e.targets for p in range(start, stop)] for e in encoded]
+    A = max(len(s) for s in spans)
     inputs = np.full((len(encoded), T), pad_id, np.int32)
     at = np.zeros((len(encoded), A), np.int32)
     targets = np.zeros((len(encoded), A), np.int32)
     mask = np.zeros((len(encoded), A), np.float32)
-    for b, e in enumerate(encoded):
-        n = len(e.ids) - e.answer_start
+    for b, (e, positions) in enumerate(zip(encoded, spans, strict=True)):
+        n = len(positions)
         inputs[b, : len(e.ids) - 1] = e.ids[:-1]
-        at[b, :n] = np.arange(e.answer_start - 1, len(e.ids) - 1)
-        targets[b, :n] = e.ids[e.answer_start :]
+        at[b, :n] = np.array(positions) - 1
+        targets[b, :n] = [e.ids[p] for p in positions]
         mask[b, :n] = 1.0
     return Batch(*(mx.array(x) for x in (inputs, at, targets, mask)))
 
@@ -217,13 +227,19 @@ def train(
     source = builtin.resolve("builtin:tiny", cache_dir)  # the demo tokenizer: its files are copied
     tok = load_tokenizer(source)
     eos = [2, tok.token_id(END_OF_TURN)]
-    raw = model_config(tok.vocab_size, eos, **cfg.model)
-    model = Model(ModelConfig.from_dict(raw))
-    model.load_weights(list(random_weights(model.config, cfg.seed).items()))
+    if cfg.init:  # go on from a checkpoint this function wrote (a curriculum's next stage)
+        init = Path(cfg.init).expanduser()
+        raw = _restage(json.loads((init / "config.json").read_text()), cfg.model)
+        model = Model(ModelConfig.from_dict(raw))
+        model.load_weights(str(init / "model.safetensors"))
+    else:
+        raw = model_config(tok.vocab_size, eos, **cfg.model)
+        model = Model(ModelConfig.from_dict(raw))
+        model.load_weights(list(random_weights(model.config, cfg.seed).items()))
     mx.random.seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
 
-    train_gen = TaskGenerator(tok, split=TRAIN, seed=cfg.seed, kinds=cfg.kinds)
+    train_gen = TaskGenerator(tok, split=TRAIN, seed=cfg.seed, kinds=cfg.kinds, turns=cfg.turns)
     eval_gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=cfg.kinds)
     eval_batches = [
         make_batch([eval_gen.encode(eval_gen.sample(i, cfg.length))], pad_id=2)
@@ -272,6 +288,8 @@ def train(
             if cfg.eval_samples and (step % cfg.eval_every == 0 or step == cfg.steps):
                 record |= evaluate(model, eval_batches)
             emit(record)
+            if step % cfg.eval_every == 0 and step < cfg.steps:  # a checkpoint to look at
+                _save(out, model, raw, source)
 
     _save(out, model, raw, source)
     summary = {"final_loss": records[-1]["loss"], "seconds": sum(r["seconds"] for r in records)}
@@ -280,6 +298,21 @@ def train(
         json.dumps({"config": asdict(cfg), "summary": summary}, indent=2) + "\n"
     )
     return out
+
+
+def _restage(raw: dict, sizes: dict) -> dict:
+    """A checkpoint's config.json with the sparse settings of `model_config` arguments that a
+    later stage may change (the weights do not depend on them); any other size is an error."""
+    names = {"dense_len": "dense_len", "window": "window_size", "topk": "topk"}
+    if set(sizes) - set(names):
+        raise ConfigError(
+            "a stage that starts from a checkpoint keeps its shape; only dense_len, window "
+            "and topk may change",
+            field="model",
+            got=sorted(sizes),
+        )
+    sparse = raw["sparse_config"] | {names[k]: v for k, v in sizes.items()}
+    return raw | {"sparse_config": sparse}
 
 
 def _save(out: Path, model: Model, raw: dict, source: Path) -> None:

@@ -40,6 +40,9 @@ def kills(tmp_path_factory):
         resources={"salabatch_slot": 2},
         include_dashboard=False,
         logging_level="WARNING",
+        # workers' own output (the tracebacks of actors these tests kill) stays in Ray's logs:
+        # forwarded, it lands in whatever a later test captures
+        log_to_driver=False,
         runtime_env={
             "worker_process_setup_hook": die_on_marker,
             # the workers import the hook from this file, and so need the repository's root

@@ -73,3 +73,29 @@ def test_encoded_sample_is_the_run_prompt_then_answer_and_end_of_turn(tokenizer)
 def test_unknown_kind_is_refused(tokenizer):
     with pytest.raises(ConfigError, match="kinds"):
         TaskGenerator(tokenizer, kinds=["poem"])
+
+
+def test_follow_up_turns_ask_other_facts_of_the_same_document(tokenizer):
+    for kind in KINDS:
+        gen = TaskGenerator(tokenizer, seed=5, turns=4, kinds=[kind])
+        s = gen.sample(0, 500)
+        asked = [(s.question, s.answer), *s.more]
+        assert len(asked) == 4 and len({q for q, _ in asked}) == 4
+        assert all(a in s.document for _, a in asked)
+        text = tokenizer.decode(gen.encode(s).ids)
+        assert all(q in text for q, _ in s.more)
+    with pytest.raises(ConfigError, match="turns"):
+        TaskGenerator(tokenizer, turns=7)
+
+
+def test_needle_document_puts_each_fact_at_its_depth(tokenizer):
+    gen = TaskGenerator(tokenizer, split=EVAL, seed=0)
+    depths = [0.1, 0.5, 0.9]
+    samples = gen.needle_document(0, 2000, depths)
+    doc = samples[0].document
+    assert len({s.document for s in samples}) == 1 and [s.depth for s in samples] == depths
+    for s in samples:
+        assert doc.count(s.answer) == 1 and abs(doc.index(s.answer) / len(doc) - s.depth) < 0.1
+    assert 1800 <= len(gen.encode(samples[0]).ids) <= 2300
+    with pytest.raises(ConfigError, match="depths"):
+        gen.needle_document(0, 2000, [1.5])

@@ -86,3 +86,43 @@ def test_gradients_flow_through_the_sparse_path(models_dir):
     assert all(mx.isfinite(g).all().item() for g in flat.values())
     sparse = [n for n in flat if ".self_attn.k_proj" in n and "layers.3." in n]
     assert sparse and mx.abs(flat[sparse[0]]).max().item() > 0
+
+
+def test_follow_up_turns_are_all_targets(tokenizer):
+    gen = TaskGenerator(tokenizer, seed=0, turns=3, kinds=("needle",))
+    e = gen.encode(gen.sample(0, 300))
+    batch = make_batch([e, TaskGenerator(tokenizer, seed=0).encode(gen.sample(1, 200))], 2)
+    positions = [p for start, stop in e.targets for p in range(start, stop)]
+    assert len(e.targets) == 3 and batch.mask[0].sum().item() == len(positions)
+    assert batch.targets[0, : len(positions)].tolist() == [e.ids[p] for p in positions]
+    assert batch.at[0, : len(positions)].tolist() == [p - 1 for p in positions]
+
+
+def test_a_stage_goes_on_from_a_checkpoint_with_new_sparse_settings(tmp_path, models_dir):
+    first = TrainConfig(
+        out=str(tmp_path / "a"), steps=2, length=160, batch=1, warmup=0, eval_samples=0,
+        model=TINY, kinds=("needle",),
+    )  # fmt: skip
+    a = train(first, cache_dir=models_dir)
+    second = TrainConfig(
+        out=str(tmp_path / "b"), steps=1, length=160, batch=1, warmup=0, eval_samples=0,
+        init=str(a), model={"dense_len": 128}, kinds=("needle",),
+    )  # fmt: skip
+    b = train(second, cache_dir=models_dir)
+    raw = json.loads((b / "config.json").read_text())
+    assert raw["sparse_config"]["dense_len"] == 128 and raw["hidden_size"] == TINY["hidden"]
+    with pytest.raises(ConfigError, match="keeps its shape"):
+        train(TrainConfig(out=str(tmp_path / "c"), steps=1, init=str(a), model={"hidden": 32}))
+    with pytest.raises(ConfigError, match="unknown model sizes"):
+        TrainConfig(out=str(tmp_path / "d"), model={"width": 3})
+
+
+def test_cli_reads_model_sizes_and_refuses_bad_ones(tmp_path):
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    bad = CliRunner().invoke(main, ["train", "--out", str(tmp_path), "--model", "hidden=wide"])
+    assert bad.exit_code == 2 and "hidden=wide" in bad.output
+    unknown = CliRunner().invoke(main, ["train", "--out", str(tmp_path), "--model", "width=3"])
+    assert unknown.exit_code != 0 and "unknown model sizes" in unknown.output
