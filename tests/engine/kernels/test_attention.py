@@ -135,3 +135,6 @@ def test_exp2_poly_matches_exp2_within_float32_rounding():
     assert np.max(np.abs(got[body] - want[body]) / want[body]) < 3e-7
     assert got[-4:].tolist() == [0.0, 0.0, 1.0, 1.0]
     np.testing.assert_allclose(np.array(attn.exp2(x[:-4])), want[body], rtol=3e-7)
+    halves = mx.arange(-126.5, 0.0, 0.5)  # ties of the rounding step, at both of its ends
+    got = np.array(mx.compile(attn.exp2_poly)(halves), dtype=np.float64)
+    np.testing.assert_allclose(got, np.exp2(np.array(halves, dtype=np.float64)), rtol=3e-7)
