@@ -283,6 +283,107 @@ def bench_long(
             click.echo(f"wrote {chart}")
 
 
+@bench.command("needle")
+@click.option(
+    "--model",
+    "model_ref",
+    default="builtin:tiny",
+    show_default=True,
+    help="Checkpoint folder, builtin:tiny or a Hub id.",
+)
+@click.option(
+    "--contexts", help="Document lengths, comma-separated; K = 1024 [4K,16K,32K,64K,128K]."
+)
+@click.option("--depths", help="Needle depths in %: a list (10,50,90) or A..B, every 20 [10..90].")
+@click.option(
+    "--documents",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Documents per context (each holds one needle per depth).",
+)
+@click.option("--quick", is_flag=True, help="4K and 8K, depths 10,50,90: a few minutes on a CPU.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--chunk", default=2048, show_default=True, type=click.IntRange(min=1))
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False),
+    help="PNG heatmap here (default: beside --out, as .png).",
+)
+def bench_needle(
+    model_ref: str,
+    contexts: str | None,
+    depths: str | None,
+    documents: int,
+    quick: bool,
+    seed: int,
+    chunk: int,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """Needle retrieval through the pipeline: held-out facts at known depths, asked as one batch
+    over each document's prefix; accuracy per (context, depth) and, per sparse layer, the share
+    of needles whose block it selected."""
+    import json
+
+    from salabatch.api import load
+    from salabatch.bench import environment, needle
+
+    preset = needle.QUICK if quick else {}
+    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
+    chosen = _depths(depths) if depths else None
+
+    def save(partial: dict) -> None:  # after every document: a run cut short keeps its rows
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"bench": "needle", **env, **partial}, indent=2) + "\n")
+
+    env = {**environment(), "model": model_ref}
+    model, tokenizer = load(model_ref)
+    result = needle.run(
+        model,
+        tokenizer,
+        sizes or preset.get("contexts", needle.CONTEXTS),
+        chosen or preset.get("depths", needle.DEPTHS),
+        documents=documents if not quick else preset["documents"],
+        seed=seed,
+        chunk=chunk,
+        progress=lambda line: click.echo(line, err=True),
+        on_result=save,
+    )
+    result = {"bench": "needle", **env, **result}
+    click.echo(needle.table(result))
+    if out:
+        save(result)
+        click.echo(f"wrote {out}")
+    chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
+    if chart:
+        try:
+            needle.heatmap(result, chart, f"salabatch bench needle — {model_ref}, {env['device']}")
+        except ImportError:
+            click.echo(
+                "no chart: matplotlib is not installed (pip install salabatch[bench])", err=True
+            )
+        else:
+            click.echo(f"wrote {chart}")
+
+
+def _depths(text: str) -> list[float]:
+    """Percent depths: "10,50,90" or "A..B" (every 20 from A to B) → fractions."""
+    try:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            values = list(range(lo, hi + 1, 20))
+        else:
+            values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not depths in %: {text!r}", param_hint="--depths") from None
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise click.BadParameter(f"depths must be 0 to 100 %: {text!r}", param_hint="--depths")
+    return [v / 100 for v in values]
+
+
 @bench.command("scale")
 @click.option("--docs", default=16, show_default=True, help="Synthetic documents.")
 @click.option("--tokens", default=1000, show_default=True, help="Tokens per document, about.")
