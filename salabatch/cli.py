@@ -505,7 +505,8 @@ def _positional(
     return [value if value is not None else next(rest) for value in options]
 
 
-from salabatch.cli_tools import bench, cache, train  # noqa: E402  (after `main`: no MLX)
+from salabatch.cli_bench import bench  # noqa: E402  (after `main`: no MLX)
+from salabatch.cli_tools import cache, train  # noqa: E402
 
 main.add_command(cache)
 main.add_command(bench)

@@ -92,7 +92,6 @@ def _document(model, tokenizer, tasks, n: int, index: int, depths, chunk: int) -
     ]
     generator = Generator(model, batch_size=len(requests), prefill_chunk=chunk)
     answers = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
-    sparse = _is_sparse(model, len(doc_prompt))
     rows = []
     for i, (needle, ids) in enumerate(zip(needles, suffixes, strict=True)):
         answer = tokenizer.decode(answers[str(i)], skip_special=True)
@@ -106,7 +105,7 @@ def _document(model, tokenizer, tasks, n: int, index: int, depths, chunk: int) -
                 "answer": answer,
                 "correct": answer.strip() == needle.value,
                 "value_tokens": [needle.start, needle.end],
-                "selected": _selected(model, prefix, ids, needle) if sparse else None,
+                "selected": _selected(model, prefix, ids, needle),
                 "prefill_s": round(prefill_s, 3),
             }
         )
@@ -123,13 +122,9 @@ def _locate(tokenizer, document: str, sample) -> Needle:
     return Needle(sample.depth, sample.question, sample.answer, start, max(end, start + 1))
 
 
-def _is_sparse(model, doc_tokens: int) -> bool:
-    return doc_tokens >= model.config.sparse.dense_len
-
-
-def _selected(model, prefix, suffix: Sequence[int], needle: Needle) -> dict[str, bool]:
+def _selected(model, prefix, suffix: Sequence[int], needle: Needle) -> dict[str, bool] | None:
     """Per sparse layer (by index): whether the query before the first answer token selected a
-    block holding the value, in any kv head."""
+    block holding the value, in any kv head; None when the layers ran dense (nothing chosen)."""
     from salabatch.engine.sparse_cache import SparseKVCache
 
     row = prefix.fork(1)
@@ -139,6 +134,8 @@ def _selected(model, prefix, suffix: Sequence[int], needle: Needle) -> dict[str,
     mx.eval(model.hidden(mx.array([list(suffix)], dtype=mx.int32), row))
     block = model.config.sparse.block_size
     wanted = mx.arange(needle.start // block, (needle.end - 1) // block + 1)
+    if not all(c.trace for c in layers.values()):
+        return None
     out = {}
     for i, c in layers.items():
         idx = c.trace[-1][0, :, -1, :]  # [Hk, K]: the last query's blocks
