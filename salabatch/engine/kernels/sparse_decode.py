@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from salabatch.engine.kernels import native
 from salabatch.engine.kernels.attention import LOG2E, attention, exp2_poly, lanes, on_gpu
 from salabatch.engine.kernels.sparse_attention import KVView
 from salabatch.engine.kernels.sparse_select import (
@@ -58,13 +59,32 @@ def infllm_v2_step(
     lane = lanes() if B >= LANE_ROWS else lanes()[:1]
     cut = [B * i // len(lane) for i in range(len(lane) + 1)]
     outs = []
+    step = _native_step if _runs_native(q, kv) else _step
     for i, (a, b) in enumerate(itertools.pairwise(cut)):
         rows = [(*parts[:-1], parts[-1][a:b]) for parts in (c1, c2)]  # shared parts stay whole
         with mx.stream(lane[i]):
-            outs.append(_step(q[a:b], kv.slice(a, b), *rows, starts[a:b], settings))
+            outs.append(step(q[a:b], kv.slice(a, b), *rows, starts[a:b], settings))
     if len(outs) == 1:
         return outs[0]
     return tuple(mx.concatenate(part) for part in zip(*outs, strict=True))
+
+
+def _runs_native(q: mx.array, kv: KVView) -> bool:
+    """The C++ step where it is built, on the CPU, for float32 (what it is written for)."""
+    if on_gpu() or CPU_STEP != "native" or native.missing():
+        return False
+    return q.dtype == kv.rows_k.dtype == mx.float32
+
+
+def _native_step(q, kv, c1, c2, starts, settings):
+    prefill_len, _, k, scale, init_blocks, local_blocks, block, compression = settings
+    shared = () if not kv.start else (kv.shared_k, kv.shared_v)
+    return native.sparse_decode_step(
+        q, mx.array(list(starts), dtype=mx.int32), c1, c2, shared, kv.rows_k, kv.rows_v,
+        start=kv.start, prefill_len=prefill_len, k=k, scale=scale, init_blocks=init_blocks,
+        local_blocks=local_blocks, block=block, compression=compression,
+        stream=mx.default_stream(mx.default_device()),
+    )  # fmt: skip
 
 
 def _step(q, kv, c1, c2, starts, settings):
@@ -77,7 +97,7 @@ def _step(q, kv, c1, c2, starts, settings):
     B, H, _, d = q.shape
     Hk = kv.rows_k.shape[1]
     shared = () if kv.shared_k is None else (kv.shared_k, kv.shared_v)
-    attend = _attend_take if on_gpu() or STAGE2 == "take" else _attend_blocks
+    attend = _attend_take if on_gpu() or CPU_STEP == "take" else _attend_blocks
     o = attend(
         q.reshape(B * Hk, 1, H // Hk, d), idx.reshape(B * Hk, k), mx.repeat(pos, Hk),
         shared, kv.rows_k, kv.rows_v, kv.start, scale, block,
@@ -177,9 +197,10 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
     return (o / total[..., None]).reshape(n, 1, G, d)
 
 
-# CPU stage 2 of the decode step: "blocks" (gather_mm, the default) or "take" (the form a GPU
-# runs); tests set it to check both forms on the CPU.
-STAGE2 = "blocks"
+# The decode step on the CPU: "native" (the C++ primitive of native.py where it is built, for
+# float32; otherwise "blocks"), or the compiled MLX-op graphs with stage 2 as "blocks"
+# (gather_mm) or "take" (the form a GPU runs). Tests set it to check every form on the CPU.
+CPU_STEP = "native"
 _select = mx.compile(_select_graph)
 _attend_take = mx.compile(_attend_take_graph)
 _attend_blocks = mx.compile(_attend_blocks_graph)

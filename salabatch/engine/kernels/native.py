@@ -1,0 +1,51 @@
+"""salabatch's native CPU kernels: MLX primitives in C++ (salabatch/engine/native), built on
+the machine that runs them by `scripts/build-native.sh` (`make install` runs it).
+
+They are a fast path only: every one has an MLX-op form that computes the same thing, is its
+reference in the tests, and is what runs wherever the module is not built or the device is a
+GPU. `missing()` says why the module cannot be used here (None when it can)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+try:
+    from salabatch.engine.kernels import _native
+except ImportError as error:  # not built (no compiler at install time) or built for another MLX
+    _native = None
+    _WHY = f"the native kernels did not load ({error}); build them with `make install`"
+else:
+    _WHY = None
+
+
+def missing() -> str | None:
+    return _WHY
+
+
+def sparse_decode_step(
+    q: mx.array,
+    pos: mx.array,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
+    shared: tuple[mx.array, ...],
+    rows_k: mx.array,
+    rows_v: mx.array,
+    *,
+    start: int,
+    prefill_len: int,
+    k: int,
+    scale: float,
+    init_blocks: int,
+    local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
+    stream: mx.Stream,
+) -> tuple[mx.array, mx.array]:
+    """`sparse_decode._step` as one primitive on a CPU stream (float32): (o, idx)."""
+    (_, stride1), (_, stride2) = compression
+    o, idx = _native.sparse_decode_step(
+        q, pos, list(c1), list(c2), list(shared), rows_k, rows_v,
+        start=start, prefill_len=prefill_len, k=k, scale=scale, init_blocks=init_blocks,
+        local_blocks=local_blocks, block=block, stride1=stride1, stride2=stride2, stream=stream,
+    )  # fmt: skip
+    return o, idx

@@ -1,0 +1,524 @@
+// InfLLM-v2 decode step on the CPU as one MLX primitive (SPEC §4.3–4.4): stage-1 scores,
+// block pooling, top-k and stage-2 attention for one query per row, in one pass per
+// (row, kv head) pair.
+//
+// The MLX-op graphs of salabatch/engine/kernels/sparse_decode.py compute the same thing and
+// stay its reference (tests compare the two) and the path every other device takes. On the
+// CPU those graphs run each elementwise step as a pass of its own over [rows, heads, chunks]
+// scores; here a pair's scores stay in a small buffer that the next step reads from cache.
+//
+// Layout (float32 only; the Python dispatcher sends nothing else here):
+//   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
+//   pos      [B] int32           each row's query position
+//   c1, c2   parts [1 or B, Hk, n, d], concatenated along n (shared chunks, then the rows')
+//   shared   () or (k, v) [1, Hk, cap, d]: positions [0, start) common to every row
+//   rows_k/v [B, Hk, R, d]       row b's own positions start + 0 .. R-1
+// → o [B, H, 1, d] float32, idx [B, Hk, 1, K] int32 (ascending, -1 padding at the end).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Settings {
+  int H, Hk, d, K;
+  int n1_parts, n2_parts;
+  int start, prefill_len, init_blocks, local_blocks, block, stride1, stride2;
+  float scale;
+};
+
+// Vectors of W floats (GCC/Clang vector extensions: AVX on x86, NEON pairs on arm64). A pair's
+// G query heads are the lanes (padded to whole vectors), so scores need no horizontal sums:
+// a key row's element i is broadcast and multiplies every head's q[i] at once.
+constexpr int W = 8;
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vf v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+inline vf splat(float x) {
+  return vf{} + x;
+}
+
+inline vf vmax(vf a, vf b) {
+  return a > b ? a : b;
+}
+
+// 2^x for x <= 0 (-inf gives 0), lane by lane: the polynomial of attention.exp2_poly (Cephes'
+// exp2f coefficients on [-1/2, 1/2]) times 2^round(x) built in the exponent bits.
+inline vf exp2_poly(vf x) {
+  x = vmax(x, splat(-127.0f));
+  vf i = (x + 12582912.0f) - 12582912.0f;
+  vf f = x - i;
+  vf p = 1.0f +
+      f * (0.6931472028550421f +
+           f * (0.2402264791363012f +
+                f * (0.05550332471162809f +
+                     f * (0.009618437357674640f +
+                          f * (0.001339887440266574f + f * 0.0001535336188319500f)))));
+  vi bits = (__builtin_convertvector(i, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// How many compressed chunks a query at `pos` may score (sparse_select.visible_chunks).
+int visible(int pos, int prefill_len, int stride) {
+  int seen = (pos + 1) / stride - 1;
+  if (pos < prefill_len && prefill_len >= 2 * stride) {
+    seen += (prefill_len - 2 * stride) / stride + 1 - (prefill_len - stride + 1) / stride;
+  }
+  return std::max(seen, 0);
+}
+
+// out[t·nv + v] = rows[t] · qt (lanes of vector v) for n rows of d floats at `rows` (stride
+// d); qt [d][nv] vectors: the transposed, scaled queries. Eight rows at a time: eight
+// independent multiply-add chains keep the vector units busy.
+void scores(const vf* qt, int nv, int d, const float* rows, int n, vf* out) {
+  constexpr int U = 8;
+  int t = 0;
+  for (; t + U <= n; t += U) {
+    const float* r = rows + static_cast<size_t>(t) * d;
+    for (int v = 0; v < nv; ++v) {
+      vf acc[U] = {};
+      for (int i = 0; i < d; ++i) {
+        vf q = qt[i * nv + v];
+        for (int u = 0; u < U; ++u) {
+          acc[u] += r[u * d + i] * q;
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        out[(t + u) * nv + v] = acc[u];
+      }
+    }
+  }
+  for (; t < n; ++t) {
+    const float* r = rows + static_cast<size_t>(t) * d;
+    for (int v = 0; v < nv; ++v) {
+      vf acc{};
+      for (int i = 0; i < d; ++i) {
+        acc += r[i] * qt[i * nv + v];
+      }
+      out[t * nv + v] = acc;
+    }
+  }
+}
+
+// A part list as one chunk axis: its parts in order, each [1 or B, Hk, count, d].
+struct Chunks {
+  std::vector<const float*> base;
+  std::vector<size_t> row_stride, head_stride;  // elements; 0 row stride: shared by every row
+  std::vector<int> count;
+  int total = 0;
+};
+
+// Stage-1 scores [N][nv] of every row for one kv head: a shared part is scored once with all
+// rows' queries as the lanes, then each row's lanes are copied out; a row's own part is scored
+// with its own queries.
+void chunk_rows(
+    const Chunks& c, const vf* qt_all, int nv_all, const std::vector<vf>& qt_rows, int nv,
+    int G, int d, int B, int g, std::vector<vf>& shared, std::vector<std::vector<vf>>& out) {
+  int at = 0;
+  for (size_t p = 0; p < c.base.size(); ++p) {
+    const float* part = c.base[p] + g * c.head_stride[p];
+    int n = c.count[p];
+    if (c.row_stride[p] == 0) {
+      shared.resize(static_cast<size_t>(n) * nv_all);
+      scores(qt_all, nv_all, d, part, n, shared.data());
+      for (int b = 0; b < B; ++b) {
+        for (int j = 0; j < n; ++j) {
+          for (int h = 0; h < G; ++h) {
+            int lane = b * G + h;
+            out[b][(at + j) * nv + h / W][h % W] = shared[j * nv_all + lane / W][lane % W];
+          }
+        }
+      }
+    } else {
+      for (int b = 0; b < B; ++b) {
+        const vf* qt = qt_rows.data() + static_cast<size_t>(b) * d * nv;
+        scores(qt, nv, d, part + b * c.row_stride[p], n, out[b].data() + at * nv);
+      }
+    }
+    at += n;
+  }
+}
+
+// Stage 1 for one (row, kv head) pair from its scores: p[j] = sum over the G heads of
+// 2^(s1_j - lse2(s2)) for visible chunks (0 elsewhere), the normaliser from the coarse level
+// (SPEC P6).
+void chunk_probs(
+    const std::vector<vf>& s1, const std::vector<vf>& s2, int n1, int n2, int G, int nv,
+    int vis1, int vis2, std::vector<float>& p) {
+  std::fill(p.begin(), p.end(), 0.0f);
+  vis1 = std::min(vis1, n1);
+  vis2 = std::min(vis2, n2);
+  if (vis2 == 0 || n1 == 0) {
+    return;
+  }
+  for (int v = 0; v < nv; ++v) {
+    vf m = splat(-kInf);
+    for (int j = 0; j < vis2; ++j) {
+      m = vmax(m, s2[j * nv + v]);
+    }
+    vf total{};
+    for (int j = 0; j < vis2; ++j) {
+      total += exp2_poly(s2[j * nv + v] - m);
+    }
+    vf lse;
+    for (int h = 0; h < W; ++h) {  // padding lanes: +inf, so they add 2^-inf = 0 below
+      lse[h] = v * W + h < G ? m[h] + std::log2(total[h]) : kInf;
+    }
+    for (int j = 0; j < vis1; ++j) {
+      vf e = exp2_poly(s1[j * nv + v] - lse);
+      float sum = 0.0f;
+      for (int h = 0; h < W; ++h) {
+        sum += e[h];
+      }
+      p[j] += sum;
+    }
+  }
+}
+
+// Pooling, forcing and top-k for a query in block q_blk: the ids, ascending, -1 padded.
+void select(
+    const std::vector<float>& p, int n1, int q_blk, int r, const Settings& st, int32_t* out,
+    std::vector<float>& pooled, std::vector<int32_t>& order) {
+  int n = q_blk + 1;  // later blocks are masked to -inf and never beat these
+  pooled.resize(n);
+  for (int i = 0; i < n; ++i) {
+    float best = -kInf;
+    for (int j = std::max(r * i - 1, 0); j < std::min(r * i + r, n1); ++j) {
+      best = std::max(best, p[j]);
+    }
+    bool forced = i < st.init_blocks || i >= q_blk - st.local_blocks;
+    pooled[i] = forced ? kInf : best;
+  }
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  int take = std::min(st.K, n);
+  auto better = [&](int32_t a, int32_t b) {
+    return pooled[a] > pooled[b] || (pooled[a] == pooled[b] && a < b);
+  };
+  if (take < n) {
+    std::nth_element(order.begin(), order.begin() + take, order.end(), better);
+  }
+  std::sort(order.begin(), order.begin() + take);
+  for (int i = 0; i < st.K; ++i) {
+    out[i] = i < take ? order[i] : -1;
+  }
+}
+
+// o[h] = o[h]·rescale[h] + sum over the n keys t of p[t][h] · v_t, for d = DV·W: HB heads at a
+// time, their outputs in registers while the values stream past (HB·DV = 16 vectors).
+template <int DV>
+void weigh(int G, int nv, const float* v, int n, const vf* p, const vf* rescale, float* o) {
+  constexpr int HB = DV >= 16 ? 1 : 16 / DV;
+  constexpr int d = DV * W;
+  for (int h0 = 0; h0 < G; h0 += HB) {
+    int hb = std::min(HB, G - h0);
+    vf acc[HB][DV];
+    for (int h = 0; h < HB; ++h) {
+      float keep = h < hb ? rescale[(h0 + h) / W][(h0 + h) % W] : 0.0f;
+      for (int e = 0; e < DV; ++e) {
+        acc[h][e] = h < hb ? load(o + static_cast<size_t>(h0 + h) * d + e * W) * keep : vf{};
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      vf row[DV];
+      for (int e = 0; e < DV; ++e) {
+        row[e] = load(v + static_cast<size_t>(t) * d + e * W);
+      }
+      const vf* pt = p + static_cast<size_t>(t) * nv;
+      for (int h = 0; h < HB; ++h) {
+        float weight = h < hb ? pt[(h0 + h) / W][(h0 + h) % W] : 0.0f;
+        for (int e = 0; e < DV; ++e) {
+          acc[h][e] += weight * row[e];
+        }
+      }
+    }
+    for (int h = 0; h < hb; ++h) {
+      for (int e = 0; e < DV; ++e) {
+        store(o + static_cast<size_t>(h0 + h) * d + e * W, acc[h][e]);
+      }
+    }
+  }
+}
+
+// The same for any d (no fixed register tile).
+void weigh_any(int G, int nv, int d, const float* v, int n, const vf* p, const vf* rescale,
+               float* o) {
+  for (int h = 0; h < G; ++h) {
+    float* oh = o + static_cast<size_t>(h) * d;
+    float keep = rescale[h / W][h % W];
+    for (int e = 0; e < d; ++e) {
+      oh[e] *= keep;
+    }
+    for (int t = 0; t < n; ++t) {
+      float weight = p[t * nv + h / W][h % W];
+      for (int e = 0; e < d; ++e) {
+        oh[e] += weight * v[static_cast<size_t>(t) * d + e];
+      }
+    }
+  }
+}
+
+// Stage 2 of one (row, kv head) pair, one selected block at a time (online softmax in base 2,
+// as flash attention): the block's n visible keys k and values v update the running max m,
+// the running sum `total` and the unnormalised output o [G, d].
+void attend_block(
+    const vf* qt, int G, int nv, int d, const float* k, const float* v, int n, vf* m, vf* total,
+    float* o, std::vector<vf>& s) {
+  scores(qt, nv, d, k, n, s.data());
+  vf rescale[4];  // nv <= 4: G <= 32 heads per kv head
+  for (int u = 0; u < nv; ++u) {
+    vf top = m[u];
+    for (int t = 0; t < n; ++t) {
+      top = vmax(top, s[t * nv + u]);
+    }
+    rescale[u] = exp2_poly(m[u] - top);
+    vf sum{};
+    for (int t = 0; t < n; ++t) {
+      vf e = exp2_poly(s[t * nv + u] - top);
+      s[t * nv + u] = e;
+      sum += e;
+    }
+    total[u] = total[u] * rescale[u] + sum;
+    m[u] = top;
+  }
+  switch (d) {  // o kept in registers: fixed vector counts for the usual head sizes
+    case 16: weigh<2>(G, nv, v, n, s.data(), rescale, o); break;
+    case 32: weigh<4>(G, nv, v, n, s.data(), rescale, o); break;
+    case 64: weigh<8>(G, nv, v, n, s.data(), rescale, o); break;
+    case 128: weigh<16>(G, nv, v, n, s.data(), rescale, o); break;
+    default: weigh_any(G, nv, d, v, n, s.data(), rescale, o);
+  }
+}
+
+class SparseDecodeStep : public mx::Primitive {
+ public:
+  SparseDecodeStep(mx::Stream stream, Settings settings)
+      : mx::Primitive(stream), st_(settings) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("sparse_decode_step runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "SparseDecodeStep";
+  }
+
+ private:
+  Settings st_;
+};
+
+void SparseDecodeStep::eval_cpu(
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& out : outputs) {
+    encoder.set_output_array(out);
+  }
+  for (size_t i = 2; i < inputs.size(); ++i) {
+    const mx::array& a = inputs[i];
+    if (a.strides(3) != 1 || (a.shape(2) > 1 && a.strides(2) != a.shape(3)) ||
+        (a.shape(0) > 1 && a.strides(0) < a.shape(1) * a.strides(1))) {
+      throw std::invalid_argument("sparse_decode_step: key rows must be contiguous");
+    }
+  }
+  encoder.dispatch([inputs, o = outputs[0], idx = outputs[1], st = st_]() mutable {
+    const mx::array& q = inputs[0];
+    const int32_t* pos = inputs[1].data<int32_t>();
+    int B = q.shape(0), G = st.H / st.Hk, d = st.d;
+    Chunks c1, c2;
+    size_t at = 2;
+    for (int part = 0; part < st.n1_parts + st.n2_parts; ++part, ++at) {
+      Chunks& c = part < st.n1_parts ? c1 : c2;
+      const mx::array& a = inputs[at];
+      c.base.push_back(a.data<float>());
+      c.row_stride.push_back(a.shape(0) == 1 ? 0 : a.strides(0));
+      c.head_stride.push_back(a.strides(1));
+      c.count.push_back(a.shape(2));
+      c.total += inputs[at].shape(2);
+    }
+    const float *shared_k = nullptr, *shared_v = nullptr;
+    size_t shared_head = 0;
+    if (st.start > 0) {
+      shared_k = inputs[at].data<float>();
+      shared_v = inputs[at + 1].data<float>();
+      shared_head = inputs[at].strides(1);
+      at += 2;
+    }
+    const mx::array& keys = inputs[at];
+    const float* rows_k = keys.data<float>();
+    const float* rows_v = inputs[at + 1].data<float>();
+    size_t row_stride = keys.strides(0), head_stride = keys.strides(1);
+
+    int nv = (G + W - 1) / W, nv_all = (B * G + W - 1) / W;
+    int r = st.block / st.stride1, S = st.start / st.block;
+    float qscale = st.scale * kLog2e;
+    std::vector<vf> qt_all(static_cast<size_t>(d) * nv_all), qt_rows(static_cast<size_t>(B) * d * nv);
+    std::vector<vf> shared, s(static_cast<size_t>(st.block) * nv);
+    std::vector<std::vector<vf>> s1(B, std::vector<vf>(static_cast<size_t>(c1.total) * nv));
+    std::vector<std::vector<vf>> s2(B, std::vector<vf>(static_cast<size_t>(c2.total) * nv));
+    std::vector<float> p(std::max(c1.total, 1)), pooled;
+    std::vector<int32_t> order;
+    std::vector<std::vector<vf>> m_rows(B), total_rows(B);
+    std::vector<int> next(B);
+    for (int g = 0; g < st.Hk; ++g) {
+      // the queries, scaled to base 2 and transposed: all rows' heads as lanes, and per row
+      std::fill(qt_all.begin(), qt_all.end(), vf{});
+      std::fill(qt_rows.begin(), qt_rows.end(), vf{});
+      for (int b = 0; b < B; ++b) {
+        const float* qg = q.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+        for (int h = 0; h < G; ++h) {
+          int lane = b * G + h;
+          for (int i = 0; i < d; ++i) {
+            float x = qg[static_cast<size_t>(h) * d + i] * qscale;
+            qt_all[i * nv_all + lane / W][lane % W] = x;
+            qt_rows[(static_cast<size_t>(b) * d + i) * nv + h / W][h % W] = x;
+          }
+        }
+      }
+      chunk_rows(c1, qt_all.data(), nv_all, qt_rows, nv, G, d, B, g, shared, s1);
+      chunk_rows(c2, qt_all.data(), nv_all, qt_rows, nv, G, d, B, g, shared, s2);
+      for (int b = 0; b < B; ++b) {
+        int vis1 = visible(pos[b], st.prefill_len, st.stride1);
+        int vis2 = visible(pos[b], st.prefill_len, st.stride2);
+        chunk_probs(s1[b], s2[b], c1.total, c2.total, G, nv, vis1, vis2, p);
+        int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+        select(p, c1.total, pos[b] / st.block, r, st, sel, pooled, order);
+        float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+        std::fill(og, og + static_cast<size_t>(G) * d, 0.0f);
+        m_rows[b].assign(nv, splat(-kInf));
+        total_rows[b].assign(nv, vf{});
+        next[b] = 0;
+      }
+      // stage 2, block by block in ascending id over all rows: a shared block is read once
+      // while every row that selected it takes it in
+      for (;;) {
+        int u = std::numeric_limits<int>::max();
+        for (int b = 0; b < B; ++b) {
+          const int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+          if (next[b] < st.K && sel[next[b]] >= 0) {
+            u = std::min(u, static_cast<int>(sel[next[b]]));
+          }
+        }
+        if (u == std::numeric_limits<int>::max()) {
+          break;
+        }
+        for (int b = 0; b < B; ++b) {
+          const int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+          if (next[b] >= st.K || sel[next[b]] != u) {
+            continue;
+          }
+          ++next[b];
+          size_t first = static_cast<size_t>(u) * st.block;
+          const float *k, *v;
+          if (u < S) {
+            k = shared_k + g * shared_head + first * d;
+            v = shared_v + g * shared_head + first * d;
+          } else {
+            size_t own = b * row_stride + g * head_stride + (first - st.start) * d;
+            k = rows_k + own;
+            v = rows_v + own;
+          }
+          int n = std::min(st.block, pos[b] + 1 - u * st.block);
+          float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+          const vf* qt = qt_rows.data() + static_cast<size_t>(b) * d * nv;
+          attend_block(qt, G, nv, d, k, v, n, m_rows[b].data(), total_rows[b].data(), og, s);
+        }
+      }
+      for (int b = 0; b < B; ++b) {
+        float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+        for (int h = 0; h < G; ++h) {
+          float inv = 1.0f / total_rows[b][h / W][h % W];
+          for (int e = 0; e < d; ++e) {
+            og[static_cast<size_t>(h) * d + e] *= inv;
+          }
+        }
+      }
+    }
+  });
+}
+
+std::vector<mx::array> sparse_decode_step(
+    const mx::array& q, const mx::array& pos, const std::vector<mx::array>& c1,
+    const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
+    const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
+    float scale, int init_blocks, int local_blocks, int block, int stride1, int stride2,
+    const mx::Stream& stream) {
+  int B = q.shape(0), H = q.shape(1), d = q.shape(3), Hk = rows_k.shape(1);
+  if (q.shape(2) != 1 || H % Hk != 0 || (start > 0) != (shared.size() == 2)) {
+    throw std::invalid_argument("sparse_decode_step: q [B, H, 1, d] and (k, v) iff start > 0");
+  }
+  if (block % stride1 != 0 || start % block != 0 || H / Hk > 4 * W) {
+    throw std::invalid_argument("sparse_decode_step: block geometry (SPEC P14)");
+  }
+  Settings st{H, Hk, d, k, static_cast<int>(c1.size()), static_cast<int>(c2.size()),
+              start, prefill_len, init_blocks, local_blocks, block, stride1, stride2, scale};
+  std::vector<mx::array> inputs;
+  auto add = [&](const mx::array& a, mx::Dtype dtype, bool copy) {
+    if (a.dtype() != dtype || (dtype == mx::float32 && (a.ndim() != 4 || a.shape(3) != d))) {
+      throw std::invalid_argument("sparse_decode_step: float32 [., ., ., d] arrays, int32 pos");
+    }
+    inputs.push_back(copy ? mx::contiguous(a, false, stream) : a);
+  };
+  add(q, mx::float32, true);
+  add(pos, mx::int32, true);
+  // buffers and their slices are read where they lie (eval checks each row is contiguous)
+  for (const auto& part : c1) add(part, mx::float32, false);
+  for (const auto& part : c2) add(part, mx::float32, false);
+  for (const auto& part : shared) add(part, mx::float32, false);
+  add(rows_k, mx::float32, false);
+  add(rows_v, mx::float32, false);
+  return mx::array::make_arrays(
+      {{B, H, 1, d}, {B, Hk, 1, k}}, {mx::float32, mx::int32},
+      std::make_shared<SparseDecodeStep>(stream, st), inputs);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "salabatch's native CPU kernels (MLX primitives)";
+  nb::module_::import_("mlx.core");
+  m.def(
+      "sparse_decode_step", &sparse_decode_step, nb::arg("q"), nb::arg("pos"), nb::arg("c1"),
+      nb::arg("c2"), nb::arg("shared"), nb::arg("rows_k"), nb::arg("rows_v"), nb::kw_only(),
+      nb::arg("start"), nb::arg("prefill_len"), nb::arg("k"), nb::arg("scale"),
+      nb::arg("init_blocks"), nb::arg("local_blocks"), nb::arg("block"), nb::arg("stride1"),
+      nb::arg("stride2"), nb::arg("stream"),
+      "InfLLM-v2 decode step for one query per row → (o [B, H, 1, d], idx [B, Hk, 1, k]).");
+}
