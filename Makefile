@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # the native CPU kernels (salabatch/engine/native), rebuilt when their sources change
 NATIVE := $(VENV)/.native
-NATIVE_SRC := $(wildcard salabatch/engine/native/*.cpp salabatch/engine/native/CMakeLists.txt)
+NATIVE_SRC := $(wildcard salabatch/engine/native/*.cpp salabatch/engine/native/*.h salabatch/engine/native/CMakeLists.txt)
 
 .PHONY: install test lint demo clean
 

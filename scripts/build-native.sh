@@ -12,11 +12,13 @@ mkdir -p "$BUILD"
 LOG="$BUILD/build.log"
 "$PY" -m pip install -q "nanobind>=3.0,<4" "cmake>=3.24" >"$LOG" 2>&1
 MLX_DIR=$("$PY" -c "import mlx, os; print(os.path.join(mlx.__path__[0], 'share', 'cmake', 'MLX'))")
+MLX_VERSION=$("$PY" -c "import mlx.core as mx; print(mx.__version__)")
 NB_DIR=$("$PY" -m nanobind --cmake_dir)
 CMAKE="$(dirname "$PY")/cmake"
 rm -f "$ROOT"/salabatch/engine/kernels/_native*.so
 if ! { "$CMAKE" -S "$ROOT/salabatch/engine/native" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-        -DPython_EXECUTABLE="$PY" -DMLX_DIR="$MLX_DIR" -Dnanobind_DIR="$NB_DIR" &&
+        -DPython_EXECUTABLE="$PY" -DMLX_DIR="$MLX_DIR" -Dnanobind_DIR="$NB_DIR" \
+        -DSALABATCH_MLX_VERSION="$MLX_VERSION" &&
        "$CMAKE" --build "$BUILD" -j 2; } >>"$LOG" 2>&1; then
     tail -n 20 "$LOG" >&2
     echo "native kernels: build failed, log in $LOG" >&2

@@ -16,6 +16,11 @@ except ImportError as error:  # not built (no compiler at install time) or built
     _WHY = f"the native kernels did not load ({error}); build them with `make install`"
 else:
     _WHY = None
+    if _native.mlx_version != mx.__version__:  # MLX's C++ ABI is not stable across versions
+        _WHY = (
+            f"the native kernels were built for MLX {_native.mlx_version}, this is "
+            f"{mx.__version__}: rebuild them with `make install`"
+        )
 
 
 def missing() -> str | None:

@@ -5,7 +5,10 @@
 // The MLX-op graphs of salabatch/engine/kernels/sparse_decode.py compute the same thing and
 // stay its reference (tests compare the two) and the path every other device takes. On the
 // CPU those graphs run each elementwise step as a pass of its own over [rows, heads, chunks]
-// scores; here a pair's scores stay in a small buffer that the next step reads from cache.
+// scores; here, per kv head, the shared prefix's compressed keys are scored once for all rows
+// (their heads as the vector lanes), each row's selection is made from scores in cache, and
+// stage 2 goes block by block in ascending id over all rows (online softmax), so a block that
+// several rows selected is read once while it is in cache.
 //
 // Layout (float32 only; the Python dispatcher sends nothing else here):
 //   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
@@ -29,13 +32,15 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "vectors.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
+using namespace salabatch;
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Settings {
@@ -45,49 +50,6 @@ struct Settings {
   float scale;
 };
 
-// Vectors of W floats (GCC/Clang vector extensions: AVX on x86, NEON pairs on arm64). A pair's
-// G query heads are the lanes (padded to whole vectors), so scores need no horizontal sums:
-// a key row's element i is broadcast and multiplies every head's q[i] at once.
-constexpr int W = 8;
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vf v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-inline vf splat(float x) {
-  return vf{} + x;
-}
-
-inline vf vmax(vf a, vf b) {
-  return a > b ? a : b;
-}
-
-// 2^x for x <= 0 (-inf gives 0), lane by lane: the polynomial of attention.exp2_poly (Cephes'
-// exp2f coefficients on [-1/2, 1/2]) times 2^round(x) built in the exponent bits.
-inline vf exp2_poly(vf x) {
-  x = vmax(x, splat(-127.0f));
-  vf i = (x + 12582912.0f) - 12582912.0f;
-  vf f = x - i;
-  vf p = 1.0f +
-      f * (0.6931472028550421f +
-           f * (0.2402264791363012f +
-                f * (0.05550332471162809f +
-                     f * (0.009618437357674640f +
-                          f * (0.001339887440266574f + f * 0.0001535336188319500f)))));
-  vi bits = (__builtin_convertvector(i, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // How many compressed chunks a query at `pos` may score (sparse_select.visible_chunks).
 int visible(int pos, int prefill_len, int stride) {
   int seen = (pos + 1) / stride - 1;
@@ -95,39 +57,6 @@ int visible(int pos, int prefill_len, int stride) {
     seen += (prefill_len - 2 * stride) / stride + 1 - (prefill_len - stride + 1) / stride;
   }
   return std::max(seen, 0);
-}
-
-// out[t·nv + v] = rows[t] · qt (lanes of vector v) for n rows of d floats at `rows` (stride
-// d); qt [d][nv] vectors: the transposed, scaled queries. Eight rows at a time: eight
-// independent multiply-add chains keep the vector units busy.
-void scores(const vf* qt, int nv, int d, const float* rows, int n, vf* out) {
-  constexpr int U = 8;
-  int t = 0;
-  for (; t + U <= n; t += U) {
-    const float* r = rows + static_cast<size_t>(t) * d;
-    for (int v = 0; v < nv; ++v) {
-      vf acc[U] = {};
-      for (int i = 0; i < d; ++i) {
-        vf q = qt[i * nv + v];
-        for (int u = 0; u < U; ++u) {
-          acc[u] += r[u * d + i] * q;
-        }
-      }
-      for (int u = 0; u < U; ++u) {
-        out[(t + u) * nv + v] = acc[u];
-      }
-    }
-  }
-  for (; t < n; ++t) {
-    const float* r = rows + static_cast<size_t>(t) * d;
-    for (int v = 0; v < nv; ++v) {
-      vf acc{};
-      for (int i = 0; i < d; ++i) {
-        acc += r[i] * qt[i * nv + v];
-      }
-      out[t * nv + v] = acc;
-    }
-  }
 }
 
 // A part list as one chunk axis: its parts in order, each [1 or B, Hk, count, d].
@@ -514,6 +443,7 @@ std::vector<mx::array> sparse_decode_step(
 NB_MODULE(_native, m) {
   m.doc() = "salabatch's native CPU kernels (MLX primitives)";
   nb::module_::import_("mlx.core");
+  m.attr("mlx_version") = SALABATCH_MLX_VERSION;
   m.def(
       "sparse_decode_step", &sparse_decode_step, nb::arg("q"), nb::arg("pos"), nb::arg("c1"),
       nb::arg("c2"), nb::arg("shared"), nb::arg("rows_k"), nb::arg("rows_v"), nb::kw_only(),
