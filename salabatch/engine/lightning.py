@@ -13,6 +13,7 @@ import mlx.nn as nn
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.gla import decay_slopes, gla
+from salabatch.engine.linear import Linear
 
 
 class LightningAttention(nn.Module):
@@ -26,17 +27,17 @@ class LightningAttention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.eps = cfg.rms_norm_eps
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.n_heads * d, bias=False)
+        self.k_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.v_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, hidden, bias=False)
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(d, eps=self.eps)
             self.k_norm = nn.RMSNorm(d, eps=self.eps)
         if cfg.use_output_norm:
             self.o_norm = nn.RMSNorm(self.n_heads * d, eps=self.eps)
         if cfg.use_output_gate:
-            self.z_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
+            self.z_proj = Linear(hidden, self.n_heads * d, bias=False)
         # Log-decay per head: fixed ALiBi slopes, the same in every layer (SPEC §3.5, P3). Built
         # from Python floats, so it is data, not an op bound to the stream of the loading thread.
         self._log_decay = mx.array([-s for s in decay_slopes(self.n_heads)], dtype=mx.float32)

@@ -14,15 +14,16 @@ import mlx.nn as nn
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import LIGHTNING, ModelConfig
 from salabatch.engine.lightning import LightningAttention
+from salabatch.engine.linear import Linear
 from salabatch.engine.sparse import SparseAttention
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -71,7 +72,7 @@ class Model(nn.Module):
         self.config = cfg
         self.model = SALAModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
         return self.logits(self.hidden(ids, cache))

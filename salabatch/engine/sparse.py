@@ -16,6 +16,7 @@ from salabatch.engine.kernels.attention import attention
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
 from salabatch.engine.kernels.sparse_decode import infllm_v2_step
 from salabatch.engine.kernels.sparse_select import select_blocks
+from salabatch.engine.linear import Linear
 from salabatch.engine.sparse_cache import SparseKVCache
 
 
@@ -30,12 +31,12 @@ class SparseAttention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.sparse = cfg.sparse
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.n_heads * d, bias=False)
+        self.k_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.v_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, hidden, bias=False)
         if cfg.attn_use_output_gate:
-            self.o_gate = nn.Linear(hidden, self.n_heads * d, bias=False)
+            self.o_gate = Linear(hidden, self.n_heads * d, bias=False)
 
     def __call__(self, x: mx.array, cache: SparseKVCache, offset: int | mx.array) -> mx.array:
         """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""

@@ -54,3 +54,9 @@ def sparse_decode_step(
         local_blocks=local_blocks, block=block, stride1=stride1, stride2=stride2, stream=stream,
     )  # fmt: skip
     return o, idx
+
+
+def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x [M, K] · w [O, K]ᵀ → [M, O] (float32, K a multiple of 8) as one primitive on the
+    default CPU stream; differentiable."""
+    return _native.rows_matmul(x, w, stream=mx.default_stream(mx.default_device()))

@@ -26,16 +26,12 @@
 #include <numeric>
 #include <vector>
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/vector.h>
-
+#include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "vectors.h"
 
-namespace nb = nanobind;
-namespace mx = mlx::core;
 
 namespace {
 
@@ -403,7 +399,9 @@ void SparseDecodeStep::eval_cpu(
   });
 }
 
-std::vector<mx::array> sparse_decode_step(
+}  // namespace
+
+std::vector<mx::array> salabatch::sparse_decode_step(
     const mx::array& q, const mx::array& pos, const std::vector<mx::array>& c1,
     const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
     const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
@@ -436,19 +434,4 @@ std::vector<mx::array> sparse_decode_step(
   return mx::array::make_arrays(
       {{B, H, 1, d}, {B, Hk, 1, k}}, {mx::float32, mx::int32},
       std::make_shared<SparseDecodeStep>(stream, st), inputs);
-}
-
-}  // namespace
-
-NB_MODULE(_native, m) {
-  m.doc() = "salabatch's native CPU kernels (MLX primitives)";
-  nb::module_::import_("mlx.core");
-  m.attr("mlx_version") = SALABATCH_MLX_VERSION;
-  m.def(
-      "sparse_decode_step", &sparse_decode_step, nb::arg("q"), nb::arg("pos"), nb::arg("c1"),
-      nb::arg("c2"), nb::arg("shared"), nb::arg("rows_k"), nb::arg("rows_v"), nb::kw_only(),
-      nb::arg("start"), nb::arg("prefill_len"), nb::arg("k"), nb::arg("scale"),
-      nb::arg("init_blocks"), nb::arg("local_blocks"), nb::arg("block"), nb::arg("stride1"),
-      nb::arg("stride2"), nb::arg("stream"),
-      "InfLLM-v2 decode step for one query per row → (o [B, H, 1, d], idx [B, Hk, 1, k]).");
 }

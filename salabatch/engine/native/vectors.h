@@ -57,7 +57,7 @@ inline vf exp2_poly(vf x) {
 // out[t·nv + v] = rows[t] · qt (lanes of vector v) for n rows of d floats at `rows` (stride
 // d); qt [d][nv] vectors: the transposed, scaled queries. Eight rows at a time: eight
 // independent multiply-add chains keep the vector units busy.
-void scores(const vf* qt, int nv, int d, const float* rows, int n, vf* out) {
+inline void scores(const vf* qt, int nv, int d, const float* rows, int n, vf* out) {
   constexpr int U = 8;
   int t = 0;
   for (; t + U <= n; t += U) {

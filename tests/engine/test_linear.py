@@ -1,0 +1,80 @@
+"""The model's Linear: the native product of a few rows against mx.matmul (values and
+gradients), and which inputs take it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from salabatch.engine.kernels import native
+from salabatch.engine.linear import Linear
+
+pytestmark = pytest.mark.skipif(native.missing() is not None, reason=str(native.missing()))
+
+
+def arrays(*shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("out_dim", [1, 4, 37])
+@pytest.mark.parametrize("in_dim", [8, 264])
+def test_rows_matmul_matches_matmul(rows, out_dim, in_dim):
+    x, w = arrays((rows, in_dim), (out_dim, in_dim), seed=rows * out_dim + in_dim)
+    with mx.stream(mx.cpu):
+        got = native.rows_matmul(x, w)
+        want = x @ w.T
+    assert got.shape == (rows, out_dim)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+
+
+def test_rows_matmul_reads_strided_inputs():
+    x, w = arrays((16, 64), (24, 32), seed=3)
+    with mx.stream(mx.cpu):
+        got = native.rows_matmul(x[::2, ::2], w[:, :32])
+        want = x[::2, ::2] @ w[:, :32].T
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+
+
+def test_gradients_match_nn_linear():
+    """Training through a layer that took the native path: the same gradients as nn.Linear."""
+    x, w, g = arrays((4, 1, 32), (24, 32), (4, 1, 24), seed=5)
+    mine, plain = Linear(32, 24, bias=False), nn.Linear(32, 24, bias=False)
+    mine.weight = plain.weight = w
+
+    def loss(layer, x):
+        return (layer(x) * g).sum()
+
+    with mx.stream(mx.cpu):
+        got = mx.grad(loss, argnums=(0, 1))(mine, x)
+        want = mx.grad(loss, argnums=(0, 1))(plain, x)
+    assert mx.allclose(got[1], want[1], atol=1e-5).item()
+    assert mx.allclose(got[0]["weight"], want[0]["weight"], atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, native_path",
+    [
+        ((8, 1, 32), mx.float32, True),  # a decode batch
+        ((2, 32), mx.float32, True),
+        ((1, 1, 32), mx.float32, False),  # one row: BLAS's matrix-vector product
+        ((4, 16, 32), mx.float32, False),  # 64 rows: a prefill chunk
+        ((8, 1, 32), mx.bfloat16, False),
+    ],
+)
+def test_which_inputs_take_the_native_product(shape, dtype, native_path, monkeypatch):
+    calls = []
+    real = native.rows_matmul
+    monkeypatch.setattr(native, "rows_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
+    layer = Linear(32, 24, bias=True)
+    x = arrays(shape, seed=1)[0].astype(dtype)
+    layer.set_dtype(dtype)
+    with mx.stream(mx.cpu):
+        got = layer(x)
+        want = x @ layer.weight.T + layer.bias
+    assert bool(calls) == native_path
+    assert got.shape == (*shape[:-1], 24)
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=1e-2).item()
