@@ -3,7 +3,7 @@
 // For a float32 matmul of 2+ rows OpenBLAS packs the whole weight matrix before multiplying,
 // which at a decode batch of 8 costs 2–8× the rows' arithmetic (benchmarks/README.md). Here
 // each weight row is read once, straight from the weights, and multiplied with every row of x
-// (held in cache): a tile of 4 weight rows × 8 rows of x in registers. mx.matmul stays the
+// (held in cache): a tile of 3 weight rows × 8 rows of x in registers. mx.matmul stays the
 // reference (tests) and the path for one row (BLAS's matrix-vector product has no packing),
 // for long inputs, and on every other device and dtype.
 
@@ -21,7 +21,7 @@ namespace salabatch {
 namespace {
 
 constexpr int kTileRows = 8;  // rows of x per tile
-constexpr int kTileOut = 4;   // weight rows per tile
+constexpr int kTileOut = 3;   // weight rows per tile (3 × 8 accumulators: no register spills)
 
 float hsum(vf v) {
   float s = 0.0f;
@@ -56,7 +56,7 @@ void tile_rows(const float* x, const float* w, float* y, int M, int O, int K, in
       }
     }
   }
-  for (; o < O; ++o) {  // the last O % 4 weight rows
+  for (; o < O; ++o) {  // the last O % 3 weight rows
     const float* wo = w + static_cast<size_t>(o) * K;
     for (int m = 0; m < M; ++m) {
       vf acc{};
