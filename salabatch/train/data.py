@@ -1,6 +1,6 @@
 """Synthetic long-document question answering: the training and evaluation tasks, no download.
 
-Three kinds of sample, each a document, a question whose answer is a short span of it, and the
+Five kinds of sample, each a document, a question whose answer is a span of it, and the
 answer:
 
 * `needle`: one fact ("The secret verification code for Project Aurora is 739258.") somewhere
@@ -8,7 +8,13 @@ answer:
 * `multi`: several facts plus distractors: the asked entity with other attributes and the asked
   attribute of other entities, each with its own value;
 * `contract`: a contract-like document (parties, amount, dates, term, governing law, payment
-  days) padded with boilerplate clauses; the question asks one field.
+  days) padded with boilerplate clauses; the question asks one field;
+* `recall`: a warm-up for retrieval (associative recall, as MQAR): 2 to 12 unrelated facts (as
+  many as `length` holds), little filler, and every fact asked, one per turn, whatever `turns`
+  says: many answer tokens per document token, so the copy mechanism is learned first;
+* `copy`: the first warm-up (the induction / copy task): a random list of values, names and
+  words, and the answer is the whole document again. Every answer token after the first is
+  predictable only by finding the copied position in the document.
 
 The word lists are in `pools.py`. Filler is built from them and many sentence shapes, with
 numbers in it, so a value is not the only digit run and the text is not periodic. Every choice
@@ -42,6 +48,7 @@ from salabatch.train.pools import (
     COMPANY_KINDS,
     COMPANY_STEMS,
     CONTRACT_QUESTIONS,
+    COPY_QUESTIONS,
     DATE_FORMATS,
     ENTITY_SHAPES,
     FACTS,
@@ -59,7 +66,9 @@ from salabatch.train.pools import (
 
 TRAIN, EVAL = "train", "eval"
 SPLITS = (TRAIN, EVAL)
-KINDS = ("needle", "multi", "contract")
+KINDS = ("needle", "multi", "contract")  # the question-answering kinds, the default
+WARMUPS = ("recall", "copy")  # curriculum stages before them (never a default)
+ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
 
 
@@ -114,9 +123,9 @@ class TaskGenerator:
         system: str | None = None,
         turns: int = 1,
     ) -> None:
-        unknown = sorted(set(kinds) - set(KINDS))
+        unknown = sorted(set(kinds) - set(ALL_KINDS))
         if unknown or not kinds:
-            raise ConfigError("unknown task kinds", expected=", ".join(KINDS), got=kinds)
+            raise ConfigError("unknown task kinds", expected=", ".join(ALL_KINDS), got=kinds)
         self.tok = tokenizer
         self.split = split
         self.seed = seed
@@ -136,6 +145,7 @@ class TaskGenerator:
                 "values": VALUE_FORMATS,
                 "facts": FACTS,
                 "questions": QUESTIONS,
+                "copy": COPY_QUESTIONS,
                 "amounts": AMOUNT_FORMATS,
                 "dates": DATE_FORMATS,
             }.items()
@@ -150,8 +160,15 @@ class TaskGenerator:
         budget = max(length - self.overhead - 48 * self.turns, 16)  # question + answer ≈ 48
         if kind == "contract":
             return self._contract(rng, budget)
+        if kind == "copy":  # the answer is as long as the document
+            return self._copy(rng, (length - self.overhead - 32) // 2)
         if kind == "needle":
             return self._facts(rng, budget, n_facts=self.turns, related=False)
+        if kind == "recall":  # a fact and its turn ≈ 100 tokens: as many as `length` holds
+            most = max(2, min(12, length // 100))
+            n = min(12, max(self.turns, most - int(rng.integers(2))))
+            budget = max(length - self.overhead - 75 * n, 0)  # the fact's own tokens: _embed
+            return self._facts(rng, budget, n_facts=n, related=False, ask_all=True)
         return self._facts(rng, budget, n_facts=int(rng.integers(max(3, self.turns), 7)))
 
     def needle_document(self, index: int, length: int, depths: Sequence[float]) -> list[Sample]:
@@ -197,10 +214,16 @@ class TaskGenerator:
 
     # -- kinds --------------------------------------------------------------------------------
     def _facts(
-        self, rng: np.random.Generator, budget: int, n_facts: int, related: bool = True
+        self,
+        rng: np.random.Generator,
+        budget: int,
+        n_facts: int,
+        related: bool = True,
+        ask_all: bool = False,
     ) -> Sample:
         """One asked fact plus `n_facts - 1` others: distractors sharing its entity or its
-        attribute if `related`, else unrelated needles. Follow-up turns ask some of the others."""
+        attribute if `related`, else unrelated needles. Follow-up turns ask some of the others
+        (all of them if `ask_all`: the recall kind)."""
         p = self.pools
         ents = _distinct(rng, lambda: self._entity(rng), n_facts)
         attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n_facts]]
@@ -217,13 +240,32 @@ class TaskGenerator:
         facts = [_capital(f) for f in facts]
         questions = [_capital(_pick(rng, p["questions"]).format(attr=a, ent=e)) for e, a in pairs]
         document, depths = self._embed(rng, facts, budget, shuffle=True)
-        kind = "needle" if not related else "multi"
-        more = [(questions[i], values[i]) for i in self._follow_ups(rng, n_facts)]
+        kind = "recall" if ask_all else "needle" if not related else "multi"
+        asked = self._follow_ups(rng, n_facts, n_facts - 1 if ask_all else self.turns - 1)
+        more = [(questions[i], values[i]) for i in asked]
         return Sample(document, questions[0], values[0], kind, depths[0], tuple(more))
 
-    def _follow_ups(self, rng: np.random.Generator, n: int) -> list[int]:
-        """Which of items 1..n-1 the follow-up turns ask, in a random order."""
-        return [1 + int(i) for i in rng.permutation(n - 1)[: self.turns - 1]]
+    def _copy(self, rng: np.random.Generator, budget: int) -> Sample:
+        """Items (a value, a name or a filler word) until `budget` tokens; lines of 8 items."""
+        p = self.pools
+        draws = (
+            lambda: _pick(rng, p["values"])(rng),
+            lambda: self._entity(rng),
+            lambda: _pick(rng, (*NOUNS, *ADJECTIVES, *VERBS)),
+        )
+        items: list[str] = []
+        while budget > 0:
+            items.append(draws[int(rng.integers(len(draws)))]())
+            budget -= self._count(items[-1])
+        lines = [" ".join(items[i : i + 8]) for i in range(0, len(items), 8)]
+        document = "\n".join(lines)
+        return Sample(document, _pick(rng, p["copy"]), document, "copy", 0.0)
+
+    def _follow_ups(self, rng: np.random.Generator, n: int, count: int | None = None) -> list[int]:
+        """Which of items 1..n-1 the follow-up turns ask (`count`, default turns - 1), in a
+        random order."""
+        count = self.turns - 1 if count is None else count
+        return [1 + int(i) for i in rng.permutation(n - 1)[:count]]
 
     def _contract(self, rng: np.random.Generator, budget: int) -> Sample:
         p = self.pools

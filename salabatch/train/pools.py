@@ -92,6 +92,12 @@ QUESTIONS = (
     "Give the {attr} for {ent}, nothing else.",
     "I need the {attr} of {ent}. What is it?",
 )
+COPY_QUESTIONS = (
+    "Repeat the document exactly.",
+    "Copy the text above word for word.",
+    "Write the document out again, unchanged.",
+    "Reproduce the list above exactly as written.",
+)
 ENTITY_SHAPES = (
     "Project {code}",
     "the {code} facility",

@@ -6,7 +6,7 @@ import pytest
 
 from salabatch.errors import ConfigError
 from salabatch.train import data
-from salabatch.train.data import EVAL, KINDS, TRAIN, TaskGenerator, encode_sample
+from salabatch.train.data import ALL_KINDS, EVAL, KINDS, TRAIN, TaskGenerator, encode_sample
 
 
 def test_samples_are_deterministic_and_vary(tokenizer):
@@ -86,6 +86,31 @@ def test_follow_up_turns_ask_other_facts_of_the_same_document(tokenizer):
         assert all(q in text for q, _ in s.more)
     with pytest.raises(ConfigError, match="turns"):
         TaskGenerator(tokenizer, turns=7)
+
+
+def test_recall_asks_every_fact_and_fills_the_length_with_facts(tokenizer):
+    gen = TaskGenerator(tokenizer, seed=2, kinds=["recall"])
+    for length, most in ((300, 3), (900, 9)):
+        for i in range(4):
+            s = gen.sample(i, length)
+            asked = [(s.question, s.answer), *s.more]
+            assert s.kind == "recall" and most - 1 <= len(asked) <= most
+            assert all(s.document.count(a) == 1 for _, a in asked)
+            e = gen.encode(s)
+            assert len(e.targets) == len(asked) and 0.8 * length <= len(e.ids) <= 1.2 * length
+            # answers are ≥ 5 % of the tokens (a needle sample of this length: ~2 %)
+            assert sum(b - a for a, b in e.targets) >= 0.05 * len(e.ids)
+
+
+def test_copy_answers_with_the_whole_document(tokenizer):
+    for split in (TRAIN, EVAL):
+        gen = TaskGenerator(tokenizer, split=split, seed=0, kinds=["copy"])
+        s = gen.sample(0, 300)
+        assert s.kind == "copy" and s.answer == s.document and len(s.document.split()) >= 16
+        e = gen.encode(s)
+        assert 0.85 * 300 <= len(e.ids) <= 1.15 * 300
+        assert tokenizer.decode(e.ids[e.answer_start : -1]) == s.document
+    assert {k for k in ALL_KINDS if k not in KINDS} == {"recall", "copy"}
 
 
 def test_needle_document_puts_each_fact_at_its_depth(tokenizer):

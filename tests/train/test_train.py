@@ -15,7 +15,15 @@ from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
 from salabatch.train.data import TaskGenerator
-from salabatch.train.train import TrainConfig, loss_fn, make_batch, model_config, train
+from salabatch.train.train import (
+    Batch,
+    TrainConfig,
+    answer_logits,
+    loss_fn,
+    make_batch,
+    model_config,
+    train,
+)
 
 # 4 layers (3 lightning, 1 sparse), sparse mode from 256 tokens
 TINY = dict(
@@ -126,3 +134,33 @@ def test_cli_reads_model_sizes_and_refuses_bad_ones(tmp_path):
     assert bad.exit_code == 2 and "hidden=wide" in bad.output
     unknown = CliRunner().invoke(main, ["train", "--out", str(tmp_path), "--model", "width=3"])
     assert unknown.exit_code != 0 and "unknown model sizes" in unknown.output
+
+
+def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir):
+    cfg = TrainConfig(
+        out=str(tmp_path / "r"), steps=2, length=200, batch=2, warmup=0, eval_samples=2,
+        eval_every=2, model=TINY, kinds=("recall",), eval_kinds=("needle",),
+    )  # fmt: skip
+    out = train(cfg, cache_dir=models_dir)
+    summary = json.loads((out / "training.json").read_text())["summary"]
+    assert {"eval_loss", "eval_exact", "eval_token_acc", "tokens_per_second", "blas"} <= set(
+        summary
+    )
+    assert 0 <= summary["eval_token_acc"] <= 1 and summary["tokens_per_second"] > 0
+
+
+def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir):
+    from salabatch.train.train import evaluate
+
+    tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
+    model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
+    gen = TaskGenerator(tok, seed=0, kinds=("recall",))
+    batch = make_batch([gen.encode(gen.sample(0, 200))], pad_id=2)
+    best = answer_logits(model, batch).argmax(-1)  # what the model predicts: all "right"
+    mx.eval(best)
+    right = Batch(batch.inputs, batch.at, best, batch.mask)
+    assert evaluate(model, [right])["eval_exact"] == 1.0
+    n = int(batch.mask.sum().item())
+    wrong = mx.where(mx.arange(best.shape[1]) == n - 1, (best + 1) % tok.vocab_size, best)
+    result = evaluate(model, [Batch(batch.inputs, batch.at, wrong, batch.mask)])
+    assert result["eval_exact"] == 0.0 and result["eval_token_acc"] == (n - 1) / n
