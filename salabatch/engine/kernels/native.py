@@ -36,22 +36,16 @@ def sparse_decode_step(
     rows_k: mx.array,
     rows_v: mx.array,
     *,
-    start: int,
-    prefill_len: int,
-    k: int,
-    scale: float,
-    init_blocks: int,
-    local_blocks: int,
-    block: int,
     compression: tuple[tuple[int, int], tuple[int, int]],
     stream: mx.Stream,
+    **settings,
 ) -> tuple[mx.array, mx.array]:
-    """`sparse_decode._step` as one primitive on a CPU stream (float32): (o, idx)."""
+    """`sparse_decode._step` as one primitive on a CPU stream (float32): (o, idx). `settings`:
+    start, prefill_len, k, scale, init_blocks, local_blocks, block (as the C++ names them)."""
     (_, stride1), (_, stride2) = compression
     o, idx = _native.sparse_decode_step(
         q, pos, list(c1), list(c2), list(shared), rows_k, rows_v,
-        start=start, prefill_len=prefill_len, k=k, scale=scale, init_blocks=init_blocks,
-        local_blocks=local_blocks, block=block, stride1=stride1, stride2=stride2, stream=stream,
+        stride1=stride1, stride2=stride2, stream=stream, **settings,
     )  # fmt: skip
     return o, idx
 

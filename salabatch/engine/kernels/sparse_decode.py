@@ -8,6 +8,10 @@ rounded up to a multiple of 64: then one compiled graph per shape replaces those
 The same layouts and results as `select_blocks` then `block_sparse_attention`, whose
 references this is tested against. The config's `block` and `compression` reach the compiled
 graphs as plain ints, which `mx.compile` treats as constants of the graph, not as inputs.
+
+On the CPU, for float32, the step runs instead as one C++ primitive where it is built
+(`native.sparse_decode_step`, salabatch/engine/native/sparse_decode.cpp); these graphs are its
+reference in the tests and what every other device and dtype runs.
 """
 
 from __future__ import annotations

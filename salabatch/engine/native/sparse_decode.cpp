@@ -322,6 +322,13 @@ void SparseDecodeStep::eval_cpu(
     std::vector<int32_t> order;
     std::vector<std::vector<vf>> m_rows(B), total_rows(B);
     std::vector<int> next(B);
+    // row b's selection and output for kv head g
+    auto selection = [&](int b, int g) {
+      return idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+    };
+    auto output = [&](int b, int g) {
+      return o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+    };
     for (int g = 0; g < st.Hk; ++g) {
       // the queries, scaled to base 2 and transposed: all rows' heads as lanes, and per row
       std::fill(qt_all.begin(), qt_all.end(), vf{});
@@ -343,9 +350,9 @@ void SparseDecodeStep::eval_cpu(
         int vis1 = visible(pos[b], st.prefill_len, st.stride1);
         int vis2 = visible(pos[b], st.prefill_len, st.stride2);
         chunk_probs(s1[b], s2[b], c1.total, c2.total, G, nv, vis1, vis2, p);
-        int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+        int32_t* sel = selection(b, g);
         select(p, c1.total, pos[b] / st.block, r, st, sel, pooled, order);
-        float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+        float* og = output(b, g);
         std::fill(og, og + static_cast<size_t>(G) * d, 0.0f);
         m_rows[b].assign(nv, splat(-kInf));
         total_rows[b].assign(nv, vf{});
@@ -356,7 +363,7 @@ void SparseDecodeStep::eval_cpu(
       for (;;) {
         int u = std::numeric_limits<int>::max();
         for (int b = 0; b < B; ++b) {
-          const int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+          const int32_t* sel = selection(b, g);
           if (next[b] < st.K && sel[next[b]] >= 0) {
             u = std::min(u, static_cast<int>(sel[next[b]]));
           }
@@ -365,7 +372,7 @@ void SparseDecodeStep::eval_cpu(
           break;
         }
         for (int b = 0; b < B; ++b) {
-          const int32_t* sel = idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
+          const int32_t* sel = selection(b, g);
           if (next[b] >= st.K || sel[next[b]] != u) {
             continue;
           }
@@ -381,13 +388,13 @@ void SparseDecodeStep::eval_cpu(
             v = rows_v + own;
           }
           int n = std::min(st.block, pos[b] + 1 - u * st.block);
-          float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+          float* og = output(b, g);
           const vf* qt = qt_rows.data() + static_cast<size_t>(b) * d * nv;
           attend_block(qt, G, nv, d, k, v, n, m_rows[b].data(), total_rows[b].data(), og, s);
         }
       }
       for (int b = 0; b < B; ++b) {
-        float* og = o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
+        float* og = output(b, g);
         for (int h = 0; h < G; ++h) {
           float inv = 1.0f / total_rows[b][h / W][h % W];
           for (int e = 0; e < d; ++e) {
