@@ -294,8 +294,20 @@ def _set_default_threads(path: str) -> None:
         pass
 
 
+def default_threads() -> int:
+    """Threads for salabatch's own CPU kernels: the count the user chose for BLAS (the first of
+    OPENBLAS_NUM_THREADS, … set to a whole number), else one per physical core, as BLAS."""
+    for name in _THREAD_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return physical_cores()
+
+
 def physical_cores() -> int:
     """Cores this process may run on, counting hyperthread siblings once (BLAS gains nothing)."""
+    if not hasattr(os, "sched_getaffinity"):  # macOS
+        return os.cpu_count() or 1
     cpus = os.sched_getaffinity(0)
     cores = set()
     for c in cpus:

@@ -54,9 +54,10 @@ class RowBuffer:
         if len(set(self.lengths)) == 1:
             n = self.lengths[0]
             self.data[..., n : n + T, :] = x
-        else:
-            for b, n in enumerate(self.lengths):
-                self.data[b : b + 1, :, n : n + T, :] = x[b : b + 1]
+        else:  # each row at its own length: one scatter of [B, T] positions
+            rows = mx.arange(len(self.lengths))[:, None]
+            at = mx.array(self.lengths)[:, None] + mx.arange(T)
+            self.data[rows, :, at] = x.swapaxes(1, 2)  # indexed [B, T, Hk, d]
         self.lengths = [n + T for n in self.lengths]
 
     def append_rows(self, parts: Sequence[mx.array | None]) -> None:

@@ -31,6 +31,17 @@ def test_rows_matmul_matches_matmul(rows, out_dim, in_dim):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_rows_matmul_split_over_threads_gives_the_same_bits(rows):
+    """A weight large enough to be split between threads (131072+ floats), split unevenly."""
+    x, w = arrays((rows, 256), (1001, 256), seed=rows)
+    with mx.stream(mx.cpu):
+        one = native.rows_matmul(x, w, n_threads=1)
+        assert mx.allclose(one, x @ w.T, rtol=1e-5, atol=1e-4).item()
+        for n in (2, 3, 7):
+            assert mx.array_equal(native.rows_matmul(x, w, n_threads=n), one).item()
+
+
 def test_rows_matmul_reads_strided_inputs():
     x, w = arrays((16, 64), (24, 32), seed=3)
     with mx.stream(mx.cpu):
@@ -55,20 +66,25 @@ def test_gradients_match_nn_linear():
     assert mx.allclose(got[0]["weight"], want[0]["weight"], atol=1e-5).item()
 
 
+BIG = 1 << 17  # the split size of the real module: this test's weight (24 x 32) is under it
+
+
 @pytest.mark.parametrize(
-    "shape, dtype, native_path",
+    "shape, dtype, split, native_path",
     [
-        ((8, 1, 32), mx.float32, True),  # a decode batch
-        ((2, 32), mx.float32, True),
-        ((1, 1, 32), mx.float32, False),  # one row: BLAS's matrix-vector product
-        ((4, 16, 32), mx.float32, False),  # 64 rows: a prefill chunk
-        ((8, 1, 32), mx.bfloat16, False),
+        ((8, 1, 32), mx.float32, BIG, True),  # a decode batch
+        ((2, 32), mx.float32, BIG, True),
+        ((1, 1, 32), mx.float32, BIG, False),  # one row of a small weight: BLAS's product
+        ((1, 1, 32), mx.float32, 24 * 32, True),  # one row of a weight the threads split
+        ((4, 16, 32), mx.float32, BIG, False),  # 64 rows: a prefill chunk
+        ((8, 1, 32), mx.bfloat16, BIG, False),
     ],
 )
-def test_which_inputs_take_the_native_product(shape, dtype, native_path, monkeypatch):
+def test_which_inputs_take_the_native_product(shape, dtype, split, native_path, monkeypatch):
     calls = []
     real = native.rows_matmul
     monkeypatch.setattr(native, "rows_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(native, "split_floats", lambda: split)
     layer = Linear(32, 24, bias=True)
     x = arrays(shape, seed=1)[0].astype(dtype)
     layer.set_dtype(dtype)

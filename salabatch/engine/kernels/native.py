@@ -3,9 +3,14 @@ the machine that runs them by `scripts/build-native.sh` (`make install` runs it)
 
 They are a fast path only: every one has an MLX-op form that computes the same thing, is its
 reference in the tests, and is what runs wherever the module is not built or the device is a
-GPU. `missing()` says why the module cannot be used here (None when it can)."""
+GPU. `missing()` says why the module cannot be used here (None when it can).
+
+The kernels split their work over `threads()` threads (MLX runs a CPU op on one); the results
+do not depend on the count."""
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 
@@ -27,6 +32,19 @@ def missing() -> str | None:
     return _WHY
 
 
+def split_floats() -> int:
+    """Weights of at least this many floats are split between the threads by `rows_matmul`."""
+    return _native.split_floats
+
+
+@functools.cache
+def threads() -> int:
+    """How many threads the kernels split their work over: `blas.default_threads()`."""
+    from salabatch.engine.blas import default_threads
+
+    return default_threads()
+
+
 def sparse_decode_step(
     q: mx.array,
     pos: mx.array,
@@ -38,19 +56,23 @@ def sparse_decode_step(
     *,
     compression: tuple[tuple[int, int], tuple[int, int]],
     stream: mx.Stream,
+    n_threads: int | None = None,
     **settings,
 ) -> tuple[mx.array, mx.array]:
     """`sparse_decode._step` as one primitive on a CPU stream (float32): (o, idx). `settings`:
-    start, prefill_len, k, scale, init_blocks, local_blocks, block (as the C++ names them)."""
+    start, prefill_len, k, scale, init_blocks, local_blocks, block (as the C++ names them);
+    `n_threads` defaults to `threads()`."""
     (_, stride1), (_, stride2) = compression
     o, idx = _native.sparse_decode_step(
         q, pos, list(c1), list(c2), list(shared), rows_k, rows_v,
-        stride1=stride1, stride2=stride2, stream=stream, **settings,
+        stride1=stride1, stride2=stride2, threads=n_threads or threads(), stream=stream,
+        **settings,
     )  # fmt: skip
     return o, idx
 
 
-def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+def rows_matmul(x: mx.array, w: mx.array, n_threads: int | None = None) -> mx.array:
     """x [M, K] · w [O, K]ᵀ → [M, O] (float32, K a multiple of 8) as one primitive on the
-    default CPU stream; differentiable."""
-    return _native.rows_matmul(x, w, stream=mx.default_stream(mx.default_device()))
+    default CPU stream, on `n_threads` (default `threads()`); differentiable."""
+    stream = mx.default_stream(mx.default_device())
+    return _native.rows_matmul(x, w, threads=n_threads or threads(), stream=stream)

@@ -55,15 +55,16 @@ def infllm_v2_step(
     """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
     a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K]).
 
-    A batch of at least LANE_ROWS rows is split between the lanes (on the CPU, a core each:
-    ~1.5× at batch 8); a smaller one is too short a step for two streams."""
+    The MLX-op step splits a batch of at least LANE_ROWS rows between the lanes (on the CPU, a
+    core each: ~1.5× at batch 8); a smaller one is too short a step for two streams. The
+    native step runs on one stream and splits its kv heads between the cores itself."""
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
     settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression)
     B = q.shape[0]
-    lane = lanes() if B >= LANE_ROWS else lanes()[:1]
+    step = _native_step if _runs_native(q, kv) else _step
+    lane = lanes() if B >= LANE_ROWS and step is _step else lanes()[:1]
     cut = [B * i // len(lane) for i in range(len(lane) + 1)]
     outs = []
-    step = _native_step if _runs_native(q, kv) else _step
     for i, (a, b) in enumerate(itertools.pairwise(cut)):
         rows = [(*parts[:-1], parts[-1][a:b]) for parts in (c1, c2)]  # shared parts stay whole
         with mx.stream(lane[i]):

@@ -11,14 +11,16 @@ NB_MODULE(_native, m) {
   m.doc() = "salabatch's native CPU kernels (MLX primitives)";
   nb::module_::import_("mlx.core");
   m.attr("mlx_version") = SALABATCH_MLX_VERSION;
+  m.attr("split_floats") = salabatch::kSplitFloats;
   m.def(
       "sparse_decode_step", &salabatch::sparse_decode_step, nb::arg("q"), nb::arg("pos"),
       nb::arg("c1"), nb::arg("c2"), nb::arg("shared"), nb::arg("rows_k"), nb::arg("rows_v"),
       nb::kw_only(), nb::arg("start"), nb::arg("prefill_len"), nb::arg("k"), nb::arg("scale"),
       nb::arg("init_blocks"), nb::arg("local_blocks"), nb::arg("block"), nb::arg("stride1"),
-      nb::arg("stride2"), nb::arg("stream"),
+      nb::arg("stride2"), nb::arg("threads"), nb::arg("stream"),
       "InfLLM-v2 decode step for one query per row → (o [B, H, 1, d], idx [B, Hk, 1, k]).");
   m.def(
       "rows_matmul", &salabatch::rows_matmul, nb::arg("x"), nb::arg("w"), nb::kw_only(),
-      nb::arg("stream"), "x [M, K] · w [O, K]ᵀ → [M, O] for a few rows, float32.");
+      nb::arg("threads"), nb::arg("stream"),
+      "x [M, K] · w [O, K]ᵀ → [M, O] for a few rows, float32, on up to `threads` threads.");
 }

@@ -3,9 +3,11 @@
 // For a float32 matmul of 2+ rows OpenBLAS packs the whole weight matrix before multiplying,
 // which at a decode batch of 8 costs 2–8× the rows' arithmetic (benchmarks/README.md). Here
 // each weight row is read once, straight from the weights, and multiplied with every row of x
-// (held in cache): a tile of 3 weight rows × 8 rows of x in registers. mx.matmul stays the
-// reference (tests) and the path for one row (BLAS's matrix-vector product has no packing),
-// for long inputs, and on every other device and dtype.
+// (held in cache, interleaved): a tile of 3 weight rows × up to 8 rows of x in registers,
+// the next tile's weights prefetched meanwhile. A large weight matrix is split by its rows
+// between the worker threads. mx.matmul stays the reference (tests) and the path for long
+// inputs, for one row of a small weight (BLAS's matrix-vector product has no packing), and on
+// every other device and dtype.
 
 #include <algorithm>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "vectors.h"
+#include "workers.h"
 
 namespace salabatch {
 namespace {
@@ -31,22 +34,37 @@ float hsum(vf v) {
   return s;
 }
 
-// y[m, o] = x[m, :] · w[o, :] for m < M <= kTileRows, K a multiple of W.
-void tile_rows(const float* x, const float* w, float* y, int M, int O, int K, int ldy) {
+// x [M, K] → [K/W][M][W]: the M vectors of one step along K side by side, so a tile reads
+// them at fixed offsets from one pointer.
+std::vector<vf> interleave(const float* x, int M, int K) {
+  std::vector<vf> xp(static_cast<size_t>(K / W) * M);
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; k += W) {
+      xp[static_cast<size_t>(k / W) * M + m] = load(x + static_cast<size_t>(m) * K + k);
+    }
+  }
+  return xp;
+}
+
+// y[m, o] = x[m, :] · w[o, :] for the M rows of xp (interleaved) and O weight rows, K a
+// multiple of W; M fixed at compile time, so the tile is straight-line code in registers.
+template <int M>
+void tile_rows(const vf* xp, const float* w, float* y, int O, int K, int ldy) {
   int o = 0;
   for (; o + kTileOut <= O; o += kTileOut) {
-    vf acc[kTileOut][kTileRows] = {};
+    const float* wo = w + static_cast<size_t>(o) * K;
+    vf acc[kTileOut][M] = {};
     for (int k = 0; k < K; k += W) {
+      const vf* xk = xp + static_cast<size_t>(k / W) * M;
       vf wv[kTileOut];
       for (int r = 0; r < kTileOut; ++r) {
-        wv[r] = load(w + static_cast<size_t>(o + r) * K + k);
+        wv[r] = load(wo + static_cast<size_t>(r) * K + k);
+        // the next tile's weights, while this one computes (a hint: past the end it does nothing)
+        __builtin_prefetch(wo + static_cast<size_t>(kTileOut + r) * K + k);
       }
-      for (int m = 0; m < kTileRows; ++m) {
-        if (m < M) {
-          vf xv = load(x + static_cast<size_t>(m) * K + k);
-          for (int r = 0; r < kTileOut; ++r) {
-            acc[r][m] += wv[r] * xv;
-          }
+      for (int m = 0; m < M; ++m) {
+        for (int r = 0; r < kTileOut; ++r) {
+          acc[r][m] += wv[r] * xk[m];
         }
       }
     }
@@ -58,19 +76,35 @@ void tile_rows(const float* x, const float* w, float* y, int M, int O, int K, in
   }
   for (; o < O; ++o) {  // the last O % 3 weight rows
     const float* wo = w + static_cast<size_t>(o) * K;
-    for (int m = 0; m < M; ++m) {
-      vf acc{};
-      for (int k = 0; k < K; k += W) {
-        acc += load(wo + k) * load(x + static_cast<size_t>(m) * K + k);
+    vf acc[M] = {};
+    for (int k = 0; k < K; k += W) {
+      vf wv = load(wo + k);
+      for (int m = 0; m < M; ++m) {
+        acc[m] += wv * xp[static_cast<size_t>(k / W) * M + m];
       }
-      y[static_cast<size_t>(m) * ldy + o] = hsum(acc);
     }
+    for (int m = 0; m < M; ++m) {
+      y[static_cast<size_t>(m) * ldy + o] = hsum(acc[m]);
+    }
+  }
+}
+
+void tile_rows(const vf* xp, int M, const float* w, float* y, int O, int K, int ldy) {
+  switch (M) {
+    case 1: return tile_rows<1>(xp, w, y, O, K, ldy);
+    case 2: return tile_rows<2>(xp, w, y, O, K, ldy);
+    case 3: return tile_rows<3>(xp, w, y, O, K, ldy);
+    case 4: return tile_rows<4>(xp, w, y, O, K, ldy);
+    case 5: return tile_rows<5>(xp, w, y, O, K, ldy);
+    case 6: return tile_rows<6>(xp, w, y, O, K, ldy);
+    case 7: return tile_rows<7>(xp, w, y, O, K, ldy);
+    default: return tile_rows<kTileRows>(xp, w, y, O, K, ldy);
   }
 }
 
 class RowsMatmul : public mx::Primitive {
  public:
-  explicit RowsMatmul(mx::Stream stream) : mx::Primitive(stream) {}
+  RowsMatmul(mx::Stream stream, int threads) : mx::Primitive(stream), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &x = inputs[0], &w = inputs[1];
@@ -83,13 +117,23 @@ class RowsMatmul : public mx::Primitive {
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(y);
-    encoder.dispatch([x, w, y]() mutable {
+    encoder.dispatch([x, w, y, threads = threads_]() mutable {
       int M = x.shape(0), K = x.shape(1), O = w.shape(0);
+      int parts = w.size() >= kSplitFloats ? std::max(1, std::min(threads, O / kTileOut)) : 1;
+      // part i: weight rows [O·i/parts, O·(i+1)/parts), rounded down to whole tiles
+      auto edge = [&](int i) { return i == parts ? O : O * i / parts / kTileOut * kTileOut; };
+      std::vector<std::vector<vf>> xp;  // each tile of rows, interleaved
       for (int m = 0; m < M; m += kTileRows) {
-        tile_rows(
-            x.data<float>() + static_cast<size_t>(m) * K, w.data<float>(),
-            y.data<float>() + static_cast<size_t>(m) * O, std::min(kTileRows, M - m), O, K, O);
+        xp.push_back(interleave(x.data<float>() + static_cast<size_t>(m) * K, std::min(kTileRows, M - m), K));
       }
+      run_tasks(parts, threads, [&](int i) {
+        int o0 = edge(i), o1 = edge(i + 1);
+        for (int m = 0; m < M; m += kTileRows) {
+          float* ym = y.data<float>() + static_cast<size_t>(m) * O;
+          const float* wp = w.data<float>() + static_cast<size_t>(o0) * K;
+          tile_rows(xp[m / kTileRows].data(), std::min(kTileRows, M - m), wp, ym + o0, o1 - o0, K, O);
+        }
+      });
     });
   }
 
@@ -114,20 +158,24 @@ class RowsMatmul : public mx::Primitive {
     return "RowsMatmul";
   }
 
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return threads_ == static_cast<const RowsMatmul&>(other).threads_;
   }
+
+ private:
+  int threads_;
 };
 
 }  // namespace
 
-mx::array rows_matmul(const mx::array& x, const mx::array& w, const mx::Stream& stream) {
+mx::array rows_matmul(
+    const mx::array& x, const mx::array& w, int threads, const mx::Stream& stream) {
   if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1) || x.shape(1) % W != 0 ||
       x.dtype() != mx::float32 || w.dtype() != mx::float32) {
     throw std::invalid_argument("rows_matmul: float32 x [M, K] and w [O, K], K a multiple of 8");
   }
   return mx::array(
-      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<RowsMatmul>(stream),
+      {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<RowsMatmul>(stream, threads),
       {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
 }
 

@@ -8,7 +8,8 @@
 // scores; here, per kv head, the shared prefix's compressed keys are scored once for all rows
 // (their heads as the vector lanes), each row's selection is made from scores in cache, and
 // stage 2 goes block by block in ascending id over all rows (online softmax), so a block that
-// several rows selected is read once while it is in cache.
+// several rows selected is read once while it is in cache, and a shared one is scored for all
+// of them at once. The kv heads are split between the worker threads.
 //
 // Layout (float32 only; the Python dispatcher sends nothing else here):
 //   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
@@ -30,7 +31,9 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "stage1.h"
 #include "vectors.h"
+#include "workers.h"
 
 
 namespace {
@@ -44,91 +47,8 @@ struct Settings {
   int n1_parts, n2_parts;
   int start, prefill_len, init_blocks, local_blocks, block, stride1, stride2;
   float scale;
+  int threads;
 };
-
-// How many compressed chunks a query at `pos` may score (sparse_select.visible_chunks).
-int visible(int pos, int prefill_len, int stride) {
-  int seen = (pos + 1) / stride - 1;
-  if (pos < prefill_len && prefill_len >= 2 * stride) {
-    seen += (prefill_len - 2 * stride) / stride + 1 - (prefill_len - stride + 1) / stride;
-  }
-  return std::max(seen, 0);
-}
-
-// A part list as one chunk axis: its parts in order, each [1 or B, Hk, count, d].
-struct Chunks {
-  std::vector<const float*> base;
-  std::vector<size_t> row_stride, head_stride;  // elements; 0 row stride: shared by every row
-  std::vector<int> count;
-  int total = 0;
-};
-
-// Stage-1 scores [N][nv] of every row for one kv head: a shared part is scored once with all
-// rows' queries as the lanes, then each row's lanes are copied out; a row's own part is scored
-// with its own queries.
-void chunk_rows(
-    const Chunks& c, const vf* qt_all, int nv_all, const std::vector<vf>& qt_rows, int nv,
-    int G, int d, int B, int g, std::vector<vf>& shared, std::vector<std::vector<vf>>& out) {
-  int at = 0;
-  for (size_t p = 0; p < c.base.size(); ++p) {
-    const float* part = c.base[p] + g * c.head_stride[p];
-    int n = c.count[p];
-    if (c.row_stride[p] == 0) {
-      shared.resize(static_cast<size_t>(n) * nv_all);
-      scores(qt_all, nv_all, d, part, n, shared.data());
-      for (int b = 0; b < B; ++b) {
-        for (int j = 0; j < n; ++j) {
-          for (int h = 0; h < G; ++h) {
-            int lane = b * G + h;
-            out[b][(at + j) * nv + h / W][h % W] = shared[j * nv_all + lane / W][lane % W];
-          }
-        }
-      }
-    } else {
-      for (int b = 0; b < B; ++b) {
-        const vf* qt = qt_rows.data() + static_cast<size_t>(b) * d * nv;
-        scores(qt, nv, d, part + b * c.row_stride[p], n, out[b].data() + at * nv);
-      }
-    }
-    at += n;
-  }
-}
-
-// Stage 1 for one (row, kv head) pair from its scores: p[j] = sum over the G heads of
-// 2^(s1_j - lse2(s2)) for visible chunks (0 elsewhere), the normaliser from the coarse level
-// (SPEC P6).
-void chunk_probs(
-    const std::vector<vf>& s1, const std::vector<vf>& s2, int n1, int n2, int G, int nv,
-    int vis1, int vis2, std::vector<float>& p) {
-  std::fill(p.begin(), p.end(), 0.0f);
-  vis1 = std::min(vis1, n1);
-  vis2 = std::min(vis2, n2);
-  if (vis2 == 0 || n1 == 0) {
-    return;
-  }
-  for (int v = 0; v < nv; ++v) {
-    vf m = splat(-kInf);
-    for (int j = 0; j < vis2; ++j) {
-      m = vmax(m, s2[j * nv + v]);
-    }
-    vf total{};
-    for (int j = 0; j < vis2; ++j) {
-      total += exp2_poly(s2[j * nv + v] - m);
-    }
-    vf lse;
-    for (int h = 0; h < W; ++h) {  // padding lanes: +inf, so they add 2^-inf = 0 below
-      lse[h] = v * W + h < G ? m[h] + std::log2(total[h]) : kInf;
-    }
-    for (int j = 0; j < vis1; ++j) {
-      vf e = exp2_poly(s1[j * nv + v] - lse);
-      float sum = 0.0f;
-      for (int h = 0; h < W; ++h) {
-        sum += e[h];
-      }
-      p[j] += sum;
-    }
-  }
-}
 
 // Pooling, forcing and top-k for a query in block q_blk: the ids, ascending, -1 padded.
 void select(
@@ -214,12 +134,10 @@ void weigh_any(int G, int nv, int d, const float* v, int n, const vf* p, const v
 }
 
 // Stage 2 of one (row, kv head) pair, one selected block at a time (online softmax in base 2,
-// as flash attention): the block's n visible keys k and values v update the running max m,
-// the running sum `total` and the unnormalised output o [G, d].
+// as flash attention): the scores s [n][nv] of the block's n visible keys update the running
+// max m, the running sum `total` and, with its values v, the unnormalised output o [G, d].
 void attend_block(
-    const vf* qt, int G, int nv, int d, const float* k, const float* v, int n, vf* m, vf* total,
-    float* o, std::vector<vf>& s) {
-  scores(qt, nv, d, k, n, s.data());
+    int G, int nv, int d, const float* v, int n, vf* m, vf* total, float* o, std::vector<vf>& s) {
   vf rescale[4];  // nv <= 4: G <= 32 heads per kv head
   for (int u = 0; u < nv; ++u) {
     vf top = m[u];
@@ -314,14 +232,6 @@ void SparseDecodeStep::eval_cpu(
     int nv = (G + W - 1) / W, nv_all = (B * G + W - 1) / W;
     int r = st.block / st.stride1, S = st.start / st.block;
     float qscale = st.scale * kLog2e;
-    std::vector<vf> qt_all(static_cast<size_t>(d) * nv_all), qt_rows(static_cast<size_t>(B) * d * nv);
-    std::vector<vf> shared, s(static_cast<size_t>(st.block) * nv);
-    std::vector<std::vector<vf>> s1(B, std::vector<vf>(static_cast<size_t>(c1.total) * nv));
-    std::vector<std::vector<vf>> s2(B, std::vector<vf>(static_cast<size_t>(c2.total) * nv));
-    std::vector<float> p(std::max(c1.total, 1)), pooled;
-    std::vector<int32_t> order;
-    std::vector<std::vector<vf>> m_rows(B), total_rows(B);
-    std::vector<int> next(B);
     // row b's selection and output for kv head g
     auto selection = [&](int b, int g) {
       return idx.data<int32_t>() + (static_cast<size_t>(b) * st.Hk + g) * st.K;
@@ -329,29 +239,25 @@ void SparseDecodeStep::eval_cpu(
     auto output = [&](int b, int g) {
       return o.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
     };
-    for (int g = 0; g < st.Hk; ++g) {
-      // the queries, scaled to base 2 and transposed: all rows' heads as lanes, and per row
-      std::fill(qt_all.begin(), qt_all.end(), vf{});
-      std::fill(qt_rows.begin(), qt_rows.end(), vf{});
+    // one task per kv head: its rows' selections and outputs are its own
+    run_tasks(st.Hk, st.threads, [&](int g) {
+      std::vector<vf> s(static_cast<size_t>(st.block) * nv);
+      std::vector<vf> s_all(static_cast<size_t>(st.block) * nv_all);
+      std::vector<int> who;  // the rows that take in the current block
+      std::vector<std::vector<float>> p;
+      std::vector<float> pooled;
+      std::vector<int32_t> order;
+      std::vector<std::vector<vf>> m_rows(B), total_rows(B);
+      std::vector<int> next(B), vis1(B), vis2(B);
+      Queries qs(q.data<float>(), B, st.H, G, d, g, qscale);
       for (int b = 0; b < B; ++b) {
-        const float* qg = q.data<float>() + (static_cast<size_t>(b) * st.H + g * G) * d;
-        for (int h = 0; h < G; ++h) {
-          int lane = b * G + h;
-          for (int i = 0; i < d; ++i) {
-            float x = qg[static_cast<size_t>(h) * d + i] * qscale;
-            qt_all[i * nv_all + lane / W][lane % W] = x;
-            qt_rows[(static_cast<size_t>(b) * d + i) * nv + h / W][h % W] = x;
-          }
-        }
+        vis1[b] = visible(pos[b], st.prefill_len, st.stride1);
+        vis2[b] = visible(pos[b], st.prefill_len, st.stride2);
       }
-      chunk_rows(c1, qt_all.data(), nv_all, qt_rows, nv, G, d, B, g, shared, s1);
-      chunk_rows(c2, qt_all.data(), nv_all, qt_rows, nv, G, d, B, g, shared, s2);
+      chunk_probs(qs, c1, c2, g, vis1, vis2, p);
       for (int b = 0; b < B; ++b) {
-        int vis1 = visible(pos[b], st.prefill_len, st.stride1);
-        int vis2 = visible(pos[b], st.prefill_len, st.stride2);
-        chunk_probs(s1[b], s2[b], c1.total, c2.total, G, nv, vis1, vis2, p);
         int32_t* sel = selection(b, g);
-        select(p, c1.total, pos[b] / st.block, r, st, sel, pooled, order);
+        select(p[b], c1.total, pos[b] / st.block, r, st, sel, pooled, order);
         float* og = output(b, g);
         std::fill(og, og + static_cast<size_t>(G) * d, 0.0f);
         m_rows[b].assign(nv, splat(-kInf));
@@ -371,13 +277,24 @@ void SparseDecodeStep::eval_cpu(
         if (u == std::numeric_limits<int>::max()) {
           break;
         }
+        who.clear();
         for (int b = 0; b < B; ++b) {
           const int32_t* sel = selection(b, g);
-          if (next[b] >= st.K || sel[next[b]] != u) {
-            continue;
+          if (next[b] < st.K && sel[next[b]] == u) {
+            ++next[b];
+            who.push_back(b);
           }
-          ++next[b];
-          size_t first = static_cast<size_t>(u) * st.block;
+        }
+        size_t first = static_cast<size_t>(u) * st.block;
+        // A block of the shared prefix is whole for every row (all its keys are before each
+        // row's query). Scored once with all rows' heads as the lanes when that takes no more
+        // vectors than scoring it for each selecting row (whose G heads may fill half of one).
+        bool together = u < S && who.size() * nv >= static_cast<size_t>(nv_all);
+        if (together) {
+          scores(qs.all.data(), nv_all, d, shared_k + g * shared_head + first * d, st.block,
+                 s_all.data());
+        }
+        for (int b : who) {
           const float *k, *v;
           if (u < S) {
             k = shared_k + g * shared_head + first * d;
@@ -388,9 +305,17 @@ void SparseDecodeStep::eval_cpu(
             v = rows_v + own;
           }
           int n = std::min(st.block, pos[b] + 1 - u * st.block);
-          float* og = output(b, g);
-          const vf* qt = qt_rows.data() + static_cast<size_t>(b) * d * nv;
-          attend_block(qt, G, nv, d, k, v, n, m_rows[b].data(), total_rows[b].data(), og, s);
+          if (together) {
+            for (int t = 0; t < n; ++t) {
+              for (int h = 0; h < G; ++h) {
+                int lane = b * G + h;
+                s[t * nv + h / W][h % W] = s_all[t * nv_all + lane / W][lane % W];
+              }
+            }
+          } else {
+            scores(qs.row(b), nv, d, k, n, s.data());
+          }
+          attend_block(G, nv, d, v, n, m_rows[b].data(), total_rows[b].data(), output(b, g), s);
         }
       }
       for (int b = 0; b < B; ++b) {
@@ -402,7 +327,7 @@ void SparseDecodeStep::eval_cpu(
           }
         }
       }
-    }
+    });
   });
 }
 
@@ -413,7 +338,7 @@ std::vector<mx::array> salabatch::sparse_decode_step(
     const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
     const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
     float scale, int init_blocks, int local_blocks, int block, int stride1, int stride2,
-    const mx::Stream& stream) {
+    int threads, const mx::Stream& stream) {
   int B = q.shape(0), H = q.shape(1), d = q.shape(3), Hk = rows_k.shape(1);
   if (q.shape(2) != 1 || H % Hk != 0 || (start > 0) != (shared.size() == 2)) {
     throw std::invalid_argument("sparse_decode_step: q [B, H, 1, d] and (k, v) iff start > 0");
@@ -422,7 +347,8 @@ std::vector<mx::array> salabatch::sparse_decode_step(
     throw std::invalid_argument("sparse_decode_step: block geometry (SPEC P14)");
   }
   Settings st{H, Hk, d, k, static_cast<int>(c1.size()), static_cast<int>(c2.size()),
-              start, prefill_len, init_blocks, local_blocks, block, stride1, stride2, scale};
+              start, prefill_len, init_blocks, local_blocks, block, stride1, stride2, scale,
+              threads};
   std::vector<mx::array> inputs;
   auto add = [&](const mx::array& a, mx::Dtype dtype, bool copy) {
     if (a.dtype() != dtype || (dtype == mx::float32 && (a.ndim() != 4 || a.shape(3) != d))) {

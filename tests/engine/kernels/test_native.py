@@ -78,6 +78,28 @@ def test_native_step_matches_the_references(d, groups, rows, shared, monkeypatch
     assert mx.abs(got - want).max().item() < 1e-5
 
 
+def test_results_do_not_depend_on_the_thread_count():
+    """Kv heads are split between threads; each thread's arithmetic is a one-thread run's."""
+    cache = rows_cache(3, 32, shared=True, seed=11)
+    kv = cache.kv_view()
+    c1, c2 = (cache.chunk_parts(level, whole=True) for level in (0, 1))
+    q = mx.array(np.random.default_rng(2).standard_normal((3, HK * 4, 1, 32)).astype(np.float32))
+    pos = mx.array([n - 1 for n in cache.lengths], dtype=mx.int32)
+
+    def step(n: int) -> tuple[mx.array, mx.array]:
+        return native.sparse_decode_step(
+            q, pos, c1, c2, (kv.shared_k, kv.shared_v), kv.rows_k, kv.rows_v,
+            start=kv.start, prefill_len=0, k=8, scale=32**-0.5, init_blocks=1, local_blocks=2,
+            block=SC.block_size, compression=SC.compression, stream=mx.default_stream(mx.cpu),
+            n_threads=n,
+        )  # fmt: skip
+
+    o1, idx1 = step(1)
+    for n in (2, 4):
+        o, idx = step(n)
+        assert mx.array_equal(idx, idx1).item() and mx.array_equal(o, o1).item()
+
+
 def test_the_engine_runs_it_for_float32_on_the_cpu(monkeypatch):
     """The C++ step is what a float32 CPU decode takes (counted), never a bfloat16 one, and
     CPU_STEP = "blocks" turns it off."""
