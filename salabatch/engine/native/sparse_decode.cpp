@@ -8,8 +8,9 @@
 // scores; here, per kv head, the shared prefix's compressed keys are scored once for all rows
 // (their heads as the vector lanes), each row's selection is made from scores in cache, and
 // stage 2 goes block by block in ascending id over all rows (online softmax), so a block that
-// several rows selected is read once while it is in cache, and a shared one is scored for all
-// of them at once. The kv heads are split between the worker threads.
+// several rows selected is read once while it is in cache; a shared one is scored once for all
+// rows, or for two rows at a time where their heads fit one vector. The kv heads are split
+// between the worker threads.
 //
 // Layout (float32 only; the Python dispatcher sends nothing else here):
 //   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
@@ -79,17 +80,20 @@ void select(
   }
 }
 
-// o[h] = o[h]·rescale[h] + sum over the n keys t of p[t][h] · v_t, for d = DV·W: HB heads at a
-// time, their outputs in registers while the values stream past (HB·DV = 16 vectors).
+// o[h] = o[h]·rescale[l] + sum over the n keys t of p[t][l] · v_t for the lanes l = lane0 + h,
+// for d = DV·W: HB heads at a time, their outputs in registers while the values stream past
+// (HB·DV = 16 vectors).
 template <int DV>
-void weigh(int G, int nv, const float* v, int n, const vf* p, const vf* rescale, float* o) {
+void weigh(int G, int nv, const float* v, int n, const vf* p, const vf* rescale, float* o,
+           int lane0) {
   constexpr int HB = DV >= 16 ? 1 : 16 / DV;
   constexpr int d = DV * W;
   for (int h0 = 0; h0 < G; h0 += HB) {
     int hb = std::min(HB, G - h0);
     vf acc[HB][DV];
     for (int h = 0; h < HB; ++h) {
-      float keep = h < hb ? rescale[(h0 + h) / W][(h0 + h) % W] : 0.0f;
+      int l = lane0 + h0 + h;
+      float keep = h < hb ? rescale[l / W][l % W] : 0.0f;
       for (int e = 0; e < DV; ++e) {
         acc[h][e] = h < hb ? load(o + static_cast<size_t>(h0 + h) * d + e * W) * keep : vf{};
       }
@@ -101,7 +105,8 @@ void weigh(int G, int nv, const float* v, int n, const vf* p, const vf* rescale,
       }
       const vf* pt = p + static_cast<size_t>(t) * nv;
       for (int h = 0; h < HB; ++h) {
-        float weight = h < hb ? pt[(h0 + h) / W][(h0 + h) % W] : 0.0f;
+        int l = lane0 + h0 + h;
+        float weight = h < hb ? pt[l / W][l % W] : 0.0f;
         for (int e = 0; e < DV; ++e) {
           acc[h][e] += weight * row[e];
         }
@@ -117,15 +122,16 @@ void weigh(int G, int nv, const float* v, int n, const vf* p, const vf* rescale,
 
 // The same for any d (no fixed register tile).
 void weigh_any(int G, int nv, int d, const float* v, int n, const vf* p, const vf* rescale,
-               float* o) {
+               float* o, int lane0) {
   for (int h = 0; h < G; ++h) {
     float* oh = o + static_cast<size_t>(h) * d;
-    float keep = rescale[h / W][h % W];
+    int l = lane0 + h;
+    float keep = rescale[l / W][l % W];
     for (int e = 0; e < d; ++e) {
       oh[e] *= keep;
     }
     for (int t = 0; t < n; ++t) {
-      float weight = p[t * nv + h / W][h % W];
+      float weight = p[t * nv + l / W][l % W];
       for (int e = 0; e < d; ++e) {
         oh[e] += weight * v[static_cast<size_t>(t) * d + e];
       }
@@ -133,12 +139,9 @@ void weigh_any(int G, int nv, int d, const float* v, int n, const vf* p, const v
   }
 }
 
-// Stage 2 of one (row, kv head) pair, one selected block at a time (online softmax in base 2,
-// as flash attention): the scores s [n][nv] of the block's n visible keys update the running
-// max m, the running sum `total` and, with its values v, the unnormalised output o [G, d].
-void attend_block(
-    int G, int nv, int d, const float* v, int n, vf* m, vf* total, float* o, std::vector<vf>& s) {
-  vf rescale[4];  // nv <= 4: G <= 32 heads per kv head
+// The online softmax (base 2, as flash attention) over one block's scores s [n][nv]: the
+// running max m and sum `total` take them in, s becomes 2^(s - max), rescale 2^(old - new max).
+void softmax_block(int nv, int n, std::vector<vf>& s, vf* m, vf* total, vf* rescale) {
   for (int u = 0; u < nv; ++u) {
     vf top = m[u];
     for (int t = 0; t < n; ++t) {
@@ -154,13 +157,48 @@ void attend_block(
     total[u] = total[u] * rescale[u] + sum;
     m[u] = top;
   }
+}
+
+// The unnormalised output o [G, d] of the heads in lanes lane0.. takes in n values v.
+void weigh_block(int G, int nv, int d, const float* v, int n, const vf* p, const vf* rescale,
+                 float* o, int lane0) {
   switch (d) {  // o kept in registers: fixed vector counts for the usual head sizes
-    case 16: weigh<2>(G, nv, v, n, s.data(), rescale, o); break;
-    case 32: weigh<4>(G, nv, v, n, s.data(), rescale, o); break;
-    case 64: weigh<8>(G, nv, v, n, s.data(), rescale, o); break;
-    case 128: weigh<16>(G, nv, v, n, s.data(), rescale, o); break;
-    default: weigh_any(G, nv, d, v, n, s.data(), rescale, o);
+    case 16: weigh<2>(G, nv, v, n, p, rescale, o, lane0); break;
+    case 32: weigh<4>(G, nv, v, n, p, rescale, o, lane0); break;
+    case 64: weigh<8>(G, nv, v, n, p, rescale, o, lane0); break;
+    case 128: weigh<16>(G, nv, v, n, p, rescale, o, lane0); break;
+    default: weigh_any(G, nv, d, v, n, p, rescale, o, lane0);
   }
+}
+
+// Stage 2 of one (row, kv head) pair, one selected block at a time: the scores s [n][nv] of the
+// block's n visible keys update the running max m, the running sum `total` and, with its values
+// v, the unnormalised output o [G, d].
+void attend_block(
+    int G, int nv, int d, const float* v, int n, vf* m, vf* total, float* o, std::vector<vf>& s) {
+  vf rescale[4];  // nv <= 4: G <= 32 heads per kv head
+  softmax_block(nv, n, s, m, total, rescale);
+  weigh_block(G, nv, d, v, n, s.data(), rescale, o, 0);
+}
+
+// The same for two rows a, b that selected one whole block of the shared prefix, when their
+// heads fit one vector (2G <= W): a's in lanes [0, G), b's in [G, 2G), so the block's keys are
+// scored and its softmax taken once for both. `q` is their queries side by side [d].
+void attend_pair(int G, int d, const vf* q, const float* k, const float* v, int n, vf& m_a,
+                 vf& m_b, vf& total_a, vf& total_b, float* o_a, float* o_b, std::vector<vf>& s) {
+  scores(q, 1, d, k, n, s.data());
+  vf m = splat(-kInf), total{}, rescale;
+  for (int h = 0; h < G; ++h) {
+    m[h] = m_a[h], m[G + h] = m_b[h];
+    total[h] = total_a[h], total[G + h] = total_b[h];
+  }
+  softmax_block(1, n, s, &m, &total, &rescale);
+  for (int h = 0; h < G; ++h) {
+    m_a[h] = m[h], m_b[h] = m[G + h];
+    total_a[h] = total[h], total_b[h] = total[G + h];
+  }
+  weigh_block(G, 1, d, v, n, s.data(), &rescale, o_a, 0);
+  weigh_block(G, 1, d, v, n, s.data(), &rescale, o_b, G);
 }
 
 class SparseDecodeStep : public mx::Primitive {
@@ -255,6 +293,18 @@ void SparseDecodeStep::eval_cpu(
         vis2[b] = visible(pos[b], st.prefill_len, st.stride2);
       }
       chunk_probs(qs, c1, c2, g, vis1, vis2, p);
+      // where two rows' heads fit one vector: each row's queries moved up to lanes [G, 2G)
+      std::vector<vf> high, pair_q(d);
+      if (2 * G <= W) {
+        high.assign(static_cast<size_t>(B) * d, vf{});
+        for (int b = 0; b < B; ++b) {
+          for (int i = 0; i < d; ++i) {
+            for (int h = 0; h < G; ++h) {
+              high[static_cast<size_t>(b) * d + i][G + h] = qs.row(b)[i][h];
+            }
+          }
+        }
+      }
       for (int b = 0; b < B; ++b) {
         int32_t* sel = selection(b, g);
         select(p[b], c1.total, pos[b] / st.block, r, st, sel, pooled, order);
@@ -294,7 +344,22 @@ void SparseDecodeStep::eval_cpu(
           scores(qs.all.data(), nv_all, d, shared_k + g * shared_head + first * d, st.block,
                  s_all.data());
         }
-        for (int b : who) {
+        // the rest of a shared block's rows two at a time where their heads fit one vector
+        size_t single = 0;
+        if (u < S && !together && 2 * G <= W) {
+          const float* k = shared_k + g * shared_head + first * d;
+          const float* v = shared_v + g * shared_head + first * d;
+          for (; single + 1 < who.size(); single += 2) {
+            int a = who[single], b = who[single + 1];
+            for (int i = 0; i < d; ++i) {
+              pair_q[i] = qs.row(a)[i] + high[static_cast<size_t>(b) * d + i];
+            }
+            attend_pair(G, d, pair_q.data(), k, v, st.block, m_rows[a][0], m_rows[b][0],
+                        total_rows[a][0], total_rows[b][0], output(a, g), output(b, g), s);
+          }
+        }
+        for (size_t j = single; j < who.size(); ++j) {
+          int b = who[j];
           const float *k, *v;
           if (u < S) {
             k = shared_k + g * shared_head + first * d;

@@ -23,7 +23,7 @@ HK = 2
 
 
 def rows_cache(rows: int, d: int, shared: bool, seed: int) -> SparseKVCache:
-    """`rows` rows of random keys: forks of one 1100-token document with 7–150 keys of their
+    """`rows` rows of random keys: forks of one 1100-token document with 1–150 keys of their
     own each, or 1187 keys per row."""
     rng = np.random.default_rng(seed)
 
@@ -39,7 +39,7 @@ def rows_cache(rows: int, d: int, shared: bool, seed: int) -> SparseKVCache:
     k = keys(1, 1100)
     doc.append(k, k * 0.5)
     forks = []
-    for extra in (150, 7, 90)[:rows]:
+    for extra in (150, 7, 90, 33, 64, 1, 120, 15)[:rows]:
         row = doc.fork(1)
         k = keys(1, extra)
         row.append(k, k * 0.5)
@@ -48,7 +48,7 @@ def rows_cache(rows: int, d: int, shared: bool, seed: int) -> SparseKVCache:
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared keys"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("groups", [4, 12])
 @pytest.mark.parametrize("d", [16, 24, 32])
 def test_native_step_matches_the_references(d, groups, rows, shared, monkeypatch):
