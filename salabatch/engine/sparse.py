@@ -14,7 +14,7 @@ import mlx.nn as nn
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
-from salabatch.engine.kernels.sparse_decode import infllm_v2_step
+from salabatch.engine.kernels.sparse_decode import dense_step, infllm_v2_step, runs_native
 from salabatch.engine.kernels.sparse_select import select_blocks
 from salabatch.engine.linear import Linear
 from salabatch.engine.sparse_cache import SparseKVCache
@@ -84,6 +84,8 @@ class SparseAttention(nn.Module):
     def dense(self, q: mx.array, kv: KVView, starts: list[int]) -> mx.array:
         """Causal attention over each row's whole sequence → [B, H, T, d]."""
         T = q.shape[2]
+        if T == 1 and runs_native(q, kv):  # a decode step on the CPU: the native kernel
+            return dense_step(q, kv, starts, self.scale, self.sparse.block_size)
         end = max(starts) + T
         keys, values = kv.parts(end)
         if kv.start == 0 and len(set(starts)) == 1:  # queries are the last T keys: fused causal

@@ -65,10 +65,36 @@ def sparse_decode_step(
     (_, stride1), (_, stride2) = compression
     o, idx = _native.sparse_decode_step(
         q, pos, list(c1), list(c2), list(shared), rows_k, rows_v,
-        stride1=stride1, stride2=stride2, threads=n_threads or threads(), stream=stream,
-        **settings,
+        stride1=stride1, stride2=stride2, threads=n_threads or threads(), dense=False,
+        stream=stream, **settings,
     )  # fmt: skip
     return o, idx
+
+
+def dense_decode_step(
+    q: mx.array,
+    pos: mx.array,
+    shared: tuple[mx.array, ...],
+    rows_k: mx.array,
+    rows_v: mx.array,
+    *,
+    start: int,
+    blocks: int,
+    scale: float,
+    block: int,
+    stream: mx.Stream,
+    n_threads: int | None = None,
+) -> mx.array:
+    """Dense attention of one query per row, each over every key up to its position `pos[b]`,
+    as the sparse step with every one of its blocks selected (no stage 1): o [B, H, 1, d].
+    `blocks` ≥ the longest row's block count."""
+    o, _ = _native.sparse_decode_step(
+        q, pos, [], [], list(shared), rows_k, rows_v,
+        start=start, prefill_len=0, k=blocks, scale=scale, init_blocks=0, local_blocks=0,
+        block=block, stride1=block, stride2=block, threads=n_threads or threads(), dense=True,
+        stream=stream,
+    )  # fmt: skip
+    return o
 
 
 def rows_matmul(x: mx.array, w: mx.array, n_threads: int | None = None) -> mx.array:

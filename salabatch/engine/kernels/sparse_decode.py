@@ -61,7 +61,7 @@ def infllm_v2_step(
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
     settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression)
     B = q.shape[0]
-    step = _native_step if _runs_native(q, kv) else _step
+    step = _native_step if runs_native(q, kv) else _step
     lane = lanes() if B >= LANE_ROWS and step is _step else lanes()[:1]
     cut = [B * i // len(lane) for i in range(len(lane) + 1)]
     outs = []
@@ -74,11 +74,24 @@ def infllm_v2_step(
     return tuple(mx.concatenate(part) for part in zip(*outs, strict=True))
 
 
-def _runs_native(q: mx.array, kv: KVView) -> bool:
-    """The C++ step where it is built, on the CPU, for float32 (what it is written for)."""
+def runs_native(q: mx.array, kv: KVView) -> bool:
+    """The C++ step where it is built, on the CPU, for float32 (what it is written for); also
+    for dense decode steps (`dense_step`)."""
     if on_gpu() or CPU_STEP != "native" or native.missing():
         return False
     return q.dtype == kv.rows_k.dtype == mx.float32
+
+
+def dense_step(q: mx.array, kv: KVView, starts: Sequence[int], scale: float, block: int):
+    """Dense attention of q [B, H, 1, d], row b at position starts[b] over its keys up to there,
+    as the native step with every block selected (where `runs_native`): the shared prefix read
+    once for all rows, as in a sparse step. → o [B, H, 1, d] float32."""
+    return native.dense_decode_step(
+        q, mx.array(list(starts), dtype=mx.int32),
+        () if not kv.start else (kv.shared_k, kv.shared_v), kv.rows_k, kv.rows_v,
+        start=kv.start, blocks=max(starts) // block + 1, scale=scale, block=block,
+        stream=mx.default_stream(mx.default_device()),
+    )  # fmt: skip
 
 
 def _native_step(q, kv, c1, c2, starts, settings):

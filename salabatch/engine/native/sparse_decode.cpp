@@ -10,7 +10,8 @@
 // stage 2 goes block by block in ascending id over all rows (online softmax), so a block that
 // several rows selected is read once while it is in cache; a shared one is scored once for all
 // rows, or for two rows at a time where their heads fit one vector. The kv heads are split
-// between the worker threads.
+// between the worker threads. In dense mode every block up to a row's query is its selection
+// (no stage 1): dense attention's decode step, with the same sharing of the prefix.
 //
 // Layout (float32 only; the Python dispatcher sends nothing else here):
 //   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
@@ -49,6 +50,7 @@ struct Settings {
   int start, prefill_len, init_blocks, local_blocks, block, stride1, stride2;
   float scale;
   int threads;
+  bool dense;  // every block up to the query's (dense attention): no stage 1
 };
 
 // Pooling, forcing and top-k for a query in block q_blk: the ids, ascending, -1 padded.
@@ -77,6 +79,13 @@ void select(
   std::sort(order.begin(), order.begin() + take);
   for (int i = 0; i < st.K; ++i) {
     out[i] = i < take ? order[i] : -1;
+  }
+}
+
+// Dense attention's selection: every block up to q_blk, then -1.
+void every_block(int q_blk, int K, int32_t* out) {
+  for (int i = 0; i < K; ++i) {
+    out[i] = i <= q_blk ? i : -1;
   }
 }
 
@@ -183,19 +192,22 @@ void attend_block(
 
 // The same for two rows a, b that selected one whole block of the shared prefix, when their
 // heads fit one vector (2G <= W): a's in lanes [0, G), b's in [G, 2G), so the block's keys are
-// scored and its softmax taken once for both. `q` is their queries side by side [d].
-void attend_pair(int G, int d, const vf* q, const float* k, const float* v, int n, vf& m_a,
-                 vf& m_b, vf& total_a, vf& total_b, float* o_a, float* o_b, std::vector<vf>& s) {
+// scored and its softmax taken once for both. `q` is their queries side by side [d]; m and
+// total the running state of every row (lane r·G + h for row r's head h).
+void attend_pair(int G, int d, const vf* q, const float* k, const float* v, int n, int a, int b,
+                 vf* m_all, vf* total_all, float* o_a, float* o_b, std::vector<vf>& s) {
   scores(q, 1, d, k, n, s.data());
   vf m = splat(-kInf), total{}, rescale;
   for (int h = 0; h < G; ++h) {
-    m[h] = m_a[h], m[G + h] = m_b[h];
-    total[h] = total_a[h], total[G + h] = total_b[h];
+    int la = a * G + h, lb = b * G + h;
+    m[h] = m_all[la / W][la % W], m[G + h] = m_all[lb / W][lb % W];
+    total[h] = total_all[la / W][la % W], total[G + h] = total_all[lb / W][lb % W];
   }
   softmax_block(1, n, s, &m, &total, &rescale);
   for (int h = 0; h < G; ++h) {
-    m_a[h] = m[h], m_b[h] = m[G + h];
-    total_a[h] = total[h], total_b[h] = total[G + h];
+    int la = a * G + h, lb = b * G + h;
+    m_all[la / W][la % W] = m[h], m_all[lb / W][lb % W] = m[G + h];
+    total_all[la / W][la % W] = total[h], total_all[lb / W][lb % W] = total[G + h];
   }
   weigh_block(G, 1, d, v, n, s.data(), &rescale, o_a, 0);
   weigh_block(G, 1, d, v, n, s.data(), &rescale, o_b, G);
@@ -285,14 +297,18 @@ void SparseDecodeStep::eval_cpu(
       std::vector<std::vector<float>> p;
       std::vector<float> pooled;
       std::vector<int32_t> order;
-      std::vector<std::vector<vf>> m_rows(B), total_rows(B);
+      // the online softmax's running max and sum, all rows' heads as the lanes (as qs.all)
+      std::vector<vf> m_all(nv_all, splat(-kInf)), total_all(nv_all, vf{});
+      std::vector<vf> m_new(nv_all), total_new(nv_all), rescale_all(nv_all);
       std::vector<int> next(B), vis1(B), vis2(B);
       Queries qs(q.data<float>(), B, st.H, G, d, g, qscale);
       for (int b = 0; b < B; ++b) {
         vis1[b] = visible(pos[b], st.prefill_len, st.stride1);
         vis2[b] = visible(pos[b], st.prefill_len, st.stride2);
       }
-      chunk_probs(qs, c1, c2, g, vis1, vis2, p);
+      if (!st.dense) {
+        chunk_probs(qs, c1, c2, g, vis1, vis2, p);
+      }
       // where two rows' heads fit one vector: each row's queries moved up to lanes [G, 2G)
       std::vector<vf> high, pair_q(d);
       if (2 * G <= W) {
@@ -307,11 +323,13 @@ void SparseDecodeStep::eval_cpu(
       }
       for (int b = 0; b < B; ++b) {
         int32_t* sel = selection(b, g);
-        select(p[b], c1.total, pos[b] / st.block, r, st, sel, pooled, order);
+        if (st.dense) {
+          every_block(pos[b] / st.block, st.K, sel);
+        } else {
+          select(p[b], c1.total, pos[b] / st.block, r, st, sel, pooled, order);
+        }
         float* og = output(b, g);
         std::fill(og, og + static_cast<size_t>(G) * d, 0.0f);
-        m_rows[b].assign(nv, splat(-kInf));
-        total_rows[b].assign(nv, vf{});
         next[b] = 0;
       }
       // stage 2, block by block in ascending id over all rows: a shared block is read once
@@ -340,13 +358,27 @@ void SparseDecodeStep::eval_cpu(
         // row's query). Scored once with all rows' heads as the lanes when that takes no more
         // vectors than scoring it for each selecting row (whose G heads may fill half of one).
         bool together = u < S && who.size() * nv >= static_cast<size_t>(nv_all);
-        if (together) {
-          scores(qs.all.data(), nv_all, d, shared_k + g * shared_head + first * d, st.block,
-                 s_all.data());
+        if (together) {  // one softmax on all lanes; a row's lanes are kept if it selected u
+          const float* k = shared_k + g * shared_head + first * d;
+          const float* v = shared_v + g * shared_head + first * d;
+          scores(qs.all.data(), nv_all, d, k, st.block, s_all.data());
+          m_new = m_all, total_new = total_all;
+          softmax_block(nv_all, st.block, s_all, m_new.data(), total_new.data(),
+                        rescale_all.data());
+          for (int b : who) {
+            weigh_block(G, nv_all, d, v, st.block, s_all.data(), rescale_all.data(),
+                        output(b, g), b * G);
+            for (int h = 0; h < G; ++h) {
+              int lane = b * G + h;
+              m_all[lane / W][lane % W] = m_new[lane / W][lane % W];
+              total_all[lane / W][lane % W] = total_new[lane / W][lane % W];
+            }
+          }
+          continue;
         }
         // the rest of a shared block's rows two at a time where their heads fit one vector
         size_t single = 0;
-        if (u < S && !together && 2 * G <= W) {
+        if (u < S && 2 * G <= W) {
           const float* k = shared_k + g * shared_head + first * d;
           const float* v = shared_v + g * shared_head + first * d;
           for (; single + 1 < who.size(); single += 2) {
@@ -354,8 +386,8 @@ void SparseDecodeStep::eval_cpu(
             for (int i = 0; i < d; ++i) {
               pair_q[i] = qs.row(a)[i] + high[static_cast<size_t>(b) * d + i];
             }
-            attend_pair(G, d, pair_q.data(), k, v, st.block, m_rows[a][0], m_rows[b][0],
-                        total_rows[a][0], total_rows[b][0], output(a, g), output(b, g), s);
+            attend_pair(G, d, pair_q.data(), k, v, st.block, a, b, m_all.data(),
+                        total_all.data(), output(a, g), output(b, g), s);
           }
         }
         for (size_t j = single; j < who.size(); ++j) {
@@ -370,23 +402,20 @@ void SparseDecodeStep::eval_cpu(
             v = rows_v + own;
           }
           int n = std::min(st.block, pos[b] + 1 - u * st.block);
-          if (together) {
-            for (int t = 0; t < n; ++t) {
-              for (int h = 0; h < G; ++h) {
-                int lane = b * G + h;
-                s[t * nv + h / W][h % W] = s_all[t * nv_all + lane / W][lane % W];
-              }
-            }
-          } else {
-            scores(qs.row(b), nv, d, k, n, s.data());
-          }
-          attend_block(G, nv, d, v, n, m_rows[b].data(), total_rows[b].data(), output(b, g), s);
+          vf m[4], total[4];  // nv <= 4
+          take_lanes(qs, m_all.data(), b, -kInf, m);
+          take_lanes(qs, total_all.data(), b, 0.0f, total);
+          scores(qs.row(b), nv, d, k, n, s.data());
+          attend_block(G, nv, d, v, n, m, total, output(b, g), s);
+          put_lanes(qs, m, b, m_all.data());
+          put_lanes(qs, total, b, total_all.data());
         }
       }
       for (int b = 0; b < B; ++b) {
         float* og = output(b, g);
         for (int h = 0; h < G; ++h) {
-          float inv = 1.0f / total_rows[b][h / W][h % W];
+          int lane = b * G + h;
+          float inv = 1.0f / total_all[lane / W][lane % W];
           for (int e = 0; e < d; ++e) {
             og[static_cast<size_t>(h) * d + e] *= inv;
           }
@@ -403,7 +432,7 @@ std::vector<mx::array> salabatch::sparse_decode_step(
     const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
     const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
     float scale, int init_blocks, int local_blocks, int block, int stride1, int stride2,
-    int threads, const mx::Stream& stream) {
+    int threads, bool dense, const mx::Stream& stream) {
   int B = q.shape(0), H = q.shape(1), d = q.shape(3), Hk = rows_k.shape(1);
   if (q.shape(2) != 1 || H % Hk != 0 || (start > 0) != (shared.size() == 2)) {
     throw std::invalid_argument("sparse_decode_step: q [B, H, 1, d] and (k, v) iff start > 0");
@@ -413,7 +442,7 @@ std::vector<mx::array> salabatch::sparse_decode_step(
   }
   Settings st{H, Hk, d, k, static_cast<int>(c1.size()), static_cast<int>(c2.size()),
               start, prefill_len, init_blocks, local_blocks, block, stride1, stride2, scale,
-              threads};
+              threads, dense};
   std::vector<mx::array> inputs;
   auto add = [&](const mx::array& a, mx::Dtype dtype, bool copy) {
     if (a.dtype() != dtype || (dtype == mx::float32 && (a.ndim() != 4 || a.shape(3) != d))) {

@@ -77,23 +77,6 @@ Level score_level(const Chunks& c, const Queries& q, int g) {
   return l;
 }
 
-// Row b's lanes of an all-rows array of nv_all vectors, in its own layout (nv vectors; padding
-// lanes `fill`), and back.
-void take_lanes(const Queries& q, const vf* all, int b, float fill, vf* row) {
-  std::fill(row, row + q.nv, splat(fill));
-  for (int h = 0; h < q.G; ++h) {
-    int lane = b * q.G + h;
-    row[h / W][h % W] = all[lane / W][lane % W];
-  }
-}
-
-void put_lanes(const Queries& q, const vf* row, int b, vf* all) {
-  for (int h = 0; h < q.G; ++h) {
-    int lane = b * q.G + h;
-    all[lane / W][lane % W] = row[h / W][h % W];
-  }
-}
-
 // Per lane, how many chunks its row sees (a chunk j counts when j < limit); padding lanes 0.
 std::vector<vf> lane_limits(const Queries& q, const std::vector<int>& vis, int n) {
   std::vector<vf> limit(q.nv_all, vf{});
@@ -182,6 +165,21 @@ void level2_lse(
 }
 
 }  // namespace
+
+void take_lanes(const Queries& q, const vf* all, int b, float fill, vf* row) {
+  std::fill(row, row + q.nv, splat(fill));
+  for (int h = 0; h < q.G; ++h) {
+    int lane = b * q.G + h;
+    row[h / W][h % W] = all[lane / W][lane % W];
+  }
+}
+
+void put_lanes(const Queries& q, const vf* row, int b, vf* all) {
+  for (int h = 0; h < q.G; ++h) {
+    int lane = b * q.G + h;
+    all[lane / W][lane % W] = row[h / W][h % W];
+  }
+}
 
 void chunk_probs(
     const Queries& q, const Chunks& c1, const Chunks& c2, int g, const std::vector<int>& vis1,

@@ -34,6 +34,11 @@ struct Queries {
   std::vector<vf> all, rows;
 };
 
+// Row b's lanes of an all-rows array (nv_all vectors) in its own layout (nv vectors; padding
+// lanes `fill`), and back.
+void take_lanes(const Queries& q, const vf* all, int b, float fill, vf* row);
+void put_lanes(const Queries& q, const vf* row, int b, vf* all);
+
 // p[b][j] = sum over row b's G heads of 2^(s1_j - lse2(s2)) for its visible level-1 chunks
 // (vis1[b] of them; 0 for the rest), the normaliser from the coarse level's vis2[b] (SPEC P6).
 // Shared parts are scored once for all rows, their probabilities taken with all rows' heads as

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import attention as attn
+from salabatch.engine.kernels import sparse_decode
 from salabatch.engine.kernels.attention import attention, attention_ref
 
 TOL_F32 = 1e-5
@@ -84,6 +85,7 @@ def fused_calls(monkeypatch):
         return fused(q, k, v, scale=scale, mask=mask)
 
     monkeypatch.setattr(attn, "on_gpu", lambda: True)
+    monkeypatch.setattr(sparse_decode, "on_gpu", lambda: True)  # no native CPU kernel
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
     return calls
 

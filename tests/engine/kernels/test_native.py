@@ -11,6 +11,7 @@ import pytest
 
 from salabatch.engine.config import SparseConfig
 from salabatch.engine.kernels import native, sparse_decode
+from salabatch.engine.kernels.attention import attention_ref
 from salabatch.engine.kernels.sparse_attention import block_sparse_attention_ref
 from salabatch.engine.kernels.sparse_decode import infllm_v2_step
 from salabatch.engine.kernels.sparse_select import select_blocks_ref
@@ -75,6 +76,26 @@ def test_native_step_matches_the_references(d, groups, rows, shared, monkeypatch
     want_idx = select_blocks_ref(q, cache.chunk_parts(0), cache.chunk_parts(1), starts, **kw)
     assert mx.array_equal(got_idx, want_idx)
     want = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, d**-0.5, 64)
+    assert mx.abs(got - want).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared keys"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("groups", [4, 12])
+@pytest.mark.parametrize("d", [16, 32])
+def test_dense_step_matches_plain_attention(d, groups, rows, shared):
+    """Every block selected is dense attention: each row over all its keys up to its position
+    (rows at different lengths; the shared prefix read once), within float32 rounding."""
+    rng = np.random.default_rng(d * groups + rows + 1)
+    cache = rows_cache(rows, d, shared, seed=d + rows + 1)
+    q = mx.array(rng.standard_normal((rows, HK * groups, 1, d)).astype(np.float32))
+    kv = cache.kv_view()
+    starts = [n - 1 for n in cache.lengths]
+    got = sparse_decode.dense_step(q, kv, starts, d**-0.5, SC.block_size)
+    keys, values = kv.full()
+    mask = mx.arange(keys.shape[2]) <= mx.array(starts)[:, None, None, None]
+    want = attention_ref(q, keys, values, d**-0.5, mask)
+    assert got.shape == want.shape
     assert mx.abs(got - want).max().item() < 1e-5
 
 
