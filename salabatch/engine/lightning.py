@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.gla import decay_slopes, gla
 from salabatch.engine.linear import Linear
 
@@ -62,7 +63,7 @@ class LightningAttention(nn.Module):
         if "o_norm" in self:
             o = self.o_norm(o)
         if "z_proj" in self:
-            o = o * mx.sigmoid(self.z_proj(x))
+            o = sigmoid_mul(o, self.z_proj(x))
         return self.o_proj(o), cache.state
 
     def core(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:

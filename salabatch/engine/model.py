@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.engine.kernels.gates import silu_mul
 from salabatch.engine.lightning import LightningAttention
 from salabatch.engine.linear import Linear
 from salabatch.engine.sparse import SparseAttention
@@ -26,7 +27,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attention
+from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
 from salabatch.engine.kernels.sparse_decode import dense_step, infllm_v2_step, runs_native
 from salabatch.engine.kernels.sparse_select import select_blocks
@@ -72,7 +73,7 @@ class SparseAttention(nn.Module):
             o = mx.concatenate([o_dense, o_sparse])[order]
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*d]
         if "o_gate" in self:
-            o = o * mx.sigmoid(self.o_gate(x))
+            o = sigmoid_mul(o, self.o_gate(x))
         return self.o_proj(o)
 
     def is_sparse(self, prefill_len: int, start: int, T: int) -> bool:

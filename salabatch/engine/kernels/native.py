@@ -102,3 +102,10 @@ def rows_matmul(x: mx.array, w: mx.array, n_threads: int | None = None) -> mx.ar
     default CPU stream, on `n_threads` (default `threads()`); differentiable."""
     stream = mx.default_stream(mx.default_device())
     return _native.rows_matmul(x, w, threads=n_threads or threads(), stream=stream)
+
+
+def gate(z: mx.array, x: mx.array, *, silu: bool, n_threads: int | None = None) -> mx.array:
+    """x·σ(z), or silu(z)·x with `silu`, as one primitive on the default CPU stream (float32, z
+    and x of one shape); differentiable."""
+    stream = mx.default_stream(mx.default_device())
+    return _native.gate(z, x, silu=silu, threads=n_threads or threads(), stream=stream)

@@ -28,4 +28,9 @@ constexpr size_t kSplitFloats = 1 << 17;
 mx::array rows_matmul(
     const mx::array& x, const mx::array& w, int threads, const mx::Stream& stream);
 
+// x·σ(z), or silu(z)·x with `silu` (gates.cpp), float32, z and x of one shape; a long input on
+// up to `threads` threads.
+mx::array gate(
+    const mx::array& z, const mx::array& x, bool silu, int threads, const mx::Stream& stream);
+
 }  // namespace salabatch

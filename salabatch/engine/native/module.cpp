@@ -24,4 +24,8 @@ NB_MODULE(_native, m) {
       "rows_matmul", &salabatch::rows_matmul, nb::arg("x"), nb::arg("w"), nb::kw_only(),
       nb::arg("threads"), nb::arg("stream"),
       "x [M, K] · w [O, K]ᵀ → [M, O] for a few rows, float32, on up to `threads` threads.");
+  m.def(
+      "gate", &salabatch::gate, nb::arg("z"), nb::arg("x"), nb::kw_only(), nb::arg("silu"),
+      nb::arg("threads"), nb::arg("stream"),
+      "x·σ(z), or silu(z)·x with `silu`: float32 arrays of one shape.");
 }

@@ -334,17 +334,18 @@ void SparseDecodeStep::eval_cpu(
       }
       // stage 2, block by block in ascending id over all rows: a shared block is read once
       // while every row that selected it takes it in
-      for (;;) {
-        int u = std::numeric_limits<int>::max();
+      constexpr int kNone = std::numeric_limits<int>::max();
+      auto next_block = [&]() {  // the lowest block id a row has still to take in
+        int u = kNone;
         for (int b = 0; b < B; ++b) {
           const int32_t* sel = selection(b, g);
           if (next[b] < st.K && sel[next[b]] >= 0) {
             u = std::min(u, static_cast<int>(sel[next[b]]));
           }
         }
-        if (u == std::numeric_limits<int>::max()) {
-          break;
-        }
+        return u;
+      };
+      for (int u = next_block(), u_next = kNone; u != kNone; u = u_next) {
         who.clear();
         for (int b = 0; b < B; ++b) {
           const int32_t* sel = selection(b, g);
@@ -354,6 +355,14 @@ void SparseDecodeStep::eval_cpu(
           }
         }
         size_t first = static_cast<size_t>(u) * st.block;
+        u_next = next_block();
+        if (u_next < S) {  // its keys and values on their way from memory while u is computed
+          size_t at = g * shared_head + static_cast<size_t>(u_next) * st.block * d;
+          for (size_t i = 0; i < static_cast<size_t>(st.block) * d; i += 64 / sizeof(float)) {
+            __builtin_prefetch(shared_k + at + i);
+            __builtin_prefetch(shared_v + at + i);
+          }
+        }
         // A block of the shared prefix is whole for every row (all its keys are before each
         // row's query). Scored once with all rows' heads as the lanes when that takes no more
         // vectors than scoring it for each selecting row (whose G heads may fill half of one).
