@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "encode.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "vectors.h"
 #include "workers.h"
@@ -61,11 +61,7 @@ class Gate : public mx::Primitive {
     if (!z.flags().row_contiguous || !x.flags().row_contiguous) {
       throw std::invalid_argument("gate: z and x must be row-contiguous");
     }
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(z);
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
+    auto& encoder = encode(stream(), inputs, outputs);
     encoder.dispatch([z, x, out, silu = silu_, threads = threads_]() mutable {
       size_t n = out.size();
       int spans = static_cast<int>((n + kSpan - 1) / kSpan);

@@ -14,8 +14,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "encode.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "vectors.h"
 #include "workers.h"
@@ -112,11 +112,7 @@ class RowsMatmul : public mx::Primitive {
     if (!x.flags().row_contiguous || !w.flags().row_contiguous) {
       throw std::invalid_argument("rows_matmul: x and w must be row-contiguous");
     }
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(y);
+    auto& encoder = encode(stream(), inputs, outputs);
     encoder.dispatch([x, w, y, threads = threads_]() mutable {
       int M = x.shape(0), K = x.shape(1), O = w.shape(0);
       int parts = w.size() >= kSplitFloats ? std::max(1, std::min(threads, O / kTileOut)) : 1;

@@ -29,8 +29,8 @@
 #include <numeric>
 #include <vector>
 
+#include "encode.h"
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "stage1.h"
@@ -234,16 +234,7 @@ class SparseDecodeStep : public mx::Primitive {
 
 void SparseDecodeStep::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  for (auto& out : outputs) {
-    encoder.set_output_array(out);
-  }
+  auto& encoder = encode(stream(), inputs, outputs);
   for (size_t i = 2; i < inputs.size(); ++i) {
     const mx::array& a = inputs[i];
     if (a.strides(3) != 1 || (a.shape(2) > 1 && a.strides(2) != a.shape(3)) ||
@@ -367,15 +358,16 @@ void SparseDecodeStep::eval_cpu(
         // row's query). Scored once with all rows' heads as the lanes when that takes no more
         // vectors than scoring it for each selecting row (whose G heads may fill half of one).
         bool together = u < S && who.size() * nv >= static_cast<size_t>(nv_all);
+        // a block of the shared prefix: where its keys and values lie (else in each row's own)
+        const float* shared_kb = u < S ? shared_k + g * shared_head + first * d : nullptr;
+        const float* shared_vb = u < S ? shared_v + g * shared_head + first * d : nullptr;
         if (together) {  // one softmax on all lanes; a row's lanes are kept if it selected u
-          const float* k = shared_k + g * shared_head + first * d;
-          const float* v = shared_v + g * shared_head + first * d;
-          scores(qs.all.data(), nv_all, d, k, st.block, s_all.data());
+          scores(qs.all.data(), nv_all, d, shared_kb, st.block, s_all.data());
           m_new = m_all, total_new = total_all;
           softmax_block(nv_all, st.block, s_all, m_new.data(), total_new.data(),
                         rescale_all.data());
           for (int b : who) {
-            weigh_block(G, nv_all, d, v, st.block, s_all.data(), rescale_all.data(),
+            weigh_block(G, nv_all, d, shared_vb, st.block, s_all.data(), rescale_all.data(),
                         output(b, g), b * G);
             for (int h = 0; h < G; ++h) {
               int lane = b * G + h;
@@ -388,24 +380,19 @@ void SparseDecodeStep::eval_cpu(
         // the rest of a shared block's rows two at a time where their heads fit one vector
         size_t single = 0;
         if (u < S && 2 * G <= W) {
-          const float* k = shared_k + g * shared_head + first * d;
-          const float* v = shared_v + g * shared_head + first * d;
           for (; single + 1 < who.size(); single += 2) {
             int a = who[single], b = who[single + 1];
             for (int i = 0; i < d; ++i) {
               pair_q[i] = qs.row(a)[i] + high[static_cast<size_t>(b) * d + i];
             }
-            attend_pair(G, d, pair_q.data(), k, v, st.block, a, b, m_all.data(),
+            attend_pair(G, d, pair_q.data(), shared_kb, shared_vb, st.block, a, b, m_all.data(),
                         total_all.data(), output(a, g), output(b, g), s);
           }
         }
         for (size_t j = single; j < who.size(); ++j) {
           int b = who[j];
-          const float *k, *v;
-          if (u < S) {
-            k = shared_k + g * shared_head + first * d;
-            v = shared_v + g * shared_head + first * d;
-          } else {
+          const float *k = shared_kb, *v = shared_vb;
+          if (u >= S) {
             size_t own = b * row_stride + g * head_stride + (first - st.start) * d;
             k = rows_k + own;
             v = rows_v + own;
