@@ -327,7 +327,8 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
             raise click.UsageError("--set and --schema-only are for a job file, not a folder")
         _validate_checkpoint(job)
         return
-    from salabatch.jobs.spec import load_job, path_problems
+    from salabatch.jobs.spec import load_job
+    from salabatch.jobs.spec_paths import path_problems
 
     spec = load_job(job, overrides)
     problems, n_files = ([], None) if schema_only else path_problems(spec)

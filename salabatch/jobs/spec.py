@@ -1,12 +1,13 @@
-"""The job file: its pydantic models, YAML loading, `--set` overrides and the problem checks.
+"""The job file: its pydantic models and `load_job`, which reads, overrides and validates one.
 
 `load_job(path, overrides)` reads a job file with the safe YAML loader, applies `--set key=value`
 overrides and validates it: paths resolve against the job file's folder (`~` expanded). Every
 mistake is reported at once, as one `JobValidationError` (exit code 2) with a
 `location: message` line each (`questions[2].text: field required (line 7)`): a job left running
 overnight should not stop at 3 a.m. on a typo, nor on the second typo after the first is fixed.
-The models never touch the disk, so a spec loads on any machine; `check_paths` reports what the
-job names but the disk lacks.
+The models never touch the disk, so a spec loads on any machine; `spec_paths.check_paths` reports
+what the job names but the disk lacks. The YAML and `--set` side is `job_yaml`, the wording of
+the messages `spec_errors`.
 
 Numbers and booleans are strict: YAML already types them, so `batch_size: "4"` or `think: 1` is
 a mistake worth reporting, not something to coerce.
@@ -14,17 +15,15 @@ a mistake worth reporting, not something to coerce.
 
 from __future__ import annotations
 
-import difflib
 import glob as globlib
 import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -38,56 +37,32 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from salabatch.demo import builtin
 from salabatch.engine.models import hub_repo
 from salabatch.errors import ConfigError, JobSpecError, JobValidationError
 from salabatch.files import cache_dir
-from salabatch.jobs.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.documents import DocumentSource
+from salabatch.jobs.job_yaml import (
+    Loc,
+    apply_override,
+    duplicate_keys,
+    line_of,
+    parse_yaml,
+    read_job_file,
+    show_value,
+)
+from salabatch.jobs.spec_errors import error_lines, job_error, raised_again
+from salabatch.jobs.spec_paths import check_paths
 
 # Job names and question ids name files and Parquet columns: keep them portable.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _SAFE_TEXT = "1 to 100 letters, digits, _ . - (not starting with . or -)"
 
-Loc = tuple[int | str, ...]  # a pydantic location: ("questions", 2, "text")
-
-
-def render_loc(loc: Loc) -> str:
-    """A location as users write it: `("questions", 2, "text")` -> `questions[2].text`."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
 
 def slug(text: str) -> str:
     """`text` with every run of characters a name cannot hold turned into `-`, ends trimmed."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.")
-
-
-def show_value(value: object) -> str:
-    """A value as the user wrote it in YAML, short."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:59] + "…"
-
-
-# The pydantic error type of every mistake the job's own checks find.
-_JOB_ERROR = "job_spec"
-
-
-def _fail(message: str) -> PydanticCustomError:
-    # The message goes through the context: pydantic formats `{...}` in templates, and a
-    # user's value may contain braces.
-    return PydanticCustomError(_JOB_ERROR, "{message}", {"message": message})
 
 
 def _resolve(value: object, info: ValidationInfo) -> str:
@@ -96,9 +71,9 @@ def _resolve(value: object, info: ValidationInfo) -> str:
     if isinstance(value, Path):
         value = str(value)
     if not isinstance(value, str):
-        raise _fail(f"expected a path, got {show_value(value)}")
+        raise job_error(f"expected a path, got {show_value(value)}")
     if not value.strip():
-        raise _fail("must not be empty")
+        raise job_error("must not be empty")
     base = (info.context or {}).get("base_dir") or os.getcwd()
     # A string, not a Path: JSON-mode validation (`model_validate_json`) takes only strings.
     return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
@@ -133,12 +108,12 @@ class DocumentEntry(_Strict):
         if value is None:
             return None
         if not value.strip():
-            raise _fail("must not be empty (leave glob out to read every supported file)")
+            raise job_error("must not be empty (leave glob out to read every supported file)")
         if value.startswith(("/", "~")):
-            raise _fail(f"must be relative to the folder in path, got {show_value(value)}")
+            raise job_error(f"must be relative to the folder in path, got {show_value(value)}")
         path = info.data.get("path")
         if path is not None and globlib.has_magic(str(path)):
-            raise _fail("path is already a glob pattern: put the whole pattern in path")
+            raise job_error("path is already a glob pattern: put the whole pattern in path")
         return value
 
     def to_source(self) -> DocumentSource:
@@ -161,7 +136,7 @@ class Question(_Strict):
     @classmethod
     def _check_id(cls, value: str) -> str:
         if not _SAFE_NAME.fullmatch(value):
-            raise _fail(
+            raise job_error(
                 f"must be {_SAFE_TEXT}; it names columns and files, got {show_value(value)}"
             )
         return value
@@ -171,7 +146,7 @@ class Question(_Strict):
     def _check_text(cls, value: str) -> str:
         # A YAML block scalar (`text: |`) ends with a newline the user did not mean to send.
         if not value.strip():
-            raise _fail("must not be empty")
+            raise job_error("must not be empty")
         return value.strip()
 
 
@@ -258,12 +233,14 @@ class JobSpec(_Strict):
         except ValidationError as e:
             if not problems:
                 raise
-            errors = [_raised_again(err) for err in e.errors()]
+            errors = [raised_again(err) for err in e.errors()]
         else:
             if not problems:
                 return spec
             errors = []
-        errors += [{"type": _fail(message), "loc": loc, "input": data} for loc, message in problems]
+        errors += [
+            {"type": job_error(message), "loc": loc, "input": data} for loc, message in problems
+        ]
         raise ValidationError.from_exception_data(cls.__name__, errors)
 
     @field_validator("name", mode="before")
@@ -278,7 +255,7 @@ class JobSpec(_Strict):
         if not _SAFE_NAME.fullmatch(value):
             suggestion = slug(value)[:100]
             hint = f"; try {suggestion!r}" if suggestion else ""
-            raise _fail(f"must be {_SAFE_TEXT}, got {show_value(value)}{hint}")
+            raise job_error(f"must be {_SAFE_TEXT}, got {show_value(value)}{hint}")
         return value
 
     @field_validator("model", mode="before")
@@ -290,7 +267,7 @@ class JobSpec(_Strict):
             try:
                 builtin.builtin_name(value)  # refuses an unknown NAME
             except ConfigError as e:
-                raise _fail(e.message) from None
+                raise job_error(e.message) from None
             return value
         path = _resolve(value, info)
         if isinstance(value, str) and hub_repo(value) and not os.path.exists(path):
@@ -306,7 +283,7 @@ class JobSpec(_Strict):
     @classmethod
     def _check_system(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
-            raise _fail("must not be empty (leave system out for no system prompt)")
+            raise job_error("must not be empty (leave system out for no system prompt)")
         return value
 
     @property
@@ -379,16 +356,6 @@ def _job_problems(data: Any) -> list[tuple[Loc, str]]:
     return problems
 
 
-def _raised_again(err: ErrorDetails) -> InitErrorDetails:
-    """A pydantic error as `ValidationError.from_exception_data` takes it, to raise it again
-    beside more: pydantic's own types go by name, the job's own need their message."""
-    kind = _fail(err["msg"]) if err["type"] == _JOB_ERROR else err["type"]
-    again: InitErrorDetails = {"type": kind, "loc": err["loc"], "input": err["input"]}
-    if "ctx" in err:
-        again["ctx"] = err["ctx"]
-    return again
-
-
 # ---- reading a job file --------------------------------------------------------------------------
 
 
@@ -410,22 +377,22 @@ def load_job(
     every mistake, each with its YAML line or "(from the command line)") for one that does not
     validate.
     """
-    data, root = _parse_yaml(_read_job_file(path), path)
-    errors = _duplicate_keys(root)
+    data, root = parse_yaml(read_job_file(path), path)
+    errors = duplicate_keys(root)
     set_paths, override_errors = _command_line(data, overrides, requests, output)
     errors += override_errors
 
     def note(loc: Loc) -> str:
         if any(tuple(str(p) for p in loc[: len(s)]) == s for s in set_paths):
             return " (from the command line)"
-        line = _line_of(root, loc)
+        line = line_of(root, loc)
         return f" (line {line})" if line else ""
 
     base_dir = Path(path).expanduser().absolute().parent
     try:
         spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as e:
-        raise JobValidationError(path, [*errors, *_error_lines(e, note=note)]) from None
+        raise JobValidationError(path, [*errors, *error_lines(e, JobSpec, note=note)]) from None
     if errors:
         raise JobValidationError(path, errors)
     if check_files and (problems := check_paths(spec)):
@@ -475,7 +442,7 @@ def requests_job(
     try:
         return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
     except ValidationError as e:
-        raise JobValidationError(path, _error_lines(e)) from None
+        raise JobValidationError(path, error_lines(e, JobSpec)) from None
 
 
 def _requests_model(path: Path) -> str:
@@ -496,298 +463,6 @@ def _requests_model(path: Path) -> str:
             path=path,
         )
     return names.pop()
-
-
-# ---- YAML, with line numbers for the messages ----------------------------------------------------
-
-
-def _read_job_file(path: str | Path) -> str:
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise JobSpecError("job file not found", path=path) from None
-    except IsADirectoryError:
-        raise JobSpecError("is a folder, not a job file", path=path) from None
-    except UnicodeDecodeError as e:
-        reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
-        raise JobSpecError(reason, path=path) from None
-    except OSError as e:
-        raise JobSpecError(f"cannot read job file: {e.strerror or e}", path=path) from None
-
-
-def _parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node]:
-    """(data, node tree) of a job file: the tree keeps line numbers for the error messages."""
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-        data = loader.construct_document(root) if root is not None else None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
-        if context and start and (not mark or start.line != mark.line):
-            problem += f" ({context} at line {start.line + 1})"
-        raise JobSpecError(f"invalid YAML{where}: {problem}", path=path) from None
-    finally:
-        loader.dispose()
-    if data is None:
-        raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
-    if not isinstance(data, dict):
-        got = "a list" if isinstance(data, list) else show_value(data)
-        raise JobSpecError(
-            f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
-        )
-    return data, root
-
-
-def _line_of(root: yaml.Node, loc: Loc) -> int | None:
-    """1-based line of `loc` in the YAML tree, or of its deepest part present (a missing field
-    points at the mapping that lacks it); None for the top level."""
-    node, line = root, None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next((kv for kv in node.value if kv[0].value == part), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if part >= len(node.value):
-                break
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-def _duplicate_keys(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
-    """Keys given twice in one mapping: safe_load silently keeps the last one."""
-    seen = set() if seen is None else seen
-    if id(node) in seen:  # an alias: checked where its anchor is
-        return []
-    seen.add(id(node))
-    errors: list[str] = []
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key, value in node.value:
-            name, line = key.value, key.start_mark.line + 1
-            if isinstance(key, yaml.ScalarNode) and name != "<<":
-                if name in first:
-                    where = render_loc((*loc, name))
-                    errors.append(
-                        f"{where}: duplicate key (line {line}; first at line {first[name]})"
-                    )
-                else:
-                    first[name] = line
-            errors += _duplicate_keys(value, (*loc, str(name)), seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            errors += _duplicate_keys(item, (*loc, index), seen)
-    return errors
-
-
-# ---- --set overrides -----------------------------------------------------------------------------
-
-
-def apply_override(data: dict[str, Any], override: str) -> tuple[str, ...]:
-    """Apply one `--set key.sub=value` to the job data in place; return the key's parts.
-
-    Keys are dotted; list items are numbered from 0, as `questions.0.text` or `questions[0].text`.
-    Missing mappings on the way are created. The value is read as YAML when it is a number,
-    true/false, null, a quoted string, a [list] or a {mapping}; anything else is the text as
-    given (so `system=Answer briefly: no lists #1` stays whole). `key=` sets null.
-    Raises JobSpecError naming the override when it cannot be applied.
-    """
-
-    def fail(reason: str) -> JobSpecError:
-        return JobSpecError(f"--set {override!r}: {reason}")
-
-    key, sep, raw = override.partition("=")
-    key = key.strip()
-    if not sep:
-        raise fail("expected key=value, e.g. engine.batch_size=4")
-    parts = tuple(re.sub(r"\[(\d+)\]", r".\1", key).split("."))
-    if not key or any(not p or "[" in p or "]" in p for p in parts):
-        raise fail("expected a dotted key such as generation.max_tokens or questions[0].text")
-    value = _override_value(raw, fail)
-
-    # Containers on the way are copied: YAML aliases share them with other places.
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = render_loc(tuple(int(p) if p.isdigit() else p for p in parts[:depth]))
-        if isinstance(node, dict):
-            slot: Any = part
-        elif isinstance(node, list):
-            if not part.isdigit():
-                raise fail(f"{where} is a list: give an item number, e.g. {where}[0]")
-            slot = int(part)
-            if slot >= len(node):
-                raise fail(f"{where} has {len(node)} items (numbered from 0)")
-        else:
-            raise fail(f"{where} is {show_value(node)}, not a mapping or a list")
-        if last:
-            node[slot] = value
-            break
-        child = node.get(slot) if isinstance(node, dict) else node[slot]
-        if child is None:
-            child = {}
-        elif isinstance(child, (dict, list)):
-            child = type(child)(child)
-        node[slot] = child
-        node = child
-    return parts
-
-
-def _override_value(raw: str, fail: Callable[[str], JobSpecError]) -> Any:
-    structured = raw.lstrip()[:1] in ("[", "{")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        if structured:
-            raise fail(f"invalid YAML value: {getattr(e, 'problem', None) or e}") from None
-        return raw
-    if structured or raw.lstrip()[:1] in ("'", '"'):
-        return value
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    return raw  # plain text: YAML would cut `#...` comments or read `a: b` as a mapping
-
-
-# ---- pydantic's errors, for people ---------------------------------------------------------------
-
-
-_SHORT = {
-    "int_type": "expected an integer",
-    "int_parsing": "expected an integer",
-    "int_from_float": "expected a whole number",
-    "float_type": "expected a number",
-    "float_parsing": "expected a number",
-    "finite_number": "expected a finite number",
-    "bool_type": "expected true or false",
-    "bool_parsing": "expected true or false",
-    "string_type": "expected a string",
-    "list_type": "expected a list",
-    "model_type": "expected a mapping",
-    "model_attributes_type": "expected a mapping",
-    "dict_type": "expected a mapping",
-}
-
-
-def _error_lines(error: ValidationError, *, note: Callable[[Loc], str] | None = None) -> list[str]:
-    """One `location: message` line per error of a JobSpec validation (an unknown field gets the
-    close match and the allowed ones); `note(loc)` is appended (load_job adds the YAML line)."""
-    lines = []
-    for err in error.errors(include_url=False):
-        loc = tuple(err["loc"])
-        lines.append(f"{render_loc(loc)}: {_message(err)}{note(loc) if note else ''}")
-    return lines
-
-
-def _message(err: ErrorDetails) -> str:
-    kind, value = err["type"], err.get("input")
-    if kind == "missing":
-        return "field required"
-    if kind == "extra_forbidden":
-        return _unknown_field(tuple(err["loc"]))
-    if kind == _JOB_ERROR:
-        return err["msg"]
-    text = _SHORT.get(kind)
-    if text is None:
-        text = err["msg"].removeprefix("Value error, ")
-        text = f"must be {text[16:]}" if text.startswith("Input should be ") else text
-    return f"{text}, got {show_value(value)}"
-
-
-def _unknown_field(loc: Loc) -> str:
-    model = _model_at(loc[:-1])
-    if model is None:
-        return "unknown field"
-    allowed = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-    hint = f", did you mean {close[0]!r}?" if close else ""
-    return f"unknown field{hint} (allowed: {', '.join(allowed)})"
-
-
-def _model_at(loc: Loc) -> type[BaseModel] | None:
-    """The model class validating the mapping at `loc` (list items step through)."""
-    model: type[BaseModel] | None = JobSpec
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if model else None
-        model = _submodel(field.annotation) if field else None
-    return model
-
-
-def _submodel(annotation: object) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return next((m for arg in get_args(annotation) if (m := _submodel(arg))), None)
-
-
-# ---- what needs the disk -------------------------------------------------------------------------
-
-
-def check_paths(spec: JobSpec) -> list[str]:
-    """`location: message` lines for what the job names but the disk lacks: the model folder,
-    the requests file, an output path that is a folder, document paths and globs (as
-    `iter_documents` would report them, every entry). Empty when all is there."""
-    return path_problems(spec)[0]
-
-
-def path_problems(spec: JobSpec) -> tuple[list[str], int | None]:
-    """(`check_paths(spec)`, number of distinct document files or None when the documents have
-    problems)."""
-    problems: list[str] = []
-    if not spec.model_is_builtin and hub_repo(spec.model) is None:  # a Hub id resolves at run
-        model = Path(spec.model)
-        if not model.exists():
-            problems.append(f"model: no such folder: {model}")
-        elif not model.is_dir():
-            problems.append(f"model: not a folder: {model} (expected a checkpoint folder)")
-        elif not (model / "config.json").is_file():
-            problems.append(f"model: no config.json in {model} (expected a checkpoint folder)")
-    if spec.requests is not None and not spec.requests.is_file():
-        kind = "a folder" if spec.requests.is_dir() else "no such file"
-        problems.append(f"requests: {kind}: {spec.requests} (expected a .jsonl file)")
-    if spec.output.path.is_dir():
-        problems.append(f"output.path: is a folder: {spec.output.path} (expected a file path)")
-    document_problems, n_files = _document_problems(spec.sources())
-    return problems + document_problems, n_files
-
-
-def _document_problems(sources: list[DocumentSource]) -> tuple[list[str], int | None]:
-    """Problems of the `documents:` entries, and their number of distinct files (None when an
-    entry names nothing)."""
-    try:
-        files = expand_sources(sources)
-    except JobSpecError:
-        # expand_sources stops at the first bad entry: expand each alone to report them all.
-        problems = [_entry_problem(index, source) for index, source in enumerate(sources)]
-        return [p for p in problems if p is not None], None
-    problems = []
-    for file in files:  # only a file named directly can have an unsupported type
-        if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            where = render_loc(("documents", sources.index(file.source), "path"))
-            supported = " ".join(SUPPORTED_SUFFIXES)
-            kind = file.path.suffix or "(none)"
-            problems.append(f"{where}: unsupported file type {kind} (supported: {supported})")
-    return problems, len(files)
-
-
-def _entry_problem(index: int, source: DocumentSource) -> str | None:
-    """What is wrong with `documents[index]` alone, or None."""
-    try:
-        expand_sources([source])
-    except JobSpecError as e:
-        # The error names the field of the entry's place in a one-entry list: keep the field
-        # (path or glob), and locate it at the entry's real place.
-        field = (e.field or "path").rpartition(".")[2]
-        shown = "" if e.path is None or e.path in e.message else f": {e.path}"
-        return f"{render_loc(('documents', index, field))}: {e.message}{shown}"
-    return None
 
 
 # ---- fingerprint and per-question settings -----------------------------------------------------

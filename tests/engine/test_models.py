@@ -23,7 +23,8 @@ from salabatch.engine.models import HubRepo, hf_hub_cache, hub_repo, resolve_mod
 from salabatch.errors import CheckpointError, JobValidationError
 from salabatch.jobs.results import read_results
 from salabatch.jobs.runner import JobSetup
-from salabatch.jobs.spec import check_paths, load_job
+from salabatch.jobs.spec import load_job
+from salabatch.jobs.spec_paths import check_paths
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/tiny"

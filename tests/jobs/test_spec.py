@@ -12,12 +12,12 @@ from salabatch.errors import JobSpecError, JobValidationError
 from salabatch.jobs.documents import DocumentSource
 from salabatch.jobs.spec import (
     JobSpec,
-    check_paths,
     generation_key,
     load_job,
     spec_fingerprint,
     spec_json,
 )
+from salabatch.jobs.spec_paths import check_paths
 
 DESIGN_JOB = """\
 name: contracts-review
