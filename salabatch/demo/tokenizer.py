@@ -14,7 +14,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 
-from salabatch.engine.tokenizer import TOKENIZER_FILE
+from salabatch.engine.tokenizer_files import TOKENIZER_FILE
 from salabatch.errors import TokenizerError
 from salabatch.files import write_text_atomic
 

@@ -24,7 +24,7 @@ from salabatch.engine.model import Model
 from salabatch.engine.sampling import SamplingParams, sample
 
 if TYPE_CHECKING:
-    from salabatch.engine.tokenizer import StreamingDetokenizer
+    from salabatch.engine.detokenizer import StreamingDetokenizer
 
 
 def prefill(

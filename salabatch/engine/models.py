@@ -102,7 +102,7 @@ def resolve_hub(repo: HubRepo) -> Path:
         RevisionNotFoundError,
     )
 
-    from salabatch.engine.tokenizer import TOKENIZER_FILES
+    from salabatch.engine.tokenizer_files import TOKENIZER_FILES
 
     cache, offline = hf_hub_cache(), hf_offline()
     fetch = f"download it with `hf download {repo.repo_id}`" + (

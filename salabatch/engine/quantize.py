@@ -32,7 +32,7 @@ from salabatch.engine.checkpoint import (
 from salabatch.engine.config import ModelConfig, QuantConfig
 from salabatch.engine.model import Model
 from salabatch.engine.runtime import dtype_name, resolve_dtype
-from salabatch.engine.tokenizer import TOKENIZER_FILES
+from salabatch.engine.tokenizer_files import TOKENIZER_FILES
 from salabatch.errors import CheckpointError, ConfigError
 
 BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine mode packs

@@ -32,13 +32,14 @@ from tqdm import tqdm
 from salabatch.demo import builtin
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.models import resolve_model
 from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
-from salabatch.engine.tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
+from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import OutputError, error_text
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.documents import expand_sources

@@ -13,7 +13,7 @@ from salabatch.engine.cache import LightningCache
 from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.load import load_model
 from salabatch.engine.quantize import convert, quantize_model
-from salabatch.engine.tokenizer import TOKENIZER_FILES
+from salabatch.engine.tokenizer_files import TOKENIZER_FILES
 from salabatch.errors import CheckpointError, ConfigError
 from tests.tiny import tiny_config_dict, write_tiny_checkpoint
 
