@@ -106,7 +106,7 @@ def run(
     from salabatch.demo import builtin
     from salabatch.engine.tokenizer import load_tokenizer
     from salabatch.jobs.ray_executor import run_job_ray
-    from salabatch.jobs.results import read_results
+    from salabatch.jobs.results_read import read_results
     from salabatch.jobs.runner import run_job
 
     def silent(_line: str) -> None:

@@ -15,7 +15,7 @@ from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
-from salabatch.jobs.results import parts_dir_of, read_results
+from salabatch.jobs.results_read import parts_dir_of, read_results
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec import JobSpec
 

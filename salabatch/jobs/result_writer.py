@@ -34,13 +34,10 @@ import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
-from salabatch.jobs.results import (
+from salabatch.jobs.results import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
+from salabatch.jobs.results_read import (
     FRESH,
-    RESULT_SCHEMA,
-    ResultRow,
-    decode_metadata,
     dedupe,
-    encode_metadata,
     list_parts,
     parts_dir_of,
     read_final,

@@ -21,7 +21,7 @@ from salabatch.cli import main
 from salabatch.demo import builtin
 from salabatch.engine.models import HubRepo, hf_hub_cache, hub_repo, resolve_model
 from salabatch.errors import CheckpointError, JobValidationError
-from salabatch.jobs.results import read_results
+from salabatch.jobs.results_read import read_results
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec import load_job
 from salabatch.jobs.spec_paths import check_paths

@@ -15,7 +15,7 @@ from salabatch.errors import TokenizerError
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
 from salabatch.jobs.prefix_store import PrefixStore
-from salabatch.jobs.results import read_results
+from salabatch.jobs.results_read import read_results
 from salabatch.jobs.spec import requests_job
 from tests.jobs.test_runner import run_cli
 

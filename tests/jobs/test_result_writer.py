@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.results import SCHEMA_VERSION, current_versions, read_metadata, read_results
+from salabatch.jobs.results import SCHEMA_VERSION, current_versions
+from salabatch.jobs.results_read import read_metadata, read_results
 from tests.jobs.test_results import SPEC, VERSIONS, keys_of, make_row, writer
 
 REPO = Path(__file__).resolve().parents[2]

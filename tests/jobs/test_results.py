@@ -20,9 +20,8 @@ from salabatch.jobs.results import (
     OutputWarning,
     ResultRow,
     encode_metadata,
-    read_metadata,
-    read_results,
 )
+from salabatch.jobs.results_read import read_metadata, read_results
 
 SPEC = json.dumps({"name": "contracts", "questions": [{"id": "q0", "text": "Who?"}]})
 VERSIONS = {"salabatch": "0.1.0", "mlx": "0.30.0", "python": "3.11.0"}

@@ -10,7 +10,7 @@ import pytest
 
 from salabatch.jobs import result_writer, runner
 from salabatch.jobs.result_writer import ResultWriter
-from salabatch.jobs.results import read_results
+from salabatch.jobs.results_read import read_results
 from tests.jobs.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
 
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.demo import builtin
-from salabatch.jobs.results import read_metadata, read_results
+from salabatch.jobs.results_read import read_metadata, read_results
 from tests.jobs.test_results import DESIGN_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
