@@ -128,7 +128,7 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder.")
 @click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True)
-@click.option("--length", default=3072, show_default=True, type=click.IntRange(min=64),
+@click.option("--length", default=3072, show_default=True, type=click.IntRange(min=32),
               help="Longest prompt in tokens (sparse from dense_len).")  # fmt: skip
 @click.option("--min-length", default=512, show_default=True, type=click.IntRange(min=0),
               help="Shortest prompt; each step draws one in between (0: --length).")  # fmt: skip
@@ -136,7 +136,10 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--warmup", default=100, show_default=True, type=click.IntRange(min=0))
 @click.option("--kinds", default="needle,multi,contract", show_default=True,
-              help="Task kinds to draw from.")  # fmt: skip
+              help="Task kinds to draw from; the warm-ups before them: induction, recall, "
+              "copy.")  # fmt: skip
+@click.option("--eval-kinds", default="", show_default=False,
+              help="Kinds each evaluation measures (held-out split); default --kinds.")  # fmt: skip
 @click.option("--turns", default=1, show_default=True, type=click.IntRange(1, 6),
               help="Questions per document (the rest as follow-up chat turns).")  # fmt: skip
 @click.option("--model", "sizes", default="", metavar="KEY=N,...",
@@ -156,6 +159,7 @@ def train(
     lr: float,
     warmup: int,
     kinds: str,
+    eval_kinds: str,
     turns: int,
     sizes: str,
     init: str | None,
@@ -179,6 +183,10 @@ def train(
     cfg = TrainConfig(
         out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
         batch=batch, lr=lr, warmup=warmup, turns=turns, init=init, eval_every=eval_every,
-        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()), model=_sizes(sizes),
+        kinds=_names(kinds), eval_kinds=_names(eval_kinds), model=_sizes(sizes),
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())

@@ -12,9 +12,16 @@ answer:
 * `recall`: a warm-up for retrieval (associative recall, as MQAR): 2 to 12 unrelated facts (as
   many as `length` holds), little filler, and every fact asked, one per turn, whatever `turns`
   says: many answer tokens per document token, so the copy mechanism is learned first;
-* `copy`: the first warm-up (the induction / copy task): a random list of values, names and
-  words, and the answer is the whole document again. Every answer token after the first is
-  predictable only by finding the copied position in the document.
+* `copy`: a warm-up (the copy task): a random list of values, names and words, and the answer is
+  the whole document again. Every answer token after the first is predictable only by finding
+  the copied position in the document.
+* `induction`: the first warm-up, token ids rather than text: random digits and letters with a
+  span of 8 to length/4 of them repeated at a random later place; the targets are the repeat
+  after its first symbol. The copied span sits at a different distance in every sample, so only
+  copying by content (an induction circuit: find the earlier twin of this symbol, emit what
+  followed it) lowers the loss. That circuit is what the value of a needle needs, and it forms
+  late: after tens of thousands of small steps on short samples (benchmarks/README.md,
+  "Training the builtin model"), so this kind trains it alone, cheaply, before the others.
 
 The word lists are in `pools.py`. Filler is built from them and many sentence shapes, with
 numbers in it, so a value is not the only digit run and the text is not periodic. Every choice
@@ -27,7 +34,8 @@ Filler words and attribute names are shared (they are the language, not the fact
 
 `encode_sample` renders a sample exactly as `salabatch run` feeds it: the tokenizer's
 `document_prompt(document) + prompt_suffix(question)`, then the answer and the end-of-turn token
-as the target.
+as the target. `TaskGenerator.encoded(index, length)` gives what training reads, every kind
+included (`induction` has no text form).
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ from salabatch.train.pools import (
 TRAIN, EVAL = "train", "eval"
 SPLITS = (TRAIN, EVAL)
 KINDS = ("needle", "multi", "contract")  # the question-answering kinds, the default
-WARMUPS = ("recall", "copy")  # curriculum stages before them (never a default)
+WARMUPS = ("induction", "recall", "copy")  # curriculum stages before them (never a default)
+INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
 
@@ -154,9 +163,18 @@ class TaskGenerator:
         # The chat wrapping's own tokens, so a document is sized to fill `length`.
         self.overhead = len(tokenizer.document_prompt("x", system=system, think=False))
 
+    def encoded(self, index: int, length: int) -> Encoded:
+        """Sample `index` as token ids and target spans, whatever its kind."""
+        rng = self._rng(index)
+        if self.kinds[rng.integers(len(self.kinds))] == "induction":
+            return self._induction(rng, length)
+        return self.encode(self.sample(index, length))
+
     def sample(self, index: int, length: int) -> Sample:
-        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
+        rng = self._rng(index)
         kind = self.kinds[rng.integers(len(self.kinds))]
+        if kind == "induction":
+            raise ConfigError("induction samples are token ids, not text: use encoded()")
         budget = max(length - self.overhead - 48 * self.turns, 16)  # question + answer ≈ 48
         if kind == "contract":
             return self._contract(rng, budget)
@@ -212,7 +230,23 @@ class TaskGenerator:
     def encode(self, sample: Sample, think: bool = False) -> Encoded:
         return encode_sample(self.tok, sample, system=self.system, think=think)
 
+    def _rng(self, index: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, SPLITS.index(self.split), index])
+
     # -- kinds --------------------------------------------------------------------------------
+    def _induction(self, rng: np.random.Generator, length: int) -> Encoded:
+        """`length` random symbols; a span of 8 to length/4 of them from the first half repeated
+        somewhere in the second half; targets: the repeat after its first symbol."""
+        if length < 32:
+            raise ConfigError("induction samples need a length of at least 32", got=length)
+        symbols = np.array([self.tok.token_id(c) for c in INDUCTION_SYMBOLS])
+        ids = symbols[rng.integers(len(symbols), size=length)]
+        span = int(rng.integers(8, length // 4 + 1))
+        source = int(rng.integers(0, length // 2 - span + 1))
+        copy = int(rng.integers(length // 2, length - span + 1))
+        ids[copy : copy + span] = ids[source : source + span]
+        return Encoded(ids.tolist(), ((copy + 1, copy + span),))
+
     def _facts(
         self,
         rng: np.random.Generator,

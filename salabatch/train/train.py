@@ -14,7 +14,7 @@ respect to its indices), so the compressed keys learn only through the attention
 Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given),
 of every turn when samples carry follow-up questions (`turns`). A run may start from an earlier
 checkpoint (`init`: a curriculum's next stage, e.g. longer documents with sparse mode earlier).
-A curriculum starts with the warm-up kinds of `data.py` (`copy`, then `recall`); `eval_kinds`
+A curriculum starts with the warm-up kinds of `data.py` (`induction`, then `recall`); `eval_kinds`
 names what every evaluation measures (always the held-out split), e.g. `needle` from the start.
 AdamW, linear warmup then cosine decay to a tenth, global-norm clipping. Deterministic: the
 initial weights come from numpy's generator (`random_weights`), the samples from (seed, index),
@@ -266,8 +266,7 @@ def train(
     eval_kinds = cfg.eval_kinds or cfg.kinds
     eval_gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=eval_kinds)
     eval_batches = [
-        make_batch([eval_gen.encode(eval_gen.sample(i, cfg.length))], pad_id=2)
-        for i in range(cfg.eval_samples)
+        make_batch([eval_gen.encoded(i, cfg.length)], pad_id=2) for i in range(cfg.eval_samples)
     ]
     optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
     step_fn = nn.value_and_grad(model, loss_fn)
@@ -291,9 +290,7 @@ def train(
                 indices = [(step * cfg.batch + j) % cfg.samples for j in range(cfg.batch)]
             else:
                 indices = [step * cfg.batch + j for j in range(cfg.batch)]
-            batch = make_batch(
-                [train_gen.encode(train_gen.sample(i, length)) for i in indices], pad_id=2
-            )
+            batch = make_batch([train_gen.encoded(i, length) for i in indices], pad_id=2)
             lr = float(optimizer.learning_rate)
             loss, grads = step_fn(model, batch)
             grads, norm = optim.clip_grad_norm(grads, cfg.clip)

@@ -110,7 +110,31 @@ def test_copy_answers_with_the_whole_document(tokenizer):
         e = gen.encode(s)
         assert 0.85 * 300 <= len(e.ids) <= 1.15 * 300
         assert tokenizer.decode(e.ids[e.answer_start : -1]) == s.document
-    assert {k for k in ALL_KINDS if k not in KINDS} == {"recall", "copy"}
+    assert {k for k in ALL_KINDS if k not in KINDS} == {"induction", "recall", "copy"}
+
+
+def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
+    gen = TaskGenerator(tokenizer, seed=0, kinds=["induction", "needle"])
+    symbols = {tokenizer.token_id(c) for c in data.INDUCTION_SYMBOLS}
+    distances = set()
+    for i in range(40):
+        e = gen.encoded(i, 64)
+        if len(e.ids) != 64:  # a needle sample: the same as encode(sample)
+            assert e == gen.encode(gen.sample(i, 64))
+            continue
+        ((start, stop),) = e.targets
+        copy, span = start - 1, stop - start + 1
+        assert set(e.ids) <= symbols and 8 <= span <= 16 and copy >= 32 and stop <= 64
+        # the repeat is an earlier span of the first half, symbol for symbol
+        sources = [s for s in range(33 - span) if e.ids[s : s + span] == e.ids[copy:stop]]
+        assert sources
+        distances.add(copy - sources[0])
+        assert e == gen.encoded(i, 64)  # deterministic
+    assert len(distances) >= 10
+    with pytest.raises(ConfigError, match="token ids"):
+        next(gen.sample(i, 64) for i in range(40) if len(gen.encoded(i, 64).ids) == 64)
+    with pytest.raises(ConfigError, match="at least 32"):
+        TaskGenerator(tokenizer, kinds=["induction"]).encoded(0, 16)
 
 
 def test_needle_document_puts_each_fact_at_its_depth(tokenizer):

@@ -82,6 +82,16 @@ def test_short_run_overfits_and_writes_a_loadable_model(tmp_path, models_dir):
     assert answer == target
 
 
+def test_induction_stage_learns_its_samples(tmp_path, models_dir):
+    cfg = TrainConfig(
+        out=str(tmp_path / "ind"), steps=40, seed=0, length=48, batch=2, lr=3e-3, warmup=5,
+        samples=2, eval_samples=2, eval_every=40, model=TINY, kinds=("induction",),
+    )  # fmt: skip
+    lines = [json.loads(x) for x in (train(cfg, cache_dir=models_dir) / "loss.jsonl").open()]
+    first, last = lines[0]["loss"], sum(r["loss"] for r in lines[-5:]) / 5
+    assert last < 0.3 * first and 0 <= lines[-1]["eval_token_acc"] <= 1, (first, last)
+
+
 def test_gradients_flow_through_the_sparse_path(models_dir):
     tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
@@ -134,6 +144,22 @@ def test_cli_reads_model_sizes_and_refuses_bad_ones(tmp_path):
     assert bad.exit_code == 2 and "hidden=wide" in bad.output
     unknown = CliRunner().invoke(main, ["train", "--out", str(tmp_path), "--model", "width=3"])
     assert unknown.exit_code != 0 and "unknown model sizes" in unknown.output
+
+
+def test_cli_trains_a_warm_up_stage_evaluated_on_another_kind(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # builtin:tiny's tokenizer
+    sizes = ",".join(f"{k}={v}" for k, v in TINY.items())
+    args = ["--kinds", "induction", "--eval-kinds", "needle", "--length", "40", "--steps", "2"]
+    out = CliRunner().invoke(
+        main, ["train", "--out", str(tmp_path / "i"), "--model", sizes, "--warmup", "0", *args]
+    )
+    assert out.exit_code == 0, out.output
+    config = json.loads((tmp_path / "i" / "training.json").read_text())["config"]
+    assert config["kinds"] == ["induction"] and config["eval_kinds"] == ["needle"]
 
 
 def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir):
