@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from salabatch.jobs.answerer import POOL_FACTOR
 from salabatch.jobs.documents import Document, FileDocuments, identify_documents, read_documents
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Row
-from salabatch.jobs.runner import POOL_FACTOR, JobSetup
+from salabatch.jobs.runner import JobSetup
 
 
 @dataclass(frozen=True)

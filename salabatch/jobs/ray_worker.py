@@ -33,8 +33,9 @@ class UnitWorker:
         activate_blas()
         from salabatch.engine.load import load_model
         from salabatch.engine.runtime import engine_runtime
+        from salabatch.jobs.answerer import Answerer, RunIdentity
         from salabatch.jobs.manifest import unit_plans
-        from salabatch.jobs.runner import Answerer, JobSetup, RunIdentity
+        from salabatch.jobs.runner import JobSetup
 
         setup = JobSetup.of(spec)
         if setup.model_sha != model_sha:

@@ -16,10 +16,10 @@ import pytest
 ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "salabatch[ray]"')
 
 from salabatch.jobs import documents  # noqa: E402
+from salabatch.jobs.answerer import RunIdentity  # noqa: E402
 from salabatch.jobs.plan import Planner  # noqa: E402
 from salabatch.jobs.ray_executor import run_job_ray  # noqa: E402
 from salabatch.jobs.results_read import read_results  # noqa: E402
-from salabatch.jobs.runner import RunIdentity  # noqa: E402
 from salabatch.jobs.spec import load_job  # noqa: E402
 from tests.jobs.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
 from tests.jobs.test_runner import run_cli, write_docs, write_job  # noqa: E402

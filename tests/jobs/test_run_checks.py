@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from salabatch.jobs import result_writer, runner
+from salabatch.jobs import answerer, result_writer, runner
 from salabatch.jobs.result_writer import ResultWriter
 from salabatch.jobs.results_read import read_results
 from tests.jobs.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
@@ -104,12 +104,12 @@ def test_a_full_output_disk_mid_run_is_one_line(tmp_path, tiny_model, monkeypatc
 
 
 def failing_generator(monkeypatch):
-    class Broken(runner.Generator):
+    class Broken(answerer.Generator):
         def generate(self, requests, prefix=None):
             raise RuntimeError("the decoder\nbroke")
             yield  # a generator, like the real one
 
-    monkeypatch.setattr(runner, "Generator", Broken)
+    monkeypatch.setattr(answerer, "Generator", Broken)
 
 
 def test_error_rows_exit_3_in_one_line_and_debug_shows_the_traceback(
