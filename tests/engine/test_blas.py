@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from salabatch.engine import blas
+from salabatch.engine import blas, blas_patch
 from salabatch.engine.runtime import memory_cache, resolve_dtype
 from salabatch.errors import ConfigError
 from tests.conftest import ON_GPU
@@ -101,7 +101,7 @@ def test_patched_scipy_openblas_exports_cblas_and_computes(tmp_path):
     assert out["provider"] == out["info"]["path"]  # MLX's cblas_sgemm resolves to the copy
     assert out["max_err"] < 1e-3
     # the copy is cached: a second patch returns the same file without rewriting it
-    cached = blas.patch_scipy_openblas(Path(src), tmp_path / "salabatch" / "blas")
+    cached = blas_patch.patch_scipy_openblas(Path(src), tmp_path / "salabatch" / "blas")
     assert str(cached) == out["info"]["path"]
 
 
