@@ -153,12 +153,14 @@ def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
     assert pairs() == {("letter.pdf", "summary"), ("report.md", "summary")}
 
 
-def start_long_run(tmp_path: Path, model: Path, parts_wanted: int) -> subprocess.Popen:
-    """A run of 21 rows in a subprocess, returned once `parts_wanted` rows are durable."""
+def start_long_run(
+    tmp_path: Path, model: Path, parts_wanted: int, max_tokens: int = 24
+) -> subprocess.Popen:
+    """A run of 21 rows in a subprocess, returned once `parts_wanted` parts are durable."""
     docs = write_docs(tmp_path)
     for i in range(4):
         (docs / f"extra{i}.md").write_text(f"Section {i}. " + "Tides and ledgers. " * 80)
-    job = write_job(tmp_path, model, generation={"max_tokens": 24})
+    job = write_job(tmp_path, model, generation={"max_tokens": max_tokens})
     parts = tmp_path / "out" / "results.parquet.parts"
     proc = subprocess.Popen(
         [sys.executable, "-m", "salabatch.cli", "run", str(job), "--no-progress"],
@@ -284,11 +286,13 @@ def test_context_overflow(tmp_path, tiny_model):
 
 
 def test_ctrl_c_stops_after_finished_rows(tmp_path, tiny_model):
-    proc = start_long_run(tmp_path, tiny_model, parts_wanted=3)
+    # Interrupted early and with long answers left: a loaded machine may be slow to send the
+    # signal, and the run must still be going when it arrives.
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=1, max_tokens=128)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130
     err = proc.stderr.read()
     assert "interrupted" in err and "Traceback" not in err
     saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
-    assert 3 <= len(saved) < 21
+    assert 1 <= len(saved) < 21
     assert not (tmp_path / "out" / "results.parquet.parts").exists()
