@@ -32,6 +32,7 @@ from salabatch.engine.chat import ChatFormat, Segment
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.tokenizer_files import (
     TOKENIZER_FILE,
+    TokenizerFiles,
     continuation_source,
     parse_backend,
     read_files,
@@ -42,18 +43,7 @@ from salabatch.errors import TokenizerError
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Load the tokenizer of a checkpoint directory (`tokenizer_files` says which files)."""
     model_dir = Path(model_dir).expanduser()
-    files = read_files(model_dir)
-    return Tokenizer(
-        files.backend,
-        model_dir=model_dir,
-        bos_id=files.bos_id,
-        eos_ids=files.eos_ids,
-        add_bos_token=files.add_bos_token,
-        named_tokens=files.named_tokens,
-        chat_template=files.chat_template,
-        chat_template_path=files.chat_template_path,
-        fingerprint=files.fingerprint,
-    )
+    return Tokenizer(model_dir, read_files(model_dir))
 
 
 class Tokenizer:
@@ -66,25 +56,15 @@ class Tokenizer:
     tokenizer files, for cache keys), `has_chat_template` (else built-in ChatML).
     """
 
-    def __init__(
-        self,
-        backend: _Backend,
-        *,
-        model_dir: Path,
-        bos_id: int | None,
-        eos_ids: frozenset[int],
-        add_bos_token: bool,
-        named_tokens: dict[str, str],
-        chat_template: str | None,
-        chat_template_path: Path | None,
-        fingerprint: str,
-    ) -> None:
+    def __init__(self, model_dir: Path, files: TokenizerFiles) -> None:
+        backend, bos_id, named_tokens = files.backend, files.bos_id, files.named_tokens
+        chat_template = files.chat_template
         self.model_dir = model_dir
         self.bos_id = bos_id
-        self.eos_ids = eos_ids
-        self.add_bos_token = add_bos_token and bos_id is not None
+        self.eos_ids = files.eos_ids
+        self.add_bos_token = files.add_bos_token and bos_id is not None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.fingerprint = fingerprint
+        self.fingerprint = files.fingerprint
         # Four views of one vocabulary: special-token text parsed or not ("plain"), and with or
         # without the backend's word-start marker (see `_encode_piece`).
         source = backend.to_str()
@@ -98,7 +78,7 @@ class Tokenizer:
         bos_text = backend.id_to_token(bos_id) if bos_id is not None else None
         self._chat = ChatFormat(
             chat_template,
-            path=chat_template_path if chat_template is not None else model_dir,
+            path=files.chat_template_path if chat_template is not None else model_dir,
             bos_text=bos_text,
             # A BOS known only by id (config.json) still reaches the template as bos_token.
             special_tokens={"bos_token": bos_text, **named_tokens} if bos_text else named_tokens,
