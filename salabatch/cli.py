@@ -400,12 +400,26 @@ def _validate_checkpoint(path: str) -> None:
     show_default=True,
     help="Also print the first N answers.",
 )
-def inspect(results: str, show: int) -> None:
+@click.option(
+    "--expected",
+    type=click.Path(),
+    help="An answer key (YAML: document -> question id -> answer): print each answer next to "
+    "the expected one and the count correct.",
+)
+def inspect(results: str, show: int, expected: str | None) -> None:
     """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
     tokens, prefill and decode speed."""
+    from salabatch.jobs import answer_key
     from salabatch.jobs.export import inspect_results
+    from salabatch.jobs.results_read import read_results
 
     click.echo(inspect_results(results, show=show))
+    if expected:
+        key = answer_key.read_answer_key(expected)
+        click.echo(
+            "\nexpected answers\n"
+            + answer_key.report(answer_key.score(read_results(results), key, expected))
+        )
 
 
 @main.command()
