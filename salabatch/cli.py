@@ -391,121 +391,6 @@ def _validate_checkpoint(path: str) -> None:
         click.echo(f"  {key:10s} {value}")
 
 
-@main.command()
-@click.argument("results", type=click.Path())
-@click.option(
-    "--show",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Also print the first N answers.",
-)
-@click.option(
-    "--expected",
-    type=click.Path(),
-    help="An answer key (YAML: document -> question id -> answer): print each answer next to "
-    "the expected one and the count correct.",
-)
-def inspect(results: str, show: int, expected: str | None) -> None:
-    """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
-    tokens, prefill and decode speed."""
-    from salabatch.jobs import answer_key
-    from salabatch.jobs.export import inspect_results
-    from salabatch.jobs.results_read import read_results
-
-    click.echo(inspect_results(results, show=show))
-    if expected:
-        key = answer_key.read_answer_key(expected)
-        click.echo(
-            "\nexpected answers\n"
-            + answer_key.report(answer_key.score(read_results(results), key, expected))
-        )
-
-
-@main.command()
-@click.argument("results", type=click.Path())
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["openai-jsonl"]),
-    default="openai-jsonl",
-    show_default=True,
-)
-@click.option("-o", "--output", default="-", show_default=True, help="Output file; - for stdout.")
-def export(results: str, fmt: str, output: str) -> None:
-    """Write results in another format (OpenAI Batch output lines, joined on custom_id)."""
-    from salabatch.jobs.export import export_results
-
-    n = export_results(results, sys.stdout if output == "-" else output, fmt)
-    if output != "-":
-        click.echo(f"{n} lines -> {output}", err=True)
-
-
-@main.command("convert")
-@click.argument("args", nargs=-1, metavar="[SRC] [DST]")
-@click.option("--hf-path", "--model", "src_opt", help="SRC as an option (mlx-lm's spelling).")
-@click.option("--mlx-path", "dst_opt", help="DST as an option (mlx-lm's spelling).")
-@click.option(
-    "--bits",
-    "--q-bits",
-    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
-    help="Bits per weight (MLX affine).",
-)
-@click.option("-q", "--quantize", is_flag=True, help="Quantize; without --bits, to 4 bits.")
-@click.option(
-    "--group-size",
-    "--q-group-size",
-    type=click.Choice(["32", "64", "128"]),
-    default="64",
-    show_default=True,
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["bfloat16", "float16", "float32"]),
-    default="bfloat16",
-    show_default=True,
-    help="Of the scales/biases and of the tensors left unquantized.",
-)
-@click.option("--force", is_flag=True, help="Overwrite a non-empty DST.")
-@click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
-def convert_cmd(
-    args: tuple[str, ...],
-    src_opt: str | None,
-    dst_opt: str | None,
-    bits: str | None,
-    quantize: bool,
-    group_size: str,
-    dtype: str,
-    force: bool,
-    max_shard_gb: float,
-) -> None:
-    """Quantize the checkpoint SRC (a folder, a Hugging Face repo id or builtin:tiny) into the
-    folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
-    --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
-    from salabatch.cli_tools import human_size
-    from salabatch.engine.models import resolve_model
-    from salabatch.engine.quantize import convert
-
-    src, dst = _positional(args, ("SRC", "DST"), (src_opt, dst_opt), "--hf-path and --mlx-path")
-    if bits is None and not quantize:
-        raise click.UsageError("give --bits (or --q-bits), or -q for 4 bits")
-    s = convert(
-        resolve_model(src),
-        dst,
-        bits=int(bits or 4),
-        group_size=int(group_size),
-        dtype=dtype,
-        force=force,
-        max_shard_bytes=int(max_shard_gb * 2**30),
-    )
-    click.echo(
-        f"{s['quantized']} tensors quantized, {s['kept']} kept; "
-        f"{human_size(s['bytes_before'])} -> {human_size(s['bytes_after'])} "
-        f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
-        f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
-    )
-
-
 def _positional(
     args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
 ) -> list[str]:
@@ -521,11 +406,11 @@ def _positional(
 
 
 from salabatch.cli_bench import bench  # noqa: E402  (after `main`: no MLX)
-from salabatch.cli_tools import cache, train  # noqa: E402
+from salabatch.cli_results import export, inspect  # noqa: E402
+from salabatch.cli_tools import cache, convert_cmd, train  # noqa: E402
 
-main.add_command(cache)
-main.add_command(bench)
-main.add_command(train)
+for _command in (inspect, export, convert_cmd, cache, bench, train):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":
