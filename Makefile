@@ -32,10 +32,10 @@ test: lint $(NATIVE)
 	$(BIN)/python -m pytest -q
 
 # The demo job on builtin:tiny, an UNTRAINED demo model: it shows the pipeline, its answers are
-# meaningless text. Then the results table and a few answers.
+# meaningless text. Then the results table and each answer beside the expected one.
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/salabatch run jobs/demo.yaml
-	$(BIN)/salabatch inspect results/demo.parquet --show 3
+	$(BIN)/salabatch inspect results/demo.parquet --expected jobs/demo/answers.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build salabatch/engine/kernels/_native*.so

@@ -1,8 +1,5 @@
-"""Builds `docs/inspection-letter.pdf` from `inspection-letter.txt`: a plain two-page PDF written by
-hand (Helvetica text, one content stream per page), so the demo has a PDF made by the repo.
-
-    python jobs/demo/make_pdf.py
-"""
+"""A plain PDF written by hand (Helvetica text, one content stream per page, 48 lines a page), so
+the demo has a PDF made by the repo: `pdf(lines)`, used by make_docs.py."""
 
 from __future__ import annotations
 
@@ -43,8 +40,3 @@ def pdf(lines: list[str]) -> bytes:
     out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
     return bytes(out)
-
-
-if __name__ == "__main__":
-    text = (HERE / "inspection-letter.txt").read_text(encoding="utf-8")
-    (HERE / "docs" / "inspection-letter.pdf").write_bytes(pdf(text.splitlines()))

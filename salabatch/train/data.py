@@ -81,7 +81,7 @@ ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
 
 
-def _split(items: Sequence, split: str, every: int = 4) -> tuple:
+def split_pool(items: Sequence, split: str, every: int = 4) -> tuple:
     """The `split` half of a pool: every `every`-th item (from the last of each group) is eval."""
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}", expected=" or ".join(SPLITS), got=split)
@@ -144,7 +144,7 @@ class TaskGenerator:
             raise ConfigError("turns must be 1 to 6", field="turns", got=turns)
         self.turns = turns
         self.pools = {
-            name: _split(pool, split)
+            name: split_pool(pool, split)
             for name, pool in {
                 "codes": CODENAMES,
                 "first": FIRST_NAMES,
@@ -159,7 +159,7 @@ class TaskGenerator:
                 "dates": DATE_FORMATS,
             }.items()
         }
-        self.contract_questions = {k: _split(v, split) for k, v in CONTRACT_QUESTIONS.items()}
+        self.contract_questions = {k: split_pool(v, split) for k, v in CONTRACT_QUESTIONS.items()}
         # The chat wrapping's own tokens, so a document is sized to fill `length`.
         self.overhead = len(tokenizer.document_prompt("x", system=system, think=False))
 
@@ -301,7 +301,32 @@ class TaskGenerator:
         count = self.turns - 1 if count is None else count
         return [1 + int(i) for i in rng.permutation(n - 1)[:count]]
 
+    def contract_document(self, index: int, length: int) -> tuple[str, dict[str, str]]:
+        """A contract of about `length` prompt tokens and its fields (provider, client, amount,
+        start, term, law, payment), each the exact answer to that field's questions (what the
+        demo's documents and answer key are made of)."""
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index, 2])
+        budget = max(length - self.overhead - 48, 16)
+        document, fields, _ = self._contract_document(rng, budget)
+        return document, fields
+
     def _contract(self, rng: np.random.Generator, budget: int) -> Sample:
+        document, fields, depths = self._contract_document(rng, budget)
+        names = list(rng.permutation(list(fields)))
+        asked = names[0]
+        question = _pick(rng, self.contract_questions[asked])
+        more = tuple(
+            (_pick(rng, self.contract_questions[names[i]]), fields[names[i]])
+            for i in self._follow_ups(rng, len(names))
+        )
+        depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
+        return Sample(document, question, fields[asked], "contract", depth, more)
+
+    def _contract_document(
+        self, rng: np.random.Generator, budget: int
+    ) -> tuple[str, dict[str, str], list[float]]:
+        """A services agreement of about `budget` tokens: its text, its fields and the depth of
+        each clause (in `_CLAUSE_OF` order)."""
         p = self.pools
         provider, client = _distinct(rng, lambda: self._company(rng), 2)
         fields = {
@@ -326,18 +351,10 @@ class TaskGenerator:
             f"Invoices are payable within {fields['payment']} of receipt.",
             f"This agreement is governed by the laws of {fields['law']}.",
         ]
-        names = list(rng.permutation(list(fields)))
-        asked = names[0]
-        question = _pick(rng, self.contract_questions[asked])
-        more = tuple(
-            (_pick(rng, self.contract_questions[names[i]]), fields[names[i]])
-            for i in self._follow_ups(rng, len(names))
-        )
         body, depths = self._embed(
             rng, clauses, budget - self._count(head), shuffle=False, shapes=BOILERPLATE + FILLER
         )
-        depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
-        return Sample(f"{head}\n\n{body}", question, fields[asked], "contract", depth, more)
+        return f"{head}\n\n{body}", fields, depths
 
     # -- pieces -------------------------------------------------------------------------------
     def _entity(self, rng: np.random.Generator) -> str:
@@ -382,14 +399,17 @@ class TaskGenerator:
         for shift, (slot, which) in enumerate(zip(slots, order, strict=True)):
             sentences.insert(slot + shift, facts[which])
             depths[which] = slot / max(n, 1)
+        # A quarter of the documents have one sentence per line, as a PDF's text often comes.
+        joint = "\n" if rng.random() < LINE_PER_SENTENCE else " "
         paragraphs, i = [], 0
         while i < len(sentences):
             size = int(rng.integers(3, 9))
-            paragraphs.append(" ".join(sentences[i : i + size]))
+            paragraphs.append(joint.join(sentences[i : i + size]))
             i += size
         return "\n\n".join(paragraphs), depths
 
 
+LINE_PER_SENTENCE = 0.25
 _CLAUSE_OF = {"start": 0, "term": 1, "amount": 2, "payment": 3, "law": 4}
 
 

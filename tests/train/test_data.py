@@ -37,10 +37,10 @@ def test_length_is_close_to_the_target(tokenizer):
 
 def test_split_pools_are_disjoint_and_cover_everything():
     for pool in (data.CODENAMES, data.FIRST_NAMES, data.FACTS, data.QUESTIONS, data.VALUE_FORMATS):
-        train, test = data._split(pool, TRAIN), data._split(pool, EVAL)
+        train, test = data.split_pool(pool, TRAIN), data.split_pool(pool, EVAL)
         assert not set(train) & set(test) and len(train) + len(test) == len(pool) and test
     with pytest.raises(ConfigError):
-        data._split(data.FACTS, "dev")
+        data.split_pool(data.FACTS, "dev")
 
 
 def _entities(text):
