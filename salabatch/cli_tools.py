@@ -175,7 +175,10 @@ def train(
 
     def show(r: dict) -> None:
         if r["step"] % log_every == 0 or "eval_loss" in r or r["step"] == steps:
-            extra = "".join(f" {k} {r[k]:.3f}" for k in ("eval_loss", "eval_exact") if k in r)
+            shown = [
+                k for k in r if k in ("eval_loss", "eval_exact") or k.startswith("eval_exact_")
+            ]
+            extra = "".join(f" {k} {r[k]:.3f}" for k in shown)
             click.echo(
                 f"step {r['step']:6d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                 f"{r['seconds']:.2f}s/step{extra}"

@@ -195,26 +195,44 @@ def loss_fn(model: Model, batch: Batch) -> mx.array:
     return (ce * batch.mask).sum() / batch.mask.sum()
 
 
-def evaluate(model: Model, batches: Sequence[Batch]) -> dict:
+def evaluate(model: Model, batches: Sequence[Batch] | dict[str, Sequence[Batch]]) -> dict:
     """Loss, exact-match share and target-token accuracy: a row is right when every target
     token is the argmax after the true prefix, i.e. exactly when greedy decoding produces the
-    answer and then stops (every answer, for a row with several turns)."""
-    losses, right, rows, tokens_right, tokens = [], 0, 0, 0, 0
+    answer and then stops (every answer, for a row with several turns). Batches given by kind
+    are scored together and, where there are several kinds, each kind on its own too
+    (`eval_exact_needle`, …)."""
+    sets = batches if isinstance(batches, dict) else {"": batches}
+    counts = {kind: _counts(model, kind_batches) for kind, kind_batches in sets.items()}
+    record = _scores([sum(c) for c in zip(*counts.values(), strict=True)], "")
+    if len(sets) > 1:
+        for kind, c in counts.items():
+            record |= _scores(c, f"_{kind}")
+    return record
+
+
+def _counts(model: Model, batches: Sequence[Batch]) -> list[float]:
+    """Summed loss, batches, rows right, rows, target tokens right, target tokens."""
+    loss, right, rows, tokens_right, tokens = 0.0, 0, 0, 0, 0
     for batch in batches:
         logits = answer_logits(model, batch)
         ce = nn.losses.cross_entropy(logits, batch.targets)
         correct = (logits.argmax(-1) == batch.targets) * batch.mask  # [B, A]
         hit = (correct + (1 - batch.mask)).min(-1)  # [B]: 1 where every target is right
         mx.eval(ce, correct, hit)
-        losses.append(float((ce * batch.mask).sum() / batch.mask.sum()))
+        loss += float((ce * batch.mask).sum() / batch.mask.sum())
         right += int(hit.sum())
         rows += hit.size
         tokens_right += int(correct.sum())
         tokens += int(batch.mask.sum())
+    return [loss, len(batches), right, rows, tokens_right, tokens]
+
+
+def _scores(counts: list[float], suffix: str) -> dict:
+    loss, n, right, rows, tokens_right, tokens = counts
     return {
-        "eval_loss": float(np.mean(losses)),
-        "eval_exact": right / rows,
-        "eval_token_acc": tokens_right / tokens,
+        f"eval_loss{suffix}": loss / n,
+        f"eval_exact{suffix}": right / rows,
+        f"eval_token_acc{suffix}": tokens_right / tokens,
     }
 
 
@@ -263,11 +281,7 @@ def train(
     rng = np.random.default_rng(cfg.seed)
 
     train_gen = TaskGenerator(tok, split=TRAIN, seed=cfg.seed, kinds=cfg.kinds, turns=cfg.turns)
-    eval_kinds = cfg.eval_kinds or cfg.kinds
-    eval_gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=eval_kinds)
-    eval_batches = [
-        make_batch([eval_gen.encoded(i, cfg.length)], pad_id=2) for i in range(cfg.eval_samples)
-    ]
+    eval_sets = _eval_sets(tok, cfg)
     optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
     step_fn = nn.value_and_grad(model, loss_fn)
 
@@ -307,7 +321,7 @@ def train(
             if not math.isfinite(record["loss"]):
                 raise ConfigError(f"loss is {record['loss']} at step {step}", path=out)
             if cfg.eval_samples and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record |= evaluate(model, eval_batches)
+                record |= evaluate(model, eval_sets)
             emit(record)
             if step % cfg.eval_every == 0 and step < cfg.steps:  # a checkpoint to look at
                 _save(out, model, raw, source)
@@ -325,6 +339,18 @@ def train(
         json.dumps({"config": asdict(cfg), "summary": summary}, indent=2) + "\n"
     )
     return out
+
+
+def _eval_sets(tok, cfg: TrainConfig) -> dict[str, list[Batch]]:
+    """The held-out samples every evaluation measures: `eval_samples` of each eval kind (one
+    batch each, at the longest training length), by kind."""
+    sets = {}
+    for kind in cfg.eval_kinds or cfg.kinds:
+        gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=(kind,))
+        sets[kind] = [
+            make_batch([gen.encoded(i, cfg.length)], pad_id=2) for i in range(cfg.eval_samples)
+        ]
+    return sets
 
 
 def _restage(raw: dict, sizes: dict) -> dict:

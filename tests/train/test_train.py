@@ -190,3 +190,12 @@ def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir)
     wrong = mx.where(mx.arange(best.shape[1]) == n - 1, (best + 1) % tok.vocab_size, best)
     result = evaluate(model, [Batch(batch.inputs, batch.at, wrong, batch.mask)])
     assert result["eval_exact"] == 0.0 and result["eval_token_acc"] == (n - 1) / n
+    # by kind: each kind scored on its own, and all of them together as one set
+    by_kind = evaluate(
+        model, {"a": [right], "b": [Batch(batch.inputs, batch.at, wrong, batch.mask)]}
+    )
+    assert by_kind["eval_exact_a"] == 1.0 and by_kind["eval_exact_b"] == 0.0
+    assert by_kind["eval_exact"] == 0.5 and by_kind["eval_token_acc"] == (2 * n - 1) / (2 * n)
+    assert by_kind["eval_loss"] == pytest.approx(
+        (by_kind["eval_loss_a"] + by_kind["eval_loss_b"]) / 2
+    )
