@@ -61,6 +61,21 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
 
 
 @bench.command("quant")
+@click.option(
+    "--model",
+    "model_ref",
+    help="A trained checkpoint (or builtin:tiny): measure what 8-bit and 4-bit cost its "
+    "answers (needle agreement and accuracy vs float32, logit RMS) instead of speed.",
+)
+@click.option("--contexts", default="4K", show_default=True, help="With --model: needle contexts.")
+@click.option("--documents", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--logit-samples",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --model: held-out samples (1024 tokens) whose answer logits are compared.",
+)
 @click.option("--hidden", default=1024, show_default=True)
 @click.option("--layers", default=8, show_default=True)
 @click.option("--prefill", default=32, show_default=True)
@@ -74,6 +89,10 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_quant(
+    model_ref: str | None,
+    contexts: str,
+    documents: int,
+    logit_samples: int,
     hidden: int,
     layers: int,
     prefill: int,
@@ -82,10 +101,23 @@ def bench_quant(
     act_dtype: str,
     out: str | None,
 ) -> None:
-    """Decode tok/s and memory of float32 / bf16 / 8-bit / 4-bit weights on a random model."""
-    from salabatch.bench import quant
+    """Decode tok/s and memory of float32 / bf16 / 8-bit / 4-bit weights on a random model;
+    with --model, what 8-bit and 4-bit cost a trained model's answers."""
+    from salabatch.bench import environment, quant, quant_quality
 
     chosen = tuple(f.strip() for f in formats.split(",") if f.strip())
+    if model_ref:
+        result = quant_quality.run(
+            model_ref,
+            [f for f in chosen if f in quant_quality.FORMATS],
+            [_tokens(c) for c in contexts.split(",") if c.strip()],
+            documents=documents,
+            logit_samples=logit_samples,
+            progress=lambda line: click.echo(line, err=True),
+        )
+        result = {"bench": "quant-quality", **environment(), **result}
+        _report(result, quant_quality.table(result), out, None, None)
+        return
     _emit("quant", quant.run(hidden, layers, prefill, steps, chosen, act_dtype), out)
 
 
@@ -248,13 +280,13 @@ def _write_json(result: dict, out: str) -> None:
 
 def _report(result: dict, table: str, out: str | None, chart: str | None, draw) -> None:
     """Prints the table, writes the JSON to `out` and the chart with `draw(path)` to `chart`
-    (default: beside `out`, as .png)."""
+    (default: beside `out`, as .png; no chart when `draw` is None)."""
     click.echo(table)
     if out:
         _write_json(result, out)
         click.echo(f"wrote {out}")
     chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
-    if chart:
+    if chart and draw is not None:
         try:
             draw(chart)
         except ImportError:
