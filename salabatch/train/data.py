@@ -77,6 +77,7 @@ SPLITS = (TRAIN, EVAL)
 KINDS = ("needle", "multi", "contract")  # the question-answering kinds, the default
 WARMUPS = ("induction", "recall", "copy")  # curriculum stages before them (never a default)
 INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+DIGITS_ONLY = 0.5  # the share of induction samples drawn from the digits alone
 ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
 
@@ -236,10 +237,13 @@ class TaskGenerator:
     # -- kinds --------------------------------------------------------------------------------
     def _induction(self, rng: np.random.Generator, length: int) -> Encoded:
         """`length` random symbols; a span of 8 to length/4 of them from the first half repeated
-        somewhere in the second half; targets: the repeat after its first symbol."""
+        somewhere in the second half; targets: the repeat after its first symbol. Half of the
+        samples use the ten digits only: there a symbol recurs every ~10 tokens, so the copy
+        must follow the symbols before it, not the last one alone (as a code's digits must)."""
         if length < 32:
             raise ConfigError("induction samples need a length of at least 32", got=length)
-        symbols = np.array([self.tok.token_id(c) for c in INDUCTION_SYMBOLS])
+        alphabet = INDUCTION_SYMBOLS[:10] if rng.random() < DIGITS_ONLY else INDUCTION_SYMBOLS
+        symbols = np.array([self.tok.token_id(c) for c in alphabet])
         ids = symbols[rng.integers(len(symbols), size=length)]
         span = int(rng.integers(8, length // 4 + 1))
         source = int(rng.integers(0, length // 2 - span + 1))

@@ -116,7 +116,8 @@ def test_copy_answers_with_the_whole_document(tokenizer):
 def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
     gen = TaskGenerator(tokenizer, seed=0, kinds=["induction", "needle"])
     symbols = {tokenizer.token_id(c) for c in data.INDUCTION_SYMBOLS}
-    distances = set()
+    digits = {tokenizer.token_id(c) for c in "0123456789"}
+    distances, digits_only, samples = set(), 0, 0
     for i in range(40):
         e = gen.encoded(i, 64)
         if len(e.ids) != 64:  # a needle sample: the same as encode(sample)
@@ -125,12 +126,14 @@ def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
         ((start, stop),) = e.targets
         copy, span = start - 1, stop - start + 1
         assert set(e.ids) <= symbols and 8 <= span <= 16 and copy >= 32 and stop <= 64
+        digits_only += set(e.ids) <= digits
+        samples += 1
         # the repeat is an earlier span of the first half, symbol for symbol
         sources = [s for s in range(33 - span) if e.ids[s : s + span] == e.ids[copy:stop]]
         assert sources
         distances.add(copy - sources[0])
         assert e == gen.encoded(i, 64)  # deterministic
-    assert len(distances) >= 10
+    assert len(distances) >= 10 and 0.25 < digits_only / samples < 0.75
     with pytest.raises(ConfigError, match="token ids"):
         next(gen.sample(i, 64) for i in range(40) if len(gen.encoded(i, 64).ids) == 64)
     with pytest.raises(ConfigError, match="at least 32"):
