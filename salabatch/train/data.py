@@ -29,7 +29,7 @@ comes from a numpy generator seeded by (seed, split, index): sample i is the sam
 
 Train / eval split: every pool a fact or a question is drawn from (entity names, value formats,
 fact sentences, question phrasings, contract fields' formats) is cut in two, disjointly, by
-`_split`; eval samples use only the eval halves, so evaluation never sees a training needle.
+`split_pool`; eval samples use only the eval halves, so evaluation never sees a training needle.
 Filler words and attribute names are shared (they are the language, not the facts).
 
 `encode_sample` renders a sample exactly as `salabatch run` feeds it: the tokenizer's
@@ -65,12 +65,11 @@ from salabatch.train.pools import (
     JURISDICTIONS,
     LAST_NAMES,
     NOUNS,
-    PLACES,
     QUESTIONS,
-    TIMES,
     VALUE_FORMATS,
     VERBS,
 )
+from salabatch.train.text import capital, distinct, filler_sentence, pick, place_facts
 
 TRAIN, EVAL = "train", "eval"
 SPLITS = (TRAIN, EVAL)
@@ -198,11 +197,11 @@ class TaskGenerator:
             raise ConfigError("need 1 to 12 depths in [0, 1]", field="depths", got=depths)
         rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index, 1])
         p, n = self.pools, len(depths)
-        ents = _distinct(rng, lambda: self._entity(rng), n)
+        ents = distinct(rng, lambda: self._entity(rng), n)
         attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n]]
-        values = _distinct(rng, lambda: _pick(rng, p["values"])(rng), n)
+        values = distinct(rng, lambda: pick(rng, p["values"])(rng), n)
         facts = [
-            _capital(_pick(rng, p["facts"]).format(attr=a, ent=e, val=v))
+            capital(pick(rng, p["facts"]).format(attr=a, ent=e, val=v))
             for e, a, v in zip(ents, attrs, values, strict=True)
         ]
         budget = max(length - self.overhead - 48, 16) - sum(self._count(f) for f in facts)
@@ -220,7 +219,7 @@ class TaskGenerator:
         return [
             Sample(
                 document,
-                _capital(_pick(rng, p["questions"]).format(attr=a, ent=e)),
+                capital(pick(rng, p["questions"]).format(attr=a, ent=e)),
                 v,
                 "needle",
                 float(d),
@@ -263,20 +262,20 @@ class TaskGenerator:
         attribute if `related`, else unrelated needles. Follow-up turns ask some of the others
         (all of them if `ask_all`: the recall kind)."""
         p = self.pools
-        ents = _distinct(rng, lambda: self._entity(rng), n_facts)
+        ents = distinct(rng, lambda: self._entity(rng), n_facts)
         attrs = [ATTRIBUTES[i] for i in rng.permutation(len(ATTRIBUTES))[:n_facts]]
-        values = _distinct(rng, lambda: _pick(rng, p["values"])(rng), n_facts)
+        values = distinct(rng, lambda: pick(rng, p["values"])(rng), n_facts)
         # fact 0 is asked; related others share its entity (odd) or its attribute (even)
         pairs = [(ents[0], attrs[0])] + [
             (ents[0], attrs[i]) if i % 2 and related else (ents[i], attrs[i if not related else 0])
             for i in range(1, n_facts)
         ]
         facts = [
-            _pick(rng, p["facts"]).format(attr=a, ent=e, val=v)
+            pick(rng, p["facts"]).format(attr=a, ent=e, val=v)
             for (e, a), v in zip(pairs, values, strict=True)
         ]
-        facts = [_capital(f) for f in facts]
-        questions = [_capital(_pick(rng, p["questions"]).format(attr=a, ent=e)) for e, a in pairs]
+        facts = [capital(f) for f in facts]
+        questions = [capital(pick(rng, p["questions"]).format(attr=a, ent=e)) for e, a in pairs]
         document, depths = self._embed(rng, facts, budget, shuffle=True)
         kind = "recall" if ask_all else "needle" if not related else "multi"
         asked = self._follow_ups(rng, n_facts, n_facts - 1 if ask_all else self.turns - 1)
@@ -287,9 +286,9 @@ class TaskGenerator:
         """Items (a value, a name or a filler word) until `budget` tokens; lines of 8 items."""
         p = self.pools
         draws = (
-            lambda: _pick(rng, p["values"])(rng),
+            lambda: pick(rng, p["values"])(rng),
             lambda: self._entity(rng),
-            lambda: _pick(rng, (*NOUNS, *ADJECTIVES, *VERBS)),
+            lambda: pick(rng, (*NOUNS, *ADJECTIVES, *VERBS)),
         )
         items: list[str] = []
         while budget > 0:
@@ -297,7 +296,7 @@ class TaskGenerator:
             budget -= self._count(items[-1])
         lines = [" ".join(items[i : i + 8]) for i in range(0, len(items), 8)]
         document = "\n".join(lines)
-        return Sample(document, _pick(rng, p["copy"]), document, "copy", 0.0)
+        return Sample(document, pick(rng, p["copy"]), document, "copy", 0.0)
 
     def _follow_ups(self, rng: np.random.Generator, n: int, count: int | None = None) -> list[int]:
         """Which of items 1..n-1 the follow-up turns ask (`count`, default turns - 1), in a
@@ -318,9 +317,9 @@ class TaskGenerator:
         document, fields, depths = self._contract_document(rng, budget)
         names = list(rng.permutation(list(fields)))
         asked = names[0]
-        question = _pick(rng, self.contract_questions[asked])
+        question = pick(rng, self.contract_questions[asked])
         more = tuple(
-            (_pick(rng, self.contract_questions[names[i]]), fields[names[i]])
+            (pick(rng, self.contract_questions[names[i]]), fields[names[i]])
             for i in self._follow_ups(rng, len(names))
         )
         depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
@@ -332,16 +331,16 @@ class TaskGenerator:
         """A services agreement of about `budget` tokens: its text, its fields and the depth of
         each clause (in `_CLAUSE_OF` order)."""
         p = self.pools
-        provider, client = _distinct(rng, lambda: self._company(rng), 2)
+        provider, client = distinct(rng, lambda: self._company(rng), 2)
         fields = {
             "provider": provider,
             "client": client,
-            "amount": _pick(rng, p["amounts"])(int(rng.integers(20, 5000)) * 250),
-            "start": _pick(rng, p["dates"])(
+            "amount": pick(rng, p["amounts"])(int(rng.integers(20, 5000)) * 250),
+            "start": pick(rng, p["dates"])(
                 int(rng.integers(2024, 2036)), int(rng.integers(12)), int(rng.integers(1, 29))
             ),
             "term": f"{int(rng.choice([6, 12, 18, 24, 36, 48, 60]))} months",
-            "law": _pick(rng, p["law"]),
+            "law": pick(rng, p["law"]),
             "payment": f"{int(rng.choice([10, 14, 15, 21, 30, 45, 60, 90]))} days",
         }
         head = (
@@ -363,13 +362,13 @@ class TaskGenerator:
     # -- pieces -------------------------------------------------------------------------------
     def _entity(self, rng: np.random.Generator) -> str:
         p = self.pools
-        shape = _pick(rng, ENTITY_SHAPES)
+        shape = pick(rng, ENTITY_SHAPES)
         return shape.format(
-            code=_pick(rng, p["codes"]), first=_pick(rng, p["first"]), last=_pick(rng, p["last"])
+            code=pick(rng, p["codes"]), first=pick(rng, p["first"]), last=pick(rng, p["last"])
         )
 
     def _company(self, rng: np.random.Generator) -> str:
-        return f"{_pick(rng, self.pools['stems'])} {_pick(rng, COMPANY_KINDS)}"
+        return f"{pick(rng, self.pools['stems'])} {pick(rng, COMPANY_KINDS)}"
 
     def _count(self, text: str) -> int:
         return len(self.tok.encode(" " + text, special=False))
@@ -378,7 +377,7 @@ class TaskGenerator:
         """Sentences of `shapes` until they total at least `budget` tokens."""
         filler: list[str] = []
         while budget > 0:
-            filler.append(_filler_sentence(rng, shapes))
+            filler.append(filler_sentence(rng, shapes))
             budget -= self._count(filler[-1])
         return filler
 
@@ -395,65 +394,10 @@ class TaskGenerator:
         depths (in a random order if `shuffle`, else in the order given), in paragraphs; the
         depth of each fact, in the order given."""
         budget -= sum(self._count(f) for f in facts)
-        filler = self._filler(rng, budget, shapes)
-        n = len(filler)
-        slots = sorted(rng.integers(0, n + 1, len(facts)).tolist())
-        order = rng.permutation(len(facts)) if shuffle else range(len(facts))
-        sentences, depths = list(filler), [0.0] * len(facts)
-        for shift, (slot, which) in enumerate(zip(slots, order, strict=True)):
-            sentences.insert(slot + shift, facts[which])
-            depths[which] = slot / max(n, 1)
-        # A quarter of the documents have one sentence per line, as a PDF's text often comes.
-        joint = "\n" if rng.random() < LINE_PER_SENTENCE else " "
-        paragraphs, i = [], 0
-        while i < len(sentences):
-            size = int(rng.integers(3, 9))
-            paragraphs.append(joint.join(sentences[i : i + size]))
-            i += size
-        return "\n\n".join(paragraphs), depths
+        return place_facts(rng, facts, self._filler(rng, budget, shapes), shuffle=shuffle)
 
 
-LINE_PER_SENTENCE = 0.25
 _CLAUSE_OF = {"start": 0, "term": 1, "amount": 2, "payment": 3, "law": 4}
-
-
-def _capital(text: str) -> str:
-    return text[0].upper() + text[1:]
-
-
-def _pick(rng: np.random.Generator, items: Sequence):
-    return items[int(rng.integers(len(items)))]
-
-
-def _distinct(rng: np.random.Generator, draw, n: int) -> list:
-    """`n` different values of `draw()`."""
-    out: list = []
-    while len(out) < n:
-        x = draw()
-        if x not in out:
-            out.append(x)
-    return out
-
-
-def _filler_sentence(rng: np.random.Generator, shapes: Sequence[str]) -> str:
-    nouns = rng.permutation(len(NOUNS))[:2]
-    adjs = rng.permutation(len(ADJECTIVES))[:2]
-    time = _pick(rng, TIMES)
-    place = _pick(rng, PLACES)
-    return _pick(rng, shapes).format(
-        adj=ADJECTIVES[adjs[0]],
-        adj2=ADJECTIVES[adjs[1]],
-        noun=NOUNS[nouns[0]],
-        noun2=NOUNS[nouns[1]],
-        verb=_pick(rng, VERBS),
-        time=time,
-        Time=time[0].upper() + time[1:],
-        place=place,
-        place_bare=place.removeprefix("the "),
-        n=int(rng.integers(2, 400)),
-        year=int(rng.integers(1890, 2024)),
-        hour=int(rng.integers(1, 13)),
-    )
 
 
 def encode_sample(

@@ -1,5 +1,5 @@
 """The word pools of the synthetic tasks (`data.py`): entity names, value formats, fact and
-question sentences, contract fields and formats, filler and boilerplate. `data._split` cuts
+question sentences, contract fields and formats, filler and boilerplate. `data.split_pool` cuts
 the pools marked so into a training and an evaluation half."""
 
 from __future__ import annotations
