@@ -248,7 +248,8 @@ def run(
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec import load_job, requests_job
+    from salabatch.jobs.spec import load_job
+    from salabatch.jobs.spec_requests import requests_job
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")

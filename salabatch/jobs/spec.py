@@ -16,8 +16,6 @@ a mistake worth reporting, not something to coerce.
 from __future__ import annotations
 
 import glob as globlib
-import hashlib
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -424,73 +422,3 @@ def _command_line(
         data["output"] = {**section, "path": os.path.abspath(os.path.expanduser(output))}
         set_paths.append(("output", "path"))
     return set_paths, errors
-
-
-def requests_job(
-    requests: str | Path, model: str | None = None, overrides: Sequence[str] = ()
-) -> JobSpec:
-    """A job for `salabatch run --requests FILE` without a job file: named after the file, the
-    model from `model` or else the one model every request names; results under ./results."""
-    path = Path(os.path.expanduser(requests)).absolute()
-    data: dict[str, Any] = {
-        "name": slug(path.stem) or "requests",
-        "model": _requests_model(path) if model is None else model,
-        "requests": str(path),
-    }
-    for override in overrides:
-        apply_override(data, override)
-    try:
-        return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
-    except ValidationError as e:
-        raise JobValidationError(path, error_lines(e, JobSpec)) from None
-
-
-def _requests_model(path: Path) -> str:
-    """The one model every request of an OpenAI batch file names."""
-    names = set()
-    try:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                body = json.loads(line).get("body") or {}
-                names.add(body.get("model"))
-    except (OSError, ValueError, AttributeError) as e:
-        raise JobSpecError(f"cannot read the model from the requests ({e})", path=path) from None
-    names.discard(None)
-    if len(names) != 1:
-        raise JobSpecError(
-            "give --model: the requests name "
-            + (f"several models ({', '.join(sorted(map(str, names)))})" if names else "none"),
-            path=path,
-        )
-    return names.pop()
-
-
-# ---- fingerprint and per-question settings -----------------------------------------------------
-
-
-def spec_json(spec: JobSpec) -> str:
-    """The spec as canonical JSON (sorted keys, resolved paths): for file metadata."""
-    return json.dumps(
-        spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
-
-
-def spec_fingerprint(spec: JobSpec) -> str:
-    """sha256 (hex) of `spec_json(spec)`. Any change, paths and engine settings included,
-    changes it; row-level resume keys should use `generation_key` instead."""
-    return hashlib.sha256(spec_json(spec).encode("utf-8")).hexdigest()
-
-
-def effective_generation(spec: JobSpec, question: Question) -> GenerationSettings:
-    """The job's `generation:` with the question's own overrides applied."""
-    update = {
-        key: value
-        for key, value in (("max_tokens", question.max_tokens), ("think", question.think))
-        if value is not None
-    }
-    return spec.generation.model_copy(update=update)
-
-
-def generation_key(spec: JobSpec, question: Question) -> dict[str, Any]:
-    """The effective generation settings of one question, as plain JSON values."""
-    return effective_generation(spec, question).model_dump(mode="json")

@@ -10,13 +10,8 @@ import pytest
 
 from salabatch.errors import JobSpecError, JobValidationError
 from salabatch.jobs.documents import DocumentSource
-from salabatch.jobs.spec import (
-    JobSpec,
-    generation_key,
-    load_job,
-    spec_fingerprint,
-    spec_json,
-)
+from salabatch.jobs.spec import JobSpec, load_job
+from salabatch.jobs.spec_keys import generation_key, spec_fingerprint, spec_json
 from salabatch.jobs.spec_paths import check_paths
 
 DESIGN_JOB = """\
