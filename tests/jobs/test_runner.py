@@ -23,7 +23,7 @@ from salabatch.jobs.results_read import read_metadata, read_results
 from tests.jobs.test_results import DESIGN_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "inspection-letter.pdf"
+DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "thornbury-systems.pdf"
 SHARED_PDFS = REPO.parent / "shared" / "pdfs"
 # every column an ok document row must fill (think is off, so no reasoning; no error; float
 # weights, so no quant_bits; no request line)
