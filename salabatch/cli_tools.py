@@ -149,6 +149,11 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--init", type=click.Path(file_okay=False, exists=True),
               help="Start from this checkpoint (a previous stage).")  # fmt: skip
 @click.option("--eval-every", default=200, show_default=True, type=click.IntRange(min=1))
+@click.option("--grow-from", default=0, show_default=True, type=click.IntRange(min=0),
+              help="A length curriculum: the longest sample starts here and doubles, up "
+              "to --length, at each evaluation whose held-out token accuracy reaches "
+              "--grow-at.")  # fmt: skip
+@click.option("--grow-at", default=0.8, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1))
 def train(
     out: str,
@@ -165,6 +170,8 @@ def train(
     sizes: str,
     init: str | None,
     eval_every: int,
+    grow_from: int,
+    grow_at: float,
     log_every: int,
 ) -> None:
     """Train a small MiniCPM-SALA on synthetic document questions (CPU or GPU, MLX); writes a
@@ -175,10 +182,10 @@ def train(
 
     def show(r: dict) -> None:
         if r["step"] % log_every == 0 or "eval_loss" in r or r["step"] == steps:
-            shown = [
-                k for k in r if k in ("eval_loss", "eval_exact") or k.startswith("eval_exact_")
-            ]
+            keys = ("eval_loss", "eval_exact", "eval_token_acc")
+            shown = [k for k in r if k in keys or k.startswith("eval_exact_")]
             extra = "".join(f" {k} {r[k]:.3f}" for k in shown)
+            extra += f" longest {r['longest']}" if "longest" in r else ""
             click.echo(
                 f"step {r['step']:6d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                 f"{r['seconds']:.2f}s/step{extra}"
@@ -188,6 +195,7 @@ def train(
         out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
         batch=batch, lr=lr, warmup=warmup, turns=turns, init=init, eval_every=eval_every,
         kinds=_names(kinds), eval_kinds=_names(eval_kinds), model=_sizes(sizes),
+        grow_from=grow_from, grow_at=grow_at,
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")
 

@@ -118,7 +118,13 @@ def model_config(
 class TrainConfig:
     """What a run trains; saved in training.json. Batch lengths are drawn per step in
     [min_length, length] tokens (min_length 0: always `length`); `samples` > 0 cycles over
-    that many fixed samples (overfitting checks) instead of a fresh sample every time."""
+    that many fixed samples (overfitting checks) instead of a fresh sample every time.
+
+    A length curriculum: with `grow_from` > 0 the longest sample starts there and doubles (up to
+    `length`) after each evaluation whose held-out token accuracy, measured at the current
+    longest, reaches `grow_at`. A circuit learned on short samples does not carry to longer
+    ones by itself (benchmarks/README.md, "Stage 1"), so each length is reached only once the
+    one before it is solved."""
 
     out: str
     steps: int = 2000
@@ -138,10 +144,20 @@ class TrainConfig:
     eval_samples: int = 16
     eval_kinds: tuple[str, ...] = ()  # the kinds evaluated (EVAL split); empty: `kinds`
     model: dict = field(default_factory=dict)  # model_config's size arguments
+    grow_from: int = 0  # the first longest sample of a length curriculum (0: none)
+    grow_at: float = 0.8  # the held-out token accuracy that doubles it
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_length <= self.length:
             raise ConfigError("need 0 <= min_length <= length", got=(self.min_length, self.length))
+        if self.grow_from and not self.eval_samples:
+            raise ConfigError("a length curriculum needs evaluations", field="eval_samples", got=0)
+        if self.grow_from and not max(self.min_length, 1) <= self.grow_from <= self.length:
+            raise ConfigError(
+                "need min_length <= grow_from <= length",
+                field="grow_from",
+                got=(self.min_length, self.grow_from, self.length),
+            )
         unknown = sorted(set(self.model) - set(inspect.signature(model_config).parameters))
         if unknown or "vocab_size" in self.model or "eos" in self.model:
             raise ConfigError("unknown model sizes", field="model", got=unknown or self.model)
@@ -281,7 +297,8 @@ def train(
     rng = np.random.default_rng(cfg.seed)
 
     train_gen = TaskGenerator(tok, split=TRAIN, seed=cfg.seed, kinds=cfg.kinds, turns=cfg.turns)
-    eval_sets = _eval_sets(tok, cfg)
+    longest = cfg.grow_from or cfg.length
+    eval_sets = _eval_sets(tok, cfg, longest)
     optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
     step_fn = nn.value_and_grad(model, loss_fn)
 
@@ -297,9 +314,9 @@ def train(
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
             if cfg.samples or not cfg.min_length:
-                length = cfg.length
+                length = longest
             else:
-                length = int(rng.integers(cfg.min_length, cfg.length + 1))
+                length = int(rng.integers(cfg.min_length, longest + 1))
             if cfg.samples:
                 indices = [(step * cfg.batch + j) % cfg.samples for j in range(cfg.batch)]
             else:
@@ -321,7 +338,14 @@ def train(
             if not math.isfinite(record["loss"]):
                 raise ConfigError(f"loss is {record['loss']} at step {step}", path=out)
             if cfg.eval_samples and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record |= evaluate(model, eval_sets)
+                record |= evaluate(model, eval_sets) | {"longest": longest}
+                if (
+                    longest < cfg.length
+                    and cfg.grow_from
+                    and record["eval_token_acc"] >= cfg.grow_at
+                ):
+                    longest = min(2 * longest, cfg.length)
+                    eval_sets = _eval_sets(tok, cfg, longest)
             emit(record)
             if step % cfg.eval_every == 0 and step < cfg.steps:  # a checkpoint to look at
                 _save(out, model, raw, source)
@@ -341,14 +365,14 @@ def train(
     return out
 
 
-def _eval_sets(tok, cfg: TrainConfig) -> dict[str, list[Batch]]:
+def _eval_sets(tok, cfg: TrainConfig, length: int) -> dict[str, list[Batch]]:
     """The held-out samples every evaluation measures: `eval_samples` of each eval kind (one
-    batch each, at the longest training length), by kind."""
+    batch each, at the longest training length so far), by kind."""
     sets = {}
     for kind in cfg.eval_kinds or cfg.kinds:
         gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=(kind,))
         sets[kind] = [
-            make_batch([gen.encoded(i, cfg.length)], pad_id=2) for i in range(cfg.eval_samples)
+            make_batch([gen.encoded(i, length)], pad_id=2) for i in range(cfg.eval_samples)
         ]
     return sets
 

@@ -92,6 +92,24 @@ def test_induction_stage_learns_its_samples(tmp_path, models_dir):
     assert last < 0.3 * first and 0 <= lines[-1]["eval_token_acc"] <= 1, (first, last)
 
 
+def test_a_length_curriculum_doubles_the_longest_sample_once_it_is_solved(tmp_path, models_dir):
+    def longest(grow_at: float) -> list[int]:
+        cfg = TrainConfig(
+            out=str(tmp_path / str(grow_at)), steps=8, length=128, min_length=32, grow_from=32,
+            grow_at=grow_at, batch=1, warmup=0, eval_samples=1, eval_every=2, model=TINY,
+            kinds=("induction",),
+        )  # fmt: skip
+        lines = [json.loads(x) for x in (train(cfg, cache_dir=models_dir) / "loss.jsonl").open()]
+        return [r["longest"] for r in lines if "longest" in r]
+
+    assert longest(0.0) == [32, 64, 128, 128]  # every evaluation passes: 32 -> 64 -> 128, no more
+    assert longest(1.0) == [32, 32, 32, 32]  # an untrained model never reaches every token
+    with pytest.raises(ConfigError, match="grow_from"):
+        TrainConfig(out="x", length=128, min_length=64, grow_from=32)
+    with pytest.raises(ConfigError, match="needs evaluations"):
+        TrainConfig(out="x", length=128, grow_from=32, eval_samples=0)
+
+
 def test_gradients_flow_through_the_sparse_path(models_dir):
     tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
