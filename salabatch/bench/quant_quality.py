@@ -53,7 +53,7 @@ def run(
     src = resolve_model(model_ref)
     tokenizer = load_tokenizer(src)
     samples = _logit_samples(tokenizer, seed, logit_samples, logit_length)
-    rows, reference, ref_logits = [], None, None
+    rows, reference, ref_logits, values = [], None, None, []
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("float32", *formats):
             path = src
@@ -68,8 +68,9 @@ def run(
             )  # fmt: skip
             answers = [r["answer"].strip() for r in result["rows"]]
             logits = _answer_logits(model, samples)
-            if reference is None:
+            if reference is None:  # float32, the first
                 reference, ref_logits = answers, logits
+                values = [r["value"] for r in result["rows"]]
             same = sum(a == b for a, b in zip(answers, reference, strict=True))
             rows.append(
                 {
@@ -86,10 +87,10 @@ def run(
         "contexts": list(contexts),
         "depths": list(depths),
         "documents": documents,
-        "needles": len(reference or []),
+        "needles": len(values),
         "logit_samples": len(samples),
         "logit_length": logit_length,
-        "values": [r["value"] for r in result["rows"]],
+        "values": values,
         "results": rows,
     }
 
@@ -110,14 +111,14 @@ def table(result: dict) -> str:
 
 def _logit_samples(tokenizer, seed: int, n: int, length: int) -> list:
     from salabatch.train.data import EVAL, TaskGenerator
-    from salabatch.train.train import make_batch
+    from salabatch.train.scoring import make_batch
 
     tasks = TaskGenerator(tokenizer, split=EVAL, seed=seed, kinds=("needle",))
     return [make_batch([tasks.encoded(i, length)], pad_id=2) for i in range(n)]
 
 
 def _answer_logits(model, batches: list) -> list[mx.array]:
-    from salabatch.train.train import answer_logits
+    from salabatch.train.scoring import answer_logits
 
     out = []
     for batch in batches:  # one sample each

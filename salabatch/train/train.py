@@ -53,7 +53,8 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
-from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, Encoded, TaskGenerator
+from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, TaskGenerator
+from salabatch.train.scoring import Batch, evaluate, loss_fn, make_batch
 
 NOTE = "trained by `salabatch train` on synthetic document questions (see training.json)"
 
@@ -164,92 +165,6 @@ class TrainConfig:
         for name in ("steps", "batch"):
             if getattr(self, name) < 1:
                 raise ConfigError("must be at least 1", field=name, got=getattr(self, name))
-
-
-@dataclass(frozen=True)
-class Batch:
-    """inputs [B, T] (right-padded prompts + targets minus the last token); at [B, A] the
-    positions whose next token is a target token, targets [B, A] those tokens, mask [B, A]
-    (1 where a row has that many target tokens)."""
-
-    inputs: mx.array
-    at: mx.array
-    targets: mx.array
-    mask: mx.array
-
-    @property
-    def tokens(self) -> int:
-        return self.inputs.size
-
-
-def make_batch(encoded: Sequence[Encoded], pad_id: int) -> Batch:
-    T = max(len(e.ids) for e in encoded) - 1
-    spans = [[p for start, stop in e.targets for p in range(start, stop)] for e in encoded]
-    A = max(len(s) for s in spans)
-    inputs = np.full((len(encoded), T), pad_id, np.int32)
-    at = np.zeros((len(encoded), A), np.int32)
-    targets = np.zeros((len(encoded), A), np.int32)
-    mask = np.zeros((len(encoded), A), np.float32)
-    for b, (e, positions) in enumerate(zip(encoded, spans, strict=True)):
-        n = len(positions)
-        inputs[b, : len(e.ids) - 1] = e.ids[:-1]
-        at[b, :n] = np.array(positions) - 1
-        targets[b, :n] = [e.ids[p] for p in positions]
-        mask[b, :n] = 1.0
-    return Batch(*(mx.array(x) for x in (inputs, at, targets, mask)))
-
-
-def answer_logits(model: Model, batch: Batch) -> mx.array:
-    """Logits [B, A, vocab] at the target positions (the head runs on those only)."""
-    h = model.hidden(batch.inputs)  # [B, T, hidden]
-    return model.logits(mx.take_along_axis(h, batch.at[..., None], axis=1))
-
-
-def loss_fn(model: Model, batch: Batch) -> mx.array:
-    """Mean cross-entropy over the target tokens of the batch."""
-    ce = nn.losses.cross_entropy(answer_logits(model, batch), batch.targets)  # [B, A]
-    return (ce * batch.mask).sum() / batch.mask.sum()
-
-
-def evaluate(model: Model, batches: Sequence[Batch] | dict[str, Sequence[Batch]]) -> dict:
-    """Loss, exact-match share and target-token accuracy: a row is right when every target
-    token is the argmax after the true prefix, i.e. exactly when greedy decoding produces the
-    answer and then stops (every answer, for a row with several turns). Batches given by kind
-    are scored together and, where there are several kinds, each kind on its own too
-    (`eval_exact_needle`, …)."""
-    sets = batches if isinstance(batches, dict) else {"": batches}
-    counts = {kind: _counts(model, kind_batches) for kind, kind_batches in sets.items()}
-    record = _scores([sum(c) for c in zip(*counts.values(), strict=True)], "")
-    if len(sets) > 1:
-        for kind, c in counts.items():
-            record |= _scores(c, f"_{kind}")
-    return record
-
-
-def _counts(model: Model, batches: Sequence[Batch]) -> list[float]:
-    """Summed loss, batches, rows right, rows, target tokens right, target tokens."""
-    loss, right, rows, tokens_right, tokens = 0.0, 0, 0, 0, 0
-    for batch in batches:
-        logits = answer_logits(model, batch)
-        ce = nn.losses.cross_entropy(logits, batch.targets)
-        correct = (logits.argmax(-1) == batch.targets) * batch.mask  # [B, A]
-        hit = (correct + (1 - batch.mask)).min(-1)  # [B]: 1 where every target is right
-        mx.eval(ce, correct, hit)
-        loss += float((ce * batch.mask).sum() / batch.mask.sum())
-        right += int(hit.sum())
-        rows += hit.size
-        tokens_right += int(correct.sum())
-        tokens += int(batch.mask.sum())
-    return [loss, len(batches), right, rows, tokens_right, tokens]
-
-
-def _scores(counts: list[float], suffix: str) -> dict:
-    loss, n, right, rows, tokens_right, tokens = counts
-    return {
-        f"eval_loss{suffix}": loss / n,
-        f"eval_exact{suffix}": right / rows,
-        f"eval_token_acc{suffix}": tokens_right / tokens,
-    }
 
 
 def schedule(cfg: TrainConfig) -> Callable[[mx.array], mx.array]:

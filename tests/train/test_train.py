@@ -15,15 +15,8 @@ from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
 from salabatch.train.data import TaskGenerator
-from salabatch.train.train import (
-    Batch,
-    TrainConfig,
-    answer_logits,
-    loss_fn,
-    make_batch,
-    model_config,
-    train,
-)
+from salabatch.train.scoring import Batch, answer_logits, loss_fn, make_batch
+from salabatch.train.train import TrainConfig, model_config, train
 
 # 4 layers (3 lightning, 1 sparse), sparse mode from 256 tokens
 TINY = dict(
@@ -194,7 +187,7 @@ def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir)
 
 
 def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir):
-    from salabatch.train.train import evaluate
+    from salabatch.train.scoring import evaluate
 
     tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
