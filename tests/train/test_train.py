@@ -2,6 +2,7 @@
 through the sparse (InfLLM-v2) path."""
 
 import json
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels.gla import decay_slopes
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
@@ -33,6 +35,13 @@ def test_model_config_keeps_the_9b_layout():
     assert cfg.num_key_value_heads < cfg.num_attention_heads
     with pytest.raises(ConfigError, match="multiple of 4"):
         model_config(1024, [2], layers=6)
+
+
+def test_model_config_has_a_fast_lightning_head():
+    # the copy needs a head that forgets fast: the decays follow the head count (SPEC 5)
+    cfg = ModelConfig.from_dict(model_config(1024, [2]))
+    assert math.exp(-max(decay_slopes(cfg.lightning_heads))) < 0.5
+    assert cfg.lightning_heads * cfg.lightning_head_dim == cfg.hidden_size  # as in the 9B
 
 
 def test_loss_masks_everything_but_the_answer(tokenizer):
