@@ -176,7 +176,8 @@ def train(
 ) -> None:
     """Train a small MiniCPM-SALA on synthetic document questions (CPU or GPU, MLX); writes a
     checkpoint folder that `run` and `generate` load, with loss.jsonl and training.json (and
-    the checkpoint so far at every evaluation)."""
+    the checkpoint so far at every evaluation, and in best/ the one with the lowest held-out
+    loss)."""
     from salabatch.train.train import TrainConfig
     from salabatch.train.train import train as run_training
 

@@ -189,8 +189,10 @@ def train(
     cache_dir: str | Path | None = None,
 ) -> Path:
     """Trains, writes the checkpoint folder `cfg.out` and returns it; `log` gets every record
-    written to loss.jsonl as it happens. `cache_dir`: where builtin:tiny (the tokenizer's
-    source) is built, default the user's cache dir."""
+    written to loss.jsonl as it happens. `cfg.out`/best holds the checkpoint with the lowest
+    held-out loss (at the longest eval length reached), marked `"best": true` in loss.jsonl.
+    `cache_dir`: where builtin:tiny (the tokenizer's source) is built, default the user's cache
+    dir."""
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if blas.active().kind == "reference" and mx.default_device() == mx.cpu:
@@ -223,6 +225,7 @@ def train(
     step_fn = nn.value_and_grad(model, loss_fn)
 
     records = []
+    best: tuple[int, float] = (0, math.inf)  # (eval length, held-out loss) of out/best
     with (out / "loss.jsonl").open("w") as sink:
 
         def emit(record: dict) -> None:
@@ -259,6 +262,12 @@ def train(
                 raise ConfigError(f"loss is {record['loss']} at step {step}", path=out)
             if cfg.eval_samples and (step % cfg.eval_every == 0 or step == cfg.steps):
                 record |= evaluate(model, eval_sets) | {"longest": longest}
+                # held-out loss rises once a stage learns its training split by heart, so the
+                # lowest one is kept apart; a longer eval length starts a new comparison
+                if (longest, -record["eval_loss"]) > (best[0], -best[1]):
+                    best = (longest, record["eval_loss"])
+                    record["best"] = True
+                    _save(out / "best", model, raw, source)
                 if (
                     longest < cfg.length
                     and cfg.grow_from
@@ -279,6 +288,7 @@ def train(
         "blas": blas.active().kind,
     }
     summary |= {k: v for k, v in records[-1].items() if k.startswith("eval_")}
+    summary["best_step"] = next((r["step"] for r in reversed(records) if r.get("best")), None)
     (out / "training.json").write_text(
         json.dumps({"config": asdict(cfg), "summary": summary}, indent=2) + "\n"
     )
@@ -314,6 +324,7 @@ def _restage(raw: dict, sizes: dict) -> dict:
 
 def _save(out: Path, model: Model, raw: dict, source: Path) -> None:
     """config.json, model.safetensors and the tokenizer files of `source`."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     write_weights(out, dict(tree_flatten(model.parameters())))
     for f in sorted(source.iterdir()):

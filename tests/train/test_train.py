@@ -16,8 +16,8 @@ from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
-from salabatch.train.data import TaskGenerator
-from salabatch.train.scoring import Batch, answer_logits, loss_fn, make_batch
+from salabatch.train.data import EVAL, TaskGenerator
+from salabatch.train.scoring import Batch, answer_logits, evaluate, loss_fn, make_batch
 from salabatch.train.train import TrainConfig, model_config, train
 
 # 4 layers (3 lightning, 1 sparse), sparse mode from 256 tokens
@@ -105,6 +105,17 @@ def test_a_length_curriculum_doubles_the_longest_sample_once_it_is_solved(tmp_pa
         return [r["longest"] for r in lines if "longest" in r]
 
     assert longest(0.0) == [32, 64, 128, 128]  # every evaluation passes: 32 -> 64 -> 128, no more
+    # best/ is the lowest held-out loss at the longest length evaluated
+    lines = [json.loads(x) for x in (tmp_path / "0.0" / "loss.jsonl").open()]
+    at_128 = [r for r in lines if r.get("longest") == 128]
+    kept = min(at_128, key=lambda r: r["eval_loss"])
+    assert [r["step"] for r in lines if r.get("best")][-1] == kept["step"]
+    summary = json.loads((tmp_path / "0.0" / "training.json").read_text())["summary"]
+    assert summary["best_step"] == kept["step"]
+    best = load_model(tmp_path / "0.0" / "best")
+    gen = TaskGenerator(load_tokenizer(tmp_path / "0.0"), split=EVAL, kinds=("induction",))
+    again = evaluate(best, {"induction": [make_batch([gen.encoded(0, 128)], pad_id=2)]})
+    assert again["eval_loss"] == pytest.approx(kept["eval_loss"], rel=1e-5)
     assert longest(1.0) == [32, 32, 32, 32]  # an untrained model never reaches every token
     with pytest.raises(ConfigError, match="grow_from"):
         TrainConfig(out="x", length=128, min_length=64, grow_from=32)
