@@ -225,7 +225,7 @@ def train(
     step_fn = nn.value_and_grad(model, loss_fn)
 
     records = []
-    best: tuple[int, float] = (0, math.inf)  # (eval length, held-out loss) of out/best
+    best = (0, -math.inf)  # (eval length, -held-out loss) of out/best: the larger is kept
     with (out / "loss.jsonl").open("w") as sink:
 
         def emit(record: dict) -> None:
@@ -264,8 +264,8 @@ def train(
                 record |= evaluate(model, eval_sets) | {"longest": longest}
                 # held-out loss rises once a stage learns its training split by heart, so the
                 # lowest one is kept apart; a longer eval length starts a new comparison
-                if (longest, -record["eval_loss"]) > (best[0], -best[1]):
-                    best = (longest, record["eval_loss"])
+                if (longest, -record["eval_loss"]) > best:
+                    best = (longest, -record["eval_loss"])
                     record["best"] = True
                     _save(out / "best", model, raw, source)
                 if (
