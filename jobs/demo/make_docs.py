@@ -20,10 +20,10 @@ from salabatch.train.data import EVAL, TaskGenerator
 HERE = Path(__file__).parent
 # (file suffix, generator index, prompt tokens); a file is named after the agreement's provider
 DOCUMENTS = (
-    (".txt", 1, 700),
-    (".md", 2, 1200),
-    (".pdf", 3, 900),
-    ("-long.txt", 5, 6000),  # the sparse layers select blocks past 2048 tokens
+    (".txt", 4, 700),
+    (".md", 9, 1200),
+    (".pdf", 11, 900),
+    ("-long.txt", 14, 6000),  # the sparse layers select blocks past 2048 tokens
 )
 
 

@@ -28,9 +28,13 @@ numbers in it, so a value is not the only digit run and the text is not periodic
 comes from a numpy generator seeded by (seed, split, index): sample i is the same everywhere.
 
 Train / eval split: every pool a fact or a question is drawn from (entity names, value formats,
-fact sentences, question phrasings, contract fields' formats) is cut in two, disjointly, by
+fact sentences, question phrasings, contract clauses and formats) is cut in two, disjointly, by
 `split_pool`; eval samples use only the eval halves, so evaluation never sees a training needle.
-Filler words and attribute names are shared (they are the language, not the facts).
+Sentences and company and code names are composed from parts (`pools.Composed`): hundreds of
+training phrasings, too many to learn by heart, and held-out ones that are new sentences of
+familiar pieces. Filler words, attribute names and the words a contract names its fields by
+(`CONTRACT_TERMS`) are shared: they are the language, not the facts. A contract question names
+its field by the document's word half of the time, else by a synonym.
 
 `encode_sample` renders a sample exactly as `salabatch run` feeds it: the tokenizer's
 `document_prompt(document) + prompt_suffix(question)`, then the answer and the end-of-turn token
@@ -52,10 +56,14 @@ from salabatch.train.pools import (
     AMOUNT_FORMATS,
     ATTRIBUTES,
     BOILERPLATE,
+    CLAUSES,
+    CODE_SYLLABLES,
     CODENAMES,
     COMPANY_KINDS,
     COMPANY_STEMS,
+    CONTRACT_HEADS,
     CONTRACT_QUESTIONS,
+    CONTRACT_TERMS,
     COPY_QUESTIONS,
     DATE_FORMATS,
     ENTITY_SHAPES,
@@ -68,6 +76,7 @@ from salabatch.train.pools import (
     QUESTIONS,
     VALUE_FORMATS,
     VERBS,
+    Composed,
 )
 from salabatch.train.text import capital, distinct, filler_sentence, pick, place_facts
 
@@ -79,12 +88,16 @@ INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 DIGITS_ONLY = 0.5  # the share of induction samples drawn from the digits alone
 ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
+TURN_TOKENS = 84  # tokens a question and its answer take, about (a document leaves them room)
 
 
-def split_pool(items: Sequence, split: str, every: int = 4) -> tuple:
-    """The `split` half of a pool: every `every`-th item (from the last of each group) is eval."""
+def split_pool(items: Sequence | Composed, split: str, every: int = 4) -> tuple:
+    """The `split` half of a pool: every `every`-th item (from the last of each group) is eval;
+    of a `Composed` pool, its held-out combinations."""
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}", expected=" or ".join(SPLITS), got=split)
+    if isinstance(items, Composed):
+        return items.split(held=split == EVAL)
     held = [i % every == every - 1 for i in range(len(items))]
     return tuple(x for x, h in zip(items, held, strict=True) if h == (split == EVAL))
 
@@ -147,6 +160,7 @@ class TaskGenerator:
             name: split_pool(pool, split)
             for name, pool in {
                 "codes": CODENAMES,
+                "syllables": CODE_SYLLABLES,
                 "first": FIRST_NAMES,
                 "last": LAST_NAMES,
                 "stems": COMPANY_STEMS,
@@ -157,9 +171,11 @@ class TaskGenerator:
                 "copy": COPY_QUESTIONS,
                 "amounts": AMOUNT_FORMATS,
                 "dates": DATE_FORMATS,
+                "clauses": CLAUSES,
+                "heads": CONTRACT_HEADS,
+                "contract_questions": CONTRACT_QUESTIONS,
             }.items()
         }
-        self.contract_questions = {k: split_pool(v, split) for k, v in CONTRACT_QUESTIONS.items()}
         # The chat wrapping's own tokens, so a document is sized to fill `length`.
         self.overhead = len(tokenizer.document_prompt("x", system=system, think=False))
 
@@ -175,7 +191,7 @@ class TaskGenerator:
         kind = self.kinds[rng.integers(len(self.kinds))]
         if kind == "induction":
             raise ConfigError("induction samples are token ids, not text: use encoded()")
-        budget = max(length - self.overhead - 48 * self.turns, 16)  # question + answer ≈ 48
+        budget = max(length - self.overhead - TURN_TOKENS * self.turns, 16)
         if kind == "contract":
             return self._contract(rng, budget)
         if kind == "copy":  # the answer is as long as the document
@@ -204,7 +220,7 @@ class TaskGenerator:
             capital(pick(rng, p["facts"]).format(attr=a, ent=e, val=v))
             for e, a, v in zip(ents, attrs, values, strict=True)
         ]
-        budget = max(length - self.overhead - 48, 16) - sum(self._count(f) for f in facts)
+        budget = max(length - self.overhead - TURN_TOKENS, 16) - sum(self._count(f) for f in facts)
         filler = self._filler(rng, budget, FILLER)
         # each fact goes before the filler sentence at its depth's share of the filler tokens
         sizes = np.cumsum([0] + [self._count(f) for f in filler])
@@ -309,27 +325,32 @@ class TaskGenerator:
         start, term, law, payment), each the exact answer to that field's questions (what the
         demo's documents and answer key are made of)."""
         rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index, 2])
-        budget = max(length - self.overhead - 48, 16)
-        document, fields, _ = self._contract_document(rng, budget)
+        budget = max(length - self.overhead - TURN_TOKENS, 16)
+        document, fields, _, _ = self._contract_document(rng, budget)
         return document, fields
 
     def _contract(self, rng: np.random.Generator, budget: int) -> Sample:
-        document, fields, depths = self._contract_document(rng, budget)
+        document, fields, terms, depths = self._contract_document(rng, budget)
         names = list(rng.permutation(list(fields)))
-        asked = names[0]
-        question = pick(rng, self.contract_questions[asked])
-        more = tuple(
-            (pick(rng, self.contract_questions[names[i]]), fields[names[i]])
-            for i in self._follow_ups(rng, len(names))
-        )
-        depth = 0.0 if asked in ("provider", "client") else depths[_CLAUSE_OF[asked]]
-        return Sample(document, question, fields[asked], "contract", depth, more)
+        asked = [names[0], *(names[i] for i in self._follow_ups(rng, len(names)))]
+        questions = [self._contract_question(rng, name, terms[name]) for name in asked]
+        more = tuple((q, fields[name]) for q, name in zip(questions[1:], asked[1:], strict=True))
+        first = asked[0]
+        depth = 0.0 if first in ("provider", "client") else depths[_CLAUSE_OF[first]]
+        return Sample(document, questions[0], fields[first], "contract", depth, more)
+
+    def _contract_question(self, rng: np.random.Generator, field: str, term: str) -> str:
+        """A question about `field`, naming it by the document's `term` half of the time, else
+        by any of the field's words (the model learns them as synonyms)."""
+        if rng.random() < 0.5:
+            term = pick(rng, CONTRACT_TERMS[field])
+        return capital(pick(rng, self.pools["contract_questions"]).format(term=term))
 
     def _contract_document(
         self, rng: np.random.Generator, budget: int
-    ) -> tuple[str, dict[str, str], list[float]]:
-        """A services agreement of about `budget` tokens: its text, its fields and the depth of
-        each clause (in `_CLAUSE_OF` order)."""
+    ) -> tuple[str, dict[str, str], dict[str, str], list[float]]:
+        """A services agreement of about `budget` tokens: its text, its fields, the word it
+        names each field by, and the depth of each clause (in `_CLAUSE_OF` order)."""
         p = self.pools
         provider, client = distinct(rng, lambda: self._company(rng), 2)
         fields = {
@@ -343,29 +364,27 @@ class TaskGenerator:
             "law": pick(rng, p["law"]),
             "payment": f"{int(rng.choice([10, 14, 15, 21, 30, 45, 60, 90]))} days",
         }
-        head = (
-            f"SERVICES AGREEMENT. This agreement is made between {provider} (the Provider) "
-            f"and {client} (the Client)."
+        terms = {name: pick(rng, words) for name, words in CONTRACT_TERMS.items()}
+        parties = pick(rng, p["heads"]).format(
+            provider=provider, client=client, pterm=terms["provider"], cterm=terms["client"]
         )
+        head = f"SERVICES AGREEMENT. {parties}"
         clauses = [
-            f"The agreement takes effect on {fields['start']}.",
-            f"The initial term is {fields['term']} from the effective date.",
-            f"The Client shall pay the Provider a total of {fields['amount']}.",
-            f"Invoices are payable within {fields['payment']} of receipt.",
-            f"This agreement is governed by the laws of {fields['law']}.",
+            capital(pick(rng, p["clauses"]).format(term=terms[name], val=fields[name]))
+            for name in _CLAUSE_OF
         ]
         body, depths = self._embed(
             rng, clauses, budget - self._count(head), shuffle=False, shapes=BOILERPLATE + FILLER
         )
-        return f"{head}\n\n{body}", fields, depths
+        return f"{head}\n\n{body}", fields, terms, depths
 
     # -- pieces -------------------------------------------------------------------------------
     def _entity(self, rng: np.random.Generator) -> str:
+        """A name of one of `ENTITY_SHAPES`: a project's code name is a word or a made-up one."""
         p = self.pools
         shape = pick(rng, ENTITY_SHAPES)
-        return shape.format(
-            code=pick(rng, p["codes"]), first=pick(rng, p["first"]), last=pick(rng, p["last"])
-        )
+        code = pick(rng, p["codes"] if rng.random() < 0.5 else p["syllables"])
+        return shape.format(code=code, first=pick(rng, p["first"]), last=pick(rng, p["last"]))
 
     def _company(self, rng: np.random.Generator) -> str:
         return f"{pick(rng, self.pools['stems'])} {pick(rng, COMPANY_KINDS)}"

@@ -1,12 +1,55 @@
 """The word pools of the synthetic tasks (`data.py`): entity names, value formats, fact and
 question sentences, contract fields and formats, filler and boilerplate. `data.split_pool` cuts
-the pools marked so into a training and an evaluation half."""
+the pools marked so into a training and an evaluation half.
+
+Sentences and names that a model could learn by heart from a few dozen strings are `Composed`
+from parts instead: a question is a frame ("Tell me the {x}.") around a target ("{attr} of
+{ent}") and a closer (" Be brief."), a company a front and a back ("Ash" + "ford"). Each part's
+items appear in both splits; each whole string in one only (`Composed.split`), so a held-out
+question is a new sentence made of familiar pieces, never one seen in training."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
 import numpy as np
 
-# -- pools (split by `_split`) ----------------------------------------------------------------
+HELD_OUT = 4  # one item (or combination) in this many is kept for evaluation
+
+
+@dataclass(frozen=True)
+class Composed:
+    """Every concatenation of one item of each part, in order; a `{x}` in an item (a frame)
+    takes the next part's item in its place. A combination is held out for evaluation when the
+    sum of its items' indices is 3 mod `HELD_OUT`."""
+
+    parts: tuple[tuple[str, ...], ...]
+
+    def split(self, held: bool) -> tuple[str, ...]:
+        """The held-out combinations if `held`, else the training ones."""
+        ranges = [range(len(part)) for part in self.parts]
+        return tuple(
+            self._join(idx)
+            for idx in product(*ranges)
+            if (sum(idx) % HELD_OUT == HELD_OUT - 1) == held
+        )
+
+    def _join(self, idx: Sequence[int]) -> str:
+        text, frame = "", None
+        for part, i in zip(self.parts, idx, strict=True):
+            item = part[i]
+            if frame is not None:
+                text, frame = text + frame.replace("{x}", item), None
+            elif "{x}" in item:
+                frame = item
+            else:
+                text += item
+        return text
+
+
+# -- pools (split by `data.split_pool`) ------------------------------------------------------
 
 CODENAMES = (
     "Aurora", "Basalt", "Cinder", "Dynamo", "Ember", "Falcon", "Glacier", "Harbor", "Indigo",
@@ -15,6 +58,14 @@ CODENAMES = (
     "Atlas", "Beacon", "Cobalt", "Delta", "Echo", "Fjord", "Granite", "Helios", "Iris", "Jasper",
     "Kodiak", "Lumen", "Monsoon", "Nova", "Orchid", "Polaris", "Quill", "Raven", "Sierra",
     "Talon", "Ultra", "Vertex", "Wren", "Yukon",
+)  # fmt: skip
+CODE_SYLLABLES = Composed(  # made-up code names: "Vel" + "oran"
+    (
+        ("Ka", "Bel", "Dor", "Mar", "Tel", "Vor", "Sil", "Quin", "Ra", "Zen", "Lo", "Fen", "Gar",
+         "Hal", "Jor", "Nim", "Or", "Pel", "Ser", "Tam", "Ul", "Vel", "Wyn", "Brax"),
+        ("ra", "ion", "eth", "ar", "is", "on", "ax", "ia", "or", "un", "el", "yx", "oran", "ide",
+         "ent", "aro"),
+    )
 )  # fmt: skip
 FIRST_NAMES = (
     "Mira", "Jonas", "Elena", "Tobias", "Priya", "Marcus", "Ingrid", "Rafael", "Sofia", "Dmitri",
@@ -28,10 +79,15 @@ LAST_NAMES = (
     "Achebe", "Holm", "Ivanova", "Marsh", "Novak", "Paredes", "Strand", "Whitlock", "Yilmaz",
     "Berg", "Calloway",
 )  # fmt: skip
-COMPANY_STEMS = (
-    "Northwind", "Bluefield", "Ironbridge", "Silverline", "Redcliff", "Greystone", "Oakhaven",
-    "Brightwater", "Stonegate", "Clearpath", "Highmoor", "Westbrook", "Eastmere", "Goldcrest",
-    "Riverton", "Ashford", "Larkspur", "Pinecrest", "Seabright", "Thornbury",
+COMPANY_STEMS = Composed(  # "Ash" + "ford"
+    (
+        ("North", "Blue", "Iron", "Silver", "Red", "Grey", "Oak", "Bright", "Stone", "Clear",
+         "High", "West", "East", "Gold", "River", "Ash", "Lark", "Pine", "Sea", "Thorn", "Elm",
+         "Fair", "Maple", "Wolf", "Copper", "Swan", "Frost", "Fern"),
+        ("wind", "field", "bridge", "line", "cliff", "stone", "haven", "water", "gate", "path",
+         "moor", "brook", "mere", "crest", "ton", "ford", "spur", "wood", "bury", "dale", "well",
+         "vale"),
+    )
 )  # fmt: skip
 COMPANY_KINDS = (
     "Logistics", "Analytics", "Holdings", "Systems", "Foods", "Robotics", "Energy", "Textiles",
@@ -39,7 +95,9 @@ COMPANY_KINDS = (
 )  # fmt: skip
 JURISDICTIONS = (
     "Delaware", "New York", "Ontario", "Bavaria", "Victoria", "Texas", "Scotland", "Quebec",
-    "California", "Geneva", "Oregon", "Lisbon",
+    "California", "Geneva", "Oregon", "Lisbon", "Nevada", "Alberta", "Saxony", "Tasmania",
+    "Ireland", "Manitoba", "Florida", "Zurich", "Norway", "Vermont", "Hesse", "Queensland",
+    "Wales", "Ohio", "Denmark", "Maine", "Brittany", "Finland", "Utah", "Catalonia",
 )  # fmt: skip
 MONTHS = (
     "January", "February", "March", "April", "May", "June", "July", "August", "September",
@@ -72,26 +130,34 @@ ATTRIBUTES = (
     "badge number", "reference number", "override key", "serial number", "account number",
     "gate code", "license key", "tracking number",
 )  # fmt: skip
-FACTS = (
-    "The {attr} for {ent} is {val}.",
-    "For {ent}, the {attr} was set to {val}.",
-    "Please note that the {attr} of {ent} is {val}.",
-    "{ent} uses {val} as its {attr}.",
-    "Record: {attr} of {ent} = {val}.",
-    "It was confirmed that {ent} has the {attr} {val}.",
-    "Remember this: the {attr} assigned to {ent} is {val}.",
-    "According to the memo, {ent} received {val} as the {attr}.",
-)
-QUESTIONS = (
-    "What is the {attr} for {ent}?",
-    "Which {attr} belongs to {ent}?",
-    "Tell me the {attr} of {ent}.",
-    "What {attr} was given to {ent}? Answer with the value only.",
-    "Find the {attr} assigned to {ent}.",
-    "According to the document, what is {ent}'s {attr}?",
-    "Give the {attr} for {ent}, nothing else.",
-    "I need the {attr} of {ent}. What is it?",
-)
+FACTS = Composed(  # lead + core: "Please note that " + "the {attr} of {ent} is {val}."
+    (
+        ("", "Please note that ", "Remember this: ", "According to the memo, ",
+         "It was confirmed that ", "For the record, ", "Note that ", "As agreed, "),
+        ("the {attr} for {ent} is {val}.", "the {attr} of {ent} is {val}.",
+         "{ent} uses {val} as its {attr}.", "the {attr} assigned to {ent} is {val}.",
+         "{ent} has the {attr} {val}.", "{ent} received {val} as the {attr}.",
+         "the {attr} given to {ent} was {val}.", "{val} is the {attr} of {ent}."),
+    )
+)  # fmt: skip
+QUESTION_FRAMES = (
+    "What is the {x}?", "Tell me the {x}.", "Give the {x}.", "Find the {x}.", "State the {x}.",
+    "Report the {x}.", "Look up the {x}.", "I need the {x}.", "Please provide the {x}.",
+    "Name the {x}.", "Which is the {x}?", "Quote the {x}.", "Write down the {x}.",
+    "Identify the {x}.", "What was the {x}?", "Recall the {x}.",
+)  # fmt: skip
+CLOSERS = (
+    "", " Answer with the value only.", " Reply with just the value.", " Nothing else, please.",
+    " Be brief.", " Use the document.",
+)  # fmt: skip
+QUESTIONS = Composed(  # "Tell me the " + "{attr} of {ent}" + "." + " Be brief."
+    (
+        QUESTION_FRAMES,
+        ("{attr} for {ent}", "{attr} of {ent}", "{attr} assigned to {ent}",
+         "{attr} given to {ent}", "{attr} belonging to {ent}", "{attr} recorded for {ent}"),
+        CLOSERS,
+    )
+)  # fmt: skip
 COPY_QUESTIONS = (
     "Repeat the document exactly.",
     "Copy the text above word for word.",
@@ -105,51 +171,50 @@ ENTITY_SHAPES = (
     "Operation {code}",
 )
 
-# Contract fields: the question phrasings per field (split like QUESTIONS).
-CONTRACT_QUESTIONS = {
-    "provider": (
-        "Who is the service provider in this agreement?",
-        "Which company provides the services?",
-        "Name the provider under this contract.",
-        "What company acts as the Provider?",
-    ),
-    "client": (
-        "Who is the client in this agreement?",
-        "Which company receives the services?",
-        "Name the client party of the contract.",
-        "What company is the Client?",
-    ),
-    "amount": (
-        "What is the total contract amount?",
-        "How much is the client required to pay in total?",
-        "State the total fee of the agreement.",
-        "What is the contract value?",
-    ),
-    "start": (
-        "What is the effective date of the agreement?",
-        "When does the contract take effect?",
-        "On what date does this agreement start?",
-        "Give the commencement date of the contract.",
-    ),
-    "term": (
-        "How long is the initial term?",
-        "What is the duration of the agreement?",
-        "For how many months does the contract run?",
-        "State the length of the initial term.",
-    ),
-    "law": (
-        "Which jurisdiction's law governs the agreement?",
-        "What is the governing law of the contract?",
-        "Under whose laws is the agreement construed?",
-        "Name the governing jurisdiction.",
-    ),
-    "payment": (
-        "Within how many days must invoices be paid?",
-        "What are the payment terms in days?",
-        "How many days does the client have to pay an invoice?",
-        "State the invoice payment period.",
-    ),
+ENTITY_SHAPES = (
+    "Project {code}",
+    "the {code} facility",
+    "{first} {last}",
+    "Operation {code}",
+    "the {code} account",
+    "Unit {code}",
+)
+
+# Contract fields: the words a document and a question may name each field by (shared by both
+# splits, like ATTRIBUTES: they are the language); clauses and questions are composed around one.
+CONTRACT_TERMS = {
+    "provider": ("Provider", "service provider", "supplier"),
+    "client": ("Client", "customer", "buyer"),
+    "amount": ("total fee", "contract value", "total amount"),
+    "start": ("effective date", "commencement date", "start date"),
+    "term": ("initial term", "duration", "contract term"),
+    "law": ("governing law", "applicable law", "governing jurisdiction"),
+    "payment": ("payment period", "payment term", "invoice due period"),
 }
+CONTRACT_QUESTIONS = Composed(  # "What is the " + "{term} of this agreement" + "?" + closer
+    (
+        QUESTION_FRAMES,
+        ("{term}", "{term} of this agreement", "{term} in the contract",
+         "{term} under the agreement", "{term} stated in the document",
+         "{term} the parties agreed"),
+        CLOSERS,
+    )
+)  # fmt: skip
+CLAUSES = Composed(  # lead + core: "It is agreed that " + "the {term} shall be {val}."
+    (
+        ("", "The parties agree that ", "It is agreed that ", "Under this agreement, ",
+         "For the avoidance of doubt, ", "As set out in the schedule, ", "In this agreement, ",
+         "Subject to the clauses below, "),
+        ("the {term} is {val}.", "the {term} shall be {val}.", "the {term} will be {val}.",
+         "the {term} is set at {val}.", "the {term} is fixed as {val}."),
+    )
+)  # fmt: skip
+CONTRACT_HEADS = (  # the parties' sentence
+    "This agreement is made between {provider} (the {pterm}) and {client} (the {cterm}).",
+    "{provider}, the {pterm}, and {client}, the {cterm}, enter into this agreement.",
+    "The parties are {provider} as the {pterm} and {client} as the {cterm}.",
+    "This contract binds {provider} (the {pterm}) and {client} (the {cterm}).",
+)
 # Contract formats, by split: train then eval.
 AMOUNT_FORMATS = (
     lambda n: f"${n:,}",

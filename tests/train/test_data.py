@@ -1,11 +1,12 @@
 """The synthetic tasks: deterministic, split apart, rendered in the pipeline's chat format."""
 
 import re
+from math import prod
 
 import pytest
 
 from salabatch.errors import ConfigError
-from salabatch.train import data
+from salabatch.train import data, pools
 from salabatch.train.data import ALL_KINDS, EVAL, KINDS, TRAIN, TaskGenerator, encode_sample
 
 
@@ -36,15 +37,36 @@ def test_length_is_close_to_the_target(tokenizer):
 
 
 def test_split_pools_are_disjoint_and_cover_everything():
-    for pool in (data.CODENAMES, data.FIRST_NAMES, data.FACTS, data.QUESTIONS, data.VALUE_FORMATS):
+    for pool in (data.CODENAMES, data.FIRST_NAMES, data.VALUE_FORMATS):
         train, test = data.split_pool(pool, TRAIN), data.split_pool(pool, EVAL)
         assert not set(train) & set(test) and len(train) + len(test) == len(pool) and test
     with pytest.raises(ConfigError):
-        data.split_pool(data.FACTS, "dev")
+        data.split_pool(data.CODENAMES, "dev")
+
+
+@pytest.mark.parametrize("name", ["QUESTIONS", "CONTRACT_QUESTIONS", "FACTS", "COMPANY_STEMS"])
+def test_composed_pools_hold_out_whole_strings_but_no_part(name):
+    pool = getattr(pools, name)
+    train, test = data.split_pool(pool, TRAIN), data.split_pool(pool, EVAL)
+    assert len(set(train)) == len(train) and len(set(test)) == len(test)
+    assert not set(train) & set(test) and len(train) == 3 * len(test)
+    assert len(train) + len(test) == prod(len(part) for part in pool.parts)
+    for part in pool.parts:  # every piece is seen in training, and some held-out string uses it
+        for item in part:
+            piece = item.split("{x}")[0]
+            assert any(piece in s for s in train) and any(piece in s for s in test), piece
 
 
 def _entities(text):
-    names = data.CODENAMES + data.FIRST_NAMES + data.LAST_NAMES + data.COMPANY_STEMS
+    names = (
+        data.CODENAMES
+        + data.FIRST_NAMES
+        + data.LAST_NAMES
+        + pools.CODE_SYLLABLES.split(True)
+        + pools.CODE_SYLLABLES.split(False)
+        + pools.COMPANY_STEMS.split(True)
+        + pools.COMPANY_STEMS.split(False)
+    )
     return {n for n in names if re.search(rf"\b{n}\b", text)}
 
 
