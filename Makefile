@@ -25,8 +25,8 @@ $(NATIVE): $(STAMP) $(NATIVE_SRC) scripts/build-native.sh
 	@touch $(NATIVE)
 
 lint: $(STAMP)
-	$(BIN)/ruff check salabatch tests
-	$(BIN)/ruff format --check salabatch tests
+	$(BIN)/ruff check salabatch tests jobs
+	$(BIN)/ruff format --check salabatch tests jobs
 
 test: lint $(NATIVE)
 	$(BIN)/python -m pytest -q
