@@ -297,10 +297,11 @@ def train(
 
 def _eval_sets(tok, cfg: TrainConfig, length: int) -> dict[str, list[Batch]]:
     """The held-out samples every evaluation measures: `eval_samples` of each eval kind (one
-    batch each, at the longest training length so far), by kind."""
+    batch each, at the longest training length so far, with as many turns as training asks),
+    by kind."""
     sets = {}
     for kind in cfg.eval_kinds or cfg.kinds:
-        gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=(kind,))
+        gen = TaskGenerator(tok, split=EVAL, seed=cfg.seed, kinds=(kind,), turns=cfg.turns)
         sets[kind] = [
             make_batch([gen.encoded(i, length)], pad_id=2) for i in range(cfg.eval_samples)
         ]

@@ -3,6 +3,7 @@ through the sparse (InfLLM-v2) path."""
 
 import json
 import math
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,7 +18,7 @@ from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
 from salabatch.train.data import EVAL, TaskGenerator
-from salabatch.train.scoring import Batch, answer_logits, evaluate, loss_fn, make_batch
+from salabatch.train.scoring import answer_logits, evaluate, loss_fn, make_batch
 from salabatch.train.train import TrainConfig, model_config, train
 
 # 4 layers (3 lightning, 1 sparse), sparse mode from 256 tokens
@@ -212,19 +213,19 @@ def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir)
     tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
     gen = TaskGenerator(tok, seed=0, kinds=("recall",))
-    batch = make_batch([gen.encode(gen.sample(0, 200))], pad_id=2)
+    batch = make_batch([gen.encode(gen.sample(0, 400))], pad_id=2)
     best = answer_logits(model, batch).argmax(-1)  # what the model predicts: all "right"
     mx.eval(best)
-    right = Batch(batch.inputs, batch.at, best, batch.mask)
+    right = replace(batch, targets=best)
     assert evaluate(model, [right])["eval_exact"] == 1.0
     n = int(batch.mask.sum().item())
     wrong = mx.where(mx.arange(best.shape[1]) == n - 1, (best + 1) % tok.vocab_size, best)
-    result = evaluate(model, [Batch(batch.inputs, batch.at, wrong, batch.mask)])
+    result = evaluate(model, [replace(batch, targets=wrong)])
     assert result["eval_exact"] == 0.0 and result["eval_token_acc"] == (n - 1) / n
+    answers = len(gen.encode(gen.sample(0, 400)).targets)  # recall asks every fact: several
+    assert answers > 1 and result["eval_answers"] == (answers - 1) / answers
     # by kind: each kind scored on its own, and all of them together as one set
-    by_kind = evaluate(
-        model, {"a": [right], "b": [Batch(batch.inputs, batch.at, wrong, batch.mask)]}
-    )
+    by_kind = evaluate(model, {"a": [right], "b": [replace(batch, targets=wrong)]})
     assert by_kind["eval_exact_a"] == 1.0 and by_kind["eval_exact_b"] == 0.0
     assert by_kind["eval_exact"] == 0.5 and by_kind["eval_token_acc"] == (2 * n - 1) / (2 * n)
     assert by_kind["eval_loss"] == pytest.approx(
