@@ -137,7 +137,7 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--warmup", default=100, show_default=True, type=click.IntRange(min=0))
 @click.option("--kinds", default="needle,multi,contract", show_default=True,
-              help="Task kinds to draw from; the warm-ups before them: induction, recall, "
+              help="Task kinds to draw from; the warm-ups before them: induction, lookup, recall, "
               "copy.")  # fmt: skip
 @click.option("--eval-kinds", default="", show_default=False,
               help="Kinds each evaluation measures (held-out split); default --kinds.")  # fmt: skip

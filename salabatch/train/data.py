@@ -1,6 +1,6 @@
 """Synthetic long-document question answering: the training and evaluation tasks, no download.
 
-Five kinds of sample, each a document, a question whose answer is a span of it, and the
+The kinds of sample: each a document, a question whose answer is a span of it, and the
 answer:
 
 * `needle`: one fact ("The secret verification code for Project Aurora is 739258.") somewhere
@@ -15,13 +15,8 @@ answer:
 * `copy`: a warm-up (the copy task): a random list of values, names and words, and the answer is
   the whole document again. Every answer token after the first is predictable only by finding
   the copied position in the document.
-* `induction`: the first warm-up, token ids rather than text: random digits and letters with a
-  span of 8 to length/4 of them repeated at a random later place; the targets are the repeat
-  after its first symbol. The copied span sits at a different distance in every sample, so only
-  copying by content (an induction circuit: find the earlier twin of this symbol, emit what
-  followed it) lowers the loss. That circuit is what the value of a needle needs, and it forms
-  late: after tens of thousands of small steps on short samples (benchmarks/README.md,
-  "Training the builtin model"), so this kind trains it alone, cheaply, before the others.
+* `induction` and `lookup`: warm-ups made of token ids rather than text (`symbolic.py`):
+  copying by content, and finding a value by its key across a chat turn.
 
 The word lists are in `pools.py`. Filler is built from them and many sentence shapes, with
 numbers in it, so a value is not the only digit run and the text is not periodic. Every choice
@@ -39,7 +34,7 @@ its field by the document's word half of the time, else by a synonym.
 `encode_sample` renders a sample exactly as `salabatch run` feeds it: the tokenizer's
 `document_prompt(document) + prompt_suffix(question)`, then the answer and the end-of-turn token
 as the target. `TaskGenerator.encoded(index, length)` gives what training reads, every kind
-included (`induction` has no text form).
+included (the symbolic kinds have no text form).
 """
 
 from __future__ import annotations
@@ -78,14 +73,14 @@ from salabatch.train.pools import (
     VERBS,
     Composed,
 )
+from salabatch.train.symbolic import induction, lookup
 from salabatch.train.text import capital, distinct, filler_sentence, pick, place_facts
 
 TRAIN, EVAL = "train", "eval"
 SPLITS = (TRAIN, EVAL)
 KINDS = ("needle", "multi", "contract")  # the question-answering kinds, the default
-WARMUPS = ("induction", "recall", "copy")  # curriculum stages before them (never a default)
-INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-DIGITS_ONLY = 0.5  # the share of induction samples drawn from the digits alone
+WARMUPS = ("induction", "lookup", "recall", "copy")  # stages before them (never a default)
+SYMBOLIC = {"induction": induction, "lookup": lookup}  # kinds that are token ids, not text
 ALL_KINDS = KINDS + WARMUPS
 END_OF_TURN = "<|im_end|>"
 TURN_TOKENS = 84  # tokens a question and its answer take, about (a document leaves them room)
@@ -182,15 +177,16 @@ class TaskGenerator:
     def encoded(self, index: int, length: int) -> Encoded:
         """Sample `index` as token ids and target spans, whatever its kind."""
         rng = self._rng(index)
-        if self.kinds[rng.integers(len(self.kinds))] == "induction":
-            return self._induction(rng, length)
+        kind = self.kinds[rng.integers(len(self.kinds))]
+        if kind in SYMBOLIC:
+            return Encoded(*SYMBOLIC[kind](self.tok, rng, length))
         return self.encode(self.sample(index, length))
 
     def sample(self, index: int, length: int) -> Sample:
         rng = self._rng(index)
         kind = self.kinds[rng.integers(len(self.kinds))]
-        if kind == "induction":
-            raise ConfigError("induction samples are token ids, not text: use encoded()")
+        if kind in SYMBOLIC:
+            raise ConfigError(f"{kind} samples are token ids, not text: use encoded()")
         budget = max(length - self.overhead - TURN_TOKENS * self.turns, 16)
         if kind == "contract":
             return self._contract(rng, budget)
@@ -250,22 +246,6 @@ class TaskGenerator:
         return np.random.default_rng([self.seed, SPLITS.index(self.split), index])
 
     # -- kinds --------------------------------------------------------------------------------
-    def _induction(self, rng: np.random.Generator, length: int) -> Encoded:
-        """`length` random symbols; a span of 8 to length/4 of them from the first half repeated
-        somewhere in the second half; targets: the repeat after its first symbol. Half of the
-        samples use the ten digits only: there a symbol recurs every ~10 tokens, so the copy
-        must follow the symbols before it, not the last one alone (as a code's digits must)."""
-        if length < 32:
-            raise ConfigError("induction samples need a length of at least 32", got=length)
-        alphabet = INDUCTION_SYMBOLS[:10] if rng.random() < DIGITS_ONLY else INDUCTION_SYMBOLS
-        symbols = np.array([self.tok.token_id(c) for c in alphabet])
-        ids = symbols[rng.integers(len(symbols), size=length)]
-        span = int(rng.integers(8, length // 4 + 1))
-        source = int(rng.integers(0, length // 2 - span + 1))
-        copy = int(rng.integers(length // 2, length - span + 1))
-        ids[copy : copy + span] = ids[source : source + span]
-        return Encoded(ids.tolist(), ((copy + 1, copy + span),))
-
     def _facts(
         self,
         rng: np.random.Generator,

@@ -14,8 +14,8 @@ respect to its indices), so the compressed keys learn only through the attention
 Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given),
 of every turn when samples carry follow-up questions (`turns`). A run may start from an earlier
 checkpoint (`init`: a curriculum's next stage, e.g. longer documents with sparse mode earlier).
-A curriculum starts with the warm-up kinds of `data.py` (`induction`, then `recall`); `eval_kinds`
-names what every evaluation measures (always the held-out split), e.g. `needle` from the start.
+A curriculum starts with the warm-up kinds of `data.py` (`induction`, `lookup`, `recall`);
+`eval_kinds` names what every evaluation measures (always the held-out split), e.g. `needle`.
 AdamW, linear warmup then cosine decay to a tenth, global-norm clipping. Deterministic: the
 initial weights come from numpy's generator (`random_weights`), the samples from (seed, index),
 the batch lengths from the seed.

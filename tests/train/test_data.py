@@ -6,7 +6,7 @@ from math import prod
 import pytest
 
 from salabatch.errors import ConfigError
-from salabatch.train import data, pools
+from salabatch.train import data, pools, symbolic
 from salabatch.train.data import ALL_KINDS, EVAL, KINDS, TRAIN, TaskGenerator, encode_sample
 
 
@@ -132,12 +132,12 @@ def test_copy_answers_with_the_whole_document(tokenizer):
         e = gen.encode(s)
         assert 0.85 * 300 <= len(e.ids) <= 1.15 * 300
         assert tokenizer.decode(e.ids[e.answer_start : -1]) == s.document
-    assert {k for k in ALL_KINDS if k not in KINDS} == {"induction", "recall", "copy"}
+    assert {k for k in ALL_KINDS if k not in KINDS} == {"induction", "lookup", "recall", "copy"}
 
 
 def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
     gen = TaskGenerator(tokenizer, seed=0, kinds=["induction", "needle"])
-    symbols = {tokenizer.token_id(c) for c in data.INDUCTION_SYMBOLS}
+    symbols = {tokenizer.token_id(c) for c in symbolic.INDUCTION_SYMBOLS}
     digits = {tokenizer.token_id(c) for c in "0123456789"}
     distances, digits_only, samples = set(), 0, 0
     for i in range(40):
@@ -160,6 +160,24 @@ def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
         next(gen.sample(i, 64) for i in range(40) if len(gen.encoded(i, 64).ids) == 64)
     with pytest.raises(ConfigError, match="at least 32"):
         TaskGenerator(tokenizer, kinds=["induction"]).encoded(0, 16)
+
+
+def test_lookup_asks_keys_across_a_chat_turn_and_answers_with_their_values(tokenizer):
+    gen = TaskGenerator(tokenizer, seed=0, kinds=["lookup"])
+    for i in range(4):
+        e = gen.encoded(i, 400)
+        assert e == gen.encoded(i, 400) and len(e.ids) <= 400 and len(e.targets) == 6
+        text = tokenizer.decode(e.ids)
+        pairs = dict(p.split(" ") for p in text.split("\n<|im_start|>")[0].split(";") if p)
+        assert len(pairs) >= 20 and all(len(k) == 2 and len(v) == 4 for k, v in pairs.items())
+        for start, stop in e.targets:  # the key asked in the turn, then its value and the end
+            key = tokenizer.decode(e.ids[:start]).rsplit("user\n", 1)[1].split("<|im_end|>")[0]
+            answer = tokenizer.decode(e.ids[start:stop])
+            assert answer == pairs[key] + "<|im_end|>"
+    with pytest.raises(ConfigError, match="token ids"):
+        gen.sample(0, 400)
+    with pytest.raises(ConfigError, match="at least 300"):
+        gen.encoded(0, 200)
 
 
 def test_needle_document_puts_each_fact_at_its_depth(tokenizer):
