@@ -134,7 +134,7 @@ def generate(
     prefill_chunk,
 ) -> None:
     """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
-    builtin:tiny — an untrained demo model whose text is meaningless), streamed, then print
+    builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed, then print
     timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
     --system-prompt."""
     from salabatch.api import load
@@ -147,7 +147,7 @@ def generate(
     if prompt == "-":
         prompt = click.get_text_stream("stdin").read()
     if builtin.is_builtin(model):
-        click.echo(f"note: {builtin.WARNING}", err=True)
+        click.echo(f"note: {builtin.note(model)}", err=True)
     loaded, tok = load(model, dtype)
     stats = stream_answer(
         loaded,

@@ -53,7 +53,7 @@ def bench_sparse(contexts: str, prefill_tokens: int, chunk: int, out: str | None
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | None) -> None:
-    """Prefix store on builtin:tiny: questions over one document, re-prefilled per question vs
+    """Prefix store on builtin:random: questions over one document, re-prefilled per question vs
     prefilled once (stored) and answered as one batch, then a second run from disk."""
     from salabatch.bench import prefix
 
@@ -328,7 +328,7 @@ def bench_scale(
     docs: int, tokens: int, actors: str, questions: int, max_tokens: int, out: str | None
 ) -> None:
     """Documents/hour of the local executor and of the Ray executor on a local Ray cluster
-    with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:tiny, a fresh prefix
+    with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:random, a fresh prefix
     store per run. Needs `salabatch[ray]`."""
     import json
 

@@ -1,5 +1,5 @@
-"""The Python API (`salabatch.load / generate / stream_generate / batch_generate`) on builtin:tiny
-(an untrained demo model): it generates what the engine generates, on a model loaded once, from
+"""The Python API (`salabatch.load / generate / stream_generate / batch_generate`) on builtin:random
+(an untrained test model): it generates what the engine generates, on a model loaded once, from
 any thread; `import salabatch` stays light and `load` activates the BLAS before MLX."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(cache_dir):
-    return salabatch.load("builtin:tiny", cache_dir=cache_dir)
+    return salabatch.load("builtin:random", cache_dir=cache_dir)
 
 
 def engine_tokens(model, tok, ids, max_tokens, params=GREEDY) -> list[int]:
@@ -107,7 +107,7 @@ def test_batch_generate_answers_in_question_order(loaded):
 
 
 def test_load_on_one_thread_generate_on_another(cache_dir, loaded):
-    model, tok = on_thread(lambda: salabatch.load("builtin:tiny", cache_dir=cache_dir))
+    model, tok = on_thread(lambda: salabatch.load("builtin:random", cache_dir=cache_dir))
     text = on_thread(lambda: salabatch.generate(model, tok, "Say hi.", max_tokens=8))
     assert text == salabatch.generate(*loaded, "Say hi.", max_tokens=8)
     answers = on_thread(lambda: salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4))
@@ -120,7 +120,7 @@ def test_import_is_light_and_load_activates_the_blas_first(cache_dir):
         import json, sys
         import salabatch, salabatch.api
         light = "mlx.core" not in sys.modules and callable(salabatch.load)
-        model, tok = salabatch.load("builtin:tiny", cache_dir={str(cache_dir)!r})
+        model, tok = salabatch.load("builtin:random", cache_dir={str(cache_dir)!r})
         from salabatch.engine import blas
         print(json.dumps({{"light": light, "blas": blas.active().reason}}))
         """

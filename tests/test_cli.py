@@ -63,7 +63,7 @@ def test_example_job_validates(tmp_path, home):
     result = validate(str(tmp_path / "example.yaml"))  # the model folder is checked too
     assert result.exit_code == 2 and "model: " in result.output
     shutil.rmtree(model)
-    shutil.copytree(builtin.resolve("builtin:tiny", tmp_path / "cache"), model)
+    shutil.copytree(builtin.resolve("builtin:random", tmp_path / "cache"), model)
     result = validate(str(tmp_path / "example.yaml"))
     assert result.exit_code == 0, result.output
     assert "  documents  1 entry, 1 file" in result.stdout
@@ -77,16 +77,16 @@ def test_example_job_validates(tmp_path, home):
 
 @pytest.fixture(scope="module")
 def xdg_cache(tmp_path_factory) -> Path:
-    """A cache folder ($XDG_CACHE_HOME) holding builtin:tiny (an untrained demo model)."""
+    """A cache folder ($XDG_CACHE_HOME) holding builtin:random (an untrained test model)."""
     root = tmp_path_factory.mktemp("xdg")
-    builtin.resolve("builtin:tiny", root / "salabatch")
+    builtin.resolve("builtin:random", root / "salabatch")
     return root
 
 
 @pytest.fixture
 def tiny(xdg_cache, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg_cache))
-    return builtin.resolve("builtin:tiny")
+    return builtin.resolve("builtin:random")
 
 
 def test_validate_checks_a_checkpoint_folder(tmp_path, tiny):
@@ -117,7 +117,7 @@ def test_validate_checks_a_checkpoint_folder(tmp_path, tiny):
 
 
 def test_validate_a_quantized_checkpoint(tmp_path, tiny):
-    result = convert("builtin:tiny", str(tmp_path / "q"), "--q-bits", "6", "--q-group-size", "32")
+    result = convert("builtin:random", str(tmp_path / "q"), "--q-bits", "6", "--q-group-size", "32")
     assert result.exit_code == 0, result.output
     result = validate(str(tmp_path / "q"))
     assert result.exit_code == 0 and "6-bit, group size 32" in result.stdout
@@ -153,21 +153,21 @@ def test_generate_takes_mlx_lm_spellings(tiny):
         assert result.exit_code == 0, result.output
         return result
 
-    ours = generate("builtin:tiny", "Say hi.", "--max-tokens", "4", "--system", "Brief.")
+    ours = generate("builtin:random", "Say hi.", "--max-tokens", "4", "--system", "Brief.")
     for args in (
-        ("--model", "builtin:tiny", "--prompt", "Say hi.", "-m", "4", "--system-prompt", "Brief."),
-        ("--model", "builtin:tiny", "Say hi.", "-m", "4", "--system", "Brief."),
-        ("builtin:tiny", "-p", "Say hi.", "-m", "4", "--system", "Brief.", "--temp", "0"),
+        ("--model", "builtin:random", "--prompt", "Say hi.", "-m", "4", "--system-prompt", "Brief."),
+        ("--model", "builtin:random", "Say hi.", "-m", "4", "--system", "Brief."),
+        ("builtin:random", "-p", "Say hi.", "-m", "4", "--system", "Brief.", "--temp", "0"),
     ):
         assert generate(*args).stdout == ours.stdout, args
-    piped = generate("builtin:tiny", "-", "-m", "4", "--system", "Brief.", stdin="Say hi.")
+    piped = generate("builtin:random", "-", "-m", "4", "--system", "Brief.", stdin="Say hi.")
     assert piped.stdout == ours.stdout
-    sampled = generate("builtin:tiny", "Say hi.", "-m", "4", "--temp", "0.9", "--min-p", "0.1")
+    sampled = generate("builtin:random", "Say hi.", "-m", "4", "--temp", "0.9", "--min-p", "0.1")
     assert sampled.stdout.strip()
 
     for args, message in (
-        (("builtin:tiny",), "give MODEL and PROMPT"),
-        (("--model", "builtin:tiny", "a", "b"), "unexpected argument 'b'"),
+        (("builtin:random",), "give MODEL and PROMPT"),
+        (("--model", "builtin:random", "a", "b"), "unexpected argument 'b'"),
     ):
         result = CliRunner().invoke(main, ["generate", *args])
         assert result.exit_code == 2 and message in result.output

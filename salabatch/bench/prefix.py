@@ -1,5 +1,5 @@
-"""What the prefix store buys: N questions over one long document on builtin:tiny (an untrained
-demo model), answered three ways, side by side in one run:
+"""What the prefix store buys: N questions over one long document on builtin:random (an
+untrained test model), answered three ways, side by side in one run:
 
 * per_question: every question prefills document + question from scratch (no reuse);
 * stored: the document is prefilled once into the store, the questions decode as one batch;
@@ -21,12 +21,12 @@ from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 
 
 def run(doc_tokens: int, questions: int, max_tokens: int) -> dict:
-    model, tok = load("builtin:tiny")
+    model, tok = load("builtin:random")
     rng = np.random.default_rng(0)
     doc = rng.integers(3, tok.vocab_size - 8, size=doc_tokens).tolist()
     asks = [tuple(rng.integers(3, 500, size=12 + 3 * i).tolist()) for i in range(questions)]
     requests = [Request(f"q{i}", q, max_tokens=max_tokens) for i, q in enumerate(asks)]
-    key = PrefixKey.of("builtin:tiny", "bench", tok.fingerprint, "float32", doc)
+    key = PrefixKey.of("builtin:random", "bench", tok.fingerprint, "float32", doc)
     with engine_runtime(), tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         for r in requests:  # no reuse: each question pays the whole document

@@ -3,7 +3,7 @@ through the Ray executor on a local Ray cluster with 1, 2, 4 … model actors.
 
 Every configuration runs in its own folder with its own, empty, prefix store and results file,
 so nothing one configuration computed is reused by the next: each pays for every prefill. The
-model is builtin:tiny (an untrained demo model), built once. What is measured is the executor:
+model is builtin:random (an untrained test model), built once. What is measured is the executor:
 per-document scheduling, actor start-up and model load per actor, rows streamed back to the
 driver; so every document takes its own prefix path, as a long one does (`pool_max_tokens: 0`),
 and answers are short.
@@ -114,7 +114,7 @@ def run(
 
     with tempfile.TemporaryDirectory(prefix="salabatch-bench-scale-") as tmp:
         root = Path(tmp)
-        model = builtin.resolve("builtin:tiny", root)
+        model = builtin.resolve("builtin:random", root)
         write_documents(root / "docs", docs, tokens, load_tokenizer(model).encode)
         result = {
             "docs": docs,

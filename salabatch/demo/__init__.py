@@ -1,3 +1,3 @@
-"""Untrained demo models: `builtin:tiny` (builtin.py), its tokenizer (tokenizer.py) and the
-random-weight checkpoints of tests and benchmarks (checkpoint.py). Their answers are noise; they
-exist so that everything runs offline, anywhere."""
+"""The builtin models (builtin.py): `builtin:tiny`, trained and shipped in `tiny/`, and
+`builtin:random`; their tokenizer (tokenizer.py); the random-weight checkpoints of tests and
+benchmarks (checkpoint.py). They exist so that everything runs offline, anywhere."""

@@ -1,16 +1,19 @@
-"""`builtin:tiny`: a small MiniCPM-SALA made locally, so everything runs with no download.
+"""The builtin models, so everything runs with no download:
 
-It is UNTRAINED: its weights are random (deterministic) and the text it generates is
-meaningless. It exists so that pipelines, tests, demos and benchmarks run anywhere. Both layer
-kinds are present and its sparse layers switch to InfLLM-v2 at 2048 tokens, so a document of a
-few thousand tokens exercises the real long-context path.
+* `builtin:tiny`: a small MiniCPM-SALA trained by `salabatch train` on synthetic documents
+  (contracts, key → value facts), shipped in the package (`salabatch/demo/tiny/`, with its
+  MODEL_CARD.md). It answers questions of that kind from a document; it knows nothing else.
+* `builtin:random`: the same architecture family with random (deterministic) weights, for tests
+  and benchmarks: its text is meaningless. Both layer kinds are present and its sparse layers
+  switch to InfLLM-v2 at 2048 tokens, so a document of a few thousand tokens exercises the real
+  long-context path. Built once into `<cache dir>/models/builtin-random-v2/` (config.json,
+  model.safetensors, tokenizer files), the same bytes on every machine. Where the cache dir
+  cannot take it (read-only, full, no permission) it is built into a private temporary folder
+  instead, removed when the process exits, with one warning (CacheWarning): a run never fails
+  for its cache.
 
-Built once into `<cache dir>/models/builtin-tiny-v2/` (config.json, model.safetensors,
-tokenizer files); the same bytes on every machine. Where the cache dir cannot take it (read-only,
-full, no permission) it is built into a private temporary folder instead, removed when the
-process exits, with one warning (CacheWarning): a run never fails for its cache. This module is
-the only one that knows the `builtin:` prefix: everything else asks `is_builtin` /
-`builtin_name`.
+This module is the only one that knows the `builtin:` prefix: everything else asks
+`is_builtin` / `builtin_name` / `note`.
 """
 
 from __future__ import annotations
@@ -26,11 +29,16 @@ from salabatch import files
 from salabatch.errors import CacheWarning, CheckpointError, ConfigError, error_text
 
 PREFIX = "builtin:"
-MODELS = ("tiny",)
-# Bump when the recipe changes: old builds stay where they are, unused.
+MODELS = ("tiny", "random")
+SHIPPED = Path(__file__).parent / "tiny"  # builtin:tiny's checkpoint folder
+# Bump when the recipe of builtin:random changes: old builds stay where they are, unused.
 # v2: the demo tokenizer is trained by tokenizers' BpeTrainer.
 VERSION = 2
-WARNING = "builtin:tiny is an untrained demo model: its answers are meaningless text"
+NOTES = {
+    "tiny": "builtin:tiny is a 1.4M-parameter model trained on synthetic contracts and facts "
+    "(salabatch/demo/tiny/MODEL_CARD.md): it answers only questions of that kind",
+    "random": "builtin:random is an untrained test model: its answers are meaningless text",
+}
 
 
 def is_builtin(model: str | os.PathLike) -> bool:
@@ -49,11 +57,26 @@ def builtin_name(model: str | os.PathLike) -> str | None:
     return name
 
 
+def note(model: str | os.PathLike) -> str | None:
+    """What a user should know about a builtin `model` (None for a checkpoint folder)."""
+    name = builtin_name(model)
+    return None if name is None else NOTES[name]
+
+
 def resolve(model: str | os.PathLike, cache_dir: str | Path | None = None) -> Path:
-    """A checkpoint directory for `model`: a path as given, or `builtin:tiny` built if needed."""
+    """A checkpoint directory for `model`: a path as given, the package's folder for
+    `builtin:tiny`, or `builtin:random` built (once) in `cache_dir`."""
     name = builtin_name(model)
     if name is None:
         return Path(model).expanduser()
+    if name == "tiny":
+        if not (SHIPPED / "model.safetensors").is_file():
+            raise CheckpointError(
+                "builtin:tiny's weights are missing from this installation of salabatch "
+                "(reinstall it)",
+                path=SHIPPED,
+            )
+        return SHIPPED
     root = Path(cache_dir or files.cache_dir()).expanduser()
     dest = root / "models" / f"builtin-{name}-v{VERSION}"
     try:
@@ -86,11 +109,12 @@ def _build_private(dest: Path, reason: str) -> Path:
     return private / dest.name
 
 
-def tiny_config(vocab_size: int, eos: list[int]) -> dict:
+def random_config(vocab_size: int, eos: list[int]) -> dict:
+    """builtin:random's config: 6 layers (3 sparse), hidden 256, sparse from 2048 tokens."""
     return {
         "architectures": ["MiniCPMSALAForCausalLM"],
         "model_type": "minicpm_sala",
-        "salabatch_note": WARNING,
+        "salabatch_note": NOTES["random"],
         "vocab_size": vocab_size,
         "hidden_size": 256,
         "intermediate_size": 640,
@@ -141,7 +165,7 @@ def _build(dest: Path) -> None:
     try:
         vocab = build_byte_tokenizer(tmp, vocab_size=1024)
         im_end = vocab - len(TAIL_TOKENS)  # <|im_end|> is the first of the last 8 ids
-        write_random_checkpoint(tmp, tiny_config(vocab, [2, im_end]))
+        write_random_checkpoint(tmp, random_config(vocab, [2, im_end]))
         try:
             os.rename(tmp, dest)
         except OSError:  # someone else finished first

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints: `builtin:tiny`, the tests' tiny models and the benchmarks' models.
+"""Random-weight checkpoints: `builtin:random`, the tests' tiny models and the benchmarks' models.
 
 UNTRAINED: the weights are deterministic noise (numpy's generator, so the same bytes on every
 platform), good for running and timing the engine, never for its answers.

@@ -1,4 +1,4 @@
-"""The demo tokenizer of `builtin:tiny`: byte-level BPE, trained by `tokenizers`' BpeTrainer on
+"""The tokenizer of the builtin models: byte-level BPE, trained by `tokenizers`' BpeTrainer on
 a built-in text.
 
 Its special tokens sit at the ids they have in the 9B, so chat prompts and stop tokens take the
@@ -34,10 +34,10 @@ MIN_DEMO_VOCAB = len(HEAD_TOKENS) + 256 + len(TAIL_TOKENS)
 
 
 def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
-    """Write the demo tokenizer of `builtin:tiny` into `dest_dir`; return its vocabulary size.
+    """Write the tokenizer of the builtin models into `dest_dir`; return its vocabulary size.
 
-    The builtin model is untrained: its weights are random and the text it generates is
-    meaningless. This tokenizer only makes it run end to end, offline.
+    It is small and trained on a built-in text: enough for the builtin models' synthetic
+    documents, offline.
 
     Byte-level BPE: ids 0..2 are `<unk> <s> </s>`, then the 256 bytes (id 3 + byte), then the
     merges BpeTrainer learns from a small built-in English text, and the 8 chat/tool/FIM special
@@ -76,7 +76,7 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
         "bos_token": "<s>",
         "eos_token": "</s>",
         "model_max_length": 1048576,
-        "salabatch_note": "demo tokenizer of builtin:tiny (an untrained model; output is noise)",
+        "salabatch_note": "tokenizer of the salabatch builtin models (builtin:tiny, builtin:random)",
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "<unk>",
     }

@@ -18,7 +18,7 @@ Policies, stated once:
   `apply_chat_template` gives).
 
 Prompt text is rendered by `salabatch.engine.chat` (the ChatML layout is shown there). The demo
-tokenizer of `builtin:tiny` is built by `salabatch.demo.tokenizer`.
+tokenizer of the builtin models is built by `salabatch.demo.tokenizer`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def dry_run(
     # the keys a run skips, as its ResultWriter.done_keys() gives them
     done = [key for key, ok in earlier.items() if ok or not retry_errors] if resume else []
     planner = setup.planner(done)
-    note = f" ({builtin.WARNING})" if builtin.is_builtin(spec.model) else ""
+    note = f" ({builtin.note(spec.model)})" if builtin.is_builtin(spec.model) else ""
     echo(f"job {spec.name}: model {spec.model}{note}, {setup.dtype}, output {spec.output.path}")
     echo(f"{len(spec.questions)} question(s):")
     for q in spec.questions:

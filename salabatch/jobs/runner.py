@@ -158,7 +158,7 @@ def prepared(
         check_free_space(spec.output.path.parent)
         setup = JobSetup.of(spec)
         if builtin.is_builtin(spec.model):
-            echo(f"note: {builtin.WARNING}")
+            echo(f"note: {builtin.note(spec.model)}")
         yield writer, setup
 
 

@@ -191,7 +191,7 @@ def train(
     """Trains, writes the checkpoint folder `cfg.out` and returns it; `log` gets every record
     written to loss.jsonl as it happens. `cfg.out`/best holds the checkpoint with the lowest
     held-out loss (at the longest eval length reached), marked `"best": true` in loss.jsonl.
-    `cache_dir`: where builtin:tiny (the tokenizer's source) is built, default the user's cache
+    `cache_dir`: where builtin:random (the tokenizer's source) is built, default the user's cache
     dir."""
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -203,7 +203,7 @@ def train(
             blas.BlasWarning,
             stacklevel=2,
         )
-    source = builtin.resolve("builtin:tiny", cache_dir)  # the demo tokenizer: its files are copied
+    source = builtin.resolve("builtin:random", cache_dir)  # its tokenizer files are copied
     tok = load_tokenizer(source)
     eos = [2, tok.token_id(END_OF_TURN)]
     if cfg.init:  # go on from a checkpoint this function wrote (a curriculum's next stage)

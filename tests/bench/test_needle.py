@@ -17,13 +17,13 @@ from salabatch.engine.load import load_model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.train.data import EVAL, TaskGenerator
 
-DENSE, SPARSE = 600, 2600  # builtin:tiny turns sparse at 2048 tokens
+DENSE, SPARSE = 600, 2600  # builtin:random turns sparse at 2048 tokens
 DEPTHS = [0.2, 0.8]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))
+    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

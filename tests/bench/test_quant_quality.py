@@ -18,7 +18,7 @@ from salabatch.errors import ConfigError
 def result(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     return quant_quality.run(
-        "builtin:tiny", contexts=[500], depths=[0.3, 0.7], documents=1, logit_samples=2,
+        "builtin:random", contexts=[500], depths=[0.3, 0.7], documents=1, logit_samples=2,
         logit_length=200, progress=print,
     )  # fmt: skip
 
@@ -45,13 +45,13 @@ def test_a_row_per_format_against_float32(result):
 
 def test_an_unknown_format_is_refused():
     with pytest.raises(ConfigError, match="unknown format"):
-        quant_quality.run("builtin:tiny", formats=["3bit"])
+        quant_quality.run("builtin:random", formats=["3bit"])
 
 
 def test_cli_writes_the_json(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "q.json"
-    args = ["bench", "quant", "--model", "builtin:tiny", "--contexts", "300", "--documents", "1"]
+    args = ["bench", "quant", "--model", "builtin:random", "--contexts", "300", "--documents", "1"]
     args += ["--formats", "8bit", "--logit-samples", "1", "--out", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""builtin:tiny (an untrained demo model) is built offline, deterministically, and runs; and
+"""builtin:random (an untrained test model) is built offline, deterministically, and runs; and
 `salabatch generate` streams an answer with timings."""
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ def digest(path) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("cache"))
+    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("cache"))
 
 
 def test_builds_the_same_bytes_everywhere(tiny_dir, tmp_path):
-    again = builtin.resolve("builtin:tiny", tmp_path)
+    again = builtin.resolve("builtin:random", tmp_path)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert digest(tiny_dir / name) == digest(again / name), name
-    assert builtin.resolve("builtin:tiny", tmp_path) == again  # second call reuses the build
+    assert builtin.resolve("builtin:random", tmp_path) == again  # second call reuses the build
 
 
 def test_config_has_both_layer_kinds_and_reaches_sparse_mode(tiny_dir):
@@ -46,7 +46,7 @@ def test_loads_with_its_tokenizer(tiny_dir):
 
 
 def test_unknown_builtin_and_plain_paths():
-    with pytest.raises(ConfigError, match="builtin:tiny"):
+    with pytest.raises(ConfigError, match="builtin:random"):
         builtin.resolve("builtin:huge")
     assert str(builtin.resolve("~/x")).endswith("/x") and "~" not in str(builtin.resolve("~/x"))
 
@@ -68,7 +68,7 @@ def test_answer_stream_hides_a_leading_think_block(pieces, think, shown):
 
 def test_generate_command_streams_and_reports(tiny_dir, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tiny_dir.parents[2]))
-    result = CliRunner().invoke(main, ["generate", "builtin:tiny", "Say hi.", "--max-tokens", "5"])
+    result = CliRunner().invoke(main, ["generate", "builtin:random", "Say hi.", "--max-tokens", "5"])
     assert result.exit_code == 0, result.output
-    assert "untrained demo model" in result.output
+    assert "untrained test model" in result.output
     assert "prompt " in result.output and "tok/s" in result.output and "(length)" in result.output

@@ -1,4 +1,4 @@
-"""The demo tokenizer of builtin:tiny: the 9B's special ids, vocab sizes, reproducible builds."""
+"""The demo tokenizer of builtin:random: the 9B's special ids, vocab sizes, reproducible builds."""
 
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ def test_timings_are_recorded(model):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """builtin:tiny (an untrained demo model) with its tokenizer, for decoded text."""
-    path = builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("builtin"))
+    """builtin:random (an untrained test model) with its tokenizer, for decoded text."""
+    path = builtin.resolve("builtin:random", tmp_path_factory.mktemp("builtin"))
     return load_model(path, dtype="float32"), load_tokenizer(path)
 
 

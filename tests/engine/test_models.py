@@ -56,8 +56,8 @@ def write_hub_cache(hub: Path, repo_id: str, src: Path, commit: str = COMMIT) ->
 
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory) -> Path:
-    """builtin:tiny's files (an untrained demo model with a tokenizer and chat template)."""
-    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))
+    """builtin:random's files (an untrained test model with a tokenizer and chat template)."""
+    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_repo_ids_are_org_slash_name_with_an_optional_revision():
     assert hub_repo(f"org/tiny@{COMMIT}") == HubRepo("org/tiny", COMMIT)
     assert str(HubRepo("org/tiny", "refs/pr/1")) == "org/tiny@refs/pr/1"
     for path in ("./org/name", "/org/name", "~/name", "../org/name", "name", "a/b/c", "org/",
-                 "org/na--me", "org/na..me", "org/name@", "org/.hidden", "builtin:tiny",
+                 "org/na--me", "org/na..me", "org/name@", "org/.hidden", "builtin:random",
                  "org name/x", "org/name/"):  # fmt: skip
         assert hub_repo(path) is None, path
 

@@ -1,4 +1,4 @@
-"""Fixtures of the job tests: builtin:tiny (an untrained demo model), made once per session."""
+"""Fixtures of the job tests: builtin:random (an untrained test model), made once per session."""
 
 from __future__ import annotations
 
@@ -11,4 +11,4 @@ from salabatch.demo import builtin
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))
+    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))

@@ -199,7 +199,7 @@ def test_builtin_tiny_is_built_in_a_private_folder_when_the_cache_dir_fails(
 
     monkeypatch.setattr(checkpoint, "write_random_checkpoint", full_in_the_cache)
     with pytest.warns(CacheWarning, match="cannot build the builtin model there") as caught:
-        built = builtin.resolve("builtin:tiny", tmp_path / "cache")
+        built = builtin.resolve("builtin:random", tmp_path / "cache")
     assert len(caught) == 1 and private_tmp in built.parents
     assert (built / "model.safetensors").is_file() and (built / "tokenizer.json").is_file()
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no 3 MB temp left there
@@ -210,13 +210,13 @@ def test_the_private_build_is_removed_when_the_process_ends(tmp_path):
     code = (
         "import warnings; warnings.simplefilter('ignore');"
         "from salabatch.demo import builtin;"
-        f"print(builtin.resolve('builtin:tiny', {str(tmp_path / 'a-file')!r}))"
+        f"print(builtin.resolve('builtin:random', {str(tmp_path / 'a-file')!r}))"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     built = Path(done.stdout.strip())
-    assert built.name == "builtin-tiny-v2" and tmp_path in built.parents
+    assert built.name == "builtin-random-v2" and tmp_path in built.parents
     assert not built.parent.exists()
 
 
@@ -229,7 +229,7 @@ def test_stale_temps_are_counted_by_ls_and_removed_by_prune(tmp_path):
         stale_temp(root / "snapshots" / ("b" * 64) / "512.json", dead, 1000),
         stale_temp(root / "fingerprints.json", dead, 500),
     ]
-    build = stale_temp(root / "models" / "builtin-tiny-v2", dead, 0)
+    build = stale_temp(root / "models" / "builtin-random-v2", dead, 0)
     build.unlink()
     build.mkdir()
     (build / "model.safetensors").write_bytes(bytes(1500))
@@ -279,7 +279,7 @@ def test_a_job_on_a_full_cache_dir_answers_every_row(tmp_path, mount, private_tm
     cache = mount(tmp_path / "cache", size="2m")
     fill(cache)
     write_docs(tmp_path)
-    result = run_cli("run", str(write_job(tmp_path, "builtin:tiny")))
+    result = run_cli("run", str(write_job(tmp_path, "builtin:random")))
     assert result.exit_code == 0, result.output
     got = rows(tmp_path)
     assert len(got) == 9 and {r["status"] for r in got} == {"ok"}
@@ -293,7 +293,7 @@ def test_a_job_on_a_full_cache_dir_answers_every_row(tmp_path, mount, private_tm
 def test_a_read_only_cache_dir_answers_every_row(tmp_path, mount, private_tmp):
     cache = mount(tmp_path / "cache", read_only=True)
     write_docs(tmp_path)
-    result = run_cli("run", str(write_job(tmp_path, "builtin:tiny")))
+    result = run_cli("run", str(write_job(tmp_path, "builtin:random")))
     assert result.exit_code == 0, result.output
     assert len(rows(tmp_path)) == 9 and {r["status"] for r in rows(tmp_path)} == {"ok"}
     lines = warning_lines(result.output, str(cache))
@@ -304,7 +304,7 @@ def test_a_read_only_cache_dir_answers_every_row(tmp_path, mount, private_tmp):
 def test_a_read_only_store_still_serves_its_prefixes(tmp_path, mount, private_tmp):
     cache = mount(tmp_path / "cache", size="64m")
     write_docs(tmp_path)
-    job = write_job(tmp_path, "builtin:tiny")
+    job = write_job(tmp_path, "builtin:random")
     assert run_cli("run", str(job)).exit_code == 0
     subprocess.run(["mount", "-o", "remount,ro", str(cache)], check=True)
     spec = yaml.safe_load(job.read_text())

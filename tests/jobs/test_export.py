@@ -46,7 +46,7 @@ def test_inspect_summarizes_counts_tokens_speeds_and_errors(results):
     # prefill: only rows that prefilled their document (a.q1 came from memory)
     assert lines["prefill tok/s, mean"].startswith("prefill tok/s, mean 400.0 (over 2 rows")
     assert lines["decode tok/s, mean"] == "decode tok/s, mean 23.3"
-    assert "contracts" in lines["job"] and "builtin:tiny (8-bit, sha f00df00df00d)" in text
+    assert "contracts" in lines["job"] and "builtin:random (8-bit, sha f00df00df00d)" in text
     assert "2  document has no text: scanned PDF" in text and "1  out of memory" in text
     assert "answers" not in text
 
@@ -67,7 +67,7 @@ def test_export_openai_batch_output_lines(results, tmp_path):
     assert set(ok) == {"id", "custom_id", "response", "error"} and ok["error"] is None
     assert ok["id"].startswith("batch_req_") and ok["response"]["status_code"] == 200
     body = ok["response"]["body"]
-    assert body["object"] == "chat.completion" and body["model"] == "builtin:tiny"
+    assert body["object"] == "chat.completion" and body["model"] == "builtin:random"
     assert body["created"] == int(T0.timestamp())
     assert body["choices"][0]["message"] == {
         "role": "assistant",

@@ -13,7 +13,7 @@ from tests.jobs.test_spec import MINIMAL, error_of, write
 
 
 def test_yaml_syntax_error_names_line_and_column(tmp_path):
-    job = write(tmp_path, "name: x\nmodel: builtin:tiny\n  questions: [\n")
+    job = write(tmp_path, "name: x\nmodel: builtin:random\n  questions: [\n")
     with pytest.raises(JobSpecError) as info:
         load_job(job)
     assert str(info.value).startswith(f"{job}: invalid YAML at line 3, column 12:")
@@ -107,7 +107,7 @@ def test_overrides_do_not_leak_through_yaml_aliases(tmp_path):
         tmp_path,
         """\
         name: alias
-        model: builtin:tiny
+        model: builtin:random
         documents: [{path: d}]
         questions:
           - &base {id: a, text: same}

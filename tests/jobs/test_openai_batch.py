@@ -1,4 +1,4 @@
-"""OpenAI Batch requests on builtin:tiny (an untrained demo model): the body fields honoured or
+"""OpenAI Batch requests on builtin:random (an untrained test model): the body fields honoured or
 refused, `run --requests x.jsonl -o out.jsonl` read back line by line with the `openai`
 package's own types, in input order, and request lines sharing a document prefilled once."""
 

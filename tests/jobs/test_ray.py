@@ -1,5 +1,5 @@
-"""`salabatch run --executor ray` on a local Ray cluster with two model actors and builtin:tiny
-(an untrained demo model): the same rows as a local run; an actor killed mid-run, its document
+"""`salabatch run --executor ray` on a local Ray cluster with two model actors and builtin:random
+(an untrained test model): the same rows as a local run; an actor killed mid-run, its document
 retried, every row once; a worker that always dies, error rows; a rerun that starts nothing; a
 one-line error without Ray. Run them alone with `pytest -m ray`."""
 

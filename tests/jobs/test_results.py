@@ -76,7 +76,7 @@ def make_row(key: str, *, status: str = "ok", run_id: str = "run-1", **kw) -> Re
         question_id=question,
         question=f"question {question}?",
         request_key=key,
-        model="builtin:tiny",
+        model="builtin:random",
         model_sha="f00d" * 16,
         quant_bits=8,
         doc_tokens=1000,

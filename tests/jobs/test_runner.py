@@ -1,4 +1,4 @@
-"""`salabatch run` end to end on builtin:tiny (an untrained demo model): rows, resume after
+"""`salabatch run` end to end on builtin:random (an untrained test model): rows, resume after
 SIGKILL, bad input, error rows, dry run, context overflow (OpenAI batch requests:
 test_openai_batch.py)."""
 
@@ -23,7 +23,7 @@ from salabatch.jobs.results_read import read_metadata, read_results
 from tests.jobs.test_results import DESIGN_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "thornbury-systems.pdf"
+DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "westcliff-energy.pdf"
 SHARED_PDFS = REPO.parent / "shared" / "pdfs"
 # every column an ok document row must fill (think is off, so no reasoning; no error; float
 # weights, so no quant_bits; no request line)
@@ -39,7 +39,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return builtin.resolve("builtin:tiny", tmp_path_factory.mktemp("models"))
+    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 def write_docs(folder: Path) -> Path:

@@ -33,7 +33,7 @@ output: {path: results/contracts.parquet}
 
 MINIMAL = """\
 name: mini
-model: builtin:tiny
+model: builtin:random
 documents: [{path: docs}]
 questions: [{text: Summarize.}]
 """
@@ -76,7 +76,7 @@ def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home)
 
 def test_defaults(tmp_path, home):
     spec = load_job(write(tmp_path, MINIMAL))
-    assert spec.model == "builtin:tiny" and spec.model_is_builtin
+    assert spec.model == "builtin:random" and spec.model_is_builtin
     assert spec.requests is None and spec.system is None
     g, e, c = spec.generation, spec.engine, spec.cache
     assert (g.max_tokens, g.temperature, g.top_p, g.top_k) == (512, 0.0, 1.0, 0)
@@ -121,7 +121,7 @@ def test_auto_ids_and_per_question_overrides(tmp_path):
             tmp_path,
             """\
             name: ids
-            model: builtin:tiny
+            model: builtin:random
             documents: [{path: d}]
             generation: {max_tokens: 100, temperature: 0.5}
             questions:
@@ -145,7 +145,7 @@ def test_numbers_are_fine_as_names_and_ids(tmp_path):
 
 
 def test_requests_only_job_is_valid(tmp_path):
-    spec = load_job(write(tmp_path, "name: r\nmodel: builtin:tiny\nrequests: batch.jsonl\n"))
+    spec = load_job(write(tmp_path, "name: r\nmodel: builtin:random\nrequests: batch.jsonl\n"))
     assert spec.requests == tmp_path / "batch.jsonl"
     assert spec.documents == [] and spec.questions == []
 
@@ -179,7 +179,7 @@ def test_missing_question_text_is_located(tmp_path):
         tmp_path,
         """\
         name: m
-        model: builtin:tiny
+        model: builtin:random
         documents: [{path: d}]
         questions:
           - text: a
@@ -242,7 +242,7 @@ def test_duplicate_question_ids_name_the_later_one(tmp_path):
         tmp_path,
         """\
         name: d
-        model: builtin:tiny
+        model: builtin:random
         documents: [{path: d}]
         questions:
           - {id: x, text: a}
@@ -260,14 +260,14 @@ def test_duplicate_question_ids_name_the_later_one(tmp_path):
 
 def test_what_to_do_is_required(tmp_path):
     no_questions = write(
-        tmp_path, "name: a\nmodel: builtin:tiny\ndocuments: [{path: d}]\n", "a.yaml"
+        tmp_path, "name: a\nmodel: builtin:random\ndocuments: [{path: d}]\n", "a.yaml"
     )
     assert error_of(no_questions).startswith("questions: field required: documents need questions")
     no_documents = write(
-        tmp_path, "name: b\nmodel: builtin:tiny\nquestions: [{text: q}]\n", "b.yaml"
+        tmp_path, "name: b\nmodel: builtin:random\nquestions: [{text: q}]\n", "b.yaml"
     )
     assert error_of(no_documents).startswith("documents: field required: questions need documents")
-    nothing = write(tmp_path, "name: c\nmodel: builtin:tiny\n", "c.yaml")
+    nothing = write(tmp_path, "name: c\nmodel: builtin:random\n", "c.yaml")
     assert error_of(nothing).startswith("documents: nothing to do")
     assert errors_of(write(tmp_path, "documents: []\n", "d.yaml")) == [
         "name: field required",

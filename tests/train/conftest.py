@@ -8,7 +8,7 @@ from salabatch.demo import builtin
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("models")
-    builtin.resolve("builtin:tiny", path)
+    builtin.resolve("builtin:random", path)
     return path
 
 
@@ -16,4 +16,4 @@ def models_dir(tmp_path_factory):
 def tokenizer(models_dir):
     from salabatch.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
+    return load_tokenizer(builtin.resolve("builtin:random", models_dir))

@@ -125,7 +125,7 @@ def test_a_length_curriculum_doubles_the_longest_sample_once_it_is_solved(tmp_pa
 
 
 def test_gradients_flow_through_the_sparse_path(models_dir):
-    tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
+    tok = load_tokenizer(builtin.resolve("builtin:random", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
     gen = TaskGenerator(tok, seed=0)
     batch = make_batch([gen.encode(gen.sample(0, 420))], pad_id=2)
@@ -183,7 +183,7 @@ def test_cli_trains_a_warm_up_stage_evaluated_on_another_kind(tmp_path, monkeypa
 
     from salabatch.cli import main
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # builtin:tiny's tokenizer
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # builtin:random's tokenizer
     sizes = ",".join(f"{k}={v}" for k, v in TINY.items())
     args = ["--kinds", "induction", "--eval-kinds", "needle", "--length", "40", "--steps", "2"]
     out = CliRunner().invoke(
@@ -210,7 +210,7 @@ def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir)
 def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir):
     from salabatch.train.scoring import evaluate
 
-    tok = load_tokenizer(builtin.resolve("builtin:tiny", models_dir))
+    tok = load_tokenizer(builtin.resolve("builtin:random", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
     gen = TaskGenerator(tok, seed=0, kinds=("recall",))
     batch = make_batch([gen.encode(gen.sample(0, 400))], pad_id=2)
