@@ -134,8 +134,8 @@ def generate(
     prefill_chunk,
 ) -> None:
     """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
-    builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed, then print
-    timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
+    builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed,
+    then print timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
     --system-prompt."""
     from salabatch.api import load
     from salabatch.demo import builtin

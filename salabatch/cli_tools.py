@@ -154,6 +154,9 @@ def _sizes(text: str) -> dict[str, int]:
               "to --length, at each evaluation whose held-out token accuracy reaches "
               "--grow-at.")  # fmt: skip
 @click.option("--grow-at", default=0.8, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--select-weight", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Weight of the selection loss: the sparse layers' compressed-key scores "
+              "taught to point where their attention goes (0: none).")  # fmt: skip
 @click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1))
 def train(
     out: str,
@@ -172,6 +175,7 @@ def train(
     eval_every: int,
     grow_from: int,
     grow_at: float,
+    select_weight: float,
     log_every: int,
 ) -> None:
     """Train a small MiniCPM-SALA on synthetic document questions (CPU or GPU, MLX); writes a
@@ -196,7 +200,7 @@ def train(
         out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
         batch=batch, lr=lr, warmup=warmup, turns=turns, init=init, eval_every=eval_every,
         kinds=_names(kinds), eval_kinds=_names(eval_kinds), model=_sizes(sizes),
-        grow_from=grow_from, grow_at=grow_at,
+        grow_from=grow_from, grow_at=grow_at, select_weight=select_weight,
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")
 

@@ -155,7 +155,16 @@ def test_generate_takes_mlx_lm_spellings(tiny):
 
     ours = generate("builtin:random", "Say hi.", "--max-tokens", "4", "--system", "Brief.")
     for args in (
-        ("--model", "builtin:random", "--prompt", "Say hi.", "-m", "4", "--system-prompt", "Brief."),
+        (
+            "--model",
+            "builtin:random",
+            "--prompt",
+            "Say hi.",
+            "-m",
+            "4",
+            "--system-prompt",
+            "Brief.",
+        ),
         ("--model", "builtin:random", "Say hi.", "-m", "4", "--system", "Brief."),
         ("builtin:random", "-p", "Say hi.", "-m", "4", "--system", "Brief.", "--temp", "0"),
     ):

@@ -76,7 +76,7 @@ def build_byte_tokenizer(dest_dir: str | Path, vocab_size: int = 1024) -> int:
         "bos_token": "<s>",
         "eos_token": "</s>",
         "model_max_length": 1048576,
-        "salabatch_note": "tokenizer of the salabatch builtin models (builtin:tiny, builtin:random)",
+        "salabatch_note": "tokenizer of salabatch's builtin models (builtin:tiny, builtin:random)",
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "<unk>",
     }

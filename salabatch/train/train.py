@@ -9,7 +9,9 @@ prefills a document, so the trained weights see at training time exactly what in
 Gradients: InfLLM-v2's block selection (top-k over compressed-key scores) is discrete; gradients
 flow through the keys and values of the selected blocks, not into the choice. The sparse layer
 wraps the selection in `mx.stop_gradient` for this (MLX cannot differentiate a gather with
-respect to its indices), so the compressed keys learn only through the attention they feed.
+respect to its indices), so the compressed keys learn only through the attention they feed,
+unless `select_weight` adds the selection loss of `selection.py`: the compressed-key scores
+taught to point where the dense attention goes.
 
 Loss: cross-entropy on the answer tokens and the end-of-turn token only (the prompt is given),
 of every turn when samples carry follow-up questions (`turns`). A run may start from an earlier
@@ -37,6 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,6 +58,7 @@ from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
 from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, TaskGenerator
 from salabatch.train.scoring import Batch, evaluate, loss_fn, make_batch
+from salabatch.train.selection import loss_with_selection
 
 NOTE = "trained by `salabatch train` on synthetic document questions (see training.json)"
 
@@ -152,6 +156,7 @@ class TrainConfig:
     model: dict = field(default_factory=dict)  # model_config's size arguments
     grow_from: int = 0  # the first longest sample of a length curriculum (0: none)
     grow_at: float = 0.8  # the held-out token accuracy that doubles it
+    select_weight: float = 0.0  # weight of the selection loss (selection.py); 0: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_length <= self.length:
@@ -222,7 +227,10 @@ def train(
     longest = cfg.grow_from or cfg.length
     eval_sets = _eval_sets(tok, cfg, longest)
     optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
-    step_fn = nn.value_and_grad(model, loss_fn)
+    objective = loss_fn
+    if cfg.select_weight:
+        objective = partial(loss_with_selection, weight=cfg.select_weight)
+    step_fn = nn.value_and_grad(model, objective)
 
     records = []
     best = (0, -math.inf)  # (eval length, -held-out loss) of out/best: the larger is kept

@@ -21,7 +21,7 @@ def digest(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory):  # builtin:random, built
     return builtin.resolve("builtin:random", tmp_path_factory.mktemp("cache"))
 
 
@@ -68,7 +68,27 @@ def test_answer_stream_hides_a_leading_think_block(pieces, think, shown):
 
 def test_generate_command_streams_and_reports(tiny_dir, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tiny_dir.parents[2]))
-    result = CliRunner().invoke(main, ["generate", "builtin:random", "Say hi.", "--max-tokens", "5"])
+    result = CliRunner().invoke(
+        main, ["generate", "builtin:random", "Say hi.", "--max-tokens", "5"]
+    )
     assert result.exit_code == 0, result.output
     assert "untrained test model" in result.output
     assert "prompt " in result.output and "tok/s" in result.output and "(length)" in result.output
+
+
+# -- builtin:tiny: the trained model, shipped ------------------------------------------------
+def test_tiny_is_shipped_small_with_the_builtin_tokenizer(tiny_dir):
+    shipped = builtin.resolve("builtin:tiny", "/nonexistent/cache")  # no build, no cache
+    assert shipped == builtin.SHIPPED and (shipped / "MODEL_CARD.md").is_file()
+    assert sum(f.stat().st_size for f in shipped.iterdir()) <= 20 * 2**20
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert digest(shipped / name) == digest(tiny_dir / name), name
+    cfg = ModelConfig.from_file(shipped)
+    assert cfg.extra["salabatch_note"] == builtin.note("builtin:tiny")
+    assert {SPARSE, LIGHTNING} == set(cfg.layer_kinds)
+
+
+def test_notes_say_which_builtin_is_trained():
+    assert "untrained" in builtin.note("builtin:random")
+    assert "trained on synthetic" in builtin.note("builtin:tiny")
+    assert builtin.note("/some/folder") is None
