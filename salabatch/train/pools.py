@@ -209,11 +209,13 @@ CLAUSES = Composed(  # lead + core: "It is agreed that " + "the {term} shall be 
          "the {term} is set at {val}.", "the {term} is fixed as {val}."),
     )
 )  # fmt: skip
-CONTRACT_HEADS = (  # the parties' sentence
+CONTRACT_HEADS = (  # the parties' sentence: a role before its name, or after it
     "This agreement is made between {provider} (the {pterm}) and {client} (the {cterm}).",
+    "The {pterm} is {provider} and the {cterm} is {client}.",
     "{provider}, the {pterm}, and {client}, the {cterm}, enter into this agreement.",
-    "The parties are {provider} as the {pterm} and {client} as the {cterm}.",
+    "The parties are the {pterm}, {provider}, and the {cterm}, {client}.",
     "This contract binds {provider} (the {pterm}) and {client} (the {cterm}).",
+    "Between the {pterm}, {provider}, and the {cterm}, {client}, this agreement is made.",
 )
 # Contract formats, by split: train then eval.
 AMOUNT_FORMATS = (
