@@ -218,17 +218,25 @@ CONTRACT_HEADS = (  # the parties' sentence: a role before its name, or after it
     "Between the {pterm}, {provider}, and the {cterm}, {client}, this agreement is made.",
 )
 # Contract formats, by split: train then eval.
-AMOUNT_FORMATS = (
+AMOUNT_FORMATS = (  # the held-out ones (3, 7) are made of pieces the others use
     lambda n: f"${n:,}",
     lambda n: f"${n:,}.00",
     lambda n: f"USD {n:,}",
     lambda n: f"{n:,} US dollars",
+    lambda n: f"{n:,} dollars",
+    lambda n: f"US$ {n:,}",
+    lambda n: f"{n:,} USD",
+    lambda n: f"USD {n:,}.00",
 )
 DATE_FORMATS = (
     lambda y, m, d: f"{MONTHS[m]} {d}, {y}",
     lambda y, m, d: f"{y}-{m + 1:02d}-{d:02d}",
     lambda y, m, d: f"{d:02d}/{m + 1:02d}/{y}",
     lambda y, m, d: f"{d} {MONTHS[m]} {y}",
+    lambda y, m, d: f"{d} {MONTHS[m][:3]} {y}",
+    lambda y, m, d: f"{MONTHS[m]} {d} {y}",
+    lambda y, m, d: f"{d:02d}.{m + 1:02d}.{y}",
+    lambda y, m, d: f"{d} {MONTHS[m]}, {y}",
 )
 
 # -- filler (shared by both splits) -----------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from salabatch.demo.checkpoint import random_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.model import Model
 from salabatch.train.data import TaskGenerator
@@ -31,6 +32,7 @@ from tests.train.test_train import TINY
 @pytest.fixture(scope="module")
 def setup(tokenizer):
     model = Model(ModelConfig.from_dict(model_config(tokenizer.vocab_size, [2], **TINY)))
+    model.load_weights(list(random_weights(model.config, 0).items()))
     gen = TaskGenerator(tokenizer, seed=0, kinds=("lookup",))
     batch = make_batch([gen.encoded(0, 400), gen.encoded(1, 360)], pad_id=2)
     return model, batch
@@ -102,9 +104,9 @@ def test_training_on_it_lowers_it(setup):
     start = selection_loss(*before, batch.at, batch.mask).item()
     step = nn.value_and_grad(model, lambda m, b: loss_with_selection(m, b, 1.0) - loss_fn(m, b))
     opt = optim.Adam(learning_rate=3e-3)
-    for _ in range(15):
+    for _ in range(30):
         _, grads = step(model, batch)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
     _, (after,) = hidden_and_sparse_inputs(model, batch.inputs)
-    assert selection_loss(*after, batch.at, batch.mask).item() < 0.9 * start
+    assert selection_loss(*after, batch.at, batch.mask).item() < 0.8 * start
