@@ -23,8 +23,9 @@ initial weights come from numpy's generator (`random_weights`), the samples from
 the batch lengths from the seed.
 
 Output folder: a checkpoint `load_model` / `salabatch.load` reads (config.json, model.safetensors,
-the builtin model's tokenizer files), plus `training.json` (the TrainConfig and a summary) and
-`loss.jsonl` (one line per step: step, loss, lr, grad norm, tokens, seconds; eval lines too).
+the builtin model's tokenizer files), plus `training.json` (the TrainConfig from the start, a
+summary at the end) and `loss.jsonl` (one line per step: step, loss, lr, grad norm, tokens,
+seconds; eval lines too).
 On a Linux CPU call `salabatch.engine.activate_blas()` before mlx is imported (`salabatch train`
 does): MLX's own reference BLAS trains ~15x slower; `train` warns, and training.json says which.
 """
@@ -200,6 +201,7 @@ def train(
     dir."""
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    _write_record(out, cfg, None)  # a run stopped early still says how it was made
     if blas.active().kind == "reference" and mx.default_device() == mx.cpu:
         # measured 15x slower fwd+bwd at hidden 128 than with OpenBLAS on the 2-core dev box
         warnings.warn(
@@ -297,10 +299,14 @@ def train(
     }
     summary |= {k: v for k, v in records[-1].items() if k.startswith("eval_")}
     summary["best_step"] = next((r["step"] for r in reversed(records) if r.get("best")), None)
-    (out / "training.json").write_text(
-        json.dumps({"config": asdict(cfg), "summary": summary}, indent=2) + "\n"
-    )
+    _write_record(out, cfg, summary)
     return out
+
+
+def _write_record(out: Path, cfg: TrainConfig, summary: dict | None) -> None:
+    """training.json: the config, and the summary once the run has finished (else null)."""
+    record = {"config": asdict(cfg), "summary": summary}
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _eval_sets(tok, cfg: TrainConfig, length: int) -> dict[str, list[Batch]]:

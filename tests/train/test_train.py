@@ -63,7 +63,13 @@ def test_short_run_overfits_and_writes_a_loadable_model(tmp_path, models_dir):
         out=str(tmp_path / "run"), steps=60, seed=0, length=160, batch=2, lr=3e-3, warmup=5,
         samples=2, eval_samples=1, eval_every=60, model=TINY, kinds=("needle",),
     )  # fmt: skip
-    out = train(cfg, cache_dir=models_dir)
+    early = []  # training.json while the run goes on: its config, no summary yet
+
+    def log(record: dict) -> None:
+        early.append(json.loads((tmp_path / "run" / "training.json").read_text()))
+
+    out = train(cfg, cache_dir=models_dir, log=log)
+    assert early[0]["config"]["steps"] == 60 and early[0]["summary"] is None
     lines = [json.loads(x) for x in (out / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 61)) and "eval_exact" in lines[-1]
     first, last = lines[0]["loss"], sum(r["loss"] for r in lines[-5:]) / 5
