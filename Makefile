@@ -31,8 +31,8 @@ lint: $(STAMP)
 test: lint $(NATIVE)
 	$(BIN)/python -m pytest -q
 
-# The demo job on builtin:tiny, an UNTRAINED demo model: it shows the pipeline, its answers are
-# meaningless text. Then the results table and each answer beside the expected one.
+# The demo job on builtin:tiny (a small model trained on synthetic contracts, shipped in the
+# package), then the results table and each answer beside the expected one, with the count.
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/salabatch run jobs/demo.yaml
 	$(BIN)/salabatch inspect results/demo.parquet --expected jobs/demo/answers.yaml

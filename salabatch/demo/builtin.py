@@ -35,7 +35,7 @@ SHIPPED = Path(__file__).parent / "tiny"  # builtin:tiny's checkpoint folder
 # v2: the demo tokenizer is trained by tokenizers' BpeTrainer.
 VERSION = 2
 NOTES = {
-    "tiny": "builtin:tiny is a 1.4M-parameter model trained on synthetic contracts and facts "
+    "tiny": "builtin:tiny is a 1.35M-parameter model trained on synthetic contracts and facts "
     "(salabatch/demo/tiny/MODEL_CARD.md): it answers only questions of that kind",
     "random": "builtin:random is an untrained test model: its answers are meaningless text",
 }
