@@ -74,7 +74,15 @@ from salabatch.train.pools import (
     Composed,
 )
 from salabatch.train.symbolic import induction, lookup
-from salabatch.train.text import capital, distinct, filler_sentence, pick, place_facts
+from salabatch.train.text import (
+    END_OF_TURN,
+    capital,
+    distinct,
+    filler_sentence,
+    follow_up_turn,
+    pick,
+    place_facts,
+)
 
 TRAIN, EVAL = "train", "eval"
 SPLITS = (TRAIN, EVAL)
@@ -82,7 +90,6 @@ KINDS = ("needle", "multi", "contract")  # the question-answering kinds, the def
 WARMUPS = ("induction", "lookup", "recall", "copy")  # stages before them (never a default)
 SYMBOLIC = {"induction": induction, "lookup": lookup}  # kinds that are token ids, not text
 ALL_KINDS = KINDS + WARMUPS
-END_OF_TURN = "<|im_end|>"
 TURN_TOKENS = 84  # tokens a question and its answer take, about (a document leaves them room)
 
 
@@ -411,10 +418,7 @@ def encode_sample(
     targets = []
     for i, (question, answer) in enumerate(((sample.question, sample.answer), *sample.more)):
         if i:
-            turn = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-            if not think:
-                turn += "<think>\n\n</think>\n\n"
-            ids += tokenizer.encode(turn, special=True)
+            ids += tokenizer.encode(follow_up_turn(question, think=think), special=True)
         start = len(ids)
         ids += tokenizer.encode(answer, special=False) + [eot]
         targets.append((start, len(ids)))

@@ -17,13 +17,13 @@ import numpy as np
 
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import ConfigError
+from salabatch.train.text import END_OF_TURN, follow_up_turn
 
 INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 DIGITS_ONLY = 0.5  # the share of induction samples drawn from the digits alone
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 KEY_LETTERS, VALUE_DIGITS = 2, 4
-ASK = "\n<|im_start|>user\n"  # a follow-up turn: ASK + key + ANSWER, then the value
-ANSWER = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+KEY = "{key}"  # where a turn's key goes: follow_up_turn(KEY) split there
 MOST_ASKED = 6
 
 
@@ -48,7 +48,9 @@ def lookup(tok: Tokenizer, rng: np.random.Generator, length: int) -> tuple[list,
     """Key-value pairs ("qx 4821;") filling about `length` tokens with their questions, then
     up to MOST_ASKED turns each asking a different key; targets: each value and its end of
     turn."""
-    ask, answer = tok.encode(ASK, special=True), tok.encode(ANSWER, special=True)
+    ask, answer = (
+        tok.encode(part, special=True) for part in follow_up_turn(KEY, think=False).split(KEY)
+    )
     pair = KEY_LETTERS + VALUE_DIGITS + 2  # key, space, value, ';'
     turn = len(ask) + KEY_LETTERS + len(answer) + VALUE_DIGITS + 1
     n_pairs = (length - MOST_ASKED * turn) // pair
@@ -57,7 +59,7 @@ def lookup(tok: Tokenizer, rng: np.random.Generator, length: int) -> tuple[list,
     letters = [tok.token_id(c) for c in LETTERS]
     digits = [tok.token_id(c) for c in "0123456789"]
     (space,), (semicolon,) = tok.encode(" ", special=False), tok.encode(";", special=False)
-    eot = tok.token_id("<|im_end|>")
+    eot = tok.token_id(END_OF_TURN)
     keys = rng.choice(len(LETTERS) ** KEY_LETTERS, n_pairs, replace=False)
     key_ids = [[letters[k // len(LETTERS) ** i % len(LETTERS)] for i in (1, 0)] for k in keys]
     values = rng.integers(0, 10, (n_pairs, VALUE_DIGITS))

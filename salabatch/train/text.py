@@ -1,5 +1,6 @@
 """The text of the synthetic documents: filler sentences from the word pools, facts placed among
-them in paragraphs, and the small random choices every kind of sample makes."""
+them in paragraphs, a follow-up chat turn, and the small random choices every kind of sample
+makes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import numpy as np
 from salabatch.train.pools import ADJECTIVES, NOUNS, PLACES, TIMES, VERBS
 
 LINE_PER_SENTENCE = 0.25  # the share of documents with one sentence per line (as PDF text)
+END_OF_TURN = "<|im_end|>"
+
+
+def follow_up_turn(question: str, *, think: bool) -> str:
+    """A later question of the chat, after an answer and its end of turn, up to where the next
+    answer starts (the chat template's user and assistant turns)."""
+    turn = f"\n<|im_start|>user\n{question}{END_OF_TURN}\n<|im_start|>assistant\n"
+    return turn if think else turn + "<think>\n\n</think>\n\n"
 
 
 def place_facts(
