@@ -80,7 +80,11 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
 @click.option("--layers", default=8, show_default=True)
 @click.option("--prefill", default=32, show_default=True)
 @click.option("--steps", default=16, show_default=True)
-@click.option("--formats", default="float32,bfloat16,8bit,4bit", show_default=True)
+@click.option(
+    "--formats",
+    help="Comma-separated. Speed: float32, bfloat16, 8bit, 4bit (all by default); with --model: "
+    "8bit, 4bit, 4bit-g32 (groups of 32; all by default).",
+)
 @click.option(
     "--act-dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -97,7 +101,7 @@ def bench_quant(
     layers: int,
     prefill: int,
     steps: int,
-    formats: str,
+    formats: str | None,
     act_dtype: str,
     out: str | None,
 ) -> None:
@@ -105,11 +109,12 @@ def bench_quant(
     with --model, what 8-bit and 4-bit cost a trained model's answers."""
     from salabatch.bench import environment, quant, quant_quality
 
-    chosen = tuple(f.strip() for f in formats.split(",") if f.strip())
+    default = quant_quality.FORMATS if model_ref else quant.FORMATS
+    chosen = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else default
     if model_ref:
         result = quant_quality.run(
             model_ref,
-            [f for f in chosen if f in quant_quality.FORMATS],
+            [f for f in chosen if f != "float32"],  # float32 is the reference, always run
             [_tokens(c) for c in contexts.split(",") if c.strip()],
             documents=documents,
             logit_samples=logit_samples,

@@ -1,5 +1,6 @@
-"""What quantization costs a model in answers: 8-bit and 4-bit (MLX affine, group 64, bf16
-scales, as `salabatch convert` makes them) against float32 on the same needle set.
+"""What quantization costs a model in answers: 8-bit and 4-bit (MLX affine, bf16 scales, as
+`salabatch convert` makes them; groups of 64, its default, or of 32 for `4bit-g32`) against
+float32 on the same needle set.
 
 For each format, the needle documents of `bench needle` (held-out facts at known depths, asked as
 one batch over each document's prefix) are answered greedily; a format's `agreement` is the share
@@ -21,7 +22,7 @@ import numpy as np
 
 from salabatch.bench import needle
 
-FORMATS = ("8bit", "4bit")
+FORMATS = ("8bit", "4bit", "4bit-g32")  # {bits}bit[-g{group size}]; the group is 64 unless named
 LOGIT_SAMPLES = 16
 LOGIT_LENGTH = 1024
 
@@ -59,7 +60,10 @@ def run(
             path = src
             if fmt != "float32":
                 path = Path(tmp) / fmt
-                convert(src, path, bits=int(fmt[:-3]), dtype="bfloat16", progress=False)
+                bits, group_size = _bits_and_group(fmt)
+                convert(
+                    src, path, bits=bits, group_size=group_size, dtype="bfloat16", progress=False
+                )
             model = load_model(path, dtype="float32")
             progress(f"quant quality: {fmt} …")
             result = needle.run(
@@ -107,6 +111,12 @@ def table(result: dict) -> str:
         f"{result['logit_samples']} held-out samples of {result['logit_length']} tokens"
     )
     return "\n".join(lines)
+
+
+def _bits_and_group(fmt: str) -> tuple[int, int]:
+    """ "4bit-g32" -> (4, 32); "8bit" -> (8, 64)."""
+    bits, _, group = fmt.partition("-g")
+    return int(bits.removesuffix("bit")), int(group or 64)
 
 
 def _logit_samples(tokenizer, seed: int, n: int, length: int) -> list:
