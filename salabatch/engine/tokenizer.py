@@ -74,7 +74,7 @@ class Tokenizer:
         self._cont = parse_backend(cont, plain=False) if cont is not None else None
         self._cont_plain = parse_backend(cont, plain=True) if cont is not None else None
         added = backend.get_added_tokens_decoder()
-        self.added_ids = frozenset(added)  # special and other added tokens: not in plain text
+        self._added_ids = frozenset(added)
         bos_text = backend.id_to_token(bos_id) if bos_id is not None else None
         self._chat = ChatFormat(
             chat_template,
@@ -222,7 +222,7 @@ class Tokenizer:
             part = self._encode_piece(text, special=not plain, after_split=after_split)
             ids += part
             if part:
-                after_split = part[-1] in self.added_ids
+                after_split = part[-1] in self._added_ids
         return ids
 
     def _encode_piece(self, text: str, *, special: bool, after_split: bool) -> list[int]:
@@ -238,6 +238,6 @@ class Tokenizer:
         if after_split or cont is None:
             return ids
         cont_ids = cont.encode(text, add_special_tokens=False).ids
-        i = next((k for k, t in enumerate(ids) if t in self.added_ids), len(ids))
-        j = next((k for k, t in enumerate(cont_ids) if t in self.added_ids), len(cont_ids))
+        i = next((k for k, t in enumerate(ids) if t in self._added_ids), len(ids))
+        j = next((k for k, t in enumerate(cont_ids) if t in self._added_ids), len(cont_ids))
         return cont_ids[:j] + ids[i:]

@@ -2,11 +2,8 @@
 dispatches to them). Each trains one circuit that the text kinds need and that forms late when
 it has to be found through language:
 
-* `induction`: copying by content. Random symbols with a span repeated at a random later
-  place; the targets are the repeat after its first symbol. A quarter of the samples draw from
-  every ordinary token of the vocabulary, so each token is learned as something to copy: the
-  text kinds keep their held-out names and formats apart, and a token found only there (" March"
-  of a held-out date format) would otherwise never have been produced in training.
+* `induction`: copying by content. Random digits and letters with a span repeated at a random
+  later place; the targets are the repeat after its first symbol.
 * `lookup`: finding by content (associative recall). Pairs of a key (two letters) and a value
   (four digits), then follow-up chat turns each asking one key, answered with its value. The
   key sits before the chat's fixed turn tokens, as a question does, so the model must carry it
@@ -24,7 +21,6 @@ from salabatch.train.text import END_OF_TURN, follow_up_turn
 
 INDUCTION_SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 DIGITS_ONLY = 0.5  # the share of induction samples drawn from the digits alone
-WHOLE_VOCABULARY = 0.25  # the share drawn from every ordinary token (the rest: the symbols)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 KEY_LETTERS, VALUE_DIGITS = 2, 4
 KEY = "{key}"  # where a turn's key goes: follow_up_turn(KEY) split there
@@ -35,17 +31,11 @@ def induction(tok: Tokenizer, rng: np.random.Generator, length: int) -> tuple[li
     """`length` random symbols; a span of 8 to length/4 of them from the first half repeated
     somewhere in the second half; targets: the repeat after its first symbol. Half of the
     samples use the ten digits only: there a symbol recurs every ~10 tokens, so the copy must
-    follow the symbols before it, not the last one alone (as a code's digits must); a quarter
-    use every ordinary token."""
+    follow the symbols before it, not the last one alone (as a code's digits must)."""
     if length < 32:
         raise ConfigError("induction samples need a length of at least 32", got=length)
-    draw = rng.random()
-    if draw < DIGITS_ONLY:
-        symbols = np.array([tok.token_id(c) for c in INDUCTION_SYMBOLS[:10]])
-    elif draw < DIGITS_ONLY + WHOLE_VOCABULARY:
-        symbols = np.array([i for i in range(tok.vocab_size) if i not in tok.added_ids])
-    else:
-        symbols = np.array([tok.token_id(c) for c in INDUCTION_SYMBOLS])
+    alphabet = INDUCTION_SYMBOLS[:10] if rng.random() < DIGITS_ONLY else INDUCTION_SYMBOLS
+    symbols = np.array([tok.token_id(c) for c in alphabet])
     ids = symbols[rng.integers(len(symbols), size=length)]
     span = int(rng.integers(8, length // 4 + 1))
     source = int(rng.integers(0, length // 2 - span + 1))

@@ -1,6 +1,5 @@
 """The synthetic tasks: deterministic, split apart, rendered in the pipeline's chat format."""
 
-import collections
 import re
 from math import prod
 
@@ -140,33 +139,23 @@ def test_induction_repeats_a_span_by_content_at_varying_distances(tokenizer):
     gen = TaskGenerator(tokenizer, seed=0, kinds=["induction", "needle"])
     symbols = {tokenizer.token_id(c) for c in symbolic.INDUCTION_SYMBOLS}
     digits = {tokenizer.token_id(c) for c in "0123456789"}
-    ordinary = set(range(tokenizer.vocab_size)) - tokenizer.added_ids
-    distances, alphabets, targets = set(), collections.Counter(), set()
-    for i in range(80):
+    distances, digits_only, samples = set(), 0, 0
+    for i in range(40):
         e = gen.encoded(i, 64)
         if len(e.ids) != 64:  # a needle sample: the same as encode(sample)
             assert e == gen.encode(gen.sample(i, 64))
             continue
         ((start, stop),) = e.targets
         copy, span = start - 1, stop - start + 1
-        assert set(e.ids) <= ordinary and 8 <= span <= 16 and copy >= 32 and stop <= 64
-        alphabets[
-            "digits"
-            if set(e.ids) <= digits
-            else "symbols"
-            if set(e.ids) <= symbols
-            else "vocabulary"
-        ] += 1
-        targets.update(e.ids[start:stop])
+        assert set(e.ids) <= symbols and 8 <= span <= 16 and copy >= 32 and stop <= 64
+        digits_only += set(e.ids) <= digits
+        samples += 1
         # the repeat is an earlier span of the first half, symbol for symbol
         sources = [s for s in range(33 - span) if e.ids[s : s + span] == e.ids[copy:stop]]
         assert sources
         distances.add(copy - sources[0])
         assert e == gen.encoded(i, 64)  # deterministic
-    samples = sum(alphabets.values())
-    assert len(distances) >= 10 and 0.3 < alphabets["digits"] / samples < 0.7
-    assert alphabets["symbols"] >= 4 and alphabets["vocabulary"] >= 4
-    assert len(targets - symbols) >= 50  # tokens beyond the symbols are copy targets
+    assert len(distances) >= 10 and 0.25 < digits_only / samples < 0.75
     with pytest.raises(ConfigError, match="token ids"):
         next(gen.sample(i, 64) for i in range(40) if len(gen.encoded(i, 64).ids) == 64)
     with pytest.raises(ConfigError, match="at least 32"):
