@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date
 from itertools import product
 
 import numpy as np
@@ -93,16 +94,17 @@ COMPANY_KINDS = (
     "Logistics", "Analytics", "Holdings", "Systems", "Foods", "Robotics", "Energy", "Textiles",
     "Labs", "Partners", "Freight", "Media",
 )  # fmt: skip
-JURISDICTIONS = (
-    "Delaware", "New York", "Ontario", "Bavaria", "Victoria", "Texas", "Scotland", "Quebec",
-    "California", "Geneva", "Oregon", "Lisbon", "Nevada", "Alberta", "Saxony", "Tasmania",
-    "Ireland", "Manitoba", "Florida", "Zurich", "Norway", "Vermont", "Hesse", "Queensland",
-    "Wales", "Ohio", "Denmark", "Maine", "Brittany", "Finland", "Utah", "Catalonia",
+JURISDICTIONS = (  # the held-out ones (every 4th) are spelt with tokens the others use
+    "Delaware", "New York", "Ontario", "Bavaria", "Quebec", "Texas", "Scotland", "Victoria",
+    "Lisbon", "Geneva", "Oregon", "California", "Nevada", "Alberta", "Saxony", "Tasmania",
+    "Zurich", "Manitoba", "Florida", "Ireland", "Norway", "Vermont", "Hesse", "Queensland",
+    "Maine", "Ohio", "Denmark", "Wales", "Brittany", "Finland", "Utah", "Catalonia",
 )  # fmt: skip
 MONTHS = (
     "January", "February", "March", "April", "May", "June", "July", "August", "September",
     "October", "November", "December",
 )  # fmt: skip
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 
@@ -237,7 +239,8 @@ DATE_FORMATS = (
     lambda y, m, d: f"{MONTHS[m]} {d} {y}",
     lambda y, m, d: f"{d:02d}.{m + 1:02d}.{y}",
     lambda y, m, d: f"{d} {MONTHS[m]}, {y}",
-)
+    lambda y, m, d: f"{WEEKDAYS[date(y, m + 1, d).weekday()]}, {MONTHS[m]} {d}, {y}",
+)  # the last one gives " March" (a space, then the month) as a training answer's token too
 
 # -- filler (shared by both splits) -----------------------------------------------------------
 

@@ -191,3 +191,17 @@ def test_needle_document_puts_each_fact_at_its_depth(tokenizer):
     assert 1800 <= len(gen.encode(samples[0]).ids) <= 2300
     with pytest.raises(ConfigError, match="depths"):
         gen.needle_document(0, 2000, [1.5])
+
+
+def test_held_out_answers_are_spelt_with_tokens_training_answers_use(tokenizer):
+    """A held-out name or format is a new string, never a new token: a token that no training
+    answer holds is one the model never learned to produce (" March" after a space, "Qu")."""
+
+    def answer_tokens(split: str, n: int) -> set[int]:
+        gen = TaskGenerator(tokenizer, split=split, seed=3, kinds=KINDS, turns=3)
+        samples = (gen.sample(i, 700) for i in range(n))
+        answers = (a for s in samples for _, a in ((s.question, s.answer), *s.more))
+        return {t for a in answers for t in tokenizer.encode(a, special=False)}
+
+    unseen = answer_tokens(EVAL, 400) - answer_tokens(TRAIN, 1500)
+    assert not unseen, [tokenizer.decode([t]) for t in unseen]
