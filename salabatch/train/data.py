@@ -343,7 +343,7 @@ class TaskGenerator:
         fields = {
             "provider": provider,
             "client": client,
-            "amount": pick(rng, p["amounts"])(int(rng.integers(20, 5000)) * 250),
+            "amount": pick(rng, p["amounts"]).format(n=f"{int(rng.integers(20, 5000)) * 250:,}"),
             "start": pick(rng, p["dates"])(
                 int(rng.integers(2024, 2036)), int(rng.integers(12)), int(rng.integers(1, 29))
             ),

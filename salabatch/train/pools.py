@@ -220,16 +220,12 @@ CONTRACT_HEADS = (  # the parties' sentence: a role before its name, or after it
     "Between the {pterm}, {provider}, and the {cterm}, {client}, this agreement is made.",
 )
 # Contract formats, by split: train then eval.
-AMOUNT_FORMATS = (  # the held-out ones (3, 7) are made of pieces the others use
-    lambda n: f"${n:,}",
-    lambda n: f"${n:,}.00",
-    lambda n: f"USD {n:,}",
-    lambda n: f"{n:,} US dollars",
-    lambda n: f"{n:,} dollars",
-    lambda n: f"US$ {n:,}",
-    lambda n: f"{n:,} USD",
-    lambda n: f"USD {n:,}.00",
-)
+AMOUNT_FORMATS = Composed(  # "USD {x}" around "{n}.00": the number's currency, then its style
+    (
+        ("${x}", "US$ {x}", "USD {x}", "{x} US dollars", "{x} USD", "{x} dollars"),
+        ("{n}", "{n}.00"),
+    )
+)  # held out: "USD {n}.00" and "{n} US dollars"; training has each piece in other combinations
 DATE_FORMATS = (
     lambda y, m, d: f"{MONTHS[m]} {d}, {y}",
     lambda y, m, d: f"{y}-{m + 1:02d}-{d:02d}",
