@@ -236,8 +236,7 @@ DATE_FORMATS = (
     lambda y, m, d: f"{d:02d}.{m + 1:02d}.{y}",
     lambda y, m, d: f"{d} {MONTHS[m]}, {y}",
     lambda y, m, d: f"{WEEKDAYS[date(y, m + 1, d).weekday()]}, {MONTHS[m]} {d}, {y}",
-    lambda y, m, d: f"{WEEKDAYS[date(y, m + 1, d).weekday()]} {d} {MONTHS[m]} {y}",
-)  # the last two put " March" (a space, then the month) in training answers too
+)  # the last one gives " March" (a space, then the month) as a training answer's token too
 
 # -- filler (shared by both splits) -----------------------------------------------------------
 
