@@ -23,6 +23,13 @@ from salabatch.bench import time_ms
 FORMATS = ("float32", "bfloat16", "8bit", "4bit")
 
 
+def bits_and_group(fmt: str) -> tuple[int, int]:
+    """A quantized format's bits and group size: "4bit-g32" -> (4, 32); "8bit" -> (8, 64),
+    `convert`'s default group."""
+    bits, _, group = fmt.partition("-g")
+    return int(bits.removesuffix("bit")), int(group or 64)
+
+
 def bench_config(hidden: int = 1024, layers: int = 8) -> dict:
     """Head widths of the 9B (128), sparse layers where the 9B has one in four."""
     heads = hidden // 128
@@ -99,7 +106,10 @@ def run(
         for fmt in formats:
             if fmt.endswith("bit"):
                 path, dtype = Path(tmp) / fmt, act
-                convert(src, path, bits=int(fmt[:-3]), dtype="bfloat16", progress=False)
+                bits, group_size = bits_and_group(fmt)
+                convert(
+                    src, path, bits=bits, group_size=group_size, dtype="bfloat16", progress=False
+                )
             else:
                 path, dtype = src, resolve_dtype(fmt)
             model = load_model(path, dtype=dtype)

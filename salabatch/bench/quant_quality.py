@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from salabatch.bench import needle
+from salabatch.bench.quant import bits_and_group
 
 FORMATS = ("8bit", "4bit", "4bit-g32")  # {bits}bit[-g{group size}]; the group is 64 unless named
 LOGIT_SAMPLES = 16
@@ -60,7 +61,7 @@ def run(
             path = src
             if fmt != "float32":
                 path = Path(tmp) / fmt
-                bits, group_size = _bits_and_group(fmt)
+                bits, group_size = bits_and_group(fmt)
                 convert(
                     src, path, bits=bits, group_size=group_size, dtype="bfloat16", progress=False
                 )
@@ -111,12 +112,6 @@ def table(result: dict) -> str:
         f"{result['logit_samples']} held-out samples of {result['logit_length']} tokens"
     )
     return "\n".join(lines)
-
-
-def _bits_and_group(fmt: str) -> tuple[int, int]:
-    """ "4bit-g32" -> (4, 32); "8bit" -> (8, 64)."""
-    bits, _, group = fmt.partition("-g")
-    return int(bits.removesuffix("bit")), int(group or 64)
 
 
 def _logit_samples(tokenizer, seed: int, n: int, length: int) -> list:

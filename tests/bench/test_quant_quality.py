@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from salabatch.bench import quant_quality
+from salabatch.bench import quant, quant_quality
 from salabatch.cli import main
 from salabatch.errors import ConfigError
 
@@ -47,8 +47,8 @@ def test_a_row_per_format_against_float32(result):
 def test_an_unknown_format_is_refused():
     with pytest.raises(ConfigError, match="unknown format"):
         quant_quality.run("builtin:random", formats=["3bit"])
-    assert quant_quality._bits_and_group("4bit-g32") == (4, 32)
-    assert quant_quality._bits_and_group("8bit") == (8, 64)
+    assert quant.bits_and_group("4bit-g32") == (4, 32)
+    assert quant.bits_and_group("8bit") == (8, 64)
 
 
 def test_cli_writes_the_json(tmp_path, monkeypatch):
