@@ -92,87 +92,6 @@ def doctor(as_json: bool) -> None:
     click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
 
 
-@main.command()
-@click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]")
-@click.option("--model", "model_opt", help="MODEL as an option (mlx-lm's spelling).")
-@click.option("-p", "--prompt", "prompt_opt", help="PROMPT as an option; - reads standard input.")
-@click.option("-m", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(min=0)
-)
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--seed", default=0, show_default=True)
-@click.option("--system", "--system-prompt", default=None, help="System prompt.")
-@click.option(
-    "--think/--no-think",
-    default=False,
-    show_default=True,
-    help="Let the model reason in a <think> block first (shown), or pre-seed it empty.",
-)
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-)
-@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
-def generate(
-    args,
-    model_opt,
-    prompt_opt,
-    max_tokens,
-    temperature,
-    top_p,
-    top_k,
-    min_p,
-    seed,
-    system,
-    think,
-    dtype,
-    prefill_chunk,
-) -> None:
-    """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
-    builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed,
-    then print timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
-    --system-prompt."""
-    from salabatch.api import load
-    from salabatch.demo import builtin
-    from salabatch.engine.session import stream_answer
-
-    model, prompt = _positional(
-        args, ("MODEL", "PROMPT"), (model_opt, prompt_opt), "--model and --prompt"
-    )
-    if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
-    if builtin.is_builtin(model):
-        click.echo(f"note: {builtin.note(model)}", err=True)
-    loaded, tok = load(model, dtype)
-    stats = stream_answer(
-        loaded,
-        tok,
-        prompt,
-        think=think,
-        write=lambda text: click.echo(text, nl=False),
-        system=system,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed=seed,
-        prefill_chunk=prefill_chunk,
-    )
-    click.echo()
-    click.echo(
-        f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_tok_s']:.1f} tok/s, "
-        f"first token after {stats['ttft_s']:.2f} s, {stats['completion_tokens']} tokens at "
-        f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
-        err=True,
-    )
-
-
 _overrides = click.option(
     "--set",
     "overrides",
@@ -392,25 +311,12 @@ def _validate_checkpoint(path: str) -> None:
         click.echo(f"  {key:10s} {value}")
 
 
-def _positional(
-    args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
-) -> list[str]:
-    """The values of `names`: each from its option when given, else from the positional `args`
-    in order (so `generate --model M PROMPT` and `generate M PROMPT` agree)."""
-    free = [name for name, value in zip(names, options, strict=True) if value is None]
-    if len(args) < len(free):
-        raise click.UsageError(f"give {' and '.join(names)}, as arguments or with {spelled}")
-    if len(args) > len(free):
-        raise click.UsageError(f"unexpected argument {args[len(free)]!r}")
-    rest = iter(args)
-    return [value if value is not None else next(rest) for value in options]
-
-
 from salabatch.cli_bench import bench  # noqa: E402  (after `main`: no MLX)
+from salabatch.cli_model import convert_cmd, generate  # noqa: E402
 from salabatch.cli_results import export, inspect  # noqa: E402
-from salabatch.cli_tools import cache, convert_cmd, train  # noqa: E402
+from salabatch.cli_tools import cache, train  # noqa: E402
 
-for _command in (inspect, export, convert_cmd, cache, bench, train):
+for _command in (generate, inspect, export, convert_cmd, cache, bench, train):
     main.add_command(_command)
 
 

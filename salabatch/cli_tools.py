@@ -1,6 +1,5 @@
-"""`salabatch cache …`, `salabatch convert` and `salabatch train`: the prefix store, quantized
-checkpoints and the training entry point. Like cli.py, nothing heavy is imported until a
-command runs."""
+"""`salabatch cache …` and `salabatch train`: the prefix store and the training entry point.
+Like cli.py, nothing heavy is imported until a command runs."""
 
 from __future__ import annotations
 
@@ -207,68 +206,3 @@ def train(
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in text.split(",") if k.strip())
-
-
-@click.command("convert")
-@click.argument("args", nargs=-1, metavar="[SRC] [DST]")
-@click.option("--hf-path", "--model", "src_opt", help="SRC as an option (mlx-lm's spelling).")
-@click.option("--mlx-path", "dst_opt", help="DST as an option (mlx-lm's spelling).")
-@click.option(
-    "--bits",
-    "--q-bits",
-    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
-    help="Bits per weight (MLX affine).",
-)
-@click.option("-q", "--quantize", is_flag=True, help="Quantize; without --bits, to 4 bits.")
-@click.option(
-    "--group-size",
-    "--q-group-size",
-    type=click.Choice(["32", "64", "128"]),
-    default="64",
-    show_default=True,
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["bfloat16", "float16", "float32"]),
-    default="bfloat16",
-    show_default=True,
-    help="Of the scales/biases and of the tensors left unquantized.",
-)
-@click.option("--force", is_flag=True, help="Overwrite a non-empty DST.")
-@click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
-def convert_cmd(
-    args: tuple[str, ...],
-    src_opt: str | None,
-    dst_opt: str | None,
-    bits: str | None,
-    quantize: bool,
-    group_size: str,
-    dtype: str,
-    force: bool,
-    max_shard_gb: float,
-) -> None:
-    """Quantize the checkpoint SRC (a folder, a Hugging Face repo id or builtin:tiny) into the
-    folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
-    --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
-    from salabatch.cli import _positional
-    from salabatch.engine.models import resolve_model
-    from salabatch.engine.quantize import convert
-
-    src, dst = _positional(args, ("SRC", "DST"), (src_opt, dst_opt), "--hf-path and --mlx-path")
-    if bits is None and not quantize:
-        raise click.UsageError("give --bits (or --q-bits), or -q for 4 bits")
-    s = convert(
-        resolve_model(src),
-        dst,
-        bits=int(bits or 4),
-        group_size=int(group_size),
-        dtype=dtype,
-        force=force,
-        max_shard_bytes=int(max_shard_gb * 2**30),
-    )
-    click.echo(
-        f"{s['quantized']} tensors quantized, {s['kept']} kept; "
-        f"{human_size(s['bytes_before'])} -> {human_size(s['bytes_after'])} "
-        f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
-        f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
-    )

@@ -20,23 +20,14 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from salabatch.engine.config import SparseConfig
 from salabatch.errors import ConfigError
 
-SPARSE_9B = {
-    "kernel_size": 32,
-    "kernel_stride": 16,
-    "block_size": 64,
-    "init_blocks": 1,
-    "window_size": 2048,
-    "topk": 64,
-    "use_nope": False,
-    "dense_len": 8192,
-}
 SALA_9B_SPARSE_LAYERS = (0, 9, 16, 17, 22, 29, 30, 31)
 QUESTION_TOKENS = 16
 
@@ -68,7 +59,7 @@ def _sala(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, sparse_layers, 
         "mixer_types": [
             "minicpm4" if i in sparse_layers else "lightning-attn" for i in range(layers)
         ],
-        "sparse_config": SPARSE_9B,
+        "sparse_config": asdict(SparseConfig()),  # the 9B's InfLLM-v2 settings
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,17 +18,6 @@ from salabatch.bench import time_ms
 from salabatch.engine.config import SparseConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.sparse_cache import SparseKVCache
-
-SPARSE_9B = {
-    "kernel_size": 32,
-    "kernel_stride": 16,
-    "block_size": 64,
-    "init_blocks": 1,
-    "window_size": 2048,
-    "topk": 64,
-    "use_nope": False,
-    "dense_len": 8192,
-}
 
 
 def bench_config() -> dict:
@@ -43,7 +33,7 @@ def bench_config() -> dict:
         "scale_depth": 1.4,
         "dim_model_base": 16,
         "mixer_types": ["lightning-attn", "minicpm4"],
-        "sparse_config": SPARSE_9B,
+        "sparse_config": asdict(SparseConfig()),  # the 9B's InfLLM-v2 settings
     }
 
 
