@@ -302,7 +302,8 @@ def _validate_checkpoint(path: str) -> None:
         f"{cfg.num_hidden_layers - sparse} lightning)",
         "weights": f"{len(files)} file{'s' * (len(files) != 1)}, "
         f"{human_size(sum(f.stat().st_size for f in files))}, "
-        + (f"{quant.bits}-bit, group size {quant.group_size}" if quant else "full precision"),
+        + (f"{quant.bits}-bit, group size {quant.group_size}" if quant else "full precision")
+        + (f", {len(quant.overrides)} module(s) set apart" if quant and quant.overrides else ""),
         "tokenizer": f"{tok.vocab_size} tokens, stop ids {sorted(tok.eos_ids)}, "
         + ("its chat template" if tok.has_chat_template else "built-in ChatML"),
     }

@@ -83,7 +83,7 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
 @click.option(
     "--formats",
     help="Comma-separated. Speed: float32, bfloat16, 8bit, 4bit (all by default); with --model: "
-    "8bit, 4bit, 4bit-g32 (groups of 32; all by default).",
+    "8bit, 4bit, 4bit-g32 (groups of 32), 4bit-h8 (lm_head at 8 bits); all by default.",
 )
 @click.option(
     "--act-dtype",

@@ -99,6 +99,11 @@ def generate(
 )
 @click.option("-q", "--quantize", is_flag=True, help="Quantize; without --bits, to 4 bits.")
 @click.option(
+    "--head-bits",
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Bits of lm_head when other than --bits (e.g. 8 beside a 4-bit body).",
+)
+@click.option(
     "--group-size",
     "--q-group-size",
     type=click.Choice(["32", "64", "128"]),
@@ -120,6 +125,7 @@ def convert_cmd(
     dst_opt: str | None,
     bits: str | None,
     quantize: bool,
+    head_bits: str | None,
     group_size: str,
     dtype: str,
     force: bool,
@@ -139,6 +145,7 @@ def convert_cmd(
         resolve_model(src),
         dst,
         bits=int(bits or 4),
+        head_bits=int(head_bits) if head_bits else None,
         group_size=int(group_size),
         dtype=dtype,
         force=force,

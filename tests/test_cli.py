@@ -144,7 +144,17 @@ def test_convert_takes_mlx_lm_spellings(tmp_path, tiny):
     # The CLI lists what quantize.py supports (it cannot import it: MLX).
     options = {p.name: p for p in main.commands["convert"].params}
     assert list(options["bits"].type.choices) == [str(b) for b in BITS]
+    assert list(options["head_bits"].type.choices) == [str(b) for b in BITS]
     assert list(options["group_size"].type.choices) == [str(g) for g in GROUP_SIZES]
+
+
+def test_convert_head_bits(tmp_path, tiny):
+    result = convert(str(tiny), str(tmp_path / "q"), "-q", "--head-bits", "8")
+    assert result.exit_code == 0, result.output
+    quant = ModelConfig.from_file(tmp_path / "q").quantization
+    assert (quant.bits, quant.overrides) == (4, {"lm_head": {"group_size": 64, "bits": 8}})
+    result = validate(str(tmp_path / "q"))
+    assert result.exit_code == 0 and "4-bit, group size 64, 1 module(s) set apart" in result.stdout
 
 
 def test_generate_takes_mlx_lm_spellings(tiny):

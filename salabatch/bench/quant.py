@@ -11,6 +11,7 @@ not use the BLAS and are slower than float32: that is expected, and measured her
 from __future__ import annotations
 
 import gc
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -23,11 +24,27 @@ from salabatch.bench import time_ms
 FORMATS = ("float32", "bfloat16", "8bit", "4bit")
 
 
-def bits_and_group(fmt: str) -> tuple[int, int]:
-    """A quantized format's bits and group size: "4bit-g32" -> (4, 32); "8bit" -> (8, 64),
-    `convert`'s default group."""
-    bits, _, group = fmt.partition("-g")
-    return int(bits.removesuffix("bit")), int(group or 64)
+FORMAT = re.compile(r"(\d)bit(?:-g(\d+))?(?:-h(\d))?")  # 4bit, 4bit-g32, 4bit-h8, 4bit-g32-h8
+
+
+def parse_format(fmt: str) -> tuple[int, int, int]:
+    """A quantized format's bits, group size and lm_head bits: "8bit" -> (8, 64, 8) (`convert`'s
+    default group); "4bit-g32" -> (4, 32, 4); "4bit-h8" -> (4, 64, 8), the head at 8 bits."""
+    from salabatch.engine.quantize import check_bits
+    from salabatch.errors import ConfigError
+
+    match = FORMAT.fullmatch(fmt)
+    if not match:
+        raise ConfigError(
+            "unknown format",
+            field="formats",
+            expected="{bits}bit[-g{group}][-h{head bits}]",
+            got=fmt,
+        )
+    bits, group, head = int(match[1]), int(match[2] or 64), int(match[3] or match[1])
+    check_bits(bits, group)
+    check_bits(head, group)
+    return bits, group, head
 
 
 def bench_config(hidden: int = 1024, layers: int = 8) -> dict:
@@ -106,7 +123,7 @@ def run(
         for fmt in formats:
             if fmt.endswith("bit"):
                 path, dtype = Path(tmp) / fmt, act
-                bits, group_size = bits_and_group(fmt)
+                bits, group_size, _ = parse_format(fmt)
                 convert(
                     src, path, bits=bits, group_size=group_size, dtype="bfloat16", progress=False
                 )

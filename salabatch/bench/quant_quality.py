@@ -1,6 +1,6 @@
 """What quantization costs a model in answers: 8-bit and 4-bit (MLX affine, bf16 scales, as
-`salabatch convert` makes them; groups of 64, its default, or of 32 for `4bit-g32`) against
-float32 on the same needle set.
+`salabatch convert` makes them; groups of 64, its default, or of 32 for `4bit-g32`; `4bit-h8`
+keeps lm_head at 8 bits, `convert --head-bits 8`) against float32 on the same needle set.
 
 For each format, the needle documents of `bench needle` (held-out facts at known depths, asked as
 one batch over each document's prefix) are answered greedily; a format's `agreement` is the share
@@ -21,9 +21,11 @@ import mlx.core as mx
 import numpy as np
 
 from salabatch.bench import needle
-from salabatch.bench.quant import bits_and_group
+from salabatch.bench.quant import parse_format
 
-FORMATS = ("8bit", "4bit", "4bit-g32")  # {bits}bit[-g{group size}]; the group is 64 unless named
+# {bits}bit[-g{group size}][-h{lm_head bits}]: groups of 64 and the head at `bits` unless named;
+# the defaults (any format of that form runs)
+FORMATS = ("8bit", "4bit", "4bit-g32", "4bit-h8")
 LOGIT_SAMPLES = 16
 LOGIT_LENGTH = 1024
 
@@ -47,11 +49,9 @@ def run(
     from salabatch.engine.models import resolve_model
     from salabatch.engine.quantize import convert
     from salabatch.engine.tokenizer import load_tokenizer
-    from salabatch.errors import ConfigError
 
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise ConfigError("unknown format", field="formats", expected=FORMATS, got=unknown)
+    for fmt in formats:
+        parse_format(fmt)  # a ConfigError before any work
     src = resolve_model(model_ref)
     tokenizer = load_tokenizer(src)
     samples = _logit_samples(tokenizer, seed, logit_samples, logit_length)
@@ -61,9 +61,15 @@ def run(
             path = src
             if fmt != "float32":
                 path = Path(tmp) / fmt
-                bits, group_size = bits_and_group(fmt)
+                bits, group_size, head_bits = parse_format(fmt)
                 convert(
-                    src, path, bits=bits, group_size=group_size, dtype="bfloat16", progress=False
+                    src,
+                    path,
+                    bits=bits,
+                    group_size=group_size,
+                    head_bits=head_bits,
+                    dtype="bfloat16",
+                    progress=False,
                 )
             model = load_model(path, dtype="float32")
             progress(f"quant quality: {fmt} …")
@@ -101,10 +107,10 @@ def run(
 
 
 def table(result: dict) -> str:
-    lines = [f"{'format':>8} | {'accuracy':>8} {'agreement':>9} {'logit rel RMS':>13}"]
+    lines = [f"{'format':>11} | {'accuracy':>8} {'agreement':>9} {'logit rel RMS':>13}"]
     for r in result["results"]:
         lines.append(
-            f"{r['format']:>8} | {r['accuracy']:>8.1%} {r['agreement']:>9.1%} "
+            f"{r['format']:>11} | {r['accuracy']:>8.1%} {r['agreement']:>9.1%} "
             f"{r['logit_rel_rms']:>13.2e}"
         )
     lines.append(

@@ -1,10 +1,13 @@
 """MLX affine quantization of the linear layers: converting a checkpoint, and loading one.
 
 Converting quantizes every `nn.Linear` whose input dim is a multiple of the group size, `lm_head`
-included; embeddings and norms stay in full precision (SPEC §7.3). A quantized linear `p` is stored
-as `p.weight` (uint32, [out, in * bits / 32]), `p.scales` and `p.biases` ([out, in / group_size]),
-under the HF names, with `"quantization": {"group_size", "bits"}` in `config.json`; this is also
-the layout of the published MLX 8-bit checkpoint.
+included; embeddings and norms stay in full precision (SPEC §7.3). `head_bits` gives `lm_head`
+its own width (a mixed checkpoint, as mlx-lm's recipes make them): on the trained tiny model most
+of 4-bit's logit error is the head's (benchmarks/README.md, "Stage 4").
+
+A quantized linear `p` is stored as `p.weight` (uint32, [out, in * bits / 32]), `p.scales` and
+`p.biases` ([out, in / group_size]), under the HF names, with `"quantization": {"group_size",
+"bits"}` in `config.json`; this is also the layout of the published MLX 8-bit checkpoint.
 
 Loading decides per module from the checkpoint itself: a module is quantized iff it has `.scales`
 (or a packed uint32 `.weight`), with group size and bits from its own entry in `quantization` when
@@ -38,6 +41,7 @@ from salabatch.errors import CheckpointError, ConfigError
 BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine mode packs
 GROUP_SIZES = (32, 64, 128)
 MAX_SHARD_BYTES = 5 << 30  # shards of at most 5 GiB, as HF and mlx-lm write them
+HEAD = "lm_head"
 
 
 def quantizable(module: nn.Module, group_size: int) -> bool:
@@ -136,17 +140,21 @@ def convert(
     force: bool = False,
     max_shard_bytes: int | None = MAX_SHARD_BYTES,
     progress: bool = True,
+    head_bits: int | None = None,
 ) -> dict:
     """Quantizes the full-precision checkpoint `src` into the new checkpoint `dst`.
 
-    Linear weights get `bits` bits in groups of `group_size`, with scales and biases in `dtype`;
-    every other tensor is stored in `dtype`. Tokenizer and generation config files are copied, and
+    Linear weights get `bits` bits in groups of `group_size` (`lm_head` gets `head_bits` when
+    given, listed per module in `quantization`), with scales and biases in `dtype`; every other
+    tensor is stored in `dtype`. Tokenizer and generation config files are copied, and
     `config.json` (written last, so an interrupted run does not leave a loadable directory) gains
     `"quantization"`. Returns a summary: tensors quantized / kept, bytes on disk before and after.
     Peak memory is about the output plus one source tensor: sources are read lazily, one at a time.
     """
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     check_bits(bits, group_size)
+    if head_bits is not None:
+        check_bits(head_bits, group_size)
     dt = resolve_dtype(dtype)
     if not src.is_dir():
         raise CheckpointError("not a checkpoint directory", path=src)
@@ -158,12 +166,21 @@ def convert(
     model = Model(cfg)  # structure only: its random init is lazy and never evaluated
     weights = model.sanitize(read_weights(src))
     check_weights(model, weights, src)
-    linears = {name for name, m in model.named_modules() if quantizable(m, group_size)}
+    linears = {name: bits for name, m in model.named_modules() if quantizable(m, group_size)}
+    quantization: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    if head_bits is not None:
+        if HEAD not in linears:
+            raise ConfigError(
+                "the model has no lm_head of its own to quantize apart (tied embeddings)",
+                field="head_bits",
+                got=head_bits,
+            )
+        linears[HEAD] = head_bits
+        quantization[HEAD] = {"group_size": group_size, "bits": head_bits}
     float32_bytes = sum(w.size * 4 for w in weights.values())
     count = len(weights)
-    out, quantized = _quantize_weights(weights, linears, bits, group_size, dt, progress)
+    out, quantized = _quantize_weights(weights, linears, group_size, dt, progress)
 
-    quantization = {"group_size": group_size, "bits": bits}
     files, copied = _write_converted(src, dst, out, quantization, dt, max_shard_bytes)
     before = sum(f.stat().st_size for f in weight_files(src))
     after = sum(f.stat().st_size for f in files)
@@ -171,6 +188,7 @@ def convert(
         "src": str(src),
         "dst": str(dst),
         "bits": bits,
+        "head_bits": head_bits if head_bits is not None else bits,
         "group_size": group_size,
         "dtype": dtype_name(dt),
         "quantized": quantized,
@@ -186,14 +204,13 @@ def convert(
 
 def _quantize_weights(
     weights: dict[str, mx.array],
-    linears: set[str],
-    bits: int,
+    linears: dict[str, int],
     group_size: int,
     dtype: mx.Dtype,
     progress: bool,
 ) -> tuple[dict[str, mx.array], int]:
-    """(the converted tensors, how many weights were quantized): the weights of `linears` become
-    `.weight` / `.scales` / `.biases`, every other float tensor is cast to `dtype`.
+    """(the converted tensors, how many weights were quantized): the weights of `linears` (module
+    → bits) become `.weight` / `.scales` / `.biases`, every other float tensor is cast to `dtype`.
 
     Empties `weights` as it goes, so only one source tensor is in memory at a time.
     """
@@ -201,12 +218,13 @@ def _quantize_weights(
 
     out: dict[str, mx.array] = {}
     quantized = 0
+    bits = "/".join(str(b) for b in sorted(set(linears.values()))) or "no"
     for name in tqdm(sorted(weights), desc=f"{bits}-bit", unit="tensor", disable=not progress):
         w = weights.pop(name)  # dropping the reference frees the source tensor once evaluated
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module in linears:
             # Quantizing in the storage dtype lets MLX fit the rounding to bf16 scales/biases.
-            q, scales, biases = mx.quantize(w.astype(dtype), group_size, bits)
+            q, scales, biases = mx.quantize(w.astype(dtype), group_size, linears[module])
             new = {name: q, f"{module}.scales": scales, f"{module}.biases": biases}
             quantized += 1
         else:

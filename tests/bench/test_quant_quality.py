@@ -31,24 +31,30 @@ def monkeypatch_module():
 
 def test_a_row_per_format_against_float32(result):
     rows = {r["format"]: r for r in result["results"]}
-    assert list(rows) == ["float32", "8bit", "4bit", "4bit-g32"] and result["needles"] == 2
+    assert list(rows) == ["float32", "8bit", "4bit", "4bit-g32", "4bit-h8"]
+    assert result["needles"] == 2
     assert rows["float32"]["agreement"] == 1.0 and rows["float32"]["logit_rel_rms"] == 0.0
     # fewer bits or larger groups, further from float32 (on any weights)
     rms = {f: r["logit_rel_rms"] for f, r in rows.items()}
     assert 0 < rms["8bit"] < rms["4bit-g32"] < rms["4bit"] < 1
+    assert rms["8bit"] < rms["4bit-h8"] < rms["4bit"]
     for r in rows.values():
         assert len(r["answers"]) == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["agreement"] <= 1
         same = sum(a == b for a, b in zip(r["answers"], rows["float32"]["answers"], strict=True))
         assert r["agreement"] == same / 2
     text = quant_quality.table(result)
-    assert "   8bit |" in text and "4bit-g32 |" in text and "2 needles (contexts [500])" in text
+    assert "      8bit |" in text and "   4bit-g32 |" in text
+    assert "2 needles (contexts [500])" in text
 
 
 def test_an_unknown_format_is_refused():
     with pytest.raises(ConfigError, match="unknown format"):
-        quant_quality.run("builtin:random", formats=["3bit"])
-    assert quant.bits_and_group("4bit-g32") == (4, 32)
-    assert quant.bits_and_group("8bit") == (8, 64)
+        quant_quality.run("builtin:random", formats=["4bits"])
+    with pytest.raises(ConfigError, match="bit width"):
+        quant_quality.run("builtin:random", formats=["4bit-h7"])
+    assert quant.parse_format("4bit-g32") == (4, 32, 4)
+    assert quant.parse_format("8bit") == (8, 64, 8)
+    assert quant.parse_format("4bit-g32-h8") == (4, 32, 8)
 
 
 def test_cli_writes_the_json(tmp_path, monkeypatch):

@@ -156,6 +156,31 @@ def test_other_bit_widths_and_group_sizes_load_and_run(src, tmp_path, bits, grou
     assert 0 <= tok.item() < 256
 
 
+def test_head_bits_give_lm_head_its_own_width(src, converted, reference, tmp_path):
+    """`head_bits`: lm_head at 8 bits, the rest at 4, listed per module as mlx-lm's mixed
+    checkpoints list it; it loads as written and lies between plain 4-bit and 8-bit."""
+    dst = tmp_path / "q4h8"
+    summary = convert(src, dst, bits=4, head_bits=8, progress=False)
+    raw = json.loads((dst / "config.json").read_text())
+    assert raw["quantization"] == {
+        "group_size": 64,
+        "bits": 4,
+        "lm_head": {"group_size": 64, "bits": 8},
+    }
+    assert summary["quantized"] == LINEARS and (summary["bits"], summary["head_bits"]) == (4, 8)
+    model = load_model(dst, dtype="float32")
+    bits = {p: m.bits for p, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert bits.pop("lm_head") == 8 and set(bits.values()) == {4} and len(bits) == LINEARS - 1
+    q4, q8 = (load_model(converted[b][0], dtype="float32") for b in (4, 8))
+    err = {
+        name: rel_rms(m(IDS), reference(IDS)) for name, m in [("4", q4), ("4h8", model), ("8", q8)]
+    }
+    print(f"logit relative RMS vs float32: {err}")
+    assert err["8"] < err["4h8"] < err["4"]
+    with pytest.raises(ConfigError, match="bit width"):
+        convert(src, tmp_path / "bad", bits=4, head_bits=7, progress=False)
+
+
 def test_convert_refuses_to_overwrite(src, converted, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
