@@ -147,6 +147,9 @@ def _sizes(text: str) -> dict[str, int]:
               "dense_len, window, topk); with --init only dense_len, window, topk.")  # fmt: skip
 @click.option("--init", type=click.Path(file_okay=False, exists=True),
               help="Start from this checkpoint (a previous stage).")  # fmt: skip
+@click.option("--deepen", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --init: append this many layers (a multiple of 4), each an identity "
+              "until trained.")  # fmt: skip
 @click.option("--eval-every", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--grow-from", default=0, show_default=True, type=click.IntRange(min=0),
               help="A length curriculum: the longest sample starts here and doubles, up "
@@ -171,6 +174,7 @@ def train(
     turns: int,
     sizes: str,
     init: str | None,
+    deepen: int,
     eval_every: int,
     grow_from: int,
     grow_at: float,
@@ -199,7 +203,7 @@ def train(
         out=out, steps=steps, seed=seed, length=length, min_length=min(min_length, length),
         batch=batch, lr=lr, warmup=warmup, turns=turns, init=init, eval_every=eval_every,
         kinds=_names(kinds), eval_kinds=_names(eval_kinds), model=_sizes(sizes),
-        grow_from=grow_from, grow_at=grow_at, select_weight=select_weight,
+        grow_from=grow_from, grow_at=grow_at, select_weight=select_weight, deepen=deepen,
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")
 
