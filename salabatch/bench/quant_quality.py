@@ -50,8 +50,7 @@ def run(
     from salabatch.engine.quantize import convert
     from salabatch.engine.tokenizer import load_tokenizer
 
-    for fmt in formats:
-        parse_format(fmt)  # a ConfigError before any work
+    parsed = {fmt: parse_format(fmt) for fmt in formats}  # a ConfigError before any work
     src = resolve_model(model_ref)
     tokenizer = load_tokenizer(src)
     samples = _logit_samples(tokenizer, seed, logit_samples, logit_length)
@@ -61,7 +60,7 @@ def run(
             path = src
             if fmt != "float32":
                 path = Path(tmp) / fmt
-                bits, group_size, head_bits = parse_format(fmt)
+                bits, group_size, head_bits = parsed[fmt]
                 convert(
                     src,
                     path,
