@@ -20,12 +20,12 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from salabatch.engine.config import SparseConfig
+from salabatch.demo.checkpoint import sala_config
 from salabatch.errors import ConfigError
 
 SALA_9B_SPARSE_LAYERS = (0, 9, 16, 17, 22, 29, 30, 31)
@@ -42,25 +42,18 @@ class Shapes:
 
 
 def _sala(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, sparse_layers, base) -> dict:
-    return {
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": mlp,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "lightning_nh": heads,
-        "lightning_nkv": heads,
-        "lightning_head_dim": head_dim,
-        "scale_emb": 12,
-        "scale_depth": 1.4,
-        "dim_model_base": base,
-        "mixer_types": [
-            "minicpm4" if i in sparse_layers else "lightning-attn" for i in range(layers)
-        ],
-        "sparse_config": asdict(SparseConfig()),  # the 9B's InfLLM-v2 settings
-    }
+    """The 9B's InfLLM-v2 settings at every width."""
+    return sala_config(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=mlp,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        sparse_layers=sparse_layers,
+        dim_model_base=base,
+    )
 
 
 def _llama(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, rope_theta) -> dict:

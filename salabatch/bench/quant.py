@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from salabatch.bench import time_ms
+from salabatch.demo.checkpoint import sala_config
 
 FORMATS = ("float32", "bfloat16", "8bit", "4bit")
 
@@ -50,22 +51,17 @@ def parse_format(fmt: str) -> tuple[int, int, int]:
 def bench_config(hidden: int = 1024, layers: int = 8) -> dict:
     """Head widths of the 9B (128), sparse layers where the 9B has one in four."""
     heads = hidden // 128
-    return {
-        "vocab_size": 16384,
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": max(1, heads // 4),
-        "head_dim": 128,
-        "lightning_nh": heads,
-        "lightning_nkv": heads,
-        "lightning_head_dim": 128,
-        "scale_emb": 12,
-        "scale_depth": 1.4,
-        "dim_model_base": 256,
-        "mixer_types": ["minicpm4" if i % 4 == 0 else "lightning-attn" for i in range(layers)],
-    }
+    return sala_config(
+        vocab=16384,
+        hidden=hidden,
+        intermediate=4 * hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=max(1, heads // 4),
+        head_dim=128,
+        sparse_layers=range(0, layers, 4),
+        dim_model_base=256,
+    )
 
 
 def decode_row(model, prefill: int, steps: int) -> dict:

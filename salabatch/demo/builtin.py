@@ -111,47 +111,23 @@ def _build_private(dest: Path, reason: str) -> Path:
 
 def random_config(vocab_size: int, eos: list[int]) -> dict:
     """builtin:random's config: 6 layers (3 sparse), hidden 256, sparse from 2048 tokens."""
-    return {
-        "architectures": ["MiniCPMSALAForCausalLM"],
-        "model_type": "minicpm_sala",
-        "salabatch_note": NOTES["random"],
-        "vocab_size": vocab_size,
-        "hidden_size": 256,
-        "intermediate_size": 640,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "lightning_nh": 8,
-        "lightning_nkv": 8,
-        "lightning_head_dim": 32,
-        "scale_emb": 12,
-        "scale_depth": 1.4,
-        "dim_model_base": 16,  # logits ÷ 16, as in the 9B
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": eos,
-        "pad_token_id": 2,
-        "mixer_types": [
-            "minicpm4",
-            "lightning-attn",
-            "lightning-attn",
-            "minicpm4",
-            "lightning-attn",
-            "minicpm4",
-        ],
-        "sparse_config": {
-            "kernel_size": 32,
-            "kernel_stride": 16,
-            "block_size": 64,
-            "init_blocks": 1,
-            "window_size": 256,  # 4 local blocks
-            "topk": 8,  # 12 blocks per query in all
-            "use_nope": False,
-            "dense_len": 2048,
-        },
-        "torch_dtype": "float32",
-    }
+    from salabatch.demo.checkpoint import sala_config
+
+    return sala_config(
+        vocab=vocab_size,
+        hidden=256,
+        intermediate=640,
+        layers=6,
+        heads=8,
+        kv_heads=2,
+        head_dim=32,
+        sparse_layers=(0, 3, 5),
+        dim_model_base=16,  # logits ÷ 16, as in the 9B
+        # 4 local blocks and 8 chosen: 12 blocks per query in all
+        sparse={"window_size": 256, "topk": 8, "dense_len": 2048},
+        eos=eos,
+        note=NOTES["random"],
+    )
 
 
 def _build(dest: Path) -> None:

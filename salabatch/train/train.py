@@ -50,7 +50,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from salabatch.demo import builtin
-from salabatch.demo.checkpoint import random_weights
+from salabatch.demo.checkpoint import random_weights, sala_config
 from salabatch.engine import blas
 from salabatch.engine.checkpoint import write_weights
 from salabatch.engine.config import ModelConfig
@@ -88,42 +88,21 @@ def model_config(
     before it (benchmarks/README.md, "Stage 2"), so the default is 16 heads."""
     if layers < 4 or layers % 4:
         raise ConfigError("layers must be a multiple of 4", field="layers", got=layers)
-    return {
-        "architectures": ["MiniCPMSALAForCausalLM"],
-        "model_type": "minicpm_sala",
-        "salabatch_note": NOTE,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "lightning_nh": heads,
-        "lightning_nkv": heads,
-        "lightning_head_dim": head_dim,
-        "scale_emb": 12,
-        "scale_depth": 1.4,
-        "dim_model_base": 16,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": list(eos),
-        "pad_token_id": 2,
-        # the sparse layer last in each group of 4: it reads keys the lightning layers before
-        # it have mixed with their neighbours (what a retrieval head needs)
-        "mixer_types": ["minicpm4" if i % 4 == 3 else "lightning-attn" for i in range(layers)],
-        "sparse_config": {
-            "kernel_size": 32,
-            "kernel_stride": 16,
-            "block_size": 64,
-            "init_blocks": 1,
-            "window_size": window,
-            "topk": topk,
-            "use_nope": False,
-            "dense_len": dense_len,
-        },
-        "torch_dtype": "float32",
-    }
+    # the sparse layer last in each group of 4: it reads keys the lightning layers before it
+    # have mixed with their neighbours (what a retrieval head needs)
+    return sala_config(
+        vocab=vocab_size,
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        sparse_layers=range(3, layers, 4),
+        sparse={"window_size": window, "topk": topk, "dense_len": dense_len},
+        eos=eos,
+        note=NOTE,
+    )
 
 
 @dataclass(frozen=True)
