@@ -6,7 +6,10 @@ value formats, fact sentences and question phrasings never used in training), ea
 unrelated key → value fact at every depth. The document's prompt is prefilled once in chunks
 and all of its questions are answered as one greedy batch over that prefix (`Generator`, as
 `salabatch run` does). An answer is right when it is exactly the value (whitespace around it
-aside): what a trained model says and then stops.
+aside): what a trained model says and then stops. A wrong answer is put in one of three kinds
+(`MISSES`), which tell finding from copying: another needle's value (the wrong fact found),
+a slip (the right value copied with an error: at most two characters changed, or half of it
+right from its start), or other.
 
 Block selection: for each question, a fork of the same prefix is given the question's prompt
 with the sparse layers recording their choice; for the query that produces the first answer
@@ -16,6 +19,7 @@ one of the value's tokens. Below `dense_len` every block is attended, and no sha
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 QUICK = {"contexts": (4096, 8192), "depths": (0.1, 0.5, 0.9), "documents": 1}
 MAX_TOKENS = 24  # longer than every value format, so a wrong answer is seen whole
+MISSES = ("another needle", "slip", "other")
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,10 @@ def _document(model, tokenizer, tasks, n: int, index: int, depths, chunk: int) -
     generator = Generator(model, batch_size=len(requests), prefill_chunk=chunk)
     answers = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     rows = []
+    values = [x.value for x in needles]
     for i, (needle, ids) in enumerate(zip(needles, suffixes, strict=True)):
         answer = tokenizer.decode(answers[str(i)], skip_special=True)
+        others = values[:i] + values[i + 1 :]
         rows.append(
             {
                 "context": n,
@@ -104,12 +111,35 @@ def _document(model, tokenizer, tasks, n: int, index: int, depths, chunk: int) -
                 "value": needle.value,
                 "answer": answer,
                 "correct": answer.strip() == needle.value,
+                "miss": miss(answer.strip(), needle.value, others),
                 "value_tokens": [needle.start, needle.end],
                 "selected": _selected(model, prefix, ids, needle),
                 "prefill_s": round(prefill_s, 3),
             }
         )
     return rows
+
+
+def miss(answer: str, value: str, others: Sequence[str]) -> str | None:
+    """The kind of a wrong answer (one of MISSES); None for a right one."""
+    if answer == value:
+        return None
+    if answer in others:
+        return "another needle"
+    shared = len(os.path.commonprefix([answer, value]))
+    if _edits(answer, value) <= 2 or 2 * shared >= len(value):
+        return "slip"
+    return "other"
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: insertions, deletions and substitutions turning a into b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 def _locate(tokenizer, document: str, sample) -> Needle:
@@ -166,6 +196,7 @@ def summary(rows: list[dict], model) -> dict:
         "dense_len": cfg.sparse.dense_len,
         "sparse_layers": [i for i, k in enumerate(cfg.layer_kinds) if k != LIGHTNING],
         "accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4) if rows else None,
+        "misses": {kind: sum(r["miss"] == kind for r in rows) for kind in MISSES},
         "grid": grid,
         "rows": rows,
     }
@@ -192,6 +223,9 @@ def table(result: dict) -> str:
             picks = " ".join(f"{c['selected'][s]:>5.0%}" for s in layers)
             lines.append(f"{c['context']:>8} {c['depth']:>6.0%} | {picks}")
     lines.append(f"\noverall accuracy: {result['accuracy']:.1%} of {len(result['rows'])} needles")
+    misses = result.get("misses") or {}
+    if any(misses.values()):
+        lines.append("misses: " + ", ".join(f"{n} {kind}" for kind, n in misses.items()))
     return "\n".join(lines)
 
 

@@ -43,11 +43,24 @@ def test_a_row_per_needle_and_a_cell_per_context_and_depth(result):
     ]
     for r in rows:
         assert r["correct"] == (r["answer"].strip() == r["value"])
+        assert (r["miss"] is None) == r["correct"] and r["miss"] in (None, *needle.MISSES)
         assert abs(r["prompt_tokens"] - r["context"]) < 0.15 * r["context"]
     assert [(c["context"], c["depth"], c["needles"]) for c in result["grid"]] == [
         (n, d, 1) for n in (DENSE, SPARSE) for d in DEPTHS
     ]
     assert result["accuracy"] == sum(r["correct"] for r in rows) / len(rows)
+    assert sum(result["misses"].values()) == sum(not r["correct"] for r in rows)
+
+
+def test_a_wrong_answer_is_named_by_its_kind():
+    assert needle.miss("47-1182", "47-1182", ["31951"]) is None
+    assert needle.miss("31951", "47-1182", ["31951"]) == "another needle"
+    assert needle.miss("16-482-317", "116-482-317", []) == "slip"  # a digit dropped
+    assert needle.miss("58040.", "58040", []) == "slip"  # the sentence's full stop copied
+    assert needle.miss("3235999999", "32359", []) == "slip"  # ran on past the value
+    assert needle.miss("5374", "53716", []) == "slip"  # more than half right from the start
+    assert needle.miss("Project Zenel", "412-610-546", []) == "other"  # the entity, not its value
+    assert needle.miss("5282-798", "58040", ["31951"]) == "other"
 
 
 def test_selection_is_given_per_sparse_layer_only_in_sparse_mode(result):
