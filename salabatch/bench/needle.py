@@ -3,13 +3,14 @@ block selection and batched decoding over a shared document prefix?
 
 Per context length, documents from the held-out split of `salabatch.train.data` (entity names,
 value formats, fact sentences and question phrasings never used in training), each holding one
-unrelated key → value fact at every depth. The document's prompt is prefilled once in chunks
-and all of its questions are answered as one greedy batch over that prefix (`Generator`, as
-`salabatch run` does). An answer is right when it is exactly the value (whitespace around it
-aside): what a trained model says and then stops. A wrong answer is put in one of three kinds
-(`MISSES`), which tell finding from copying: another needle's value (the wrong fact found),
-a slip (the right value copied with an error: at most two characters changed, or half of it
-right from its start), or other.
+unrelated key → value fact at every depth; no two documents of a run share their facts, so a
+grid of C contexts × D documents × N depths asks C·D·N different facts. The document's prompt
+is prefilled once in chunks and all of its questions are answered as one greedy batch over that
+prefix (`Generator`, as `salabatch run` does). An answer is right when it is exactly the value
+(whitespace around it aside): what a trained model says and then stops. A wrong answer is put
+in one of three kinds (`MISSES`), which tell finding from copying: another needle's value (the
+wrong fact found), a slip (the right value copied with an error: at most two characters
+changed, or half of it right from its start), or other.
 
 Block selection: for each question, a fork of the same prefix is given the question's prompt
 with the sparse layers recording their choice; for the query that produces the first answer
@@ -69,19 +70,23 @@ def run(
     tasks = TaskGenerator(tokenizer, split=EVAL, seed=seed, kinds=("needle",))
     rows = []
     with engine_runtime():
-        for n in contexts:
+        for i, n in enumerate(contexts):
             for index in range(documents):
                 progress(f"needle: {n} tokens, document {index + 1}/{documents} …")
-                rows += _document(model, tokenizer, tasks, n, index, depths, chunk)
+                sample = i * documents + index  # each context its own facts
+                rows += _document(model, tokenizer, tasks, n, index, sample, depths, chunk)
                 if on_result is not None:
                     on_result(summary(rows, model))
     return summary(rows, model)
 
 
-def _document(model, tokenizer, tasks, n: int, index: int, depths, chunk: int) -> list[dict]:
+def _document(
+    model, tokenizer, tasks, n: int, index: int, sample: int, depths, chunk: int
+) -> list[dict]:
+    """Document `index` of context `n`: held-out sample `sample`'s facts at `depths`."""
     from salabatch.engine.generate import Generator, Request, prefill
 
-    samples = tasks.needle_document(index, n, list(depths))
+    samples = tasks.needle_document(sample, n, list(depths))
     document = samples[0].document
     doc_prompt = tokenizer.document_prompt(document, system=None, think=False)
     needles = [_locate(tokenizer, document, s) for s in samples]

@@ -52,6 +52,12 @@ def test_a_row_per_needle_and_a_cell_per_context_and_depth(result):
     assert sum(result["misses"].values()) == sum(not r["correct"] for r in rows)
 
 
+def test_each_context_asks_its_own_facts(result):
+    values = {n: {r["value"] for r in result["rows"] if r["context"] == n} for n in (DENSE, SPARSE)}
+    assert len(values[DENSE]) == len(values[SPARSE]) == len(DEPTHS)
+    assert not values[DENSE] & values[SPARSE]
+
+
 def test_a_wrong_answer_is_named_by_its_kind():
     assert needle.miss("47-1182", "47-1182", ["31951"]) is None
     assert needle.miss("31951", "47-1182", ["31951"]) == "another needle"
