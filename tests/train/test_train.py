@@ -192,12 +192,15 @@ def test_cli_trains_a_warm_up_stage_evaluated_on_another_kind(tmp_path, monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # builtin:random's tokenizer
     sizes = ",".join(f"{k}={v}" for k, v in TINY.items())
     args = ["--kinds", "induction", "--eval-kinds", "needle", "--length", "40", "--steps", "2"]
+    args += ["--eval-samples", "3"]
     out = CliRunner().invoke(
         main, ["train", "--out", str(tmp_path / "i"), "--model", sizes, "--warmup", "0", *args]
     )
     assert out.exit_code == 0, out.output
     config = json.loads((tmp_path / "i" / "training.json").read_text())["config"]
     assert config["kinds"] == ["induction"] and config["eval_kinds"] == ["needle"]
+    assert config["eval_samples"] == 3
+    assert "eval_answers " in out.output  # the share of answers right, in the log
 
 
 def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir):
