@@ -208,16 +208,20 @@ def summary(rows: list[dict], model) -> dict:
 
 
 def table(result: dict) -> str:
-    """Accuracy in % per context (rows) and depth (columns), then the selection shares."""
+    """Accuracy in % per context (rows) and depth (columns) with each context's right answers,
+    then the selection shares, the overall accuracy with its 95 % interval and the misses."""
     contexts = sorted({c["context"] for c in result["grid"]})
     depths = sorted({c["depth"] for c in result["grid"]})
     cell = {(c["context"], c["depth"]): c for c in result["grid"]}
-    head = f"{'context':>8} | " + " ".join(f"{f'{d:.0%}':>6}" for d in depths)
+    head = f"{'context':>8} | " + " ".join(f"{f'{d:.0%}':>6}" for d in depths) + " |   all"
     lines = ["accuracy by depth", head]
     for n in contexts:
         vals = [cell.get((n, d)) for d in depths]
+        rights = [r["correct"] for r in result["rows"] if r["context"] == n]
         lines.append(
-            f"{n:>8} | " + " ".join(f"{c['accuracy']:>6.0%}" if c else f"{'–':>6}" for c in vals)
+            f"{n:>8} | "
+            + " ".join(f"{c['accuracy']:>6.0%}" if c else f"{'–':>6}" for c in vals)
+            + f" | {sum(rights)}/{len(rights)}"
         )
     shares = [c for c in result["grid"] if "selected" in c]
     if shares:
@@ -227,11 +231,25 @@ def table(result: dict) -> str:
         for c in shares:
             picks = " ".join(f"{c['selected'][s]:>5.0%}" for s in layers)
             lines.append(f"{c['context']:>8} {c['depth']:>6.0%} | {picks}")
-    lines.append(f"\noverall accuracy: {result['accuracy']:.1%} of {len(result['rows'])} needles")
+    n = len(result["rows"])
+    low, high = wilson(sum(r["correct"] for r in result["rows"]), n)
+    lines.append(
+        f"\noverall accuracy: {result['accuracy']:.1%} of {n} needles "
+        f"(95 % interval {low:.0%}–{high:.0%})"
+    )
     misses = result.get("misses") or {}
     if any(misses.values()):
         lines.append("misses: " + ", ".join(f"{n} {kind}" for kind, n in misses.items()))
     return "\n".join(lines)
+
+
+def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share right/n (95 % for z = 1.96): how far a grid of n
+    needles can be from the model's accuracy on all such needles."""
+    p, spread = right / n, z * z / n
+    centre = (p + spread / 2) / (1 + spread)
+    half = z * ((p * (1 - p) + spread / 4) / n) ** 0.5 / (1 + spread)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def heatmap(result: dict, path: str, title: str) -> None:

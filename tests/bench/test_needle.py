@@ -108,7 +108,16 @@ def test_every_needle_is_selected_when_every_block_is(folder, tokenizer, tmp_pat
 def test_table_names_every_cell(result):
     text = needle.table(result)
     assert "accuracy by depth" in text and "needle block selected" in text
+    assert "95 % interval" in text and f"/{len(DEPTHS)}" in text  # each context's right answers
     assert f"{SPARSE:>8}" in text and "20%" in text and "80%" in text
+
+
+def test_the_interval_holds_the_share_and_narrows_with_more_needles():
+    assert needle.wilson(0, 10)[0] == 0 and needle.wilson(10, 10)[1] == 1
+    low, high = needle.wilson(60, 100)
+    assert 0.50 < low < 0.51 and 0.69 < high < 0.70
+    narrow = needle.wilson(600, 1000)
+    assert low < narrow[0] < 0.6 < narrow[1] < high
 
 
 def test_cli_writes_json_and_heatmap(folder, tmp_path):
