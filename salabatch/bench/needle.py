@@ -106,7 +106,7 @@ def _document(
     values = [x.value for x in needles]
     for i, (needle, ids) in enumerate(zip(needles, suffixes, strict=True)):
         answer = tokenizer.decode(answers[str(i)], skip_special=True)
-        others = values[:i] + values[i + 1 :]
+        kind = miss(answer.strip(), needle.value, values[:i] + values[i + 1 :])
         rows.append(
             {
                 "context": n,
@@ -115,8 +115,8 @@ def _document(
                 "prompt_tokens": len(doc_prompt) + len(ids),
                 "value": needle.value,
                 "answer": answer,
-                "correct": answer.strip() == needle.value,
-                "miss": miss(answer.strip(), needle.value, others),
+                "correct": kind is None,
+                "miss": kind,
                 "value_tokens": [needle.start, needle.end],
                 "selected": _selected(model, prefix, ids, needle),
                 "prefill_s": round(prefill_s, 3),
