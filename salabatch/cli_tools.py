@@ -150,6 +150,8 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--deepen", default=0, show_default=True, type=click.IntRange(min=0),
               help="With --init: append this many layers (a multiple of 4), each an identity "
               "until trained.")  # fmt: skip
+@click.option("--deepen-front", is_flag=True,
+              help="Add the --deepen layers in front of the trained ones instead.")  # fmt: skip
 @click.option("--eval-every", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--eval-samples", default=64, show_default=True, type=click.IntRange(min=0),
               help="Held-out documents per eval kind at each evaluation (0: none); with 16, "
@@ -178,6 +180,7 @@ def train(
     sizes: str,
     init: str | None,
     deepen: int,
+    deepen_front: bool,
     eval_every: int,
     eval_samples: int,
     grow_from: int,
@@ -209,6 +212,7 @@ def train(
         eval_samples=eval_samples,
         kinds=_names(kinds), eval_kinds=_names(eval_kinds), model=_sizes(sizes),
         grow_from=grow_from, grow_at=grow_at, select_weight=select_weight, deepen=deepen,
+        deepen_front=deepen_front,
     )  # fmt: skip
     click.echo(f"wrote {run_training(cfg, log=show)}")
 

@@ -10,7 +10,10 @@ prefix (`Generator`, as `salabatch run` does). An answer is right when it is exa
 (whitespace around it aside): what a trained model says and then stops. A wrong answer is put
 in one of three kinds (`MISSES`), which tell finding from copying: another needle's value (the
 wrong fact found), a slip (the right value copied with an error: at most two characters
-changed, or half of it right from its start), or other.
+changed, or half of it right from its start), or other. Each needle also says whether its value
+ends its sentence ("the gate code of Unit Velora is 47-1182.") or comes before words of its key
+("47-1182 is the gate code of Unit Velora."): a causal model's value tokens cannot see the words
+after them, so the second kind is harder to find, and the summary counts each apart.
 
 Block selection: for each question, a fork of the same prefix is given the question's prompt
 with the sparse layers recording their choice; for the query that produces the first answer
@@ -34,6 +37,7 @@ CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 QUICK = {"contexts": (4096, 8192), "depths": (0.1, 0.5, 0.9), "documents": 1}
 MAX_TOKENS = 24  # longer than every value format, so a wrong answer is seen whole
 MISSES = ("another needle", "slip", "other")
+PLACES = ("value last", "value before its key")  # where the value sits in its fact sentence
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Needle:
     value: str
     start: int
     end: int
+    place: str  # one of PLACES
 
 
 def run(
@@ -117,6 +122,7 @@ def _document(
                 "answer": answer,
                 "correct": kind is None,
                 "miss": kind,
+                "place": needle.place,
                 "value_tokens": [needle.start, needle.end],
                 "selected": _selected(model, prefix, ids, needle),
                 "prefill_s": round(prefill_s, 3),
@@ -154,7 +160,9 @@ def _locate(tokenizer, document: str, sample) -> Needle:
     start = len(tokenizer.document_prompt(document[:at], system=None, think=False))
     through = document[: at + len(sample.answer)]
     end = len(tokenizer.document_prompt(through, system=None, think=False))
-    return Needle(sample.depth, sample.question, sample.answer, start, max(end, start + 1))
+    after = document[at + len(sample.answer) :].split("\n", 1)[0]
+    place = PLACES[0] if after.startswith(".") and after[1:2] in ("", " ") else PLACES[1]
+    return Needle(sample.depth, sample.question, sample.answer, start, max(end, start + 1), place)
 
 
 def _selected(model, prefix, suffix: Sequence[int], needle: Needle) -> dict[str, bool] | None:
@@ -202,6 +210,13 @@ def summary(rows: list[dict], model) -> dict:
         "sparse_layers": [i for i, k in enumerate(cfg.layer_kinds) if k != LIGHTNING],
         "accuracy": round(sum(r["correct"] for r in rows) / len(rows), 4) if rows else None,
         "misses": {kind: sum(r["miss"] == kind for r in rows) for kind in MISSES},
+        "places": {
+            place: {
+                "needles": sum(r["place"] == place for r in rows),
+                "right": sum(r["correct"] for r in rows if r["place"] == place),
+            }
+            for place in PLACES
+        },
         "grid": grid,
         "rows": rows,
     }
@@ -240,6 +255,11 @@ def table(result: dict) -> str:
     misses = result.get("misses") or {}
     if any(misses.values()):
         lines.append("misses: " + ", ".join(f"{n} {kind}" for kind, n in misses.items()))
+    places = result.get("places") or {}
+    lines.append(
+        "right by where the value sits in its sentence: "
+        + ", ".join(f"{place} {p['right']}/{p['needles']}" for place, p in places.items())
+    )
     return "\n".join(lines)
 
 

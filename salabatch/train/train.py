@@ -138,13 +138,16 @@ class TrainConfig:
     grow_from: int = 0  # the first longest sample of a length curriculum (0: none)
     grow_at: float = 0.8  # the held-out token accuracy that doubles it
     select_weight: float = 0.0  # weight of the selection loss (selection.py); 0: none
-    deepen: int = 0  # with `init`: this many layers appended, identities at first (deepen.py)
+    deepen: int = 0  # with `init`: this many layers added, identities at first (deepen.py)
+    deepen_front: bool = False  # add them in front of the trained layers, not behind
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_length <= self.length:
             raise ConfigError("need 0 <= min_length <= length", got=(self.min_length, self.length))
         if self.deepen and not self.init:
             raise ConfigError("deepening needs a checkpoint to start from", field="init", got=None)
+        if self.deepen_front and not self.deepen:
+            raise ConfigError("nothing to add in front", field="deepen", got=0)
         if self.grow_from and not self.eval_samples:
             raise ConfigError("a length curriculum needs evaluations", field="eval_samples", got=0)
         if self.grow_from and not max(self.min_length, 1) <= self.grow_from <= self.length:
@@ -202,7 +205,7 @@ def train(
         model = Model(ModelConfig.from_dict(raw))
         model.load_weights(str(init / "model.safetensors"))
         if cfg.deepen:
-            raw, model = deepen(raw, model, cfg.deepen, cfg.seed)
+            raw, model = deepen(raw, model, cfg.deepen, cfg.seed, front=cfg.deepen_front)
     else:
         raw = model_config(tok.vocab_size, eos, **cfg.model)
         model = Model(ModelConfig.from_dict(raw))

@@ -50,6 +50,9 @@ def test_a_row_per_needle_and_a_cell_per_context_and_depth(result):
     ]
     assert result["accuracy"] == sum(r["correct"] for r in rows) / len(rows)
     assert sum(result["misses"].values()) == sum(not r["correct"] for r in rows)
+    places = result["places"]
+    assert sum(p["needles"] for p in places.values()) == len(rows)
+    assert sum(p["right"] for p in places.values()) == sum(r["correct"] for r in rows)
 
 
 def test_each_context_asks_its_own_facts(result):
@@ -105,10 +108,27 @@ def test_every_needle_is_selected_when_every_block_is(folder, tokenizer, tmp_pat
     assert all(all(r["selected"].values()) for r in result["rows"])
 
 
+def test_a_needle_says_whether_its_value_ends_its_sentence(tokenizer):
+    tasks = TaskGenerator(tokenizer, split=EVAL)
+    places = {}
+    for index in range(12):
+        samples = tasks.needle_document(index, 1500, [0.2, 0.5, 0.8])
+        for sample in samples:
+            got = needle._locate(tokenizer, samples[0].document, sample)
+            sentence = next(
+                line for line in samples[0].document.replace(". ", ".\n").splitlines()
+                if sample.answer in line
+            )  # fmt: skip
+            assert (got.place == "value last") == sentence.rstrip().endswith(sample.answer + ".")
+            places.setdefault(got.place, sentence)
+    assert set(places) == set(needle.PLACES), places  # the held-out facts have both kinds
+
+
 def test_table_names_every_cell(result):
     text = needle.table(result)
     assert "accuracy by depth" in text and "needle block selected" in text
     assert "95 % interval" in text and f"/{len(DEPTHS)}" in text  # each context's right answers
+    assert "value last" in text and "value before its key" in text
     assert f"{SPARSE:>8}" in text and "20%" in text and "80%" in text
 
 

@@ -1,5 +1,5 @@
-"""`deepen`: layers appended behind a trained model start as identities, so the deeper model
-computes what the trained one does, and training moves the new layers from there."""
+"""`deepen`: layers added behind (or in front of) a trained model start as identities, so the
+deeper model computes what the trained one does, and training moves the new layers from there."""
 
 import json
 
@@ -44,6 +44,19 @@ def test_the_deeper_model_computes_what_the_trained_one_does(trained):
     )
 
 
+def test_layers_added_in_front_leave_the_logits_and_move_the_trained_layers(trained):
+    raw, model = trained
+    new_raw, deeper = deepen(raw, model, 4, seed=1, front=True)
+    a, b = model(IDS), deeper(IDS)
+    err = (mx.abs(a - b).max() / mx.abs(a).max()).item()
+    print(f"deepened in front: max error {err:.2e} of the largest")
+    assert err < 1e-5
+    old, new = dict(tree_flatten(model.parameters())), dict(tree_flatten(deeper.parameters()))
+    q = "model.layers.{}.self_attn.q_proj.weight"
+    assert mx.array_equal(new[q.format(7)], old[q.format(3)])  # the trained sparse layer, moved
+    assert mx.abs(new["model.layers.3.self_attn.o_proj.weight"]).max().item() == 0  # fresh
+
+
 def test_bad_layer_counts_are_refused(trained, tmp_path):
     raw, model = trained
     for layers in (0, 2, 6):
@@ -51,6 +64,8 @@ def test_bad_layer_counts_are_refused(trained, tmp_path):
             deepen(raw, model, layers, seed=0)
     with pytest.raises(ConfigError, match="needs a checkpoint"):
         TrainConfig(out=str(tmp_path), deepen=4)
+    with pytest.raises(ConfigError, match="in front"):
+        TrainConfig(out=str(tmp_path), init=str(tmp_path), deepen_front=True)
 
 
 def test_a_stage_deepens_its_init_and_trains_the_new_layers(tmp_path, models_dir):
