@@ -148,8 +148,8 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--init", type=click.Path(file_okay=False, exists=True),
               help="Start from this checkpoint (a previous stage).")  # fmt: skip
 @click.option("--deepen", default=0, show_default=True, type=click.IntRange(min=0),
-              help="With --init: append this many layers (a multiple of 4), each an identity "
-              "until trained.")  # fmt: skip
+              help="With --init: add this many layers (a multiple of 4) behind the trained "
+              "ones, each an identity until trained.")  # fmt: skip
 @click.option("--deepen-front", is_flag=True,
               help="Add the --deepen layers in front of the trained ones instead.")  # fmt: skip
 @click.option("--eval-every", default=200, show_default=True, type=click.IntRange(min=1))

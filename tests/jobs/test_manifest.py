@@ -29,10 +29,8 @@ DEMO_DOCS = Path(__file__).resolve().parents[2] / "jobs" / "demo" / "docs"
 def awkward_sources(root: Path) -> list[DocumentSource]:
     """The demo documents, the shared PDFs (encrypted, scanned, broken ones among them), and
     what makes ids collide or fail: a jsonl file with good, bad and duplicate records, an
-    empty file, the same name in two sources."""
+    empty file, the same name in two sources. Without ../shared beside the repo, no PDFs."""
     shutil.copytree(DEMO_DOCS, root / "demo")
-    if SHARED_PDFS.is_dir():
-        shutil.copytree(SHARED_PDFS, root / "pdfs")
     lines = [
         json.dumps({"id": "council-minutes.txt", "text": "an id that a file has too"}),
         json.dumps({"text": "no id"}),
@@ -45,12 +43,15 @@ def awkward_sources(root: Path) -> list[DocumentSource]:
     (root / "more" / "records.jsonl").write_text("\n".join(lines) + "\n\n")
     (root / "more" / "empty.txt").write_bytes(b"")
     (root / "more" / "council-minutes.txt").write_text("the same name, another file")
-    return [
+    sources = [
         DocumentSource(root / "demo"),
         DocumentSource(root / "more" / "records.jsonl"),
         DocumentSource(root / "more", glob="*.txt"),
-        DocumentSource(root / "pdfs"),
     ]
+    if SHARED_PDFS.is_dir():
+        shutil.copytree(SHARED_PDFS, root / "pdfs")
+        sources.append(DocumentSource(root / "pdfs"))
+    return sources
 
 
 def test_the_identity_pass_names_documents_as_reading_them_does(tmp_path):
