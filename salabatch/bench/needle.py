@@ -256,10 +256,11 @@ def table(result: dict) -> str:
     if any(misses.values()):
         lines.append("misses: " + ", ".join(f"{n} {kind}" for kind, n in misses.items()))
     places = result.get("places") or {}
-    lines.append(
-        "right by where the value sits in its sentence: "
-        + ", ".join(f"{place} {p['right']}/{p['needles']}" for place, p in places.items())
-    )
+    if places:
+        lines.append(
+            "right by where the value sits in its sentence: "
+            + ", ".join(f"{place} {p['right']}/{p['needles']}" for place, p in places.items())
+        )
     return "\n".join(lines)
 
 

@@ -49,12 +49,12 @@ def deepen(
     cfg = ModelConfig.from_dict(new_raw)
     weights = random_weights(cfg, seed)
     shift = layers if front else 0  # where the trained layers go
+    fresh = range(layers) if front else range(old, old + layers)
     scale = math.sqrt((old + layers) / old)
     for name, w in tree_flatten(model.parameters()):
         weights[_moved(name, shift)] = w * scale if name.endswith(BRANCH_ENDS) else w
     for name, w in weights.items():
-        fresh = _layer(name) < shift if front else _layer(name) >= old
-        if fresh and name.endswith(BRANCH_ENDS):
+        if _layer(name) in fresh and name.endswith(BRANCH_ENDS):
             weights[name] = mx.zeros_like(w)
     deeper = Model(cfg)
     deeper.load_weights(list(weights.items()))
@@ -63,11 +63,10 @@ def deepen(
 
 def _moved(name: str, shift: int) -> str:
     """A parameter name with its layer index moved by `shift` (a name outside the layers as is)."""
-    head, sep, rest = name.partition(".layers.")
-    if not sep:
+    index = _layer(name)
+    if index < 0:
         return name
-    index, dot, tail = rest.partition(".")
-    return f"{head}.layers.{int(index) + shift}{dot}{tail}"
+    return name.replace(f".layers.{index}.", f".layers.{index + shift}.", 1)
 
 
 def _layer(name: str) -> int:
