@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -41,8 +42,12 @@ def _second_lane() -> mx.Stream:
 
 
 def on_gpu() -> bool:
-    """Whether ops run on a GPU (Metal or CUDA): the one place the kernels ask."""
-    return mx.default_device().type == mx.DeviceType.gpu
+    """Whether the kernels take their GPU branches: the one place they ask. True on a GPU (Metal
+    or CUDA), and on any device under `SALABATCH_GPU_PATH=1`, which runs the GPU path's graphs
+    on the CPU so their results, node counts and traces are tested without a GPU."""
+    return (
+        os.environ.get("SALABATCH_GPU_PATH") == "1" or mx.default_device().type == mx.DeviceType.gpu
+    )
 
 
 def lanes() -> tuple[mx.Stream, ...]:
