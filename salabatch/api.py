@@ -92,47 +92,36 @@ def stream_generate(
     text, as in `salabatch run`."""
     import mlx.core as mx
 
-    from salabatch.engine.generate import prefill
+    from salabatch.engine.generate import Generator, Request
     from salabatch.engine.runtime import engine_runtime
-    from salabatch.engine.sampling import sample
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    request = Request("0", tuple(ids), params, max_tokens, frozenset(tokenizer.eos_ids))
     detok = tokenizer.detokenizer(skip_special=True)
-    tokens: list[int] = []
+    generator = Generator(model, batch_size=1, prefill_chunk=prefill_chunk)
     with engine_runtime():
-        start = time.perf_counter()
-        cache = model.make_cache()
-        logits = prefill(model, ids, cache, prefill_chunk)  # [vocab]
-        prompt_tps = 0.0
-        while True:
-            token = sample(logits[None], [params], [len(tokens)], [tokens])[0]
+        first_at = None
+        for g in generator.stream([request]):
             now = time.perf_counter()
-            if not tokens:
-                prompt_tps, first_at = len(ids) / (now - start), now
-            stop = token in tokenizer.eos_ids
-            if not stop:
-                tokens.append(token)
-                detok.add_token(token)
-            finish = "stop" if stop else "length" if len(tokens) >= max_tokens else None
-            if finish:
+            first_at = first_at or now
+            if len(g.tokens) > len(detok.tokens):  # the token read was not a stop token
+                detok.add_token(g.tokens[-1])
+            if g.done:
                 detok.finalize()
+            n = len(g.tokens)
             yield GenerationResponse(
                 text=detok.last_segment,
-                token=token,
+                token=g.last_token,
                 prompt_tokens=len(ids),
-                prompt_tps=prompt_tps,
-                generation_tokens=len(tokens),
-                generation_tps=(len(tokens) - 1) / (now - first_at) if len(tokens) > 1 else 0.0,
+                prompt_tps=len(ids) / g.ttft_s if g.ttft_s else 0.0,
+                generation_tokens=n,
+                generation_tps=(n - 1) / (now - first_at) if n > 1 and now > first_at else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
+                finish_reason=g.finish_reason,
             )
-            if finish:
-                return
-            logits = model(mx.array([[token]], dtype=mx.int32), cache)[0, -1]
-            mx.eval(logits, *cache.arrays())
 
 
 def generate(

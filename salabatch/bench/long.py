@@ -150,7 +150,9 @@ class _Sala:
         return rows[0] if len(rows) == 1 else ModelCache.concat(rows)
 
     def step(self, ids: mx.array, cache) -> mx.array:
-        return self.model(ids, cache)
+        from salabatch.engine.decode import decode
+
+        return decode(self.model, ids[:, 0], cache)[:, None]
 
 
 class _Peer:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
-from salabatch.engine.sparse_cache import SparseKVCache
+from salabatch.engine.sparse_cache import SharedKeys, SparseKVCache
 from salabatch.errors import CacheFormatError
 
 FORMAT_VERSION = 1  # of `ModelCache.to_state`; a different version is never read
@@ -171,6 +171,53 @@ class ModelCache:
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (to evaluate them together with a step's output)."""
         return [a for c in self.layers for a in c.arrays()]
+
+    # -- the compiled decode step (salabatch.engine.decode) ------------------------------------
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` positions in every row's own buffers (past any shared keys), so
+        that many decode steps run on buffers of one shape (one compiled trace)."""
+        for c in self.layers:
+            if isinstance(c, SparseKVCache) and c.keys.data is not None:
+                c.reserve(tokens, c.keys.data)
+
+    def own_length(self) -> int:
+        """Positions the longest row holds in its own buffers (past any shared keys)."""
+        return max((p - self.shared_start for p in self.positions), default=0)
+
+    @property
+    def shared_start(self) -> int:
+        """Positions every row shares (a fork's document, up to a level-2 chunk), 0 without."""
+        sparse = [c for c in self.layers if isinstance(c, SparseKVCache)]
+        return sparse[0].start if sparse else 0
+
+    def step_inputs(self) -> tuple[SharedKeys | None, list]:
+        """What `Model.step` reads of the cache: the shared keys (the same in every sparse
+        layer: they come from one document; None without) and each layer's arrays."""
+        sparse = [c for c in self.layers if isinstance(c, SparseKVCache)]
+        layers = [
+            (c.step_arrays(), c.shared_arrays()) if isinstance(c, SparseKVCache) else c.state
+            for c in self.layers
+        ]
+        return (sparse[0].shared if sparse else None), layers
+
+    def own_capacity(self) -> int:
+        """Positions the rows' own buffers hold in every sparse layer (0 without one)."""
+        return next((c.keys.data.shape[2] for c in self.layers if isinstance(c, SparseKVCache)), 0)
+
+    def stepped(self, layers: list, selected: list[mx.array], sparse: bool = True) -> None:
+        """Takes a decode step's outputs: each layer's rewritten arrays, one more position per
+        row; a sparse layer that records its selections (`trace`) gets its blocks when some row
+        ran `sparse` (as the per-layer path records only InfLLM-v2 calls)."""
+        blocks = iter(selected)
+        for c, arrays in zip(self.layers, layers, strict=True):
+            if isinstance(c, SparseKVCache):
+                c.stepped(arrays)
+                chosen = next(blocks)
+                if c.trace is not None and sparse:
+                    c.trace.append(chosen)
+            else:
+                c.state = arrays
+        self.positions = [p + 1 for p in self.positions]
 
     # -- serialization -------------------------------------------------------------------------
     def to_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:

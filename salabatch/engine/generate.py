@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from salabatch.engine.cache import ModelCache
+from salabatch.engine.decode import decode
 from salabatch.engine.model import Model
-from salabatch.engine.sampling import SamplingParams, sample
+from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
 
 if TYPE_CHECKING:
     from salabatch.engine.detokenizer import StreamingDetokenizer
@@ -69,11 +70,11 @@ class Request:
 
 @dataclass
 class Generation:
-    """A finished request: its tokens (without the stop token) and where the time went."""
+    """A request's answer: its tokens (without the stop token) and where the time went."""
 
     request: Request
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" once finished
     # With stop strings: the decoded text, cut before the stop string that ended it (the tokens
     # are all those generated). Without: None, decode `tokens`.
     text: str | None = None
@@ -82,8 +83,16 @@ class Generation:
     ttft_s: float = 0.0  # from its admission to its first token
     decode_s: float = 0.0  # from its first token to its last
     batch_size: int = 1  # most rows decoding together while it ran
+    last_token: int | None = None  # the newest token read (a stop token is not in `tokens`)
     _detok: StreamingDetokenizer | None = field(default=None, repr=False, compare=False)
     _scanned: int = field(default=0, repr=False, compare=False)  # text searched for stop strings
+    _admitted: float = field(default=0.0, repr=False, compare=False)
+    _first_at: float = field(default=0.0, repr=False, compare=False)
+    _sampled: int = field(default=0, repr=False, compare=False)  # tokens drawn, read or not
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,7 +111,12 @@ class Generation:
 class Generator:
     """Continuous batching of requests, optionally over one shared prefix. `detokenizer` makes
     a fresh streaming decoder (e.g. `Tokenizer.detokenizer`): requests with stop strings need
-    one, and only they use it."""
+    one, and only they use it.
+
+    Steps are pipelined: step n+1 is built and queued (`mx.async_eval`) before the tokens of
+    step n are read, so the host's work overlaps the device's; sampling runs on the device and
+    the only read per step is the batch's tokens. A row that stops is dropped after the step
+    already queued for it, whose token is discarded."""
 
     def __init__(
         self,
@@ -125,48 +139,62 @@ class Generator:
         self, requests: Iterable[Request], prefix: ModelCache | None = None
     ) -> Iterator[Generation]:
         """Yields each request's Generation as it finishes (not in request order)."""
+        return (g for g in self.stream(requests, prefix) if g.done)
+
+    def stream(
+        self, requests: Iterable[Request], prefix: ModelCache | None = None
+    ) -> Iterator[Generation]:
+        """Yields a request's Generation each time it reads a token (`last_token`), the last
+        time finished (`done`)."""
         waiting = deque(requests)
         rows: list[Generation] = []
-        first_token_at: list[float] = []
         batch: ModelCache | None = None
+        feed: mx.array | None = None  # [rows] each row's newest token: drawn, not yet read
+        counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
         while waiting or rows:
-            while waiting and len(rows) < self.batch_size:
-                joined, cache = self._admit(waiting.popleft(), prefix)
-                if self._finished(joined):
-                    yield joined
-                    continue
-                rows.append(joined)
-                first_token_at.append(time.perf_counter())
-                batch = cache if batch is None else ModelCache.concat([batch, cache])
-            if not rows:
-                continue
+            joined = []
+            while waiting and len(rows) + len(joined) < self.batch_size:
+                joined.append(self._admit(waiting.popleft(), prefix))
+            if joined:
+                rows += [g for g, _, _ in joined]
+                caches = [c for _, c, _ in joined]
+                batch = ModelCache.concat(caches if batch is None else [batch, *caches])
+                first = [t for _, _, t in joined]
+                feed = mx.concatenate(first if feed is None else [feed, *first])
+                if counts is not None or penalized([g.request.params for g in rows]):
+                    counts = self._counts(counts, rows, len(joined), first)
+                batch.reserve(self._room(rows, prefix))
             for g in rows:
                 g.batch_size = max(g.batch_size, len(rows))
-            ids = mx.array([[g.tokens[-1]] for g in rows], dtype=mx.int32)
-            logits = self.model(ids, batch)[:, -1]
-            mx.eval(logits, *batch.arrays())
-            chosen = sample(
-                logits,
-                [g.request.params for g in rows],
-                [len(g.tokens) for g in rows],
-                [g.tokens for g in rows],
-            )
+            logits = decode(self.model, feed, batch)
+            params = [g.request.params for g in rows]
+            drawn = sample_tokens(logits, params, [g._sampled for g in rows], counts)
+            for g in rows:
+                g._sampled += 1
+            if counts is not None:
+                counts = counts.at[mx.arange(len(rows)), drawn].add(1)
+            mx.async_eval(drawn, *batch.arrays(), *([] if counts is None else [counts]))
+            read = feed.tolist()  # the tokens the queued step is fed: all that is read per step
             now = time.perf_counter()
             keep = []
-            for b, (g, token) in enumerate(zip(rows, chosen, strict=True)):
-                self._add(g, token)
-                if self._finished(g):
-                    g.decode_s = now - first_token_at[b]
-                    yield g
-                else:
+            for b, (g, token) in enumerate(zip(rows, read, strict=True)):
+                self._read(g, token, now)
+                yield g
+                if not g.done:
                     keep.append(b)
             if len(keep) < len(rows):
                 rows = [rows[b] for b in keep]
-                first_token_at = [first_token_at[b] for b in keep]
                 batch = batch.select(keep) if keep else None
+                at = mx.array(keep, dtype=mx.int32)
+                drawn = drawn[at] if keep else None
+                counts = counts[at] if counts is not None and keep else None
+            feed = drawn
 
-    def _admit(self, request: Request, prefix: ModelCache | None) -> tuple[Generation, ModelCache]:
-        """Prefills the request on its own row and samples its first token."""
+    def _admit(
+        self, request: Request, prefix: ModelCache | None
+    ) -> tuple[Generation, ModelCache, mx.array]:
+        """Prefills the request on its own row; → its Generation, its cache and its first
+        token [1], drawn on the device (read with the batch's next tokens)."""
         if request.stop_strings and self.detokenizer is None:
             raise ValueError(f"request {request.id}: stop strings need a Generator detokenizer")
         start = time.perf_counter()
@@ -176,13 +204,40 @@ class Generator:
         if request.stop_strings:
             g._detok = self.detokenizer()
         g.prefill_s = time.perf_counter() - start
-        self._add(g, sample(logits[None], [request.params], [0], [[]])[0])
-        g.ttft_s = time.perf_counter() - start
-        return g, cache
+        g._admitted = start
+        first = sample_tokens(logits[None], [request.params], [0])
+        g._sampled = 1
+        return g, cache, first
 
-    def _add(self, g: Generation, token: int) -> None:
+    def _room(self, rows: list[Generation], prefix: ModelCache | None) -> int:
+        """Own positions the batch's rows may reach: each its prompt and answer, after a fork's
+        tail of the document (under two level-2 strides). A bound that does not depend on the
+        tail, so the batches of every document asked the same questions share buffer shapes
+        (one compiled trace)."""
+        tail = 0 if prefix is None else 2 * self.model.config.sparse.compression[1][1]
+        return tail + max(len(g.request.prompt) + g.request.max_tokens for g in rows) + 1
+
+    def _counts(
+        self, counts: mx.array | None, rows: list[Generation], joined: int, first: list[mx.array]
+    ) -> mx.array:
+        """Token counts of the rows after `joined` new ones (each holding its first token); rows
+        that had none start from zero (they had no penalty, so nothing read them)."""
+        vocab = self.model.config.vocab_size
+        old = len(rows) - joined
+        if counts is None:
+            counts = mx.zeros((old, vocab), dtype=mx.int32)
+        new = mx.zeros((joined, vocab), dtype=mx.int32)
+        new = new.at[mx.arange(joined), mx.concatenate(first)].add(1)
+        return mx.concatenate([counts, new])
+
+    def _read(self, g: Generation, token: int, now: float) -> None:
+        """A token read back for row g: the first sets its time to first token."""
+        if not g.tokens and g.last_token is None:
+            g.ttft_s = now - g._admitted
+            g._first_at = now
+        g.last_token = token
         if token in g.request.stop:
-            self._finish(g, "stop")
+            self._finish(g, "stop", now)
             return
         g.tokens.append(token)
         if self.on_token:
@@ -190,23 +245,20 @@ class Generator:
         if g._detok is not None:
             g._detok.add_token(token)
             if (cut := _stop_string_at(g)) is not None:
-                self._finish(g, "stop", cut)
+                self._finish(g, "stop", now, cut)
                 return
         if len(g.tokens) >= g.request.max_tokens:
-            self._finish(g, "length")
+            self._finish(g, "length", now)
 
     @staticmethod
-    def _finish(g: Generation, reason: str, cut: int | None = None) -> None:
+    def _finish(g: Generation, reason: str, now: float, cut: int | None = None) -> None:
         g.finish_reason = reason
+        g.decode_s = now - g._first_at
         if g._detok is not None:
             if cut is None:
                 g._detok.finalize()
             g.text = g._detok.text[:cut]
             g._detok = None
-
-    @staticmethod
-    def _finished(g: Generation) -> bool:
-        return g.finish_reason == "stop" or len(g.tokens) >= g.request.max_tokens
 
 
 def _stop_string_at(g: Generation) -> int | None:

@@ -7,14 +7,16 @@ cache: [B, H, dk, dv] in float32, whatever the activation dtype.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.gates import sigmoid_mul
-from salabatch.engine.kernels.gla import decay_slopes, gla
-from salabatch.engine.linear import Linear
+from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed
+from salabatch.engine.linear import Linear, fuse
 
 
 class LightningAttention(nn.Module):
@@ -41,7 +43,15 @@ class LightningAttention(nn.Module):
             self.z_proj = Linear(hidden, self.n_heads * d, bias=False)
         # Log-decay per head: fixed ALiBi slopes, the same in every layer (SPEC §3.5, P3). Built
         # from Python floats, so it is data, not an op bound to the stream of the loading thread.
-        self._log_decay = mx.array([-s for s in decay_slopes(self.n_heads)], dtype=mx.float32)
+        slopes = decay_slopes(self.n_heads)
+        self._log_decay = mx.array([-s for s in slopes], dtype=mx.float32)
+        self._decay = mx.array([math.exp(-s) for s in slopes], dtype=mx.float32)  # exp(g)
+        heads = self.n_heads + self.n_kv_heads  # q's heads then k's, in the decode step
+        self._is_q = mx.array([h < self.n_heads for h in range(heads)])[:, None, None]
+        self._qk_scale = mx.array(
+            [self.scale] * self.n_heads + [1.0] * self.n_kv_heads, dtype=mx.float32
+        )[:, None, None]
+        self.fused = None  # q, k, v, z as one matmul (`fuse`), for the decode step
         # A decode step has the same shapes every time: one compiled graph per batch size
         # replaces ~25 op dispatches; the weights are its implicit inputs, so it sees updates.
         self._step = mx.compile(self._forward, inputs=self.state)
@@ -54,6 +64,46 @@ class LightningAttention(nn.Module):
             return y
         y, cache.state = self._forward(x, cache.state, offset)
         return y
+
+    def fuse(self) -> None:
+        gate = [self.z_proj] if "z_proj" in self else []
+        self.fused = fuse([self.q_proj, self.k_proj, self.v_proj, *gate])
+
+    def step(
+        self, x: mx.array, state: mx.array, pos: mx.array, weights: tuple
+    ) -> tuple[mx.array, mx.array]:
+        """One decode step inside the compiled model step: x [B, 1, hidden] at positions
+        pos [B], the state [B, H, dk, dv], the fused projections' `weights` or () → (the
+        gated output before o_proj [B, 1, H·dv], the new state). q and k go through one norm
+        and one rope together, q pre-scaled (the rotation is linear)."""
+        B, d, H, Hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
+        if weights:  # q and k are neighbours in the fused product: one view of both
+            y = self.fused.product(x, weights)
+            qk, v, z = y[..., : (H + Hk) * d], y[..., (H + Hk) * d : (H + 2 * Hk) * d], y
+            z = [z[..., (H + 2 * Hk) * d :]] if "z_proj" in self else []
+        else:
+            qk = mx.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1)
+            v = self.v_proj(x)
+            z = [self.z_proj(x)] if "z_proj" in self else []
+        qk = qk.reshape(B, 1, H + Hk, d).transpose(0, 2, 1, 3)  # [B, H + Hk, 1, d]
+        if "q_norm" in self:
+            qk = mx.fast.rms_norm(qk, None, self.eps)
+            w = mx.where(self._is_q, self.q_norm.weight, self.k_norm.weight)
+            qk = qk * w
+        qk = (qk * self._qk_scale).astype(mx.float32)  # q pre-scaled: the rotation is linear
+        if self.use_rope:
+            qk = mx.fast.rope(qk, d, traditional=False, base=self.rope_theta, scale=1.0, offset=pos)
+        q, k = qk[:, :H], qk[:, H:]
+        v = v.reshape(B, 1, Hk, d).transpose(0, 2, 1, 3)
+        if Hk != H:
+            k, v = mx.repeat(k, H // Hk, axis=1), mx.repeat(v, H // Hk, axis=1)
+        o, state = gla_step_decayed(q, k, v, self._decay, state)
+        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1).astype(x.dtype)
+        if "o_norm" in self:
+            o = self.o_norm(o)
+        if z:
+            o = sigmoid_mul(o, z[0])
+        return o, state
 
     def _forward(
         self, x: mx.array, state: mx.array | None, offset: int | mx.array

@@ -11,6 +11,9 @@ checkpoints, quantization and training see no difference."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -37,3 +40,84 @@ class Linear(nn.Linear):
             return False
         rows = x.size // max(K, 1)
         return rows in NATIVE_ROWS and (rows > 1 or w.size >= native.split_floats())
+
+
+class Fused:
+    """Linear layers that read one input, run as one matmul: what a decode step on a GPU wants
+    (it pays per kernel). Their weights, and the scales and biases of quantized layers, become
+    the rows of one buffer each, and every layer's own arrays are views of its rows: nothing is
+    stored twice, and the layers load, save and run on their own as before.
+
+    `arrays()` are the buffers, which a compiled step takes as inputs; `apply(x, arrays)` is the
+    product, split per layer. New weights loaded into the layers make it stale: the model drops
+    it then (`Model.update`)."""
+
+    NAMES = ("weight", "scales", "biases", "bias")
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        first = self.layers[0]
+        self.quant = (
+            dict(group_size=first.group_size, bits=first.bits, mode=first.mode)
+            if isinstance(first, nn.QuantizedLinear)
+            else None
+        )
+        self.names = [n for n in self.NAMES if n in first]
+        self.sizes = [layer.weight.shape[0] for layer in self.layers]
+        self.buffers = [mx.concatenate([layer[n] for layer in self.layers]) for n in self.names]
+        mx.eval(self.buffers)
+        ends = list(itertools.accumulate(self.sizes))
+        for layer, a, b in zip(self.layers, [0, *ends[:-1]], ends, strict=True):
+            for name, buf in zip(self.names, self.buffers, strict=True):
+                setattr(layer, name, buf[a:b])
+        mx.eval([layer[n] for layer in self.layers for n in self.names])
+
+    @staticmethod
+    def fusable(layers: Sequence[nn.Module]) -> bool:
+        """Layers of one kind, width, dtype, arrays and quantization (no per-layer bits)."""
+        first = layers[0]
+        kinds = {type(layer) for layer in layers}
+        if len(kinds) != 1 or not kinds <= {Linear, nn.Linear, nn.QuantizedLinear}:
+            return False
+
+        def signature(layer: nn.Module) -> tuple:
+            names = tuple(n for n in Fused.NAMES if n in layer)
+            quant = (layer.group_size, layer.bits, layer.mode) if "scales" in layer else ()
+            return names, layer.weight.shape[1], layer.weight.dtype, quant
+
+        return all(signature(layer) == signature(first) for layer in layers)
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return tuple(self.buffers)
+
+    def apply(self, x: mx.array, arrays: Sequence[mx.array]) -> list[mx.array]:
+        """x [..., in] → each layer's output [..., out_i], views of one `product`."""
+        y = self.product(x, arrays)
+        ends = list(itertools.accumulate(self.sizes))
+        return [y[..., a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+    def product(self, x: mx.array, arrays: Sequence[mx.array]) -> mx.array:
+        """x [..., in] → the layers' outputs side by side [..., Σ out_i]."""
+        a = dict(zip(self.names, arrays, strict=True))
+        if self.quant is not None:
+            y = mx.quantized_matmul(
+                x, a["weight"], a["scales"], a.get("biases"), transpose=True, **self.quant
+            )
+        elif "bias" in a:
+            y = mx.addmm(a["bias"], x, a["weight"].T)
+        else:
+            y = x @ a["weight"].T
+        return y
+
+
+def fuse(layers: Sequence[nn.Module]) -> Fused | None:
+    """`Fused` of these layers where they can share buffers, else None (they run one by one)."""
+    return Fused(layers) if Fused.fusable(layers) else None
+
+
+def add_product(h: mx.array, layer: nn.Module, x: mx.array, scale: float) -> mx.array:
+    """h + scale · layer(x): one `addmm` for a float layer without bias (a GPU step pays per
+    kernel), the product then the sum otherwise."""
+    if isinstance(layer, nn.QuantizedLinear) or "bias" in layer:
+        return h + scale * layer(x)
+    return mx.addmm(h, x, layer.weight.T, alpha=scale)

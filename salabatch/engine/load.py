@@ -38,6 +38,7 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     }
     model.load_weights(list(weights.items()), strict=False)
     mx.eval(model.parameters())
+    model.fuse()
     model.path = path
     model.dtype = dt
     return model

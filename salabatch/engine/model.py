@@ -13,9 +13,10 @@ import mlx.nn as nn
 
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.engine.decode import DecodeStep
 from salabatch.engine.kernels.gates import silu_mul
 from salabatch.engine.lightning import LightningAttention
-from salabatch.engine.linear import Linear
+from salabatch.engine.linear import Linear, add_product, fuse
 from salabatch.engine.sparse import SparseAttention
 
 
@@ -26,8 +27,18 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.fused = None  # gate and up as one matmul (`fuse`), for the decode step
+
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def hidden(self, x: mx.array, weights: tuple) -> mx.array:
+        """silu(gate(x))·up(x), before down_proj; `weights`: the fused gate and up, or ()."""
+        if weights:
+            g, u = self.fused.apply(x, weights)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return silu_mul(g, u)
 
 
 class Block(nn.Module):
@@ -44,6 +55,33 @@ class Block(nn.Module):
     def __call__(self, h: mx.array, cache, offset: int | mx.array) -> mx.array:
         h = h + self.residual_scale * self.self_attn(self.input_layernorm(h), cache, offset)
         return h + self.residual_scale * self.mlp(self.post_attention_layernorm(h))
+
+    def fuse(self) -> None:
+        """Each group of projections of one input as one matmul, for the decode step."""
+        self.self_attn.fuse()
+        self.mlp.fused = fuse([self.mlp.gate_proj, self.mlp.up_proj])
+
+    def step_weights(self) -> tuple:
+        """The fused buffers the decode step takes: (the mixer's, the MLP's), each () where the
+        layers run one by one."""
+        parts = (self.self_attn.fused, self.mlp.fused)
+        return tuple(() if f is None else f.arrays() for f in parts)
+
+    def step(self, h: mx.array, arrays, info: mx.array, tables: dict, mode: str):
+        """A decode step (see `Model.step`); arrays: (the layer's cache arrays, `step_weights`)
+        → (h, the rewritten cache arrays, the blocks a sparse layer attended or None). The
+        residual adds ride on the output projections (`add_product`)."""
+        arrays, (mixer_w, mlp_w) = arrays
+        x = self.input_layernorm(h)
+        attn = self.self_attn
+        if self.kind == LIGHTNING:
+            o, arrays = attn.step(x, arrays, info[:, 0], mixer_w)
+            selected = None
+        else:
+            o, arrays, selected = attn.step(x, arrays, info, tables, mode, mixer_w)
+        h = add_product(h, attn.o_proj, o, self.residual_scale)
+        y = self.mlp.hidden(self.post_attention_layernorm(h), mlp_w)
+        return add_product(h, self.mlp.down_proj, y, self.residual_scale), arrays, selected
 
 
 class SALAModel(nn.Module):
@@ -74,6 +112,7 @@ class Model(nn.Module):
         self.model = SALAModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.decoder = DecodeStep(self)  # the compiled decode step (salabatch.engine.decode)
 
     def __call__(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
         return self.logits(self.hidden(ids, cache))
@@ -89,6 +128,34 @@ class Model(nn.Module):
         if "lm_head" in self:
             return self.lm_head(h)
         return self.model.embed_tokens.as_linear(h)
+
+    def step(self, tokens: mx.array, info: mx.array, tables: dict, layers: list, mode: str):
+        """One decode step as a pure function, what `salabatch.engine.decode` compiles: tokens
+        [B] int32; layers: each layer's (cache arrays, `Block.step_weights`); info (its first
+        column the rows' positions), tables and mode as `kernels.sparse_decode
+        .decode_attention` takes them. → (logits [B, vocab], each layer's rewritten cache
+        arrays, each sparse layer's blocks)."""
+        h = self.model.embed_tokens(tokens[:, None]) * self.model.scale_emb  # [B, 1, hidden]
+        out, selected = [], []
+        for layer, arrays in zip(self.layers, layers, strict=True):
+            h, arrays, blocks = layer.step(h, arrays, info, tables, mode)
+            out.append(arrays)
+            if blocks is not None:
+                selected.append(blocks)
+        return self.logits(self.model.norm(h))[:, 0], out, selected
+
+    def fuse(self) -> None:
+        """Projections of one input as one matmul each (`linear.Fused`): their weights become
+        views of shared buffers; for the compiled decode step, which pays per kernel."""
+        for layer in self.layers:
+            layer.fuse()
+
+    def update(self, *args, **kwargs):
+        """nn.Module.update (what loading weights and optimizers call); new weights make the
+        fused buffers stale, so the decode step runs each projection on its own after it."""
+        for layer in self.layers:
+            layer.self_attn.fused = layer.mlp.fused = None
+        return super().update(*args, **kwargs)
 
     def make_cache(self) -> ModelCache:
         return ModelCache.for_config(self.config)

@@ -9,11 +9,11 @@ prompt and seed give the same text whatever else is in the batch or when the row
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads seeds so (seed, step) keys differ
 
@@ -50,9 +50,77 @@ class SamplingParams:
         )
 
 
-def step_key(seed: int, step: int) -> mx.array:
-    """The random key of token `step` of a row with this seed."""
-    return mx.random.key((seed * _GOLDEN + step) % (1 << 64))
+def step_keys(seeds: Sequence[int], steps: Sequence[int]) -> mx.array:
+    """The random keys [B, 2] uint32 of token steps[b] of a row with seed seeds[b]: what
+    `mx.random.key((seed · φ + step) mod 2^64)` makes, built on the host in one array."""
+    words = [(s * _GOLDEN + t) % (1 << 64) for s, t in zip(seeds, steps, strict=True)]
+    return mx.array(np.array([[w >> 32, w & 0xFFFFFFFF] for w in words], dtype=np.uint32))
+
+
+def sample_tokens(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    counts: mx.array | None = None,
+) -> mx.array:
+    """logits [B, V] → the next token of every row, [B] int32, on the device: the batch's
+    settings are arrays, so no row reads anything back. `steps[b]` counts the row's tokens so
+    far (its random key); counts [B, V] how often each token is in its answer (the penalties
+    read it; None when no row has one).
+
+    Per row: penalties, then greedy, or temperature, top-k, top-p (on the top-k), min-p and a
+    draw. Top-k and top-p keep every token at least as likely as the last one kept (ties at the
+    edge stay in)."""
+    logits = logits.astype(mx.float32)
+    if all(p.plain_greedy for p in params):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)  # the common case: one op
+
+    def column(values, dtype=mx.float32) -> mx.array:
+        return mx.array(list(values), dtype=dtype)[:, None]  # [B, 1]
+
+    if counts is not None:
+        seen = counts > 0
+        rep = column(p.repetition_penalty for p in params)
+        scaled = mx.where(logits > 0, logits / rep, logits * rep)
+        penalty = column(p.presence_penalty for p in params) + column(
+            p.frequency_penalty for p in params
+        ) * counts.astype(mx.float32)
+        logits = mx.where(seen, scaled - penalty, logits)
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if all(p.temperature == 0 for p in params):
+        return greedy
+    logits = logits / column(p.temperature or 1.0 for p in params)
+    V = logits.shape[-1]
+    ranked = -mx.sort(-logits, axis=-1)  # [B, V] descending
+    top_k = column((p.top_k if 0 < p.top_k < V else V for p in params), mx.int32)
+    rank = mx.arange(V)
+    in_k = rank < top_k
+    probs = mx.softmax(mx.where(in_k, ranked, -mx.inf), axis=-1)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
+    kept = (in_k & (before < column(p.top_p for p in params))).sum(axis=-1, keepdims=True)
+    edge = mx.take_along_axis(ranked, kept - 1, axis=-1)  # the last token kept, [B, 1]
+    floor = column(math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params)
+    edge = mx.maximum(edge, ranked[:, :1] + floor)
+    logits = mx.where(logits >= edge, logits, -mx.inf)
+    keys = step_keys([p.seed for p in params], steps)
+    drawn = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(logits, keys)
+    hot = column((p.temperature > 0 for p in params), mx.bool_)[:, 0]
+    return mx.where(hot, drawn.astype(mx.int32), greedy)
+
+
+def token_counts(generated: Sequence[Sequence[int]], vocab: int) -> mx.array:
+    """[B, vocab] int32: how often each token is in each row's answer."""
+    counts = np.zeros((len(generated), vocab), dtype=np.int32)
+    for b, tokens in enumerate(generated):
+        np.add.at(counts[b], np.asarray(tokens, dtype=np.int64), 1)
+    return mx.array(counts)
+
+
+def penalized(params: Sequence[SamplingParams]) -> bool:
+    """Whether any row's sampling reads its answer's token counts."""
+    return any(
+        p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params
+    )
 
 
 def sample(
@@ -61,46 +129,6 @@ def sample(
     steps: Sequence[int],
     generated: Sequence[Sequence[int]],
 ) -> list[int]:
-    """logits [B, V] → one token per row. `steps[b]` counts the row's tokens so far and
-    `generated[b]` holds them (the penalties read the answer, not the document)."""
-    logits = logits.astype(mx.float32)
-    if all(p.plain_greedy for p in params):
-        return mx.argmax(logits, axis=-1).tolist()  # the common case: one op for the batch
-    return [_sample_row(logits[b], p, steps[b], generated[b]) for b, p in enumerate(params)]
-
-
-def _sample_row(logits: mx.array, p: SamplingParams, step: int, generated: Sequence[int]) -> int:
-    logits = _penalized(logits, p, generated)
-    if p.temperature == 0:
-        return mx.argmax(logits).item()
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[0]:
-        kth = mx.topk(logits, p.top_k).min()
-        logits = mx.where(logits < kth, -mx.inf, logits)
-    if p.top_p < 1:
-        order = mx.argsort(-logits)
-        probs = mx.softmax(logits[order])
-        # keep a token if the mass before it is below top_p (the most likely is always kept)
-        before = mx.cumsum(probs) - probs
-        keep = mx.zeros(logits.shape, dtype=mx.bool_)
-        keep[order] = before < p.top_p
-        logits = mx.where(keep, logits, -mx.inf)
-    if p.min_p > 0:
-        # probability ≥ min_p × the top probability ⇔ logit ≥ top logit + log(min_p)
-        logits = mx.where(logits < logits.max() + math.log(p.min_p), -mx.inf, logits)
-    return mx.random.categorical(logits, key=step_key(p.seed, step)).item()
-
-
-def _penalized(logits: mx.array, p: SamplingParams, generated: Sequence[int]) -> mx.array:
-    """logits [V] with the repetition, presence and frequency penalties of `generated`."""
-    if not generated or (
-        p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
-    ):
-        return logits
-    counts = Counter(generated)
-    seen = mx.array(list(counts))
-    old = logits[seen]
-    new = mx.where(old > 0, old / p.repetition_penalty, old * p.repetition_penalty)
-    new = new - p.presence_penalty - p.frequency_penalty * mx.array(list(counts.values()))
-    logits[seen] = new
-    return logits
+    """`sample_tokens` with the answers so far as token lists, read back: one token per row."""
+    counts = token_counts(generated, logits.shape[-1]) if penalized(params) else None
+    return sample_tokens(logits, params, steps, counts).tolist()

@@ -15,10 +15,15 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.attention import attention
 from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
-from salabatch.engine.kernels.sparse_decode import dense_step, infllm_v2_step, runs_native
+from salabatch.engine.kernels.sparse_decode import (
+    decode_attention,
+    dense_step,
+    infllm_v2_step,
+    runs_native,
+)
 from salabatch.engine.kernels.sparse_select import select_blocks
-from salabatch.engine.linear import Linear
-from salabatch.engine.sparse_cache import SparseKVCache
+from salabatch.engine.linear import Linear, fuse
+from salabatch.engine.sparse_cache import SparseKVCache, write_step
 
 
 class SparseAttention(nn.Module):
@@ -38,21 +43,12 @@ class SparseAttention(nn.Module):
         self.o_proj = Linear(self.n_heads * d, hidden, bias=False)
         if cfg.attn_use_output_gate:
             self.o_gate = Linear(hidden, self.n_heads * d, bias=False)
+        self.fused = None  # q, k, v, o_gate as one matmul (`fuse`), for the decode step
 
     def __call__(self, x: mx.array, cache: SparseKVCache, offset: int | mx.array) -> mx.array:
         """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
         B, T, _ = x.shape
-        d = self.head_dim
-        q = self.q_proj(x).reshape(B, T, self.n_heads, d).transpose(0, 2, 1, 3)  # [B, H, T, d]
-        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, d).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, d).transpose(0, 2, 1, 3)
-        if self.use_rope:
-            q = mx.fast.rope(
-                q, d, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
-            )
-            k = mx.fast.rope(
-                k, d, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
-            )
+        q, k, v = self.qkv(x, offset)
         cache.append(k, v)
 
         starts = [n - T for n in cache.lengths]  # position of each row's first query
@@ -71,6 +67,57 @@ class SparseAttention(nn.Module):
             )
             order = mx.argsort(mx.array(dense + sparse))
             o = mx.concatenate([o_dense, o_sparse])[order]
+        return self.out(o, x)
+
+    def fuse(self) -> None:
+        gate = [self.o_gate] if "o_gate" in self else []
+        self.fused = fuse([self.q_proj, self.k_proj, self.v_proj, *gate])
+
+    def step(
+        self, x: mx.array, arrays: tuple, info: mx.array, tables: dict, mode: str, weights: tuple
+    ) -> tuple[mx.array, tuple, mx.array]:
+        """One decode step inside the compiled model step (salabatch.engine.decode): x [B, 1,
+        hidden]; arrays: (the rows' `step_arrays`, the `shared_arrays`); info, tables, mode:
+        what `kernels.sparse_decode.decode_attention` takes; the fused projections' `weights`
+        or (). → (the gated output before o_proj [B, 1, H·d], the rows' rewritten arrays, the
+        blocks each row attended)."""
+        rows, shared = arrays
+        B, d, H, Hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
+        if weights:
+            q, k, v, *gate = self.fused.apply(x, weights)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            gate = [self.o_gate(x)] if "o_gate" in self else []
+        q = q.reshape(B, 1, H, d).transpose(0, 2, 1, 3)  # [B, H, 1, d]
+        k, v = (t.reshape(B, 1, Hk, d).transpose(0, 2, 1, 3) for t in (k, v))
+        if self.use_rope:
+            rope = dict(traditional=False, base=self.rope_theta, scale=1.0, offset=info[:, 0])
+            q, k = mx.fast.rope(q, d, **rope), mx.fast.rope(k, d, **rope)
+        rows = write_step(rows, k, v, info[:, 1])
+        sc = self.sparse
+        o, idx = decode_attention(
+            q, rows, shared, info, tables, mode=mode, k=sc.topk_eff, dense_len=sc.dense_len,
+            scale=self.scale, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
+            block=sc.block_size, compression=sc.compression,
+        )  # fmt: skip
+        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)  # [B, 1, H*d]
+        return (sigmoid_mul(o, gate[0]) if gate else o), rows, idx
+
+    def qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x [B, T, hidden] → q [B, H, T, d], k, v [B, Hk, T, d]."""
+        B, T, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).reshape(B, T, self.n_heads, d).transpose(0, 2, 1, 3)  # [B, H, T, d]
+        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, d).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, d).transpose(0, 2, 1, 3)
+        if self.use_rope:
+            rope = dict(traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+            q, k = mx.fast.rope(q, d, **rope), mx.fast.rope(k, d, **rope)
+        return q, k, v
+
+    def out(self, o: mx.array, x: mx.array) -> mx.array:
+        """o [B, H, T, d] → gated (o_gate of the layer input x) → o_proj → [B, T, hidden]."""
+        B, _, T, _ = o.shape
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*d]
         if "o_gate" in self:
             o = sigmoid_mul(o, self.o_gate(x))

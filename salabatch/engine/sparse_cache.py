@@ -18,32 +18,53 @@ from salabatch.engine.config import SPARSE, ModelConfig, SparseConfig
 from salabatch.engine.kernels.sparse_attention import KVView
 
 
+def capacity(tokens: int) -> int:
+    """Buffer room for `tokens` positions: a multiple of 128 (whole blocks and level-2 strides)
+    up to 1024, then geometric in quarter steps (1280, 1536, 1792, 2048, 2560, ...). Buffer
+    shapes are what a compiled decode step is traced for, so they take few values: documents of
+    similar lengths share one shape, and at most 25 % of a long buffer is spare."""
+    if tokens <= 1024:
+        return max(128, -(-tokens // 128) * 128)
+    quarter = 1 << (tokens.bit_length() - 3)
+    return -(-tokens // quarter) * quarter
+
+
 class RowBuffer:
-    """[B, Hk, capacity, d] storage where row b holds `lengths[b]` positions; grows in steps."""
+    """[B, Hk, capacity, d] storage where row b holds `lengths[b]` entries. An entry is one
+    position (keys, values) or one compressed chunk every `stride` positions; a chunk buffer
+    keeps one spare entry past its chunks, which a decode step writes when no chunk completes."""
 
-    step = 256  # a multiple of the block (64, fixed by the config): whole blocks fit in it
-
-    def __init__(self, data: mx.array | None = None, lengths: Sequence[int] = ()) -> None:
+    def __init__(
+        self, data: mx.array | None = None, lengths: Sequence[int] = (), stride: int = 1
+    ) -> None:
         self.data = data
         self.lengths = list(lengths)
+        self.stride = stride
 
     @property
     def rows(self) -> int:
         return len(self.lengths)
 
-    def _reserve(self, like: mx.array, end: int) -> None:
+    def room(self, tokens: int) -> int:
+        """Entries for `tokens` positions."""
+        return capacity(tokens) // self.stride + (self.stride > 1)
+
+    def reserve(self, tokens: int, like: mx.array, dtype: mx.Dtype | None = None) -> None:
+        """Grows (never shrinks) to `room(tokens)` entries; a new buffer is [B, Hk, ·, d] as
+        `like`, in `dtype` (default like's)."""
         cap = 0 if self.data is None else self.data.shape[2]
-        if self.data is not None and end <= cap:
+        want = self.room(tokens)
+        if want <= cap:
             return
-        # Geometric growth keeps a 1M-token prefill from copying the history thousands of times.
-        capacity = -(-max(end, cap + cap // 2) // self.step) * self.step
-        B, Hk, _, d = like.shape
-        grown = mx.zeros(
-            (B if self.data is None else self.data.shape[0], Hk, capacity, d), like.dtype
-        )
-        if self.data is not None and cap:
+        ref = like if self.data is None else self.data
+        B, Hk, _, d = ref.shape
+        grown = mx.zeros((B, Hk, want, d), dtype or ref.dtype if self.data is None else ref.dtype)
+        if cap:
             grown[..., :cap, :] = self.data
         self.data = grown
+
+    def _reserve(self, like: mx.array, end: int) -> None:
+        self.reserve(end * self.stride, like)
 
     def append(self, x: mx.array) -> None:
         """Adds x [B, Hk, T, d]: T positions to every row, each at its own length."""
@@ -80,15 +101,16 @@ class RowBuffer:
 
     def select(self, rows: Sequence[int]) -> RowBuffer:
         data = None if self.data is None else self.data[mx.array(list(rows))]
-        return RowBuffer(data, [self.lengths[b] for b in rows])
+        return RowBuffer(data, [self.lengths[b] for b in rows], self.stride)
 
     @staticmethod
     def concat(buffers: Sequence[RowBuffer]) -> RowBuffer:
         """Rows of all buffers, in order; capacities are padded to the largest."""
         lengths = [n for buf in buffers for n in buf.lengths]
+        stride = buffers[0].stride
         filled = [buf for buf in buffers if buf.data is not None]
         if not filled:
-            return RowBuffer(None, lengths)
+            return RowBuffer(None, lengths, stride)
         cap = max(buf.data.shape[2] for buf in filled)
         ref = filled[0].data
         parts = []
@@ -99,7 +121,7 @@ class RowBuffer:
             elif data.shape[2] < cap:
                 data = mx.pad(data, [(0, 0), (0, 0), (0, cap - data.shape[2]), (0, 0)])
             parts.append(data)
-        return RowBuffer(mx.concatenate(parts, axis=0), lengths)
+        return RowBuffer(mx.concatenate(parts, axis=0), lengths, stride)
 
     @property
     def nbytes(self) -> int:
@@ -110,18 +132,26 @@ class RowBuffer:
 class SharedKeys:
     """The shared keys of forked rows: positions [0, start) common to all rows (start a multiple
     of the block): the document's key/value buffers [1, Hk, capacity ≥ start, d], read only up
-    to `start` and never copied, and, per compression level, the chunks wholly inside the
-    document [1, Hk, n, d]."""
+    to `start` and never copied, and, per compression level, the document's chunk buffers
+    [1, Hk, capacity, d] of which the first `counts[level]` chunks (those wholly inside the
+    document) are shared. Whole buffers, so their shapes are the document's capacities."""
 
     keys: mx.array
     values: mx.array
     start: int
     chunks: tuple[mx.array, ...]
+    counts: tuple[int, ...]
+
+    def chunk_view(self, level: int) -> mx.array:
+        """The shared chunks of one level, [1, Hk, counts[level], d]."""
+        return self.chunks[level][:, :, : self.counts[level]]
 
     @property
     def nbytes(self) -> int:
         held = 2 * self.keys.nbytes * self.start // self.keys.shape[2]
-        return held + sum(a.nbytes for a in self.chunks)
+        return held + sum(
+            a.nbytes * n // a.shape[2] for a, n in zip(self.chunks, self.counts, strict=True)
+        )
 
 
 class SparseKVCache:
@@ -130,7 +160,8 @@ class SparseKVCache:
     Compressed keys are kept for every complete chunk of each level of `sparse.compression`
     (level 1: mean of 32 keys every 16, level 2: 128 every 64), float32. They are extended on
     every append from the new keys only, so a decode step never recompresses the history
-    (SPEC §4.4).
+    (SPEC §4.4). Keys, values and chunks grow together (`reserve`): their capacities are one
+    function of the tokens held, planned for a whole prompt at once.
 
     Batches: `fork` turns a one-row cache (a prefilled document) into rows over one
     `SharedKeys`; `select` and `concat` keep or join rows. A batch reads its shared keys from one
@@ -146,7 +177,7 @@ class SparseKVCache:
         self.sparse = sparse
         self.shared = shared
         self.keys, self.values = RowBuffer(), RowBuffer()
-        self.compressed = tuple(RowBuffer() for _ in sparse.compression)
+        self.compressed = tuple(RowBuffer(stride=stride) for _, stride in sparse.compression)
         self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
         self.trace: list[mx.array] | None = None  # set to a list to record block selections
         self._forked: tuple[int, SharedKeys] | None = None  # (length, shared keys) given to forks
@@ -173,13 +204,24 @@ class SparseKVCache:
         return lengths.pop()
 
     def shared_chunks(self, level: int) -> int:
-        return 0 if self.shared is None else self.shared.chunks[level].shape[2]
+        return 0 if self.shared is None else self.shared.counts[level]
+
+    def reserve(self, tokens: int, like: mx.array) -> None:
+        """Room for `tokens` own positions per row in the keys, values and chunk buffers (like:
+        a key array [B, Hk, ·, d] giving the rows, heads, width and dtype)."""
+        self.keys.reserve(tokens, like)
+        self.values.reserve(tokens, like)
+        for buf in self.compressed:
+            buf.reserve(tokens, like, mx.float32)
 
     def append(self, k: mx.array, v: mx.array) -> None:
-        """Adds k, v [B, Hk, T, d] to every row, then compresses the chunks they complete."""
-        if self.keys.data is None and self.shared is None:
-            for buf in self.compressed:  # allocated now so views work before a chunk completes
-                buf.append(mx.zeros((*k.shape[:2], 0, k.shape[3]), dtype=mx.float32))
+        """Adds k, v [B, Hk, T, d] to every row, then compresses the chunks they complete.
+        A planned prompt (`prefill_len`) reserves its whole length at its first chunk."""
+        if not self.keys.lengths:
+            for buf in (self.keys, self.values, *self.compressed):
+                buf.lengths = [0] * k.shape[0]
+        end = max(max(self.lengths) + k.shape[2], self.prefill_len)
+        self.reserve(end - self.start, k)
         self.keys.append(k)
         self.values.append(v)
         for level, (size, stride) in enumerate(self.sparse.compression):
@@ -187,8 +229,6 @@ class SparseKVCache:
 
     def _compress(self, level: int, size: int, stride: int) -> None:
         buf, base, start = self.compressed[level], self.shared_chunks(level), self.start
-        if not buf.lengths:
-            buf.lengths = [0] * self.keys.rows
         have = [base + n for n in buf.lengths]
         total = [max(0, (n - size) // stride + 1) for n in self.lengths]
         if all(t <= h for t, h in zip(total, have, strict=True)):
@@ -227,13 +267,39 @@ class SparseKVCache:
     def chunk_parts(self, level: int, whole: bool = False) -> tuple[mx.array, ...]:
         """Compressed keys of one level: (shared [1, Hk, n, d],) + (rows [B, Hk, m, d],); with
         `whole`, the rows' whole buffer (chunks past a row's count hold anything)."""
+        self.settle()
         buf = self.compressed[level]
         rows = buf.data if whole else buf.view()
-        return (rows,) if self.shared is None else (self.shared.chunks[level], rows)
+        return (rows,) if self.shared is None else (self.shared.chunk_view(level), rows)
 
     def arrays(self) -> list[mx.array]:
         """The arrays of its rows (the shared keys are the document's)."""
         return [b.data for b in (self.keys, self.values, *self.compressed) if b.data is not None]
+
+    # -- the compiled decode step (salabatch.engine.decode) ------------------------------------
+    def step_arrays(self) -> tuple[mx.array, mx.array]:
+        """The rows' buffers a decode step reads and rewrites: keys, values [B, Hk, R, d]. It
+        sums the rows' compressed keys afresh from their keys; the chunk buffers catch up at
+        the next `settle` (any append, fork, save or read of the chunks)."""
+        return self.keys.data, self.values.data
+
+    def shared_arrays(self) -> tuple[mx.array, ...]:
+        """The shared keys a decode step reads: keys, values [1, Hk, S, d], then each level's
+        chunk buffer; () without shared keys."""
+        shared = self.shared
+        return () if shared is None else (shared.keys, shared.values, *shared.chunks)
+
+    def stepped(self, arrays: Sequence[mx.array]) -> None:
+        """Takes a decode step's rewritten keys and values: one more position in every row."""
+        self.keys.data, self.values.data = arrays
+        self.keys.lengths = [n + 1 for n in self.keys.lengths]
+        self.values.lengths = list(self.keys.lengths)
+
+    def settle(self) -> None:
+        """Compresses the chunks that decode steps completed (a no-op when none did)."""
+        if self.keys.data is not None:
+            for level, (size, stride) in enumerate(self.sparse.compression):
+                self._compress(level, size, stride)
 
     # -- batches -------------------------------------------------------------------------------
     def fork(self, n: int) -> SparseKVCache:
@@ -247,24 +313,24 @@ class SparseKVCache:
         """
         if self.shared is not None or self.keys.rows != 1:
             raise ValueError("only a one-row cache without shared keys can be forked")
+        self.settle()
         length = self.length
-        counts = [buf.lengths[0] for buf in self.compressed]
+        counts = tuple(buf.lengths[0] for buf in self.compressed)
         # the level-2 stride is the block: 64 · N2 is block aligned and ≤ every row's own chunk
         start = self.sparse.compression[1][1] * counts[1]
         if self._forked is None or self._forked[0] != length:
-            shared = SharedKeys(
-                self.keys.data,
-                self.values.data,
-                start,
-                tuple(buf.data[:, :, :c] for buf, c in zip(self.compressed, counts, strict=True)),
-            )
+            chunks = tuple(buf.data for buf in self.compressed)
+            shared = SharedKeys(self.keys.data, self.values.data, start, chunks, counts)
             self._forked = (length, shared)
         out = SparseKVCache(self.sparse, self._forked[1])
-        for mine, theirs in ((out.keys, self.keys), (out.values, self.values)):
-            tail = theirs.data[:, :, start:length]
-            mine.append(mx.repeat(tail, n, axis=0))
-        for buf, theirs in zip(out.compressed, self.compressed, strict=True):
-            buf.append(mx.zeros((n, *theirs.data.shape[1:2], 0, theirs.data.shape[3]), mx.float32))
+        keys, values = (
+            mx.repeat(b.data[:, :, start:length], n, axis=0) for b in (self.keys, self.values)
+        )
+        for buf in (out.keys, out.values, *out.compressed):
+            buf.lengths = [0] * n
+        out.reserve(length - start, keys)
+        out.keys.append(keys)
+        out.values.append(values)
         return out
 
     def select(self, rows: Sequence[int]) -> SparseKVCache:
@@ -297,6 +363,7 @@ class SparseKVCache:
         `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d] float32."""
         if self.shared is not None or self.keys.rows != 1:
             raise ValueError("only a one-row cache without shared keys can be saved")
+        self.settle()
         n = self.keys.lengths[0]
         state = {"keys": self.keys.data[:, :, :n], "values": self.values.data[:, :, :n]}
         for level, buf in enumerate(self.compressed):
@@ -308,8 +375,8 @@ class SparseKVCache:
         cls, state: dict[str, mx.array], position: int, cfg: ModelConfig
     ) -> SparseKVCache:
         """The inverse of `to_state` for a sequence of `position` tokens: KeyError for a missing
-        array, ValueError for one of the wrong size. The buffers get room to grow in whole
-        blocks, as a live cache's have (forks read the keys as a table of blocks)."""
+        array, ValueError for one of the wrong size. The buffers get the capacities a live
+        cache of this length has (forks read the keys as a table of blocks)."""
         cache = cls(cfg.sparse)
         keys, values = state["keys"], state["values"]
         if keys.shape[2] != position or values.shape != keys.shape:
@@ -318,8 +385,10 @@ class SparseKVCache:
         for (size, stride), got in zip(cfg.sparse.compression, chunks, strict=True):
             if got.shape[2] != max(0, (position - size) // stride + 1):
                 raise ValueError(f"has {got.shape[2]} compressed chunks")
+        cache.reserve(position, keys)
         bufs = (cache.keys, cache.values, *cache.compressed)
         for buf, a in zip(bufs, (keys, values, *chunks), strict=True):
+            buf.lengths = [0]
             buf.append(a)
         return cache
 
@@ -331,3 +400,14 @@ class SparseKVCache:
     @property
     def shared_nbytes(self) -> int:
         return 0 if self.shared is None else self.shared.nbytes
+
+
+def write_step(
+    arrays: Sequence[mx.array], k: mx.array, v: mx.array, at: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Inside a compiled decode step: the rows' (keys, values) [B, Hk, R, d]
+    (`SparseKVCache.step_arrays`) with k, v [B, Hk, 1, d] written at each row's own place
+    at [B] (its position past the shared keys)."""
+    at = at[:, None, None, None]
+    keys, values = arrays
+    return mx.put_along_axis(keys, at, k, axis=2), mx.put_along_axis(values, at, v, axis=2)

@@ -20,3 +20,15 @@ def tok(tmp_path_factory):
 def demo_copy(tok, tmp_path):
     """A private copy of the demo tokenizer dir, for tests that edit its files."""
     return Path(shutil.copytree(tok.model_dir, tmp_path / "tok"))
+
+
+@pytest.fixture(params=["native-path", "gpu-path"])
+def engine_path(request, monkeypatch):
+    """The path a test runs on: the one the device takes (on the CPU, its native kernels), or
+    the GPU path's graphs, forced on any device by SALABATCH_GPU_PATH=1. As a fixture it runs
+    the test on both; `indirect` parametrization picks."""
+    if request.param == "gpu-path":
+        monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    else:
+        monkeypatch.delenv("SALABATCH_GPU_PATH", raising=False)
+    return request.param

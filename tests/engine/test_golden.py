@@ -10,7 +10,12 @@ import pytest
 
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import LIGHTNING
+from salabatch.engine.decode import decode as decode_step
 from salabatch.engine.load import load_model
+
+# The cases run on both paths: the native CPU kernels, and the GPU path's graphs (the compiled
+# decode step, fused SDPA, ...) forced on the CPU by SALABATCH_GPU_PATH=1.
+BOTH = pytest.mark.parametrize("engine_path", ["native-path", "gpu-path"], indirect=True)
 
 TOL_F32 = 1e-3  # golden README: max abs diff <= 1e-3 for an fp32 port (expect ~1e-5)
 TOL_SPARSE_ALL = 5e-2  # long_sparse prefill: a near-tie flip may move later positions (issue 3)
@@ -62,7 +67,7 @@ def run_case(model, case, prompt_len, n_decode, chunk=None):
     for s in range(n_decode):
         for i in sparse:
             cache[i].trace = []
-        decode.append(model(ids[:, prompt_len + s : prompt_len + s + 1], cache)[0, 0])
+        decode.append(decode_step(model, ids[0, prompt_len + s : prompt_len + s + 1], cache)[0])
         for i in sparse:
             traces[i][f"decode{s}"] = cache[i].trace[0][0] if cache[i].trace else None
     return prefill, decode, cache, traces
@@ -99,7 +104,8 @@ def selection_mismatches(case, traces, pos0_of, exempt):
     return bad
 
 
-def test_short_dense(model, golden_dir):
+@BOTH
+def test_short_dense(model, golden_dir, engine_path):
     manifest, case = load_case(golden_dir, "short_dense")
     prefill, decode, cache, _ = run_case(model, case, manifest["prompt_len"], manifest["n_decode"])
     assert max_diff(prefill, case["prefill_logits"]) < TOL_F32
@@ -108,7 +114,8 @@ def test_short_dense(model, golden_dir):
     assert_final_states(model, case, cache)
 
 
-def test_cross_dense_len(model, golden_dir):
+@BOTH
+def test_cross_dense_len(model, golden_dir, engine_path):
     """Dense prompt, then decode switches to InfLLM-v2 at exactly dense_len (steps 2–4)."""
     manifest, case = load_case(golden_dir, "cross_dense_len")
     P = manifest["prompt_len"]
@@ -121,8 +128,14 @@ def test_cross_dense_len(model, golden_dir):
     assert_final_states(model, case, cache)
 
 
-@pytest.mark.parametrize("chunk", [None, 512, 1000, 2048], ids=["one-call", "512", "1000", "2048"])
-def test_long_sparse(model, golden_dir, chunk):
+@pytest.mark.parametrize(
+    "engine_path, chunk",
+    [("native-path", None), ("native-path", 512), ("native-path", 1000), ("native-path", 2048)]
+    + [("gpu-path", None), ("gpu-path", 1000)],
+    ids=["one-call", "512", "1000", "2048", "gpu-path-one-call", "gpu-path-1000"],
+    indirect=["engine_path"],
+)
+def test_long_sparse(model, golden_dir, engine_path, chunk):
     """InfLLM-v2 prefill over 47 blocks + 8 sparse decode steps; chunked prefill matches too."""
     manifest, case = load_case(golden_dir, "long_sparse")
     P = manifest["prompt_len"]

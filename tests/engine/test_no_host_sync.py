@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.cache import ModelCache
+from salabatch.engine.decode import decode
 from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.load import load_model
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
@@ -48,8 +49,11 @@ def test_the_tracer_catches_a_host_round_trip():
         traced(reads_back, mx.ones(3))
 
 
+@pytest.mark.parametrize("engine_path", ["native-path", "gpu-path"], indirect=True)
 @pytest.mark.parametrize("path", list(PATHS))
-def test_chunked_sparse_prefill_and_decode_stay_on_the_device(model, monkeypatch, path):
+def test_chunked_sparse_prefill_and_decode_stay_on_the_device(
+    model, monkeypatch, path, engine_path
+):
     for name, value in PATHS[path].items():
         monkeypatch.setattr(sparse_attention, name, value)
     n = 700  # sparse from 256 tokens: stage 1 and every stage-2 path run
@@ -59,13 +63,13 @@ def test_chunked_sparse_prefill_and_decode_stay_on_the_device(model, monkeypatch
         cache.plan_prefill(n)
         for s in range(0, n, 300):
             model(ids[:, s : s + 300], cache)
-        steps = [model(ids[:, n + i : n + i + 1], cache) for i in range(3)]
-        return mx.concatenate(steps, axis=1)
+        steps = [decode(model, ids[:, n + i], cache) for i in range(3)]
+        return mx.stack(steps, axis=1)
 
     traced(forward, tokens(n + 3, seed=1))
 
 
-def test_batched_decode_over_a_shared_prefix_stays_on_the_device(model):
+def test_batched_decode_over_a_shared_prefix_stays_on_the_device(model, engine_path):
     doc = model.make_cache()
     model(tokens(600, seed=2), doc)
     rows = []
@@ -77,6 +81,6 @@ def test_batched_decode_over_a_shared_prefix_stays_on_the_device(model):
 
     def step(ids):
         batch = ModelCache.concat(rows)
-        return model(ids, batch)
+        return decode(model, ids, batch)
 
-    traced(step, mx.array([[3], [4], [5]], dtype=mx.int32))
+    traced(step, mx.array([3, 4, 5], dtype=mx.int32))

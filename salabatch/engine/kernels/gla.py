@@ -155,6 +155,13 @@ def gla_step(q, k, v, g, scale, state=None):
     return _step(q, k, v, g, S, scale)
 
 
+def gla_step_decayed(q, k, v, decay, state):
+    """The decode step inside a compiled model step, where every op is a kernel: q already
+    scaled, decay = exp(g) [H] given, state [B, H, dk, dv] float32 (not None)."""
+    S = decay[:, None, None] * state + k.astype(mx.float32).swapaxes(-1, -2) * v.astype(mx.float32)
+    return q.astype(mx.float32) @ S, S  # [B, H, 1, dv]
+
+
 def gla(q, k, v, g, scale, state=None):
     """The dispatcher the model calls: decode step for T == 1, chunked form otherwise."""
     if q.shape[2] == 1:

@@ -20,9 +20,17 @@ import itertools
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from salabatch.engine.kernels import native
-from salabatch.engine.kernels.attention import LOG2E, attention, exp2_poly, lanes, on_gpu
+from salabatch.engine.kernels.attention import (
+    LOG2E,
+    attention,
+    exp2,
+    exp2_poly,
+    lanes,
+    on_gpu,
+)
 from salabatch.engine.kernels.sparse_attention import KVView
 from salabatch.engine.kernels.sparse_select import (
     chunk_scores,
@@ -115,8 +123,7 @@ def _step(q, kv, c1, c2, starts, settings):
     B, H, _, d = q.shape
     Hk = kv.rows_k.shape[1]
     shared = () if kv.shared_k is None else (kv.shared_k, kv.shared_v)
-    attend = _attend_take if on_gpu() or CPU_STEP == "take" else _attend_blocks
-    o = attend(
+    o = _attend_blocks(
         q.reshape(B * Hk, 1, H // Hk, d), idx.reshape(B * Hk, k), mx.repeat(pos, Hk),
         shared, kv.rows_k, kv.rows_v, kv.start, scale, block,
     )  # fmt: skip
@@ -132,43 +139,6 @@ def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local, bl
     r = block // compression[0][1]  # level-1 strides per block
     pooled = force_and_mask(pool_blocks(scores, blocks, r), q_blk, init, local)
     return top_k_lowest_index(pooled, k, q_blk)
-
-
-def _attend_take_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
-    """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q.
-
-    Without shared keys one `take` of whole blocks from the rows' buffer. With them, the
-    slots in the shared keys are gathered from the shared buffer and the row's own positions (its
-    question and answer) are read whole, masked to the selected blocks."""
-    n, _, G, d = q.shape
-    k = sel.shape[-1]
-    Hk = rows_k.shape[1]
-    pairs = mx.arange(n)
-    allowed = (sel[..., None] >= 0) & (
-        sel[..., None] * block + mx.arange(block) <= pos[:, None, None]
-    )
-    allowed = allowed.reshape(n, k * block)
-    safe = mx.maximum(sel, 0)
-    if not start:
-        at = pairs[:, None] * (rows_k.shape[2] // block) + safe
-        keys, values = _take(rows_k, at, block), _take(rows_v, at, block)
-        return attention(q, keys, values, scale, allowed.reshape(n, 1, 1, -1))
-    shared_k, shared_v = shared
-    S = start // block
-    at = (pairs % Hk)[:, None] * (shared_k.shape[2] // block) + mx.minimum(safe, S - 1)
-    R = rows_k.shape[2]
-    own_k, own_v = rows_k.reshape(n, 1, R, d), rows_v.reshape(n, 1, R, d)
-    member = (sel[:, :, None] == S + mx.arange(R // block)).any(axis=1)  # [n, R/block]
-    own = mx.repeat(member, block, axis=-1) & (start + mx.arange(R) <= pos[:, None])
-    in_shared = mx.repeat(sel < S, block, axis=-1)
-    mask = mx.concatenate([allowed & in_shared, own], axis=-1)
-    return attention(
-        q,
-        (_take(shared_k, at, block), own_k),
-        (_take(shared_v, at, block), own_v),
-        scale,
-        mask.reshape(n, 1, 1, -1),
-    )
 
 
 def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
@@ -216,16 +186,208 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
 
 
 # The decode step on the CPU: "native" (the C++ primitive of native.py where it is built, for
-# float32; otherwise "blocks"), or the compiled MLX-op graphs with stage 2 as "blocks"
-# (gather_mm) or "take" (the form a GPU runs). Tests set it to check every form on the CPU.
+# float32) or "blocks" (the compiled MLX-op graphs, stage 2 as blocks multiplied in place).
+# Tests set it to check both forms on the CPU.
 CPU_STEP = "native"
 _select = mx.compile(_select_graph)
-_attend_take = mx.compile(_attend_take_graph)
 _attend_blocks = mx.compile(_attend_blocks_graph)
 
 
-def _take(buffer: mx.array, at: mx.array, block: int) -> mx.array:
-    """buffer [b, Hk, N, d] as a table of blocks; at [n, k] → [n, 1, k·block, d]."""
-    d = buffer.shape[-1]
-    n, k = at.shape
-    return mx.take(buffer.reshape(-1, block * d), at, axis=0).reshape(n, 1, k * block, d)
+# -- the GPU form: one graph inside the model's compiled decode step ------------------------------
+#
+# Everything that changes per document or per step is an array, never a Python constant, and
+# every buffer is read whole, so the graph depends only on the buffers' capacities
+# (`sparse_cache.capacity`), the batch size and the mode: the model's step traces once per such
+# shape (salabatch.engine.decode). Each op is a kernel launch there, so what the host already
+# knows it computes in numpy: per step the rows' positions and what follows from them (`rows`),
+# per batch the map of score entries to chunk numbers and blocks (`tables`). The rows' own
+# compressed keys are summed afresh from their keys (a fork's rows hold a few hundred) instead
+# of being kept in buffers rewritten every step, and top-k is one partition of exact keys.
+
+DENSE, MIXED, SPARSE = "dense", "mixed", "sparse"
+_UNSEEN = np.iinfo(np.int32).max  # the chunk number of an entry that is no chunk
+
+
+def step_mode(positions: Sequence[int], dense_len: int) -> str:
+    """Which rows of a decode step (queries at `positions`) attend sparsely: all, none, or
+    some. A row is sparse once its sequence, this token included, reaches dense_len (SPEC P7)."""
+    sparse = [p + 1 >= dense_len for p in positions]
+    return SPARSE if all(sparse) else DENSE if not any(sparse) else MIXED
+
+
+def step_rows(positions: Sequence[int], start: int, block: int, strides: Sequence[int]):
+    """[B, 3 + levels] int32, per row: its position, its place in its own buffers (past the
+    shared `start`), its block, then the chunks it sees at each level (SPEC §4.4)."""
+    pos = np.asarray(positions, dtype=np.int64)[:, None]
+    seen = [np.maximum((pos + 1) // s - 1, 0) for s in strides]
+    return mx.array(
+        np.concatenate([pos, pos - start, pos // block, *seen], axis=1).astype(np.int32)
+    )
+
+
+def step_tables(
+    start: int,
+    counts: Sequence[int],
+    shared_entries: Sequence[int],
+    own: int,
+    n_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
+) -> dict[str, mx.array]:
+    """The batch's map of stage-1 score entries, [the shared chunk buffer (shared_entries[l]
+    entries, the first counts[l] of them chunks) | the rows' chunks, summed from their `own`
+    keys | at level 1, one entry scoring 0]: `numbers{l}` [E_l] each entry's chunk number
+    (_UNSEEN for none), `pool` [n_blocks, r + 1] the level-1 entries of the chunks overlapping
+    each block (the 0 entry where a chunk does not exist), `first` [1] the first block the
+    rows own."""
+    tables = {"first": mx.array([start // block], dtype=mx.int32)}
+    for level, (_, stride) in enumerate(compression):
+        shared = np.arange(shared_entries[level])
+        shared = np.where(shared < counts[level], shared, _UNSEEN)
+        mine = start // stride + np.arange(own // stride - 1)
+        mine = np.where(mine >= counts[level], mine, _UNSEEN)
+        zero = [_UNSEEN] if level == 0 else []
+        tables[f"numbers{level}"] = mx.array(np.concatenate([shared, mine, zero]).astype(np.int32))
+    stride = compression[0][1]
+    r, zero = block // stride, tables["numbers0"].shape[0] - 1
+    chunk = r * np.arange(n_blocks)[:, None] - 1 + np.arange(r + 1)  # [n_blocks, r + 1]
+    entry = np.where(chunk < counts[0], chunk, shared_entries[0] + chunk - start // stride)
+    exists = (chunk >= 0) & (entry >= 0) & (entry < zero)
+    tables["pool"] = mx.array(np.where(exists, entry, zero).astype(np.int32))
+    return tables
+
+
+def decode_attention(
+    q: mx.array,
+    rows: Sequence[mx.array],
+    shared: Sequence[mx.array],
+    info: mx.array,
+    tables: dict[str, mx.array],
+    *,
+    mode: str,
+    k: int,
+    dense_len: int,
+    scale: float,
+    init_blocks: int,
+    local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
+) -> tuple[mx.array, mx.array]:
+    """One query per row against its cache, dense or InfLLM-v2 by row (SPEC §4.4).
+
+    q [B, H, 1, d], its own key already written; rows: the rows' keys and values [B, Hk, R, d]
+    (R a multiple of the widest compression stride); shared: the shared keys' (keys, values
+    [1, Hk, S, d], chunks1, chunks2 [1, Hk, ·, d] float32) or (); info: `step_rows`; tables:
+    `step_tables`. → (o [B, H, 1, d], idx [B, Hk, 1, slots]): the blocks each row attended
+    (sorted, -1 for none; computed only where read). A dense row attends every block up to
+    its own (the same as dense attention), a sparse row its top-k.
+    """
+    B, Hk = q.shape[0], rows[0].shape[1]
+    n_blocks = (rows[0].shape[2] + (shared[0].shape[2] if shared else 0)) // block
+    k = min(k, n_blocks)
+    pos, q_blk = info[:, :1], info[:, 2:3]  # [B, 1]
+    slots = k if mode == SPARSE else max(k, min(n_blocks, -(-dense_len // block)))
+    if mode != DENSE:
+        top = _select_step(q, rows[0], shared[2:], info, tables, n_blocks, k, scale, init_blocks,
+                           local_blocks, block, compression)  # fmt: skip
+        chosen = mx.sort(top, axis=-1)  # as the reference writes it: -1 past the query's block
+        chosen = mx.where(chosen > q_blk[:, :, None], -1, chosen)
+    if mode != SPARSE:
+        every = mx.array(np.arange(slots, dtype=np.int32))
+        dense = mx.broadcast_to(mx.where(every <= q_blk, every, -1)[:, None], (B, Hk, slots))
+    if mode == SPARSE:
+        attend, idx = top, chosen
+    elif mode == DENSE:
+        attend = idx = dense
+    else:
+        sparse_row = (pos + 1 >= dense_len)[:, :, None]
+        pad = [(0, 0), (0, 0), (0, slots - k)]
+        attend = mx.where(sparse_row, mx.pad(top, pad, constant_values=-1), dense)
+        idx = mx.where(sparse_row, mx.pad(chosen, pad, constant_values=-1), dense)
+    o = _attend_step(q, attend, info, rows, shared[:2], tables["first"], scale, block,
+                     padded=mode != SPARSE)  # fmt: skip
+    return o, idx[:, :, None]
+
+
+def _select_step(
+    q, keys, shared_c, info, tables, n_blocks, k, scale, init, local, block, compression
+):
+    """Stage 1, pooling and top-k of one query per row → block ids [B, Hk, k], unsorted."""
+    B, H, _, d = q.shape
+    Hk, R = keys.shape[1], keys.shape[2]
+    G = H // Hk
+    qg = q.reshape(B, Hk, G, d)
+    scores = []
+    for level, (size, stride) in enumerate(compression):
+        # the rows' chunks from their own keys, summed as the cache sums them (same bits)
+        groups = keys.astype(mx.float32).reshape(B, Hk, R // stride, stride, d).sum(axis=3)
+        own = ((groups[:, :, :-1] + groups[:, :, 1:]) / size).astype(keys.dtype)
+        s = [qg @ p.swapaxes(-1, -2) for p in (*shared_c[level : level + 1], own)]
+        if level == 0:  # one more entry, scoring 0 once masked: where pooling finds no chunk
+            s.append(mx.broadcast_to(mx.array(np.zeros((1, 1, 1, 1)), q.dtype), (B, Hk, G, 1)))
+        seen = tables[f"numbers{level}"] < info[:, None, None, 3 + level : 4 + level]
+        scores.append((mx.concatenate(s, axis=-1), seen))  # [B, Hk, G, E], [B, 1, 1, E]
+    (s1, seen1), (s2, seen2) = scores
+    a = scale * LOG2E  # base 2, in float32
+    any2 = info[:, None, None, 4:5] > 0  # a level-2 chunk is visible
+    s2 = mx.where(seen2, s2.astype(mx.float32) * a, -mx.inf)
+    m2 = mx.where(any2, s2.max(axis=-1, keepdims=True), 0.0)
+    lse2 = m2 + mx.log2(exp2(s2 - m2).sum(axis=-1, keepdims=True))
+    p = mx.where(seen1 & any2, exp2(s1.astype(mx.float32) * a - lse2), 0.0).sum(axis=2)
+    # block b: the max over the level-1 chunks r·b − 1 … r·b + r − 1, by their entries
+    pool = tables["pool"]
+    pooled = mx.take(p, pool.reshape(-1), axis=-1).reshape(B, Hk, *pool.shape).max(axis=-1)
+    return _top_k(pooled, k, info[:, None, 2:3], init, local)  # [B, Hk, nb] → [B, Hk, k]
+
+
+def _top_k(scores: mx.array, k: int, q_blk: mx.array, init: int, local: int) -> mx.array:
+    """The ids of the k best of scores [B, Hk, n] float32 ≥ 0, with the first `init` blocks
+    and the local window (q_blk [B, 1, 1] and `local` before it) forced and the blocks after
+    q_blk excluded, ties to the lowest id (SPEC P11); in no order → [B, Hk, k] int32.
+
+    One partition of exact keys: a score's bits (for floats ≥ 0, ordered as unsigned ints)
+    above the complement of its id, so that equal scores rank by id; forced blocks get the
+    largest key, excluded ones the smallest (`sparse_select.top_k_lowest_index` is the
+    reference)."""
+    n = scores.shape[-1]
+    b = mx.array(np.arange(n, dtype=np.int32))
+    forced = (b < init) | ((b >= q_blk - local) & (b <= q_blk))
+    bits = mx.view(scores, mx.uint32).astype(mx.uint64) + 1
+    bits = mx.where(forced, np.uint64(0xFFFFFFFF), mx.where(b > q_blk, 0, bits))
+    low = mx.array(np.arange(n - 1, -1, -1, dtype=np.uint64))  # n − 1 − id
+    best = mx.topk((bits << 32) | low, k, axis=-1)
+    return (n - 1) - (best & 0xFFFFFFFF).astype(mx.int32)
+
+
+def _attend_step(q, idx, info, rows_kv, shared_kv, first, scale, block, padded):
+    """Stage 2: q [B, H, 1, d] against the blocks idx [B, Hk, slots] (-1: none, where
+    `padded`), each read from the shared keys (blocks before `first`) or the row's own;
+    causal by position."""
+    B, H, _, d = q.shape
+    Hk, R = rows_kv[0].shape[1], rows_kv[0].shape[2] // block
+    slots = idx.shape[-1]
+    safe = mx.maximum(idx, 0) if padded else idx
+    pairs = mx.array((np.arange(B)[:, None] * Hk + np.arange(Hk))[..., None] * R)  # [B, Hk, 1]
+    own = pairs + mx.clip(safe - first, 0, R - 1)
+    keys, values = (mx.take(a.reshape(-1, block * d), own, axis=0) for a in rows_kv)
+    if shared_kv:
+        C = shared_kv[0].shape[2] // block
+        at = mx.array(np.arange(Hk)[:, None] * C) + mx.minimum(safe, C - 1)  # [B, Hk, slots]
+        in_shared = (safe < first)[..., None]
+        keys, values = (
+            mx.where(in_shared, mx.take(a.reshape(-1, block * d), at, axis=0), mine)
+            for a, mine in zip(shared_kv, (keys, values), strict=True)
+        )
+    key_pos = idx[..., None] * block + mx.array(np.arange(block, dtype=np.int32))
+    allowed = key_pos <= info[:, None, None, :1]  # [B, Hk, slots, block]
+    if padded:
+        allowed = allowed & (idx[..., None] >= 0)
+    n = B * Hk
+    o = attention(
+        q.reshape(n, 1, H // Hk, d),
+        keys.reshape(n, 1, slots * block, d),
+        values.reshape(n, 1, slots * block, d),
+        scale,
+        allowed.reshape(n, 1, 1, slots * block),
+    )
+    return o.reshape(B, H, 1, d)

@@ -227,13 +227,12 @@ def test_block_sparse_attention_over_shared_keys(monkeypatch, t, path):
 
 
 @pytest.mark.parametrize("lane_rows", [1, 99], ids=["rows split between lanes", "one lane"])
-@pytest.mark.parametrize("form", ["native", "blocks", "take"])
+@pytest.mark.parametrize("form", ["native", "blocks"])
 @pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared keys"])
 def test_decode_step_matches_the_references(shared, form, lane_rows, monkeypatch):
-    """The decode step (whole buffers, bucketed blocks) selects and attends exactly as
+    """The CPU decode step (whole buffers, bucketed blocks) selects and attends exactly as
     select_blocks_ref then block_sparse_attention_ref, in each form: the C++ primitive, and
-    the compiled graphs with stage 2 as blocks multiplied in place (the CPU's) or as a gathered
-    copy (a GPU's)."""
+    the compiled graphs with stage 2 as blocks multiplied in place."""
     from salabatch.engine.kernels import native, sparse_decode
     from salabatch.engine.kernels.sparse_decode import infllm_v2_step
 
@@ -276,3 +275,73 @@ def test_decode_step_matches_the_references(shared, form, lane_rows, monkeypatch
     assert mx.array_equal(got_idx, want_idx)
     want = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, D**-0.5, BLOCK)
     assert mx.abs(got - want).max().item() < TOL_F32
+
+
+def decode_case(shared: bool, seed: int):
+    """Two rows at different lengths (forked from one document, or each its own sequence),
+    the step's own key appended, and their queries."""
+    rng = np.random.default_rng(seed)
+    if shared:
+        doc = random_cache(1100, seed=12)
+        one = SparseKVCache(SC)
+        one.append(doc.keys.view()[:1], doc.values.view()[:1])
+        forks = []
+        for extra in (90, 7):
+            row = one.fork(1)
+            k = mx.array(rng.standard_normal((1, HK, extra, D)).astype(np.float32))
+            row.append(k, k * 0.5)
+            forks.append(row)
+        cache = SparseKVCache.concat(forks)
+    else:
+        cache = random_cache(1187, seed=13)
+    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
+    cache.append(k, -k)  # the step's own key
+    q = mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32))
+    return cache, q
+
+
+@pytest.mark.parametrize("dense_len", [0, 1150, 1 << 20], ids=["sparse", "mixed", "dense"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own rows", "shared keys"])
+def test_gpu_decode_step_matches_the_references(shared, dense_len):
+    """The GPU form of the decode step (one graph of the compiled model step: positions and
+    tables as arrays, the rows' chunks summed afresh, top-k as one partition of exact keys)
+    selects exactly the reference's blocks for its sparse rows and attends like the
+    references: InfLLM-v2 for sparse rows, plain causal attention for dense ones."""
+    from salabatch.engine.kernels.attention import attention_ref
+    from salabatch.engine.kernels.sparse_decode import (
+        decode_attention,
+        step_mode,
+        step_rows,
+        step_tables,
+    )
+
+    cache, q = decode_case(shared, seed=21)
+    starts = [n - 1 for n in cache.lengths]
+    start = cache.start
+    counts = cache.shared.counts if shared else (0, 0)
+    entries = tuple(c.shape[2] for c in cache.shared.chunks) if shared else (0, 0)
+    own = cache.keys.data.shape[2]
+    n_blocks = (own + (cache.shared.keys.shape[2] if shared else 0)) // BLOCK
+    strides = [s for _, s in SC.compression]
+    mode = step_mode(starts, dense_len)
+    o, idx = decode_attention(
+        q, cache.step_arrays(), cache.shared_arrays(), step_rows(starts, start, BLOCK, strides),
+        step_tables(start, counts, entries, own, n_blocks, BLOCK, SC.compression),
+        mode=mode, k=8, dense_len=dense_len, scale=D**-0.5, init_blocks=INIT,
+        local_blocks=LOCAL, **GEOMETRY,
+    )  # fmt: skip
+    kw = dict(prefill_len=0, n_blocks=-(-max(cache.lengths) // BLOCK), k=8, scale=D**-0.5,
+              init_blocks=INIT, local_blocks=LOCAL, **GEOMETRY)  # fmt: skip
+    want_idx = select_blocks_ref(q, cache.chunk_parts(0), cache.chunk_parts(1), starts, **kw)
+    want_sparse = block_sparse_attention_ref(q, cache.kv_view(), want_idx, starts, D**-0.5, BLOCK)
+    keys, values = cache.kv_view().full()
+    causal = mx.arange(keys.shape[2]) <= mx.array(starts)[:, None, None, None]
+    want_dense = attention_ref(q, keys, values, D**-0.5, causal)
+    for b, pos in enumerate(starts):
+        if pos + 1 >= dense_len:
+            assert mx.array_equal(idx[b, :, :, :8], want_idx[b]), f"row {b}"
+            assert mx.abs(o[b] - want_sparse[b]).max().item() < TOL_F32, f"row {b}"
+        else:
+            assert mx.abs(o[b] - want_dense[b]).max().item() < TOL_F32, f"row {b}"
+    if shared:  # rows at 1191 and 1108 tokens: the three modes
+        assert mode == {0: "sparse", 1150: "mixed"}.get(dense_len, "dense")
