@@ -174,9 +174,10 @@ def _parallel(q, k, v, g, S, settings):
     starts = starts + mx.exp(g[:, None] * C * n)[:, :, None, None] * S[:, :, None]
     o = o + (qc * q_decay[:, None, :, None]) @ starts  # [B, H, N, C, dv]
     o = o.reshape(B, H, N * C, dv)[:, :, :T]
-    # Final state over the real tokens: gamma^T S + Σ_j gamma^(T-1-j) k_j ⊗ v_j.
-    last = mx.exp(g[:, None] * (T - 1 - mx.arange(T, dtype=mx.float32)))  # [H, T]
-    S = mx.exp(g * T)[:, None, None] * S + (k * last[:, :, None]).swapaxes(-1, -2) @ v
+    # Final state over the real tokens: gamma^T S + Σ_j gamma^(T-1-j) k_j ⊗ v_j. (T enters
+    # through `arange` only: a scalar constant would make a new fused kernel for every length.)
+    last = mx.exp(g[:, None] * mx.arange(T - 1, -1, -1, dtype=mx.float32))  # [H, T]
+    S = (last[:, :1] * mx.exp(g)[:, None])[..., None] * S + (k * last[..., None]).mT @ v
     return o, S
 
 

@@ -191,42 +191,41 @@ def block_sparse_attention_gpu(
         rows = mx.arange(B * T * Hk, dtype=mx.uint32).reshape(B, T, Hk, 1)
         sel = idx.transpose(0, 2, 1, 3)  # [B, T, Hk, K]
         q_pos = _positions(starts, T)
-        parts, spans = _block_tables(kv, block)
+        parts = _block_tables(kv, block)
         # per query: scores and weights of K·block keys for each of H heads, and K partial outputs
         step = tile_rows(H * K * (block * (3 * q.dtype.size + 4) + 2 * d * q.dtype.size), T)
         for s in range(dense, T, step):
             e = min(T, s + step)
-            o = _sparse_tile(
-                table, rows[:, s:e], parts, sel[:, s:e], q_pos[:, s:e], (spans, scale, block)
-            )
+            o = _sparse_tile(table, rows[:, s:e], parts, sel[:, s:e], q_pos[:, s:e], (scale, block))
             outs.append(o.reshape(B, e - s, H, d))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, T, H, d]
     return o.transpose(0, 2, 1, 3)
 
 
-def _block_tables(kv: KVView, block: int):
-    """The cache as tables of blocks for `gather_mm`: ((keys, values, base),) per part of the
-    sequence, keys/values [n, block, d] and base [B, 1, Hk, 1] the table row of block 0 of each
-    (row, kv head) of the part, and spans ((first, end) block ids of each part,)."""
+def _block_tables(kv: KVView, block: int) -> list[tuple[mx.array, ...]]:
+    """The cache as tables of blocks for `gather_mm`, one per part of the sequence: (keys,
+    values [n, block, d], base [B, 1, Hk, 1] the table row of the part's first block for each
+    (row, kv head), span int32 [2]: the block ids [first, end) the part holds). Spans are data,
+    not compile constants: forks of every document run the same kernels."""
     B, Hk, R, d = kv.rows_k.shape
     heads = mx.arange(Hk, dtype=mx.uint32)
     own = (mx.arange(B, dtype=mx.uint32)[:, None] * Hk + heads) * (R // block)
     S = kv.start // block
-    parts = [(kv.rows_k.reshape(-1, block, d), kv.rows_v.reshape(-1, block, d), own)]
-    spans = [(S, 1 << 30)]
+    parts = [(kv.rows_k, kv.rows_v, own, (S, 1 << 30))]
     if S:  # rows forked from one document: its blocks from the shared buffers
-        shared = heads * (kv.shared_k.shape[2] // block)
-        tables = (kv.shared_k.reshape(-1, block, d), kv.shared_v.reshape(-1, block, d))
-        parts.insert(0, (*tables, mx.broadcast_to(shared, (B, Hk))))
-        spans.insert(0, (0, S))
-    return [(k, v, base[:, None, :, None]) for k, v, base in parts], tuple(spans)
+        shared = mx.broadcast_to(heads * (kv.shared_k.shape[2] // block), (B, Hk))
+        parts.insert(0, (kv.shared_k, kv.shared_v, shared, (0, S)))
+    return [
+        (k.reshape(-1, block, d), v.reshape(-1, block, d), base[:, None, :, None], mx.array(span))
+        for k, v, base, span in parts
+    ]
 
 
 @mx.compile
 def _sparse_tile(table, rows, parts, idx, q_pos, settings):
     """Queries rows [B, t, Hk, 1] of table [P, G, d], their blocks idx [B, t, Hk, K] (-1: none)
     at positions q_pos [B, t] → [B, t, Hk, G, d] in q's dtype."""
-    spans, scale, block = settings
+    scale, block = settings
     B, t, Hk, K = idx.shape
     G = table.shape[1]
     # the slot holds a block and the key is not after the query: [B, t, Hk, K, 1, block]
@@ -234,7 +233,7 @@ def _sparse_tile(table, rows, parts, idx, q_pos, settings):
     allowed = (idx[..., None] >= 0) & (key_pos <= q_pos[:, :, None, None, None])
     allowed = allowed[..., None, :]
     ats, insides = [], []
-    for (_, _, base), (first, end) in zip(parts, spans, strict=True):
+    for _, _, base, (first, end) in parts:
         ats.append(base + mx.clip(idx - first, 0, end - first - 1).astype(mx.uint32))
         insides.append(((idx >= first) & (idx < end))[..., None, None])
 

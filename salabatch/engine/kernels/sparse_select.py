@@ -239,13 +239,17 @@ def select_blocks_gpu(
     B, H, T, d = q.shape
     c1, c2 = (_keys_of(parts, q.dtype) for parts in (c1, c2))  # [b, Hk, N, d]
     Hk, N1, N2 = c1.shape[1], c1.shape[2], c2.shape[2]
-    pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
+    strides = tuple(stride for _, stride in compression)
+    plan = mx.array([prefill_len] + [_quirk(prefill_len, s) for s in strides], dtype=mx.int32)
+    seen = _seen(mx.array(list(starts), dtype=mx.int32), plan, (T, strides, block))
     # per query, H heads' scores: level 1 in q's dtype and float32, level 2 once more in float32
     rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T)
     qg = q.reshape(B, Hk, H // Hk, T, d)
-    settings = (prefill_len, n_blocks, k, scale, init_blocks, local_blocks, block, compression)
+    settings = (n_blocks, k, scale, init_blocks, local_blocks, block // compression[0][1])
     out = [
-        _select_tile(qg[:, :, :, s : s + rows], c1, c2, pos[:, s : s + rows], settings)
+        _select_tile(
+            qg[:, :, :, s : s + rows], c1, c2, [x[:, s : s + rows] for x in seen], settings
+        )
         for s in range(0, T, rows)
     ]
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
@@ -262,14 +266,25 @@ def _keys_of(parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
 
 
 @mx.compile
-def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, pos: mx.array, settings) -> mx.array:
-    """qg [B, Hk, G, t, d] at positions pos [B, t]; c1, c2 [b, Hk, N, d] → [B, Hk, t, K]."""
-    prefill_len, n_blocks, k, scale, init_blocks, local_blocks, block, compression = settings
-    (_, stride1), (_, stride2) = compression
+def _seen(starts: mx.array, plan: mx.array, settings) -> list[mx.array]:
+    """Per query of rows starting at starts [B]: the chunks it sees at each level
+    (`visible_chunks`), its block ([B, T] each). plan [1 + levels]: the planned prefill length
+    and each level's quirk, as data, so every document runs the same fused kernel."""
+    T, strides, block = settings
+    pos = starts[:, None] + mx.arange(T, dtype=mx.int32)
+    quirk = [mx.where(pos < plan[0], plan[i + 1], 0) for i in range(len(strides))]
+    seen = [mx.maximum((pos + 1) // s - 1 + x, 0) for s, x in zip(strides, quirk, strict=True)]
+    return [*seen, pos // block]
+
+
+@mx.compile
+def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx.array:
+    """qg [B, Hk, G, t, d]; c1, c2 [b, Hk, N, d]; seen: [B, t] each, the chunks each query
+    sees at levels 1 and 2 and its block; r: level-1 strides per block → [B, Hk, t, K]."""
+    n_blocks, k, scale, init_blocks, local_blocks, r = settings
     B, Hk, G, t, _ = qg.shape
     N1, N2 = c1.shape[2], c2.shape[2]
-    v1 = visible_chunks(pos, prefill_len, stride1)[:, None, None, :, None]  # [B, 1, 1, t, 1]
-    v2 = visible_chunks(pos, prefill_len, stride2)[:, None, None, :, None]
+    v1, v2 = (v[:, None, None, :, None] for v in seen[:2])  # [B, 1, 1, t, 1]
     if N1 and N2:
         s2 = (qg @ c2[:, :, None].swapaxes(-1, -2)).astype(mx.float32) * scale  # [B, Hk, G, t, N2]
         s2 = mx.where(mx.arange(N2) < v2, s2, -mx.inf)
@@ -282,7 +297,6 @@ def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, pos: mx.array, settin
         scores = mx.zeros((B, Hk, t, N1), dtype=mx.float32)
     # Pooled over the chunks overlapping each block (r·b−1 … r·b+r−1). Scores are ≥ 0, so zero
     # padding never wins a max; the one block that can lack chunks is the query's own (forced).
-    r = block // stride1
     padded = mx.pad(scores, [(0, 0), (0, 0), (0, 0), (1, r * n_blocks - N1)])  # [.., r·nb + 1]
     body = padded[..., : r * n_blocks].reshape(B, Hk, t, n_blocks, r).max(axis=-1)
     pooled = mx.maximum(body, padded[..., r::r])  # [B, Hk, t, n_blocks]
@@ -290,7 +304,7 @@ def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, pos: mx.array, settin
     # CUDA kernel stores them), blocks after the query last. MLX's sorts are stable merge sorts
     # on every backend, so equal scores keep the lowest block first (SPEC P11).
     b = mx.arange(n_blocks)
-    qb = (pos // block)[:, None, :, None]  # [B, 1, t, 1]
+    qb = seen[2][:, None, :, None]  # [B, 1, t, 1]
     forced = (b < init_blocks) | ((b >= qb - local_blocks) & (b <= qb))
     key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(qg.dtype)))
     idx = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1).astype(mx.int32)
