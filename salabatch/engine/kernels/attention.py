@@ -58,8 +58,8 @@ def on_gpu() -> bool:
 
 def device_memory() -> int:
     """Bytes the default device can work in: Metal's recommended working set, CUDA's total
-    memory, the host's RAM for the CPU."""
-    info = mx.device_info()
+    memory, the host's RAM for the CPU (and under MLX < 0.30.4, which has no `device_info`)."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
     for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         if key in info:
             return int(info[key])

@@ -22,6 +22,10 @@ from salabatch.engine.kernels.attention import on_gpu
 # Full chunks are processed this many at a time: the per-chunk start states of a segment,
 # [B, H, n, dk, dv], are the largest intermediate (64 MiB for the 9B at n = 32, B = 1).
 _SEGMENT_CHUNKS = 32
+# GPU path: tokens per compiled graph. A longer call runs in segments of this many, so the
+# [N, N] carry and the N chunk states (256 MiB for the 9B, B = 1) stay bounded; an 8K prefill
+# chunk is one graph.
+GPU_SEGMENT = 8192
 
 
 def decay_slopes(n_heads: int) -> list[float]:
@@ -142,13 +146,20 @@ def gla_chunked(q, k, v, g, scale, state=None, chunk=64):
 
 
 def gla_parallel(q, k, v, g, scale, state=None, chunk=64):
-    """GPU form of `gla_chunked`, one compiled graph whatever the length: the tokens padded with
-    zeros to whole chunks, the state carried across chunks by one matmul with an [N, N] decay
-    matrix (N²·dk·dv flops: nothing for a GPU at N = 128, an 8K chunk) instead of N steps."""
+    """GPU form of `gla_chunked`: one compiled graph per GPU_SEGMENT tokens, the tokens padded
+    with zeros to whole chunks, the state carried across chunks by one matmul with an [N, N]
+    decay matrix (N²·dk·dv flops: nothing for a GPU at N = 128, an 8K segment) instead of N
+    steps."""
     if chunk < 1:
         raise ValueError(f"gla_parallel: expected chunk >= 1, got {chunk}")
     q, k, v, g, S = _prepare(q, k, v, g, state)
-    return _parallel(q, k, v, g, S, (scale, chunk))
+    T = q.shape[2]
+    outs = []
+    for s in range(0, T, GPU_SEGMENT):
+        sl = slice(s, s + GPU_SEGMENT)
+        o, S = _parallel(q[:, :, sl], k[:, :, sl], v[:, :, sl], g, S, (scale, chunk))
+        outs.append(o)
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), S
 
 
 @mx.compile

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import attention
+from salabatch.engine.kernels import gla as gla_module
 from salabatch.engine.kernels.gla import gla, gla_parallel, gla_recurrent_ref
 from salabatch.engine.kernels.sparse_attention import (
     block_sparse_attention,
@@ -232,6 +233,15 @@ def test_gla_parallel_matches_reference(T, with_state):
     assert s.shape == s_ref.shape and s.dtype == mx.float32
     assert rel_rms(o, o_ref) <= F32_RTOL
     assert rel_rms(s, s_ref) <= F32_RTOL
+
+
+def test_gla_parallel_in_segments(monkeypatch):
+    """A call longer than a segment: the state carried from one compiled graph to the next."""
+    monkeypatch.setattr(gla_module, "GPU_SEGMENT", 128)
+    q, k, v, state = make_inputs(300, seed=3)
+    o_ref, s_ref = gla_recurrent_ref(q, k, v, G4, 0.25, state)
+    o, s = gla_parallel(q, k, v, G4, 0.25, state)
+    assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_RTOL
 
 
 def test_gla_parallel_every_9b_decay_and_bf16_inputs():
