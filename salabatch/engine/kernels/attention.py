@@ -28,6 +28,12 @@ LOG2E = math.log2(math.e)
 MAX_SCORE_ELEMENTS = 1 << 26
 # CPU: queries are split between lanes only in tiles of at least this many.
 LANE_ROWS = 64
+# GPU path: the share of the device's memory one query tile's transient arrays may take. MLX
+# encodes ahead of the device, so a few tiles are alive at once, beside weights and caches.
+TILE_MEMORY_SHARE = 1 / 16
+# GPU path: queries per tile at most. A thousand queries of 32 heads already fill a GPU; larger
+# tiles only hold more memory (and a 8K chunk's graph has the same tiles at every context).
+TILE_ROWS = 1024
 
 Parts = mx.array | tuple[mx.array, ...]
 
@@ -48,6 +54,24 @@ def on_gpu() -> bool:
     return (
         os.environ.get("SALABATCH_GPU_PATH") == "1" or mx.default_device().type == mx.DeviceType.gpu
     )
+
+
+def device_memory() -> int:
+    """Bytes the default device can work in: Metal's recommended working set, CUDA's total
+    memory, the host's RAM for the CPU (and under MLX < 0.30.4, which has no `device_info`)."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
+        if key in info:
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def tile_rows(row_bytes: int, rows: int) -> int:
+    """GPU path: queries per tile when each takes `row_bytes` of transient memory, of `rows`
+    queries: a power of two (tiles of every call and chunk share shapes) within the device's
+    tile budget, at most TILE_ROWS, at least 1."""
+    fit = max(1, int(device_memory() * TILE_MEMORY_SHARE) // max(row_bytes, 1))
+    return min(rows, TILE_ROWS, 1 << (fit.bit_length() - 1))
 
 
 def lanes() -> tuple[mx.Stream, ...]:

@@ -35,6 +35,8 @@ from salabatch.engine.kernels.attention import (
     exp2,
     grouped_scores,
     lanes,
+    on_gpu,
+    tile_rows,
 )
 
 # Bound on the keys + values one query tile gathers (bytes). MLX keeps about ten tiles in
@@ -125,14 +127,17 @@ def block_sparse_attention_ref(
 def block_sparse_attention(
     q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float, block: int
 ) -> mx.array:
-    """The dispatcher; row b's queries sit at starts[b] + 0..T-1. Query tiles alternate lanes
-    and each takes the cheapest exact path:
+    """The dispatcher; row b's queries sit at starts[b] + 0..T-1. On the GPU path,
+    `block_sparse_attention_gpu`. On the CPU, query tiles alternate lanes and each takes the
+    cheapest exact path:
 
     * `_causal`: every query of the tile sits in a block below K, so its K slots hold every
       block up to its own (top-k of fewer candidates than slots): plain causal attention;
     * `_scored`: while the keys before the tile are at most SCORED_KEYS_PER_SLOT per slot;
     * `_gathered`: otherwise, and for fewer queries than a block (decode).
     """
+    if on_gpu():
+        return block_sparse_attention_gpu(q, kv, idx, starts, scale, block)
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     q_pos = _positions(starts, T)
@@ -163,6 +168,95 @@ def block_sparse_attention(
         s = e
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [B, H, T, d]
     return o
+
+
+def block_sparse_attention_gpu(
+    q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float, block: int
+) -> mx.array:
+    """GPU path: `mx.gather_mm` reads each query's selected blocks in place from the cache
+    (no copy of keys or values), the G heads of a kv head as the rows of one small matmul per
+    block; scores in q's dtype, softmax in float32. Query tiles are sized by the device's tile
+    budget, which does not depend on the context. Queries whose slots hold every block before
+    them (the first K blocks of a sequence) take fused causal attention instead."""
+    B, H, T, d = q.shape
+    Hk, K = kv.rows_k.shape[1], idx.shape[-1]
+    G = H // Hk
+    dense = min(T, max(0, K * block - max(starts)))
+    outs = []  # [B, t, H, d] each
+    if dense:
+        outs.append(_causal(q[:, :, :dense], kv, starts, 0, scale).transpose(0, 2, 1, 3))
+    if dense < T:
+        # [B·T·Hk, G, d]: one query's G heads per row; a view when q is the projection's output
+        table = q.transpose(0, 2, 1, 3).reshape(B * T * Hk, G, d)
+        rows = mx.arange(B * T * Hk, dtype=mx.uint32).reshape(B, T, Hk, 1)
+        sel = idx.transpose(0, 2, 1, 3)  # [B, T, Hk, K]
+        q_pos = _positions(starts, T)
+        parts = _block_tables(kv, block)
+        # per query: scores and weights of K·block keys for each of H heads, and K partial outputs
+        step = tile_rows(H * K * (block * (3 * q.dtype.size + 4) + 2 * d * q.dtype.size), T)
+        for s in range(dense, T, step):
+            e = min(T, s + step)
+            o = _sparse_tile(table, rows[:, s:e], parts, sel[:, s:e], q_pos[:, s:e], (scale, block))
+            outs.append(o.reshape(B, e - s, H, d))
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, T, H, d]
+    return o.transpose(0, 2, 1, 3)
+
+
+def _block_tables(kv: KVView, block: int) -> list[tuple[mx.array, ...]]:
+    """The cache as tables of blocks for `gather_mm`, one per part of the sequence: (keys,
+    values [n, block, d], base [B, 1, Hk, 1] the table row of the part's first block for each
+    (row, kv head), span int32 [2]: the block ids [first, end) the part holds). Spans are data,
+    not compile constants: forks of every document run the same kernels."""
+    B, Hk, R, d = kv.rows_k.shape
+    heads = mx.arange(Hk, dtype=mx.uint32)
+    own = (mx.arange(B, dtype=mx.uint32)[:, None] * Hk + heads) * (R // block)
+    S = kv.start // block
+    parts = [(kv.rows_k, kv.rows_v, own, (S, 1 << 30))]
+    if S:  # rows forked from one document: its blocks from the shared buffers
+        shared = mx.broadcast_to(heads * (kv.shared_k.shape[2] // block), (B, Hk))
+        parts.insert(0, (kv.shared_k, kv.shared_v, shared, (0, S)))
+    return [
+        (k.reshape(-1, block, d), v.reshape(-1, block, d), base[:, None, :, None], mx.array(span))
+        for k, v, base, span in parts
+    ]
+
+
+@mx.compile
+def _sparse_tile(table, rows, parts, idx, q_pos, settings):
+    """Queries rows [B, t, Hk, 1] of table [P, G, d], their blocks idx [B, t, Hk, K] (-1: none)
+    at positions q_pos [B, t] → [B, t, Hk, G, d] in q's dtype."""
+    scale, block = settings
+    B, t, Hk, K = idx.shape
+    G = table.shape[1]
+    # the slot holds a block and the key is not after the query: [B, t, Hk, K, 1, block]
+    key_pos = idx[..., None] * block + mx.arange(block)
+    allowed = (idx[..., None] >= 0) & (key_pos <= q_pos[:, :, None, None, None])
+    allowed = allowed[..., None, :]
+    ats, insides = [], []
+    for _, _, base, (first, end) in parts:
+        ats.append(base + mx.clip(idx - first, 0, end - first - 1).astype(mx.uint32))
+        insides.append(((idx >= first) & (idx < end))[..., None, None])
+
+    def gathered(a, rows, pick):  # [B, t, Hk, K, G, ·]: slot by slot, from its part's table
+        out = None
+        for part, at, inside in zip(parts, ats, insides, strict=True):
+            x = mx.gather_mm(a, pick(part), rows, at)
+            out = x if out is None else mx.where(inside, x, out)
+        return out
+
+    s = gathered(table, rows, lambda part: part[0].swapaxes(-1, -2))  # [B, t, Hk, K, G, block]
+    s = mx.where(allowed, s, -mx.inf)
+    m = s.max(axis=(3, 5), keepdims=True)  # exact in any dtype
+    p = mx.exp((s.astype(mx.float32) - m.astype(mx.float32)) * scale).astype(table.dtype)
+    # Sums as matmuls: they accumulate in float32, where a bf16 `sum` accumulates in bf16.
+    flat = p.reshape(B * t * Hk * K, G, block)
+    total = (flat @ mx.ones((block, 1), p.dtype)).reshape(B, t, Hk, K, G)
+    total = (mx.ones((1, K), p.dtype) @ total).astype(mx.float32)  # [B, t, Hk, 1, G]
+    slots = mx.arange(B * t * Hk * K, dtype=mx.uint32).reshape(B, t, Hk, K)
+    pv = gathered(flat, slots, lambda part: part[1])  # [B, t, Hk, K, G, d]
+    o = mx.ones((1, K), p.dtype) @ pv.reshape(B, t, Hk, K, -1)  # [B, t, Hk, 1, G·d]
+    o = o.reshape(B, t, Hk, G, -1).astype(mx.float32) / total.reshape(B, t, Hk, G, 1)
+    return o.astype(table.dtype)
 
 
 def _causal(q, kv: KVView, starts: Sequence[int], s: int, scale: float) -> mx.array:

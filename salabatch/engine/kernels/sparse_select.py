@@ -30,7 +30,14 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from salabatch.engine.kernels.attention import LOG2E, exp2, grouped_scores, lanes
+from salabatch.engine.kernels.attention import (
+    LOG2E,
+    exp2,
+    grouped_scores,
+    lanes,
+    on_gpu,
+    tile_rows,
+)
 
 # Bound on the [B, Hk, G, rows, N1] score tile of one query tile (float32 elements).
 MAX_SCORE_ELEMENTS = 1 << 24
@@ -157,9 +164,25 @@ def select_blocks(
     block: int,
     compression: tuple[tuple[int, int], tuple[int, int]],
 ) -> mx.array:
-    """Fast path, in query tiles: each tile scores only the chunks and blocks its last query can
-    see (causal), so the score buffer stays under MAX_SCORE_ELEMENTS and a prefill does half
-    the work of scoring every chunk; slots past a tile's blocks are -1 padding."""
+    """The dispatcher: `select_blocks_gpu` on the GPU path, else the CPU's query tiles: each
+    scores only the chunks and blocks its last query can see (causal), so the score buffer
+    stays under MAX_SCORE_ELEMENTS and a prefill does half the work of scoring every chunk;
+    slots past a tile's blocks are -1 padding."""
+    if on_gpu():
+        return select_blocks_gpu(
+            q,
+            c1,
+            c2,
+            starts,
+            prefill_len=prefill_len,
+            n_blocks=n_blocks,
+            k=k,
+            scale=scale,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            block=block,
+            compression=compression,
+        )
     B, H, T, _ = q.shape
     N1, N2 = (sum(p.shape[2] for p in parts) for parts in (c1, c2))
     pos = mx.array(list(starts), dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)
@@ -192,6 +215,100 @@ def select_blocks(
                 idx = mx.pad(idx, [(0, 0)] * 3 + [(0, k - idx.shape[-1])], constant_values=-1)
         out.append(idx)
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def select_blocks_gpu(
+    q: mx.array,
+    c1: tuple[mx.array, ...],
+    c2: tuple[mx.array, ...],
+    starts: Sequence[int],
+    *,
+    prefill_len: int,
+    n_blocks: int,
+    k: int,
+    scale: float,
+    init_blocks: int,
+    local_blocks: int,
+    block: int,
+    compression: tuple[tuple[int, int], tuple[int, int]],
+) -> mx.array:
+    """GPU path: query tiles as large as the device's tile budget allows (the same tiles at every
+    context a budget covers), each one compiled graph over every chunk: scores as matmuls in q's
+    dtype (bf16 operands, float32 accumulation), the softmax and head sum in float32 and fused,
+    then one stable sort of the blocks instead of top-k, partition and their tie-breaking."""
+    B, H, T, d = q.shape
+    c1, c2 = (_keys_of(parts, q.dtype) for parts in (c1, c2))  # [b, Hk, N, d]
+    Hk, N1, N2 = c1.shape[1], c1.shape[2], c2.shape[2]
+    strides = tuple(stride for _, stride in compression)
+    plan = mx.array([prefill_len] + [_quirk(prefill_len, s) for s in strides], dtype=mx.int32)
+    seen = _seen(mx.array(list(starts), dtype=mx.int32), plan, (T, strides, block))
+    # per query, H heads' scores: level 1 in q's dtype and float32, level 2 once more in float32
+    rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T)
+    qg = q.reshape(B, Hk, H // Hk, T, d)
+    settings = (n_blocks, k, scale, init_blocks, local_blocks, block // compression[0][1])
+    out = [
+        _select_tile(
+            qg[:, :, :, s : s + rows], c1, c2, [x[:, s : s + rows] for x in seen], settings
+        )
+        for s in range(0, T, rows)
+    ]
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def _keys_of(parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+    """Compressed keys as one array [b, Hk, N, d] in the queries' dtype (the shared part is
+    broadcast to the rows' batch only when there are both)."""
+    parts = tuple(p for p in parts if p.shape[2]) or parts[-1:]
+    if len(parts) > 1:
+        B = max(p.shape[0] for p in parts)
+        parts = (mx.concatenate([mx.broadcast_to(p, (B, *p.shape[1:])) for p in parts], axis=2),)
+    return parts[0].astype(dtype)
+
+
+@mx.compile
+def _seen(starts: mx.array, plan: mx.array, settings) -> list[mx.array]:
+    """Per query of rows starting at starts [B]: the chunks it sees at each level
+    (`visible_chunks`), its block ([B, T] each). plan [1 + levels]: the planned prefill length
+    and each level's quirk, as data, so every document runs the same fused kernel."""
+    T, strides, block = settings
+    pos = starts[:, None] + mx.arange(T, dtype=mx.int32)
+    quirk = [mx.where(pos < plan[0], plan[i + 1], 0) for i in range(len(strides))]
+    seen = [mx.maximum((pos + 1) // s - 1 + x, 0) for s, x in zip(strides, quirk, strict=True)]
+    return [*seen, pos // block]
+
+
+@mx.compile
+def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx.array:
+    """qg [B, Hk, G, t, d]; c1, c2 [b, Hk, N, d]; seen: [B, t] each, the chunks each query
+    sees at levels 1 and 2 and its block; r: level-1 strides per block → [B, Hk, t, K]."""
+    n_blocks, k, scale, init_blocks, local_blocks, r = settings
+    B, Hk, G, t, _ = qg.shape
+    N1, N2 = c1.shape[2], c2.shape[2]
+    v1, v2 = (v[:, None, None, :, None] for v in seen[:2])  # [B, 1, 1, t, 1]
+    if N1 and N2:
+        s2 = (qg @ c2[:, :, None].swapaxes(-1, -2)).astype(mx.float32) * scale  # [B, Hk, G, t, N2]
+        s2 = mx.where(mx.arange(N2) < v2, s2, -mx.inf)
+        m2 = mx.where(v2 > 0, s2.max(axis=-1, keepdims=True), 0.0)
+        lse2 = m2 + mx.log(mx.exp(s2 - m2).sum(axis=-1, keepdims=True))
+        s1 = (qg @ c1[:, :, None].swapaxes(-1, -2)).astype(mx.float32) * scale  # [B, Hk, G, t, N1]
+        p = mx.where((mx.arange(N1) < v1) & (v2 > 0), mx.exp(s1 - lse2), 0.0)
+        scores = p.sum(axis=2)  # [B, Hk, t, N1]
+    else:  # no complete chunk: every query scores 0
+        scores = mx.zeros((B, Hk, t, N1), dtype=mx.float32)
+    # Pooled over the chunks overlapping each block (r·b−1 … r·b+r−1). Scores are ≥ 0, so zero
+    # padding never wins a max; the one block that can lack chunks is the query's own (forced).
+    padded = mx.pad(scores, [(0, 0), (0, 0), (0, 0), (1, r * n_blocks - N1)])  # [.., r·nb + 1]
+    body = padded[..., : r * n_blocks].reshape(B, Hk, t, n_blocks, r).max(axis=-1)
+    pooled = mx.maximum(body, padded[..., r::r])  # [B, Hk, t, n_blocks]
+    # Ascending keys, best first: forced blocks, then scores high to low (in q's dtype, as the
+    # CUDA kernel stores them), blocks after the query last. MLX's sorts are stable merge sorts
+    # on every backend, so equal scores keep the lowest block first (SPEC P11).
+    b = mx.arange(n_blocks)
+    qb = seen[2][:, None, :, None]  # [B, 1, t, 1]
+    forced = (b < init_blocks) | ((b >= qb - local_blocks) & (b <= qb))
+    key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(qg.dtype)))
+    idx = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1).astype(mx.int32)
+    return mx.where(idx > qb, -1, idx)
 
 
 def _bucket(n: int, limit: int, step: int) -> int:

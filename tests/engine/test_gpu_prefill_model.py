@@ -1,0 +1,34 @@
+"""The model's invariants on the GPU path, run on any device (`SALABATCH_GPU_PATH=1`): chunked
+sparse prefill equal to one call (the stage-1 quirk lengths too) and questions prefilled on
+forks of a sparse document equal to each alone. Their CPU path twins are in test_model and
+test_batching; the golden vectors and the no-host-sync tests run on both paths themselves."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine import test_batching as batching
+from tests.engine import test_model
+from tests.engine import test_no_host_sync as host_sync
+
+
+@pytest.fixture(autouse=True)
+def gpu_path(monkeypatch):
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+
+
+sparse_model = test_model.sparse_model
+model = host_sync.model  # the same tiny sparse-from-256 checkpoint as test_batching's
+
+
+@pytest.mark.parametrize(
+    ("length", "chunk"),
+    [(700, 100), (655, 64), (703, 250), (641, 333)],
+    ids=["odd", "quirk-16", "quirk-64", "block-edge+1"],
+)
+def test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk):
+    test_model.test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk)
+
+
+def test_shared_prefix_batch_equals_each_alone(model):
+    batching.test_shared_prefix_batch_equals_each_alone(model, 700, "sparse")
