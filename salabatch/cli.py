@@ -277,10 +277,10 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
 def _model_problems(model: str) -> list[str]:
     """`validate` of a job's model, when it is a checkpoint folder here (a builtin model is made
     and a Hub id fetched when the job runs): its files, as `validate FOLDER` checks them."""
-    from salabatch.demo import builtin
     from salabatch.engine.load import check_checkpoint
+    from salabatch.models import is_builtin
 
-    if builtin.is_builtin(model) or not os.path.isdir(os.path.expanduser(model)):
+    if is_builtin(model) or not os.path.isdir(os.path.expanduser(model)):
         return []
     return [f"model: {problem}" for problem in check_checkpoint(model).problems]
 

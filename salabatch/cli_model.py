@@ -52,16 +52,16 @@ def generate(
     then print timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
     --system-prompt."""
     from salabatch.api import load
-    from salabatch.demo import builtin
     from salabatch.engine.session import stream_answer
+    from salabatch.models import model_note
 
     model, prompt = positional(
         args, ("MODEL", "PROMPT"), (model_opt, prompt_opt), "--model and --prompt"
     )
     if prompt == "-":
         prompt = click.get_text_stream("stdin").read()
-    if builtin.is_builtin(model):
-        click.echo(f"note: {builtin.note(model)}", err=True)
+    if note := model_note(model):
+        click.echo(f"note: {note}", err=True)
     loaded, tok = load(model, dtype)
     stats = stream_answer(
         loaded,
@@ -135,8 +135,8 @@ def convert_cmd(
     folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
     --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
     from salabatch.cli_tools import human_size
-    from salabatch.engine.models import resolve_model
     from salabatch.engine.quantize import convert
+    from salabatch.models import resolve_model
 
     src, dst = positional(args, ("SRC", "DST"), (src_opt, dst_opt), "--hf-path and --mlx-path")
     if bits is None and not quantize:

@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from salabatch.cli import main
-from salabatch.demo import builtin
 from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.quantize import BITS, GROUP_SIZES
+from salabatch.models import resolve_model
 from tests.jobs.test_spec import MINIMAL, write
 
 EXAMPLE = Path(__file__).parents[1] / "jobs" / "example.yaml"
@@ -63,7 +63,7 @@ def test_example_job_validates(tmp_path, home):
     result = validate(str(tmp_path / "example.yaml"))  # the model folder is checked too
     assert result.exit_code == 2 and "model: " in result.output
     shutil.rmtree(model)
-    shutil.copytree(builtin.resolve("builtin:random", tmp_path / "cache"), model)
+    shutil.copytree(resolve_model("builtin:random", tmp_path / "cache"), model)
     result = validate(str(tmp_path / "example.yaml"))
     assert result.exit_code == 0, result.output
     assert "  documents  1 entry, 1 file" in result.stdout
@@ -79,14 +79,14 @@ def test_example_job_validates(tmp_path, home):
 def xdg_cache(tmp_path_factory) -> Path:
     """A cache folder ($XDG_CACHE_HOME) holding builtin:random (an untrained test model)."""
     root = tmp_path_factory.mktemp("xdg")
-    builtin.resolve("builtin:random", root / "salabatch")
+    resolve_model("builtin:random", root / "salabatch")
     return root
 
 
 @pytest.fixture
 def tiny(xdg_cache, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg_cache))
-    return builtin.resolve("builtin:random")
+    return resolve_model("builtin:random")
 
 
 def test_validate_checks_a_checkpoint_folder(tmp_path, tiny):

@@ -103,18 +103,18 @@ def run(
     except ImportError as e:
         raise RayNotInstalled(f"bench scale needs Ray Data ({e.name or e}): {INSTALL}") from None
 
-    from salabatch.demo import builtin
     from salabatch.engine.tokenizer import load_tokenizer
     from salabatch.jobs.ray_executor import run_job_ray
     from salabatch.jobs.results_read import read_results
     from salabatch.jobs.runner import run_job
+    from salabatch.models import resolve_model
 
     def silent(_line: str) -> None:
         pass
 
     with tempfile.TemporaryDirectory(prefix="salabatch-bench-scale-") as tmp:
         root = Path(tmp)
-        model = builtin.resolve("builtin:random", root)
+        model = resolve_model("builtin:random", root)
         write_documents(root / "docs", docs, tokens, load_tokenizer(model).encode)
         result = {
             "docs": docs,

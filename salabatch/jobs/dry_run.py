@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
 from salabatch.jobs.results_read import parts_dir_of, read_results
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec import JobSpec
+from salabatch.models import model_note
 
 
 def dry_run(
@@ -34,7 +34,8 @@ def dry_run(
     # the keys a run skips, as its ResultWriter.done_keys() gives them
     done = [key for key, ok in earlier.items() if ok or not retry_errors] if resume else []
     planner = setup.planner(done)
-    note = f" ({builtin.note(spec.model)})" if builtin.is_builtin(spec.model) else ""
+    note = model_note(spec.model)
+    note = f" ({note})" if note else ""
     echo(f"job {spec.name}: model {spec.model}{note}, {setup.dtype}, output {spec.output.path}")
     echo(f"{len(spec.questions)} question(s):")
     for q in spec.questions:

@@ -24,11 +24,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from salabatch.demo import builtin
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
-from salabatch.engine.models import resolve_model
 from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import OutputError
@@ -42,6 +40,7 @@ from salabatch.jobs.result_writer import ResultWriter
 from salabatch.jobs.results import ResultRow, current_versions
 from salabatch.jobs.spec import JobSpec
 from salabatch.jobs.spec_keys import spec_json
+from salabatch.models import model_note, resolve_model
 
 MIN_FREE_BYTES = 64 * 2**20  # refuse to start a run with less room than this for its results
 
@@ -157,8 +156,8 @@ def prepared(
     ) as writer:
         check_free_space(spec.output.path.parent)
         setup = JobSetup.of(spec)
-        if builtin.is_builtin(spec.model):
-            echo(f"note: {builtin.note(spec.model)}")
+        if note := model_note(spec.model):
+            echo(f"note: {note}")
         yield writer, setup
 
 

@@ -36,8 +36,6 @@ from pydantic import (
     model_validator,
 )
 
-from salabatch.demo import builtin
-from salabatch.engine.models import hub_repo
 from salabatch.errors import ConfigError, JobSpecError, JobValidationError
 from salabatch.files import cache_dir
 from salabatch.jobs.documents import DocumentSource
@@ -52,6 +50,7 @@ from salabatch.jobs.job_yaml import (
 )
 from salabatch.jobs.spec_errors import error_lines, job_error, raised_again
 from salabatch.jobs.spec_paths import check_paths
+from salabatch.models import builtin_name, hub_repo, is_builtin
 
 # Job names and question ids name files and Parquet columns: keep them portable.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
@@ -261,15 +260,15 @@ class JobSpec(_Strict):
     def _resolve_model(cls, value: object, info: ValidationInfo) -> object:
         if not isinstance(value, (str, Path)):
             return value  # pydantic says "expected a string"
-        if isinstance(value, str) and builtin.is_builtin(value):
+        if isinstance(value, str) and is_builtin(value):
             try:
-                builtin.builtin_name(value)  # refuses an unknown NAME
+                builtin_name(value)  # refuses an unknown NAME
             except ConfigError as e:
                 raise job_error(e.message) from None
             return value
         path = _resolve(value, info)
         if isinstance(value, str) and hub_repo(value) and not os.path.exists(path):
-            return value  # `org/name`, no such folder: a Hugging Face repo id (engine.models)
+            return value  # `org/name`, no such folder: a Hugging Face repo id (salabatch.models)
         return path
 
     @field_validator("requests", mode="before")
@@ -286,7 +285,7 @@ class JobSpec(_Strict):
 
     @property
     def model_is_builtin(self) -> bool:
-        return builtin.is_builtin(self.model)
+        return is_builtin(self.model)
 
     def sources(self) -> list[DocumentSource]:
         """The `documents:` entries for `salabatch.jobs.documents.iter_documents`."""

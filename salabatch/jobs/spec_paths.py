@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from salabatch.engine.models import hub_repo
 from salabatch.errors import JobSpecError
 from salabatch.jobs.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
 from salabatch.jobs.job_yaml import render_loc
+from salabatch.models import hub_repo
 
 if TYPE_CHECKING:
     from salabatch.jobs.spec import JobSpec

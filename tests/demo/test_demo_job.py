@@ -62,10 +62,10 @@ def _phrasings(field: str, split: str) -> set[str]:
 
 
 def test_one_document_is_past_the_sparse_threshold(documents, tmp_path_factory):
-    from salabatch.demo import builtin
     from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.models import resolve_model
 
-    tokenizer = load_tokenizer(builtin.resolve("builtin:random", tmp_path_factory.mktemp("models")))
+    tokenizer = load_tokenizer(resolve_model("builtin:random", tmp_path_factory.mktemp("models")))
     lengths = [len(tokenizer.encode(d.text)) for d in documents.values()]
     assert max(lengths) > 4096 and min(lengths) < 2048
 

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import yaml
 
-from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
@@ -29,6 +28,7 @@ from salabatch.files import temp_path, temp_pid
 from salabatch.jobs import prefix_store
 from salabatch.jobs.document_cache import DocumentCaches
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+from salabatch.models import resolve_model
 from tests.jobs.test_runner import rows, run_cli, write_docs, write_job
 
 FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -199,7 +199,7 @@ def test_builtin_tiny_is_built_in_a_private_folder_when_the_cache_dir_fails(
 
     monkeypatch.setattr(checkpoint, "write_random_checkpoint", full_in_the_cache)
     with pytest.warns(CacheWarning, match="cannot build the builtin model there") as caught:
-        built = builtin.resolve("builtin:random", tmp_path / "cache")
+        built = resolve_model("builtin:random", tmp_path / "cache")
     assert len(caught) == 1 and private_tmp in built.parents
     assert (built / "model.safetensors").is_file() and (built / "tokenizer.json").is_file()
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no 3 MB temp left there
@@ -209,8 +209,8 @@ def test_the_private_build_is_removed_when_the_process_ends(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     code = (
         "import warnings; warnings.simplefilter('ignore');"
-        "from salabatch.demo import builtin;"
-        f"print(builtin.resolve('builtin:random', {str(tmp_path / 'a-file')!r}))"
+        "from salabatch.models import resolve_model;"
+        f"print(resolve_model('builtin:random', {str(tmp_path / 'a-file')!r}))"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

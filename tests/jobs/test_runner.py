@@ -18,8 +18,8 @@ import yaml
 from click.testing import CliRunner
 
 from salabatch.cli import main
-from salabatch.demo import builtin
 from salabatch.jobs.results_read import read_metadata, read_results
+from salabatch.models import resolve_model
 from tests.jobs.test_results import DESIGN_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 def write_docs(folder: Path) -> Path:

@@ -1,8 +1,10 @@
-"""A model reference → a checkpoint folder on disk.
+"""A model reference → a checkpoint folder on disk. The one place that tells the kinds apart;
+the engine takes the folder (`salabatch.engine.load_model(folder)`) and knows none of them.
 
 A reference is one of:
 
-* `builtin:NAME`: made locally on first use (see `salabatch.demo.builtin`);
+* `builtin:NAME`: one of salabatch's own models (`salabatch.demo.builtin`): `builtin:tiny` is
+  shipped in the package, `builtin:random` is made locally on first use;
 * a checkpoint folder: any path that exists, and any reference starting with `/`, `.` or `~`;
 * a Hugging Face Hub repo id, `org/name` or `org/name@revision` (a branch, tag or commit), when
   no such path exists: its checkpoint files (config, safetensors, tokenizer and chat template,
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from salabatch.demo import builtin
-from salabatch.errors import CheckpointError
+from salabatch.errors import CheckpointError, ConfigError
 
+BUILTIN = "builtin:"
 # Hub repo names: letters, digits, - _ . ; neither "--" nor ".." (huggingface_hub's rules).
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9][\w./-]*))?", re.A)
@@ -49,6 +52,28 @@ class HubRepo:
         return self.repo_id + (f"@{self.revision}" if self.revision else "")
 
 
+def is_builtin(ref: str | os.PathLike) -> bool:
+    """Whether `ref` names a builtin model (`builtin:NAME`) rather than a folder or a repo."""
+    return str(ref).startswith(BUILTIN)
+
+
+def builtin_name(ref: str | os.PathLike) -> str | None:
+    """NAME of a `builtin:NAME` reference, None for any other; ConfigError if NAME is unknown."""
+    if not is_builtin(ref):
+        return None
+    name = str(ref).removeprefix(BUILTIN)
+    if name not in builtin.MODELS:
+        known = ", ".join(BUILTIN + m for m in builtin.MODELS)
+        raise ConfigError(f"unknown builtin model {str(ref)!r} (available: {known})")
+    return name
+
+
+def model_note(ref: str | os.PathLike) -> str | None:
+    """What a user should know about the model `ref` names (a builtin one), else None."""
+    name = builtin_name(ref)
+    return None if name is None else builtin.NOTES[name]
+
+
 def hub_repo(ref: str | os.PathLike) -> HubRepo | None:
     """The repo `ref` names if it is shaped like `org/name[@revision]`, else None (a path or
     a builtin). Looks at the text only: `resolve_model` lets an existing path win."""
@@ -62,8 +87,9 @@ def resolve_model(ref: str | os.PathLike, cache_dir: str | Path | None = None) -
     """The checkpoint folder of `ref` (see the module docstring); `cache_dir` holds builtin
     models (default: the salabatch cache). A Hub repo goes to the HF cache, downloaded if it
     is not there; a `Path` is always a path."""
-    if builtin.is_builtin(ref):
-        return builtin.resolve(ref, cache_dir)
+    name = builtin_name(ref)
+    if name is not None:
+        return builtin.checkpoint(name, cache_dir)
     path = Path(ref).expanduser()
     repo = hub_repo(ref) if isinstance(ref, str) else None
     if repo is None or path.exists():

@@ -18,13 +18,12 @@ import yaml
 from click.testing import CliRunner
 
 from salabatch.cli import main
-from salabatch.demo import builtin
-from salabatch.engine.models import HubRepo, hf_hub_cache, hub_repo, resolve_model
 from salabatch.errors import CheckpointError, JobValidationError
 from salabatch.jobs.results_read import read_results
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec import load_job
 from salabatch.jobs.spec_paths import check_paths
+from salabatch.models import HubRepo, hf_hub_cache, hub_repo, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/tiny"
@@ -57,7 +56,7 @@ def write_hub_cache(hub: Path, repo_id: str, src: Path, commit: str = COMMIT) ->
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory) -> Path:
     """builtin:random's files (an untrained test model with a tokenizer and chat template)."""
-    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
