@@ -167,8 +167,7 @@ def run(
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec import load_job
-    from salabatch.jobs.spec_requests import requests_job
+    from salabatch.jobs.spec.load import load_job, requests_job
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")
@@ -247,8 +246,7 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
             raise click.UsageError("--set and --schema-only are for a job file, not a folder")
         _validate_checkpoint(job)
         return
-    from salabatch.jobs.spec import load_job
-    from salabatch.jobs.spec_paths import path_problems
+    from salabatch.jobs.spec.load import load_job, path_problems
 
     spec = load_job(job, overrides)
     problems, n_files = ([], None) if schema_only else path_problems(spec)

@@ -14,7 +14,7 @@ from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.quantize import BITS, GROUP_SIZES
 from salabatch.models import resolve_model
-from tests.jobs.test_spec import MINIMAL, write
+from tests.jobs.spec.test_spec import MINIMAL, write
 
 EXAMPLE = Path(__file__).parents[1] / "jobs" / "example.yaml"
 

@@ -21,8 +21,7 @@ from salabatch.cli import main
 from salabatch.errors import CheckpointError, JobValidationError
 from salabatch.jobs.results_read import read_results
 from salabatch.jobs.runner import JobSetup
-from salabatch.jobs.spec import load_job
-from salabatch.jobs.spec_paths import check_paths
+from salabatch.jobs.spec.load import check_paths, load_job
 from salabatch.models import HubRepo, hf_hub_cache, hub_repo, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:
     from salabatch.jobs.runner import RunSummary

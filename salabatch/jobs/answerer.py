@@ -24,8 +24,7 @@ from salabatch.errors import OutputError, error_text
 from salabatch.jobs.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.plan import DocPlan, Row
 from salabatch.jobs.results import ResultRow
-from salabatch.jobs.spec import JobSpec
-from salabatch.jobs.spec_keys import spec_json
+from salabatch.jobs.spec.models import JobSpec, spec_json
 
 if TYPE_CHECKING:
     from salabatch.jobs.runner import JobSetup

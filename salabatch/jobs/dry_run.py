@@ -16,7 +16,7 @@ from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
 from salabatch.jobs.results_read import parts_dir_of, read_results
 from salabatch.jobs.runner import JobSetup
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
 
 

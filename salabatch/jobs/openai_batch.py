@@ -41,7 +41,7 @@ from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError
 from salabatch.jobs.documents import Document
 from salabatch.jobs.plan import DocPlan, Planner, Row, request_key
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SAMPLING = (

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field, replace
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.jobs.documents import Document, iter_documents
-from salabatch.jobs.spec import GenerationSettings, JobSpec
-from salabatch.jobs.spec_keys import effective_generation, generation_key
+from salabatch.jobs.spec.models import (
+    GenerationSettings,
+    JobSpec,
+    effective_generation,
+    generation_key,
+)
 
 TRUNCATION_MARK = "\n\n[…]\n\n"
 

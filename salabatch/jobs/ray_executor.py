@@ -47,7 +47,7 @@ from salabatch.jobs.plan import Row
 from salabatch.jobs.result_writer import ResultWriter
 from salabatch.jobs.results import ResultRow
 from salabatch.jobs.runner import RunSummary, count_rows, prepared
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 
 SLOT = "salabatch_slot"  # the custom resource an actor takes one of: a model on that machine
 INSTALL = 'pip install "salabatch[ray]"'

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from salabatch.errors import ConfigError, error_text
 from salabatch.jobs.results import RESULT_SCHEMA, ResultRow
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:
     from salabatch.jobs.manifest import Unit

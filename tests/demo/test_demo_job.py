@@ -16,7 +16,7 @@ import yaml
 
 from salabatch.jobs.answer_key import read_answer_key
 from salabatch.jobs.documents import DocumentSource, iter_documents
-from salabatch.jobs.spec import load_job
+from salabatch.jobs.spec.load import load_job
 from salabatch.train.data import EVAL, TRAIN, split_pool
 from salabatch.train.pools import CONTRACT_QUESTIONS, CONTRACT_TERMS
 

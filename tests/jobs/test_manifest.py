@@ -20,7 +20,7 @@ from salabatch.jobs.documents import (
 )
 from salabatch.jobs.manifest import plan_manifest, unit_plans
 from salabatch.jobs.runner import JobSetup
-from salabatch.jobs.spec import load_job
+from salabatch.jobs.spec.load import load_job
 from tests.jobs.test_runner import QUESTIONS, SHARED_PDFS, write_docs, write_job
 
 DEMO_DOCS = Path(__file__).resolve().parents[2] / "jobs" / "demo" / "docs"

@@ -1,8 +1,10 @@
 """Validation errors of a job, for people: one `location: message` line each.
 
-The job's own checks raise `job_error(message)`: a pydantic error of type `JOB_ERROR` whose text is
-the message as written. `error_lines` turns a ValidationError into lines: pydantic's types get a
-short wording, an unknown field gets its close match and the allowed names.
+A location is written as users write it (`questions[2].text`, `render_loc`), a value as they wrote
+it in YAML (`show_value`). The job's own checks raise `job_error(message)`: a pydantic error of
+type `JOB_ERROR` whose text is the message as written. `error_lines` turns a ValidationError into
+lines: pydantic's types get a short wording, an unknown field gets its close match and the
+allowed names.
 """
 
 from __future__ import annotations
@@ -14,7 +16,30 @@ from typing import get_args
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from salabatch.jobs.job_yaml import Loc, render_loc, show_value
+Loc = tuple[int | str, ...]  # a pydantic location: ("questions", 2, "text")
+
+
+def render_loc(loc: Loc) -> str:
+    """A location as users write it: `("questions", 2, "text")` -> `questions[2].text`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def show_value(value: object) -> str:
+    """A value as the user wrote it in YAML, short."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
 
 # The pydantic error type of every mistake the job's own checks find.
 JOB_ERROR = "job_spec"

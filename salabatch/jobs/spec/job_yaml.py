@@ -1,6 +1,6 @@
 """The job file as text: YAML read with its line numbers, keys given twice, `--set` overrides.
 
-`spec.load_job` reads a job with these: `parse_yaml` keeps the node tree so each validation
+`load.load_job` reads a job with these: `parse_yaml` keeps the node tree so each validation
 message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, so
 `duplicate_keys` reports them; `apply_override` edits the parsed data before validation.
 """
@@ -15,30 +15,7 @@ from typing import Any
 import yaml
 
 from salabatch.errors import JobSpecError
-
-Loc = tuple[int | str, ...]  # a pydantic location: ("questions", 2, "text")
-
-
-def render_loc(loc: Loc) -> str:
-    """A location as users write it: `("questions", 2, "text")` -> `questions[2].text`."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def show_value(value: object) -> str:
-    """A value as the user wrote it in YAML, short."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:59] + "…"
+from salabatch.jobs.spec.errors import Loc, render_loc, show_value
 
 
 def read_job_file(path: str | Path) -> str:

@@ -1,24 +1,26 @@
-"""The job file: its pydantic models and `load_job`, which reads, overrides and validates one.
+"""The job file's pydantic models: what a valid job is, and what identifies it and its answers.
 
-`load_job(path, overrides)` reads a job file with the safe YAML loader, applies `--set key=value`
-overrides and validates it: paths resolve against the job file's folder (`~` expanded). Every
-mistake is reported at once, as one `JobValidationError` (exit code 2) with a
-`location: message` line each (`questions[2].text: field required (line 7)`): a job left running
-overnight should not stop at 3 a.m. on a typo, nor on the second typo after the first is fixed.
-The models never touch the disk, so a spec loads on any machine; `spec_paths.check_paths` reports
-what the job names but the disk lacks. The YAML and `--set` side is `job_yaml`, the wording of
-the messages `spec_errors`.
+`JobSpec.model_validate(data, context={"base_dir": folder})` validates parsed job data: paths
+resolve against the job file's folder (`~` expanded), and every mistake is reported at once,
+each at its location, fields and checks across fields alike (`load.load_job` adds the YAML
+lines). The models never touch the disk, so a spec loads on any machine; `load.check_paths`
+reports what the job names but the disk lacks.
 
 Numbers and booleans are strict: YAML already types them, so `batch_size: "4"` or `think: 1` is
 a mistake worth reporting, not something to coerce.
+
+A job is identified by its canonical JSON (`spec_json`, the results file's metadata) and a
+question's answers by its effective generation settings (`generation_key`, part of every row's
+key).
 """
 
 from __future__ import annotations
 
 import glob as globlib
+import hashlib
+import json
 import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,20 +38,10 @@ from pydantic import (
     model_validator,
 )
 
-from salabatch.errors import ConfigError, JobSpecError, JobValidationError
+from salabatch.errors import ConfigError
 from salabatch.files import cache_dir
 from salabatch.jobs.documents import DocumentSource
-from salabatch.jobs.job_yaml import (
-    Loc,
-    apply_override,
-    duplicate_keys,
-    line_of,
-    parse_yaml,
-    read_job_file,
-    show_value,
-)
-from salabatch.jobs.spec_errors import error_lines, job_error, raised_again
-from salabatch.jobs.spec_paths import check_paths
+from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
 from salabatch.models import builtin_name, hub_repo, is_builtin
 
 # Job names and question ids name files and Parquet columns: keep them portable.
@@ -353,71 +345,32 @@ def _job_problems(data: Any) -> list[tuple[Loc, str]]:
     return problems
 
 
-# ---- reading a job file --------------------------------------------------------------------------
+# ---- what identifies a job and a question's answers -------------------------------------------
 
 
-def load_job(
-    path: str | Path,
-    overrides: Sequence[str] = (),
-    *,
-    requests: str | Path | None = None,
-    output: str | Path | None = None,
-    check_files: bool = False,
-) -> JobSpec:
-    """Read, override and validate a job file.
-
-    overrides: `key.sub=value` strings (see `apply_override`), applied in order before validation.
-    requests, output: paths given on the command line (`--requests`, `-o`): relative to the
-        current directory, they replace `requests:` / `output.path`.
-    check_files: also run `check_paths` (documents, model and requests exist).
-    Raises JobSpecError for a file that cannot be read or parsed, JobValidationError (listing
-    every mistake, each with its YAML line or "(from the command line)") for one that does not
-    validate.
-    """
-    data, root = parse_yaml(read_job_file(path), path)
-    errors = duplicate_keys(root)
-    set_paths, override_errors = _command_line(data, overrides, requests, output)
-    errors += override_errors
-
-    def note(loc: Loc) -> str:
-        if any(tuple(str(p) for p in loc[: len(s)]) == s for s in set_paths):
-            return " (from the command line)"
-        line = line_of(root, loc)
-        return f" (line {line})" if line else ""
-
-    base_dir = Path(path).expanduser().absolute().parent
-    try:
-        spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
-    except ValidationError as e:
-        raise JobValidationError(path, [*errors, *error_lines(e, JobSpec, note=note)]) from None
-    if errors:
-        raise JobValidationError(path, errors)
-    if check_files and (problems := check_paths(spec)):
-        raise JobValidationError(path, problems)
-    return spec
+def spec_json(spec: JobSpec) -> str:
+    """The spec as canonical JSON (sorted keys, resolved paths): for file metadata."""
+    return json.dumps(
+        spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
 
 
-def _command_line(
-    data: dict[str, Any],
-    overrides: Sequence[str],
-    requests: str | Path | None,
-    output: str | Path | None,
-) -> tuple[list[tuple[str, ...]], list[str]]:
-    """Apply the command line's `--set`, `--requests` and `-o` to the job data in place: (the
-    key parts each one set, the overrides that could not be applied)."""
-    set_paths: list[tuple[str, ...]] = []
-    errors: list[str] = []
-    for override in overrides:
-        try:
-            set_paths.append(apply_override(data, override))
-        except JobSpecError as e:
-            errors.append(e.message)
-    if requests is not None:
-        data["requests"] = os.path.abspath(os.path.expanduser(requests))
-        set_paths.append(("requests",))
-    if output is not None:
-        section = data.get("output")
-        section = dict(section) if isinstance(section, dict) else {}
-        data["output"] = {**section, "path": os.path.abspath(os.path.expanduser(output))}
-        set_paths.append(("output", "path"))
-    return set_paths, errors
+def spec_fingerprint(spec: JobSpec) -> str:
+    """sha256 (hex) of `spec_json(spec)`. Any change, paths and engine settings included,
+    changes it; row-level resume keys should use `generation_key` instead."""
+    return hashlib.sha256(spec_json(spec).encode("utf-8")).hexdigest()
+
+
+def effective_generation(spec: JobSpec, question: Question) -> GenerationSettings:
+    """The job's `generation:` with the question's own overrides applied."""
+    update = {
+        key: value
+        for key, value in (("max_tokens", question.max_tokens), ("think", question.think))
+        if value is not None
+    }
+    return spec.generation.model_copy(update=update)
+
+
+def generation_key(spec: JobSpec, question: Question) -> dict[str, Any]:
+    """The effective generation settings of one question, as plain JSON values."""
+    return effective_generation(spec, question).model_dump(mode="json")

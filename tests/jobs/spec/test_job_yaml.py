@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from salabatch.errors import JobSpecError
-from salabatch.jobs.spec import load_job
-from tests.jobs.test_spec import MINIMAL, error_of, write
+from salabatch.jobs.spec.load import load_job
+from tests.jobs.spec.test_spec import MINIMAL, error_of, write
 
 # ---- files that are not job files --------------------------------------------------------------
 

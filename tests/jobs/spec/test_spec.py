@@ -10,9 +10,8 @@ import pytest
 
 from salabatch.errors import JobSpecError, JobValidationError
 from salabatch.jobs.documents import DocumentSource
-from salabatch.jobs.spec import JobSpec, load_job
-from salabatch.jobs.spec_keys import generation_key, spec_fingerprint, spec_json
-from salabatch.jobs.spec_paths import check_paths
+from salabatch.jobs.spec.load import check_paths, load_job
+from salabatch.jobs.spec.models import JobSpec, generation_key, spec_fingerprint, spec_json
 
 DESIGN_JOB = """\
 name: contracts-review
