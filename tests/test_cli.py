@@ -14,9 +14,10 @@ from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.quantize import BITS, GROUP_SIZES
 from salabatch.models import resolve_model
+from tests import REPO
 from tests.jobs.spec.test_spec import MINIMAL, write
 
-EXAMPLE = Path(__file__).parents[1] / "jobs" / "example.yaml"
+EXAMPLE = REPO / "jobs" / "example.yaml"
 
 
 def validate(*args: str) -> Result:

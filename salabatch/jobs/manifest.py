@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from salabatch.jobs.answerer import POOL_FACTOR
-from salabatch.jobs.documents import Document, FileDocuments, identify_documents, read_documents
+from salabatch.jobs.ingest.documents import (
+    Document,
+    FileDocuments,
+    identify_documents,
+    read_documents,
+)
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Row
 from salabatch.jobs.runner import JobSetup

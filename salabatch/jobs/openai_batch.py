@@ -39,7 +39,7 @@ import numpy as np
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError
-from salabatch.jobs.documents import Document
+from salabatch.jobs.ingest.documents import Document
 from salabatch.jobs.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
 

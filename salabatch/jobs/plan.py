@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
-from salabatch.jobs.documents import Document, iter_documents
+from salabatch.jobs.ingest.documents import Document, iter_documents
 from salabatch.jobs.spec.models import (
     GenerationSettings,
     JobSpec,

@@ -31,8 +31,8 @@ from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import OutputError
 from salabatch.jobs.answerer import Answerer, RunIdentity
-from salabatch.jobs.documents import expand_sources
 from salabatch.jobs.export import export_openai_jsonl
+from salabatch.jobs.ingest.documents import expand_sources
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Planner, pooled
 from salabatch.jobs.prefix_store import PrefixKey, PrefixStore

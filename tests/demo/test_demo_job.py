@@ -15,12 +15,13 @@ import pytest
 import yaml
 
 from salabatch.jobs.answer_key import read_answer_key
-from salabatch.jobs.documents import DocumentSource, iter_documents
+from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
 from salabatch.jobs.spec.load import load_job
 from salabatch.train.data import EVAL, TRAIN, split_pool
 from salabatch.train.pools import CONTRACT_QUESTIONS, CONTRACT_TERMS
+from tests import REPO
 
-DEMO = Path(__file__).parents[2] / "jobs"
+DEMO = REPO / "jobs"
 
 
 @pytest.fixture(scope="module")

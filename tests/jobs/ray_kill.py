@@ -8,7 +8,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from salabatch.jobs import documents
+from salabatch.jobs.ingest import documents
 
 KILL_DIR = "SALABATCH_TEST_KILL_DIR"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from salabatch.errors import JobSpecError
-from salabatch.jobs import documents
-from salabatch.jobs.documents import (
+from salabatch.jobs.ingest import documents
+from salabatch.jobs.ingest.documents import (
     DocumentSource,
     identify_documents,
     iter_documents,
@@ -21,9 +21,10 @@ from salabatch.jobs.documents import (
 from salabatch.jobs.manifest import plan_manifest, unit_plans
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec.load import load_job
+from tests import REPO
 from tests.jobs.test_runner import QUESTIONS, SHARED_PDFS, write_docs, write_job
 
-DEMO_DOCS = Path(__file__).resolve().parents[2] / "jobs" / "demo" / "docs"
+DEMO_DOCS = REPO / "jobs" / "demo" / "docs"
 
 
 def awkward_sources(root: Path) -> list[DocumentSource]:

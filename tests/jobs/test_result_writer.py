@@ -15,10 +15,8 @@ import pytest
 from salabatch.errors import OutputError
 from salabatch.jobs.results import SCHEMA_VERSION, current_versions
 from salabatch.jobs.results_read import read_metadata, read_results
+from tests import REPO
 from tests.jobs.test_results import SPEC, VERSIONS, keys_of, make_row, writer
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 # --- writing, merging, metadata --------------------------------------------------------------
 

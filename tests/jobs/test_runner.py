@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from salabatch.cli import main
 from salabatch.jobs.results_read import read_metadata, read_results
 from salabatch.models import resolve_model
+from tests import REPO, SHARED
 from tests.jobs.test_results import DESIGN_COLUMNS
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "westcliff-energy.pdf"
-SHARED_PDFS = REPO.parent / "shared" / "pdfs"
+SHARED_PDFS = SHARED / "pdfs"
 # every column an ok document row must fill (think is off, so no reasoning; no error; float
 # weights, so no quant_bits; no request line)
 FILLED = [

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from salabatch.errors import JobSpecError, JobValidationError
-from salabatch.jobs.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.ingest.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
 from salabatch.jobs.spec.job_yaml import (
     apply_override,

@@ -40,7 +40,7 @@ from pydantic import (
 
 from salabatch.errors import ConfigError
 from salabatch.files import cache_dir
-from salabatch.jobs.documents import DocumentSource
+from salabatch.jobs.ingest.documents import DocumentSource
 from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
 from salabatch.models import builtin_name, hub_repo, is_builtin
 
@@ -106,7 +106,7 @@ class DocumentEntry(_Strict):
         return value
 
     def to_source(self) -> DocumentSource:
-        """The entry as `salabatch.jobs.documents` reads it."""
+        """The entry as `salabatch.jobs.ingest.documents` reads it."""
         return DocumentSource(self.path, self.glob, self.text_field, self.id_field)
 
 
@@ -280,7 +280,7 @@ class JobSpec(_Strict):
         return is_builtin(self.model)
 
     def sources(self) -> list[DocumentSource]:
-        """The `documents:` entries for `salabatch.jobs.documents.iter_documents`."""
+        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`."""
         return [entry.to_source() for entry in self.documents]
 
 

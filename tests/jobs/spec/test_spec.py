@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from salabatch.errors import JobSpecError, JobValidationError
-from salabatch.jobs.documents import DocumentSource
+from salabatch.jobs.ingest.documents import DocumentSource
 from salabatch.jobs.spec.load import check_paths, load_job
 from salabatch.jobs.spec.models import JobSpec, generation_key, spec_fingerprint, spec_json
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from salabatch.errors import JobSpecError
-from salabatch.jobs.documents import Document, DocumentSource, expand_sources, iter_documents
+from salabatch.jobs.ingest.documents import Document, DocumentSource, expand_sources, iter_documents
 
 
 def read(*sources: DocumentSource | Path | str) -> list[Document]:

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from salabatch.errors import JobSpecError
-from salabatch.jobs.pdf import read_pdf
-from salabatch.jobs.text import clean_text, decode_reason, decode_text, one_line
+from salabatch.jobs.ingest.pdf import read_pdf
+from salabatch.jobs.ingest.text import clean_text, decode_reason, decode_text, one_line
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".pdf", ".jsonl")
 _SUPPORTED_TEXT = " ".join(SUPPORTED_SUFFIXES)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from salabatch.jobs.text import clean_text, one_line
+from salabatch.jobs.ingest.text import clean_text, one_line
 
 # Pages of a PDF are joined with a form feed between blank lines. The form feed is the page break
 # pdftotext writes too; byte-level tokenizers keep it (one byte token), and the blank lines around

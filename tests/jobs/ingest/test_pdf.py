@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.jobs.documents import Document
-from salabatch.jobs.pdf import PAGE_BREAK
-from tests.jobs.test_documents import TWO_PAGES, make_pdf, read, read_one, write
+from salabatch.jobs.ingest.documents import Document
+from salabatch.jobs.ingest.pdf import PAGE_BREAK
+from tests import SHARED
+from tests.jobs.ingest.test_documents import TWO_PAGES, make_pdf, read, read_one, write
 
 # The shared sample PDFs (CC-BY-SA) live beside the repo, never in it.
-SHARED_PDFS = Path(__file__).parents[2].parent / "shared" / "pdfs"
+SHARED_PDFS = SHARED / "pdfs"
 NO_SHARED = f"shared sample PDFs not found at {SHARED_PDFS}"
 SHARED_NAMES = sorted(p.name for p in SHARED_PDFS.glob("*.pdf")) if SHARED_PDFS.is_dir() else []
 EXPECTED_ERRORS = {
