@@ -22,7 +22,7 @@ _cache_dir = click.option(
 
 def _store(root: str | None):
     from salabatch.files import cache_dir
-    from salabatch.jobs.prefix_store import PrefixStore
+    from salabatch.jobs.store.prefix_store import PrefixStore
 
     return PrefixStore(root or cache_dir())
 

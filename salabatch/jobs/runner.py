@@ -35,10 +35,10 @@ from salabatch.jobs.export import export_openai_jsonl
 from salabatch.jobs.ingest.documents import expand_sources
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Planner, pooled
-from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
 from salabatch.jobs.result_writer import ResultWriter
 from salabatch.jobs.results import ResultRow, current_versions
 from salabatch.jobs.spec.models import JobSpec, spec_json
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 from salabatch.models import model_note, resolve_model
 
 MIN_FREE_BYTES = 64 * 2**20  # refuse to start a run with less room than this for its results

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import prefill
 from salabatch.engine.model import Model
-from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 
 
 @dataclass

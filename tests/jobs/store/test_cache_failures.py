@@ -25,9 +25,9 @@ from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
 from salabatch.errors import CacheWarning
 from salabatch.files import temp_path, temp_pid
-from salabatch.jobs import prefix_store
-from salabatch.jobs.document_cache import DocumentCaches
-from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+from salabatch.jobs.store import prefix_store
+from salabatch.jobs.store.document_cache import DocumentCaches
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 from salabatch.models import resolve_model
 from tests.jobs.test_runner import rows, run_cli, write_docs, write_job
 

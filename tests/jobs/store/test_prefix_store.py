@@ -17,8 +17,8 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
 from salabatch.errors import CacheFormatError
-from salabatch.jobs.document_cache import DocumentCaches
-from salabatch.jobs.prefix_store import PrefixKey, PrefixStore, PrefixStoreWarning
+from salabatch.jobs.store.document_cache import DocumentCaches
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore, PrefixStoreWarning
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 NEXT = [[7, 8, 9, 10, 11]]  # the continuation both caches are fed
@@ -65,7 +65,7 @@ def test_saved_prefix_continues_like_the_live_cache_in_a_new_process(model, ckpt
         import salabatch.engine
         import mlx.core as mx
         from salabatch.engine.load import load_model
-        from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
         model = load_model({str(ckpt)!r}, dtype="float32")
         key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", {ids!r})
         cache = PrefixStore({str(tmp_path / "store")!r}).load(key, model.config)
@@ -194,8 +194,8 @@ def test_killed_prefill_resumes_from_its_last_snapshot(model, ckpt, tmp_path):
         import os, signal
         import salabatch.engine
         from salabatch.engine.load import load_model
-        from salabatch.jobs.document_cache import DocumentCaches
-        from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+        from salabatch.jobs.store.document_cache import DocumentCaches
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
         model = load_model({str(ckpt)!r}, dtype="float32")
         key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", {ids!r})
         def progress(done, total):
@@ -239,7 +239,7 @@ def test_two_processes_share_a_store(model, ckpt, tmp_path):
         import salabatch.engine
         from salabatch.engine.generate import prefill
         from salabatch.engine.load import load_model
-        from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
         import numpy as np
         model = load_model({str(ckpt)!r}, dtype="float32")
         store = PrefixStore({str(root)!r}, max_gb=0.001)  # small: evictions race with reads
