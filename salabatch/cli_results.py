@@ -26,9 +26,9 @@ import click
 def inspect(results: str, show: int, expected: str | None) -> None:
     """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
     tokens, prefill and decode speed."""
-    from salabatch.jobs import answer_key
-    from salabatch.jobs.export import inspect_results
-    from salabatch.jobs.results_read import read_results
+    from salabatch.jobs.results import answer_key
+    from salabatch.jobs.results.export import inspect_results
+    from salabatch.jobs.results.read import read_results
 
     click.echo(inspect_results(results, show=show))
     if expected:
@@ -51,7 +51,7 @@ def inspect(results: str, show: int, expected: str | None) -> None:
 @click.option("-o", "--output", default="-", show_default=True, help="Output file; - for stdout.")
 def export(results: str, fmt: str, output: str) -> None:
     """Write results in another format (OpenAI Batch output lines, joined on custom_id)."""
-    from salabatch.jobs.export import export_results
+    from salabatch.jobs.results.export import export_results
 
     n = export_results(results, sys.stdout if output == "-" else output, fmt)
     if output != "-":

@@ -105,7 +105,7 @@ def run(
 
     from salabatch.engine.tokenizer import load_tokenizer
     from salabatch.jobs.ray_executor import run_job_ray
-    from salabatch.jobs.results_read import read_results
+    from salabatch.jobs.results.read import read_results
     from salabatch.jobs.runner import run_job
     from salabatch.models import resolve_model
 

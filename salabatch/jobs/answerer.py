@@ -22,7 +22,7 @@ from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.model import Model
 from salabatch.errors import OutputError, error_text
 from salabatch.jobs.plan import DocPlan, Row
-from salabatch.jobs.results import ResultRow
+from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.spec.models import JobSpec, spec_json
 from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
 

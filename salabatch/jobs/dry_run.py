@@ -14,7 +14,7 @@ from pathlib import Path
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
-from salabatch.jobs.results_read import parts_dir_of, read_results
+from salabatch.jobs.results.read import parts_dir_of, read_results
 from salabatch.jobs.runner import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note

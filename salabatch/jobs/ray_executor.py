@@ -41,11 +41,11 @@ from tqdm import tqdm
 from salabatch.engine.config import ModelConfig
 from salabatch.errors import SalabatchError, error_text
 from salabatch.jobs.answerer import RunIdentity
-from salabatch.jobs.export import export_openai_jsonl
 from salabatch.jobs.manifest import Unit, plan_manifest
 from salabatch.jobs.plan import Row
-from salabatch.jobs.result_writer import ResultWriter
-from salabatch.jobs.results import ResultRow
+from salabatch.jobs.results.export import export_openai_jsonl
+from salabatch.jobs.results.schema import ResultRow
+from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.runner import RunSummary, count_rows, prepared
 from salabatch.jobs.spec.models import JobSpec
 

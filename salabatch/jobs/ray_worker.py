@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from salabatch.errors import ConfigError, error_text
-from salabatch.jobs.results import RESULT_SCHEMA, ResultRow
+from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow
 from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:

@@ -31,12 +31,12 @@ from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import OutputError
 from salabatch.jobs.answerer import Answerer, RunIdentity
-from salabatch.jobs.export import export_openai_jsonl
 from salabatch.jobs.ingest.documents import expand_sources
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import DocPlan, Planner, pooled
-from salabatch.jobs.result_writer import ResultWriter
-from salabatch.jobs.results import ResultRow, current_versions
+from salabatch.jobs.results.export import export_openai_jsonl
+from salabatch.jobs.results.schema import ResultRow, current_versions
+from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.spec.models import JobSpec, spec_json
 from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 from salabatch.models import model_note, resolve_model

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from salabatch.jobs.answer_key import read_answer_key
 from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+from salabatch.jobs.results.answer_key import read_answer_key
 from salabatch.jobs.spec.load import load_job
 from salabatch.train.data import EVAL, TRAIN, split_pool
 from salabatch.train.pools import CONTRACT_QUESTIONS, CONTRACT_TERMS

@@ -14,7 +14,7 @@ from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import TokenizerError
 from salabatch.jobs.openai_batch import plan_requests
 from salabatch.jobs.plan import Planner
-from salabatch.jobs.results_read import read_results
+from salabatch.jobs.results.read import read_results
 from salabatch.jobs.spec.load import requests_job
 from salabatch.jobs.store.prefix_store import PrefixStore
 from tests.jobs.test_runner import run_cli

@@ -19,7 +19,7 @@ from salabatch.jobs.answerer import RunIdentity  # noqa: E402
 from salabatch.jobs.ingest import documents  # noqa: E402
 from salabatch.jobs.plan import Planner  # noqa: E402
 from salabatch.jobs.ray_executor import run_job_ray  # noqa: E402
-from salabatch.jobs.results_read import read_results  # noqa: E402
+from salabatch.jobs.results.read import read_results  # noqa: E402
 from salabatch.jobs.spec.load import load_job  # noqa: E402
 from tests import REPO  # noqa: E402
 from tests.jobs.ray_kill import KILL_DIR, die_on_marker  # noqa: E402

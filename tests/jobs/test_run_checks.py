@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from salabatch.jobs import answerer, result_writer, runner
-from salabatch.jobs.result_writer import ResultWriter
-from salabatch.jobs.results_read import read_results
+from salabatch.jobs import answerer, runner
+from salabatch.jobs.results import writer as result_writer
+from salabatch.jobs.results.read import read_results
+from salabatch.jobs.results.writer import ResultWriter
 from tests.jobs.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
 
 
@@ -160,7 +161,7 @@ def test_reading_a_file_that_is_not_results_says_so(tmp_path):
 
 
 def test_an_unexpected_error_is_one_line_unless_debug(tmp_path, monkeypatch):
-    from salabatch.jobs import export
+    from salabatch.jobs.results import export
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")

@@ -18,10 +18,10 @@ import yaml
 from click.testing import CliRunner
 
 from salabatch.cli import main
-from salabatch.jobs.results_read import read_metadata, read_results
+from salabatch.jobs.results.read import read_metadata, read_results
 from salabatch.models import resolve_model
 from tests import REPO, SHARED
-from tests.jobs.test_results import DESIGN_COLUMNS
+from tests.jobs.results.test_results import DESIGN_COLUMNS
 
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "westcliff-energy.pdf"
 SHARED_PDFS = SHARED / "pdfs"

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.results import SCHEMA_VERSION, current_versions
-from salabatch.jobs.results_read import read_metadata, read_results
+from salabatch.jobs.results.schema import SCHEMA_VERSION, current_versions
+from salabatch.jobs.results.read import read_metadata, read_results
 from tests import REPO
-from tests.jobs.test_results import SPEC, VERSIONS, keys_of, make_row, writer
+from tests.jobs.results.test_results import SPEC, VERSIONS, keys_of, make_row, writer
 
 # --- writing, merging, metadata --------------------------------------------------------------
 
@@ -157,8 +157,8 @@ def test_retain_with_nothing_new_or_stale_leaves_the_file_alone(tmp_path):
 KILLED_RUN = r"""
 import os, signal, sys
 from datetime import datetime, timezone
-from salabatch.jobs import result_writer
-from salabatch.jobs.results import ResultRow
+from salabatch.jobs.results import writer as result_writer
+from salabatch.jobs.results.schema import ResultRow
 
 path, resume, moment = sys.argv[1], sys.argv[2] == "resume", sys.argv[3]
 n_batches, kill_after = int(sys.argv[4]), int(sys.argv[5])

@@ -1,5 +1,5 @@
 """Reading results: a results file (the final file plus the parts of a running or killed run)
-or a results folder, deduplicated and sorted as `results` describes; the parts folder's layout.
+or a results folder, deduplicated and sorted as `schema` describes; the parts folder's layout.
 """
 
 from __future__ import annotations
@@ -15,16 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
-from salabatch.jobs.results import (
-    ADDED_COLUMNS,
-    META_CREATED_AT,
-    META_SCHEMA_VERSION,
-    META_UPDATED_AT,
-    RESULT_SCHEMA,
-    SCHEMA_VERSION,
-    OutputWarning,
-    decode_metadata,
-)
+from salabatch.jobs.results.schema import ADDED_COLUMNS, META_CREATED_AT, META_SCHEMA_VERSION, META_UPDATED_AT, RESULT_SCHEMA, SCHEMA_VERSION, OutputWarning, decode_metadata
 
 # ---- the folder ----------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.export import export_openai_jsonl, export_results, inspect_results
-from salabatch.jobs.results import RESULT_SCHEMA, ResultRow, encode_metadata
-from salabatch.jobs.results_read import read_results
-from tests.jobs.test_results import SPEC, T0, make_row, write_file, writer
+from salabatch.jobs.results.export import export_openai_jsonl, export_results, inspect_results
+from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, encode_metadata
+from salabatch.jobs.results.read import read_results
+from tests.jobs.results.test_results import SPEC, T0, make_row, write_file, writer
 
 
 @pytest.fixture

@@ -34,16 +34,8 @@ import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
-from salabatch.jobs.results import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
-from salabatch.jobs.results_read import (
-    FRESH,
-    dedupe,
-    list_parts,
-    parts_dir_of,
-    read_final,
-    read_part,
-    warn_bad_part,
-)
+from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
+from salabatch.jobs.results.read import FRESH, dedupe, list_parts, parts_dir_of, read_final, read_part, warn_bad_part
 
 
 class ResultWriter:

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.errors import JobSpecError
-from salabatch.jobs.answer_key import normalize, read_answer_key, report, score
-from salabatch.jobs.results_read import read_results
-from tests.jobs.test_results import make_row, writer
+from salabatch.jobs.results.answer_key import normalize, read_answer_key, report, score
+from salabatch.jobs.results.read import read_results
+from tests.jobs.results.test_results import make_row, writer
 
 
 @pytest.fixture

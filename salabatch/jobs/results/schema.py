@@ -1,5 +1,5 @@
 """What a results file is: the Parquet schema, `ResultRow`, the file metadata; how it is read
-(`results_read.read_results`) and the folder layout are described here once.
+(`read.read_results`) and the folder layout are described here once.
 
 One row per document × question. On disk, for `output.path: results/x.parquet`:
 
@@ -10,7 +10,7 @@ One row per document × question. On disk, for `output.path: results/x.parquet`:
         part-000007-<uuid>.parquet   the rows of one `ResultWriter.write()` call, complete
         .<name>.tmp-<pid>-<hex>.parquet  a part or a merge being written; deleted at the next open
 
-`result_writer.ResultWriter` writes them (durably, resumably). What a results file holds
+`writer.ResultWriter` writes them (durably, resumably). What a results file holds
 (`read_results`): the rows of x.parquet (ignored when FRESH is present) followed by the rows of
 the readable parts in sequence order, one row per `request_key`: an ok row beats an error row,
 otherwise the later row wins, and one row per custom_id: the most recently written key (the
