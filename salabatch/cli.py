@@ -189,16 +189,16 @@ def run(
         results = spec.output.model_copy(update={"path": jsonl.with_suffix(".parquet")})
         spec = spec.model_copy(update={"output": results})
     if dry_run:
-        from salabatch.jobs.dry_run import dry_run as show_plan
+        from salabatch.jobs.run.dry_run import dry_run as show_plan
 
         show_plan(spec, resume=resume, retry_errors=retry_errors, echo=click.echo)
         return
     if executor == "ray":
-        from salabatch.jobs.ray_executor import run_job_ray
+        from salabatch.jobs.ray.executor import run_job_ray
 
         execute = functools.partial(run_job_ray, address=address, workers=workers)
     else:
-        from salabatch.jobs.runner import run_job as execute
+        from salabatch.jobs.run.runner import run_job as execute
     summary = execute(
         spec,
         resume=resume,

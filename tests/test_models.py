@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from salabatch.cli import main
 from salabatch.errors import CheckpointError, JobValidationError
 from salabatch.jobs.results.read import read_results
-from salabatch.jobs.runner import JobSetup
+from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.load import check_paths, load_job
 from salabatch.models import HubRepo, hf_hub_cache, hub_repo, resolve_model
 

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:
-    from salabatch.jobs.runner import RunSummary
+    from salabatch.jobs.run.runner import RunSummary
 
 # The synthetic documents draw their words from this: plain English, as a tokenizer sees it.
 VOCABULARY = (
@@ -95,7 +95,7 @@ def run(
     """The local executor once, then the Ray executor with each count of `actors`; `on_result`
     gets the result so far after each configuration (a run cut short keeps what it measured).
     Raises RayNotInstalled without Ray."""
-    from salabatch.jobs.ray_executor import INSTALL, LOCAL_CPUS, SLOT, RayNotInstalled
+    from salabatch.jobs.ray.executor import INSTALL, LOCAL_CPUS, SLOT, RayNotInstalled
 
     try:
         import ray
@@ -104,9 +104,9 @@ def run(
         raise RayNotInstalled(f"bench scale needs Ray Data ({e.name or e}): {INSTALL}") from None
 
     from salabatch.engine.tokenizer import load_tokenizer
-    from salabatch.jobs.ray_executor import run_job_ray
+    from salabatch.jobs.ray.executor import run_job_ray
     from salabatch.jobs.results.read import read_results
-    from salabatch.jobs.runner import run_job
+    from salabatch.jobs.run.runner import run_job
     from salabatch.models import resolve_model
 
     def silent(_line: str) -> None:

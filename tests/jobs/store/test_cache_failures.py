@@ -29,7 +29,7 @@ from salabatch.jobs.store import prefix_store
 from salabatch.jobs.store.document_cache import DocumentCaches
 from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 from salabatch.models import resolve_model
-from tests.jobs.test_runner import rows, run_cli, write_docs, write_job
+from tests.jobs.run.test_runner import rows, run_cli, write_docs, write_job
 
 FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -12,12 +12,12 @@ import pytest
 
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import TokenizerError
-from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.plan import Planner
 from salabatch.jobs.results.read import read_results
+from salabatch.jobs.run.openai_batch import plan_requests
+from salabatch.jobs.run.plan import Planner
 from salabatch.jobs.spec.load import requests_job
 from salabatch.jobs.store.prefix_store import PrefixStore
-from tests.jobs.test_runner import run_cli
+from tests.jobs.run.test_runner import run_cli
 
 openai_types = pytest.importorskip("openai.types", reason="the openai package is a test extra")
 chat_types = pytest.importorskip("openai.types.chat")

@@ -19,16 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from salabatch.jobs.answerer import POOL_FACTOR
 from salabatch.jobs.ingest.documents import (
     Document,
     FileDocuments,
     identify_documents,
     read_documents,
 )
-from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.plan import DocPlan, Row
-from salabatch.jobs.runner import JobSetup
+from salabatch.jobs.run.answerer import POOL_FACTOR
+from salabatch.jobs.run.openai_batch import plan_requests
+from salabatch.jobs.run.plan import DocPlan, Row
+from salabatch.jobs.run.prepare import JobSetup
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The units of a Ray run, planned without a model or any text: the identity pass names every
 document as reading it does; done documents make no unit; a worker plans a unit as the local
-runner plans its documents. (No Ray here: tests/jobs/test_ray.py runs the units.)"""
+runner plans its documents. (No Ray here: tests/jobs/ray/test_ray.py runs the units.)"""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from salabatch.jobs.ingest.documents import (
     iter_documents,
     read_documents,
 )
-from salabatch.jobs.manifest import plan_manifest, unit_plans
-from salabatch.jobs.runner import JobSetup
+from salabatch.jobs.ray.manifest import plan_manifest, unit_plans
+from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.load import load_job
 from tests import REPO
-from tests.jobs.test_runner import QUESTIONS, SHARED_PDFS, write_docs, write_job
+from tests.jobs.run.test_runner import QUESTIONS, SHARED_PDFS, write_docs, write_job
 
 DEMO_DOCS = REPO / "jobs" / "demo" / "docs"
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from salabatch.jobs import answerer, runner
 from salabatch.jobs.results import writer as result_writer
 from salabatch.jobs.results.read import read_results
 from salabatch.jobs.results.writer import ResultWriter
-from tests.jobs.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
+from salabatch.jobs.run import answerer, prepare, runner
+from tests.jobs.run.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
 
 
 def custom_ids(folder) -> list[str]:
@@ -75,8 +75,8 @@ def test_too_little_free_space_fails_before_the_model_loads(
     tmp_path, tiny_model, no_model_load, monkeypatch
 ):
     write_docs(tmp_path)
-    real = runner.shutil.disk_usage
-    monkeypatch.setattr(runner.shutil, "disk_usage", lambda p: real(p)._replace(free=5 * 2**20))
+    real = prepare.shutil.disk_usage
+    monkeypatch.setattr(prepare.shutil, "disk_usage", lambda p: real(p)._replace(free=5 * 2**20))
     result = run_cli("run", str(write_job(tmp_path, tiny_model)))
     assert result.exit_code == 2 and "only 5.0 MB free" in result.output
     assert not (tmp_path / "out" / "results.parquet").exists()

@@ -40,7 +40,7 @@ from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError
 from salabatch.jobs.ingest.documents import Document
-from salabatch.jobs.plan import DocPlan, Planner, Row, request_key
+from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

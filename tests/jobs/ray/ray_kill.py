@@ -1,4 +1,4 @@
-"""The Ray worker setup hook of tests/jobs/test_ray.py, alone in its module: Ray imports it in
+"""The Ray worker setup hook of tests/jobs/ray/test_ray.py, alone in its module: Ray imports it in
 each worker as the worker starts, before the actor's modules, and it must import no MLX there
 (the actor loads the fast BLAS first) nor bind `read_documents` before it is replaced."""
 

@@ -19,7 +19,7 @@ from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow
 from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:
-    from salabatch.jobs.manifest import Unit
+    from salabatch.jobs.ray.manifest import Unit
 
 
 class UnitWorker:
@@ -33,9 +33,9 @@ class UnitWorker:
         activate_blas()
         from salabatch.engine.load import load_model
         from salabatch.engine.runtime import engine_runtime
-        from salabatch.jobs.answerer import Answerer, RunIdentity
-        from salabatch.jobs.manifest import unit_plans
-        from salabatch.jobs.runner import JobSetup
+        from salabatch.jobs.ray.manifest import unit_plans
+        from salabatch.jobs.run.answerer import Answerer, RunIdentity
+        from salabatch.jobs.run.prepare import JobSetup
 
         setup = JobSetup.of(spec)
         if setup.model_sha != model_sha:

@@ -15,15 +15,15 @@ import pytest
 
 ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "salabatch[ray]"')
 
-from salabatch.jobs.answerer import RunIdentity  # noqa: E402
 from salabatch.jobs.ingest import documents  # noqa: E402
-from salabatch.jobs.plan import Planner  # noqa: E402
-from salabatch.jobs.ray_executor import run_job_ray  # noqa: E402
+from salabatch.jobs.ray.executor import run_job_ray  # noqa: E402
 from salabatch.jobs.results.read import read_results  # noqa: E402
+from salabatch.jobs.run.answerer import RunIdentity  # noqa: E402
+from salabatch.jobs.run.plan import Planner  # noqa: E402
 from salabatch.jobs.spec.load import load_job  # noqa: E402
 from tests import REPO  # noqa: E402
-from tests.jobs.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
-from tests.jobs.test_runner import run_cli, write_docs, write_job  # noqa: E402
+from tests.jobs.ray.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
+from tests.jobs.run.test_runner import run_cli, write_docs, write_job  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

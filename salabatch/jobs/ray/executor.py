@@ -5,7 +5,7 @@ The driver (where the command runs) lists the job's units (manifest.py) without 
 model: one unit per file, whose documents keep all their questions together, and the request
 lines in prefix groups. Units whose rows are all in the results are left out, so a rerun with
 nothing to do starts no Ray at all. A Ray Data pipeline maps each unit to an actor holding the
-model (ray_worker.py: loaded once per actor, placed by the custom resource `salabatch_slot`,
+model (worker.py: loaded once per actor, placed by the custom resource `salabatch_slot`,
 which each machine offers as many times as it should hold models: once by default); the actor
 prefills each document once and answers its questions there, in batches. A document is never
 split across machines; what scales is the number of documents done at once.
@@ -40,13 +40,14 @@ from tqdm import tqdm
 
 from salabatch.engine.config import ModelConfig
 from salabatch.errors import SalabatchError, error_text
-from salabatch.jobs.answerer import RunIdentity
-from salabatch.jobs.manifest import Unit, plan_manifest
-from salabatch.jobs.plan import Row
+from salabatch.jobs.ray.manifest import Unit, plan_manifest
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.results.writer import ResultWriter
-from salabatch.jobs.runner import RunSummary, count_rows, prepared
+from salabatch.jobs.run.answerer import RunIdentity
+from salabatch.jobs.run.plan import Row
+from salabatch.jobs.run.prepare import prepared
+from salabatch.jobs.run.runner import RunSummary, count_rows
 from salabatch.jobs.spec.models import JobSpec
 
 SLOT = "salabatch_slot"  # the custom resource an actor takes one of: a model on that machine
@@ -190,7 +191,7 @@ def _run(
     returns the kinds of error of the units Ray Data dropped, which no attempt finished."""
     from ray.data import ActorPoolStrategy
 
-    from salabatch.jobs.ray_worker import UnitWorker
+    from salabatch.jobs.ray.worker import UnitWorker
 
     items = [{"unit": pickle.dumps(unit)} for unit in units]
     data = ray.data.from_items(items, override_num_blocks=len(items))  # a block per unit

@@ -5,12 +5,11 @@ come; a Ray worker collects a unit's.
 
 from __future__ import annotations
 
-import hashlib
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from tqdm import tqdm
@@ -21,13 +20,11 @@ from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.model import Model
 from salabatch.errors import OutputError, error_text
-from salabatch.jobs.plan import DocPlan, Row
 from salabatch.jobs.results.schema import ResultRow
-from salabatch.jobs.spec.models import JobSpec, spec_json
+from salabatch.jobs.run.plan import DocPlan, Row
+from salabatch.jobs.run.prepare import JobSetup
+from salabatch.jobs.spec.models import JobSpec, spec_fingerprint
 from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
-
-if TYPE_CHECKING:
-    from salabatch.jobs.runner import JobSetup
 
 POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
 
@@ -267,7 +264,7 @@ def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dic
 
 def _run_id(spec: JobSpec) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{hashlib.sha256(spec_json(spec).encode()).hexdigest()[:8]}"
+    return f"{stamp}-{spec_fingerprint(spec)[:8]}"
 
 
 def _now() -> datetime:

@@ -1,6 +1,6 @@
 """`salabatch run --dry-run`: what a run would do, without loading the model weights.
 
-Prepares the job as a run does (`runner.JobSetup`), reads and tokenizes the documents, and says
+Prepares the job as a run does (`prepare.JobSetup`), reads and tokenizes the documents, and says
 per document how many tokens its prompt has, how many rows are still to do, and whether its
 prefix cache is already stored. The results file is read as a resumed run reads it, never
 written.
@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from salabatch.engine.config import ModelConfig
-from salabatch.jobs.openai_batch import plan_requests
-from salabatch.jobs.plan import Planner
 from salabatch.jobs.results.read import parts_dir_of, read_results
-from salabatch.jobs.runner import JobSetup
+from salabatch.jobs.run.openai_batch import plan_requests
+from salabatch.jobs.run.plan import Planner
+from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
 
