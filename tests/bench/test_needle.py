@@ -156,7 +156,7 @@ def test_cli_writes_json_and_heatmap(folder, tmp_path):
     [("10..90", [0.1, 0.3, 0.5, 0.7, 0.9]), ("25,75", [0.25, 0.75]), ("0..0", [0.0])],
 )
 def test_depths_option(text, want):
-    from salabatch.cli_bench import _depths
+    from salabatch.cli.bench import _depths
 
     assert _depths(text) == pytest.approx(want)
 

@@ -1,9 +1,11 @@
 """`salabatch generate` and `salabatch convert`: one model, answering a prompt or quantized into
-a checkpoint. Like cli.py, nothing heavy is imported until a command runs."""
+a checkpoint. Like every command group, nothing heavy is imported until a command runs."""
 
 from __future__ import annotations
 
 import click
+
+from salabatch.cli.main import human_size
 
 
 @click.command()
@@ -134,7 +136,6 @@ def convert_cmd(
     """Quantize the checkpoint SRC (a folder, a Hugging Face repo id or builtin:tiny) into the
     folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
     --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
-    from salabatch.cli_tools import human_size
     from salabatch.engine.quantize import convert
     from salabatch.models import resolve_model
 

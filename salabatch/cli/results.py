@@ -1,5 +1,5 @@
 """`salabatch inspect` and `salabatch export`: a results file for people and for other tools.
-Like cli.py, nothing heavy is imported until a command runs."""
+Like every command group, nothing heavy is imported until a command runs."""
 
 from __future__ import annotations
 

@@ -1,11 +1,33 @@
-"""`salabatch bench …`: the benchmarks, each printing its results (and writing JSON with
---out). Like cli.py, nothing heavy is imported until a command runs."""
+"""`salabatch doctor` and `salabatch bench …`: what this machine runs on and how fast; each
+benchmark prints its results (and writes JSON with --out). Like every command group, nothing
+heavy is imported until a command runs."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import click
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool) -> None:
+    """Show MLX version, device, active BLAS and measured matmul speed (about 1 s)."""
+    import json
+
+    from salabatch.engine.runtime import doctor_report
+
+    report = doctor_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    b = report["blas"]
+    for key in ("salabatch", "python", "platform", "mlx", "device"):
+        click.echo(f"{key:10s} {report[key]}")
+    click.echo(f"{'blas':10s} {b['kind']}, {b['threads'] or '?'} threads, {b['path'] or '-'}")
+    click.echo(f"{'':10s} ({b['reason']})")
+    click.echo(f"{'gemm':10s} {report['gemm_gflops']:.1f} GFLOP/s (fp32 1024x1024)")
+    click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
 
 
 @click.group()

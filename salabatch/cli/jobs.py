@@ -1,96 +1,16 @@
-"""The `salabatch` command. Thin: each command imports what it needs (MLX included) when it runs,
-so `salabatch --help` stays instant."""
+"""`salabatch run` and `salabatch validate`: a job, answered or checked (and a checkpoint folder,
+checked). Like every command group, nothing heavy is imported until a command runs."""
 
 from __future__ import annotations
 
 import functools
 import os
 import sys
-import traceback
-import warnings
 
 import click
 
-from salabatch import __version__
-from salabatch.errors import JobValidationError, SalabatchError
-
-# Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
-# an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
-# 3 the run finished but results of the job are error rows; 130 interrupted (rows kept).
-EXIT_ERROR_ROWS = 3
-EXIT_INTERRUPTED = 130
-
-
-class _Group(click.Group):
-    """Loads the BLAS first; prints warnings and errors as one line each (`--debug`: with their
-    traceback) and exits with the error's code."""
-
-    def invoke(self, ctx: click.Context):
-        # Before any command can import mlx.core: the BLAS swap only works before that import.
-        from salabatch.engine import activate_blas
-
-        debug = bool(ctx.params.get("debug"))
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning if not debug else warnings.showwarning
-            activate_blas()
-            try:
-                return super().invoke(ctx)
-            except SalabatchError as e:
-                if debug:
-                    traceback.print_exc()
-                click.echo(f"error: {e}", err=True)
-                sys.exit(e.exit_code)
-            except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
-                raise
-            except Exception as e:  # a bug, or a failure nothing above foresaw
-                if debug:
-                    raise
-                what = " ".join(str(e).split()) or "no message"
-                click.echo(
-                    f"error: {type(e).__name__}: {what} (run with --debug for the traceback)",
-                    err=True,
-                )
-                sys.exit(1)
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as one line on stderr: `warning: <message>` (no source path or code line)."""
-    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
-
-
-def debug_enabled() -> bool:
-    """Whether `salabatch --debug` was given (for commands that report errors themselves)."""
-    ctx = click.get_current_context(silent=True)
-    return bool(ctx and ctx.find_root().params.get("debug"))
-
-
-@click.group(cls=_Group)
-@click.version_option(__version__, prog_name="salabatch")
-@click.option("--debug", is_flag=True, help="Show tracebacks and warnings' sources.")
-def main(debug: bool) -> None:
-    """Answer questions over long documents with MiniCPM-SALA on MLX."""
-
-
-@main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def doctor(as_json: bool) -> None:
-    """Show MLX version, device, active BLAS and measured matmul speed (about 1 s)."""
-    import json
-
-    from salabatch.engine.runtime import doctor_report
-
-    report = doctor_report()
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    b = report["blas"]
-    for key in ("salabatch", "python", "platform", "mlx", "device"):
-        click.echo(f"{key:10s} {report[key]}")
-    click.echo(f"{'blas':10s} {b['kind']}, {b['threads'] or '?'} threads, {b['path'] or '-'}")
-    click.echo(f"{'':10s} ({b['reason']})")
-    click.echo(f"{'gemm':10s} {report['gemm_gflops']:.1f} GFLOP/s (fp32 1024x1024)")
-    click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
-
+from salabatch.cli.main import EXIT_ERROR_ROWS, EXIT_INTERRUPTED, debug_enabled, human_size
+from salabatch.errors import JobValidationError
 
 _overrides = click.option(
     "--set",
@@ -101,7 +21,7 @@ _overrides = click.option(
 )
 
 
-@main.command()
+@click.command()
 @click.argument("job", type=click.Path(dir_okay=False), required=False)
 @click.option(
     "-o",
@@ -229,7 +149,7 @@ def run(
         sys.exit(EXIT_ERROR_ROWS)
 
 
-@main.command()
+@click.command()
 @click.argument("job", metavar="PATH", type=click.Path())
 @_overrides
 @click.option(
@@ -285,7 +205,6 @@ def _model_problems(model: str) -> list[str]:
 
 def _validate_checkpoint(path: str) -> None:
     """`validate` of a checkpoint folder: each problem on one line (exit 2), else a summary."""
-    from salabatch.cli_tools import human_size
     from salabatch.engine.load import check_checkpoint
 
     report = check_checkpoint(path)
@@ -308,16 +227,3 @@ def _validate_checkpoint(path: str) -> None:
     click.echo(f"{path}: ok")
     for key, value in rows.items():
         click.echo(f"  {key:10s} {value}")
-
-
-from salabatch.cli_bench import bench  # noqa: E402  (after `main`: no MLX)
-from salabatch.cli_model import convert_cmd, generate  # noqa: E402
-from salabatch.cli_results import export, inspect  # noqa: E402
-from salabatch.cli_tools import cache, train  # noqa: E402
-
-for _command in (generate, inspect, export, convert_cmd, cache, bench, train):
-    main.add_command(_command)
-
-
-if __name__ == "__main__":
-    main()
