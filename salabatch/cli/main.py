@@ -11,7 +11,7 @@ import warnings
 
 import click
 
-from salabatch import __version__
+from salabatch._version import __version__
 from salabatch.errors import SalabatchError
 
 # Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,

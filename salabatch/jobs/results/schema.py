@@ -37,7 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from salabatch import __version__
+from salabatch._version import __version__
 
 SCHEMA_VERSION = 1
 
