@@ -4,7 +4,7 @@ The Python API mirrors mlx-lm's (see `salabatch.api`): `load`, `generate`, `stre
 `batch_generate`. Importing salabatch stays light (no MLX): they are looked up on first use.
 """
 
-__version__ = "0.1.0"
+from salabatch._version import __version__
 
 _API = ("load", "generate", "stream_generate", "batch_generate", "GenerationResponse")
 

@@ -60,12 +60,12 @@ def load(
     cache_dir: str | Path | None = None,
 ) -> tuple[Model, Tokenizer]:
     """(model, tokenizer) of a checkpoint folder, `builtin:tiny` or a Hugging Face repo id
-    (see `salabatch.engine.models`); `dtype` None / "auto": float32 on CPU, bfloat16 on a GPU;
+    (see `salabatch.models`); `dtype` None / "auto": float32 on CPU, bfloat16 on a GPU;
     `cache_dir` holds builtin models (default: the salabatch cache)."""
     activate_blas()  # before the engine's first import of mlx.core
     from salabatch.engine.load import load_model
-    from salabatch.engine.models import resolve_model
     from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.models import resolve_model
 
     path = resolve_model(path_or_ref, cache_dir)
     return load_model(path, dtype=dtype), load_tokenizer(path)

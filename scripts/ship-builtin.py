@@ -24,7 +24,7 @@ def main(source: Path) -> None:
     config["salabatch_note"] = builtin.NOTES["tiny"]
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.copyfile(source / "model.safetensors", dest / "model.safetensors")
-    tokenizer = builtin.resolve("builtin:random")
+    tokenizer = builtin.checkpoint("random")
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer / name, dest / name)
     size = sum(f.stat().st_size for f in dest.iterdir()) / 2**20

@@ -21,7 +21,7 @@ def test_cache_dir_honours_xdg_cache_home(monkeypatch, tmp_path):
 
 
 def test_a_job_and_the_cache_commands_use_the_same_store(monkeypatch, tmp_path):
-    from salabatch.jobs.spec import CacheSettings
+    from salabatch.jobs.spec.models import CacheSettings
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert CacheSettings().dir == files.cache_dir() == tmp_path / "xdg" / "salabatch"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from salabatch.demo.checkpoint import write_random_checkpoint
+from tests import SHARED
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+GOLDEN = SHARED / "golden"
 
 S, L = "minicpm4", "lightning-attn"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from salabatch.demo import builtin
 from salabatch.engine.tokenizer import load_tokenizer
+from salabatch.models import resolve_model
 from salabatch.train.data import EVAL, TaskGenerator
 
 HERE = Path(__file__).parent
@@ -30,7 +30,7 @@ DOCUMENTS = (
 def main() -> None:
     from make_pdf import pdf  # beside this file
 
-    tokenizer = load_tokenizer(builtin.resolve("builtin:tiny"))
+    tokenizer = load_tokenizer(resolve_model("builtin:tiny"))
     generator = TaskGenerator(tokenizer, split=EVAL, seed=0, kinds=("contract",))
     key = {}
     docs = HERE / "docs"

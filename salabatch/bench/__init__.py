@@ -10,7 +10,7 @@ import mlx.core as mx
 
 
 def environment() -> dict:
-    from salabatch import __version__
+    from salabatch._version import __version__
     from salabatch.engine.blas import active
     from salabatch.engine.runtime import device_name
 

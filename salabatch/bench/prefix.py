@@ -16,8 +16,8 @@ import numpy as np
 from salabatch.api import load
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.runtime import engine_runtime
-from salabatch.jobs.document_cache import DocumentCaches
-from salabatch.jobs.prefix_store import PrefixKey, PrefixStore
+from salabatch.jobs.store.document_cache import DocumentCaches
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
 
 
 def run(doc_tokens: int, questions: int, max_tokens: int) -> dict:

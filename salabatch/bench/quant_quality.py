@@ -46,9 +46,9 @@ def run(
     """A row per format (float32 first): accuracy, agreement with float32, logit relative RMS,
     and the needles' answers."""
     from salabatch.engine.load import load_model
-    from salabatch.engine.models import resolve_model
     from salabatch.engine.quantize import convert
     from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.models import resolve_model
 
     parsed = {fmt: parse_format(fmt) for fmt in formats}  # a ConfigError before any work
     src = resolve_model(model_ref)

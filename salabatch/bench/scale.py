@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
-from salabatch.jobs.spec import JobSpec
+from salabatch.jobs.spec.models import JobSpec
 
 if TYPE_CHECKING:
-    from salabatch.jobs.runner import RunSummary
+    from salabatch.jobs.run.runner import RunSummary
 
 # The synthetic documents draw their words from this: plain English, as a tokenizer sees it.
 VOCABULARY = (
@@ -95,7 +95,7 @@ def run(
     """The local executor once, then the Ray executor with each count of `actors`; `on_result`
     gets the result so far after each configuration (a run cut short keeps what it measured).
     Raises RayNotInstalled without Ray."""
-    from salabatch.jobs.ray_executor import INSTALL, LOCAL_CPUS, SLOT, RayNotInstalled
+    from salabatch.jobs.ray.executor import INSTALL, LOCAL_CPUS, SLOT, RayNotInstalled
 
     try:
         import ray
@@ -103,18 +103,18 @@ def run(
     except ImportError as e:
         raise RayNotInstalled(f"bench scale needs Ray Data ({e.name or e}): {INSTALL}") from None
 
-    from salabatch.demo import builtin
     from salabatch.engine.tokenizer import load_tokenizer
-    from salabatch.jobs.ray_executor import run_job_ray
-    from salabatch.jobs.results_read import read_results
-    from salabatch.jobs.runner import run_job
+    from salabatch.jobs.ray.executor import run_job_ray
+    from salabatch.jobs.results.read import read_results
+    from salabatch.jobs.run.runner import run_job
+    from salabatch.models import resolve_model
 
     def silent(_line: str) -> None:
         pass
 
     with tempfile.TemporaryDirectory(prefix="salabatch-bench-scale-") as tmp:
         root = Path(tmp)
-        model = builtin.resolve("builtin:random", root)
+        model = resolve_model("builtin:random", root)
         write_documents(root / "docs", docs, tokens, load_tokenizer(model).encode)
         result = {
             "docs": docs,

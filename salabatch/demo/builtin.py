@@ -12,8 +12,8 @@
   instead, removed when the process exits, with one warning (CacheWarning): a run never fails
   for its cache.
 
-This module is the only one that knows the `builtin:` prefix: everything else asks
-`is_builtin` / `builtin_name` / `note`.
+A reference `builtin:NAME` becomes one of these in `salabatch.models`, the one place that reads
+model references; this module makes the folder of a NAME.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import warnings
 from pathlib import Path
 
 from salabatch import files
-from salabatch.errors import CacheWarning, CheckpointError, ConfigError, error_text
+from salabatch.errors import CacheWarning, CheckpointError, error_text
 
-PREFIX = "builtin:"
 MODELS = ("tiny", "random")
 SHIPPED = Path(__file__).parent / "tiny"  # builtin:tiny's checkpoint folder
 # Bump when the recipe of builtin:random changes: old builds stay where they are, unused.
@@ -41,34 +40,9 @@ NOTES = {
 }
 
 
-def is_builtin(model: str | os.PathLike) -> bool:
-    """Whether `model` names a builtin model (`builtin:NAME`) rather than a checkpoint folder."""
-    return str(model).startswith(PREFIX)
-
-
-def builtin_name(model: str | os.PathLike) -> str | None:
-    """NAME of a `builtin:NAME` model, None for a checkpoint folder; ConfigError if unknown."""
-    if not is_builtin(model):
-        return None
-    name = str(model).removeprefix(PREFIX)
-    if name not in MODELS:
-        known = ", ".join(PREFIX + m for m in MODELS)
-        raise ConfigError(f"unknown builtin model {str(model)!r} (available: {known})")
-    return name
-
-
-def note(model: str | os.PathLike) -> str | None:
-    """What a user should know about a builtin `model` (None for a checkpoint folder)."""
-    name = builtin_name(model)
-    return None if name is None else NOTES[name]
-
-
-def resolve(model: str | os.PathLike, cache_dir: str | Path | None = None) -> Path:
-    """A checkpoint directory for `model`: a path as given, the package's folder for
-    `builtin:tiny`, or `builtin:random` built (once) in `cache_dir`."""
-    name = builtin_name(model)
-    if name is None:
-        return Path(model).expanduser()
+def checkpoint(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The checkpoint folder of the builtin model NAME (one of MODELS): the package's folder for
+    tiny, random built (once) in `cache_dir` (default: the salabatch cache)."""
     if name == "tiny":
         if not (SHIPPED / "model.safetensors").is_file():
             raise CheckpointError(

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
 
+from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
-from salabatch.engine.tokenizer_files import TOKENIZER_FILE
 from salabatch.errors import TokenizerError
-
-if TYPE_CHECKING:
-    from salabatch.engine.tokenizer import Tokenizer
 
 
 class StreamingDetokenizer:
@@ -21,12 +18,15 @@ class StreamingDetokenizer:
     as in a full decode) plus the new ones. Text ending in U+FFFD (an incomplete UTF-8 character
     split across byte tokens) is held back until the character completes or `finalize()` is
     called. Cost per token is O(window), constant in practice.
+
+    Made by `Tokenizer.detokenizer()`: `backend` is its tokenizers backend, `path` the file it
+    was read from (named by a TokenizerError).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
-        self._backend = tokenizer.backend
+    def __init__(self, backend: _Backend, path: Path, *, skip_special: bool = False) -> None:
+        self._backend = backend
         self._skip = skip_special
-        self._path = tokenizer.model_dir / TOKENIZER_FILE
+        self._path = path
         self.reset()
 
     def reset(self) -> None:

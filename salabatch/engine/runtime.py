@@ -116,7 +116,7 @@ def doctor_report(seconds: float = 1.0) -> dict:
     import sys
     from dataclasses import asdict
 
-    from salabatch import __version__
+    from salabatch._version import __version__
     from salabatch.engine import blas
 
     return {

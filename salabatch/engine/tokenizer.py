@@ -17,8 +17,7 @@ Policies, stated once:
   as one text, so the ids are those of the rendered prompt (what transformers'
   `apply_chat_template` gives).
 
-Prompt text is rendered by `salabatch.engine.chat` (the ChatML layout is shown there). The demo
-tokenizer of the builtin models is built by `salabatch.demo.tokenizer`.
+Prompt text is rendered by `salabatch.engine.chat` (the ChatML layout is shown there).
 """
 
 from __future__ import annotations
@@ -135,7 +134,8 @@ class Tokenizer:
 
     def detokenizer(self, *, skip_special: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder of this vocabulary."""
-        return StreamingDetokenizer(self, skip_special=skip_special)
+        path = self.model_dir / TOKENIZER_FILE
+        return StreamingDetokenizer(self.backend, path, skip_special=skip_special)
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         if self.bos_id is None:

@@ -49,7 +49,6 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from salabatch.demo import builtin
 from salabatch.demo.checkpoint import random_weights, sala_config
 from salabatch.engine import blas
 from salabatch.engine.checkpoint import write_weights
@@ -57,6 +56,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
+from salabatch.models import resolve_model
 from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, TaskGenerator
 from salabatch.train.deepen import deepen
 from salabatch.train.scoring import Batch, evaluate, loss_fn, make_batch
@@ -196,7 +196,7 @@ def train(
             blas.BlasWarning,
             stacklevel=2,
         )
-    source = builtin.resolve("builtin:random", cache_dir)  # its tokenizer files are copied
+    source = resolve_model("builtin:random", cache_dir)  # its tokenizer files are copied
     tok = load_tokenizer(source)
     eos = [2, tok.token_id(END_OF_TURN)]
     if cfg.init:  # go on from a checkpoint this function wrote (a curriculum's next stage)

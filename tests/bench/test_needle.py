@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from salabatch.bench import needle
 from salabatch.cli import main
-from salabatch.demo import builtin
 from salabatch.engine.load import load_model
 from salabatch.engine.tokenizer import load_tokenizer
+from salabatch.models import resolve_model
 from salabatch.train.data import EVAL, TaskGenerator
 
 DENSE, SPARSE = 600, 2600  # builtin:random turns sparse at 2048 tokens
@@ -23,7 +23,7 @@ DEPTHS = [0.2, 0.8]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_cli_writes_json_and_heatmap(folder, tmp_path):
     [("10..90", [0.1, 0.3, 0.5, 0.7, 0.9]), ("25,75", [0.25, 0.75]), ("0..0", [0.0])],
 )
 def test_depths_option(text, want):
-    from salabatch.cli_bench import _depths
+    from salabatch.cli.bench import _depths
 
     assert _depths(text) == pytest.approx(want)
 

@@ -14,6 +14,7 @@ from salabatch.demo import builtin
 from salabatch.engine.config import LIGHTNING, SPARSE, ModelConfig
 from salabatch.engine.session import AnswerStream
 from salabatch.errors import ConfigError
+from salabatch.models import model_note, resolve_model
 
 
 def digest(path) -> str:
@@ -22,14 +23,14 @@ def digest(path) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):  # builtin:random, built
-    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("cache"))
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("cache"))
 
 
 def test_builds_the_same_bytes_everywhere(tiny_dir, tmp_path):
-    again = builtin.resolve("builtin:random", tmp_path)
+    again = resolve_model("builtin:random", tmp_path)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert digest(tiny_dir / name) == digest(again / name), name
-    assert builtin.resolve("builtin:random", tmp_path) == again  # second call reuses the build
+    assert resolve_model("builtin:random", tmp_path) == again  # second call reuses the build
 
 
 def test_config_has_both_layer_kinds_and_reaches_sparse_mode(tiny_dir):
@@ -47,8 +48,8 @@ def test_loads_with_its_tokenizer(tiny_dir):
 
 def test_unknown_builtin_and_plain_paths():
     with pytest.raises(ConfigError, match="builtin:random"):
-        builtin.resolve("builtin:huge")
-    assert str(builtin.resolve("~/x")).endswith("/x") and "~" not in str(builtin.resolve("~/x"))
+        resolve_model("builtin:huge")
+    assert str(resolve_model("~/x")).endswith("/x") and "~" not in str(resolve_model("~/x"))
 
 
 @pytest.mark.parametrize(
@@ -78,20 +79,20 @@ def test_generate_command_streams_and_reports(tiny_dir, monkeypatch):
 
 # -- builtin:tiny: the trained model, shipped ------------------------------------------------
 def test_tiny_is_shipped_small_with_the_builtin_tokenizer(tiny_dir):
-    shipped = builtin.resolve("builtin:tiny", "/nonexistent/cache")  # no build, no cache
+    shipped = resolve_model("builtin:tiny", "/nonexistent/cache")  # no build, no cache
     assert shipped == builtin.SHIPPED and (shipped / "MODEL_CARD.md").is_file()
     assert sum(f.stat().st_size for f in shipped.iterdir()) <= 20 * 2**20
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert digest(shipped / name) == digest(tiny_dir / name), name
     cfg = ModelConfig.from_file(shipped)
-    assert cfg.extra["salabatch_note"] == builtin.note("builtin:tiny")
+    assert cfg.extra["salabatch_note"] == model_note("builtin:tiny")
     assert {SPARSE, LIGHTNING} == set(cfg.layer_kinds)
 
 
 def test_notes_say_which_builtin_is_trained():
-    assert "untrained" in builtin.note("builtin:random")
-    assert "trained on synthetic" in builtin.note("builtin:tiny")
-    assert builtin.note("/some/folder") is None
+    assert "untrained" in model_note("builtin:random")
+    assert "trained on synthetic" in model_note("builtin:tiny")
+    assert model_note("/some/folder") is None
 
 
 def test_tiny_answers_a_held_out_needle_in_a_4k_document_through_sparse_attention():

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from salabatch.jobs.answer_key import read_answer_key
-from salabatch.jobs.documents import DocumentSource, iter_documents
-from salabatch.jobs.spec import load_job
+from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+from salabatch.jobs.results.answer_key import read_answer_key
+from salabatch.jobs.spec.load import load_job
 from salabatch.train.data import EVAL, TRAIN, split_pool
 from salabatch.train.pools import CONTRACT_QUESTIONS, CONTRACT_TERMS
+from tests import REPO
 
-DEMO = Path(__file__).parents[2] / "jobs"
+DEMO = REPO / "jobs"
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +63,10 @@ def _phrasings(field: str, split: str) -> set[str]:
 
 
 def test_one_document_is_past_the_sparse_threshold(documents, tmp_path_factory):
-    from salabatch.demo import builtin
     from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.models import resolve_model
 
-    tokenizer = load_tokenizer(builtin.resolve("builtin:random", tmp_path_factory.mktemp("models")))
+    tokenizer = load_tokenizer(resolve_model("builtin:random", tmp_path_factory.mktemp("models")))
     lengths = [len(tokenizer.encode(d.text)) for d in documents.values()]
     assert max(lengths) > 4096 and min(lengths) < 2048
 

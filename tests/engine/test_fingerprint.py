@@ -15,7 +15,7 @@ import pytest
 from salabatch.engine import fingerprint
 from salabatch.engine.fingerprint import hub_sha256, model_fingerprint
 from salabatch.errors import CacheWarning
-from tests.engine.test_models import COMMIT, git_blob_sha1, write_hub_cache
+from tests.test_models import COMMIT, git_blob_sha1, write_hub_cache
 from tests.tiny import write_tiny_checkpoint
 
 

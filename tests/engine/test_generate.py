@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from salabatch.demo import builtin
 from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import load_tokenizer
+from salabatch.models import resolve_model
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 
@@ -95,7 +95,7 @@ def test_timings_are_recorded(model):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """builtin:random (an untrained test model) with its tokenizer, for decoded text."""
-    path = builtin.resolve("builtin:random", tmp_path_factory.mktemp("builtin"))
+    path = resolve_model("builtin:random", tmp_path_factory.mktemp("builtin"))
     return load_model(path, dtype="float32"), load_tokenizer(path)
 
 

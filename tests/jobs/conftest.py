@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.demo import builtin
+from salabatch.models import resolve_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return builtin.resolve("builtin:random", tmp_path_factory.mktemp("models"))
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("models"))

@@ -2,13 +2,13 @@
 
 import pytest
 
-from salabatch.demo import builtin
+from salabatch.models import resolve_model
 
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("models")
-    builtin.resolve("builtin:random", path)
+    resolve_model("builtin:random", path)
     return path
 
 
@@ -16,4 +16,4 @@ def models_dir(tmp_path_factory):
 def tokenizer(models_dir):
     from salabatch.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(builtin.resolve("builtin:random", models_dir))
+    return load_tokenizer(resolve_model("builtin:random", models_dir))

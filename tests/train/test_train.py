@@ -10,13 +10,13 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from salabatch.demo import builtin
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.gla import decay_slopes
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import ConfigError
+from salabatch.models import resolve_model
 from salabatch.train.data import EVAL, TaskGenerator
 from salabatch.train.scoring import answer_logits, evaluate, loss_fn, make_batch
 from salabatch.train.train import TrainConfig, model_config, train
@@ -131,7 +131,7 @@ def test_a_length_curriculum_doubles_the_longest_sample_once_it_is_solved(tmp_pa
 
 
 def test_gradients_flow_through_the_sparse_path(models_dir):
-    tok = load_tokenizer(builtin.resolve("builtin:random", models_dir))
+    tok = load_tokenizer(resolve_model("builtin:random", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
     gen = TaskGenerator(tok, seed=0)
     batch = make_batch([gen.encode(gen.sample(0, 420))], pad_id=2)
@@ -219,7 +219,7 @@ def test_a_recall_stage_evaluates_the_needle_kind_it_names(tmp_path, models_dir)
 def test_evaluate_counts_a_row_right_only_when_every_answer_token_is(models_dir):
     from salabatch.train.scoring import evaluate
 
-    tok = load_tokenizer(builtin.resolve("builtin:random", models_dir))
+    tok = load_tokenizer(resolve_model("builtin:random", models_dir))
     model = Model(ModelConfig.from_dict(model_config(tok.vocab_size, [2], **TINY)))
     gen = TaskGenerator(tok, seed=0, kinds=("recall",))
     batch = make_batch([gen.encode(gen.sample(0, 400))], pad_id=2)

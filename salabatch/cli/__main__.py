@@ -1,0 +1,5 @@
+"""`python -m salabatch.cli`: the `salabatch` command."""
+
+from salabatch.cli import main
+
+main()

@@ -1,0 +1,404 @@
+"""`salabatch doctor` and `salabatch bench …`: what this machine runs on and how fast; each
+benchmark prints its results (and writes JSON with --out). Like every command group, nothing
+heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import click
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool) -> None:
+    """Show MLX version, device, active BLAS and measured matmul speed (about 1 s)."""
+    import json
+
+    from salabatch.engine.runtime import doctor_report
+
+    report = doctor_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    b = report["blas"]
+    for key in ("salabatch", "python", "platform", "mlx", "device"):
+        click.echo(f"{key:10s} {report[key]}")
+    click.echo(f"{'blas':10s} {b['kind']}, {b['threads'] or '?'} threads, {b['path'] or '-'}")
+    click.echo(f"{'':10s} ({b['reason']})")
+    click.echo(f"{'gemm':10s} {report['gemm_gflops']:.1f} GFLOP/s (fp32 1024x1024)")
+    click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks; each prints its results (and writes them as JSON with --out)."""
+
+
+def _emit(name: str, result: dict, out: str | None) -> None:
+    import json
+
+    from salabatch.bench import environment
+
+    result = {"bench": name, **environment(), **result}
+    click.echo(json.dumps(result, indent=2))
+    if out:
+        _write_json(result, out)
+
+
+@bench.command("sparse")
+@click.option(
+    "--contexts",
+    default="8192,32768,131072",
+    show_default=True,
+    help="Context lengths for the decode timing, comma-separated.",
+)
+@click.option(
+    "--prefill-tokens",
+    default=65536,
+    show_default=True,
+    help="Tokens of the chunked prefill whose peak memory is measured (0: skip).",
+)
+@click.option("--chunk", default=2048, show_default=True, help="Prefill chunk size.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_sparse(contexts: str, prefill_tokens: int, chunk: int, out: str | None) -> None:
+    """InfLLM-v2: sparse-layer decode time vs context, and chunked-prefill peak memory."""
+    from salabatch.bench import sparse
+
+    sizes = [int(c) for c in contexts.split(",") if c.strip()]
+    _emit("sparse", sparse.run(sizes, prefill_tokens, chunk), out)
+
+
+@bench.command("prefix")
+@click.option("--doc-tokens", default=16384, show_default=True)
+@click.option("--questions", default=8, show_default=True)
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | None) -> None:
+    """Prefix store on builtin:random: questions over one document, re-prefilled per question vs
+    prefilled once (stored) and answered as one batch, then a second run from disk."""
+    from salabatch.bench import prefix
+
+    _emit("prefix", prefix.run(doc_tokens, questions, max_tokens), out)
+
+
+@bench.command("quant")
+@click.option(
+    "--model",
+    "model_ref",
+    help="A trained checkpoint (or builtin:tiny): measure what 8-bit and 4-bit cost its "
+    "answers (needle agreement and accuracy vs float32, logit RMS) instead of speed.",
+)
+@click.option("--contexts", default="4K", show_default=True, help="With --model: needle contexts.")
+@click.option("--documents", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--logit-samples",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --model: held-out samples (1024 tokens) whose answer logits are compared.",
+)
+@click.option("--hidden", default=1024, show_default=True)
+@click.option("--layers", default=8, show_default=True)
+@click.option("--prefill", default=32, show_default=True)
+@click.option("--steps", default=16, show_default=True)
+@click.option(
+    "--formats",
+    help="Comma-separated. Speed: float32, bfloat16, 8bit, 4bit (all by default); with --model: "
+    "8bit, 4bit, 4bit-g32 (groups of 32), 4bit-h8 (lm_head at 8 bits); all by default.",
+)
+@click.option(
+    "--act-dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_quant(
+    model_ref: str | None,
+    contexts: str,
+    documents: int,
+    logit_samples: int,
+    hidden: int,
+    layers: int,
+    prefill: int,
+    steps: int,
+    formats: str | None,
+    act_dtype: str,
+    out: str | None,
+) -> None:
+    """Decode tok/s and memory of float32 / bf16 / 8-bit / 4-bit weights on a random model;
+    with --model, what 8-bit and 4-bit cost a trained model's answers."""
+    from salabatch.bench import environment, quant, quant_quality
+
+    default = quant_quality.FORMATS if model_ref else quant.FORMATS
+    chosen = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else default
+    if model_ref:
+        result = quant_quality.run(
+            model_ref,
+            [f for f in chosen if f != "float32"],  # float32 is the reference, always run
+            [_tokens(c) for c in contexts.split(",") if c.strip()],
+            documents=documents,
+            logit_samples=logit_samples,
+            progress=lambda line: click.echo(line, err=True),
+        )
+        result = {"bench": "quant-quality", **environment(), **result}
+        _report(result, quant_quality.table(result), out, None, None)
+        return
+    _emit("quant", quant.run(hidden, layers, prefill, steps, chosen, act_dtype), out)
+
+
+@bench.command("gla")
+@click.option("--repeat", default=5, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_gla(repeat: int, out: str | None) -> None:
+    """Lightning kernels at the 9B's shape: 2048-token chunked prefill, decode steps."""
+    from salabatch.bench import gla
+
+    _emit("gla", gla.run(repeat), out)
+
+
+@bench.command("long")
+@click.option(
+    "--contexts",
+    help="Context lengths, comma-separated; K = 1024 [GPU: 8K,32K,128K; CPU: 4K,16K,32K].",
+)
+@click.option(
+    "--shapes",
+    type=click.Choice(["9b", "small"]),
+    help="9b: the 9B vs Qwen3-8B shapes; small: both at 1/16 width [GPU: 9b; CPU: small].",
+)
+@click.option("--batch", default=8, show_default=True, help="Rows of SALA's batched decode.")
+@click.option("--steps", default=48, show_default=True, help="Decode steps timed (median).")
+@click.option("--chunk", type=int, help="Prefill chunk [GPU: 8192; CPU: 2048].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--peer/--no-peer", default=True, help="Also run mlx-lm's dense llama.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False),
+    help="PNG chart here (default: beside --out, as .png).",
+)
+def bench_long(
+    contexts: str | None,
+    shapes: str | None,
+    batch: int,
+    steps: int,
+    chunk: int | None,
+    dtype: str,
+    peer: bool,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """SALA vs mlx-lm's dense llama at long context: prefill, decode at batch 1 and --batch,
+    peak memory, the ratios. Random weights, the current device. Needs `salabatch[bench]`."""
+
+    from salabatch.bench import environment, long
+
+    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
+
+    env = environment()
+    result = long.run(
+        sizes,
+        shapes=shapes,
+        batch=batch,
+        steps=steps,
+        chunk=chunk,
+        dtype=dtype,
+        peer=peer,
+        progress=lambda line: click.echo(line, err=True),
+        on_result=_saver("long", env, out),
+    )
+    result = {"bench": "long", **env, **result}
+    title = f"salabatch bench long — {result['device']}"
+    _report(result, long.table(result), out, chart, partial(long.chart, result, title=title))
+
+
+@bench.command("needle")
+@click.option(
+    "--model",
+    "model_ref",
+    default="builtin:tiny",
+    show_default=True,
+    help="Checkpoint folder, builtin:tiny or a Hub id.",
+)
+@click.option(
+    "--contexts", help="Document lengths, comma-separated; K = 1024 [4K,16K,32K,64K,128K]."
+)
+@click.option("--depths", help="Needle depths in %: a list (10,50,90) or A..B, every 20 [10..90].")
+@click.option(
+    "--documents",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Documents per context (each holds one needle per depth).",
+)
+@click.option("--quick", is_flag=True, help="4K and 8K, depths 10,50,90: a few minutes on a CPU.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--chunk", default=2048, show_default=True, type=click.IntRange(min=1))
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False),
+    help="PNG heatmap here (default: beside --out, as .png).",
+)
+def bench_needle(
+    model_ref: str,
+    contexts: str | None,
+    depths: str | None,
+    documents: int,
+    quick: bool,
+    seed: int,
+    chunk: int,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """Needle retrieval through the pipeline: held-out facts at known depths, asked as one batch
+    over each document's prefix; accuracy per (context, depth) and, per sparse layer, the share
+    of needles whose block it selected."""
+
+    from salabatch.api import load
+    from salabatch.bench import environment, needle
+
+    preset = needle.QUICK if quick else {}
+    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
+    chosen = _depths(depths) if depths else None
+
+    env = {**environment(), "model": model_ref}
+    model, tokenizer = load(model_ref)
+    result = needle.run(
+        model,
+        tokenizer,
+        sizes or preset.get("contexts", needle.CONTEXTS),
+        chosen or preset.get("depths", needle.DEPTHS),
+        documents=documents if not quick else preset["documents"],
+        seed=seed,
+        chunk=chunk,
+        progress=lambda line: click.echo(line, err=True),
+        on_result=_saver("needle", env, out),
+    )
+    result = {"bench": "needle", **env, **result}
+    title = f"salabatch bench needle — {model_ref}, {env['device']}"
+    _report(result, needle.table(result), out, chart, partial(needle.heatmap, result, title=title))
+
+
+def _saver(name: str, env: dict, out: str | None):
+    """`on_result` for a long bench: the JSON so far rewritten to `out` after every
+    measurement, so a run cut short keeps what it measured."""
+
+    def save(partial: dict) -> None:
+        if out:
+            _write_json({"bench": name, **env, **partial}, out)
+
+    return save
+
+
+def _write_json(result: dict, out: str) -> None:
+    import json
+
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+
+
+def _report(result: dict, table: str, out: str | None, chart: str | None, draw) -> None:
+    """Prints the table, writes the JSON to `out` and the chart with `draw(path)` to `chart`
+    (default: beside `out`, as .png; no chart when `draw` is None)."""
+    click.echo(table)
+    if out:
+        _write_json(result, out)
+        click.echo(f"wrote {out}")
+    chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
+    if chart and draw is not None:
+        try:
+            draw(chart)
+        except ImportError:
+            click.echo(
+                "no chart: matplotlib is not installed (pip install salabatch[bench])", err=True
+            )
+        else:
+            click.echo(f"wrote {chart}")
+
+
+def _depths(text: str) -> list[float]:
+    """Percent depths: "10,50,90" or "A..B" (every 20 from A to B) → fractions."""
+    try:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            values = list(range(lo, hi + 1, 20))
+        else:
+            values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not depths in %: {text!r}", param_hint="--depths") from None
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise click.BadParameter(f"depths must be 0 to 100 %: {text!r}", param_hint="--depths")
+    return [v / 100 for v in values]
+
+
+@bench.command("scale")
+@click.option("--docs", default=16, show_default=True, help="Synthetic documents.")
+@click.option("--tokens", default=1000, show_default=True, help="Tokens per document, about.")
+@click.option(
+    "--actors",
+    default="1,2,4",
+    show_default=True,
+    help="Ray model actors of each Ray run, comma-separated.",
+)
+@click.option("--questions", default=4, show_default=True, help="Questions per document.")
+@click.option("--max-tokens", default=8, show_default=True, help="Tokens per answer.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_scale(
+    docs: int, tokens: int, actors: str, questions: int, max_tokens: int, out: str | None
+) -> None:
+    """Documents/hour of the local executor and of the Ray executor on a local Ray cluster
+    with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:random, a fresh prefix
+    store per run. Needs `salabatch[ray]`."""
+    import json
+
+    from salabatch.bench import environment, scale
+
+    counts = tuple(_count(a, "--actors") for a in actors.split(",") if a.strip())
+    if not counts:
+        raise click.BadParameter("give at least one actor count", param_hint="--actors")
+    env = environment()
+
+    def save(partial: dict) -> None:  # after every configuration: a run cut short keeps its rows
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"bench": "scale", **env, **partial}, indent=2) + "\n")
+
+    result = scale.run(
+        docs,
+        tokens,
+        counts,
+        questions,
+        max_tokens,
+        progress=lambda line: click.echo(line, err=True),
+        on_result=save,
+    )
+    click.echo(scale.table(result))
+    if out:
+        save(result)
+        click.echo(f"wrote {out}", err=True)
+
+
+def _count(text: str, option: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"not a count of 1 or more: {text.strip()!r}", param_hint=option)
+    return n
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().upper()
+    try:
+        return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+    except ValueError:
+        raise click.BadParameter(f"not a token count: {text!r}", param_hint="--contexts") from None

@@ -1,0 +1,106 @@
+"""`salabatch cache ls|prune|clear`: the prefix store on disk. Like every command group, nothing
+heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+import click
+
+from salabatch.cli.main import human_size
+
+
+@click.group()
+def cache() -> None:
+    """The prefix cache store: saved document prefixes and prefill snapshots."""
+
+
+_cache_dir = click.option(
+    "--dir",
+    "root",
+    type=click.Path(file_okay=False),
+    help="Store folder (default: $XDG_CACHE_HOME/salabatch or ~/.cache/salabatch, the jobs' "
+    "default cache.dir).",
+)
+
+
+def _store(root: str | None):
+    from salabatch.files import cache_dir
+    from salabatch.jobs.store.prefix_store import PrefixStore
+
+    return PrefixStore(root or cache_dir())
+
+
+@cache.command("ls")
+@_cache_dir
+def cache_ls(root: str | None) -> None:
+    """List stored prefixes and snapshots: size, tokens, model, dtype, age; and the temporary
+    files that killed writers left behind."""
+    import time
+
+    store = _store(root)
+    entries = store.entries()
+    if not entries:
+        click.echo("no stored prefixes")
+    else:
+        click.echo(
+            f"{'digest':14s} {'kind':8s} {'size':>9s} {'tokens':>15s} {'dtype':9s} "
+            f"{'last used':>10s}  model"
+        )
+        now = time.time()
+        for e in entries:
+            tokens = f"{e.tokens}" if e.kind == "prefix" else f"{e.tokens}/{e.total_tokens}"
+            click.echo(
+                f"{e.digest[:12]:14s} {e.kind:8s} {human_size(e.bytes):>9s} {tokens:>15s} "
+                f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {e.model}"
+            )
+        total = sum(e.bytes for e in entries)
+        click.echo(f"{len(entries)} entries, {human_size(total)}")
+    stale = [t for t in store.temps() if t.stale]
+    if stale:
+        click.echo(
+            f"{len(stale)} stale temporary files, {human_size(sum(t.bytes for t in stale))} "
+            "(left by killed writes; the next run or `salabatch cache prune` removes them)"
+        )
+
+
+@cache.command("prune")
+@_cache_dir
+@click.option("--max-gb", type=click.FloatRange(min=0), help="Keep at most this much (LRU).")
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    metavar="DAYS",
+    help="Remove entries unused for this many days.",
+)
+def cache_prune(root: str | None, max_gb: float | None, older_than: float | None) -> None:
+    """Remove least recently used entries over a size, or entries unused for a while; and the
+    temporary files that killed writers left behind."""
+    if max_gb is None and older_than is None:
+        raise click.UsageError("give --max-gb and/or --older-than")
+    store = _store(root)
+    removed = store.prune(
+        max_bytes=None if max_gb is None else int(max_gb * 2**30),
+        older_than_s=None if older_than is None else older_than * 86400,
+    )
+    line = f"removed {len(removed)} entries, {human_size(sum(e.bytes for e in removed))}"
+    if store.swept:
+        swept = human_size(sum(t.bytes for t in store.swept))
+        line += f"; {len(store.swept)} stale temporary files, {swept}"
+    click.echo(line)
+
+
+@cache.command("clear")
+@_cache_dir
+@click.option("--yes", is_flag=True, help="Do not ask.")
+def cache_clear(root: str | None, yes: bool) -> None:
+    """Remove every stored prefix and snapshot."""
+    store = _store(root)
+    if not yes:
+        click.confirm(f"remove every stored prefix in {store.root}?", abort=True)
+    click.echo(f"freed {human_size(store.clear())}")
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f} {unit}"
+    return f"{seconds:.0f} s"

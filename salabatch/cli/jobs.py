@@ -1,0 +1,229 @@
+"""`salabatch run` and `salabatch validate`: a job, answered or checked (and a checkpoint folder,
+checked). Like every command group, nothing heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+
+from salabatch.cli.main import EXIT_ERROR_ROWS, EXIT_INTERRUPTED, debug_enabled, human_size
+from salabatch.errors import JobValidationError
+
+_overrides = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job field, e.g. engine.batch_size=4 (repeatable).",
+)
+
+
+@click.command()
+@click.argument("job", type=click.Path(dir_okay=False), required=False)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Results file (default: the job's output.path): x.parquet, or x.jsonl for OpenAI Batch "
+    "output lines in input order, its resumable results kept beside it in x.parquet.",
+)
+@click.option(
+    "--resume/--no-resume",
+    default=True,
+    show_default=True,
+    help="Skip rows the results file already has, or redo everything.",
+)
+@click.option("--retry-errors", is_flag=True, help="Redo rows that ended in an error.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Show documents, token counts, questions and the planned prefill; no weights.",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Produce at most N new rows.")
+@_overrides
+@click.option(
+    "--requests",
+    type=click.Path(dir_okay=False),
+    help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file).",
+)
+@click.option("--model", help="Model of a --requests run without a job file.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="ray: across the machines of a Ray cluster, a document per model actor (needs "
+    'pip install "salabatch[ray]").',
+)
+@click.option(
+    "--address",
+    metavar="auto|HOST:PORT",
+    help="--executor ray: the cluster to join (default: start Ray on this machine).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="--executor ray: at most N model actors (default: one per salabatch_slot).",
+)
+def run(
+    job,
+    output,
+    resume,
+    retry_errors,
+    dry_run,
+    limit,
+    overrides,
+    requests,
+    model,
+    progress,
+    executor,
+    address,
+    workers,
+) -> None:
+    """Run a job: every document × question and request line, answers and timings to Parquet
+    (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
+    Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
+    from salabatch.jobs.spec.load import load_job, requests_job
+
+    if executor == "local" and (address is not None or workers is not None):
+        raise click.UsageError("--address and --workers are options of --executor ray")
+
+    if output is not None and os.path.splitext(output)[1].lower() not in (".parquet", ".jsonl"):
+        raise click.BadParameter(
+            f"{output}: expected a .parquet results file or a .jsonl OpenAI Batch output file",
+            param_hint="-o/--output",
+        )
+    if job:
+        spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
+    elif requests:
+        extra = [f"output.path={os.path.abspath(output)}"] if output else []
+        spec = requests_job(requests, model, [*overrides, *extra])
+    else:
+        raise click.UsageError("give a JOB file, or --requests FILE")
+    jsonl = spec.output.path if spec.output.path.suffix.lower() == ".jsonl" else None
+    if jsonl is not None:  # OpenAI Batch output; the results stay Parquet, beside it
+        results = spec.output.model_copy(update={"path": jsonl.with_suffix(".parquet")})
+        spec = spec.model_copy(update={"output": results})
+    if dry_run:
+        from salabatch.jobs.run.dry_run import dry_run as show_plan
+
+        show_plan(spec, resume=resume, retry_errors=retry_errors, echo=click.echo)
+        return
+    if executor == "ray":
+        from salabatch.jobs.ray.executor import run_job_ray
+
+        execute = functools.partial(run_job_ray, address=address, workers=workers)
+    else:
+        from salabatch.jobs.run.runner import run_job as execute
+    summary = execute(
+        spec,
+        resume=resume,
+        retry_errors=retry_errors,
+        limit=limit,
+        progress=progress,
+        echo=lambda m: click.echo(m, err=True),
+        debug=debug_enabled(),
+        jsonl=jsonl,
+    )
+    click.echo(
+        f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
+        f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
+        err=True,
+    )
+    if jsonl is not None and not summary.interrupted:
+        click.echo(f"OpenAI Batch output -> {jsonl}", err=True)
+    if summary.interrupted:
+        click.echo("interrupted: finished rows are saved; run the same command to resume", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
+    if summary.failed:
+        click.echo(
+            f"{summary.failed} row(s) of the job are errors; fix their cause and rerun with "
+            "--retry-errors to redo them",
+            err=True,
+        )
+        sys.exit(EXIT_ERROR_ROWS)
+
+
+@click.command()
+@click.argument("job", metavar="PATH", type=click.Path())
+@_overrides
+@click.option(
+    "--schema-only",
+    is_flag=True,
+    help="Skip checking that the model, documents and requests exist.",
+)
+def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
+    """Check a job file (errors name their field and line), or a checkpoint folder (config,
+    tokenizer, and the weight files' tensors against the config, from their headers). Exit
+    code 2 on errors."""
+    if os.path.isdir(job):
+        if overrides or schema_only:
+            raise click.UsageError("--set and --schema-only are for a job file, not a folder")
+        _validate_checkpoint(job)
+        return
+    from salabatch.jobs.spec.load import load_job, path_problems
+
+    spec = load_job(job, overrides)
+    problems, n_files = ([], None) if schema_only else path_problems(spec)
+    if not schema_only and not any(p.startswith("model:") for p in problems):
+        problems = _model_problems(spec.model) + problems
+    if problems:
+        raise JobValidationError(job, problems)
+
+    entries = len(spec.documents)
+    found = f", {n_files} file{'s' * (n_files != 1)}" if n_files is not None and entries else ""
+    ids = [q.id for q in spec.questions]
+    shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
+    rows = {
+        "name": spec.name,
+        "model": spec.model,
+        "documents": f"{entries} entr{'y' if entries == 1 else 'ies'}{found}",
+        "questions": f"{len(ids)}" + (f": {shown}" if ids else ""),
+        "requests": str(spec.requests) if spec.requests else "none",
+        "output": str(spec.output.path),
+    }
+    click.echo(f"{job}: ok")
+    for key, value in rows.items():
+        click.echo(f"  {key:10s} {value}")
+
+
+def _model_problems(model: str) -> list[str]:
+    """`validate` of a job's model, when it is a checkpoint folder here (a builtin model is made
+    and a Hub id fetched when the job runs): its files, as `validate FOLDER` checks them."""
+    from salabatch.engine.load import check_checkpoint
+    from salabatch.models import is_builtin
+
+    if is_builtin(model) or not os.path.isdir(os.path.expanduser(model)):
+        return []
+    return [f"model: {problem}" for problem in check_checkpoint(model).problems]
+
+
+def _validate_checkpoint(path: str) -> None:
+    """`validate` of a checkpoint folder: each problem on one line (exit 2), else a summary."""
+    from salabatch.engine.load import check_checkpoint
+
+    report = check_checkpoint(path)
+    for problem in report.problems:
+        click.echo(f"error: {problem}", err=True)
+    if report.problems:
+        sys.exit(2)
+    cfg, tok, files = report.config, report.tokenizer, report.weight_files
+    sparse, quant = len(cfg.sparse_layers), cfg.quantization
+    rows = {
+        "layers": f"{cfg.num_hidden_layers} ({sparse} sparse, "
+        f"{cfg.num_hidden_layers - sparse} lightning)",
+        "weights": f"{len(files)} file{'s' * (len(files) != 1)}, "
+        f"{human_size(sum(f.stat().st_size for f in files))}, "
+        + (f"{quant.bits}-bit, group size {quant.group_size}" if quant else "full precision")
+        + (f", {len(quant.overrides)} module(s) set apart" if quant and quant.overrides else ""),
+        "tokenizer": f"{tok.vocab_size} tokens, stop ids {sorted(tok.eos_ids)}, "
+        + ("its chat template" if tok.has_chat_template else "built-in ChatML"),
+    }
+    click.echo(f"{path}: ok")
+    for key, value in rows.items():
+        click.echo(f"  {key:10s} {value}")

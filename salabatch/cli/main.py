@@ -1,0 +1,80 @@
+"""The root of the `salabatch` command: loads the BLAS first, prints warnings and errors as one
+line each and exits with their code; what every command group shares (`debug_enabled`,
+`human_size`). Thin: each command imports what it needs (MLX included) when it runs, so
+`salabatch --help` stays instant."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+
+import click
+
+from salabatch._version import __version__
+from salabatch.errors import SalabatchError
+
+# Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
+# an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
+# 3 the run finished but results of the job are error rows; 130 interrupted (rows kept).
+EXIT_ERROR_ROWS = 3
+EXIT_INTERRUPTED = 130
+
+
+class _Group(click.Group):
+    """Loads the BLAS first; prints warnings and errors as one line each (`--debug`: with their
+    traceback) and exits with the error's code."""
+
+    def invoke(self, ctx: click.Context):
+        # Before any command can import mlx.core: the BLAS swap only works before that import.
+        from salabatch.engine import activate_blas
+
+        debug = bool(ctx.params.get("debug"))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning if not debug else warnings.showwarning
+            activate_blas()
+            try:
+                return super().invoke(ctx)
+            except SalabatchError as e:
+                if debug:
+                    traceback.print_exc()
+                click.echo(f"error: {e}", err=True)
+                sys.exit(e.exit_code)
+            except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+                raise
+            except Exception as e:  # a bug, or a failure nothing above foresaw
+                if debug:
+                    raise
+                what = " ".join(str(e).split()) or "no message"
+                click.echo(
+                    f"error: {type(e).__name__}: {what} (run with --debug for the traceback)",
+                    err=True,
+                )
+                sys.exit(1)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr: `warning: <message>` (no source path or code line)."""
+    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
+
+
+def debug_enabled() -> bool:
+    """Whether `salabatch --debug` was given (for commands that report errors themselves)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.find_root().params.get("debug"))
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="salabatch")
+@click.option("--debug", is_flag=True, help="Show tracebacks and warnings' sources.")
+def main(debug: bool) -> None:
+    """Answer questions over long documents with MiniCPM-SALA on MLX."""
+
+
+def human_size(n: int) -> str:
+    """A byte count for people: `1536` -> `1.5 KB`."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"

@@ -1,0 +1,174 @@
+"""`salabatch generate` and `salabatch convert`: one model, answering a prompt or quantized into
+a checkpoint. Like every command group, nothing heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+import click
+
+from salabatch.cli.main import human_size
+
+
+@click.command()
+@click.argument("args", nargs=-1, metavar="[MODEL] [PROMPT]")
+@click.option("--model", "model_opt", help="MODEL as an option (mlx-lm's spelling).")
+@click.option("-p", "--prompt", "prompt_opt", help="PROMPT as an option; - reads standard input.")
+@click.option("-m", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(min=0)
+)
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--system", "--system-prompt", default=None, help="System prompt.")
+@click.option(
+    "--think/--no-think",
+    default=False,
+    show_default=True,
+    help="Let the model reason in a <think> block first (shown), or pre-seed it empty.",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+)
+@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+def generate(
+    args,
+    model_opt,
+    prompt_opt,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    system,
+    think,
+    dtype,
+    prefill_chunk,
+) -> None:
+    """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
+    builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed,
+    then print timings. mlx-lm's flags work too: --model, -p/--prompt, -m/--max-tokens, --temp,
+    --system-prompt."""
+    from salabatch.api import load
+    from salabatch.engine.session import stream_answer
+    from salabatch.models import model_note
+
+    model, prompt = positional(
+        args, ("MODEL", "PROMPT"), (model_opt, prompt_opt), "--model and --prompt"
+    )
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    if note := model_note(model):
+        click.echo(f"note: {note}", err=True)
+    loaded, tok = load(model, dtype)
+    stats = stream_answer(
+        loaded,
+        tok,
+        prompt,
+        think=think,
+        write=lambda text: click.echo(text, nl=False),
+        system=system,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        prefill_chunk=prefill_chunk,
+    )
+    click.echo()
+    click.echo(
+        f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_tok_s']:.1f} tok/s, "
+        f"first token after {stats['ttft_s']:.2f} s, {stats['completion_tokens']} tokens at "
+        f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
+        err=True,
+    )
+
+
+@click.command("convert")
+@click.argument("args", nargs=-1, metavar="[SRC] [DST]")
+@click.option("--hf-path", "--model", "src_opt", help="SRC as an option (mlx-lm's spelling).")
+@click.option("--mlx-path", "dst_opt", help="DST as an option (mlx-lm's spelling).")
+@click.option(
+    "--bits",
+    "--q-bits",
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Bits per weight (MLX affine).",
+)
+@click.option("-q", "--quantize", is_flag=True, help="Quantize; without --bits, to 4 bits.")
+@click.option(
+    "--head-bits",
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Bits of lm_head when other than --bits (e.g. 8 beside a 4-bit body).",
+)
+@click.option(
+    "--group-size",
+    "--q-group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default="64",
+    show_default=True,
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="Of the scales/biases and of the tensors left unquantized.",
+)
+@click.option("--force", is_flag=True, help="Overwrite a non-empty DST.")
+@click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
+def convert_cmd(
+    args: tuple[str, ...],
+    src_opt: str | None,
+    dst_opt: str | None,
+    bits: str | None,
+    quantize: bool,
+    head_bits: str | None,
+    group_size: str,
+    dtype: str,
+    force: bool,
+    max_shard_gb: float,
+) -> None:
+    """Quantize the checkpoint SRC (a folder, a Hugging Face repo id or builtin:tiny) into the
+    folder DST: MLX affine, every linear layer incl. lm_head. mlx-lm's flags work too:
+    --hf-path, --mlx-path, -q, --q-bits, --q-group-size."""
+    from salabatch.engine.quantize import convert
+    from salabatch.models import resolve_model
+
+    src, dst = positional(args, ("SRC", "DST"), (src_opt, dst_opt), "--hf-path and --mlx-path")
+    if bits is None and not quantize:
+        raise click.UsageError("give --bits (or --q-bits), or -q for 4 bits")
+    s = convert(
+        resolve_model(src),
+        dst,
+        bits=int(bits or 4),
+        head_bits=int(head_bits) if head_bits else None,
+        group_size=int(group_size),
+        dtype=dtype,
+        force=force,
+        max_shard_bytes=int(max_shard_gb * 2**30),
+    )
+    click.echo(
+        f"{s['quantized']} tensors quantized, {s['kept']} kept; "
+        f"{human_size(s['bytes_before'])} -> {human_size(s['bytes_after'])} "
+        f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
+        f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
+    )
+
+
+def positional(
+    args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
+) -> list[str]:
+    """The values of `names`: each from its option when given, else from the positional `args`
+    in order (so `generate --model M PROMPT` and `generate M PROMPT` agree)."""
+    free = [name for name, value in zip(names, options, strict=True) if value is None]
+    if len(args) < len(free):
+        raise click.UsageError(f"give {' and '.join(names)}, as arguments or with {spelled}")
+    if len(args) > len(free):
+        raise click.UsageError(f"unexpected argument {args[len(free)]!r}")
+    rest = iter(args)
+    return [value if value is not None else next(rest) for value in options]

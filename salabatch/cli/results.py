@@ -1,0 +1,58 @@
+"""`salabatch inspect` and `salabatch export`: a results file for people and for other tools.
+Like every command group, nothing heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command()
+@click.argument("results", type=click.Path())
+@click.option(
+    "--show",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Also print the first N answers.",
+)
+@click.option(
+    "--expected",
+    type=click.Path(),
+    help="An answer key (YAML: document -> question id -> answer): print each answer next to "
+    "the expected one and the count correct.",
+)
+def inspect(results: str, show: int, expected: str | None) -> None:
+    """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
+    tokens, prefill and decode speed."""
+    from salabatch.jobs.results import answer_key
+    from salabatch.jobs.results.export import inspect_results
+    from salabatch.jobs.results.read import read_results
+
+    click.echo(inspect_results(results, show=show))
+    if expected:
+        key = answer_key.read_answer_key(expected)
+        click.echo(
+            "\nexpected answers\n"
+            + answer_key.report(answer_key.score(read_results(results), key, expected))
+        )
+
+
+@click.command()
+@click.argument("results", type=click.Path())
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["openai-jsonl"]),
+    default="openai-jsonl",
+    show_default=True,
+)
+@click.option("-o", "--output", default="-", show_default=True, help="Output file; - for stdout.")
+def export(results: str, fmt: str, output: str) -> None:
+    """Write results in another format (OpenAI Batch output lines, joined on custom_id)."""
+    from salabatch.jobs.results.export import export_results
+
+    n = export_results(results, sys.stdout if output == "-" else output, fmt)
+    if output != "-":
+        click.echo(f"{n} lines -> {output}", err=True)

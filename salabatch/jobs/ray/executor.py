@@ -1,0 +1,276 @@
+"""`salabatch run --executor ray`: one job across the machines of a Ray cluster, the document
+the unit of work.
+
+The driver (where the command runs) lists the job's units (manifest.py) without loading the
+model: one unit per file, whose documents keep all their questions together, and the request
+lines in prefix groups. Units whose rows are all in the results are left out, so a rerun with
+nothing to do starts no Ray at all. A Ray Data pipeline maps each unit to an actor holding the
+model (worker.py: loaded once per actor, placed by the custom resource `salabatch_slot`,
+which each machine offers as many times as it should hold models: once by default); the actor
+prefills each document once and answers its questions there, in batches. A document is never
+split across machines; what scales is the number of documents done at once.
+
+The rows come back to the driver, which writes them with the local executor's durable
+ResultWriter as each unit arrives, not with Ray's write_parquet: across machines without a
+shared file system, write_parquet to a local path lands on each worker's own disk. Rows are
+small (answers), and one writer on the driver keeps what a local run gives: each row once by
+request_key, the run lock, resume, dropping rows no longer in the job, and the same single
+results file, so a job run here and on a cluster compares one file with another.
+
+Faults: Ray restarts an actor that dies and retries its unit on it, at most `max_retries`
+times; a unit that still fails is dropped from the pipeline (Ray Data's max_errored_blocks)
+and the driver writes error rows for the rows that did not come back. The prefix store is the
+job's `cache.dir` on each machine (shared, if it points at a shared file system), so a retried
+document finds the prefix or snapshot its first attempt saved on the same machine or store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+from tqdm import tqdm
+
+from salabatch.engine.config import ModelConfig
+from salabatch.errors import SalabatchError, error_text
+from salabatch.jobs.ray.manifest import Unit, plan_manifest
+from salabatch.jobs.results.export import export_openai_jsonl
+from salabatch.jobs.results.schema import ResultRow
+from salabatch.jobs.results.writer import ResultWriter
+from salabatch.jobs.run.answerer import RunIdentity
+from salabatch.jobs.run.plan import Row
+from salabatch.jobs.run.prepare import prepared
+from salabatch.jobs.run.runner import RunSummary, count_rows
+from salabatch.jobs.spec.models import JobSpec
+
+SLOT = "salabatch_slot"  # the custom resource an actor takes one of: a model on that machine
+INSTALL = 'pip install "salabatch[ray]"'
+# A local Ray gets this many logical CPUs at least: the actors take none, Ray Data's own
+# tasks and helper actors need some, and with too few (2) the pipeline was seen to deadlock.
+LOCAL_CPUS = 8
+RAY_DATA_ERRORS = "ray.data._internal.execution.streaming_executor_state"
+
+
+class RayNotInstalled(SalabatchError):
+    """`--executor ray` where Ray is not installed."""
+
+    exit_code = 2
+
+
+class RayClusterError(SalabatchError):
+    """A Ray cluster that cannot be reached, or that offers no `salabatch_slot`."""
+
+    exit_code = 2
+
+
+def run_job_ray(
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    resume: bool = True,
+    retry_errors: bool = False,
+    limit: int | None = None,
+    progress: bool = True,
+    echo: Callable[[str], None] = print,
+    debug: bool = False,
+    max_retries: int = 2,
+    jsonl: Path | None = None,
+) -> RunSummary:
+    """Runs the job on Ray as `run_job` runs it locally; returns what was done.
+
+    address: None starts a local Ray (`workers` actors, 1 by default) unless this process is
+        connected already; "auto" or "HOST:PORT" joins a running cluster.
+    workers: at most this many model actors (default: one per `salabatch_slot` offered).
+    max_retries: times a unit whose actor died is tried again before its rows become errors.
+    Raises RayNotInstalled without Ray, RayClusterError for a cluster it cannot use.
+    """
+    ray = _import_ray()
+    start = time.perf_counter()
+    summary = RunSummary(str(spec.output.path))
+    try:
+        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
+            writer,
+            setup,
+        ):
+            manifest = plan_manifest(setup, writer.done_keys(), limit)
+            identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
+            summary.skipped, summary.documents = manifest.skipped, manifest.documents
+            with tqdm(
+                total=count_rows(spec),
+                initial=manifest.skipped,
+                unit="row",
+                desc=spec.name,
+                disable=not progress,
+                dynamic_ncols=True,
+            ) as bar:
+                out = _Output(writer, summary, identity, bar)
+                for plan in manifest.errors:  # request lines that cannot be served
+                    out.fail(plan.rows, plan.error)
+                if manifest.units:
+                    with _cluster(ray, address, workers, echo) as actors:
+                        dropped = _run(ray, manifest.units, actors, spec, out, debug, max_retries)
+                    reason = _failure_reason(dropped, max_retries)
+                    out.fail([row for unit in manifest.units for row in unit.rows], reason)
+            if manifest.complete:
+                # Rows of earlier runs outside the job go when the writer closes.
+                writer.retain(manifest.job_keys)
+            summary.failed = len(manifest.job_keys & writer.failed_keys())
+        if jsonl is not None:  # from the merged results, earlier runs' rows included
+            export_openai_jsonl(spec.output.path, jsonl, lines=manifest.request_lines)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _import_ray() -> ModuleType:
+    try:
+        import ray
+        import ray.data  # noqa: F401  (the [data] extra)
+    except ImportError as e:
+        raise RayNotInstalled(
+            f"--executor ray needs Ray Data, which is not installed ({e.name or e}): {INSTALL}"
+        ) from None
+    return ray
+
+
+@contextmanager
+def _cluster(
+    ray: ModuleType, address: str | None, workers: int | None, echo: Callable[[str], None]
+) -> Iterator[int]:
+    """Ray for the block: the connection this process has, or a local Ray started (and shut
+    down after) when `address` is None, or the cluster at `address`. Yields how many model
+    actors to run."""
+    started = not ray.is_initialized()
+    if started and address is None:
+        cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
+        ray.init(
+            num_cpus=cpus,
+            resources={SLOT: workers or 1},
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    elif started:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as e:
+            raise RayClusterError(f"cannot connect to Ray at {address}: {error_text(e)}") from e
+    try:
+        slots = int(ray.cluster_resources().get(SLOT, 0))
+        if slots == 0:
+            raise RayClusterError(
+                f"no machine of the Ray cluster offers the {SLOT} resource; start each with "
+                f"`ray start ... --resources='{{\"{SLOT}\": 1}}'`"
+            )
+        if workers is not None and workers > slots:
+            echo(f"note: --workers {workers}, but the cluster offers {slots} {SLOT}: {slots}")
+        yield min(workers or slots, slots)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run(
+    ray: ModuleType,
+    units: list[Unit],
+    actors: int,
+    spec: JobSpec,
+    out: _Output,
+    debug: bool,
+    max_retries: int,
+) -> list[str]:
+    """Maps the units over `actors` model actors and writes their rows as they arrive;
+    returns the kinds of error of the units Ray Data dropped, which no attempt finished."""
+    from ray.data import ActorPoolStrategy
+
+    from salabatch.jobs.ray.worker import UnitWorker
+
+    items = [{"unit": pickle.dumps(unit)} for unit in units]
+    data = ray.data.from_items(items, override_num_blocks=len(items))  # a block per unit
+    with warnings.catch_warnings():
+        # max_task_retries has no named parameter yet; Ray Data passes it to the actors
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+        answered = data.map_batches(
+            UnitWorker,
+            batch_size=1,
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
+            fn_constructor_kwargs={
+                "spec": spec,
+                "run_id": out.identity.run_id,
+                "model_sha": out.identity.model_sha,
+                "debug": debug,
+            },
+            num_cpus=0,  # the actor is placed by SLOT; its BLAS and MLX use the machine
+            resources={SLOT: 1},
+            max_task_retries=max_retries,
+        )
+    answered.context.max_errored_blocks = -1  # a unit that failed every try: error rows
+    answered.context.enable_progress_bars = False  # the driver shows its own, in rows
+    with _dropped_units() as dropped:
+        try:
+            for table in answered.iter_batches(batch_size=None, batch_format="pyarrow"):
+                out.write([ResultRow.from_record(r) for r in table.to_pylist()])
+        except ray.exceptions.ActorDiedError as e:  # dropped blocks aside, only a failed start
+            cause = str(e).strip().splitlines()[-1]  # the constructor's error, last
+            raise RayClusterError(f"a model actor could not start: {cause}") from None
+    return dropped
+
+
+@contextmanager
+def _dropped_units() -> Iterator[list[str]]:
+    """The kind of error (its class name) of each block Ray Data drops in the block."""
+    dropped: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info and record.exc_info[1] is not None:
+                dropped.append(type(record.exc_info[1]).__name__)
+
+    logger, handler = logging.getLogger(RAY_DATA_ERRORS), Collect(logging.ERROR)
+    logger.addHandler(handler)
+    try:
+        yield dropped
+    finally:
+        logger.removeHandler(handler)
+
+
+def _failure_reason(dropped: list[str], max_retries: int) -> str:
+    """The error of the rows of a unit that no attempt finished."""
+    kinds = ", ".join(sorted(set(dropped))) or "no result"
+    return (
+        f"worker failed {max_retries + 1} times: {kinds} (its process died or its machine was "
+        "lost; see the Ray logs)"
+    )
+
+
+class _Output:
+    """The driver's side of the results: writes each row once, counts it, shows it."""
+
+    def __init__(
+        self, writer: ResultWriter, summary: RunSummary, identity: RunIdentity, bar: tqdm
+    ) -> None:
+        self.writer, self.summary, self.identity, self.bar = writer, summary, identity, bar
+        self.keys: set[str] = set()  # written by this run
+
+    def write(self, rows: list[ResultRow]) -> None:
+        rows = [row for row in rows if row.request_key not in self.keys]
+        if not rows:
+            return
+        self.writer.write(rows)
+        self.keys.update(row.request_key for row in rows)
+        self.summary.written += len(rows)
+        self.summary.errors += sum(row.status == "error" for row in rows)
+        self.bar.update(len(rows))
+
+    def fail(self, rows: Iterable[Row], reason: str) -> None:
+        """Error rows for those of `rows` that this run has not written."""
+        self.write([self.identity.error_row(r, reason) for r in rows if r.key not in self.keys])

@@ -1,0 +1,278 @@
+"""A results file for people and for other tools: `salabatch inspect` and `salabatch export`.
+
+Both read through `read_results`, so they see what resume sees: the merged file plus the parts
+of a running or killed run, one row per request; or, given a folder (a Parquet dataset written
+by Ray, results collected from several machines), the rows of all its files, deduplicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from salabatch.errors import OutputError
+from salabatch.files import write_atomic
+from salabatch.jobs.results.schema import OutputWarning, decode_metadata
+from salabatch.jobs.results.read import dataset_files, read_results
+
+_TOP_ERRORS = 5
+_REASON_CHARS = 90
+_ANSWER_LINES = 4
+_ANSWER_CHARS = 100
+
+
+def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
+    """A plain-text summary of a results file or folder: counts, tokens, mean speeds, the most
+    common errors; then the first `show` answers (in the file's doc_id, question_id order)."""
+    table = read_results(path)
+    meta = decode_metadata(table.schema.metadata)
+    folder = Path(path).is_dir()
+    ok = pc.equal(table["status"], "ok")
+    n_ok = pc.sum(ok).as_py() or 0
+    prefilled = table.filter(pc.greater(pc.fill_null(table["doc_prefill_s"], 0.0), 0.0))
+
+    head = [
+        (
+            "results",
+            f"{path} (a folder: {len(dataset_files(Path(path)))} .parquet files)"
+            if folder
+            else str(path),
+        ),
+        ("job", _distinct(table["job_name"]) or _job_name(meta)),
+        ("model", _models(table)),
+        ("created", meta["created_at"] or "-"),
+        (
+            "updated",
+            meta["updated_at"]
+            or ("-" if folder else "- (not merged yet: a run is going or was killed)"),
+        ),
+        ("runs", str(len(pc.unique(table["run_id"])))),
+    ]
+    counts = [
+        ("rows", _int(table.num_rows)),
+        ("  ok", _int(n_ok)),
+        ("  errors", _int(table.num_rows - n_ok)),
+        ("documents", _int(len(pc.unique(table["doc_id"])))),
+        ("questions", _int(len(pc.unique(table["question_id"])))),
+        ("prompt tokens", _int(pc.sum(table["prompt_tokens"]).as_py())),
+        ("cached tokens", _int(pc.sum(table["cached_tokens"]).as_py())),
+        ("completion tokens", _int(pc.sum(table["completion_tokens"]).as_py())),
+        (
+            "prefill tok/s, mean",
+            _num(pc.mean(prefilled["prefill_tok_s"]).as_py())
+            + f"  (over {prefilled.num_rows} rows that prefilled their document)",
+        ),
+        ("decode tok/s, mean", _num(pc.mean(table.filter(ok)["decode_tok_s"]).as_py())),
+        ("ttft s, mean", _num(pc.mean(table["ttft_s"]).as_py(), digits=3)),
+    ]
+    lines = _aligned(head) + [""] + _aligned(counts, right=True)
+
+    errors = Counter(
+        _clip(" ".join((e or "").split()), _REASON_CHARS)
+        for e in table.filter(pc.invert(ok))["error"].to_pylist()
+    )
+    if errors:
+        lines += ["", "most common errors", *_aligned_counts(errors.most_common(_TOP_ERRORS))]
+        if len(errors) > _TOP_ERRORS:
+            lines.append(f"  … and {len(errors) - _TOP_ERRORS} other reasons")
+
+    if show > 0:
+        shown = table.slice(0, show).to_pylist()
+        lines += ["", f"answers (first {len(shown)} of {table.num_rows})"]
+        for r in shown:
+            lines.append(_answer_block(r))
+    return "\n".join(lines)
+
+
+def export_openai_jsonl(
+    path: str | os.PathLike,
+    out: str | os.PathLike | TextIO,
+    *,
+    lines: Mapping[str, int] | None = None,
+) -> int:
+    """Write the rows as the OpenAI Batch API's output file: one JSON object per line,
+    `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion>},
+    "error": null}`, or for an error row `"response": null, "error": {"code", "message", "line"}`.
+    A think row's reasoning is the message's `reasoning_content`.
+
+    Request rows come first, in the order of their lines in the requests file (`lines`:
+    request_key -> line, the file as it is now, where a run knows it; else the line each row
+    was answered from), then document rows in the results' order (doc_id, question_id).
+    `out`: a file path (written atomically) or an open text stream. Returns the number of lines.
+    """
+    records = read_results(path).to_pylist()
+    for r in records:
+        r["request_line"] = (lines or {}).get(r["request_key"], r["request_line"])
+    records.sort(key=lambda r: (r["request_line"] is None, r["request_line"] or 0))
+    repeated = [cid for cid, n in Counter(r["custom_id"] for r in records).items() if n > 1]
+    if repeated:
+        warnings.warn(
+            f"{path}: {len(repeated)} custom_id values occur more than once "
+            f"(first: {repeated[0]!r}); tools that join on custom_id will see duplicates",
+            OutputWarning,
+            stacklevel=2,
+        )
+    lines = (json.dumps(_openai_line(r), ensure_ascii=False) + "\n" for r in records)
+    _write_text(out, lines)
+    return len(records)
+
+
+EXPORTERS: dict[str, Callable[[str | os.PathLike, Any], int]] = {
+    "openai-jsonl": export_openai_jsonl,
+}
+
+
+def export_results(path: str | os.PathLike, out: str | os.PathLike | TextIO, fmt: str) -> int:
+    """Dispatch to the exporter for `fmt` (a key of EXPORTERS); returns the rows written."""
+    if fmt not in EXPORTERS:
+        raise OutputError(
+            "unknown export format", field="--format", expected=list(EXPORTERS), got=fmt
+        )
+    return EXPORTERS[fmt](path, out)
+
+
+# --- OpenAI batch output -------------------------------------------------------------------
+
+
+def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
+    """One line of an OpenAI batch output file. Ids are derived from (run_id, request_key), so
+    exporting the same results twice gives the same bytes."""
+    line: dict[str, Any] = {
+        "id": f"batch_req_{_stable_id('batch_req', r)}",
+        "custom_id": r["custom_id"],
+        "response": None,
+        "error": None,
+    }
+    if r["status"] != "ok":
+        line["error"] = {"code": "salabatch_error", "message": r["error"] or "unknown error"}
+        if r["request_line"] is not None:
+            line["error"]["line"] = r["request_line"]
+        return line
+    prompt, completion = r["prompt_tokens"] or 0, r["completion_tokens"] or 0
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if r["cached_tokens"] is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": r["cached_tokens"]}
+    created = r["started_at"] or r["finished_at"]
+    message = {"role": "assistant", "content": r["answer"], "refusal": None}
+    if r["reasoning"] is not None:
+        message["reasoning_content"] = r["reasoning"]
+    line["response"] = {
+        "status_code": 200,
+        "request_id": _stable_id("request", r),
+        "body": {
+            "id": f"chatcmpl-{_stable_id('chatcmpl', r)}",
+            "object": "chat.completion",
+            "created": int(created.timestamp()),
+            "model": r["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": r["finish_reason"],
+                }
+            ],
+            "usage": usage,
+            "system_fingerprint": f"fp_{r['model_sha'][:12]}" if r["model_sha"] else None,
+        },
+    }
+    return line
+
+
+def _stable_id(kind: str, r: dict[str, Any]) -> str:
+    text = f"{kind}\0{r['run_id']}\0{r['request_key']}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _write_text(out: str | os.PathLike | TextIO, lines: Any) -> None:
+    if hasattr(out, "write"):
+        out.writelines(lines)
+        return
+    out = Path(out)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(lines)
+
+    try:
+        write_atomic(out, write)
+    except OSError as e:
+        raise OutputError(f"cannot write the export ({e.strerror or e})", path=out) from e
+
+
+# --- text formatting -----------------------------------------------------------------------
+
+
+def _aligned(pairs: list[tuple[str, str]], *, right: bool = False) -> list[str]:
+    width = max(len(k) for k, _ in pairs)
+    if not right:
+        return [f"{k:<{width}}  {v}" for k, v in pairs]
+    # Right-align the number, keep any note after it ("1,234.5  (over 3 rows ...)").
+    heads = [v.split("  ", 1) for _, v in pairs]
+    num_width = max(len(h[0]) for h in heads)
+    return [
+        f"{k:<{width}}  {h[0]:>{num_width}}" + (f"  {h[1]}" if len(h) > 1 else "")
+        for (k, _), h in zip(pairs, heads, strict=True)
+    ]
+
+
+def _aligned_counts(items: list[tuple[str, int]]) -> list[str]:
+    width = max(len(_int(n)) for _, n in items)
+    return [f"  {_int(n):>{width}}  {reason}" for reason, n in items]
+
+
+def _answer_block(r: dict[str, Any]) -> str:
+    title = f"[{r['doc_id']} / {r['question_id']}]"
+    if r["status"] != "ok":
+        return f"{title} error: {r['error']}"
+    tokens = f", {r['completion_tokens']} tokens" if r["completion_tokens"] is not None else ""
+    text_lines = (r["answer"] or "").strip().splitlines() or ["(empty answer)"]
+    body = [f"    {_clip(line, _ANSWER_CHARS)}" for line in text_lines[:_ANSWER_LINES]]
+    if len(text_lines) > _ANSWER_LINES:
+        body.append(f"    … ({len(text_lines) - _ANSWER_LINES} more lines)")
+    return "\n".join([f"{title} {r['finish_reason']}{tokens}", *body])
+
+
+def _distinct(column: pa.ChunkedArray) -> str:
+    return ", ".join(str(v) for v in pc.unique(column).to_pylist())
+
+
+def _models(table: pa.Table) -> str:
+    out = []
+    for m in pc.unique(table["model"]).to_pylist():
+        rows = table.filter(pc.equal(table["model"], m))
+        bits = pc.unique(rows["quant_bits"]).to_pylist()
+        shas = [s for s in pc.unique(rows["model_sha"]).to_pylist() if s]
+        notes = [f"{b}-bit" for b in bits if b] + [f"sha {s[:12]}" for s in shas]
+        out.append(m + (f" ({', '.join(notes)})" if notes else ""))
+    return ", ".join(out) or "-"
+
+
+def _job_name(meta: dict[str, Any]) -> str:
+    spec = meta["job_spec"]
+    return str(spec.get("name", "-")) if isinstance(spec, dict) else "-"
+
+
+def _int(n: int | None) -> str:
+    return f"{n:,}" if n is not None else "-"
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}" if x is not None else "-"
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

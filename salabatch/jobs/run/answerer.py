@@ -1,0 +1,271 @@
+"""What turns plans into result rows with one loaded model (`Answerer`), and what every row of
+a run says about where it comes from (`RunIdentity`). The local runner writes the rows as they
+come; a Ray worker collects a unit's.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from salabatch.engine.chat import split_thinking
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.detokenizer import StreamingDetokenizer
+from salabatch.engine.generate import Generation, Generator, Request
+from salabatch.engine.model import Model
+from salabatch.errors import OutputError, error_text
+from salabatch.jobs.results.schema import ResultRow
+from salabatch.jobs.run.plan import DocPlan, Row
+from salabatch.jobs.run.prepare import JobSetup
+from salabatch.jobs.spec.models import JobSpec, spec_fingerprint
+from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
+
+POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every row of one run says about where it comes from (run, job, model), and the
+    error rows, which need no loaded model: a Ray driver writes them for a document whose
+    workers all died."""
+
+    run_id: str
+    job_name: str
+    model: str
+    model_sha: str
+    quant_bits: int | None  # bits per weight of a quantized checkpoint, else None
+
+    @classmethod
+    def of(cls, setup: JobSetup, config: ModelConfig, run_id: str | None = None) -> RunIdentity:
+        """The identity of a new run of `setup`'s job (`run_id`: a run already under way)."""
+        quant = config.quantization
+        return cls(
+            run_id=run_id or _run_id(setup.spec),
+            job_name=setup.spec.name,
+            model=setup.spec.model,
+            model_sha=setup.model_sha,
+            quant_bits=quant.bits if quant else None,
+        )
+
+    def columns(self, row: Row) -> dict[str, Any]:
+        """The identity columns of `row`'s result."""
+        return {
+            "run_id": self.run_id,
+            "job_name": self.job_name,
+            "doc_id": row.doc.doc_id,
+            "doc_path": row.doc.path,
+            "doc_sha256": row.doc.sha256,
+            "question_id": row.question_id,
+            "question": row.question,
+            "custom_id": row.custom_id,
+            "request_key": row.key,
+            "request_line": row.request_line,
+            "model": self.model,
+            "model_sha": self.model_sha,
+            "quant_bits": self.quant_bits,
+        }
+
+    def error_row(self, row: Row, reason: str, doc_tokens: int | None = None) -> ResultRow:
+        return ResultRow(
+            **self.columns(row),
+            status="error",
+            finish_reason="error",
+            error=reason,
+            doc_tokens=doc_tokens,
+            finished_at=_now(),
+        )
+
+
+class Answerer:
+    """Turns DocPlans into result rows with one loaded model: a document's questions decoded
+    together from its prefix (prefilled once, or found in memory or the store), short documents
+    and request lines pooled into batches with their whole prompts, error rows for whatever
+    fails. The local runner writes the rows as they come; a Ray worker collects a unit's."""
+
+    def __init__(
+        self,
+        setup: JobSetup,
+        model: Model,
+        identity: RunIdentity,
+        *,
+        progress: bool,
+        echo: Callable[[str], None],
+        debug: bool = False,
+    ) -> None:
+        spec = setup.spec
+        self.setup, self.spec, self.model, self.tok = setup, spec, model, setup.tok
+        self.identity, self.progress, self.echo, self.debug = identity, progress, echo, debug
+        self.caches = DocumentCaches(
+            model,
+            setup.store,
+            chunk=spec.engine.prefill_chunk,
+            snapshot_every=spec.cache.snapshot_every,
+        )
+        self.stop = frozenset(setup.tok.eos_ids)
+
+    def answer(self, plans: Iterable[DocPlan]) -> Iterator[list[ResultRow]]:
+        """The rows of `plans` as they finish: one finished row at a time, or the error rows of
+        a document together. Pooled rows wait for a full pool, or for the last plan."""
+        pool: list[tuple[Row, DocPlan]] = []
+        for plan in plans:
+            if plan.error:
+                yield [self._error_row(r, plan, plan.error) for r in plan.rows]
+            elif self.setup.is_pooled(plan):
+                pool += [(r, plan) for r in plan.rows]
+                if len(pool) >= POOL_FACTOR * self.spec.engine.batch_size:
+                    yield from self._pool(pool)
+                    pool = []
+            else:
+                yield from self._document(plan)
+        yield from self._pool(pool)
+
+    # -- a long document: prefix once, questions together ------------------------------------
+    def _document(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
+        started = _now()
+        mx.reset_peak_memory()
+        key = self.setup.prefix_key(plan)
+        rows = {r.key: r for r in plan.rows}
+        try:
+            with tqdm(
+                total=len(plan.doc_prompt),
+                unit="tok",
+                desc=f"prefill {plan.doc.doc_id}",
+                leave=False,
+                disable=not self.progress,
+                dynamic_ncols=True,
+            ) as bar:
+                prefix = self.caches.get(
+                    key, plan.doc_prompt, lambda done, _: bar.update(done - bar.n)
+                )
+            requests = [self._request(r, r.prompt) for r in plan.rows]
+            for g in self._generator().generate(requests, prefix.cache):
+                row = rows.pop(g.request.id)
+                yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
+        except OutputError:
+            raise  # the results cannot be written: nothing more can be saved
+        except Exception as e:  # one document's failure must not end an overnight run
+            reason = self._report(e, f"document {plan.doc.doc_id}")
+            yield [self._error_row(r, plan, reason) for r in rows.values()]
+
+    # -- short documents and requests: whole prompts, batched across documents ---------------
+    def _pool(self, pool: list[tuple[Row, DocPlan]]) -> Iterator[list[ResultRow]]:
+        if not pool:
+            return
+        started = _now()
+        by_key = {r.key: (r, plan) for r, plan in pool}
+        requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
+        try:
+            for g in self._generator().generate(requests):
+                row, plan = by_key.pop(g.request.id)
+                yield [self._row(row, plan, g, None, started)]
+        except OutputError:
+            raise
+        except Exception as e:
+            reason = self._report(e, "a pooled batch")
+            yield [self._error_row(r, plan, reason) for r, plan in by_key.values()]
+
+    def _generator(self) -> Generator:
+        return Generator(
+            self.model,
+            batch_size=self.spec.engine.batch_size,
+            prefill_chunk=self.spec.engine.prefill_chunk,
+            detokenizer=self._detokenizer,
+        )
+
+    def _report(self, e: Exception, where: str) -> str:
+        """Says in one line (with the traceback under --debug) that `where` failed; returns the
+        reason its error rows carry."""
+        reason = f"{type(e).__name__}: {error_text(e)}"
+        trace = f"\n{traceback.format_exc().rstrip()}" if self.debug else ""
+        self.echo(f"error in {where}: {reason}{trace}")
+        return reason
+
+    # -- rows ----------------------------------------------------------------------------------
+    def _request(self, row: Row, prompt: tuple[int, ...]) -> Request:
+        return Request(
+            row.key, tuple(prompt), row.params, row.max_tokens, self.stop, row.stop_strings
+        )
+
+    def _detokenizer(self) -> StreamingDetokenizer:
+        """The decoder the Generator follows a row's text with (rows with stop strings only)."""
+        return self.tok.detokenizer(skip_special=True)
+
+    def _row(
+        self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: datetime
+    ) -> ResultRow:
+        text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
+        reasoning, answer = split_thinking(text)
+        return ResultRow(
+            **self.identity.columns(row),
+            answer=answer,
+            reasoning=reasoning if row.think else None,
+            finish_reason=g.finish_reason,
+            **_prefill_columns(plan, g, prefix),
+            completion_tokens=g.completion_tokens,
+            ttft_s=g.ttft_s,
+            decode_s=g.decode_s,
+            decode_tok_s=g.decode_tok_s,
+            batch_size=g.batch_size,
+            peak_mem_gb=mx.get_peak_memory() / 2**30,
+            started_at=started,
+            finished_at=_now(),
+        )
+
+    def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
+        return self.identity.error_row(row, reason, plan.doc_tokens or None)
+
+
+def _row_prefix(prefix: Prefix, row: Row, plan: DocPlan) -> Prefix:
+    """The prefix as `row` saw it. Request lines sharing a prefix (automatic prefix caching)
+    are separate requests: the first line prefilled it, the others found it in memory. A
+    document's questions all show where the document came from."""
+    if row.request_line is None or prefix.source != "none" or row is plan.rows[0]:
+        return prefix
+    return Prefix(prefix.cache, "memory")
+
+
+def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dict[str, Any]:
+    """A finished row's prompt columns: doc_tokens, prompt_tokens, cached_tokens, cache_source,
+    doc_prefill_s and prefill_tok_s (of the document when this run prefilled it, else of the
+    row's own tokens)."""
+    if prefix is None:  # pooled: the row prefilled its whole prompt itself
+        return {
+            "doc_tokens": plan.doc_tokens if plan.doc_prompt is not None else None,
+            "prompt_tokens": g.prompt_tokens,
+            "cached_tokens": 0,
+            "cache_source": "none",
+            "doc_prefill_s": g.prefill_s,
+            "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+        }
+    columns = {
+        "doc_tokens": plan.doc_tokens,
+        "prompt_tokens": plan.doc_tokens + g.prompt_tokens,
+        "cache_source": prefix.source,
+    }
+    if prefix.source == "none":  # prefilled in this run (perhaps from a snapshot)
+        prefilled = plan.doc_tokens - prefix.resumed_from
+        return columns | {
+            "cached_tokens": prefix.resumed_from,
+            "doc_prefill_s": prefix.prefill_s,
+            "prefill_tok_s": prefilled / prefix.prefill_s if prefix.prefill_s else None,
+        }
+    return columns | {
+        "cached_tokens": plan.doc_tokens,
+        "doc_prefill_s": 0.0,
+        "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+    }
+
+
+def _run_id(spec: JobSpec) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{spec_fingerprint(spec)[:8]}"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)

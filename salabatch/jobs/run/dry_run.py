@@ -1,0 +1,98 @@
+"""`salabatch run --dry-run`: what a run would do, without loading the model weights.
+
+Prepares the job as a run does (`prepare.JobSetup`), reads and tokenizes the documents, and says
+per document how many tokens its prompt has, how many rows are still to do, and whether its
+prefix cache is already stored. The results file is read as a resumed run reads it, never
+written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from salabatch.engine.config import ModelConfig
+from salabatch.jobs.results.read import parts_dir_of, read_results
+from salabatch.jobs.run.openai_batch import plan_requests
+from salabatch.jobs.run.plan import Planner
+from salabatch.jobs.run.prepare import JobSetup
+from salabatch.jobs.spec.models import JobSpec
+from salabatch.models import model_note
+
+
+def dry_run(
+    spec: JobSpec,
+    *,
+    resume: bool = True,
+    retry_errors: bool = False,
+    echo: Callable[[str], None] = print,
+) -> None:
+    """Prints the plan of `run_job(spec, resume=resume, retry_errors=retry_errors)`."""
+    setup = JobSetup.of(spec)
+    ModelConfig.from_file(setup.model_path)  # the config is checked; no weights are read
+    earlier = _earlier_rows(spec.output.path)
+    # the keys a run skips, as its ResultWriter.done_keys() gives them
+    done = [key for key, ok in earlier.items() if ok or not retry_errors] if resume else []
+    planner = setup.planner(done)
+    note = model_note(spec.model)
+    note = f" ({note})" if note else ""
+    echo(f"job {spec.name}: model {spec.model}{note}, {setup.dtype}, output {spec.output.path}")
+    echo(f"{len(spec.questions)} question(s):")
+    for q in spec.questions:
+        echo(f"  {q.id}: {q.text}")
+    echo("documents:")
+    rows, prefill, cached = _show_documents(setup, planner, echo)
+    if spec.requests:
+        plans = list(plan_requests(spec, setup.tok, planner))
+        todo = sum(len(p.rows) for p in plans)
+        bad = sum(len(p.rows) for p in plans if p.error)
+        shared = [p for p in plans if p.doc_prompt is not None]
+        rows += todo
+        echo(
+            f"requests {spec.requests}: {todo} to do ({bad} invalid; "
+            f"{sum(len(p.rows) for p in shared)} in {len(shared)} group(s) sharing a prefix)"
+        )
+    echo(
+        f"plan: {rows} row(s) to do, {planner.skipped} already done; prefill {prefill} document "
+        f"tokens, {cached} from stored prefixes"
+    )
+    stale = len(earlier.keys() - planner.job_keys) if resume else 0
+    if stale:
+        echo(f"{stale} row(s) of earlier runs are no longer in the job; the run drops them")
+
+
+def _show_documents(
+    setup: JobSetup, planner: Planner, echo: Callable[[str], None]
+) -> tuple[int, int, int]:
+    """One line per document; returns (rows to do, tokens to prefill, tokens already stored)."""
+    rows = prefill = cached = 0
+    for plan in planner.documents():
+        rows += len(plan.rows)
+        if plan.error:
+            echo(f"  {plan.doc.doc_id}: error, {len(plan.rows)} error row(s): {plan.error}")
+            continue
+        pages = f", {plan.doc.n_pages} pages" if plan.doc.n_pages else ""
+        notes = "".join(f", {n}" for n in plan.notes)
+        if setup.is_pooled(plan):
+            state = "short: prefilled with each question, batched across documents"
+            prefill += plan.doc_tokens * len(plan.rows)
+        else:
+            hit = setup.store is not None and setup.store.has(setup.prefix_key(plan))
+            cached += plan.doc_tokens if hit else 0
+            prefill += 0 if hit else plan.doc_tokens
+            state = "prefix stored" if hit else "to prefill once"
+        echo(
+            f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, {len(plan.rows)} row(s), "
+            f"{state}{notes}"
+        )
+    return rows, prefill, cached
+
+
+def _earlier_rows(path: Path) -> dict[str, bool]:
+    """request_key -> whether it is an ok row, for the rows already in the results file; {} when
+    there is none yet. Like a run, raises OutputError for a file that is not salabatch's."""
+    if not path.exists() and not parts_dir_of(path).is_dir():
+        return {}
+    table = read_results(path)
+    keys, statuses = table.column("request_key").to_pylist(), table.column("status").to_pylist()
+    return {key: status == "ok" for key, status in zip(keys, statuses, strict=True)}

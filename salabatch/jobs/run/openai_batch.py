@@ -1,0 +1,333 @@
+"""OpenAI Batch input: a .jsonl of chat-completion requests becomes rows of the run.
+
+Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`.
+The body fields that decide the answer are honoured:
+
+    messages                  system, developer (rendered as system), user, assistant; text only
+    max_completion_tokens     or max_tokens (max_completion_tokens wins)
+    temperature, top_p, top_k (-1 or 0: off), min_p, seed
+    presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
+    stop                      a string or up to 4: the answer ends before the first one it holds
+    chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
+
+Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
+`service_tier`, ... (`ACCEPTED`), and `n`, `stream`, `logprobs`, `top_logprobs` at their no-op
+values (`NO_OP`). Anything else (tools, response_format, logit_bias, logprobs: true, guided
+decoding, an unknown field or chat_template_kwargs key) is refused, never ignored: the line
+becomes an error row naming the field. Unset sampling fields take the job's `generation:`
+values. A line that cannot be served becomes an error row named by its custom_id (or `line-N`),
+and the others go on.
+
+Automatic prefix caching: request lines whose prompts share a long prefix (the same document
+before different questions) are planned as one DocPlan whose document prompt is that prefix, so
+it is prefilled once, kept in the prefix store, and the lines decode from it as a batch. Lines
+share a prefix when their prompt ids agree on more than `engine.pool_max_tokens` tokens; done
+lines take part in the grouping, so a new line finds the prefix its group stored earlier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import JobSpecError, TokenizerError
+from salabatch.jobs.ingest.documents import Document
+from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
+from salabatch.jobs.spec.models import JobSpec
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SAMPLING = (
+    "max_completion_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs")
+# Fields about billing, logging or delivery: they cannot change the answer.
+ACCEPTED = (
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "stream_options",
+    "parallel_tool_calls",
+)
+NO_OP = {"n": 1, "stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
+
+
+def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[DocPlan]:
+    """The request lines not done yet (`planner` gives the model identity and the done keys,
+    and counts what it skips): error plans as they are read, then, once every line is read and
+    tokenized, one DocPlan per group of lines sharing a prefix and one per other line."""
+    path = Path(spec.requests)
+    try:
+        raw_lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise JobSpecError(f"cannot read requests file ({e.strerror})", path=path) from None
+    generation = spec.generation.model_dump(mode="json")  # the defaults of unset fields
+    lines: list[_Line] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        custom_id, body, problem = _parse(raw, number)
+        if custom_id in seen:
+            custom_id, problem = f"{custom_id}#line-{number}", f"duplicate custom_id {custom_id!r}"
+        seen.add(custom_id)
+        canonical = (
+            json.dumps(body, sort_keys=True, ensure_ascii=False)
+            if body
+            else raw.decode("utf-8", "replace")
+        )
+        sha = hashlib.sha256(canonical.encode()).hexdigest()
+        key = request_key(
+            **planner.identity, custom_id=custom_id, request=canonical, generation=generation
+        )
+        planner.job_keys.add(key)
+        planner.request_lines[key] = number
+        done = key in planner.done
+        if done:
+            planner.skipped += 1
+        doc = Document(custom_id, str(path), "", sha, meta={"line": number})
+        row = Row(
+            key,
+            doc,
+            "request",
+            "",
+            custom_id,
+            SamplingParams(),
+            spec.generation.max_tokens,
+            spec.generation.think,
+            request_line=number,
+        )
+        if problem is None:
+            try:
+                row, ids = _request_row(spec, tok, row, body)
+            except (ValueError, TypeError, KeyError, TokenizerError) as e:  # a chat template
+                problem = str(e).strip("'\"")  # may refuse the messages: that line fails
+            else:
+                lines.append(_Line(number, ids, None if done else row))
+                continue
+        if not done:
+            yield DocPlan(doc, [row], error=f"line {number}: {problem}")
+    min_shared = max(spec.engine.pool_max_tokens + 1, PREFIX_BLOCK)
+    for group in _groups(lines, min_shared):
+        yield from _plans(group, path)
+
+
+# ---- one line --------------------------------------------------------------------------------
+
+
+def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None]:
+    """(custom_id, body, problem) of one line; the problem names the field it is about."""
+    try:
+        line = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"line-{number}", None, f"not valid JSON ({e})"
+    if not isinstance(line, dict):
+        return f"line-{number}", None, "a request line must be a JSON object"
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return f"line-{number}", None, "custom_id is missing"
+    body = line.get("body")
+    url = line.get("url", "/v1/chat/completions")
+    if not isinstance(body, dict):
+        return custom_id, None, "body is missing"
+    if not str(url).endswith("/chat/completions"):
+        return custom_id, body, f"only /v1/chat/completions requests are served, not {url}"
+    refused = [
+        name
+        for name, value in body.items()
+        if value is not None
+        and name not in HONOURED + ACCEPTED
+        and (name not in NO_OP or value != NO_OP[name])
+    ]
+    if refused:
+        fields = f"field{'s' * (len(refused) > 1)}: {', '.join(refused)}"
+        return custom_id, body, f"unsupported {fields} (refused rather than ignored)"
+    return custom_id, body, None
+
+
+def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[Row, np.ndarray]:
+    """The row of a well-formed body, and its whole prompt's ids; ValueError names a bad field."""
+    messages = _messages(body.get("messages"))
+    params, max_tokens = _sampling(spec, body)
+    think = _think(body.get("chat_template_kwargs"), spec.generation.think)
+    row = replace(
+        row,
+        question=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
+        params=params,
+        max_tokens=max_tokens,
+        think=think,
+        stop_strings=_stop(body.get("stop")),
+    )
+    # big-endian: the bytes of two prompts compare as their ids do (see _groups)
+    ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")
+    return row, ids
+
+
+def _messages(raw) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise ValueError(f"unsupported field: messages[{i}].{extra[0]}")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be text")
+        out.append({"role": ROLES[m["role"]], "content": content})
+    return out
+
+
+def _sampling(spec: JobSpec, body: dict) -> tuple[SamplingParams, int]:
+    """The body's sampling fields, each checked; unset ones are the job's `generation:`."""
+    gen = spec.generation
+
+    def number(name: str, default, ok, expected: str, integer: bool = False):
+        value = body.get(name)
+        if value is None:
+            return default
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (numeric and math.isfinite(value) and ok(value)) or (
+            integer and value != int(value)
+        ):
+            raise ValueError(f"{name} must be {expected}, got {value!r}")
+        return int(value) if integer else float(value)
+
+    penalty = "a number in [-2, 2]"
+    top_k = number("top_k", gen.top_k, lambda v: v >= -1, "an integer ≥ -1 (-1: off)", True)
+    max_tokens = number("max_tokens", gen.max_tokens, lambda v: v >= 1, "an integer ≥ 1", True)
+    params = SamplingParams(
+        temperature=number("temperature", gen.temperature, lambda v: v >= 0, "a number ≥ 0"),
+        top_p=number("top_p", gen.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        top_k=max(top_k, 0),
+        repetition_penalty=number(
+            "repetition_penalty", gen.repetition_penalty, lambda v: v > 0, "a number > 0"
+        ),
+        seed=number("seed", gen.seed, lambda v: True, "an integer", True),
+        min_p=number("min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        presence_penalty=number("presence_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
+        frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
+    )
+    max_tokens = number(
+        "max_completion_tokens", max_tokens, lambda v: v >= 1, "an integer ≥ 1", True
+    )
+    return params, max_tokens
+
+
+def _stop(raw) -> tuple[str, ...]:
+    stops = [raw] if isinstance(raw, str) else [] if raw is None else raw
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP}")
+    return tuple(stops)
+
+
+def _think(kwargs, default: bool) -> bool:
+    if kwargs is None:
+        return default
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be an object")
+    unknown = sorted(k for k in kwargs if k != "enable_thinking")
+    if unknown:
+        raise ValueError(f"unsupported field: chat_template_kwargs.{unknown[0]}")
+    think = kwargs.get("enable_thinking", default)
+    if not isinstance(think, bool):
+        raise ValueError("chat_template_kwargs.enable_thinking must be true or false")
+    return think
+
+
+# ---- lines sharing a prefix ------------------------------------------------------------------
+
+
+@dataclass
+class _Line:
+    """A well-formed request line: its whole prompt, and its row (None when done already)."""
+
+    number: int
+    ids: np.ndarray  # [T] big-endian uint32
+    row: Row | None
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def _groups(lines: list[_Line], min_shared: int) -> Iterator[list[_Line]]:
+    """Lines in prompt order, cut into runs where each prompt shares at least `min_shared`
+    tokens with the one before it (a run of one: a prompt that shares with no other)."""
+    lines = sorted(lines, key=lambda x: x.ids.tobytes())  # sorted, shared prefixes are adjacent
+    group: list[_Line] = []
+    for line in lines:
+        if group and _common(group[-1].ids, line.ids) < min_shared:
+            yield group
+            group = []
+        group.append(line)
+    if group:
+        yield group
+
+
+def _shared(group: list[_Line]) -> int:
+    """Tokens of the prefix a group's lines share: the common prefix of the first and last
+    prompt (sorted, that is everyone's), leaving each line at least one token of its own, cut
+    to a multiple of PREFIX_BLOCK so that a line added later (its question starting otherwise)
+    most likely cuts at the same place and finds the stored prefix."""
+    shared = min(_common(group[0].ids, group[-1].ids), min(len(x.ids) for x in group) - 1)
+    return shared - shared % PREFIX_BLOCK
+
+
+def _plans(group: list[_Line], path: Path) -> Iterator[DocPlan]:
+    """One DocPlan for the lines to do of a group with a shared prefix, else one per line."""
+    todo = sorted((x for x in group if x.row is not None), key=lambda x: x.number)
+    shared = _shared(group) if len(group) > 1 else 0
+    if not shared:
+        for x in todo:
+            yield DocPlan(x.row.doc, [replace(x.row, prompt=tuple(x.ids.tolist()))])
+        return
+    if not todo:
+        return
+    prefix = group[0].ids[:shared]
+    first = sorted(x.number for x in group)[:4]
+    numbers = ", ".join(map(str, first[:3])) + (", …" if len(first) > 3 else "")
+    doc = Document(
+        f"prefix of {len(group)} requests (lines {numbers})",
+        str(path),
+        "",
+        hashlib.sha256(prefix.tobytes()).hexdigest(),
+    )
+    rows = [replace(x.row, prompt=tuple(x.ids[shared:].tolist())) for x in todo]
+    yield DocPlan(doc, rows, doc_prompt=prefix.tolist())

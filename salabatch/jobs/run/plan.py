@@ -1,0 +1,194 @@
+"""The plan of a run: which rows (document × question) to produce, their prompts and keys.
+
+Pure stage, no model weights: documents are read and tokenized, rows already done are dropped,
+documents over `max_context` follow `on_overflow`. A row's `key` is the sha256 of everything
+that decides its answer (model, tokenizer, dtype, document, question, system prompt, generation
+settings, context limits), so a rerun skips exactly the rows it already has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.jobs.ingest.documents import Document, iter_documents
+from salabatch.jobs.spec.models import (
+    GenerationSettings,
+    JobSpec,
+    effective_generation,
+    generation_key,
+)
+
+TRUNCATION_MARK = "\n\n[…]\n\n"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One answer to produce."""
+
+    key: str
+    doc: Document
+    question_id: str
+    question: str
+    custom_id: str
+    params: SamplingParams
+    max_tokens: int
+    think: bool
+    prompt: tuple[int, ...] = ()  # after the document prompt; the whole prompt without one
+    stop_strings: tuple[str, ...] = ()  # the answer ends before the first one it contains
+    request_line: int | None = None  # its line in the requests file; None for a document's row
+
+
+@dataclass
+class DocPlan:
+    """A document's rows still to do, and its document prompt (None: rows hold whole prompts)."""
+
+    doc: Document
+    rows: list[Row]
+    doc_prompt: list[int] | None = None
+    error: str | None = None  # every row fails with this (unreadable document, overflow)
+    notes: list[str] = field(default_factory=list)  # e.g. "truncated to 1000 of 1500 tokens"
+
+    @property
+    def doc_tokens(self) -> int:
+        return len(self.doc_prompt) if self.doc_prompt else 0
+
+
+def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
+    """Rows without a shared prefix (request lines that share none with another), and short
+    documents (`engine.pool_max_tokens`) with fewer questions than a batch, whose rows carry
+    their whole prompt so they decode in full batches across documents."""
+    short = plan.doc_tokens <= pool_max_tokens and len(plan.rows) < batch_size
+    return plan.doc_prompt is None or short
+
+
+def request_key(**parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def sampling(spec: JobSpec, generation: GenerationSettings) -> SamplingParams:
+    return SamplingParams(
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        repetition_penalty=generation.repetition_penalty,
+        seed=generation.seed,
+    )
+
+
+class Planner:
+    """Turns the job's documents into DocPlans for one model/tokenizer/dtype."""
+
+    def __init__(
+        self, spec: JobSpec, tok: Tokenizer, model_sha: str, dtype: str, done: Iterable[str] = ()
+    ) -> None:
+        self.spec, self.tok, self.done = spec, tok, frozenset(done)
+        self.identity = {"model": model_sha, "tokenizer": tok.fingerprint, "dtype": dtype}
+        self.skipped = 0  # rows found already done
+        self.job_keys: set[str] = set()  # every row's key planned so far, done ones too
+        self.request_lines: dict[str, int] = {}  # request line keys -> line, done ones too
+        self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
+
+    def documents(self) -> Iterator[DocPlan]:
+        for doc in iter_documents(self.spec.sources()):
+            yield from self.plan(doc)
+
+    def rows_of(self, doc: Document) -> list[Row]:
+        """The document's rows that are not done yet (prompts not filled in)."""
+        spec, rows = self.spec, []
+        for q in spec.questions:
+            gen = effective_generation(spec, q)
+            key = request_key(
+                **self.identity,
+                doc_id=doc.doc_id,
+                doc_sha256=doc.sha256,
+                question_id=q.id,
+                question=q.text,
+                system=spec.system,
+                generation=generation_key(spec, q),
+                max_context=spec.engine.max_context,
+                on_overflow=spec.engine.on_overflow,
+            )
+            self.job_keys.add(key)
+            if key in self.done:
+                self.skipped += 1
+            else:
+                rows.append(
+                    Row(
+                        key,
+                        doc,
+                        q.id,
+                        q.text,
+                        f"{doc.doc_id}/{q.id}",
+                        sampling(spec, gen),
+                        gen.max_tokens,
+                        gen.think,
+                    )
+                )
+        return rows
+
+    def plan(self, doc: Document) -> list[DocPlan]:
+        """One DocPlan per distinct document prompt (questions that differ in `think` may need
+        their own when a chat template depends on it); [] when every row is done."""
+        rows = self.rows_of(doc)
+        if not rows:
+            return []
+        if not doc.ok:
+            return [DocPlan(doc, rows, error=doc.error)]
+        plans: dict[tuple[int, ...], DocPlan] = {}
+        for think in sorted({r.think for r in rows}):
+            group = [r for r in rows if r.think == think]
+            plan = self._prompts(doc, group, think)
+            key = tuple(plan.doc_prompt or ()) if plan.error is None else ("error", think)
+            if key in plans:
+                plans[key].rows += plan.rows
+            else:
+                plans[key] = plan
+        return list(plans.values())
+
+    def _suffix(self, question: str, think: bool) -> tuple[int, ...]:
+        """A question's prompt suffix: it does not depend on the document, so it is encoded once."""
+        key = (question, think)
+        if key not in self._suffixes:
+            ids = self.tok.prompt_suffix(question, system=self.spec.system, think=think)
+            self._suffixes[key] = tuple(ids)
+        return self._suffixes[key]
+
+    def _prompts(self, doc: Document, rows: list[Row], think: bool) -> DocPlan:
+        tok, system = self.tok, self.spec.system
+        with_prompts = [replace(r, prompt=self._suffix(r.question, think)) for r in rows]
+        room = max(len(r.prompt) + r.max_tokens for r in with_prompts)
+        budget = self.spec.engine.max_context - room
+        text = doc.text
+        doc_prompt = tok.document_prompt(text, system=system, think=think)
+        plan = DocPlan(doc, with_prompts, doc_prompt)
+        if len(doc_prompt) <= budget:
+            return plan
+        mode = self.spec.engine.on_overflow
+        full = len(doc_prompt)
+        if mode == "error" or budget <= 0:
+            limit = self.spec.engine.max_context
+            plan.doc_prompt = None
+            plan.error = (
+                f"document has {full} tokens with its prompt; engine.max_context {limit} leaves "
+                f"{max(budget, 0)} after the question and answer ({room}); raise max_context or "
+                "set engine.on_overflow to truncate_middle or truncate_end"
+            )
+            return plan
+        for _ in range(12):  # shrink the text by the overshoot until the prompt fits
+            keep = int(len(text) * min(budget / len(doc_prompt), 0.999) * 0.99)
+            if mode == "truncate_end":
+                text = text[:keep]
+            else:
+                text = text[: keep // 2] + TRUNCATION_MARK + text[len(text) - keep // 2 :]
+            doc_prompt = tok.document_prompt(text, system=system, think=think)
+            if len(doc_prompt) <= budget:
+                plan.doc_prompt = doc_prompt
+                plan.notes.append(f"{mode}: document cut from {full} to {len(doc_prompt)} tokens")
+                return plan
+        plan.doc_prompt, plan.error = None, f"could not truncate the document to {budget} tokens"
+        return plan

@@ -1,0 +1,168 @@
+"""`salabatch run`: documents → each prefilled once (or found cached) → its questions decoded as
+one batch → result rows, made durable as they finish.
+
+A long document's questions share its prefix cache; short documents with few questions are
+pooled, each row carrying its whole prompt, so that they still decode in full batches. A row
+that cannot be answered (unreadable document, overflow, a failure while generating) becomes an
+error row and the run goes on; Ctrl-C stops after the rows already finished are written.
+
+Rows already in the results are skipped; once the whole job is planned, rows of earlier runs
+that are no longer in it are dropped when the results are merged. What happens before the model
+loads (`prepare`: results writer, tokenizer, weights digest, dtype, prefix store) is shared with
+`--dry-run` and the Ray executor; what turns plans into rows (`answerer.Answerer`) with the Ray
+executor's workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from salabatch.engine.load import load_model
+from salabatch.engine.model import Model
+from salabatch.engine.runtime import engine_runtime
+from salabatch.jobs.ingest.documents import expand_sources
+from salabatch.jobs.results.export import export_openai_jsonl
+from salabatch.jobs.results.schema import ResultRow
+from salabatch.jobs.results.writer import ResultWriter
+from salabatch.jobs.run.answerer import Answerer, RunIdentity
+from salabatch.jobs.run.plan import DocPlan, Planner
+from salabatch.jobs.run.prepare import JobSetup, prepared
+from salabatch.jobs.spec.models import JobSpec
+
+
+@dataclass
+class RunSummary:
+    output: str
+    written: int = 0
+    errors: int = 0
+    skipped: int = 0  # rows already in the results file
+    failed: int = 0  # error rows of the job in the results, this run's and earlier ones'
+    documents: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def run_job(
+    spec: JobSpec,
+    *,
+    resume: bool = True,
+    retry_errors: bool = False,
+    limit: int | None = None,
+    progress: bool = True,
+    echo: Callable[[str], None] = print,
+    debug: bool = False,
+    jsonl: Path | None = None,
+) -> RunSummary:
+    """Runs the job; returns what was done. KeyboardInterrupt stops it after finished rows.
+    A document that fails becomes error rows, reported by `echo` in one line (with its
+    traceback when `debug`); a failure of the results file (OutputError) ends the run.
+    `jsonl`: when the run was not interrupted, every row of the results is also written there
+    as OpenAI Batch output lines, request lines in the requests file's order (atomically)."""
+    start = time.perf_counter()
+    summary = RunSummary(str(spec.output.path))
+    try:
+        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
+            writer,
+            setup,
+        ):
+            model = load_model(setup.model_path, dtype=setup.dtype)
+            with engine_runtime():
+                runner = _Runner(setup, model, writer, summary, progress, echo, debug)
+                runner.run(limit)
+        if jsonl is not None:  # from the merged results, earlier runs' rows included
+            export_openai_jsonl(spec.output.path, jsonl, lines=runner.request_lines)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+class _Runner:
+    """The local executor: plans the job in order (`--limit` cuts it), answers it with one
+    model and writes each finished row."""
+
+    def __init__(
+        self,
+        setup: JobSetup,
+        model: Model,
+        writer: ResultWriter,
+        summary: RunSummary,
+        progress: bool,
+        echo: Callable[[str], None],
+        debug: bool = False,
+    ) -> None:
+        self.setup, self.writer, self.summary = setup, writer, summary
+        identity = RunIdentity.of(setup, model.config)
+        self.answerer = Answerer(setup, model, identity, progress=progress, echo=echo, debug=debug)
+        self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
+        self.planned_all = False  # every plan of the job was drawn (no --limit cut)
+        self.bar = tqdm(
+            total=count_rows(setup.spec),
+            unit="row",
+            desc=setup.spec.name,
+            disable=not progress,
+            dynamic_ncols=True,
+        )
+
+    def run(self, limit: int | None) -> None:
+        planner = self.setup.planner(self.writer.done_keys())
+        try:
+            for rows in self.answerer.answer(self._plans(planner, limit)):
+                self._write(rows)
+            if self.planned_all:
+                # Rows of earlier runs outside the job go when the writer closes (a document or
+                # question removed from the job, a changed document).
+                self.writer.retain(planner.job_keys)
+            self._count_skipped(planner)
+            self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
+            self.request_lines = planner.request_lines
+        finally:
+            self.bar.close()
+
+    def _plans(self, planner: Planner, limit: int | None) -> Iterator[DocPlan]:
+        """The job's plans in order, at most `limit` rows in all."""
+        budget = limit if limit is not None else -1
+        for plan in self.setup.plans(planner):
+            self._count_skipped(planner)
+            if budget == 0:
+                return  # --limit: the rest of the job stays unplanned, so no row is dropped
+            if budget > 0:
+                plan.rows = plan.rows[:budget]
+                budget -= len(plan.rows)
+            self.summary.documents += 1
+            yield plan
+        self.planned_all = True
+
+    def _count_skipped(self, planner: Planner) -> None:
+        self.bar.update(planner.skipped - self.summary.skipped)
+        self.summary.skipped = planner.skipped
+
+    def _write(self, rows: list[ResultRow]) -> None:
+        if not rows:
+            return
+        self.writer.write(rows)
+        self.summary.written += len(rows)
+        self.summary.errors += sum(r.status == "error" for r in rows)
+        self.bar.update(len(rows))
+
+
+def count_rows(spec: JobSpec) -> int:
+    """Rows the job asks for (documents × questions + request lines), without reading files
+    beyond counting jsonl lines."""
+    total = 0
+    for f in expand_sources(spec.sources()):
+        if f.path.suffix.lower() == ".jsonl":
+            with open(f.path, "rb") as handle:
+                total += sum(1 for line in handle if line.strip()) * len(spec.questions)
+        else:
+            total += len(spec.questions)
+    if spec.requests:
+        with open(spec.requests, "rb") as handle:
+            total += sum(1 for line in handle if line.strip())
+    return total

@@ -1,0 +1,169 @@
+"""The job file as text: YAML read with its line numbers, keys given twice, `--set` overrides.
+
+`load.load_job` reads a job with these: `parse_yaml` keeps the node tree so each validation
+message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, so
+`duplicate_keys` reports them; `apply_override` edits the parsed data before validation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from salabatch.errors import JobSpecError
+from salabatch.jobs.spec.errors import Loc, render_loc, show_value
+
+
+def read_job_file(path: str | Path) -> str:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobSpecError("job file not found", path=path) from None
+    except IsADirectoryError:
+        raise JobSpecError("is a folder, not a job file", path=path) from None
+    except UnicodeDecodeError as e:
+        reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise JobSpecError(reason, path=path) from None
+    except OSError as e:
+        raise JobSpecError(f"cannot read job file: {e.strerror or e}", path=path) from None
+
+
+def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node]:
+    """(data, node tree) of a job file: the tree keeps line numbers for the error messages."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and start and (not mark or start.line != mark.line):
+            problem += f" ({context} at line {start.line + 1})"
+        raise JobSpecError(f"invalid YAML{where}: {problem}", path=path) from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
+    if not isinstance(data, dict):
+        got = "a list" if isinstance(data, list) else show_value(data)
+        raise JobSpecError(
+            f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
+        )
+    return data, root
+
+
+def line_of(root: yaml.Node, loc: Loc) -> int | None:
+    """1-based line of `loc` in the YAML tree, or of its deepest part present (a missing field
+    points at the mapping that lacks it); None for the top level."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next((kv for kv in node.value if kv[0].value == part), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def duplicate_keys(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
+    """Keys given twice in one mapping: safe_load silently keeps the last one."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return []
+    seen.add(id(node))
+    errors: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = key.value, key.start_mark.line + 1
+            if isinstance(key, yaml.ScalarNode) and name != "<<":
+                if name in first:
+                    where = render_loc((*loc, name))
+                    errors.append(
+                        f"{where}: duplicate key (line {line}; first at line {first[name]})"
+                    )
+                else:
+                    first[name] = line
+            errors += duplicate_keys(value, (*loc, str(name)), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            errors += duplicate_keys(item, (*loc, index), seen)
+    return errors
+
+
+def apply_override(data: dict[str, Any], override: str) -> tuple[str, ...]:
+    """Apply one `--set key.sub=value` to the job data in place; return the key's parts.
+
+    Keys are dotted; list items are numbered from 0, as `questions.0.text` or `questions[0].text`.
+    Missing mappings on the way are created. The value is read as YAML when it is a number,
+    true/false, null, a quoted string, a [list] or a {mapping}; anything else is the text as
+    given (so `system=Answer briefly: no lists #1` stays whole). `key=` sets null.
+    Raises JobSpecError naming the override when it cannot be applied.
+    """
+
+    def fail(reason: str) -> JobSpecError:
+        return JobSpecError(f"--set {override!r}: {reason}")
+
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep:
+        raise fail("expected key=value, e.g. engine.batch_size=4")
+    parts = tuple(re.sub(r"\[(\d+)\]", r".\1", key).split("."))
+    if not key or any(not p or "[" in p or "]" in p for p in parts):
+        raise fail("expected a dotted key such as generation.max_tokens or questions[0].text")
+    value = _override_value(raw, fail)
+
+    # Containers on the way are copied: YAML aliases share them with other places.
+    node: Any = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = render_loc(tuple(int(p) if p.isdigit() else p for p in parts[:depth]))
+        if isinstance(node, dict):
+            slot: Any = part
+        elif isinstance(node, list):
+            if not part.isdigit():
+                raise fail(f"{where} is a list: give an item number, e.g. {where}[0]")
+            slot = int(part)
+            if slot >= len(node):
+                raise fail(f"{where} has {len(node)} items (numbered from 0)")
+        else:
+            raise fail(f"{where} is {show_value(node)}, not a mapping or a list")
+        if last:
+            node[slot] = value
+            break
+        child = node.get(slot) if isinstance(node, dict) else node[slot]
+        if child is None:
+            child = {}
+        elif isinstance(child, (dict, list)):
+            child = type(child)(child)
+        node[slot] = child
+        node = child
+    return parts
+
+
+def _override_value(raw: str, fail: Callable[[str], JobSpecError]) -> Any:
+    structured = raw.lstrip()[:1] in ("[", "{")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        if structured:
+            raise fail(f"invalid YAML value: {getattr(e, 'problem', None) or e}") from None
+        return raw
+    if structured or raw.lstrip()[:1] in ("'", '"'):
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return raw  # plain text: YAML would cut `#...` comments or read `a: b` as a mapping

@@ -1,0 +1,376 @@
+"""The job file's pydantic models: what a valid job is, and what identifies it and its answers.
+
+`JobSpec.model_validate(data, context={"base_dir": folder})` validates parsed job data: paths
+resolve against the job file's folder (`~` expanded), and every mistake is reported at once,
+each at its location, fields and checks across fields alike (`load.load_job` adds the YAML
+lines). The models never touch the disk, so a spec loads on any machine; `load.check_paths`
+reports what the job names but the disk lacks.
+
+Numbers and booleans are strict: YAML already types them, so `batch_size: "4"` or `think: 1` is
+a mistake worth reporting, not something to coerce.
+
+A job is identified by its canonical JSON (`spec_json`, the results file's metadata) and a
+question's answers by its effective generation settings (`generation_key`, part of every row's
+key).
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from salabatch.errors import ConfigError
+from salabatch.files import cache_dir
+from salabatch.jobs.ingest.documents import DocumentSource
+from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
+from salabatch.models import builtin_name, hub_repo, is_builtin
+
+# Job names and question ids name files and Parquet columns: keep them portable.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+_SAFE_TEXT = "1 to 100 letters, digits, _ . - (not starting with . or -)"
+
+
+def slug(text: str) -> str:
+    """`text` with every run of characters a name cannot hold turned into `-`, ends trimmed."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.")
+
+
+def _resolve(value: object, info: ValidationInfo) -> str:
+    """A path from the job file: `~` expanded, relative to the job file's folder (the validation
+    context's `base_dir`, else the current directory). Glob characters are kept as they are."""
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str):
+        raise job_error(f"expected a path, got {show_value(value)}")
+    if not value.strip():
+        raise job_error("must not be empty")
+    base = (info.context or {}).get("base_dir") or os.getcwd()
+    # A string, not a Path: JSON-mode validation (`model_validate_json`) takes only strings.
+    return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- the models, from the leaves up ------------------------------------------------------------
+
+
+class DocumentEntry(_Strict):
+    """One `documents:` entry: a file, a folder (with an optional `glob`) or a glob pattern.
+
+    Existence is not checked here (see `check_paths`): a spec loads on any machine.
+    """
+
+    path: Path
+    glob: str | None = None  # for a folder: a pattern relative to it, e.g. "**/*.pdf"
+    text_field: str = Field("text", min_length=1)  # .jsonl records: where the text is
+    id_field: str = Field("id", min_length=1)  # .jsonl records: where the id is
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _resolve_path(cls, value: object, info: ValidationInfo) -> str:
+        return _resolve(value, info)
+
+    @field_validator("glob")
+    @classmethod
+    def _check_glob(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise job_error("must not be empty (leave glob out to read every supported file)")
+        if value.startswith(("/", "~")):
+            raise job_error(f"must be relative to the folder in path, got {show_value(value)}")
+        path = info.data.get("path")
+        if path is not None and globlib.has_magic(str(path)):
+            raise job_error("path is already a glob pattern: put the whole pattern in path")
+        return value
+
+    def to_source(self) -> DocumentSource:
+        """The entry as `salabatch.jobs.ingest.documents` reads it."""
+        return DocumentSource(self.path, self.glob, self.text_field, self.id_field)
+
+
+class Question(_Strict):
+    """A question asked of every document. `id` names its answers (`q<position>` when left out);
+    `max_tokens` and `think` override the job's `generation:` for this question only."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    id: str
+    text: str
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    think: StrictBool | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        if not _SAFE_NAME.fullmatch(value):
+            raise job_error(
+                f"must be {_SAFE_TEXT}; it names columns and files, got {show_value(value)}"
+            )
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, value: str) -> str:
+        # A YAML block scalar (`text: |`) ends with a newline the user did not mean to send.
+        if not value.strip():
+            raise job_error("must not be empty")
+        return value.strip()
+
+
+class GenerationSettings(_Strict):
+    """Sampling settings of every question (greedy by default): the job's `generation:`."""
+
+    max_tokens: StrictInt = Field(512, ge=1)
+    temperature: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False)  # 0: greedy
+    top_p: StrictFloat = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=0)  # 0: off
+    repetition_penalty: StrictFloat = Field(1.0, gt=0, allow_inf_nan=False)  # 1: off
+    seed: StrictInt = Field(0, ge=0)
+    think: StrictBool = False  # MiniCPM's thinking mode in the chat template
+
+
+class Engine(_Strict):
+    """How the model runs; none of this changes an answer except `dtype` and `on_overflow`."""
+
+    prefill_chunk: StrictInt = Field(2048, ge=16)  # tokens per prefill step
+    batch_size: StrictInt = Field(8, ge=1)  # questions of a document decoded together
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_context: StrictInt = Field(1_048_576, ge=1)  # document + question tokens
+    # A document over max_context: fail its rows (the message gives its token count), or keep
+    # its start and end, or its start.
+    on_overflow: Literal["error", "truncate_middle", "truncate_end"] = "error"
+    # A document of at most this many tokens, with fewer questions than batch_size, is pooled:
+    # its rows prefill their whole prompts and decode in full batches across documents, since a
+    # short document prompt is cheap to prefill again and its own batch would be mostly empty.
+    # 0: never.
+    pool_max_tokens: StrictInt = Field(2048, ge=0)
+
+
+class CacheSettings(_Strict):
+    """The on-disk store of prefilled documents (prefix caches)."""
+
+    dir: Path = Field(default_factory=cache_dir, validate_default=True)  # as `salabatch cache`
+    max_gb: StrictFloat = Field(50.0, gt=0, allow_inf_nan=False)
+    enabled: StrictBool = True
+    # Tokens between resumable snapshots of a long prefill (0: off). At ~200 tok/s, a Mac's
+    # 9B prefill speed, a kill loses at most ~3 minutes of prefill.
+    snapshot_every: StrictInt = Field(32768, ge=0)
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _resolve_dir(cls, value: object, info: ValidationInfo) -> str:
+        return _resolve(value, info)
+
+
+class OutputSettings(_Strict):
+    """Where the results go; `path` defaults to `results/<name>.parquet` beside the job file."""
+
+    path: Path
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _resolve_path(cls, value: object, info: ValidationInfo) -> str:
+        return _resolve(value, info)
+
+
+class JobSpec(_Strict):
+    """A whole job file. Build it with `load_job`, or with
+    `JobSpec.model_validate(data, context={"base_dir": folder})` to resolve relative paths."""
+
+    name: str
+    model: str  # a checkpoint folder (resolved), or "builtin:NAME" or a Hub repo id (kept as is)
+    documents: list[DocumentEntry] = Field(default_factory=list)
+    questions: list[Question] = Field(default_factory=list)
+    requests: Path | None = None  # an OpenAI batch .jsonl of chat requests
+    system: str | None = None  # system prompt of the document questions
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    engine: Engine = Field(default_factory=Engine)
+    cache: CacheSettings
+    output: OutputSettings
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_job(cls, data: Any, handler: ModelWrapValidatorHandler[JobSpec]) -> JobSpec:
+        # The checks across fields read the data as given, so they run once whether or not the
+        # fields are valid, and their problems are reported beside the field errors.
+        data = _with_defaults(data)
+        problems = _job_problems(data)
+        try:
+            spec = handler(data)
+        except ValidationError as e:
+            if not problems:
+                raise
+            errors = [raised_again(err) for err in e.errors()]
+        else:
+            if not problems:
+                return spec
+            errors = []
+        errors += [
+            {"type": job_error(message), "loc": loc, "input": data} for loc, message in problems
+        ]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _number_name(cls, value: object) -> object:
+        # `name: 2024` is a fine name; YAML reads it as a number.
+        return _number_as_text(value)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _SAFE_NAME.fullmatch(value):
+            suggestion = slug(value)[:100]
+            hint = f"; try {suggestion!r}" if suggestion else ""
+            raise job_error(f"must be {_SAFE_TEXT}, got {show_value(value)}{hint}")
+        return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _resolve_model(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, (str, Path)):
+            return value  # pydantic says "expected a string"
+        if isinstance(value, str) and is_builtin(value):
+            try:
+                builtin_name(value)  # refuses an unknown NAME
+            except ConfigError as e:
+                raise job_error(e.message) from None
+            return value
+        path = _resolve(value, info)
+        if isinstance(value, str) and hub_repo(value) and not os.path.exists(path):
+            return value  # `org/name`, no such folder: a Hugging Face repo id (salabatch.models)
+        return path
+
+    @field_validator("requests", mode="before")
+    @classmethod
+    def _resolve_requests(cls, value: object, info: ValidationInfo) -> str | None:
+        return None if value is None else _resolve(value, info)
+
+    @field_validator("system")
+    @classmethod
+    def _check_system(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise job_error("must not be empty (leave system out for no system prompt)")
+        return value
+
+    @property
+    def model_is_builtin(self) -> bool:
+        return is_builtin(self.model)
+
+    def sources(self) -> list[DocumentSource]:
+        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`."""
+        return [entry.to_source() for entry in self.documents]
+
+
+def _with_defaults(data: Any) -> Any:
+    """Defaults that depend on the job file: question ids, sections whose paths resolve against
+    the job's folder, the output path named after the job."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    questions = data.get("questions")
+    if isinstance(questions, list):
+        data["questions"] = [
+            {**q, "id": f"q{n}"} if isinstance(q, dict) and q.get("id") is None else q
+            for n, q in enumerate(questions, 1)
+        ]
+    if "cache" not in data:
+        data["cache"] = {}
+    output = data.get("output", {})
+    if isinstance(output, dict) and "path" not in output:
+        name = _number_as_text(data.get("name"))
+        # A bad or missing name is reported on its own; the placeholder is never used.
+        stem = name if isinstance(name, str) and _SAFE_NAME.fullmatch(name) else "job"
+        data["output"] = {**output, "path": f"results/{stem}.parquet"}
+    return data
+
+
+def _number_as_text(value: object) -> object:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _job_problems(data: Any) -> list[tuple[Loc, str]]:
+    """Mistakes across the fields of unvalidated job data (defaults filled in): nothing to do,
+    documents without questions (or the reverse), a question id used twice."""
+    if not isinstance(data, dict):
+        return []  # pydantic says "expected a mapping"
+    has_documents, has_requests = bool(data.get("documents")), data.get("requests") is not None
+    questions = data.get("questions")
+    questions = questions if isinstance(questions, list) else []
+    problems: list[tuple[Loc, str]] = []
+    if not (has_documents or questions or has_requests):
+        problems.append(
+            (("documents",), "nothing to do: give documents and questions, or requests")
+        )
+    elif has_documents and not questions:
+        problems.append((("questions",), "field required: documents need questions to ask"))
+    elif questions and not has_documents:
+        problems.append((("documents",), "field required: questions need documents to ask"))
+
+    first: dict[str, int] = {}
+    for index, question in enumerate(questions):
+        qid = question.get("id") if isinstance(question, dict) else None
+        # An id that is not text or a number is reported by its own field.
+        if isinstance(qid, bool) or not isinstance(qid, (str, int, float)) or qid == "":
+            continue
+        qid = str(qid)  # as `Question` reads it: `id: 7` is "7"
+        if qid not in first:
+            first[qid] = index
+            continue
+        auto = "; a question without an id is q<position>" if re.fullmatch(r"q\d+", qid) else ""
+        message = f"duplicate id {qid!r} (also questions[{first[qid]}].id){auto}"
+        problems.append((("questions", index, "id"), message))
+    return problems
+
+
+# ---- what identifies a job and a question's answers -------------------------------------------
+
+
+def spec_json(spec: JobSpec) -> str:
+    """The spec as canonical JSON (sorted keys, resolved paths): for file metadata."""
+    return json.dumps(
+        spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+
+
+def spec_fingerprint(spec: JobSpec) -> str:
+    """sha256 (hex) of `spec_json(spec)`. Any change, paths and engine settings included,
+    changes it; row-level resume keys should use `generation_key` instead."""
+    return hashlib.sha256(spec_json(spec).encode("utf-8")).hexdigest()
+
+
+def effective_generation(spec: JobSpec, question: Question) -> GenerationSettings:
+    """The job's `generation:` with the question's own overrides applied."""
+    update = {
+        key: value
+        for key, value in (("max_tokens", question.max_tokens), ("think", question.think))
+        if value is not None
+    }
+    return spec.generation.model_copy(update=update)
+
+
+def generation_key(spec: JobSpec, question: Question) -> dict[str, Any]:
+    """The effective generation settings of one question, as plain JSON values."""
+    return effective_generation(spec, question).model_dump(mode="json")

@@ -1,0 +1,87 @@
+"""`salabatch generate` and `salabatch convert` take mlx-lm's spellings of their arguments; a
+converted checkpoint validates."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner, Result
+
+from salabatch.cli import main
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.quantize import BITS, GROUP_SIZES
+from tests.cli.test_jobs import validate
+
+
+def convert(*args: str) -> Result:
+    return CliRunner().invoke(main, ["convert", *args])
+
+
+def test_validate_a_quantized_checkpoint(tmp_path, tiny):
+    result = convert("builtin:random", str(tmp_path / "q"), "--q-bits", "6", "--q-group-size", "32")
+    assert result.exit_code == 0, result.output
+    result = validate(str(tmp_path / "q"))
+    assert result.exit_code == 0 and "6-bit, group size 32" in result.stdout
+
+
+def test_convert_takes_mlx_lm_spellings(tmp_path, tiny):
+    ours = convert(str(tiny), str(tmp_path / "a"), "--bits", "4")
+    theirs = convert("--hf-path", str(tiny), "--mlx-path", str(tmp_path / "b"), "-q")
+    assert ours.exit_code == theirs.exit_code == 0, theirs.output
+    a, b = (ModelConfig.from_file(tmp_path / x).quantization for x in "ab")
+    assert (a.bits, a.group_size) == (b.bits, b.group_size) == (4, 64)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
+
+    missing = convert(str(tiny), str(tmp_path / "c"))
+    assert missing.exit_code == 2 and "-q for 4 bits" in missing.output
+    odd = convert(str(tiny), str(tmp_path / "c"), "--q-bits", "7")
+    assert odd.exit_code == 2 and "'7' is not one of" in odd.output
+    # The CLI lists what quantize.py supports (it cannot import it: MLX).
+    options = {p.name: p for p in main.commands["convert"].params}
+    assert list(options["bits"].type.choices) == [str(b) for b in BITS]
+    assert list(options["head_bits"].type.choices) == [str(b) for b in BITS]
+    assert list(options["group_size"].type.choices) == [str(g) for g in GROUP_SIZES]
+
+
+def test_convert_head_bits(tmp_path, tiny):
+    result = convert(str(tiny), str(tmp_path / "q"), "-q", "--head-bits", "8")
+    assert result.exit_code == 0, result.output
+    quant = ModelConfig.from_file(tmp_path / "q").quantization
+    assert (quant.bits, quant.overrides) == (4, {"lm_head": {"group_size": 64, "bits": 8}})
+    result = validate(str(tmp_path / "q"))
+    assert result.exit_code == 0 and "4-bit, group size 64, 1 module(s) set apart" in result.stdout
+
+
+def test_generate_takes_mlx_lm_spellings(tiny):
+    def generate(*args: str, stdin: str | None = None) -> Result:
+        result = CliRunner().invoke(main, ["generate", *args], input=stdin)
+        assert result.exit_code == 0, result.output
+        return result
+
+    ours = generate("builtin:random", "Say hi.", "--max-tokens", "4", "--system", "Brief.")
+    for args in (
+        (
+            "--model",
+            "builtin:random",
+            "--prompt",
+            "Say hi.",
+            "-m",
+            "4",
+            "--system-prompt",
+            "Brief.",
+        ),
+        ("--model", "builtin:random", "Say hi.", "-m", "4", "--system", "Brief."),
+        ("builtin:random", "-p", "Say hi.", "-m", "4", "--system", "Brief.", "--temp", "0"),
+    ):
+        assert generate(*args).stdout == ours.stdout, args
+    piped = generate("builtin:random", "-", "-m", "4", "--system", "Brief.", stdin="Say hi.")
+    assert piped.stdout == ours.stdout
+    sampled = generate("builtin:random", "Say hi.", "-m", "4", "--temp", "0.9", "--min-p", "0.1")
+    assert sampled.stdout.strip()
+
+    for args, message in (
+        (("builtin:random",), "give MODEL and PROMPT"),
+        (("--model", "builtin:random", "a", "b"), "unexpected argument 'b'"),
+    ):
+        result = CliRunner().invoke(main, ["generate", *args])
+        assert result.exit_code == 2 and message in result.output

@@ -1,0 +1,248 @@
+"""Stage 1: files, folders, globs, text and jsonl in; Documents (text or a reason) out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from salabatch.errors import JobSpecError
+from salabatch.jobs.ingest.documents import Document, DocumentSource, expand_sources, iter_documents
+
+
+def read(*sources: DocumentSource | Path | str) -> list[Document]:
+    return list(
+        iter_documents([s if isinstance(s, DocumentSource) else DocumentSource(s) for s in sources])
+    )
+
+
+def read_one(path: Path | str) -> Document:
+    (doc,) = read(path)
+    return doc
+
+
+def make_pdf(pages: list[str]) -> bytes:
+    """A minimal valid PDF, one line of Helvetica text per page, xref offsets computed."""
+    objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>",
+        "",
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    kids = []
+    for text in pages:
+        stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET"
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream")
+        objects.append(
+            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+            f"/Resources << /Font << /F1 3 0 R >> >> /Contents {len(objects)} 0 R >>"
+        )
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(pages)} >>"
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{offset:010d} 00000 n \n" for offset in offsets).encode()
+    out += (
+        f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    )
+    return bytes(out)
+
+
+TWO_PAGES = ["The first page says hello to the reader.", "The second page says goodbye again."]
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+# ---- text files ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "reason"),
+    [
+        ("empty.txt", b"", "empty file (0 bytes)"),
+        ("blank.md", b"  \n\t\r\n  \n", "empty document (only whitespace)"),
+        ("nuls.txt", b"\x00\x00\n", "empty document (only whitespace)"),
+        (
+            "latin1.txt",
+            "café au lait".encode("latin-1"),
+            "not valid UTF-8 text: byte 0xe9 at offset 3",
+        ),
+        ("bad16.txt", b"\xff\xfe\x00\xd8", "not valid utf-16-le text: byte 0x00 at offset 2"),
+    ],
+)
+def test_bad_text_files_are_error_documents(tmp_path, name, data, reason):
+    doc = read_one(write(tmp_path / name, data))
+    assert (doc.doc_id, doc.text, doc.error) == (name, "", reason)
+    assert doc.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_text_is_normalized(tmp_path):
+    doc = read_one(write(tmp_path / "a.md", b"\xef\xbb\xbf# Title\r\nline\x00 two\rthree\n"))
+    assert doc.ok and doc.n_pages is None and doc.meta == {}
+    assert doc.text == "# Title\nline two\nthree\n"
+
+
+def test_utf16_with_bom_is_decoded(tmp_path):
+    doc = read_one(write(tmp_path / "w.txt", "\ufeffNotes: Grüße\r\n".encode("utf-16-le")))
+    assert doc.text == "Notes: Grüße\n"
+    assert doc.meta == {"encoding": "utf-16-le"}
+
+
+def test_unsupported_file_named_directly_is_an_error_document(tmp_path):
+    doc = read_one(write(tmp_path / "memo.docx", b"PK\x03\x04"))
+    assert doc.error == "unsupported file type .docx; supported: .txt .md .pdf .jsonl"
+    assert doc.doc_id == "memo.docx"
+
+
+# ---- folders, globs, ids ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "docs"
+    write(root / "b.txt", "bee")
+    write(root / "a.md", "# A")
+    write(root / "sub" / "c.txt", "sea")
+    write(root / "sub" / "deep" / "d.PDF", make_pdf(TWO_PAGES))
+    write(root / "sub" / "e.jsonl", '{"id": "e1", "text": "first"}\n')
+    write(root / "junk.docx", b"PK")  # unsupported: skipped in a walk
+    write(root / "noext", "no extension")
+    write(root / ".hidden" / "secret.txt", "hidden folder")
+    write(root / "._a.md", b"\x00\x05\x16\x07")  # macOS AppleDouble junk
+    (root / "empty-dir").mkdir()
+    return root
+
+
+def ids(docs: list[Document]) -> list[str]:
+    return [doc.doc_id for doc in docs]
+
+
+def test_folder_walks_supported_files_sorted_skipping_junk(tree):
+    docs = read(tree)
+    assert ids(docs) == ["a.md", "b.txt", "sub/c.txt", "sub/deep/d.PDF", "e1"]
+    assert all(doc.ok for doc in docs)
+    assert docs[2].path == str(tree / "sub" / "c.txt")
+
+
+def test_folder_with_glob(tree):
+    assert ids(read(DocumentSource(tree, glob="**/*.txt"))) == ["b.txt", "sub/c.txt"]
+    assert ids(read(DocumentSource(tree, glob="*.txt"))) == ["b.txt"]
+
+
+def test_glob_path_ids_are_relative_to_its_fixed_folders(tree):
+    assert ids(read(tree / "sub" / "**" / "*.*")) == ["c.txt", "deep/d.PDF", "e1"]
+
+
+def test_ids_and_sha256_are_stable_across_calls(tree):
+    first, second = read(tree), read(tree)
+    assert first == second
+    assert first[1].sha256 == hashlib.sha256(b"bee").hexdigest()
+
+
+def test_ids_are_sanitized_readable_and_nfc(tmp_path):
+    write(tmp_path / "My Report (final).txt", "x")
+    write(tmp_path / unicodedata.normalize("NFD", "Grüße.md"), "y")  # how macOS stores names
+    assert ids(read(tmp_path)) == ["Grüße.md", "My_Report_final_.txt"]
+
+
+def test_same_file_named_twice_is_read_once(tree):
+    docs = read(tree / "b.txt", tree, DocumentSource(str(tree / "sub" / ".." / "b.txt")))
+    assert ids(docs).count("b.txt") == 1
+    assert len(docs) == 5
+
+
+def test_clashing_ids_get_a_suffix(tmp_path):
+    write(tmp_path / "x" / "a.txt", "one")
+    write(tmp_path / "y" / "a.txt", "two")
+    docs = read(tmp_path / "x", tmp_path / "y")
+    assert ids(docs) == ["a.txt", "a.txt~2"]
+    assert [doc.text for doc in docs] == ["one", "two"]
+
+
+def test_missing_path_is_a_job_error_naming_it(tmp_path):
+    write(tmp_path / "a.txt", "a")
+    missing = tmp_path / "nope" / "contracts"
+    with pytest.raises(JobSpecError) as info:
+        iter_documents([DocumentSource(tmp_path / "a.txt"), DocumentSource(missing)])  # eager
+    assert info.value.exit_code == 2
+    assert info.value.path == str(missing)
+    assert info.value.field == "documents[1].path"
+    assert str(missing) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        lambda root: DocumentSource(root / "*.pdf"),
+        lambda root: DocumentSource(root, glob="**/*.pdf"),
+        lambda root: DocumentSource(root / "empty-dir"),
+    ],
+    ids=["glob-path", "folder-glob", "empty-folder"],
+)
+def test_source_matching_nothing_is_a_job_error(tree, source):
+    (tree / "sub" / "deep" / "d.PDF").unlink()
+    with pytest.raises(JobSpecError, match="no .txt .md .pdf .jsonl files match"):
+        expand_sources([source(tree)])
+
+
+def test_glob_on_a_file_is_a_job_error(tree):
+    with pytest.raises(JobSpecError) as info:
+        expand_sources([DocumentSource(tree / "b.txt", glob="*.txt")])
+    assert info.value.field == "documents[0].glob"
+
+
+# ---- jsonl --------------------------------------------------------------------------------------
+
+
+def test_jsonl_one_document_per_line_bad_lines_are_errors(tmp_path):
+    lines = [
+        json.dumps({"id": "doc-1", "text": "first text", "lang": "en"}),
+        json.dumps({"text": "no id here"}),
+        "",
+        '{"id": "doc-3", "text": ',
+        json.dumps({"id": "doc-4", "body": "wrong field"}),
+        json.dumps(["not", "an", "object"]),
+        json.dumps({"id": 7, "text": "integer id\r\nand CRLF"}),
+        json.dumps({"id": {"nested": 1}, "text": "bad id"}),
+    ]
+    write(tmp_path / "batch.jsonl", "\n".join(lines) + "\n")
+    docs = read(tmp_path / "batch.jsonl")
+    got = [(doc.doc_id, doc.error) for doc in docs]
+    assert got == [
+        ("doc-1", None),
+        ("batch.jsonl#L2", None),
+        ("batch.jsonl#L4", "line 4: invalid JSON: Expecting value at column 25"),
+        ("doc-4", "line 5: missing text field 'text' (fields: id, body)"),
+        ("batch.jsonl#L6", "line 6: expected a JSON object, got list"),
+        ("7", None),
+        ("batch.jsonl#L8", "line 8: id field 'id' must be a string or integer, got dict"),
+    ]
+    first = docs[0]
+    assert first.text == "first text"
+    assert first.meta == {"line": 1, "id": "doc-1", "fields": {"lang": "en"}}
+    canonical = '{"id":"doc-1","lang":"en","text":"first text"}'
+    assert first.sha256 == hashlib.sha256(canonical.encode()).hexdigest()
+    assert docs[5].text == "integer id\nand CRLF"
+    assert all(doc.path == str(tmp_path / "batch.jsonl") for doc in docs)
+
+
+def test_jsonl_custom_fields(tmp_path):
+    write(tmp_path / "c.jsonl", json.dumps({"key": "k 1", "body": "hello"}) + "\n")
+    (doc,) = read(DocumentSource(tmp_path / "c.jsonl", text_field="body", id_field="key"))
+    assert (doc.doc_id, doc.text, doc.meta) == ("k_1", "hello", {"line": 1, "id": "k 1"})
+
+
+def test_jsonl_with_only_blank_lines_is_an_error_document(tmp_path):
+    (doc,) = read(write(tmp_path / "blank.jsonl", "\n  \n"))
+    assert doc.error == "no records: every line is blank"

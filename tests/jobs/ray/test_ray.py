@@ -1,0 +1,170 @@
+"""`salabatch run --executor ray` on a local Ray cluster with two model actors and builtin:random
+(an untrained test model): the same rows as a local run; an actor killed mid-run, its document
+retried, every row once; a worker that always dies, error rows; a rerun that starts nothing; a
+one-line error without Ray. Run them alone with `pytest -m ray`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "salabatch[ray]"')
+
+from salabatch.jobs.ingest import documents  # noqa: E402
+from salabatch.jobs.ray.executor import run_job_ray  # noqa: E402
+from salabatch.jobs.results.read import read_results  # noqa: E402
+from salabatch.jobs.run.answerer import RunIdentity  # noqa: E402
+from salabatch.jobs.run.plan import Planner  # noqa: E402
+from salabatch.jobs.spec.load import load_job  # noqa: E402
+from tests import REPO  # noqa: E402
+from tests.jobs.ray.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
+from tests.jobs.run.test_runner import run_cli, write_docs, write_job  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SAME = ["custom_id", "answer", "completion_tokens", "prompt_tokens", "doc_tokens", "error"]
+
+
+@pytest.fixture(scope="module")
+def kills(tmp_path_factory):
+    """A local Ray for the module, two model slots; yields its kill folder (see die_on_marker:
+    a marker there kills the worker that reads the file it names)."""
+    folder = tmp_path_factory.mktemp("kills")
+    ray.init(
+        num_cpus=8,  # logical: Ray Data's helpers need some; the model actors take none
+        resources={"salabatch_slot": 2},
+        include_dashboard=False,
+        logging_level="WARNING",
+        # workers' own output (the tracebacks of actors these tests kill) stays in Ray's logs:
+        # forwarded, it lands in whatever a later test captures
+        log_to_driver=False,
+        runtime_env={
+            "worker_process_setup_hook": die_on_marker,
+            # the workers import the hook from this file, and so need the repository's root
+            "env_vars": {KILL_DIR: str(folder), "PYTHONPATH": str(REPO)},
+        },
+    )
+    yield folder
+    ray.shutdown()
+
+
+def job_in(folder: Path, model: Path, **overrides) -> Path:
+    write_docs(folder)
+    return write_job(folder, model, **overrides)
+
+
+def requests_in(folder: Path) -> Path:
+    """Request lines: two sharing a long prefix, two short ones, one that cannot be served."""
+    document = "The ferry to Eastwick leaves at 7:10 from the north quay. " * 40
+
+    def line(custom_id: str, content: str, **body) -> str:
+        messages = [{"role": "user", "content": content}]
+        body = {"model": "m", "messages": messages, "max_tokens": 4, **body}
+        return json.dumps({"custom_id": custom_id, "url": "/v1/chat/completions", "body": body})
+
+    lines = [
+        line("doc-who", f"{document}\n\nWho?"),
+        line("doc-when", f"{document}\n\nWhen?"),
+        line("short-1", "Name a river."),
+        line("short-2", "Name a mountain."),
+        line("tools", "Call one.", tools=[]),
+    ]
+    path = folder / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def results(folder: Path) -> list[dict]:
+    table = pq.read_table(folder / "out" / "results.parquet")
+    return sorted(table.to_pylist(), key=lambda r: r["custom_id"])
+
+
+def test_two_actors_give_the_rows_of_a_local_run(tmp_path, tiny_model, kills):
+    runs = {}
+    for name, executor in [("local", []), ("ray", ["--executor", "ray", "--workers", "2"])]:
+        folder = tmp_path / name
+        folder.mkdir()
+        job = job_in(folder, tiny_model, requests=str(requests_in(folder)))
+        result = run_cli("run", str(job), *executor)
+        assert result.exit_code == 3, result.output  # the line asking for tools is an error
+        assert "14 row(s) written (1 errors)" in result.output
+        runs[name] = results(folder)
+    expected, got = runs["local"], runs["ray"]
+    assert [{c: r[c] for c in SAME} for r in got] == [{c: r[c] for c in SAME} for r in expected]
+    assert [r["cache_source"] for r in got] == [r["cache_source"] for r in expected]
+    assert len({r["run_id"] for r in got}) == 1
+
+
+def test_a_killed_actor_has_its_document_retried_and_every_row_once(tmp_path, tiny_model, kills):
+    spec = load_job(job_in(tmp_path, tiny_model))
+    (kills / "report.md.once").touch()
+    summary = run_job_ray(spec, workers=2, progress=False)
+    assert (kills / "report.md.died").exists()  # the first attempt died
+    got = results(tmp_path)
+    assert summary.written == 9 and summary.errors == 0
+    assert len(got) == 9 and len({r["request_key"] for r in got}) == 9
+    assert all(r["status"] == "ok" for r in got)
+
+
+def test_a_document_whose_worker_always_dies_becomes_error_rows(tmp_path, tiny_model, kills):
+    spec = load_job(job_in(tmp_path, tiny_model))
+    (kills / "letter.pdf.always").touch()
+    try:
+        summary = run_job_ray(spec, workers=2, progress=False, max_retries=1)
+    finally:
+        (kills / "letter.pdf.always").unlink()
+    assert summary.written == 9 and summary.errors == 3 and summary.failed == 3
+    failed = [r for r in results(tmp_path) if r["status"] == "error"]
+    assert {r["doc_id"] for r in failed} == {"letter.pdf"}
+    assert all(r["error"].startswith("worker failed 2 times: ") for r in failed)
+
+
+def test_a_rerun_with_nothing_to_do_starts_no_ray_and_reads_no_pdf(
+    tmp_path, tiny_model, kills, monkeypatch
+):
+    job = job_in(tmp_path, tiny_model)
+    assert run_cli("run", str(job)).exit_code == 0  # local: its rows are the ray run's too
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rerun with nothing to do did work")
+
+    for owner, name in [
+        (ray, "init"),
+        (ray.data, "from_items"),  # the pipeline: actors, models
+        (documents, "read_pdf"),  # extracting a document
+        (Planner, "plan"),  # tokenizing one
+    ]:
+        monkeypatch.setattr(owner, name, refuse)
+    summary = run_job_ray(load_job(job), workers=2, progress=False)
+    assert (summary.written, summary.skipped, summary.failed) == (0, 9, 0)
+    assert len(read_results(tmp_path / "out" / "results.parquet")) == 9
+
+
+def test_a_machine_with_other_model_files_refuses_to_start(
+    tmp_path, tiny_model, kills, monkeypatch
+):
+    job = job_in(tmp_path, tiny_model)
+    real = RunIdentity.of  # the driver's identity names other weights than the workers have
+
+    def other(setup, config, run_id=None):
+        return replace(real(setup, config, run_id), model_sha="0" * 64)
+
+    monkeypatch.setattr(RunIdentity, "of", other)
+    result = run_cli("run", str(job), "--executor", "ray", "--workers", "1")
+    assert result.exit_code == 2
+    assert "error: a model actor could not start: " in result.output
+    assert "the model's files on this machine differ from the driver's" in result.output
+
+
+def test_executor_ray_without_ray_says_how_to_install(tmp_path, tiny_model, monkeypatch):
+    job = job_in(tmp_path, tiny_model)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    result = run_cli("run", str(job), "--executor", "ray")
+    assert result.exit_code == 2
+    assert len(result.output.splitlines()) == 1
+    assert 'pip install "salabatch[ray]"' in result.output

@@ -1,0 +1,357 @@
+"""OpenAI Batch requests on builtin:random (an untrained test model): the body fields honoured or
+refused, `run --requests x.jsonl -o out.jsonl` read back line by line with the `openai`
+package's own types, in input order, and request lines sharing a document prefilled once."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
+from salabatch.errors import TokenizerError
+from salabatch.jobs.results.read import read_results
+from salabatch.jobs.run.openai_batch import plan_requests
+from salabatch.jobs.run.plan import Planner
+from salabatch.jobs.spec.load import requests_job
+from salabatch.jobs.store.prefix_store import PrefixStore
+from tests.jobs.run.test_runner import run_cli
+
+openai_types = pytest.importorskip("openai.types", reason="the openai package is a test extra")
+chat_types = pytest.importorskip("openai.types.chat")
+
+WORDS = ["harbour", "ledger", "tide", "ferry", "quay", "fender", "crane", "ballast", "pilot"]
+# ~1200 tokens of the demo tokenizer
+DOCUMENT = " ".join(random.Random(0).choice(WORDS) for _ in range(350))
+
+
+def line(custom_id: str, content: str = "Name a river.", **body) -> dict:
+    messages = body.pop("messages", [{"role": "user", "content": content}])
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": messages, "max_tokens": 4, **body},
+    }
+
+
+def write_requests(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def run_requests(tmp_path: Path, model: Path, requests: Path, out: Path, *sets: str):
+    settings = [f"cache.dir={tmp_path / 'cache'}", *sets]
+    args = ["--requests", str(requests), "--model", str(model), "-o", str(out)]
+    return run_cli("run", *args, *[a for s in settings for a in ("--set", s)])
+
+
+def plans_of(tmp_path: Path, model: Path, lines: list, *sets: str):
+    """The DocPlans of a requests file, as a run plans them (no weights)."""
+    requests = write_requests(tmp_path / "plan.jsonl", lines)
+    spec = requests_job(requests, str(model), [f"cache.dir={tmp_path / 'cache'}", *sets])
+    tok = load_tokenizer(model)
+    return list(plan_requests(spec, tok, Planner(spec, tok, "sha", "float32")))
+
+
+def only_row(plans):
+    (plan,) = plans
+    (row,) = plan.rows
+    return plan, row
+
+
+# ---- the round trip ----------------------------------------------------------------------------
+
+
+def test_run_writes_openai_batch_output_jsonl_in_input_order(tmp_path, tiny_model):
+    lines = [
+        line("z-first", max_tokens=5),
+        line(
+            "b-developer",
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a river."}]},
+            ],
+            temperature=0.7,
+            seed=3,
+            min_p=0.05,
+            top_k=20,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            max_completion_tokens=3,
+        ),
+        line("m-think", chat_template_kwargs={"enable_thinking": True}, stop=["\n\n"]),
+        line("c-embed"),
+        line("d-tools", tools=[{"type": "function", "function": {"name": "f"}}]),
+        "not json",
+    ]
+    lines[3]["url"] = "/v1/embeddings"
+    requests = write_requests(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out" / "answers.jsonl"
+    result = run_requests(tmp_path, tiny_model, requests, out)
+    assert result.exit_code == 3, result.output  # three lines cannot be served: error rows
+    assert f"OpenAI Batch output -> {out}" in result.output
+
+    got = [json.loads(text) for text in out.read_text(encoding="utf-8").splitlines()]
+    ids = ["z-first", "b-developer", "m-think", "c-embed", "d-tools", "line-6"]
+    assert [x["custom_id"] for x in got] == ids  # input order, not custom_id order
+    table = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    for number, x in enumerate(got, start=1):
+        assert set(x) == {"id", "custom_id", "response", "error"}
+        if x["error"] is not None:
+            error = openai_types.BatchError.model_validate(x["error"])
+            assert x["response"] is None and error.line == number and error.message
+            continue
+        assert x["response"]["status_code"] == 200
+        body = chat_types.ChatCompletion.model_validate(x["response"]["body"])
+        row = table[x["custom_id"]]
+        assert body.choices[0].message.content == row["answer"]
+        assert body.usage.completion_tokens == row["completion_tokens"]
+        assert row["request_line"] == number
+    assert table["b-developer"]["question"] == "Name a river."
+    assert table["b-developer"]["completion_tokens"] <= 3  # max_completion_tokens wins
+    think = got[2]["response"]["body"]["choices"][0]["message"]
+    assert think["reasoning_content"] == table["m-think"]["reasoning"] is not None
+    assert "reasoning_content" not in got[0]["response"]["body"]["choices"][0]["message"]
+    assert "chat/completions" in got[3]["error"]["message"]
+    assert "tools" in got[4]["error"]["message"]
+    assert "not valid JSON" in got[5]["error"]["message"]
+
+    # `salabatch export` of the results beside it writes the same bytes
+    exported = tmp_path / "exported.jsonl"
+    assert run_cli("export", str(out.with_suffix(".parquet")), "-o", str(exported)).exit_code == 0
+    assert exported.read_bytes() == out.read_bytes()
+
+
+def test_rerun_keeps_input_order_of_the_file_as_it_is_now(tmp_path, tiny_model):
+    requests = write_requests(tmp_path / "batch.jsonl", [line("a"), line("b", "Name a sea.")])
+    out = tmp_path / "answers.jsonl"
+    assert run_requests(tmp_path, tiny_model, requests, out).exit_code == 0
+    before = {json.loads(x)["custom_id"]: x for x in out.read_text().splitlines()}
+    # a line inserted at the top, the others swapped: only the new one runs
+    write_requests(requests, [line("new", "Name a lake."), line("b", "Name a sea."), line("a")])
+    again = run_requests(tmp_path, tiny_model, requests, out)
+    assert "1 row(s) written" in again.output and "2 already done" in again.output
+    after = out.read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in after] == ["new", "b", "a"]
+    assert after[1:] == [before["b"], before["a"]]  # done rows: the same lines
+
+
+def test_a_job_file_output_ending_in_jsonl_writes_batch_output(tmp_path, tiny_model):
+    write_requests(tmp_path / "batch.jsonl", [line("b"), line("a", "Name a sea.")])
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: j\nmodel: {tiny_model}\nrequests: batch.jsonl\n"
+        f"cache: {{dir: {tmp_path / 'cache'}}}\noutput: {{path: out/answers.jsonl}}\n"
+    )
+    assert run_cli("run", str(job)).exit_code == 0
+    out = tmp_path / "out" / "answers.jsonl"
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["b", "a"]
+    assert len(read_results(out.with_suffix(".parquet"))) == 2
+
+
+def test_output_suffix_other_than_parquet_or_jsonl_is_refused(tmp_path, tiny_model):
+    requests = write_requests(tmp_path / "batch.jsonl", [line("a")])
+    result = run_requests(tmp_path, tiny_model, requests, tmp_path / "answers.csv")
+    assert result.exit_code == 2 and "answers.csv" in result.output
+    assert ".parquet" in result.output and ".jsonl" in result.output
+    assert list(tmp_path.iterdir()) == [requests]  # nothing written, no model loaded
+
+
+# ---- body fields ------------------------------------------------------------------------------
+
+
+def test_developer_role_renders_as_a_system_message(tmp_path, tiny_model):
+    def prompt(role: str) -> tuple[int, ...]:
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+        return only_row(plans_of(tmp_path, tiny_model, [line("a", messages=messages)]))[1].prompt
+
+    assert prompt("developer") == prompt("system")
+
+
+def test_sampling_fields_are_honoured(tmp_path, tiny_model):
+    plan, row = only_row(
+        plans_of(
+            tmp_path,
+            tiny_model,
+            [
+                line(
+                    "a",
+                    temperature=0.5,
+                    top_p=0.9,
+                    top_k=-1,
+                    min_p=0.1,
+                    presence_penalty=-1.5,
+                    frequency_penalty=2,
+                    repetition_penalty=1.1,
+                    seed=-4,
+                    max_tokens=9,
+                    max_completion_tokens=7,
+                    stop="END",
+                    chat_template_kwargs={"enable_thinking": True},
+                )
+            ],
+        )
+    )
+    assert plan.error is None and plan.doc_prompt is None
+    p = row.params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 0, 0.1)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.1)
+    assert p.seed == -4 and row.max_tokens == 7 and row.stop_strings == ("END",) and row.think
+    assert row.request_line == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"model": "gpt-x", "user": "u", "metadata": {"k": "v"}, "store": False},
+        {"n": 1, "stream": False, "logprobs": False, "top_logprobs": 0, "service_tier": "auto"},
+        {"tools": None, "stop": None, "chat_template_kwargs": {}},
+    ],
+)
+def test_fields_that_do_not_change_the_answer_are_accepted(tmp_path, tiny_model, extra):
+    plan, _ = only_row(plans_of(tmp_path, tiny_model, [line("a", **extra)]))
+    assert plan.error is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "none"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"n": 2}, "n"),
+        ({"stream": True}, "stream"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs.documents"),
+        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "enable_thinking"),
+        ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": "high"}, "frequency_penalty"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": True}, "temperature"),
+    ],
+)
+def test_fields_that_cannot_be_honoured_give_an_error_row_naming_them(
+    tmp_path, tiny_model, extra, field
+):
+    plan, row = only_row(plans_of(tmp_path, tiny_model, [line("a", **extra)]))
+    assert plan.error is not None and field in plan.error and plan.error.startswith("line 1:")
+    assert row.custom_id == "a" and row.request_line == 1
+
+
+def test_a_chat_template_refusing_the_messages_fails_that_line_only(
+    tmp_path, tiny_model, monkeypatch
+):
+    real = Tokenizer.chat_prompt_ids
+
+    def refuse_assistant_first(self, messages, **kw):
+        if messages[0]["role"] == "assistant":
+            raise TokenizerError("roles must alternate user/assistant", field="chat_template")
+        return real(self, messages, **kw)
+
+    monkeypatch.setattr(Tokenizer, "chat_prompt_ids", refuse_assistant_first)
+    first = [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Hello?"}]
+    plans = plans_of(tmp_path, tiny_model, [line("a", messages=first), line("b")])
+    assert [(p.rows[0].custom_id, p.error) for p in plans] == [
+        ("a", "line 1: chat_template: roles must alternate user/assistant"),
+        ("b", None),
+    ]
+
+
+def test_request_keys_follow_the_body_and_the_job_defaults(tmp_path, tiny_model):
+    def key(*sets: str, **body) -> str:
+        return only_row(plans_of(tmp_path, tiny_model, [line("a", **body)], *sets))[1].key
+
+    base = key()
+    assert key() == base
+    changed = [
+        key(stop="x"),
+        key(min_p=0.2),
+        key(presence_penalty=0.1),
+        key(frequency_penalty=0.1),
+        key(top_k=5),
+        key(chat_template_kwargs={"enable_thinking": True}),
+        key("generation.temperature=0.5"),  # the default of the body's unset temperature
+    ]
+    assert len({base, *changed}) == len(changed) + 1
+
+
+# ---- automatic prefix caching -------------------------------------------------------------------
+
+
+def shared_document_lines(*questions: str) -> list[dict]:
+    return [
+        line(
+            f"q{i}",
+            messages=[
+                {"role": "system", "content": "Answer from the document."},
+                {"role": "user", "content": f"{DOCUMENT}\n\n{q}"},
+            ],
+        )
+        for i, q in enumerate(questions, start=1)
+    ]
+
+
+def test_lines_sharing_a_document_plan_one_prefix(tmp_path, tiny_model):
+    lines = shared_document_lines("Who pilots?", "Where is the beacon?")
+    lines.insert(1, line("alone"))
+    plans = plans_of(tmp_path, tiny_model, lines, "engine.pool_max_tokens=128")
+    grouped = [p for p in plans if p.doc_prompt is not None]
+    (group,) = grouped
+    assert [r.custom_id for r in group.rows] == ["q1", "q2"]  # in line order
+    assert [r.request_line for r in group.rows] == [1, 3]
+    assert group.doc_tokens > 1000 and group.doc_tokens % 64 == 0
+    assert all(r.doc.doc_id == r.custom_id for r in group.rows)  # each row its own identity
+    alone = [p for p in plans if p.doc_prompt is None]
+    assert [p.rows[0].custom_id for p in alone] == ["alone"]
+    # below pool_max_tokens nothing is grouped: short shared prompts pool
+    assert all(p.doc_prompt is None for p in plans_of(tmp_path, tiny_model, lines))
+
+
+def test_lines_sharing_a_document_prefill_it_once(tmp_path, tiny_model):
+    pool = ("engine.pool_max_tokens=128", "engine.dtype=float32")  # float32: answers compare
+    requests = write_requests(
+        tmp_path / "batch.jsonl", shared_document_lines("Who pilots?", "Where is the beacon?")
+    )
+    out = tmp_path / "answers.jsonl"
+    assert run_requests(tmp_path, tiny_model, requests, out, *pool).exit_code == 0
+    first, second = sorted(
+        read_results(out.with_suffix(".parquet")).to_pylist(), key=lambda r: r["request_line"]
+    )
+    assert first["cache_source"] == "none" and first["cached_tokens"] == 0
+    assert first["doc_prefill_s"] > 0 and first["doc_tokens"] > 1000
+    assert second["cache_source"] == "memory" and second["doc_prefill_s"] == 0
+    assert second["cached_tokens"] == second["doc_tokens"] == first["doc_tokens"]
+    assert len(PrefixStore(tmp_path / "cache").entries()) == 1
+    usage = json.loads(out.read_text().splitlines()[1])["response"]["body"]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == second["cached_tokens"]
+
+    # the answers are those of each line prefilled whole
+    whole = tmp_path / "whole.jsonl"
+    no_sharing = run_requests(tmp_path, tiny_model, requests, whole, "engine.dtype=float32")
+    assert no_sharing.exit_code == 0
+    plain = {r["custom_id"]: r for r in read_results(whole.with_suffix(".parquet")).to_pylist()}
+    assert plain["q1"]["doc_tokens"] is None and plain["q2"]["cached_tokens"] == 0
+    for r in (first, second):
+        assert plain[r["custom_id"]]["answer"] == r["answer"]
+
+    # a new line on the same document, in a later run: its prefix comes from the store
+    write_requests(requests, shared_document_lines("Who pilots?", "Where is the beacon?", "Why?"))
+    assert run_requests(tmp_path, tiny_model, requests, out, *pool).exit_code == 0
+    third = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    assert third["q3"]["cache_source"] == "disk"
+    assert third["q3"]["cached_tokens"] == first["doc_tokens"]
+    assert third["q1"]["run_id"] == first["run_id"]  # done rows are not recomputed
+    assert len(PrefixStore(tmp_path / "cache").entries()) == 1

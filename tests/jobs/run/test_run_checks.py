@@ -1,0 +1,199 @@
+"""`salabatch run` fails before the expensive part, says what went wrong in one line, exits with
+a code that tells the truth, and keeps one row per custom_id when the job changes."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from salabatch.jobs.results import writer as result_writer
+from salabatch.jobs.results.read import read_results
+from salabatch.jobs.results.writer import ResultWriter
+from salabatch.jobs.run import answerer, prepare, runner
+from tests.jobs.run.test_runner import QUESTIONS, rows, run_cli, write_docs, write_job
+
+
+def custom_ids(folder) -> list[str]:
+    return [r["custom_id"] for r in rows(folder)]
+
+
+def test_an_edited_question_replaces_its_rows_even_in_a_limited_run(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    before = {r["custom_id"]: r for r in rows(tmp_path)}
+    edited = [{**QUESTIONS[0], "text": "Summarize this in one line."}, *QUESTIONS[1:]]
+    job = write_job(tmp_path, tiny_model, questions=edited)
+    assert run_cli("run", str(job), "--limit", "1").exit_code == 0
+    ids = custom_ids(tmp_path)
+    assert len(ids) == len(set(ids)) == 9  # the new row took its custom_id's place
+    changed = [r for r in rows(tmp_path) if r["question"] == "Summarize this in one line."]
+    assert len(changed) == 1 and before[changed[0]["custom_id"]]["question"] == "Summarize this."
+
+    assert run_cli("run", str(job)).exit_code == 0
+    now = rows(tmp_path)
+    assert len(now) == 9 and len({r["custom_id"] for r in now}) == 9
+    summaries = [r for r in now if r["question_id"] == "summary"]
+    assert {r["question"] for r in summaries} == {"Summarize this in one line."}
+    others = [r for r in now if r["question_id"] != "summary"]
+    assert all(before[r["custom_id"]]["run_id"] == r["run_id"] for r in others)  # kept
+
+
+def test_changed_generation_settings_rerun_every_row(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    job = write_job(tmp_path, tiny_model, generation={"max_tokens": 3})
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0 and "9 row(s) written" in result.output
+    assert len(rows(tmp_path)) == 9 and all(r["completion_tokens"] <= 3 for r in rows(tmp_path))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if the run gets as far as loading the weights."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(runner, "load_model", refuse)
+
+
+def test_a_locked_results_file_fails_before_the_model_loads(tmp_path, tiny_model, no_model_load):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    held = ResultWriter(tmp_path / "out" / "results.parquet", job_spec_json="{}", versions={})
+    try:
+        result = run_cli("run", str(job))
+    finally:
+        held.close()
+    assert result.exit_code == 2 and "another salabatch run" in result.output
+    assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+
+
+def test_too_little_free_space_fails_before_the_model_loads(
+    tmp_path, tiny_model, no_model_load, monkeypatch
+):
+    write_docs(tmp_path)
+    real = prepare.shutil.disk_usage
+    monkeypatch.setattr(prepare.shutil, "disk_usage", lambda p: real(p)._replace(free=5 * 2**20))
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert result.exit_code == 2 and "only 5.0 MB free" in result.output
+    assert not (tmp_path / "out" / "results.parquet").exists()
+
+
+def test_an_unwritable_output_folder_fails_before_the_model_loads(
+    tmp_path, tiny_model, no_model_load
+):
+    write_docs(tmp_path)
+    (tmp_path / "out").write_text("a file where the output folder should be")
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert result.exit_code == 2 and "cannot create the parts folder" in result.output
+
+
+def test_a_full_output_disk_mid_run_is_one_line(tmp_path, tiny_model, monkeypatch):
+    write_docs(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(result_writer, "_write_durably", full)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert result.exit_code == 2, result.output
+    assert "cannot write finished rows (No space left on device)" in result.output
+    assert "Traceback" not in result.output and "error in document" not in result.output
+
+
+def failing_generator(monkeypatch):
+    class Broken(answerer.Generator):
+        def generate(self, requests, prefix=None):
+            raise RuntimeError("the decoder\nbroke")
+            yield  # a generator, like the real one
+
+    monkeypatch.setattr(answerer, "Generator", Broken)
+
+
+def test_error_rows_exit_3_in_one_line_and_debug_shows_the_traceback(
+    tmp_path, tiny_model, monkeypatch
+):
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model))
+    with monkeypatch.context() as m:
+        failing_generator(m)
+        result = run_cli("run", job)
+        assert result.exit_code == 3, result.output
+        assert "error in document report.md: RuntimeError: the decoder broke" in result.output
+        assert (
+            "Traceback" not in result.output and "9 row(s) of the job are errors" in result.output
+        )
+        assert all(r["status"] == "error" for r in rows(tmp_path))
+
+        debug = run_cli("--debug", "run", job, "--no-progress", "--retry-errors")
+        assert debug.exit_code == 3 and "Traceback" in debug.output
+    again = run_cli("run", job)  # error rows count as done, and still as errors
+    assert again.exit_code == 3 and "0 row(s) written" in again.output
+    fixed = run_cli("run", job, "--retry-errors")
+    assert fixed.exit_code == 0, fixed.output
+    assert [r["status"] for r in rows(tmp_path)] == ["ok"] * 9
+
+
+def test_warnings_are_one_line(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    out = tmp_path / "out" / "results.parquet"
+    parts = out.with_name(out.name + ".parts")
+    parts.mkdir()
+    (parts / f"part-000001-{'0' * 32}.parquet").write_bytes(b"not parquet")
+    result = run_cli("inspect", str(out))
+    assert result.exit_code == 0
+    warned = [line for line in result.output.splitlines() if "unreadable part file" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: ")
+    assert ".py:" not in result.output and "warnings.warn" not in result.output
+
+
+def test_reading_a_file_that_is_not_results_says_so(tmp_path):
+    bad = tmp_path / "notes.parquet"
+    bad.write_text("plain text")
+    for command in ("inspect", "export"):
+        result = run_cli(command, str(bad))
+        assert result.exit_code == 2 and "not a readable Parquet file" in result.output
+        assert "overwrite" not in result.output
+
+
+def test_an_unexpected_error_is_one_line_unless_debug(tmp_path, monkeypatch):
+    from salabatch.jobs.results import export
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(export, "inspect_results", broken)
+    result = run_cli("inspect", str(tmp_path / "x.parquet"))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip() == (
+        "error: ZeroDivisionError: division by zero (run with --debug for the traceback)"
+    )
+    debug = run_cli("--debug", "inspect", str(tmp_path / "x.parquet"))
+    assert debug.exit_code == 1 and isinstance(debug.exception, ZeroDivisionError)
+
+
+def test_an_edited_request_body_replaces_its_row(tmp_path, tiny_model):
+    def request(custom_id: str, content: str, max_tokens: int = 4) -> str:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        return json.dumps({"custom_id": custom_id, "url": "/v1/chat/completions", "body": body})
+
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out" / "results.parquet"
+    args = ["--requests", str(requests), "--model", str(tiny_model), "-o", str(out)]
+    args += ["--set", f"cache.dir={tmp_path / 'cache'}"]
+    requests.write_text(request("a", "Name a river.") + "\n" + request("b", "Name a hill.") + "\n")
+    assert run_cli("run", *args).exit_code == 0
+    first = {r["custom_id"]: r for r in read_results(out).to_pylist()}
+    requests.write_text(request("a", "Name a lake.") + "\n" + request("b", "Name a hill.") + "\n")
+    result = run_cli("run", *args)
+    assert result.exit_code == 0 and "1 row(s) written" in result.output
+    now = {r["custom_id"]: r for r in read_results(out).to_pylist()}
+    assert len(read_results(out)) == 2 and now["a"]["question"] == "Name a lake."
+    assert now["b"]["run_id"] == first["b"]["run_id"]  # unchanged: not redone
+    requests.write_text(request("a", "Name a lake.", max_tokens=2) + "\n")  # b removed
+    assert run_cli("run", *args).exit_code == 0
+    (only,) = read_results(out).to_pylist()
+    assert only["custom_id"] == "a" and only["completion_tokens"] <= 2

@@ -1,0 +1,306 @@
+"""`salabatch run` end to end on builtin:random (an untrained test model): rows, resume after
+SIGKILL, bad input, error rows, dry run, context overflow (OpenAI batch requests:
+test_openai_batch.py)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.jobs.results.read import read_metadata, read_results
+from salabatch.models import resolve_model
+from tests import REPO, SHARED
+from tests.jobs.results.test_results import DESIGN_COLUMNS
+
+DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "westcliff-energy.pdf"
+SHARED_PDFS = SHARED / "pdfs"
+# every column an ok document row must fill (think is off, so no reasoning; no error; float
+# weights, so no quant_bits; no request line)
+FILLED = [
+    c for c in DESIGN_COLUMNS if c not in ("reasoning", "error", "quant_bits", "request_line")
+]
+QUESTIONS = [
+    {"id": "summary", "text": "Summarize this."},
+    {"id": "who", "text": "Who is named here?"},
+    {"id": "cost", "text": "What does it cost?"},
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return resolve_model("builtin:random", tmp_path_factory.mktemp("models"))
+
+
+def write_docs(folder: Path) -> Path:
+    docs = folder / "docs"
+    docs.mkdir(parents=True)
+    (docs / "notes.txt").write_text("The ferry to Eastwick leaves at 7:10. " * 3)
+    (docs / "report.md").write_text("# Report\n\n" + "The quay needs new fenders. " * 60)
+    shutil.copy(DEMO_PDF, docs / "letter.pdf")
+    return docs
+
+
+def write_job(folder: Path, model: Path, **overrides) -> Path:
+    job = {
+        "name": "t",
+        "model": str(model),
+        "documents": [{"path": "docs"}],
+        "questions": QUESTIONS,
+        "generation": {"max_tokens": 6},
+        "engine": {"prefill_chunk": 128, "pool_max_tokens": 128, "batch_size": 4},
+        "cache": {"dir": str(folder / "cache")},
+        "output": {"path": "out/results.parquet"},
+    }
+    for key, value in overrides.items():
+        job[key] = value
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, [*args, "--no-progress"] if args[0] == "run" else list(args))
+
+
+def rows(folder: Path) -> list[dict]:
+    return read_results(folder / "out" / "results.parquet").to_pylist()
+
+
+def test_three_documents_three_questions(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    got = table.to_pylist()
+    assert len(got) == 9 and len({r["request_key"] for r in got}) == 9
+    for r in got:
+        missing = [c for c in FILLED if r[c] is None]
+        assert not missing, f"{r['custom_id']}: {missing}"
+        assert r["status"] == "ok" and r["error"] is None
+        assert 0 < r["completion_tokens"] <= 6 and r["finish_reason"] in ("stop", "length")
+        assert r["prompt_tokens"] >= r["doc_tokens"] > 0
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] >= 0 and r["prefill_tok_s"] > 0
+        assert r["started_at"] <= r["finished_at"] and r["peak_mem_gb"] > 0
+        assert r["quant_bits"] is None and r["cache_source"] == "none"
+    shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over pool_max_tokens: one prefix
+    assert all(1 <= r["batch_size"] <= 4 for r in shared)
+    meta = read_metadata(tmp_path / "out" / "results.parquet")
+    assert meta["job_spec"]["name"] == "t" and meta["versions"]["salabatch"]
+    shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"))
+    assert re.search(r"^rows\s+9$", shown.output, re.M)
+
+
+def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    assert run_cli("run", str(job)).exit_code == 0
+    again = run_cli("run", str(job))
+    assert "0 row(s) written" in again.output and "9 already done" in again.output
+    more = [*QUESTIONS, {"id": "when", "text": "When?"}]
+    job = write_job(tmp_path, tiny_model, questions=more)
+    assert run_cli("run", str(job)).exit_code == 0
+    new = [r for r in rows(tmp_path) if r["question_id"] == "when"]
+    assert len(new) == 3 and len(rows(tmp_path)) == 12
+    for r in new:
+        if r["doc_id"] != "notes.txt":  # long documents: prefix from disk, no document prefill
+            assert r["cache_source"] == "disk" and r["doc_prefill_s"] == 0
+            assert r["cached_tokens"] == r["doc_tokens"]
+
+
+def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    first_run = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+
+    def pairs() -> set[tuple[str, str]]:
+        return {(r["doc_id"], r["question_id"]) for r in rows(tmp_path)}
+
+    questions = [q for q in QUESTIONS if q["id"] != "cost"] + [{"id": "when", "text": "When?"}]
+    job = write_job(tmp_path, tiny_model, questions=questions)
+    # --limit leaves the rest of the job unplanned: nothing is dropped yet
+    assert run_cli("run", str(job), "--limit", "1").exit_code == 0
+    assert len(pairs()) == 10 and ("notes.txt", "cost") in pairs()
+    plan = run_cli("run", str(job), "--dry-run").output
+    assert "plan: 2 row(s) to do, 7 already done" in plan
+    assert "3 row(s) of earlier runs are no longer in the job" in plan
+    assert len(pairs()) == 10  # a dry run writes nothing
+
+    assert run_cli("run", str(job)).exit_code == 0
+    docs_now = ["letter.pdf", "notes.txt", "report.md"]
+    assert pairs() == {(d, q["id"]) for d in docs_now for q in questions}
+    kept = [r for r in rows(tmp_path) if r["question_id"] != "when"]
+    assert all(first_run[r["request_key"]] == r["run_id"] for r in kept)  # not recomputed
+
+    (docs / "notes.txt").unlink()
+    again = run_cli("run", str(job))
+    assert again.exit_code == 0 and "0 row(s) written" in again.output
+    assert pairs() == {(d, q["id"]) for d in docs_now if d != "notes.txt" for q in questions}
+
+    job = write_job(tmp_path, tiny_model, questions=QUESTIONS[:1])
+    assert run_cli("run", str(job), "--no-resume").exit_code == 0
+    assert pairs() == {("letter.pdf", "summary"), ("report.md", "summary")}
+
+
+def start_long_run(
+    tmp_path: Path, model: Path, parts_wanted: int, max_tokens: int = 24
+) -> subprocess.Popen:
+    """A run of 21 rows in a subprocess, returned once `parts_wanted` parts are durable."""
+    docs = write_docs(tmp_path)
+    for i in range(4):
+        (docs / f"extra{i}.md").write_text(f"Section {i}. " + "Tides and ledgers. " * 80)
+    job = write_job(tmp_path, model, generation={"max_tokens": max_tokens})
+    parts = tmp_path / "out" / "results.parquet.parts"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "salabatch.cli", "run", str(job), "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < parts_wanted:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    return proc
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """SIGINT back to its default in the child: a suite started in the background by a shell
+    without job control (`(make test &)`) ignores SIGINT, and Python keeps an ignored SIGINT
+    ignored, so the run would not see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_sigkill_mid_run_then_rerun_gives_every_row_once(tmp_path, tiny_model):
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = rows(tmp_path)  # readable mid-run, from the parts
+    assert 4 <= len(partial) < 21
+    result = run_cli("run", str(tmp_path / "job.yaml"))
+    assert result.exit_code == 0, result.output
+    final = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    keys = [r["request_key"] for r in final]
+    assert len(final) == 21 and len(set(keys)) == 21
+    assert {(r["doc_id"], r["question_id"]) for r in final} == {
+        (d, q["id"])
+        for d in ["notes.txt", "report.md", "letter.pdf", *[f"extra{i}.md" for i in range(4)]]
+        for q in QUESTIONS
+    }
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda j: j.update(colour="red"), "colour: unknown field"),
+        (lambda j: j["questions"][1].pop("text"), "questions[1].text: field required"),
+        (lambda j: j["engine"].update(batch_size="four"), "engine.batch_size"),
+        (lambda j: j.update(documents=[{"path": "nowhere"}]), "documents[0].path"),
+    ],
+)
+def test_bad_job_files_exit_2_with_the_location(tmp_path, tiny_model, edit, where):
+    write_docs(tmp_path)
+    path = write_job(tmp_path, tiny_model)
+    job = yaml.safe_load(path.read_text())
+    edit(job)
+    path.write_text(yaml.safe_dump(job))
+    for command in ("validate", "run"):
+        result = subprocess.run(
+            [sys.executable, "-m", "salabatch.cli", command, str(path)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2, (command, result.stderr)
+        assert where in result.stderr and "Traceback" not in result.stderr
+        assert result.stderr.startswith("error: ")
+
+
+def test_unreadable_documents_become_error_rows(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    (docs / "broken.pdf").write_bytes(b"%PDF-1.4\n garbage \x00\x01 no xref")
+    (docs / "empty.txt").write_bytes(b"")
+    scanned = SHARED_PDFS / "imagemagick-images.pdf"
+    if scanned.is_file():
+        shutil.copy(scanned, docs / "scanned.pdf")
+    job = write_job(tmp_path, tiny_model)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output  # the run finished, with error rows
+    got = {(r["doc_id"], r["question_id"]): r for r in rows(tmp_path)}
+    bad = ["broken.pdf", "empty.txt"] + (["scanned.pdf"] if scanned.is_file() else [])
+    for doc in bad:
+        for q in QUESTIONS:
+            r = got[(doc, q["id"])]
+            assert r["status"] == "error" and r["finish_reason"] == "error" and r["error"]
+    assert "corrupt PDF" in got[("broken.pdf", "who")]["error"]
+    assert "empty" in got[("empty.txt", "who")]["error"]
+    if scanned.is_file():
+        assert "no extractable text" in got[("scanned.pdf", "who")]["error"]
+    for doc in ("notes.txt", "report.md", "letter.pdf"):
+        assert all(got[(doc, q["id"])]["status"] == "ok" for q in QUESTIONS)
+
+
+def test_dry_run_plans_without_loading_weights(tmp_path, tiny_model, monkeypatch):
+    import salabatch.engine.load as load
+
+    def refuse(*_a, **_k):
+        raise AssertionError("dry run loaded the weights")
+
+    monkeypatch.setattr(load, "load_model", refuse)
+    write_docs(tmp_path)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)), "--dry-run")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in ("letter.pdf: ", "report.md: ", "notes.txt: ", "summary: Summarize this."):
+        assert text in out
+    assert "tokens" in out and "plan: 9 row(s) to do" in out and "prefill" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_context_overflow(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    job = write_job(
+        tmp_path,
+        tiny_model,
+        engine={"max_context": 400, "prefill_chunk": 128, "pool_max_tokens": 128},
+    )
+    assert run_cli("run", str(job)).exit_code == 3  # error rows
+    over = [r for r in rows(tmp_path) if r["doc_id"] == "report.md"]
+    assert all(r["status"] == "error" and "tokens with its prompt" in r["error"] for r in over)
+    assert all(r["status"] == "ok" for r in rows(tmp_path) if r["doc_id"] == "notes.txt")
+    engine = {
+        "max_context": 400,
+        "prefill_chunk": 128,
+        "pool_max_tokens": 128,
+        "on_overflow": "truncate_middle",
+    }
+    job = write_job(tmp_path, tiny_model, engine=engine, output={"path": "out/cut.parquet"})
+    assert run_cli("run", str(job)).exit_code == 0
+    cut = read_results(tmp_path / "out" / "cut.parquet").to_pylist()
+    assert all(r["status"] == "ok" for r in cut)
+    assert all(r["prompt_tokens"] + 6 <= 400 for r in cut)
+
+
+def test_ctrl_c_stops_after_finished_rows(tmp_path, tiny_model):
+    # Interrupted early and with long answers left: a loaded machine may be slow to send the
+    # signal, and the run must still be going when it arrives.
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=1, max_tokens=128)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = proc.stderr.read()
+    assert "interrupted" in err and "Traceback" not in err
+    saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
+    assert 1 <= len(saved) < 21
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()

@@ -1,0 +1,118 @@
+"""The job file as YAML: files that are not job files (syntax errors with their line, not a
+mapping, missing or unreadable) and --set overrides (every kind, located errors, YAML aliases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from salabatch.errors import JobSpecError
+from salabatch.jobs.spec.load import load_job
+from tests.jobs.spec.test_spec import MINIMAL, error_of, write
+
+# ---- files that are not job files --------------------------------------------------------------
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    job = write(tmp_path, "name: x\nmodel: builtin:random\n  questions: [\n")
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    assert str(info.value).startswith(f"{job}: invalid YAML at line 3, column 12:")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("- a\n- b\n", "expected a mapping (name:, model:, …) at the top, got a list"),
+        ("just text\n", "expected a mapping (name:, model:, …) at the top, got 'just text'"),
+        ("", "job file is empty"),
+        ("# only a comment\n", "job file is empty"),
+        ("!!python/object:os.system {}\n", "invalid YAML at line 1, column 1: could not determine"),
+    ],
+)
+def test_not_a_job_mapping(tmp_path, text, message):
+    job = write(tmp_path, text)
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    assert str(info.value).startswith(f"{job}: {message}")
+
+
+def test_missing_and_unreadable_job_files(tmp_path):
+    with pytest.raises(JobSpecError, match="job file not found"):
+        load_job(tmp_path / "nope.yaml")
+    with pytest.raises(JobSpecError, match="is a folder"):
+        load_job(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(JobSpecError, match="not UTF-8 text: byte 0xe9 at offset 9"):
+        load_job(tmp_path / "latin1.yaml")
+
+
+# ---- --set overrides ---------------------------------------------------------------------------
+
+
+def test_overrides_of_every_kind(tmp_path):
+    job = write(tmp_path, MINIMAL.replace("[{text: Summarize.}]", "[{text: a}, {text: b}]"))
+    spec = load_job(
+        job,
+        [
+            "engine.batch_size=4",
+            "generation.think=true",
+            "generation.temperature=0.7",
+            "name=renamed",
+            "system=Answer briefly: no lists #1",
+            "questions.0.text=first?",
+            "questions[1].id='007'",
+            "cache.snapshot_every=0",
+            "documents=[{path: other, glob: '*.md'}]",
+        ],
+    )
+    assert spec.engine.batch_size == 4 and spec.generation.think is True
+    assert spec.generation.temperature == 0.7
+    assert spec.name == "renamed" and spec.output.path == tmp_path / "results" / "renamed.parquet"
+    assert spec.system == "Answer briefly: no lists #1"
+    assert [(q.id, q.text) for q in spec.questions] == [("q1", "first?"), ("007", "b")]
+    assert spec.cache.snapshot_every == 0
+    assert spec.documents[0].path == tmp_path / "other" and spec.documents[0].glob == "*.md"
+
+
+def test_override_errors_are_located(tmp_path):
+    job = write(tmp_path, MINIMAL)
+    assert error_of(job, ("engine.batch_size=four",)) == (
+        "engine.batch_size: expected an integer, got 'four' (from the command line)"
+    )
+    assert error_of(job, ("engine.batchsize=4",)).startswith(
+        "engine.batchsize: unknown field, did you mean 'batch_size'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ("engine.batch_size", "expected key=value"),
+        ("=4", "expected a dotted key"),
+        ("engine..batch_size=4", "expected a dotted key"),
+        ("questions[x].text=a", "expected a dotted key"),
+        ("name.first=a", "name is 'mini', not a mapping or a list"),
+        ("questions.text=a", "questions is a list: give an item number, e.g. questions[0]"),
+        ("questions[3].text=a", "questions has 1 items (numbered from 0)"),
+        ("documents=[{path: a", "invalid YAML value"),
+    ],
+)
+def test_malformed_overrides_name_the_override(tmp_path, override, reason):
+    error = error_of(write(tmp_path, MINIMAL), (override,))
+    assert error.startswith(f"--set {override!r}: {reason}")
+
+
+def test_overrides_do_not_leak_through_yaml_aliases(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: alias
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - &base {id: a, text: same}
+          - *base
+        """,
+    )
+    spec = load_job(job, ["questions[1].id=b"])
+    assert [q.id for q in spec.questions] == ["a", "b"]

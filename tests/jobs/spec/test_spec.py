@@ -1,0 +1,348 @@
+"""The job file: schema, path resolution, one located line per mistake, check_paths, identities
+(files that are not job files and --set overrides: test_job_yaml.py)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from salabatch.errors import JobSpecError, JobValidationError
+from salabatch.jobs.ingest.documents import DocumentSource
+from salabatch.jobs.spec.load import check_paths, load_job
+from salabatch.jobs.spec.models import JobSpec, generation_key, spec_fingerprint, spec_json
+
+DESIGN_JOB = """\
+name: contracts-review
+model: ~/models/MiniCPM-SALA-8bit
+documents:
+  - path: ./contracts
+    glob: "**/*.pdf"
+questions:
+  - id: summary
+    text: "Summarize this document in five bullet points."
+  - id: parties
+    text: "Who are the parties, and what does each one owe?"
+generation: {max_tokens: 512, temperature: 0.0, top_p: 1.0, seed: 0, think: false}
+engine: {prefill_chunk: 2048, batch_size: 8, dtype: auto, max_context: 1048576}
+cache: {dir: ~/.cache/salabatch, max_gb: 50}
+output: {path: results/contracts.parquet}
+"""
+
+MINIMAL = """\
+name: mini
+model: builtin:random
+documents: [{path: docs}]
+questions: [{text: Summarize.}]
+"""
+
+
+def write(folder: Path, text: str, name: str = "job.yaml") -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def errors_of(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+    with pytest.raises(JobValidationError) as info:
+        load_job(path, overrides)
+    assert str(info.value).startswith(str(path))
+    return info.value.errors
+
+
+def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
+    (error,) = errors_of(path, overrides)
+    return error
+
+
+# ---- valid jobs ---------------------------------------------------------------------------------
+
+
+def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    spec = load_job(write(jobs, DESIGN_JOB))
+    assert spec.name == "contracts-review"
+    assert spec.model == str(home / "models" / "MiniCPM-SALA-8bit")
+    (entry,) = spec.documents
+    assert entry.path == jobs / "contracts" and entry.glob == "**/*.pdf"
+    assert [q.id for q in spec.questions] == ["summary", "parties"]
+    assert spec.cache.dir == home / ".cache" / "salabatch"
+    assert spec.output.path == jobs / "results" / "contracts.parquet"
+    assert spec.sources() == [DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id")]
+
+
+def test_defaults(tmp_path, home):
+    spec = load_job(write(tmp_path, MINIMAL))
+    assert spec.model == "builtin:random" and spec.model_is_builtin
+    assert spec.requests is None and spec.system is None
+    g, e, c = spec.generation, spec.engine, spec.cache
+    assert (g.max_tokens, g.temperature, g.top_p, g.top_k) == (512, 0.0, 1.0, 0)
+    assert (g.repetition_penalty, g.seed, g.think) == (1.0, 0, False)
+    assert (e.prefill_chunk, e.batch_size, e.dtype) == (2048, 8, "auto")
+    assert (e.max_context, e.on_overflow) == (1048576, "error")
+    assert e.pool_max_tokens == 2048
+    assert (c.dir, c.max_gb, c.enabled, c.snapshot_every) == (
+        home / ".cache" / "salabatch",
+        50.0,
+        True,
+        32768,
+    )
+    assert spec.output.path == tmp_path / "results" / "mini.parquet"
+    assert spec.documents[0].text_field == "text" and spec.documents[0].id_field == "id"
+
+
+def test_glob_paths_keep_their_pattern_and_jsonl_fields(tmp_path):
+    spec = load_job(
+        write(
+            tmp_path,
+            """\
+            name: g
+            model: ../models/sala
+            documents:
+              - {path: "data/**/*.md"}
+              - {path: /abs/records.jsonl, text_field: body, id_field: key}
+            questions: [{text: q}]
+            """,
+        )
+    )
+    assert spec.model == str(tmp_path.parent / "models" / "sala")
+    assert spec.documents[0].path == tmp_path / "data" / "**" / "*.md"
+    assert spec.documents[1].to_source() == DocumentSource(
+        Path("/abs/records.jsonl"), None, "body", "key"
+    )
+
+
+def test_auto_ids_and_per_question_overrides(tmp_path):
+    spec = load_job(
+        write(
+            tmp_path,
+            """\
+            name: ids
+            model: builtin:random
+            documents: [{path: d}]
+            generation: {max_tokens: 100, temperature: 0.5}
+            questions:
+              - text: "  first\\n"
+              - {id: 7, text: second, max_tokens: 20, think: true}
+              - text: third
+            """,
+        )
+    )
+    assert [q.id for q in spec.questions] == ["q1", "7", "q3"]
+    assert spec.questions[0].text == "first"
+    key = generation_key(spec, spec.questions[1])
+    assert (key["max_tokens"], key["think"], key["temperature"]) == (20, True, 0.5)
+    assert generation_key(spec, spec.questions[0])["max_tokens"] == 100
+
+
+def test_numbers_are_fine_as_names_and_ids(tmp_path):
+    spec = load_job(write(tmp_path, MINIMAL.replace("name: mini", "name: 2024"), "n.yaml"))
+    assert spec.name == "2024" and spec.output.path == tmp_path / "results" / "2024.parquet"
+    assert load_job(write(tmp_path, MINIMAL, "m.yaml"), ["name=7"]).name == "7"
+
+
+def test_requests_only_job_is_valid(tmp_path):
+    spec = load_job(write(tmp_path, "name: r\nmodel: builtin:random\nrequests: batch.jsonl\n"))
+    assert spec.requests == tmp_path / "batch.jsonl"
+    assert spec.documents == [] and spec.questions == []
+
+
+def test_command_line_paths_are_relative_to_the_current_directory(tmp_path, monkeypatch):
+    job = write(tmp_path, MINIMAL)
+    monkeypatch.chdir(tmp_path.parent)
+    spec = load_job(job, requests="in.jsonl", output="out/x.parquet")
+    assert spec.requests == tmp_path.parent / "in.jsonl"
+    assert spec.output.path == tmp_path.parent / "out" / "x.parquet"
+
+
+# ---- mistakes, one located line each -----------------------------------------------------------
+
+
+def test_unknown_top_level_key_lists_allowed_fields(tmp_path):
+    error = error_of(write(tmp_path, MINIMAL + "colour: red\n"))
+    assert error.startswith("colour: unknown field (allowed: name, model, documents, questions,")
+    assert error.endswith("(line 5)")
+
+
+def test_unknown_nested_key_suggests_the_close_one(tmp_path):
+    error = error_of(write(tmp_path, MINIMAL + "engine: {batchsize: 4}\n"))
+    assert error.startswith("engine.batchsize: unknown field, did you mean 'batch_size'?")
+    allowed = "prefill_chunk, batch_size, dtype, max_context, on_overflow, pool_max_tokens"
+    assert f"(allowed: {allowed})" in error
+
+
+def test_missing_question_text_is_located(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: m
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - text: a
+          - text: b
+          - id: third
+        """,
+    )
+    assert error_of(job) == "questions[2].text: field required (line 7)"
+
+
+def test_bad_types_and_values_are_located(tmp_path):
+    job = write(
+        tmp_path,
+        MINIMAL
+        + """\
+engine:
+  batch_size: "four"
+  dtype: fp16
+generation:
+  temperature: -1
+  top_p: 0
+  think: 1
+cache: {max_gb: .nan}
+""",
+    )
+    assert errors_of(job) == [
+        "generation.temperature: must be greater than or equal to 0, got -1 (line 9)",
+        "generation.top_p: must be greater than 0, got 0 (line 10)",
+        "generation.think: expected true or false, got 1 (line 11)",
+        "engine.batch_size: expected an integer, got 'four' (line 6)",
+        "engine.dtype: must be 'auto', 'float32', 'bfloat16' or 'float16', got 'fp16' (line 7)",
+        "cache.max_gb: expected a finite number, got nan (line 12)",
+    ]
+
+
+def test_every_mistake_is_reported_at_once(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: "my job"
+        model: builtin:huge
+        documents: [{path: d, glob: ""}]
+        questions: [{id: a, text: x}, {id: a, text: ""}, {id: "b c", text: y}]
+        """,
+    )
+    errors = errors_of(job)
+    assert errors[0].startswith("name: must be 1 to 100 letters, digits, _ . -")
+    assert "got 'my job'; try 'my-job'" in errors[0]
+    assert errors[1].startswith("model: unknown builtin model 'builtin:huge' (available: builtin:")
+    assert errors[2].startswith("documents[0].glob: must not be empty")
+    assert errors[3] == "questions[1].text: must not be empty (line 4)"
+    assert errors[4].startswith("questions[2].id: must be 1 to 100 letters")
+    # Cross-field checks run even though fields failed.
+    assert errors[5] == "questions[1].id: duplicate id 'a' (also questions[0].id) (line 4)"
+    assert len(errors) == 6
+
+
+def test_duplicate_question_ids_name_the_later_one(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: d
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - {id: x, text: a}
+          - {id: q3, text: b}
+          - {text: c}
+          - {id: x, text: d}
+        """,
+    )
+    assert errors_of(job) == [
+        "questions[2].id: duplicate id 'q3' (also questions[1].id); a question without an id "
+        "is q<position> (line 7)",
+        "questions[3].id: duplicate id 'x' (also questions[0].id) (line 8)",
+    ]
+
+
+def test_what_to_do_is_required(tmp_path):
+    no_questions = write(
+        tmp_path, "name: a\nmodel: builtin:random\ndocuments: [{path: d}]\n", "a.yaml"
+    )
+    assert error_of(no_questions).startswith("questions: field required: documents need questions")
+    no_documents = write(
+        tmp_path, "name: b\nmodel: builtin:random\nquestions: [{text: q}]\n", "b.yaml"
+    )
+    assert error_of(no_documents).startswith("documents: field required: questions need documents")
+    nothing = write(tmp_path, "name: c\nmodel: builtin:random\n", "c.yaml")
+    assert error_of(nothing).startswith("documents: nothing to do")
+    assert errors_of(write(tmp_path, "documents: []\n", "d.yaml")) == [
+        "name: field required",
+        "model: field required",
+        "documents: nothing to do: give documents and questions, or requests (line 1)",
+    ]
+
+
+def test_glob_on_a_glob_path_is_refused(tmp_path):
+    job = write(tmp_path, MINIMAL.replace("{path: docs}", "{path: 'docs/*.md', glob: '*.txt'}"))
+    assert error_of(job).startswith("documents[0].glob: path is already a glob pattern")
+
+
+def test_duplicate_yaml_keys_are_reported(tmp_path):
+    job = write(tmp_path, MINIMAL + "engine: {batch_size: 2}\nengine: {batch_size: 3}\n")
+    assert error_of(job) == "engine: duplicate key (line 6; first at line 5)"
+
+
+def test_one_error_is_one_line_and_several_are_listed(tmp_path):
+    job = write(tmp_path, MINIMAL + "colour: red\nsize: 3\n")
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    text = str(info.value)
+    assert text.splitlines()[0] == f"{job}: 2 errors"
+    assert text.splitlines()[1].startswith("  colour: unknown field")
+    assert info.value.exit_code == 2
+
+
+# ---- the disk: check_paths ---------------------------------------------------------------------
+
+
+def test_check_paths_reports_every_entry_with_its_index(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    (tmp_path / "notes.docx").write_text("x")
+    (tmp_path / "model").mkdir()
+    job = write(
+        tmp_path,
+        """\
+        name: paths
+        model: model
+        requests: missing.jsonl
+        documents:
+          - path: docs
+          - path: nowhere
+          - path: docs
+            glob: "*.pdf"
+        questions: [{text: q}]
+        """,
+    )
+    assert check_paths(load_job(job)) == [
+        f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder)",
+        f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file)",
+        f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'}",
+        f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'}",
+    ]
+    (tmp_path / "model" / "config.json").write_text("{}")
+    fixed = load_job(job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"])
+    assert check_paths(fixed) == [
+        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl)"
+    ]
+    with pytest.raises(JobValidationError, match="documents\\[1\\].path: unsupported file type"):
+        load_job(
+            job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"], check_files=True
+        )
+
+
+# ---- identities --------------------------------------------------------------------------------
+
+
+def test_fingerprint_is_stable_and_follows_the_questions(tmp_path, home):
+    job = write(tmp_path, DESIGN_JOB)
+    first, again = load_job(job), load_job(job)
+    assert spec_fingerprint(first) == spec_fingerprint(again)
+    assert len(spec_fingerprint(first)) == 64
+    changed = load_job(job, ["questions[1].text=Who signed?"])
+    assert spec_fingerprint(changed) != spec_fingerprint(first)
+    # The canonical JSON validates back to the same spec (paths are absolute by then).
+    assert JobSpec.model_validate_json(spec_json(first)) == first

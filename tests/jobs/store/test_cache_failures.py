@@ -1,0 +1,319 @@
+"""A cache that fails never costs an answer: a prefix or snapshot save that fails, a store that
+cannot be made, read or written, a builtin model that cannot be built in the cache dir — each
+warns once, in one line, and the run answers every row. No temporary file survives a failed
+write, and those of killed writers are counted (`cache ls`), swept and pruned.
+
+The real file systems (a full and a read-only tmpfs) need root with CAP_SYS_ADMIN; elsewhere
+those tests skip and the monkeypatched ones still cover the same paths."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.generate import prefill
+from salabatch.engine.load import load_model
+from salabatch.errors import CacheWarning
+from salabatch.files import temp_path, temp_pid
+from salabatch.jobs.store import prefix_store
+from salabatch.jobs.store.document_cache import DocumentCaches
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+from salabatch.models import resolve_model
+from tests.jobs.run.test_runner import rows, run_cli, write_docs, write_job
+
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return load_model(tiny_model, dtype="float32")
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch) -> Path:
+    """The system temporary folder, inside this test's folder (a fallback build goes there)."""
+    folder = tmp_path / "system-tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(folder, size, read_only): a tmpfs there, unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount_tmpfs(folder: Path, size: str = "2m", read_only: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); not root here")
+        folder.mkdir(parents=True, exist_ok=True)
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {done.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount_tmpfs
+    for folder in reversed(mounted):
+        if subprocess.run(["umount", str(folder)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def fill(folder: Path) -> None:
+    """Writes into `folder` until its file system is full."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def temps_in(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if temp_pid(p) is not None]
+
+
+def warning_lines(output: str, text: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("warning:") and text in line]
+
+
+def doc_ids(n: int) -> list[int]:
+    return np.random.default_rng(n).integers(3, 256, size=n).tolist()
+
+
+def key_for(ids) -> PrefixKey:
+    return PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", ids)
+
+
+def dead_pid() -> int:
+    """The PID of a process that has exited."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def stale_temp(dst: Path, pid: int, size: int = 1000) -> Path:
+    """A temporary for `dst` as process `pid` would have left it."""
+    tmp = temp_path(dst)
+    tmp = tmp.with_name(tmp.name.replace(f"-{os.getpid()}-", f"-{pid}-"))
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(bytes(size))
+    return tmp
+
+
+# -- failures made by hand: they run everywhere ------------------------------------------------
+def test_a_failed_prefix_save_answers_every_row_from_the_live_cache(
+    tmp_path, tiny_model, monkeypatch
+):
+    calls = []
+
+    def save_half_then_fail(path, arrays, meta):
+        calls.append(path)
+        path.write_bytes(bytes(3000))
+        raise FULL
+
+    monkeypatch.setattr(prefix_store, "_save_safetensors", save_half_then_fail)
+    write_docs(tmp_path)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert result.exit_code == 0, result.output
+    got = rows(tmp_path)
+    assert len(got) == 9 and {r["status"] for r in got} == {"ok"}
+    assert len(warning_lines(result.output, "No space left on device")) == 1, result.output
+    assert len(calls) == 1  # two long documents: the first failure stops the store's writes
+    assert temps_in(tmp_path / "cache") == []
+    assert list((tmp_path / "cache" / "prefixes").iterdir()) == []
+
+
+def test_a_failed_snapshot_save_lets_the_prefill_go_on(model, tmp_path, monkeypatch):
+    def fail(path, arrays, meta):
+        raise FULL
+
+    monkeypatch.setattr(prefix_store, "_save_safetensors", fail)
+    ids = doc_ids(700)
+    store = PrefixStore(tmp_path / "store")
+    caches = DocumentCaches(model, store, chunk=128, snapshot_every=256)
+    with pytest.warns(CacheWarning, match="cannot store prefix caches") as caught:
+        found = caches.get(key_for(ids), ids)
+    assert len(caught) == 1 and found.source == "none" and found.cache.offset == 700
+    assert store.entries() == [] and store.temps() == []
+
+
+def test_a_store_that_cannot_be_made_is_a_miss_and_never_raises(model, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    store = PrefixStore(tmp_path / "a-file" / "cache")  # no one can make this folder
+    ids = doc_ids(300)
+    with pytest.warns(CacheWarning, match="a-file/cache: cannot store prefix caches") as caught:
+        first = DocumentCaches(model, store, snapshot_every=128).get(key_for(ids), ids)
+        assert store.load(key_for(ids), model.config) is None
+        assert DocumentCaches(model, store).get(key_for(ids), ids).source == "none"
+    assert len(caught) == 1 and first.source == "none" and first.cache.offset == 300
+    assert store.prune(max_bytes=0) == [] and store.clear() == 0 and not store.has(key_for(ids))
+
+
+def test_an_entry_that_cannot_be_read_is_a_miss_and_is_kept(model, tmp_path, monkeypatch):
+    ids = doc_ids(300)
+    cache = model.make_cache()
+    prefill(model, ids, cache)
+    PrefixStore(tmp_path / "store").save(key_for(ids), cache)
+
+    def denied(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(prefix_store, "file_sha256", denied)
+    store = PrefixStore(tmp_path / "store")
+    with pytest.warns(CacheWarning, match="cannot read the stored prefix cache") as caught:
+        assert store.load(key_for(ids), model.config) is None
+        assert store.load(key_for(ids), model.config) is None
+    assert len(caught) == 1 and store.has(key_for(ids))  # the entry may be fine: not removed
+
+
+def test_builtin_tiny_is_built_in_a_private_folder_when_the_cache_dir_fails(
+    tmp_path, private_tmp, monkeypatch
+):
+    from salabatch.demo import checkpoint
+
+    real = checkpoint.write_random_checkpoint
+
+    def full_in_the_cache(path, raw, *args):
+        if private_tmp not in path.parents:
+            (path / "model.safetensors").write_bytes(bytes(3 << 20))
+            raise RuntimeError("[write] Unable to write 79358 bytes to file.")  # as MLX says
+        return real(path, raw, *args)
+
+    monkeypatch.setattr(checkpoint, "write_random_checkpoint", full_in_the_cache)
+    with pytest.warns(CacheWarning, match="cannot build the builtin model there") as caught:
+        built = resolve_model("builtin:random", tmp_path / "cache")
+    assert len(caught) == 1 and private_tmp in built.parents
+    assert (built / "model.safetensors").is_file() and (built / "tokenizer.json").is_file()
+    assert list((tmp_path / "cache" / "models").iterdir()) == []  # no 3 MB temp left there
+
+
+def test_the_private_build_is_removed_when_the_process_ends(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    code = (
+        "import warnings; warnings.simplefilter('ignore');"
+        "from salabatch.models import resolve_model;"
+        f"print(resolve_model('builtin:random', {str(tmp_path / 'a-file')!r}))"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    built = Path(done.stdout.strip())
+    assert built.name == "builtin-random-v2" and tmp_path in built.parents
+    assert not built.parent.exists()
+
+
+# -- stale temporaries ---------------------------------------------------------------------------
+def test_stale_temps_are_counted_by_ls_and_removed_by_prune(tmp_path):
+    root = tmp_path / "store"
+    dead = dead_pid()
+    stale = [
+        stale_temp(root / "prefixes" / f"{'a' * 64}.safetensors", dead, 3000),
+        stale_temp(root / "snapshots" / ("b" * 64) / "512.json", dead, 1000),
+        stale_temp(root / "fingerprints.json", dead, 500),
+    ]
+    build = stale_temp(root / "models" / "builtin-random-v2", dead, 0)
+    build.unlink()
+    build.mkdir()
+    (build / "model.safetensors").write_bytes(bytes(1500))
+    live = stale_temp(root / "prefixes" / f"{'c' * 64}.safetensors", os.getpid(), 7000)
+
+    listed = run_cli("cache", "ls", "--dir", str(root))
+    assert listed.exit_code == 0, listed.output
+    assert "4 stale temporary files, 5.9 KB" in listed.output  # 3000 + 1000 + 500 + 1500
+    pruned = run_cli("cache", "prune", "--dir", str(root), "--max-gb", "1")
+    assert pruned.exit_code == 0, pruned.output
+    assert "removed 0 entries, 0 B; 4 stale temporary files, 5.9 KB" in pruned.output
+    assert not any(p.exists() for p in [*stale, build]) and live.exists()
+    assert "stale" not in run_cli("cache", "ls", "--dir", str(root)).output
+
+
+def test_the_store_sweeps_stale_temps_when_it_opens(tmp_path, tiny_model):
+    root = tmp_path / "store"
+    dead = stale_temp(root / "prefixes" / f"{'a' * 64}.safetensors", dead_pid())
+    live = stale_temp(root / "prefixes" / f"{'b' * 64}.safetensors", os.getpid())
+    manifest = stale_temp(root / "prefixes" / f"{'a' * 64}.json", os.getpid())
+    manifest.write_text('{"position": 2, "tokens": 2}')  # a manifest being written
+    store = PrefixStore(root)
+    assert {t.path: t.stale for t in store.temps()} == {dead: True, live: False, manifest: False}
+    assert store.entries() == []
+    assert store.load(key_for([5, 6]), ModelConfig.from_file(tiny_model)) is None
+    assert [t.path for t in store.swept] == [dead] and not dead.exists() and live.exists()
+
+
+def test_the_budget_counts_temp_bytes(model, tmp_path):
+    entries = []
+    for n in (300, 301):
+        cache = model.make_cache()
+        prefill(model, doc_ids(n), cache)
+        entries.append((key_for(doc_ids(n)), cache))
+    probe = PrefixStore(tmp_path / "probe")
+    probe.save(*entries[0])
+    size = probe.entries()[0].bytes
+    store = PrefixStore(tmp_path / "store", max_gb=2.5 * size / 2**30)  # two entries fit
+    store.save(*entries[0])
+    stale_temp(store.root / "prefixes" / "x.safetensors", os.getpid(), size)  # a live write
+    store.save(*entries[1])
+    assert [e.total_tokens for e in store.entries()] == [301]
+
+
+# -- real file systems: a full and a read-only cache dir ----------------------------------------
+def test_a_job_on_a_full_cache_dir_answers_every_row(tmp_path, mount, private_tmp):
+    cache = mount(tmp_path / "cache", size="2m")
+    fill(cache)
+    write_docs(tmp_path)
+    result = run_cli("run", str(write_job(tmp_path, "builtin:random")))
+    assert result.exit_code == 0, result.output
+    got = rows(tmp_path)
+    assert len(got) == 9 and {r["status"] for r in got} == {"ok"}
+    assert len(warning_lines(result.output, "cannot build the builtin model there")) == 1
+    assert len(warning_lines(result.output, "cannot store prefix caches")) == 1, result.output
+    lines = warning_lines(result.output, str(cache))
+    assert all(line.count("No space left on device") == 1 for line in lines), result.output
+    assert temps_in(cache) == []
+
+
+def test_a_read_only_cache_dir_answers_every_row(tmp_path, mount, private_tmp):
+    cache = mount(tmp_path / "cache", read_only=True)
+    write_docs(tmp_path)
+    result = run_cli("run", str(write_job(tmp_path, "builtin:random")))
+    assert result.exit_code == 0, result.output
+    assert len(rows(tmp_path)) == 9 and {r["status"] for r in rows(tmp_path)} == {"ok"}
+    lines = warning_lines(result.output, str(cache))
+    assert lines and all("Read-only file system" in line for line in lines), result.output
+    assert len(warning_lines(result.output, "cannot store prefix caches")) == 1
+
+
+def test_a_read_only_store_still_serves_its_prefixes(tmp_path, mount, private_tmp):
+    cache = mount(tmp_path / "cache", size="64m")
+    write_docs(tmp_path)
+    job = write_job(tmp_path, "builtin:random")
+    assert run_cli("run", str(job)).exit_code == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(cache)], check=True)
+    spec = yaml.safe_load(job.read_text())
+    spec["questions"].append({"id": "when", "text": "When?"})
+    job.write_text(yaml.safe_dump(spec))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)  # nothing needs writing: no warning
+        result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    new = [r for r in rows(tmp_path) if r["question_id"] == "when"]
+    assert {r["status"] for r in new} == {"ok"}
+    assert {r["cache_source"] for r in new if r["doc_id"] != "notes.txt"} == {"disk"}

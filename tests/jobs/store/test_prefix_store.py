@@ -1,0 +1,297 @@
+"""Prefix store: a saved cache continues exactly like the live one (in a new process), bad
+entries are never used, a killed prefill resumes from its snapshot, the budget evicts LRU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.cache import ModelCache
+from salabatch.engine.generate import prefill
+from salabatch.engine.load import load_model
+from salabatch.errors import CacheFormatError
+from salabatch.jobs.store.document_cache import DocumentCaches
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore, PrefixStoreWarning
+from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+
+NEXT = [[7, 8, 9, 10, 11]]  # the continuation both caches are fed
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), tiny_config_dict(**SPARSE_AT_256))
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt, dtype="float32")
+
+
+def doc_ids(n: int) -> list[int]:
+    return np.random.default_rng(n).integers(3, 256, size=n).tolist()
+
+
+def key_for(ids, model_fp="m" * 64, tok_fp="t" * 64, dtype="float32") -> PrefixKey:
+    return PrefixKey.of("tiny", model_fp, tok_fp, dtype, ids)
+
+
+def run_in_new_process(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "n", [150, 203, 711], ids=["dense", "dense-inside-a-chunk", "sparse-inside-a-chunk"]
+)
+def test_saved_prefix_continues_like_the_live_cache_in_a_new_process(model, ckpt, tmp_path, n):
+    ids = doc_ids(n)
+    live = model.make_cache()
+    prefill(model, ids, live)
+    store = PrefixStore(tmp_path / "store")
+    store.save(key_for(ids), live)
+    want = np.array(model(mx.array(NEXT), live))
+    out = tmp_path / "logits.npy"
+    result = run_in_new_process(
+        f"""
+        import numpy as np
+        import salabatch.engine
+        import mlx.core as mx
+        from salabatch.engine.load import load_model
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+        model = load_model({str(ckpt)!r}, dtype="float32")
+        key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", {ids!r})
+        cache = PrefixStore({str(tmp_path / "store")!r}).load(key, model.config)
+        assert cache is not None and cache.offset == {n}
+        np.save({str(out)!r}, np.array(model(mx.array({NEXT!r}), cache)))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert np.abs(np.load(out) - want).max() <= 1e-6
+
+
+def test_saved_cache_keeps_format_1(model):
+    """What the store has always written: each layer's kind, and its arrays under
+    `layers.{i}.`: `state` (lightning), or `keys`, `values`, `chunks0`, `chunks1` cut to their
+    lengths (sparse)."""
+    cache = model.make_cache()
+    prefill(model, doc_ids(300), cache)
+    arrays, meta = cache.to_state()
+    assert meta == {
+        "format_version": "1",
+        "layer_kinds": json.dumps(["sparse", "lightning", "lightning", "sparse"]),
+        "position": "300",
+        "prefill_len": "300",
+    }
+    sparse = {"keys": 300, "values": 300, "chunks0": (300 - 32) // 16 + 1, "chunks1": 3}
+    want = {f"layers.{i}.{name}": n for i in (0, 3) for name, n in sparse.items()}
+    assert {name: a.shape[2] for name, a in arrays.items() if "state" not in name} == want
+    assert {name for name in arrays if "state" in name} == {"layers.1.state", "layers.2.state"}
+
+
+def test_inconsistent_states_are_refused(model):
+    cache = model.make_cache()
+    prefill(model, doc_ids(300), cache)
+    arrays, meta = cache.to_state()
+    broken = [
+        ({k: a for k, a in arrays.items() if k != "layers.3.chunks1"}, meta, "missing array"),
+        ({k: a for k, a in arrays.items() if k != "layers.2.state"}, meta, "missing array"),
+        (arrays, {**meta, "position": "299"}, "layer 0 holds 300 keys"),
+        ({**arrays, "layers.0.chunks0": arrays["layers.0.chunks0"][:, :, :-1]}, meta, "chunks"),
+        (arrays, {**meta, "layer_kinds": json.dumps(["sparse"] * 4)}, "layer layout"),
+        (arrays, {**meta, "format_version": "2"}, "format version"),
+    ]
+    for state, header, why in broken:
+        with pytest.raises(CacheFormatError, match=why):
+            ModelCache.from_state(state, header, model.config)
+
+
+def test_a_loaded_document_forks_like_the_live_one(model):
+    """Rows forked from a loaded (sparse-mode) document and batched continue exactly like rows
+    forked from the live cache."""
+    live = model.make_cache()
+    prefill(model, doc_ids(711), live)
+    loaded = ModelCache.from_state(*live.to_state(), model.config)
+    outs = []
+    for doc in (live, loaded):
+        rows = [doc.fork(1), doc.fork(1)]
+        model(mx.array([[5, 6, 7]]), rows[0])
+        model(mx.array([[9]]), rows[1])
+        batch = ModelCache.concat(rows)
+        outs.append(model(mx.array(NEXT[0][:2])[:, None], batch))
+    assert mx.abs(outs[0] - outs[1]).max().item() <= 1e-6
+
+
+def stored_entry(model, tmp_path, n=300):
+    ids = doc_ids(n)
+    cache = model.make_cache()
+    prefill(model, ids, cache)
+    store = PrefixStore(tmp_path / "store")
+    store.save(key_for(ids), cache)
+    return store, key_for(ids), store.root / "prefixes" / f"{key_for(ids).digest}.safetensors"
+
+
+def test_bit_flip_is_detected_and_the_entry_removed(model, tmp_path):
+    store, key, path = stored_entry(model, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.warns(PrefixStoreWarning, match="checksum"):
+        assert store.load(key, model.config) is None
+    assert not path.exists() and store.entries() == []
+
+
+def test_truncation_is_detected(model, tmp_path):
+    store, key, path = stored_entry(model, tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.warns(PrefixStoreWarning, match="truncated"):
+        assert store.load(key, model.config) is None
+
+
+def test_another_model_tokenizer_or_dtype_is_never_used(model, tmp_path):
+    store, key, path = stored_entry(model, tmp_path)
+    ids = doc_ids(300)
+    for other in (
+        key_for(ids, model_fp="x" * 64),
+        key_for(ids, tok_fp="y" * 64),
+        key_for(ids, dtype="bfloat16"),
+        key_for(ids[:-1]),
+    ):
+        assert other.digest != key.digest
+        assert store.load(other, model.config) is None
+    # a manifest that claims this digest but names another model is rejected too
+    manifest = path.with_suffix(".json")
+    manifest.write_text(manifest.read_text().replace("m" * 64, "z" * 64))
+    with pytest.warns(PrefixStoreWarning, match="another model"):
+        assert store.load(key, model.config) is None
+
+
+def test_documents_are_prefilled_once_then_served_from_memory_and_disk(model, tmp_path):
+    ids = doc_ids(400)
+    store = PrefixStore(tmp_path / "store")
+    first = DocumentCaches(model, store, chunk=128).get(key_for(ids), ids)
+    assert first.source == "none" and first.prefill_s > 0
+    again = DocumentCaches(model, store, chunk=128)
+    disk = again.get(key_for(ids), ids)
+    assert disk.source == "disk" and again.get(key_for(ids), ids).source == "memory"
+    a = model(mx.array(NEXT), first.cache)
+    b = model(mx.array(NEXT), disk.cache)
+    assert mx.array_equal(a, b)
+
+
+def test_killed_prefill_resumes_from_its_last_snapshot(model, ckpt, tmp_path):
+    ids = doc_ids(1000)
+    root = tmp_path / "store"
+    result = run_in_new_process(
+        f"""
+        import os, signal
+        import salabatch.engine
+        from salabatch.engine.load import load_model
+        from salabatch.jobs.store.document_cache import DocumentCaches
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+        model = load_model({str(ckpt)!r}, dtype="float32")
+        key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", {ids!r})
+        def progress(done, total):
+            if done >= 640:  # after the snapshot at 512, before the next at 768
+                os.kill(os.getpid(), signal.SIGKILL)
+        caches = DocumentCaches(model, PrefixStore({str(root)!r}), chunk=128, snapshot_every=256)
+        caches.get(key, {ids!r}, progress)
+        """
+    )
+    assert result.returncode == -9, result.stderr
+    store = PrefixStore(root)
+    assert [(e.kind, e.tokens) for e in store.entries()] == [("snapshot", 512)]
+    resumed = DocumentCaches(model, store, chunk=128, snapshot_every=256).get(key_for(ids), ids)
+    assert resumed.source == "none" and resumed.resumed_from == 512
+    assert [e.kind for e in store.entries()] == ["prefix"]  # snapshots dropped once complete
+    fresh = model.make_cache()
+    prefill(model, ids, fresh)
+    diff = mx.abs(model(mx.array(NEXT), resumed.cache) - model(mx.array(NEXT), fresh)).max()
+    assert diff.item() <= 1e-5
+
+
+def test_budget_evicts_least_recently_used(model, tmp_path):
+    store = PrefixStore(tmp_path / "store")
+    docs = [doc_ids(n) for n in (200, 210, 220)]
+    for ids in docs:
+        cache = model.make_cache()
+        prefill(model, ids, cache)
+        store.save(key_for(ids), cache)
+    assert len(store.entries()) == 3
+    store.load(key_for(docs[0]), model.config)  # the oldest is now the most recently used
+    one = store.entries()[0].bytes
+    removed = store.prune(max_bytes=int(one * 2.5))
+    assert len(removed) == 1 and removed[0].total_tokens == 210
+    assert store.load(key_for(docs[0]), model.config) is not None
+    assert store.clear() > 0 and store.entries() == []
+
+
+def test_two_processes_share_a_store(model, ckpt, tmp_path):
+    root = tmp_path / "store"
+    code = f"""
+        import salabatch.engine
+        from salabatch.engine.generate import prefill
+        from salabatch.engine.load import load_model
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+        import numpy as np
+        model = load_model({str(ckpt)!r}, dtype="float32")
+        store = PrefixStore({str(root)!r}, max_gb=0.001)  # small: evictions race with reads
+        for n in range(150, 230, 10):
+            ids = np.random.default_rng(n).integers(3, 256, size=n).tolist()
+            key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", ids)
+            cache = store.load(key, model.config)
+            if cache is None:
+                cache = model.make_cache()
+                prefill(model, ids, cache)
+                store.save(key, cache)
+            assert cache.offset == n
+        """
+    procs = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+        assert b"PrefixStoreWarning" not in p.stderr.read()
+    store = PrefixStore(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every entry left must verify
+        for e in store.entries():
+            ids = np.random.default_rng(e.total_tokens).integers(3, 256, size=e.total_tokens)
+            assert store.load(key_for(ids.tolist()), model.config) is not None
+
+
+def test_a_corrupt_entry_is_rebuilt_by_the_next_prefill(model, tmp_path):
+    store, key, path = stored_entry(model, tmp_path)
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.warns(PrefixStoreWarning):
+        again = DocumentCaches(model, store).get(key, doc_ids(300))
+    assert again.source == "none" and store.has(key)
+    assert store.load(key, model.config) is not None
+
+
+def test_cache_commands(model, tmp_path):
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    store, key, _ = stored_entry(model, tmp_path)
+    root = str(store.root)
+    listed = CliRunner().invoke(main, ["cache", "ls", "--dir", root])
+    assert listed.exit_code == 0 and "prefix" in listed.output and " 300 " in listed.output
+    assert "1 entries" in listed.output
+    pruned = CliRunner().invoke(main, ["cache", "prune", "--dir", root, "--max-gb", "0"])
+    assert pruned.exit_code == 0 and "removed 1 entries" in pruned.output
+    stored_entry(model, tmp_path / "again")
+    cleared = CliRunner().invoke(
+        main, ["cache", "clear", "--dir", str(tmp_path / "again" / "store"), "--yes"]
+    )
+    assert cleared.exit_code == 0 and "freed" in cleared.output
+    assert CliRunner().invoke(main, ["cache", "ls", "--dir", root]).output.startswith("no stored")
