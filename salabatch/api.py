@@ -93,6 +93,8 @@ def stream_generate(
     import mlx.core as mx
 
     from salabatch.engine.generate import Generator, Request
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
     if max_tokens < 1:
@@ -102,7 +104,7 @@ def stream_generate(
     request = Request("0", tuple(ids), params, max_tokens, frozenset(tokenizer.eos_ids))
     detok = tokenizer.detokenizer(skip_special=True)
     generator = Generator(model, batch_size=1, prefill_chunk=prefill_chunk)
-    with engine_runtime():
+    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
         first_at = None
         for g in generator.stream([request]):
             now = time.perf_counter()
@@ -172,6 +174,8 @@ def batch_generate(
     is prefilled once and every question continues it, up to `batch_size` decoding together;
     each prompt is the one `salabatch run` builds (document, then question, one user message)."""
     from salabatch.engine.generate import Generator, Request, prefill
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
@@ -189,7 +193,7 @@ def batch_generate(
     if not requests:
         return []
     doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
-    with engine_runtime():
+    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
         prefix = model.make_cache()
         prefill(model, doc_prompt, prefix, prefill_chunk)
         generator = Generator(model, batch_size=batch_size, prefill_chunk=prefill_chunk)

@@ -111,6 +111,11 @@ class OutputError(SalabatchError):
     exit_code = 2
 
 
+class OutOfMemoryError(SalabatchError):
+    """A document or a run that needs more memory than the device has free (refused before
+    it starts, never discovered by the kernel's OOM killer)."""
+
+
 class CacheWarning(UserWarning):
     """The cache (prefix store, snapshots, builtin model, fingerprint memo) could not be used;
     the run goes on without it. The cache is an optimisation: it never costs an answer."""

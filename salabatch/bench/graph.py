@@ -47,6 +47,8 @@ _LABEL = re.compile(r'\{ \d+ \[label ="([^"]+)"')
 # An H100's memory (bytes): what the counts below size the GPU path's tiles for, whatever memory
 # this machine has, so they read the same everywhere (`attention.device_memory`).
 H100_MEMORY = 80 * 10**9
+# `bench long --graph`'s contexts: the issue's 32K, 128K and 256K
+CONTEXTS = (32 * 1024, 128 * 1024, 256 * 1024)
 # The 9B's attention: 32 query heads, 2 kv heads, head dim 128 (its InfLLM-v2 settings are
 # SparseConfig's defaults). The width of the residual stream only sizes the projections.
 SALA_9B_HEADS = dict(heads=32, kv_heads=2, head_dim=128)
@@ -162,3 +164,166 @@ def prefill_chunk(layer, cache, chunk: int, device_memory: int | None = H100_MEM
         y = layer(x, cache, offset)
         seconds = time.perf_counter() - start
         return nodes(y), seconds
+
+
+# -- the whole model's decode step (salabatch.engine.decode) and `bench long --graph` ----------
+
+
+def sala_model(dtype: mx.Dtype = mx.bfloat16, hidden: int = 256, heads: dict = SALA_9B_HEADS):
+    """The 9B's 32 layers (sparse at 0, 9, 16, 17, 22, 29, 30, 31), attention shapes (or
+    `heads`: heads, kv_heads, head_dim) and InfLLM-v2 settings at a small width, random
+    weights, projections fused as `load_model` fuses them. Count on a model of its own: its
+    decode step, traced under `gpu_graph`, keeps the stand-in ops."""
+    from salabatch.bench.long import SALA_9B_SPARSE_LAYERS, random_init
+    from salabatch.demo.checkpoint import sala_config
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.model import Model
+
+    raw = sala_config(
+        vocab=4096, hidden=hidden, intermediate=4 * hidden, layers=32,
+        sparse_layers=SALA_9B_SPARSE_LAYERS, **heads,
+    )  # fmt: skip
+    model = random_init(Model(ModelConfig.from_dict(raw)), dtype, seed=0)
+    model.fuse()
+    return model
+
+
+def filled_model_cache(model, tokens: int):
+    """A one-row cache of `tokens` positions of zeros, evaluated: the shapes of a prefilled
+    document (capacities included), with no prefill run."""
+    import json
+
+    from salabatch.engine.cache import FORMAT_VERSION, ModelCache
+
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    d, Hk, H = cfg.head_dim, cfg.num_key_value_heads, cfg.lightning_heads
+    arrays = {}
+    for i, kind in enumerate(cfg.layer_kinds):
+        if kind == "sparse":
+            arrays[f"layers.{i}.keys"] = arrays[f"layers.{i}.values"] = mx.zeros(
+                (1, Hk, tokens, d), dtype
+            )
+            for level, (size, stride) in enumerate(cfg.sparse.compression):
+                n = max(0, (tokens - size) // stride + 1)
+                arrays[f"layers.{i}.chunks{level}"] = mx.zeros((1, Hk, n, d))
+        else:
+            dl = cfg.lightning_head_dim
+            arrays[f"layers.{i}.state"] = mx.zeros((1, H, dl, dl))
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "layer_kinds": json.dumps(list(cfg.layer_kinds)),
+        "position": str(tokens),
+        "prefill_len": str(tokens),
+    }
+    cache = ModelCache.from_state(arrays, meta, cfg)
+    mx.eval(cache.arrays())
+    return cache
+
+
+def decode_step(model, cache, device_memory: int | None = H100_MEMORY):
+    """One decode step of every row of `cache` as the GPU runs it: (its kernels by name, the
+    host seconds building it). The step is traced first, then counted and timed as replayed."""
+    from salabatch.engine.decode import decode
+
+    ids = mx.zeros((cache.rows,), dtype=mx.int32)
+    with gpu_graph(device_memory):
+        mx.eval(decode(model, ids, cache), cache.arrays())
+        start = time.perf_counter()
+        logits = decode(model, ids, cache)
+        seconds = time.perf_counter() - start
+        return nodes(logits, *cache.arrays()), seconds
+
+
+def peer_decode_step(tokens: int, dtype: mx.Dtype = mx.bfloat16, hidden: int = 256):
+    """The dense peer's decode step (mlx-lm's llama at Qwen3-8B's 36 layers and attention,
+    small width) after `tokens` of context, as the GPU runs it; None without mlx-lm."""
+    try:
+        from mlx_lm.models import llama
+        from mlx_lm.models.cache import make_prompt_cache
+    except ImportError:
+        return None
+    from salabatch.bench.long import random_init
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=36,
+        intermediate_size=4 * hidden, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-6, vocab_size=4096, rope_theta=1e6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    peer = random_init(llama.Model(args), dtype, seed=0)
+    cache = make_prompt_cache(peer)
+    for c in cache:  # the context, as zeros, without a prefill; room to grow, as mid-answer
+        c.keys = mx.zeros((1, 8, tokens + c.step, 128), dtype)
+        c.values = mx.zeros((1, 8, tokens + c.step, 128), dtype)
+        c.offset = tokens
+    mx.eval([c.keys for c in cache], [c.values for c in cache])
+    with gpu_graph():
+        logits = peer(mx.zeros((1, 1), dtype=mx.int32), cache=cache)[:, -1]
+        return nodes(logits, *[a for c in cache for a in (c.keys, c.values)])
+
+
+def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
+    """`bench long --graph`: per context, kernels of SALA's decode step (batch 1 and `batch`)
+    and the peer's (counted at 4K: the same at every context), of an 8K prefill chunk in a
+    sparse and in a lightning layer, the host seconds building them, and the estimated FLOPs
+    and bytes of each part of a prefill chunk and a decode step, SALA (9B) and the peer
+    (Qwen3-8B shapes), bf16 (`bench.costs`)."""
+    from salabatch.bench import costs
+    from salabatch.bench.long import SHAPES
+    from salabatch.engine.cache import LightningCache
+    from salabatch.engine.config import ModelConfig
+
+    model = sala_model()
+    sparse, lightning = sala_layers()
+    cfg9, peer_args = ModelConfig.from_dict(SHAPES["9b"].sala), SHAPES["9b"].peer
+    peer = peer_decode_step(4096)  # its graph is the same at every context (and its KV cache
+    peer = None if peer is None else kernels(peer)  # at 256K would be ~38 GB of zeros)
+    rows = []
+    for n in contexts:
+        row: dict = {"context": n}
+        for b in (1, batch):
+            cache = filled_model_cache(model, n).fork(b)
+            cache.reserve(2 * 64 + 16 + 256)  # a fork's tail, a question, 256 answer tokens
+            counts, seconds = decode_step(model, cache)
+            row[f"decode_b{b}_kernels"] = kernels(counts)
+            row[f"decode_b{b}_host_s"] = round(seconds, 4)
+        row["peer_decode_b1_kernels"] = peer
+        counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - chunk, n), chunk)
+        row["prefill_sparse_layer_kernels"] = kernels(counts)
+        row["prefill_sparse_layer_host_s"] = round(seconds, 3)
+        state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
+        row["prefill_lightning_layer_kernels"] = kernels(prefill_chunk(lightning, state, chunk)[0])
+        for name, step, q in (("prefill", False, chunk), ("decode_b1", True, 1)):
+            s = costs.sala(cfg9, n, queries=q, decode=step, itemsize=2)
+            p = costs.peer(peer_args, n, queries=q, decode=step, itemsize=2)
+            row[f"{name}_costs"] = {
+                "sala": {k: [c.flops, c.bytes] for k, c in s.items()},
+                "peer": {k: [c.flops, c.bytes] for k, c in p.items()},
+                "sala_total": [costs.total(s).flops, costs.total(s).bytes],
+                "peer_total": [costs.total(p).flops, costs.total(p).bytes],
+            }
+        rows.append(row)
+    return {"chunk": chunk, "batch": batch, "rows": rows}
+
+
+def report_table(result: dict) -> str:
+    """The terminal table of `report`: kernels, then estimated TFLOPs and GB per context."""
+    batch = result["batch"]
+    lines = [
+        f"{'context':>8} | decode kernels: SALA b1 {f'b{batch}':>5} peer | prefill 8K kernels: "
+        "sparse layer, lightning layer | est. prefill chunk TFLOP SALA/peer, GB SALA/peer | "
+        "est. decode step GFLOP SALA/peer, GB SALA/peer"
+    ]
+    for r in result["rows"]:
+        pre, dec = r["prefill_costs"], r["decode_b1_costs"]
+        lines.append(
+            f"{r['context']:>8} | {r['decode_b1_kernels']:>24} {r[f'decode_b{batch}_kernels']:>5} "
+            f"{r['peer_decode_b1_kernels'] or '–':>4} | {r['prefill_sparse_layer_kernels']:>31},"
+            f" {r['prefill_lightning_layer_kernels']:>14} | "
+            f"{pre['sala_total'][0] / 1e12:>7.1f} / {pre['peer_total'][0] / 1e12:.1f}, "
+            f"{pre['sala_total'][1] / 1e9:.1f} / {pre['peer_total'][1] / 1e9:.1f} | "
+            f"{dec['sala_total'][0] / 1e9:>6.1f} / {dec['peer_total'][0] / 1e9:.1f}, "
+            f"{dec['sala_total'][1] / 1e9:.2f} / {dec['peer_total'][1] / 1e9:.2f}"
+        )
+    return "\n".join(lines)

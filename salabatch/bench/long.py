@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from salabatch.demo.checkpoint import sala_config
 from salabatch.errors import ConfigError
 
 SALA_9B_SPARSE_LAYERS = (0, 9, 16, 17, 22, 29, 30, 31)
+# The peer's MLX buffer cache: a quarter of RAM, at most 8 GB (what SALA had too until issue 34)
+PEER_CACHE = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4, 8 << 30)
 QUESTION_TOKENS = 16
 
 
@@ -243,6 +246,9 @@ def run(
 ) -> dict:
     """Every context for SALA, then for the peer (one model in memory at a time). `on_result`
     gets the result so far after each measurement (a run cut short keeps what it measured)."""
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime, memory_cache, resolve_dtype
 
     auto = defaults()
@@ -254,8 +260,10 @@ def run(
     dt = resolve_dtype(dtype)
     rows = []
     for kind in ("sala", "peer") if peer else ("sala",):
-        # each as it runs for its users: salabatch's runtime settings, mlx-lm's defaults
-        with engine_runtime() if kind == "sala" else memory_cache():
+        # SALA under salabatch's runtime (its buffer cache sized to the work); the peer with the
+        # generous cache every earlier run gave it (a quarter of RAM, at most 8 GB)
+        sala_limit = cache_limit(ModelConfig.from_dict(pair.sala), chunk, on_gpu())
+        with engine_runtime(sala_limit) if kind == "sala" else memory_cache(PEER_CACHE):
             model = build(kind, pair, dt)
             vocab = pair.sala["vocab_size"] if kind == "sala" else pair.peer["vocab_size"]
             for n in contexts:

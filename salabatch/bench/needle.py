@@ -67,6 +67,8 @@ def run(
 ) -> dict:
     """Every (context, document): answers and selections. `on_result` gets the result so far
     after each document (a run cut short keeps what it measured)."""
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
     from salabatch.train.data import EVAL, TaskGenerator
 
@@ -74,7 +76,7 @@ def run(
         raise ConfigError("need at least one context, depth and document", field="needle")
     tasks = TaskGenerator(tokenizer, split=EVAL, seed=seed, kinds=("needle",))
     rows = []
-    with engine_runtime():
+    with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
         for i, n in enumerate(contexts):
             for index in range(documents):
                 progress(f"needle: {n} tokens, document {index + 1}/{documents} …")

@@ -15,6 +15,8 @@ import numpy as np
 
 from salabatch.api import load
 from salabatch.engine.generate import Generator, Request
+from salabatch.engine.kernels.attention import on_gpu
+from salabatch.engine.memory import cache_limit
 from salabatch.engine.runtime import engine_runtime
 from salabatch.jobs.store.document_cache import DocumentCaches
 from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
@@ -27,7 +29,8 @@ def run(doc_tokens: int, questions: int, max_tokens: int) -> dict:
     asks = [tuple(rng.integers(3, 500, size=12 + 3 * i).tolist()) for i in range(questions)]
     requests = [Request(f"q{i}", q, max_tokens=max_tokens) for i, q in enumerate(asks)]
     key = PrefixKey.of("builtin:random", "bench", tok.fingerprint, "float32", doc)
-    with engine_runtime(), tempfile.TemporaryDirectory() as root:
+    limit = cache_limit(model.config, 2048, on_gpu())
+    with engine_runtime(limit), tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
         for r in requests:  # no reuse: each question pays the whole document
             whole = Request(r.id, (*doc, *r.prompt), r.params, max_tokens)

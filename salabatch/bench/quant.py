@@ -103,7 +103,10 @@ def run(
     bfloat16: it is cast from the float32 file at load), peak memory over prefill + decode
     (weights included), prefill and decode tok/s."""
     from salabatch.demo.checkpoint import write_random_checkpoint
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.load import load_model
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.quantize import convert
     from salabatch.engine.runtime import dtype_name, engine_runtime, resolve_dtype
     from salabatch.errors import ConfigError
@@ -114,7 +117,8 @@ def run(
     raw = bench_config(hidden, layers)
     act = resolve_dtype(act_dtype)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, engine_runtime():
+    limit = cache_limit(ModelConfig.from_dict(raw), 2048, on_gpu())
+    with tempfile.TemporaryDirectory() as tmp, engine_runtime(limit):
         src = write_random_checkpoint(Path(tmp) / "float32", raw)
         for fmt in formats:
             if fmt.endswith("bit"):

@@ -115,10 +115,12 @@ def prefill_row(model, tokens: int, chunk: int) -> dict:
 
 
 def run(contexts: list[int], prefill_tokens: int, chunk: int, steps: int = 8) -> dict:
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
     model = load_bench_model()
-    with engine_runtime():
+    with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
         result = {"model": bench_config(), "decode": decode_rows(model, contexts, steps)}
         if prefill_tokens:
             result["prefill"] = prefill_row(model, prefill_tokens, chunk)

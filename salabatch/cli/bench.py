@@ -178,6 +178,12 @@ def bench_gla(repeat: int, out: str | None) -> None:
     show_default=True,
 )
 @click.option("--peer/--no-peer", default=True, help="Also run mlx-lm's dense llama.")
+@click.option(
+    "--graph",
+    is_flag=True,
+    help="No timing: the GPU path's kernels per decode step and prefill chunk and the estimated "
+    "FLOPs and bytes, SALA and the peer [contexts 32K,128K,256K; chunk 8192]; runs anywhere.",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option(
     "--chart",
@@ -192,17 +198,26 @@ def bench_long(
     chunk: int | None,
     dtype: str,
     peer: bool,
+    graph: bool,
     out: str | None,
     chart: str | None,
 ) -> None:
     """SALA vs mlx-lm's dense llama at long context: prefill, decode at batch 1 and --batch,
-    peak memory, the ratios. Random weights, the current device. Needs `salabatch[bench]`."""
+    peak memory, the ratios. Random weights, the current device. Needs `salabatch[bench]`.
+    With --graph, the structure of the GPU path instead (see `salabatch.bench.graph`)."""
 
     from salabatch.bench import environment, long
 
     sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
 
     env = environment()
+    if graph:
+        from salabatch.bench import graph as graphs
+
+        report = graphs.report(sizes or graphs.CONTEXTS, chunk or 8192, batch)
+        result = {"bench": "long-graph", **env, **report}
+        _report(result, graphs.report_table(report), out, None, None)
+        return
     result = long.run(
         sizes,
         shapes=shapes,

@@ -6,7 +6,6 @@ context managers).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,17 +24,10 @@ DTYPES = {
 }
 
 
-def default_cache_limit() -> int:
-    """min(25% of RAM, 8 GB): room for a prefill chunk's and a decode step's transient buffers,
-    so they are reused rather than freed and re-faulted each step, while weights and KV caches
-    keep the rest."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(ram // 4, 8 << 30)
-
-
 @contextmanager
-def engine_runtime(limit_bytes: int | None = None) -> Iterator[int]:
-    """What the engine runs under: MLX's buffer cache raised (`memory_cache`) and, on the CPU,
+def engine_runtime(limit_bytes: int) -> Iterator[int]:
+    """What the engine runs under: MLX's buffer cache at `limit_bytes` (`memory_cache`; what the
+    work reuses: `memory.cache_limit`) and, on the CPU,
     BLAS at one thread per core and lane: the kernels run their independent tiles on their own
     lanes (`kernels.attention.lanes`), and a BLAS that spreads each small matmul over every core
     as well only makes the lanes wait on each other. Both restored after the block."""
@@ -48,13 +40,14 @@ def engine_runtime(limit_bytes: int | None = None) -> Iterator[int]:
 
 
 @contextmanager
-def memory_cache(limit_bytes: int | None = None) -> Iterator[int]:
-    """Raise MLX's free-buffer cache limit for the block (default `default_cache_limit()`).
+def memory_cache(limit_bytes: int) -> Iterator[int]:
+    """MLX's free-buffer cache limit for the block, restored after it; yields the limit set.
 
     MLX's CPU default (32 MB) is smaller than one layer's activations at long context, so large
-    buffers would be released and page-faulted again every step. Yields the limit set.
+    buffers would be released and page-faulted again every step; a share of RAM keeps freed
+    buffers of every size a long prefill made (`memory.cache_limit` says what the work reuses).
     """
-    limit = default_cache_limit() if limit_bytes is None else limit_bytes
+    limit = limit_bytes
     previous = mx.set_cache_limit(limit)
     try:
         yield limit

@@ -158,7 +158,8 @@ class SparseKVCache:
     """One sparse layer: un-rotated keys/values and their compressed keys, shared part + rows.
 
     Compressed keys are kept for every complete chunk of each level of `sparse.compression`
-    (level 1: mean of 32 keys every 16, level 2: 128 every 64), float32. They are extended on
+    (level 1: mean of 32 keys every 16, level 2: 128 every 64), summed in float32 and stored in
+    the keys' dtype (as HF's mean pooling of bf16 keys gives bf16). They are extended on
     every append from the new keys only, so a decode step never recompresses the history
     (SPEC §4.4). Keys, values and chunks grow together (`reserve`): their capacities are one
     function of the tokens held, planned for a whole prompt at once.
@@ -212,7 +213,7 @@ class SparseKVCache:
         self.keys.reserve(tokens, like)
         self.values.reserve(tokens, like)
         for buf in self.compressed:
-            buf.reserve(tokens, like, mx.float32)
+            buf.reserve(tokens, like)
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Adds k, v [B, Hk, T, d] to every row, then compresses the chunks they complete.
@@ -239,7 +240,7 @@ class SparseKVCache:
             span = self.keys.data[rows, :, stride * first - start : stride * (last + 1) - start]
             groups = span.astype(mx.float32).reshape(*span.shape[:2], last - first + 1, stride, -1)
             sums = groups.sum(axis=3)
-            return (sums[:, :, :-1] + sums[:, :, 1:]) / size
+            return ((sums[:, :, :-1] + sums[:, :, 1:]) / size).astype(span.dtype)
 
         if len(set(have)) == 1 and len(set(total)) == 1:
             buf.append(means(slice(None), have[0], total[0]))
@@ -360,7 +361,7 @@ class SparseKVCache:
     # -- serialization -------------------------------------------------------------------------
     def to_state(self) -> dict[str, mx.array]:
         """The arrays of a one-row cache without shared keys, cut to their lengths:
-        `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d] float32."""
+        `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d]."""
         if self.shared is not None or self.keys.rows != 1:
             raise ValueError("only a one-row cache without shared keys can be saved")
         self.settle()

@@ -185,7 +185,7 @@ def test_memory_cache_restores_previous_limit():
             assert limit == 96 << 20
             assert mx.set_cache_limit(limit) == 96 << 20
         assert mx.set_cache_limit(before) == before
-        with pytest.raises(RuntimeError), memory_cache():
+        with pytest.raises(RuntimeError), memory_cache(64 << 20):
             raise RuntimeError
         assert mx.set_cache_limit(before) == before
     finally:

@@ -277,7 +277,7 @@ def decode_attention(
 
     q [B, H, 1, d], its own key already written; rows: the rows' keys and values [B, Hk, R, d]
     (R a multiple of the widest compression stride); shared: the shared keys' (keys, values
-    [1, Hk, S, d], chunks1, chunks2 [1, Hk, ·, d] float32) or (); info: `step_rows`; tables:
+    [1, Hk, S, d], chunks1, chunks2 [1, Hk, ·, d]) or (); info: `step_rows`; tables:
     `step_tables`. → (o [B, H, 1, d], idx [B, Hk, 1, slots]): the blocks each row attended
     (sorted, -1 for none; computed only where read). A dense row attends every block up to
     its own (the same as dense attention), a sparse row its top-k.
@@ -318,9 +318,10 @@ def _select_step(
     G = H // Hk
     qg = q.reshape(B, Hk, G, d)
     scores = []
+    wide = keys.astype(mx.float32)
     for level, (size, stride) in enumerate(compression):
         # the rows' chunks from their own keys, summed as the cache sums them (same bits)
-        groups = keys.astype(mx.float32).reshape(B, Hk, R // stride, stride, d).sum(axis=3)
+        groups = wide.reshape(B, Hk, R // stride, stride, d).sum(axis=3)
         own = ((groups[:, :, :-1] + groups[:, :, 1:]) / size).astype(keys.dtype)
         s = [qg @ p.swapaxes(-1, -2) for p in (*shared_c[level : level + 1], own)]
         if level == 0:  # one more entry, scoring 0 once masked: where pooling finds no chunk

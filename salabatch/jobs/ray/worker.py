@@ -31,7 +31,9 @@ class UnitWorker:
         from salabatch.engine import activate_blas
 
         activate_blas()
+        from salabatch.engine.kernels.attention import on_gpu
         from salabatch.engine.load import load_model
+        from salabatch.engine.memory import cache_limit
         from salabatch.engine.runtime import engine_runtime
         from salabatch.jobs.ray.manifest import unit_plans
         from salabatch.jobs.run.answerer import Answerer, RunIdentity
@@ -52,6 +54,7 @@ class UnitWorker:
             setup, model, self.identity, progress=False, echo=_to_stderr, debug=debug
         )
         self.runtime, self.unit_plans = engine_runtime, unit_plans
+        self.cache_limit = cache_limit(model.config, setup.spec.engine.prefill_chunk, on_gpu())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """`batch`: a column `unit` of pickled Units -> their rows, RESULT_SCHEMA."""
@@ -68,7 +71,7 @@ class UnitWorker:
             reason = f"{type(e).__name__}: {error_text(e)}"
             _to_stderr(f"error in {unit.rows[0].doc.path}: {reason}")
             return [self.identity.error_row(row, reason) for row in unit.rows]
-        with self.runtime():
+        with self.runtime(self.cache_limit):
             return [row for rows in self.answerer.answer(plans) for row in rows]
 
 

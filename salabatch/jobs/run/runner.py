@@ -22,7 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.load import load_model
+from salabatch.engine.memory import cache_limit
 from salabatch.engine.model import Model
 from salabatch.engine.runtime import engine_runtime
 from salabatch.jobs.ingest.documents import expand_sources
@@ -72,7 +74,8 @@ def run_job(
             setup,
         ):
             model = load_model(setup.model_path, dtype=setup.dtype)
-            with engine_runtime():
+            chunk = setup.spec.engine.prefill_chunk
+            with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
                 runner = _Runner(setup, model, writer, summary, progress, echo, debug)
                 runner.run(limit)
         if jsonl is not None:  # from the merged results, earlier runs' rows included

@@ -1,0 +1,161 @@
+"""Memory sized to the work: what a run will hold, from its plan, before it holds it.
+
+A run holds the weights, one document's prefix cache at a time (the largest decides), a batch
+of rows decoding over it, and the temporaries of one prefill chunk. The chunk's are bounded by
+the kernels' tiles, not by the context: on the CPU path each of the two lanes works one query
+tile at a time (the largest, a dense-attention score tile: `attention.MAX_SCORE_ELEMENTS`
+floats), on the GPU path one tile of at most `attention.TILE_MEMORY_SHARE` of the device's
+memory; beside them, a layer's activations for the chunk. MLX's buffer cache keeps freed
+buffers for reuse: `cache_limit` is what the chunks of a long document reuse from one another
+(a tile of the sparse kernels per lane, the activations), so a long prefill does not pile up
+freed buffers of every size. A share of RAM let `salabatch run` on builtin:tiny hold 6.9 GB at
+100K tokens while MLX's own peak was 0.8 GB; measured there, limits from 128 MB to 6 GB
+prefill at the same speed (benchmarks/README.md, "Memory").
+
+Every figure is an estimate from the config and the plan, in bytes; `MemoryPlan.line` says it
+in one line, and `check` refuses what the device cannot hold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.engine.kernels import attention, sparse_select
+from salabatch.engine.sparse_cache import capacity
+from salabatch.errors import OutOfMemoryError
+
+GB = 1 << 30
+TILE_ARRAYS = 2  # arrays of a tile's size alive at once: its scores and their exponentials
+MIN_CACHE = 64 << 20  # the buffer cache never goes below MLX's CPU default's order
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run holds at its peak (bytes): `weights`, the largest `document` prefix cache,
+    the `rows` of a decoding batch (their states and own keys), a prefill chunk's `transient`
+    temporaries."""
+
+    weights: int
+    document: int
+    rows: int
+    transient: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.document + self.rows + self.transient
+
+    def line(self) -> str:
+        parts = (
+            f"weights {gb(self.weights)}, document cache {gb(self.document)}, "
+            f"decoding rows {gb(self.rows)}, prefill chunk {gb(self.transient)}"
+        )
+        return f"about {gb(self.peak)} at its peak ({parts})"
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    *,
+    weights: int,
+    doc_tokens: int,
+    chunk: int,
+    batch: int,
+    row_tokens: int,
+    itemsize: int,
+    gpu: bool,
+) -> MemoryPlan:
+    """The plan of a run over documents of at most `doc_tokens` tokens, prefilled `chunk` at a
+    time, answered `batch` rows at a time, each row holding up to `row_tokens` of its own
+    (question and answer); activations of `itemsize` bytes, on the GPU path or the CPU's."""
+    return MemoryPlan(
+        weights=weights,
+        document=document_bytes(cfg, doc_tokens, itemsize),
+        rows=batch * row_bytes(cfg, row_tokens, itemsize),
+        transient=transient_bytes(cfg, chunk, gpu),
+    )
+
+
+def document_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
+    """A one-row cache of `tokens` positions: the sparse layers' keys, values and compressed
+    keys in their capacity, the lightning layers' float32 states."""
+    room = capacity(tokens)
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    chunks = sum(room // stride + 1 for _, stride in cfg.sparse.compression)
+    sparse = (2 * room + chunks) * kv * itemsize
+    state = cfg.lightning_heads * cfg.lightning_head_dim**2 * 4
+    kinds = cfg.layer_kinds
+    return sum(state if k == LIGHTNING else sparse for k in kinds)
+
+
+def row_bytes(cfg: ModelConfig, own_tokens: int, itemsize: int) -> int:
+    """One decoding row over a shared document: its own lightning states and its own keys,
+    values and chunks for `own_tokens` positions."""
+    return document_bytes(cfg, own_tokens, itemsize)
+
+
+def transient_bytes(cfg: ModelConfig, chunk: int, gpu: bool) -> int:
+    """A prefill chunk's temporaries: the tiles in flight and a layer's float32 activations."""
+    return TILE_ARRAYS * tiles_bytes(gpu) + activation_bytes(cfg, chunk)
+
+
+def tiles_bytes(gpu: bool) -> int:
+    """The largest tiles of the kernels in flight at once: one per lane."""
+    if gpu:
+        return int(attention.device_memory() * attention.TILE_MEMORY_SHARE)
+    return 2 * attention.MAX_SCORE_ELEMENTS * 4  # two lanes, a float32 score tile each
+
+
+def reused_tiles_bytes(gpu: bool) -> int:
+    """The tiles a long document's chunks allocate again and again: one per lane of the sparse
+    kernels (a dense-attention tile of full size comes only below dense_len, in short
+    prompts)."""
+    if gpu:
+        return tiles_bytes(gpu)
+    return 2 * sparse_select.MAX_SCORE_ELEMENTS * 4
+
+
+def activation_bytes(cfg: ModelConfig, chunk: int) -> int:
+    """One layer's float32 intermediates for `chunk` tokens: the residual stream and norms, the
+    projections (q, k, v, gate) or the MLP's, whichever is wider."""
+    d = cfg.head_dim
+    heads = max(cfg.num_attention_heads, cfg.lightning_heads)
+    return chunk * (4 * cfg.hidden_size + max(4 * heads * d, 3 * cfg.intermediate_size)) * 4
+
+
+def cache_limit(cfg: ModelConfig, chunk: int, gpu: bool) -> int:
+    """MLX's buffer cache for a run: what one chunk reuses from the last (a tile per lane, the
+    activations), never a share of RAM."""
+    return max(MIN_CACHE, reused_tiles_bytes(gpu) + activation_bytes(cfg, chunk))
+
+
+def available_bytes(gpu: bool) -> int:
+    """Memory the run may still take: on a GPU the device's working set less what MLX holds;
+    on the CPU the system's available memory (Linux's MemAvailable), else its RAM."""
+    import mlx.core as mx
+
+    if gpu:
+        return attention.device_memory() - mx.get_active_memory()
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check(plan: MemoryPlan, free: int, what: str) -> None:
+    """Refuses (OutOfMemoryError) `what` when its new memory (all but the weights, loaded already)
+    exceeds `free`, in one line naming both."""
+    needs = plan.peak - plan.weights
+    if needs > free:
+        raise OutOfMemoryError(
+            f"{what} needs {gb(needs)} more ({plan.line()}) and {gb(free)} is free: "
+            "lower engine.prefill_chunk or engine.batch_size, or free memory"
+        )
