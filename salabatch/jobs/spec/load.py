@@ -25,7 +25,6 @@ from salabatch.jobs.ingest.documents import SUPPORTED_SUFFIXES, DocumentSource, 
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
 from salabatch.jobs.spec.job_yaml import (
     apply_override,
-    duplicate_keys,
     line_of,
     parse_yaml,
     read_job_file,
@@ -52,8 +51,7 @@ def load_job(
     every mistake, each with its YAML line or "(from the command line)") for one that does not
     validate.
     """
-    data, root = parse_yaml(read_job_file(path), path)
-    errors = duplicate_keys(root)
+    data, root, errors = parse_yaml(read_job_file(path), path)
     set_paths, override_errors = _command_line(data, overrides, requests, output)
     errors += override_errors
 
