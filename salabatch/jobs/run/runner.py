@@ -25,7 +25,7 @@ from tqdm import tqdm
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.runtime import engine_runtime
-from salabatch.jobs.ingest.documents import expand_sources
+from salabatch.jobs.ingest.documents import count_documents, expand_sources
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.results.writer import ResultWriter
@@ -155,13 +155,8 @@ class _Runner:
 def count_rows(spec: JobSpec) -> int:
     """Rows the job asks for (documents × questions + request lines), without reading files
     beyond counting jsonl lines."""
-    total = 0
-    for f in expand_sources(spec.sources()):
-        if f.path.suffix.lower() == ".jsonl":
-            with open(f.path, "rb") as handle:
-                total += sum(1 for line in handle if line.strip()) * len(spec.questions)
-        else:
-            total += len(spec.questions)
+    files = expand_sources(spec.sources())
+    total = sum(count_documents(f) for f in files) * len(spec.questions)
     if spec.requests:
         with open(spec.requests, "rb") as handle:
             total += sum(1 for line in handle if line.strip())

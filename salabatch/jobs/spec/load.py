@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from salabatch.errors import JobSpecError, JobValidationError
-from salabatch.jobs.ingest.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.ingest.documents import DEFAULT_SUFFIXES, DocumentSource, expand_sources
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
 from salabatch.jobs.spec.job_yaml import (
     apply_override,
@@ -179,12 +179,15 @@ def _document_problems(sources: list[DocumentSource]) -> tuple[list[str], int | 
         problems = [_entry_problem(index, source) for index, source in enumerate(sources)]
         return [p for p in problems if p is not None], None
     problems = []
-    for file in files:  # only a file named directly can have an unsupported type
-        if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
+    for file in files:  # only a file named directly can have an unknown type
+        if file.format is None:
             where = render_loc(("documents", sources.index(file.source), "path"))
-            supported = " ".join(SUPPORTED_SUFFIXES)
             kind = file.path.suffix or "(none)"
-            problems.append(f"{where}: unsupported file type {kind} (supported: {supported})")
+            problems.append(
+                f"{where}: unsupported file type {kind} (supported: {' '.join(DEFAULT_SUFFIXES)}, "
+                "text files such as .rst .html .py; or give the entry a format: text, pdf or "
+                "jsonl)"
+            )
     return problems, len(files)
 
 

@@ -85,6 +85,8 @@ class DocumentEntry(_Strict):
     glob: str | None = None  # for a folder: a pattern relative to it, e.g. "**/*.pdf"
     text_field: str = Field("text", min_length=1)  # .jsonl records: where the text is
     id_field: str = Field("id", min_length=1)  # .jsonl records: where the id is
+    # Read every file of the entry so, whatever its suffix (none included); default: by suffix.
+    format: Literal["text", "pdf", "jsonl"] | None = None
 
     @field_validator("path", mode="before")
     @classmethod
@@ -105,9 +107,12 @@ class DocumentEntry(_Strict):
             raise job_error("path is already a glob pattern: put the whole pattern in path")
         return value
 
-    def to_source(self) -> DocumentSource:
-        """The entry as `salabatch.jobs.ingest.documents` reads it."""
-        return DocumentSource(self.path, self.glob, self.text_field, self.id_field)
+    def to_source(self, max_tokens: int | None = None) -> DocumentSource:
+        """The entry as `salabatch.jobs.ingest.documents` reads it; `max_tokens`, the job's
+        max_context, limits the bytes of a document."""
+        return DocumentSource(
+            self.path, self.glob, self.text_field, self.id_field, self.format, max_tokens
+        )
 
 
 class Question(_Strict):
@@ -280,8 +285,9 @@ class JobSpec(_Strict):
         return is_builtin(self.model)
 
     def sources(self) -> list[DocumentSource]:
-        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`."""
-        return [entry.to_source() for entry in self.documents]
+        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`, with
+        the byte limit of `engine.max_context`."""
+        return [entry.to_source(self.engine.max_context) for entry in self.documents]
 
 
 def _with_defaults(data: Any) -> Any:

@@ -70,7 +70,9 @@ def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home)
     assert [q.id for q in spec.questions] == ["summary", "parties"]
     assert spec.cache.dir == home / ".cache" / "salabatch"
     assert spec.output.path == jobs / "results" / "contracts.parquet"
-    assert spec.sources() == [DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id")]
+    assert spec.sources() == [
+        DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id", max_tokens=1048576)
+    ]
 
 
 def test_defaults(tmp_path, home):
@@ -325,9 +327,11 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
     ]
     (tmp_path / "model" / "config.json").write_text("{}")
     fixed = load_job(job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"])
-    assert check_paths(fixed) == [
-        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl)"
-    ]
+    (problem,) = check_paths(fixed)
+    assert problem.startswith(
+        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl"
+    )
+    assert problem.endswith("or give the entry a format: text, pdf or jsonl)")
     with pytest.raises(JobValidationError, match="documents\\[1\\].path: unsupported file type"):
         load_job(
             job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"], check_files=True
