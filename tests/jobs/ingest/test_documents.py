@@ -369,3 +369,38 @@ def test_a_jsonl_line_over_the_byte_limit_is_an_error_record_and_the_others_go_o
     ]
     (found,) = identify_documents([source])
     assert found.ids == tuple((d.doc_id, d.sha256) for d in docs)
+
+
+# ---- what a file is: format and suffixes -------------------------------------------------------
+
+
+def test_rst_html_and_code_are_read_as_text_when_named_or_globbed(tmp_path):
+    write(tmp_path / "guide.rst", "Guide\n=====\n")
+    write(tmp_path / "page.html", "<p>Hello</p>")
+    write(tmp_path / "tool.py", "print('hi')\n")
+    write(tmp_path / "notes.txt", "notes")
+    docs = read(tmp_path / "guide.rst", tmp_path / "page.html")
+    assert [(d.doc_id, d.text) for d in docs] == [
+        ("guide.rst", "Guide\n=====\n"),
+        ("page.html", "<p>Hello</p>"),  # as it is: markup and all
+    ]
+    assert ids(read(tmp_path)) == ["notes.txt"]  # a walk without a glob: .txt .md .pdf .jsonl
+    assert ids(read(DocumentSource(tmp_path, glob="*"))) == [
+        "guide.rst",
+        "notes.txt",
+        "page.html",
+        "tool.py",
+    ]
+
+
+def test_files_without_a_suffix_are_read_with_the_entry_format(tmp_path):
+    write(tmp_path / "LICENSE", "Permission is hereby granted")
+    write(tmp_path / "records", json.dumps({"id": "r1", "text": "a record"}) + "\n")
+    with pytest.raises(JobSpecError, match=r"\(2 of another type: give the entry a format:\)"):
+        expand_sources([DocumentSource(tmp_path, glob="*")])
+    docs = read(DocumentSource(tmp_path / "LICENSE", format="text"))
+    assert [(d.doc_id, d.text) for d in docs] == [("LICENSE", "Permission is hereby granted")]
+    assert read_one(tmp_path / "LICENSE").error.startswith("unsupported file type (none)")
+    (record,) = read(DocumentSource(tmp_path / "records", format="jsonl"))
+    assert (record.doc_id, record.text) == ("r1", "a record")
+    assert ids(read(DocumentSource(tmp_path, glob="*", format="text"))) == ["LICENSE", "records"]
