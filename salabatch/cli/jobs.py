@@ -26,7 +26,7 @@ _overrides = click.option(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False),
+    metavar="PATH",  # checked with the job's output.path (a NUL byte would stop click.Path)
     help="Results file (default: the job's output.path): x.parquet, or x.jsonl for OpenAI Batch "
     "output lines in input order, its resumable results kept beside it in x.parquet.",
 )
@@ -87,27 +87,22 @@ def run(
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec.load import load_job, requests_job
+    from salabatch.jobs.spec.load import batch_output, check_paths, load_job, requests_job
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")
 
-    if output is not None and os.path.splitext(output)[1].lower() not in (".parquet", ".jsonl"):
-        raise click.BadParameter(
-            f"{output}: expected a .parquet results file or a .jsonl OpenAI Batch output file",
-            param_hint="-o/--output",
-        )
     if job:
-        spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
+        spec = load_job(job, overrides, requests=requests, output=output)
     elif requests:
-        extra = [f"output.path={os.path.abspath(output)}"] if output else []
-        spec = requests_job(requests, model, [*overrides, *extra])
+        spec = requests_job(requests, model, overrides, output=output)
     else:
         raise click.UsageError("give a JOB file, or --requests FILE")
-    jsonl = spec.output.path if spec.output.path.suffix.lower() == ".jsonl" else None
-    if jsonl is not None:  # OpenAI Batch output; the results stay Parquet, beside it
-        results = spec.output.model_copy(update={"path": jsonl.with_suffix(".parquet")})
-        spec = spec.model_copy(update={"output": results})
+    # `--requests` without `-o`: its OpenAI Batch output goes beside the results
+    beside = requests is not None and output is None
+    if problems := check_paths(spec, batch_beside=beside):
+        raise JobValidationError(job or requests, problems)
+    spec, jsonl = batch_output(spec, beside)
     if dry_run:
         from salabatch.jobs.run.dry_run import dry_run as show_plan
 

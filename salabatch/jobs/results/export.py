@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -124,6 +125,32 @@ def export_openai_jsonl(
     lines = (json.dumps(_openai_line(r), ensure_ascii=False) + "\n" for r in records)
     _write_text(out, lines)
     return len(records)
+
+
+_BATCH_LINE_KEYS = {"id", "custom_id", "response", "error"}
+_BATCH_ID = re.compile(r"batch_req_[0-9a-f]{32}")
+_MAX_LINE = 64 * 2**20  # a first line longer than this is no line of ours
+
+
+def is_batch_output(path: str | os.PathLike) -> bool:
+    """Whether the regular file `path` holds OpenAI Batch output lines salabatch wrote (as
+    `export_openai_jsonl` writes them: its ids), or nothing: a file a run may replace."""
+    with open(path, "rb") as f:
+        while line := f.readline(_MAX_LINE):
+            if line.strip():
+                break
+        else:
+            return True  # empty, or blank lines only
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return (
+        isinstance(first, dict)
+        and first.keys() == _BATCH_LINE_KEYS
+        and isinstance(first["id"], str)
+        and _BATCH_ID.fullmatch(first["id"]) is not None
+    )
 
 
 EXPORTERS: dict[str, Callable[[str | os.PathLike, Any], int]] = {

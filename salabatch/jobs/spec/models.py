@@ -63,9 +63,26 @@ def _resolve(value: object, info: ValidationInfo) -> str:
         raise job_error(f"expected a path, got {show_value(value)}")
     if not value.strip():
         raise job_error("must not be empty")
+    if "\0" in value:
+        raise job_error(f"must not contain a NUL byte, got {show_value(value)}")
+    if bad := _not_utf8(value):
+        # the spec is stored as UTF-8 JSON in the results; a name from the command line may
+        # hold any bytes
+        raise job_error(f"is not valid UTF-8 ({bad}); rename it, or match it with a glob")
     base = (info.context or {}).get("base_dir") or os.getcwd()
     # A string, not a Path: JSON-mode validation (`model_validate_json`) takes only strings.
     return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+
+
+def _not_utf8(text: str) -> str | None:
+    """What in `text` is not UTF-8, or None: Python keeps the bytes of a command-line argument
+    that are not as surrogates (U+DC80 to U+DCFF)."""
+    for ch in text:
+        if 0xDC80 <= ord(ch) <= 0xDCFF:
+            return f"byte 0x{ord(ch) - 0xDC00:02x}"
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            return f"lone surrogate U+{ord(ch):04X}"
+    return None
 
 
 class _Strict(BaseModel):
@@ -189,15 +206,37 @@ class CacheSettings(_Strict):
         return _resolve(value, info)
 
 
+# The longest output file name: the file system allows 255 bytes, and the results file gets a
+# parts folder (`.parts`) and temporary files (`.<stem>.tmp-<pid>-<8 hex>.parquet`) beside it.
+MAX_OUTPUT_NAME = 255 - 25
+OUTPUT_SUFFIXES = (".parquet", ".jsonl")
+
+
 class OutputSettings(_Strict):
-    """Where the results go; `path` defaults to `results/<name>.parquet` beside the job file."""
+    """Where the results go; `path` defaults to `results/<name>.parquet` beside the job file.
+    A path ending in .jsonl is OpenAI Batch output, its results beside it in .parquet."""
 
     path: Path
 
     @field_validator("path", mode="before")
     @classmethod
     def _resolve_path(cls, value: object, info: ValidationInfo) -> str:
-        return _resolve(value, info)
+        path = _resolve(value, info)
+        name = os.path.basename(path)
+        if os.path.splitext(name)[1].lower() not in OUTPUT_SUFFIXES:
+            raise job_error(
+                f"must end in .parquet (the results) or .jsonl (OpenAI Batch output, the results "
+                f"beside it in .parquet), got {show_value(name)}"
+            )
+        too_long = [p for p in Path(path).parts if len(os.fsencode(p)) > 255]
+        if too_long or len(os.fsencode(name)) > MAX_OUTPUT_NAME:
+            part = too_long[0] if too_long else name
+            raise job_error(
+                f"a file name of {len(os.fsencode(part))} bytes: at most {MAX_OUTPUT_NAME} "
+                "(file systems allow 255, and the results get a .parts folder and temporary "
+                "files named after them)"
+            )
+        return path
 
 
 class JobSpec(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 
 import pytest
 
@@ -197,3 +198,68 @@ def test_an_edited_request_body_replaces_its_row(tmp_path, tiny_model):
     assert run_cli("run", *args).exit_code == 0
     (only,) = read_results(out).to_pylist()
     assert only["custom_id"] == "a" and only["completion_tokens"] <= 2
+
+
+# ---- output paths: checked before the model loads, never a foreign file overwritten -------------
+
+
+def test_output_never_overwrites_the_requests_file_or_a_jsonl_that_is_not_salabatchs(
+    tmp_path, tiny_model, no_model_load
+):
+    # Defect 1: `--requests req.jsonl -o req.jsonl` replaced the input with the output, exit 0;
+    # so did a job's output.path naming any existing .jsonl.
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    requests = tmp_path / "req.jsonl"
+    requests.write_text(json.dumps({"custom_id": "a", "body": body}) + "\n")
+    before = requests.read_bytes()
+    result = run_cli(
+        "run", "--requests", str(requests), "--model", str(tiny_model), "-o", str(requests)
+    )
+    assert result.exit_code == 2, result.output
+    assert f"output.path: {requests} is the requests file" in result.output
+    assert requests.read_bytes() == before
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"note": "mine, not salabatch output"}\n')
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: j\nmodel: {tiny_model}\nrequests: req.jsonl\noutput: {{path: notes.jsonl}}\n"
+    )
+    for command in ("validate", "run"):
+        result = run_cli(command, str(job))
+        assert result.exit_code == 2, (command, result.output)
+        assert f"output.path: {notes} exists and is not salabatch's OpenAI Batch output" in (
+            result.output
+        )
+        assert notes.read_text() == '{"note": "mine, not salabatch output"}\n'
+    assert not (tmp_path / "notes.parquet").exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [
+        ("res\0.parquet", "must not contain a NUL byte"),
+        ("r" * 250 + ".parquet", "file name of 258 bytes"),
+        (os.fsdecode(b"r\xe9s.parquet"), "not valid UTF-8"),
+        ("res.csv", "must end in .parquet"),
+    ],
+    ids=["nul", "long-name", "not-utf8", "csv"],
+)
+def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
+    tmp_path, tiny_model, no_model_load, output, problem
+):
+    # Defect 6: these passed validate and failed after the model loaded, exit 1, with a Python
+    # error; `output.path: res.csv` wrote Parquet into res.csv while `-o res.csv` was refused.
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model))
+    checks = [
+        ("validate", job, "--set", f"output.path={output}"),
+        ("run", job, "--set", f"output.path={output}"),
+        ("run", job, "-o", str(tmp_path / output)),
+    ]
+    for args in checks:
+        result = run_cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "output.path: " in result.output and problem in result.output, result.output
+        assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "job.yaml"]
