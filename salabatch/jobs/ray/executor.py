@@ -44,7 +44,7 @@ from salabatch.jobs.ray.manifest import Unit, plan_manifest
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.results.writer import ResultWriter
-from salabatch.jobs.run.answerer import RunIdentity
+from salabatch.jobs.run.answerer import RunIdentity, plan_name
 from salabatch.jobs.run.plan import Row
 from salabatch.jobs.run.prepare import prepared
 from salabatch.jobs.run.runner import RunSummary, count_rows
@@ -113,6 +113,7 @@ def run_job_ray(
             ) as bar:
                 out = _Output(writer, summary, identity, bar)
                 for plan in manifest.errors:  # request lines that cannot be served
+                    echo(f"error in {plan_name(plan)}: {plan.error}")
                     out.fail(plan.rows, plan.error)
                 if manifest.units:
                     with _cluster(ray, address, workers, echo) as actors:

@@ -115,6 +115,7 @@ class Answerer:
         pool: list[tuple[Row, DocPlan]] = []
         for plan in plans:
             if plan.error:
+                self.echo(f"error in {plan_name(plan)}: {plan.error}")
                 yield [self._error_row(r, plan, plan.error) for r in plan.rows]
             elif self.setup.is_pooled(plan):
                 pool += [(r, plan) for r in plan.rows]
@@ -219,6 +220,14 @@ class Answerer:
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
         return self.identity.error_row(row, reason, plan.doc_tokens or None)
+
+
+def plan_name(plan: DocPlan) -> str:
+    """A plan as a report names it: its document, or its request line."""
+    row = plan.rows[0] if plan.rows else None
+    if row is not None and row.request_line is not None:
+        return f"request {row.custom_id}"
+    return f"document {plan.doc.doc_id}"
 
 
 def _row_prefix(prefix: Prefix, row: Row, plan: DocPlan) -> Prefix:

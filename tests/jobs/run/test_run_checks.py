@@ -263,3 +263,23 @@ def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
         assert "output.path: " in result.output and problem in result.output, result.output
         assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "job.yaml"]
+
+
+def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny_model):
+    # Defect 7: the run ended with "6 row(s) of the job are errors" and no word of which
+    # documents failed or why: the user needed `inspect`.
+    docs = write_docs(tmp_path)
+    (docs / "empty.txt").write_bytes(b"")
+    (docs / "broken.pdf").write_bytes(b"%PDF-1.4\n garbage")
+    fifo = tmp_path / "pipe.md"
+    os.mkfifo(fifo)
+    job = write_job(tmp_path, tiny_model, documents=[{"path": "docs"}, {"path": "pipe.md"}])
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output
+    failed = [line for line in result.output.splitlines() if line.startswith("error in ")]
+    assert len(failed) == 3, result.output
+    assert failed[0].startswith("error in document broken.pdf: corrupt PDF")
+    assert failed[1] == "error in document empty.txt: empty file (0 bytes)"
+    assert failed[2] == "error in document pipe.md: not a regular file: a FIFO (named pipe)"
+    again = run_cli("run", str(job))  # error rows kept: said again in the summary, not per row
+    assert again.exit_code == 3 and "error in document" not in again.output
