@@ -458,7 +458,7 @@ class _RegularFile:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:
             raise _Unreadable(f"cannot read file: {e.strerror or one_line(e)}") from None
-        self.f = os.fdopen(fd, "rb")
+        self.f = os.fdopen(fd, "rb", buffering=_LINE_CHUNK)
         try:
             _check_regular(os.fstat(fd).st_mode)
         except BaseException:
@@ -543,7 +543,6 @@ class _Lines:
         blank, digest, number = True, hashlib.sha256(), 0
         while raw := self.f.readline(-1 if self.limit is None else self.limit + 1):
             number += 1
-            self.size += len(raw)
             if blank:
                 digest.update(raw)
             line = raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
@@ -554,18 +553,33 @@ class _Lines:
             elif content.strip():
                 blank = False
                 yield number, content
+        self.size = self.f.tell()
         self.sha256 = digest.hexdigest() if blank else ""
 
     def _skip(self, start: bytes) -> int:
-        """Reads past the rest of a line over the limit; returns its size, newline not counted."""
-        size, piece = len(start), start
-        while not piece.endswith(b"\n"):
-            piece = self.f.readline(_LINE_CHUNK)
-            if not piece:
-                return size
-            size += len(piece)
-            self.size += len(piece)
-        return size - 1
+        """Moves past the rest of a line over the limit (`start`: its bytes read so far);
+        returns its size, newline not counted. The holes of a sparse file hold zeros, never a
+        newline: they are stepped over, not read."""
+        f = self.f
+        begin = f.tell() - len(start)
+        while chunk := f.read(_LINE_CHUNK):
+            at = chunk.find(b"\n")
+            if at >= 0:
+                f.seek(at + 1 - len(chunk), os.SEEK_CUR)
+                return f.tell() - 1 - begin
+            _past_hole(f)
+        return f.tell() - begin
+
+
+def _past_hole(f: BinaryIO) -> None:
+    """Seeks to the next data of a sparse file when a hole starts where `f` stands."""
+    if not hasattr(os, "SEEK_DATA"):
+        return
+    try:
+        data = os.lseek(f.fileno(), f.tell(), os.SEEK_DATA)
+    except OSError:  # no data after this: the rest is a hole
+        data = os.lseek(f.fileno(), 0, os.SEEK_END)
+    f.seek(data)
 
 
 def _parse_record(

@@ -404,3 +404,17 @@ def test_files_without_a_suffix_are_read_with_the_entry_format(tmp_path):
     (record,) = read(DocumentSource(tmp_path / "records", format="jsonl"))
     assert (record.doc_id, record.text) == ("r1", "a record")
     assert ids(read(DocumentSource(tmp_path, glob="*", format="text"))) == ["LICENSE", "records"]
+
+
+def test_a_sparse_jsonl_line_is_stepped_over_and_the_next_record_read(tmp_path):
+    path = tmp_path / "holes.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"id": "a", "text": "first"}\n')
+        f.truncate(64 * 2**20)  # a line of 64 MB of zeros: a hole, never read
+        f.seek(0, os.SEEK_END)
+        f.write(b'\n{"id": "b", "text": "after the hole"}\n')
+    source = DocumentSource(path, max_tokens=1024)
+    docs = read(source)
+    assert [(d.doc_id, d.ok) for d in docs] == [("a", True), ("holes.jsonl#L2", False), ("b", True)]
+    assert docs[1].error.startswith("line 2: too large: 64.0 MB, over the 16.0 KB")
+    assert docs[2].text == "after the hole"

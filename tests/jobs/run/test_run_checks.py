@@ -283,3 +283,17 @@ def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny
     assert failed[2] == "error in document pipe.md: not a regular file: a FIFO (named pipe)"
     again = run_cli("run", str(job))  # error rows kept: said again in the summary, not per row
     assert again.exit_code == 3 and "error in document" not in again.output
+
+
+def test_a_3gb_file_and_a_fifo_in_a_job_become_error_rows_without_being_read(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    with open(docs / "huge.txt", "wb") as f:
+        f.truncate(3 * 2**30)  # sparse: no disk used; reading it would take seconds and GBs
+    os.mkfifo(docs / "pipe.md")  # a walk leaves it out; named, it is an error row
+    job = write_job(tmp_path, tiny_model, documents=[{"path": "docs"}, {"path": "docs/pipe.md"}])
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output
+    got = {(r["doc_id"], r["question_id"]): r for r in rows(tmp_path)}
+    assert got[("huge.txt", "who")]["error"].startswith("too large: 3.0 GB, over the 16.0 MB")
+    assert got[("pipe.md", "who")]["error"] == "not a regular file: a FIFO (named pipe)"
+    assert len(got) == 15 and sum(r["status"] == "ok" for r in got.values()) == 9
