@@ -54,8 +54,11 @@ class _Group(click.Group):
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as one line on stderr: `warning: <message>` (no source path or code line)."""
-    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
+    """A warning as one line on stderr: `warning: <message>` (no source path or code line),
+    through tqdm, so that it does not break a progress bar being drawn there."""
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def debug_enabled() -> bool:

@@ -15,12 +15,11 @@ executor's workers.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
 
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
@@ -32,6 +31,7 @@ from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.run.answerer import Answerer, RunIdentity
 from salabatch.jobs.run.plan import DocPlan, Planner
 from salabatch.jobs.run.prepare import JobSetup, prepared
+from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec
 
 
@@ -99,16 +99,14 @@ class _Runner:
     ) -> None:
         self.setup, self.writer, self.summary = setup, writer, summary
         identity = RunIdentity.of(setup, model.config)
-        self.answerer = Answerer(setup, model, identity, progress=progress, echo=echo, debug=debug)
+        self.progress = Progress.to(
+            sys.stderr, setup.spec.name, count_rows(setup.spec), enabled=progress, echo=echo
+        )
+        self.answerer = Answerer(
+            setup, model, identity, progress=self.progress, echo=self.progress.write, debug=debug
+        )
         self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
         self.planned_all = False  # every plan of the job was drawn (no --limit cut)
-        self.bar = tqdm(
-            total=count_rows(setup.spec),
-            unit="row",
-            desc=setup.spec.name,
-            disable=not progress,
-            dynamic_ncols=True,
-        )
 
     def run(self, limit: int | None) -> None:
         planner = self.setup.planner(self.writer.done_keys())
@@ -123,7 +121,7 @@ class _Runner:
             self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
             self.request_lines = planner.request_lines
         finally:
-            self.bar.close()
+            self.progress.close()
 
     def _plans(self, planner: Planner, limit: int | None) -> Iterator[DocPlan]:
         """The job's plans in order, at most `limit` rows in all."""
@@ -140,7 +138,7 @@ class _Runner:
         self.planned_all = True
 
     def _count_skipped(self, planner: Planner) -> None:
-        self.bar.update(planner.skipped - self.summary.skipped)
+        self.progress.found_done(planner.skipped)
         self.summary.skipped = planner.skipped
 
     def _write(self, rows: list[ResultRow]) -> None:
@@ -149,7 +147,7 @@ class _Runner:
         self.writer.write(rows)
         self.summary.written += len(rows)
         self.summary.errors += sum(r.status == "error" for r in rows)
-        self.bar.update(len(rows))
+        self.progress.rows(len(rows))
 
 
 def count_rows(spec: JobSpec) -> int:
