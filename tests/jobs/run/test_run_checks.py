@@ -297,3 +297,19 @@ def test_a_3gb_file_and_a_fifo_in_a_job_become_error_rows_without_being_read(tmp
     assert got[("huge.txt", "who")]["error"].startswith("too large: 3.0 GB, over the 16.0 MB")
     assert got[("pipe.md", "who")]["error"] == "not a regular file: a FIFO (named pipe)"
     assert len(got) == 15 and sum(r["status"] == "ok" for r in got.values()) == 9
+
+
+def test_debug_works_after_the_command_name_too(tmp_path, tiny_model, monkeypatch):
+    from salabatch.jobs.results import export
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(export, "inspect_results", broken)
+    debug = run_cli("inspect", str(tmp_path / "x.parquet"), "--debug")
+    assert debug.exit_code == 1 and isinstance(debug.exception, ZeroDivisionError)
+    write_docs(tmp_path)
+    failing_generator(monkeypatch)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)), "--debug")
+    assert result.exit_code == 3 and "Traceback" in result.output
+    assert run_cli("cache", "ls", "--dir", str(tmp_path / "c"), "--debug").exit_code == 0
