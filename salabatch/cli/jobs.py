@@ -3,13 +3,23 @@ checked). Like every command group, nothing heavy is imported until a command ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import click
 
-from salabatch.cli.main import EXIT_ERROR_ROWS, EXIT_INTERRUPTED, debug_enabled, human_size
+from salabatch.cli.main import (
+    EXIT_ERROR_ROWS,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    debug_enabled,
+    human_size,
+)
 from salabatch.errors import JobValidationError
 
 _overrides = click.option(
@@ -114,16 +124,17 @@ def run(
         execute = functools.partial(run_job_ray, address=address, workers=workers)
     else:
         from salabatch.jobs.run.runner import run_job as execute
-    summary = execute(
-        spec,
-        resume=resume,
-        retry_errors=retry_errors,
-        limit=limit,
-        progress=progress,
-        echo=lambda m: click.echo(m, err=True),
-        debug=debug_enabled(),
-        jsonl=jsonl,
-    )
+    with _sigterm_as_ctrl_c() as terminated:
+        summary = execute(
+            spec,
+            resume=resume,
+            retry_errors=retry_errors,
+            limit=limit,
+            progress=progress,
+            echo=lambda m: click.echo(m, err=True),
+            debug=debug_enabled(),
+            jsonl=jsonl,
+        )
     click.echo(
         f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
         f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
@@ -132,8 +143,9 @@ def run(
     if jsonl is not None and not summary.interrupted:
         click.echo(f"OpenAI Batch output -> {jsonl}", err=True)
     if summary.interrupted:
-        click.echo("interrupted: finished rows are saved; run the same command to resume", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        click.echo(f"{how}: finished rows are saved; run the same command to resume", err=True)
+        sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
     click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
     if summary.failed:
         click.echo(
@@ -142,6 +154,28 @@ def run(
             err=True,
         )
         sys.exit(EXIT_ERROR_ROWS)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[list[int]]:
+    """SIGTERM (`kill`, a scheduler's stop, a container's end) stops the run as Ctrl-C does:
+    finished rows are kept and merged, and the run says so. Yields a list that holds the
+    signal once it came; the handler before is put back after the block."""
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not received:  # once: a second one must not break the merge that saves the rows
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may handle signals
+        return
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @click.command()

@@ -16,9 +16,11 @@ from salabatch.errors import SalabatchError
 
 # Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
 # an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
-# 3 the run finished but results of the job are error rows; 130 interrupted (rows kept).
+# 3 the run finished but results of the job are error rows; 130 interrupted by Ctrl-C, 143
+# stopped by SIGTERM (128 + the signal, as a shell reports it; finished rows kept either way).
 EXIT_ERROR_ROWS = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class _Group(click.Group):

@@ -322,3 +322,15 @@ def test_a_file_name_that_is_not_utf8_is_stored_escaped_and_its_row_says_so(tmp_
     assert got["notes.txt"]["doc_path"] == str(docs / "notes.txt")
     again = run_cli("run", str(write_job(tmp_path, tiny_model)))
     assert again.exit_code == 0 and "12 already done" in again.output
+
+
+def test_sigterm_stops_like_ctrl_c_and_says_the_rows_are_safe(tmp_path, tiny_model):
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=1, max_tokens=128)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143  # 128 + SIGTERM, as a shell reports it
+    err = proc.stderr.read()
+    assert "terminated (SIGTERM): finished rows are saved; run the same command to resume" in err
+    assert "Traceback" not in err
+    saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
+    assert 1 <= len(saved) < 21
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()
