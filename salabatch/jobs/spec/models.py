@@ -337,10 +337,7 @@ def _with_defaults(data: Any) -> Any:
     data = dict(data)
     questions = data.get("questions")
     if isinstance(questions, list):
-        data["questions"] = [
-            {**q, "id": f"q{n}"} if isinstance(q, dict) and q.get("id") is None else q
-            for n, q in enumerate(questions, 1)
-        ]
+        data["questions"] = [_question(q, n) for n, q in enumerate(questions, 1)]
     if "cache" not in data:
         data["cache"] = {}
     output = data.get("output", {})
@@ -350,6 +347,15 @@ def _with_defaults(data: Any) -> Any:
         stem = name if isinstance(name, str) and _SAFE_NAME.fullmatch(name) else "job"
         data["output"] = {**output, "path": f"results/{stem}.parquet"}
     return data
+
+
+def _question(question: object, number: int) -> object:
+    """A question as given, its id `q<number>` when it has none; a plain string is its text."""
+    if isinstance(question, str):
+        return {"id": f"q{number}", "text": question}
+    if isinstance(question, dict) and question.get("id") is None:
+        return {**question, "id": f"q{number}"}
+    return question
 
 
 def _number_as_text(value: object) -> object:

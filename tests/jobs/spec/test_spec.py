@@ -139,6 +139,39 @@ def test_auto_ids_and_per_question_overrides(tmp_path):
     assert generation_key(spec, spec.questions[0])["max_tokens"] == 100
 
 
+def test_questions_given_as_plain_strings(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: plain
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - Who signed it?
+          - {id: when, text: "When?"}
+          - "What does it cost?"
+        """,
+    )
+    spec = load_job(job)
+    assert [(q.id, q.text) for q in spec.questions] == [
+        ("q1", "Who signed it?"),
+        ("when", "When?"),
+        ("q3", "What does it cost?"),
+    ]
+    assert (
+        error_of(job, ("questions[0]=''",))
+        == "questions[0].text: must not be empty (from the command line)"
+    )
+
+
+def test_a_documents_entry_format_is_text_pdf_or_jsonl(tmp_path):
+    job = write(tmp_path, MINIMAL.replace("[{path: docs}]", "[{path: LICENSE, format: text}]"))
+    assert load_job(job).sources()[0].format == "text"
+    assert error_of(job, ("documents[0].format=docx",)) == (
+        "documents[0].format: must be 'text', 'pdf' or 'jsonl', got 'docx' (from the command line)"
+    )
+
+
 def test_numbers_are_fine_as_names_and_ids(tmp_path):
     spec = load_job(write(tmp_path, MINIMAL.replace("name: mini", "name: 2024"), "n.yaml"))
     assert spec.name == "2024" and spec.output.path == tmp_path / "results" / "2024.parquet"
