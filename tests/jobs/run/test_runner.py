@@ -334,3 +334,14 @@ def test_sigterm_stops_like_ctrl_c_and_says_the_rows_are_safe(tmp_path, tiny_mod
     saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
     assert 1 <= len(saved) < 21
     assert not (tmp_path / "out" / "results.parquet.parts").exists()
+
+
+def test_cache_ls_names_the_documents_of_the_stored_prefixes(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    listed = run_cli("cache", "ls", "--dir", str(tmp_path / "cache"))
+    assert listed.exit_code == 0, listed.output
+    header, *entries = listed.output.splitlines()[:-1]
+    assert "document" in header.split()
+    documents = sorted(line.split()[8] for line in entries if " prefix " in line)
+    assert documents == ["letter.pdf", "report.md"]  # notes.txt is short: pooled, not stored
