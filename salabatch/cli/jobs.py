@@ -58,7 +58,7 @@ _overrides = click.option(
     "--requests",
     type=click.Path(dir_okay=False),
     help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file); without -o, "
-    "its Batch output goes beside the results, in results/<name>.jsonl.",
+    "its Batch output goes beside the results (x.parquet: x.jsonl).",
 )
 @click.option("--model", help="Model of a --requests run without a job file.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
