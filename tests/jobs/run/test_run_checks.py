@@ -271,16 +271,13 @@ def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny
     docs = write_docs(tmp_path)
     (docs / "empty.txt").write_bytes(b"")
     (docs / "broken.pdf").write_bytes(b"%PDF-1.4\n garbage")
-    fifo = tmp_path / "pipe.md"
-    os.mkfifo(fifo)
-    job = write_job(tmp_path, tiny_model, documents=[{"path": "docs"}, {"path": "pipe.md"}])
+    job = write_job(tmp_path, tiny_model)
     result = run_cli("run", str(job))
     assert result.exit_code == 3, result.output
     failed = [line for line in result.output.splitlines() if line.startswith("error in ")]
-    assert len(failed) == 3, result.output
+    assert len(failed) == 2, result.output
     assert failed[0].startswith("error in document broken.pdf: corrupt PDF")
     assert failed[1] == "error in document empty.txt: empty file (0 bytes)"
-    assert failed[2] == "error in document pipe.md: not a regular file: a FIFO (named pipe)"
     again = run_cli("run", str(job))  # error rows kept: said again in the summary, not per row
     assert again.exit_code == 3 and "error in document" not in again.output
 
