@@ -4,7 +4,7 @@
 from salabatch.cli.bench import bench, doctor
 from salabatch.cli.cache import cache
 from salabatch.cli.jobs import run, validate
-from salabatch.cli.main import main
+from salabatch.cli.main import main, with_debug_option
 from salabatch.cli.model import convert_cmd, generate
 from salabatch.cli.results import export, inspect
 from salabatch.cli.train import train
@@ -21,6 +21,7 @@ for _command in (
     train,
     bench,
 ):
+    with_debug_option(_command)
     main.add_command(_command)
 
 __all__ = ["main"]

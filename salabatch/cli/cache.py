@@ -32,8 +32,8 @@ def _store(root: str | None):
 @cache.command("ls")
 @_cache_dir
 def cache_ls(root: str | None) -> None:
-    """List stored prefixes and snapshots: size, tokens, model, dtype, age; and the temporary
-    files that killed writers left behind."""
+    """List stored prefixes and snapshots: size, tokens, dtype, age, the document each was
+    stored for, model; and the temporary files that killed writers left behind."""
     import time
 
     store = _store(root)
@@ -41,16 +41,18 @@ def cache_ls(root: str | None) -> None:
     if not entries:
         click.echo("no stored prefixes")
     else:
+        names = [_clip(e.document or "-", _DOCUMENT_WIDTH) for e in entries]
+        width = max(len("document"), *map(len, names))
         click.echo(
             f"{'digest':14s} {'kind':8s} {'size':>9s} {'tokens':>15s} {'dtype':9s} "
-            f"{'last used':>10s}  model"
+            f"{'last used':>10s}  {'document':{width}s}  model"
         )
         now = time.time()
-        for e in entries:
+        for e, name in zip(entries, names, strict=True):
             tokens = f"{e.tokens}" if e.kind == "prefix" else f"{e.tokens}/{e.total_tokens}"
             click.echo(
                 f"{e.digest[:12]:14s} {e.kind:8s} {human_size(e.bytes):>9s} {tokens:>15s} "
-                f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {e.model}"
+                f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {name:{width}s}  {e.model}"
             )
         total = sum(e.bytes for e in entries)
         click.echo(f"{len(entries)} entries, {human_size(total)}")
@@ -97,6 +99,13 @@ def cache_clear(root: str | None, yes: bool) -> None:
     if not yes:
         click.confirm(f"remove every stored prefix in {store.root}?", abort=True)
     click.echo(f"freed {human_size(store.clear())}")
+
+
+_DOCUMENT_WIDTH = 40  # a longer document name is cut, its end kept (where names differ)
+
+
+def _clip(name: str, width: int) -> str:
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
 def _age(seconds: float) -> str:

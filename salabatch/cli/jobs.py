@@ -3,13 +3,23 @@ checked). Like every command group, nothing heavy is imported until a command ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import click
 
-from salabatch.cli.main import EXIT_ERROR_ROWS, EXIT_INTERRUPTED, debug_enabled, human_size
+from salabatch.cli.main import (
+    EXIT_ERROR_ROWS,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    debug_enabled,
+    human_size,
+)
 from salabatch.errors import JobValidationError
 
 _overrides = click.option(
@@ -26,7 +36,7 @@ _overrides = click.option(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False),
+    metavar="PATH",  # checked with the job's output.path (a NUL byte would stop click.Path)
     help="Results file (default: the job's output.path): x.parquet, or x.jsonl for OpenAI Batch "
     "output lines in input order, its resumable results kept beside it in x.parquet.",
 )
@@ -47,7 +57,8 @@ _overrides = click.option(
 @click.option(
     "--requests",
     type=click.Path(dir_okay=False),
-    help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file).",
+    help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file); without -o, "
+    "its Batch output goes beside the results (x.parquet: x.jsonl).",
 )
 @click.option("--model", help="Model of a --requests run without a job file.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
@@ -87,27 +98,22 @@ def run(
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec.load import load_job, requests_job
+    from salabatch.jobs.spec.load import batch_output, check_paths, load_job, requests_job
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")
 
-    if output is not None and os.path.splitext(output)[1].lower() not in (".parquet", ".jsonl"):
-        raise click.BadParameter(
-            f"{output}: expected a .parquet results file or a .jsonl OpenAI Batch output file",
-            param_hint="-o/--output",
-        )
     if job:
-        spec = load_job(job, overrides, requests=requests, output=output, check_files=True)
+        spec = load_job(job, overrides, requests=requests, output=output)
     elif requests:
-        extra = [f"output.path={os.path.abspath(output)}"] if output else []
-        spec = requests_job(requests, model, [*overrides, *extra])
+        spec = requests_job(requests, model, overrides, output=output)
     else:
         raise click.UsageError("give a JOB file, or --requests FILE")
-    jsonl = spec.output.path if spec.output.path.suffix.lower() == ".jsonl" else None
-    if jsonl is not None:  # OpenAI Batch output; the results stay Parquet, beside it
-        results = spec.output.model_copy(update={"path": jsonl.with_suffix(".parquet")})
-        spec = spec.model_copy(update={"output": results})
+    # `--requests` without `-o`: its OpenAI Batch output goes beside the results
+    beside = requests is not None and output is None
+    if problems := check_paths(spec, batch_beside=beside):
+        raise JobValidationError(job or requests, problems)
+    spec, jsonl = batch_output(spec, beside)
     if dry_run:
         from salabatch.jobs.run.dry_run import dry_run as show_plan
 
@@ -119,16 +125,17 @@ def run(
         execute = functools.partial(run_job_ray, address=address, workers=workers)
     else:
         from salabatch.jobs.run.runner import run_job as execute
-    summary = execute(
-        spec,
-        resume=resume,
-        retry_errors=retry_errors,
-        limit=limit,
-        progress=progress,
-        echo=lambda m: click.echo(m, err=True),
-        debug=debug_enabled(),
-        jsonl=jsonl,
-    )
+    with _sigterm_as_ctrl_c() as terminated:
+        summary = execute(
+            spec,
+            resume=resume,
+            retry_errors=retry_errors,
+            limit=limit,
+            progress=progress,
+            echo=lambda m: click.echo(m, err=True),
+            debug=debug_enabled(),
+            jsonl=jsonl,
+        )
     click.echo(
         f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
         f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
@@ -137,8 +144,9 @@ def run(
     if jsonl is not None and not summary.interrupted:
         click.echo(f"OpenAI Batch output -> {jsonl}", err=True)
     if summary.interrupted:
-        click.echo("interrupted: finished rows are saved; run the same command to resume", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        click.echo(f"{how}: finished rows are saved; run the same command to resume", err=True)
+        sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
     click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
     if summary.failed:
         click.echo(
@@ -147,6 +155,28 @@ def run(
             err=True,
         )
         sys.exit(EXIT_ERROR_ROWS)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[list[int]]:
+    """SIGTERM (`kill`, a scheduler's stop, a container's end) stops the run as Ctrl-C does:
+    finished rows are kept and merged, and the run says so. Yields a list that holds the
+    signal once it came; the handler before is put back after the block."""
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not received:  # once: a second one must not break the merge that saves the rows
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may handle signals
+        return
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @click.command()

@@ -16,9 +16,11 @@ from salabatch.errors import SalabatchError
 
 # Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
 # an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
-# 3 the run finished but results of the job are error rows; 130 interrupted (rows kept).
+# 3 the run finished but results of the job are error rows; 130 interrupted by Ctrl-C, 143
+# stopped by SIGTERM (128 + the signal, as a shell reports it; finished rows kept either way).
 EXIT_ERROR_ROWS = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class _Group(click.Group):
@@ -29,21 +31,26 @@ class _Group(click.Group):
         # Before any command can import mlx.core: the BLAS swap only works before that import.
         from salabatch.engine import activate_blas
 
-        debug = bool(ctx.params.get("debug"))
         with warnings.catch_warnings():
-            warnings.showwarning = _show_warning if not debug else warnings.showwarning
+            # `--debug` may come after the command's name: asked when a warning comes
+            python_way = warnings.showwarning
+
+            def show(*args, **kwargs) -> None:
+                (python_way if _debug(ctx) else _show_warning)(*args, **kwargs)
+
+            warnings.showwarning = show
             activate_blas()
             try:
                 return super().invoke(ctx)
             except SalabatchError as e:
-                if debug:
+                if _debug(ctx):
                     traceback.print_exc()
                 click.echo(f"error: {e}", err=True)
                 sys.exit(e.exit_code)
             except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
                 raise
             except Exception as e:  # a bug, or a failure nothing above foresaw
-                if debug:
+                if _debug(ctx):
                     raise
                 what = " ".join(str(e).split()) or "no message"
                 click.echo(
@@ -54,14 +61,49 @@ class _Group(click.Group):
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as one line on stderr: `warning: <message>` (no source path or code line)."""
-    click.echo(f"warning: {' '.join(str(message).split())}", err=True)
+    """A warning as one line on stderr: `warning: <message>` (no source path or code line),
+    through tqdm, so that it does not break a progress bar being drawn there."""
+    from tqdm import tqdm
+
+    tqdm.write(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def debug_enabled() -> bool:
-    """Whether `salabatch --debug` was given (for commands that report errors themselves)."""
+    """Whether `--debug` was given, after `salabatch` or after the command's name (for
+    commands that report errors themselves)."""
     ctx = click.get_current_context(silent=True)
-    return bool(ctx and ctx.find_root().params.get("debug"))
+    return bool(ctx and _debug(ctx))
+
+
+_DEBUG = "salabatch.debug"  # the root context's meta key of a command's own `--debug`
+
+
+def _debug(ctx: click.Context) -> bool:
+    root = ctx.find_root()
+    return bool(root.params.get("debug") or root.meta.get(_DEBUG))
+
+
+def with_debug_option(command: click.Command) -> None:
+    """Gives `command` (and every command of a group) its own `--debug`, the same as the root's:
+    `salabatch run --debug` works as `salabatch --debug run` does."""
+
+    def remember(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if value:
+            ctx.find_root().meta[_DEBUG] = True
+
+    command.params.append(
+        click.Option(
+            ["--debug"],
+            is_flag=True,
+            expose_value=False,
+            is_eager=True,
+            callback=remember,
+            help="Show tracebacks and warnings' sources (as `salabatch --debug`).",
+        )
+    )
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            with_debug_option(sub)
 
 
 @click.group(cls=_Group)

@@ -44,15 +44,25 @@ def inspect(results: str, show: int, expected: str | None) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["openai-jsonl"]),
-    default="openai-jsonl",
-    show_default=True,
+    type=click.Choice(["openai-jsonl", "jsonl", "csv"]),
+    help="openai-jsonl: OpenAI Batch output lines, joined on custom_id; jsonl: one flat JSON "
+    "object per row, every column; csv: a header, then a record per row. Default: csv for an "
+    "output ending in .csv, else openai-jsonl.",
 )
-@click.option("-o", "--output", default="-", show_default=True, help="Output file; - for stdout.")
-def export(results: str, fmt: str, output: str) -> None:
-    """Write results in another format (OpenAI Batch output lines, joined on custom_id)."""
-    from salabatch.jobs.results.export import export_results
+@click.option(
+    "-o",
+    "--output",
+    default="-",
+    show_default=True,
+    help="Output file (its suffix must fit the format: .jsonl or .csv; folders are made); - for "
+    "stdout.",
+)
+def export(results: str, fmt: str | None, output: str) -> None:
+    """Write results in another format: OpenAI Batch output lines, flat JSON lines or CSV."""
+    from salabatch.jobs.results.export import export_format, export_results
 
-    n = export_results(results, sys.stdout if output == "-" else output, fmt)
-    if output != "-":
-        click.echo(f"{n} lines -> {output}", err=True)
+    to_stdout = output == "-"
+    fmt = fmt or export_format(None if to_stdout else output)
+    n = export_results(results, sys.stdout if to_stdout else output, fmt)
+    if not to_stdout:
+        click.echo(f"{n} {'lines' if fmt != 'csv' else 'rows'} -> {output}", err=True)

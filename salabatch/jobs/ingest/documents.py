@@ -1,39 +1,62 @@
 """Stage 1 of a job: documents in, text out, never crash.
 
 `iter_documents(sources)` expands the files, folders and globs of a job's `documents:` list into
-files (sorted, de-duplicated), reads each and yields `Document`s: one per .txt / .md / .pdf file,
-one per non-empty line of a .jsonl file. A document that cannot be read (encrypted, corrupt or
-scanned PDF, empty or undecodable text, bad JSON line) is still yielded, with `text == ""` and a
-one-line `error`: the runner turns it into an error row for each question and the job goes on.
-Only a mistake in the job file itself (a path that does not exist, a glob that matches nothing)
-raises, as `JobSpecError`, when `iter_documents` is called and before any document is read.
+files (sorted, de-duplicated), reads each and yields `Document`s: one per text or PDF file, one
+per non-empty line of a .jsonl file. A document that cannot be read (encrypted, corrupt or
+scanned PDF, empty or undecodable text, bad JSON line, a FIFO or a device, a file over the byte
+limit of the job's `max_context`) is still yielded, with `text == ""` and a one-line `error`:
+the runner turns it into an error row for each question and the job goes on. Only a mistake in
+the job file itself (a path that does not exist, a glob that matches nothing) raises, as
+`JobSpecError`, when `iter_documents` is called and before any document is read.
 
 `identify_documents(sources)` is the cheap pass beside it: per file, the ids and sha256 of its
 documents exactly as `iter_documents` gives them, without extracting any text (a PDF is hashed,
 not parsed). A row's key needs no more, so a resumed run finds its finished documents with it;
 `read_documents` then reads one file's documents under the ids that pass gave them.
+
+How a file is read: as its entry's `format` says (text, pdf, jsonl), else by its suffix: .pdf,
+.jsonl, or one of `TEXT_SUFFIXES` as plain text (markup and code as they are). A folder walk
+without a glob takes the files with `DEFAULT_SUFFIXES`; with a glob, every file of a known type
+it matches; with a format, every file it matches.
 """
 
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob as globlib
 import hashlib
 import json
 import os
 import re
+import stat
 import unicodedata
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from salabatch.errors import JobSpecError
 from salabatch.jobs.ingest.pdf import read_pdf
-from salabatch.jobs.ingest.text import clean_text, decode_reason, decode_text, one_line
+from salabatch.jobs.ingest.text import clean_text, decode_reason, decode_text, one_line, size_text
 
-SUPPORTED_SUFFIXES = (".txt", ".md", ".pdf", ".jsonl")
-_SUPPORTED_TEXT = " ".join(SUPPORTED_SUFFIXES)
+FORMATS = ("text", "pdf", "jsonl")
+# What a folder walk without a glob takes.
+DEFAULT_SUFFIXES = (".txt", ".md", ".pdf", ".jsonl")
+_DEFAULT_TEXT = " ".join(DEFAULT_SUFFIXES)
+# Read as plain text when named directly or matched by a glob: prose, markup, data and code.
+_TEXT_SUFFIXES = (
+    ".txt .text .md .markdown .rst .adoc .asciidoc .org .tex .html .htm .xml .csv .tsv "
+    ".json .yaml .yml .toml .ini .cfg .conf .log .srt .vtt .py .ipynb .js .ts .java .c .h "
+    ".cc .cpp .hpp .cs .go .rs .rb .php .swift .kt .scala .r .jl .lua .sh .sql .css"
+)
+TEXT_SUFFIXES = frozenset(_TEXT_SUFFIXES.split())
+# The byte limit of a document, from engine.max_context, checked before a file is read: a token
+# of text is about 4 bytes (English; up to ~3 a CJK character) and more only in long runs of one
+# character, so a text 16 times max_context bytes long cannot fit. A PDF also holds fonts,
+# images and structure. A jsonl file's limit is per line: per document.
+BYTES_PER_TOKEN = {"text": 16, "jsonl": 16, "pdf": 256}
+_LINE_CHUNK = 2**20  # bytes read at a time past the end of a jsonl line over its limit
 
 
 @dataclass(frozen=True)
@@ -81,16 +104,24 @@ class Document:
 class DocumentSource:
     """One `documents:` entry of a job: a file, a folder or a glob pattern, already resolved.
 
-    glob: for a folder, a pattern relative to it (`**/*.pdf`); default: every supported file,
-        recursively. Walks never match hidden files or folders (`.git/`, macOS `._a.pdf`), and
-        skip files of unsupported types; a file named directly is always read or reported.
+    glob: for a folder, a pattern relative to it (`**/*.pdf`); default: every file with one of
+        `DEFAULT_SUFFIXES`, recursively. Walks never match hidden files or folders (`.git/`,
+        macOS `._a.pdf`), take regular files only (no FIFO, device or socket) of a known type,
+        and never enter a folder they walked already (a link back up); a file named directly
+        is always read or reported.
     text_field, id_field: where the records of a .jsonl file keep their text and their id.
+    format: "text", "pdf" or "jsonl": every file of the entry is read so, whatever its suffix
+        (none included); None: by suffix.
+    max_tokens: the job's `engine.max_context`; a document over `BYTES_PER_TOKEN` times as
+        many bytes is not read (an error document); None: no limit.
     """
 
     path: str | Path
     glob: str | None = None
     text_field: str = "text"
     id_field: str = "id"
+    format: str | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,19 @@ class SourceFile:
     path: Path
     rel_id: str
     source: DocumentSource
+
+    @property
+    def format(self) -> str | None:
+        """How the file is read: its entry's format, else by suffix; None: an unknown type."""
+        return self.source.format or format_of(self.path)
+
+
+def format_of(path: Path) -> str | None:
+    """The format a file's suffix says (text, pdf, jsonl), or None for an unknown one."""
+    suffix = path.suffix.lower()
+    if suffix in (".pdf", ".jsonl"):
+        return suffix[1:]
+    return "text" if suffix in TEXT_SUFFIXES else None
 
 
 @dataclass(frozen=True)
@@ -163,7 +207,7 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     raw = os.path.expanduser(str(source.path))
     path = Path(raw)
     if path.is_dir():
-        root, pattern = path, source.glob or "**/*"
+        root, pattern, globbed = path, source.glob or "**/*", source.glob is not None
     elif path.exists():
         if source.glob:
             raise JobSpecError(
@@ -173,23 +217,107 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     elif globlib.has_magic(raw):
         if source.glob:
             raise JobSpecError("path is already a glob pattern", path=raw, field=f"{where}.glob")
-        root, pattern = _split_glob(path)
+        (root, pattern), globbed = _split_glob(path), True
     else:
         raise JobSpecError("document path does not exist", path=raw, field=f"{where}.path")
 
-    # glob.glob (unlike Path.glob) skips hidden names unless the pattern spells them out.
-    matches = sorted(
-        Path(match).as_posix()
-        for match in globlib.glob(pattern, root_dir=root, recursive=True)
-        if Path(match).suffix.lower() in SUPPORTED_SUFFIXES and (root / match).is_file()
-    )
+    matches, others = walk(root, pattern, _wanted(source, globbed))
     if not matches:
+        hint = f" ({others} of another type: give the entry a format:)" if others else ""
         raise JobSpecError(
-            f"no {_SUPPORTED_TEXT} files match {pattern!r} in {root}",
+            f"no {_DEFAULT_TEXT} files match {pattern!r} in {root}{hint}",
             path=raw,
             field=f"{where}.path",
         )
     return [SourceFile(root / rel, _sanitize(rel), source) for rel in matches]
+
+
+def _wanted(source: DocumentSource, globbed: bool) -> Callable[[str], bool]:
+    """Which files a walk of `source` takes: every one with a format; with a glob, those of a
+    known type; else those with `DEFAULT_SUFFIXES`."""
+    if source.format:
+        return lambda rel: True
+    if globbed:
+        return lambda rel: format_of(Path(rel)) is not None
+    return lambda rel: Path(rel).suffix.lower() in DEFAULT_SUFFIXES
+
+
+def walk(root: Path, pattern: str, wanted: Callable[[str], bool]) -> tuple[list[str], int]:
+    """(the regular files under `root` that the glob `pattern` matches and `wanted` keeps, as
+    sorted relative paths with `/`; how many more it matches that `wanted` leaves out).
+
+    Glob syntax: `*`, `?`, `[...]` within a name, `**` for any number of folders; a name
+    starting with `.` only where the pattern spells the dot (as `glob.glob`). Links are
+    followed, but a folder is walked once: a link back up into a folder being walked, or to
+    one walked before, is not entered."""
+    parts = tuple(part for part in pattern.split("/") if part not in ("", "."))
+    end = len(parts)
+    found: list[str] = []
+    left_out = 0
+    walked: set[tuple[int, int]] = set()
+
+    def closure(states: set[int]) -> frozenset[int]:
+        # `**` may match no folder at all: before it is also after it.
+        out, todo = set(states), list(states)
+        while todo:
+            i = todo.pop()
+            if i < end and parts[i] == "**" and i + 1 not in out:
+                out.add(i + 1)
+                todo.append(i + 1)
+        return frozenset(out)
+
+    def step(states: frozenset[int], name: str) -> frozenset[int]:
+        """Where in the pattern a path can be after one more name."""
+        out = set()
+        for i in states:
+            if i < end and parts[i] == "**":
+                if not name.startswith("."):
+                    out.add(i)
+            elif i < end and _name_matches(name, parts[i]):
+                out.add(i + 1)
+        return closure(out)
+
+    def visit(folder: Path, rel: str, states: frozenset[int]) -> None:
+        nonlocal left_out
+        try:
+            info = folder.stat()
+            names = set(os.listdir(folder))
+        except OSError:
+            return  # unreadable, or gone: nothing in it matches
+        if (info.st_dev, info.st_ino) in walked:
+            return
+        walked.add((info.st_dev, info.st_ino))
+        # names the pattern spells out: `..`, or another case on a case-insensitive disk
+        spelled = {parts[i] for i in states if i < end and not globlib.has_magic(parts[i])}
+        names |= {name for name in spelled if os.path.lexists(folder / name)}
+        for name in sorted(names):
+            after = step(states, name)
+            if not after:
+                continue
+            path, child = folder / name, rel + name
+            if end in after and _is_regular(path):
+                if wanted(child):
+                    found.append(child)
+                else:
+                    left_out += 1
+            if any(i < end for i in after) and path.is_dir():
+                visit(path, child + "/", after)
+
+    visit(root, "", closure({0}))
+    return sorted(found), left_out
+
+
+def _name_matches(name: str, part: str) -> bool:
+    if name.startswith(".") and not part.startswith("."):
+        return False  # hidden names only where the pattern spells the dot
+    return fnmatch.fnmatchcase(name, part)
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _split_glob(pattern: Path) -> tuple[Path, str]:
@@ -202,10 +330,10 @@ def _split_glob(pattern: Path) -> tuple[Path, str]:
 def _file_key(path: Path) -> object:
     """Identity of a file: the same inode however it is named (links, case-insensitive disks)."""
     try:
-        stat = path.stat()
+        info = path.stat()
     except OSError:
         return os.path.realpath(path)
-    return (stat.st_dev, stat.st_ino)
+    return (info.st_dev, info.st_ino)
 
 
 def _sanitize(name: str) -> str:
@@ -242,42 +370,51 @@ def _unique(doc_id: str, used: set[str]) -> str:
 
 def _identify_file(file: SourceFile) -> list[tuple[str, str]]:
     """(doc_id, sha256) of each document `_read_file(file)` yields, before de-duplication."""
-    if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
+    fmt = file.format
+    if fmt is None:
         return [(file.rel_id, "")]
     try:
-        data = file.path.read_bytes()
-    except OSError:
+        with _RegularFile(file.path) as f:
+            if fmt == "jsonl":
+                lines = _Lines(f, _limit(file, fmt))
+                records = [_parse_record(file, number, raw)[:2] for number, raw in lines]
+                return records or [(file.rel_id, lines.sha256)]
+            data = _read_whole(f, file, fmt)
+    except _Unreadable:
         return [(file.rel_id, "")]
-    sha256 = hashlib.sha256(data).hexdigest()
-    if data and file.path.suffix.lower() == ".jsonl":
-        records = [_parse_record(file, number, raw)[:2] for number, raw in _lines(data)]
-        return records or [(file.rel_id, sha256)]
-    return [(file.rel_id, sha256)]
+    return [(file.rel_id, hashlib.sha256(data).hexdigest())]
 
 
 def _read_file(file: SourceFile) -> Iterator[Document]:
     """The document(s) of one file; every failure becomes an error Document."""
-    suffix = file.path.suffix.lower()
+    fmt = file.format
 
     def failed(reason: str, sha256: str = "", **kw: Any) -> Document:
         return Document(file.rel_id, str(file.path), "", sha256, error=reason, **kw)
 
-    if suffix not in SUPPORTED_SUFFIXES:
-        yield failed(f"unsupported file type {suffix or '(none)'}; supported: {_SUPPORTED_TEXT}")
+    if fmt is None:
+        yield failed(
+            f"unsupported file type {file.path.suffix or '(none)'}; supported: {_DEFAULT_TEXT}, "
+            "text files (.rst .html .py …), or any file with the entry's format:"
+        )
         return
     try:
-        data = file.path.read_bytes()
-    except OSError as e:
-        yield failed(f"cannot read file: {e.strerror or one_line(e)}")
+        with _RegularFile(file.path) as f:
+            if fmt == "jsonl":
+                docs = list(_read_jsonl(file, _Lines(f, _limit(file, fmt))))
+            else:
+                data = _read_whole(f, file, fmt)
+    except _Unreadable as e:
+        yield failed(str(e))
+        return
+    if fmt == "jsonl":
+        yield from docs
         return
     sha256 = hashlib.sha256(data).hexdigest()
     if not data:
         yield failed("empty file (0 bytes)", sha256)
         return
-    if suffix == ".jsonl":
-        yield from _read_jsonl(file, data, sha256)
-        return
-    if suffix == ".pdf":
+    if fmt == "pdf":
         text, n_pages, error, meta = read_pdf(data)
     else:
         (text, error, meta), n_pages = decode_text(data), None
@@ -287,34 +424,175 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
         yield Document(file.rel_id, str(file.path), text, sha256, n_pages=n_pages, meta=meta)
 
 
+def count_documents(file: SourceFile) -> int:
+    """How many documents `iter_documents` gives for `file` (a progress bar's total): the lines
+    of a jsonl file are counted; no other file is read."""
+    if file.format != "jsonl":
+        return 1
+    try:
+        with _RegularFile(file.path) as f:
+            return max(1, sum(1 for _ in _Lines(f, _limit(file, "jsonl"))))
+    except _Unreadable:
+        return 1
+
+
+# ---- reading bytes with care --------------------------------------------------------------------
+
+
+class _Unreadable(Exception):
+    """A file whose bytes are not read: the reason its error document gives."""
+
+
+class _RegularFile:
+    """A file opened for reading, only when it is a regular file (links followed): a FIFO
+    waits for a writer forever and a device has no end. It is opened without blocking and
+    checked again once open, in case it was replaced in between. Raises _Unreadable, also
+    for an OSError while it is read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> BinaryIO:
+        try:
+            _check_regular(os.stat(self.path).st_mode)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError as e:
+            raise _Unreadable(f"cannot read file: {e.strerror or one_line(e)}") from None
+        self.f = os.fdopen(fd, "rb", buffering=_LINE_CHUNK)
+        try:
+            _check_regular(os.fstat(fd).st_mode)
+        except BaseException:
+            self.f.close()
+            raise
+        return self.f
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        self.f.close()
+        if isinstance(error, OSError):
+            raise _Unreadable(f"cannot read file: {error.strerror or one_line(error)}") from None
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_regular(mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "of an unknown kind")
+        raise _Unreadable(f"not a regular file: {kind}")
+
+
+def _limit(file: SourceFile, fmt: str) -> int | None:
+    """The most bytes a document of `file` may have, from the job's max_context."""
+    tokens = file.source.max_tokens
+    return None if tokens is None else tokens * BYTES_PER_TOKEN[fmt]
+
+
+def _too_large(size: int, file: SourceFile, fmt: str, what: str = "file") -> str:
+    return (
+        f"too large: {size_text(size)}, over the {size_text(_limit(file, fmt) or 0)} that "
+        f"engine.max_context {file.source.max_tokens} tokens allows ({BYTES_PER_TOKEN[fmt]} "
+        f"bytes a token); raise max_context or split the {what}"
+    )
+
+
+def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
+    """All of a text or PDF file, unless it is over its limit: its size is looked at first."""
+    limit = _limit(file, fmt)
+    if limit is None:
+        return f.read()
+    size = os.fstat(f.fileno()).st_size
+    if size > limit:
+        raise _Unreadable(_too_large(size, file, fmt))
+    data = f.read(limit + 1)  # a file that grew, or one whose size says 0 (/proc)
+    if len(data) > limit:
+        raise _Unreadable(_too_large(max(size, len(data)), file, fmt))
+    return data
+
+
 # ---- jsonl --------------------------------------------------------------------------------------
 
 
-def _read_jsonl(file: SourceFile, data: bytes, file_sha256: str) -> Iterator[Document]:
+def _read_jsonl(file: SourceFile, lines: _Lines) -> Iterator[Document]:
     """One document per non-empty line; a bad line is an error document, the others go on."""
     n_records = 0
-    for number, raw in _lines(data):
+    for number, raw in lines:
         n_records += 1
         yield _read_record(file, number, raw)
     if n_records == 0:
-        reason = "no records: every line is blank"
-        yield Document(file.rel_id, str(file.path), "", file_sha256, error=reason)
+        reason = "empty file (0 bytes)" if lines.size == 0 else "no records: every line is blank"
+        yield Document(file.rel_id, str(file.path), "", lines.sha256, error=reason)
 
 
-def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """The non-blank lines of a jsonl file, with their 1-based numbers."""
-    for number, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
-        if raw.strip():
-            yield number, raw
+class _Lines:
+    """The non-blank lines of an open jsonl file with their 1-based numbers: a line's bytes,
+    or for a line over `limit` bytes its size (the line is not kept, so memory stays within the
+    limit however long a line is). Once iterated: `size`, the bytes read, and `sha256`, the
+    file's digest when every line was blank (the one document of a file without records)."""
+
+    def __init__(self, f: BinaryIO, limit: int | None) -> None:
+        self.f, self.limit = f, limit
+        self.size, self.sha256 = 0, ""
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | int]]:
+        blank, digest, number = True, hashlib.sha256(), 0
+        while raw := self.f.readline(-1 if self.limit is None else self.limit + 1):
+            number += 1
+            if blank:
+                digest.update(raw)
+            line = raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
+            content = line.removesuffix(b"\n")
+            if self.limit is not None and len(content) > self.limit:
+                blank = False
+                yield number, self._skip(line)
+            elif content.strip():
+                blank = False
+                yield number, content
+        self.size = self.f.tell()
+        self.sha256 = digest.hexdigest() if blank else ""
+
+    def _skip(self, start: bytes) -> int:
+        """Moves past the rest of a line over the limit (`start`: its bytes read so far);
+        returns its size, newline not counted. The holes of a sparse file hold zeros, never a
+        newline: they are stepped over, not read."""
+        f = self.f
+        begin = f.tell() - len(start)
+        while chunk := f.read(_LINE_CHUNK):
+            at = chunk.find(b"\n")
+            if at >= 0:
+                f.seek(at + 1 - len(chunk), os.SEEK_CUR)
+                return f.tell() - 1 - begin
+            _past_hole(f)
+        return f.tell() - begin
+
+
+def _past_hole(f: BinaryIO) -> None:
+    """Seeks to the next data of a sparse file when a hole starts where `f` stands."""
+    if not hasattr(os, "SEEK_DATA"):
+        return
+    try:
+        data = os.lseek(f.fileno(), f.tell(), os.SEEK_DATA)
+    except OSError:  # no data after this: the rest is a hole
+        data = os.lseek(f.fileno(), 0, os.SEEK_END)
+    f.seek(data)
 
 
 def _parse_record(
-    file: SourceFile, number: int, raw: bytes
+    file: SourceFile, number: int, raw: bytes | int
 ) -> tuple[str, str, dict[str, Any] | None, str | None]:
     """(doc_id, sha256, record, problem) of line `number`: its id and hash as `Document` gives
-    them, the JSON object (None when the line holds none), and why it is not a usable record."""
+    them, the JSON object (None when the line holds none), and why it is not a usable record.
+    A line over the limit (`raw`: its size) is not hashed."""
     id_field = file.source.id_field
-    doc_id, sha256 = f"{file.rel_id}#L{number}", hashlib.sha256(raw.strip()).hexdigest()
+    doc_id = f"{file.rel_id}#L{number}"
+    if isinstance(raw, int):
+        return doc_id, "", None, _too_large(raw, file, "jsonl", "line")
+    sha256 = hashlib.sha256(raw.strip()).hexdigest()
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -336,8 +614,9 @@ def _parse_record(
     return doc_id, sha256, record, None
 
 
-def _read_record(file: SourceFile, number: int, raw: bytes) -> Document:
-    """The document of line `number` (1-based) of a jsonl file."""
+def _read_record(file: SourceFile, number: int, raw: bytes | int) -> Document:
+    """The document of line `number` (1-based) of a jsonl file (`raw`: its bytes, or its size
+    when it is over the limit)."""
     text_field, id_field = file.source.text_field, file.source.id_field
     doc_id, sha256, record, problem = _parse_record(file, number, raw)
     meta: dict[str, Any] = {"line": number}

@@ -55,3 +55,14 @@ def one_line(e: object) -> str:
     text = re.sub(r"IndirectObject\((\d+), (\d+), \d+\)", r"IndirectObject(\1, \2)", text)
     text = " ".join(text.split())
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 1] + "…"
+
+
+def size_text(n: int) -> str:
+    """A byte count for a reason: `800 B`, `16.0 KB`, `3.0 GB`."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1024
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}"
+    return f"{n:.1f} GB"

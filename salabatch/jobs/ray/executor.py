@@ -29,14 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-
-from tqdm import tqdm
 
 from salabatch.engine.config import ModelConfig
 from salabatch.errors import SalabatchError, error_text
@@ -47,6 +46,7 @@ from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.run.answerer import RunIdentity
 from salabatch.jobs.run.plan import Row
 from salabatch.jobs.run.prepare import prepared
+from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.run.runner import RunSummary, count_rows
 from salabatch.jobs.spec.models import JobSpec
 
@@ -103,22 +103,24 @@ def run_job_ray(
             manifest = plan_manifest(setup, writer.done_keys(), limit)
             identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
             summary.skipped, summary.documents = manifest.skipped, manifest.documents
-            with tqdm(
-                total=count_rows(spec),
-                initial=manifest.skipped,
-                unit="row",
-                desc=spec.name,
-                disable=not progress,
-                dynamic_ncols=True,
-            ) as bar:
-                out = _Output(writer, summary, identity, bar)
+            shown = Progress.to(
+                sys.stderr, spec.name, count_rows(spec), enabled=progress, echo=echo
+            )
+            try:
+                shown.found_done(manifest.skipped)
+                out = _Output(writer, summary, identity, shown)
                 for plan in manifest.errors:  # request lines that cannot be served
                     out.fail(plan.rows, plan.error)
                 if manifest.units:
-                    with _cluster(ray, address, workers, echo) as actors:
+                    with (
+                        _ray_logs(shown.write, debug),
+                        _cluster(ray, address, workers, shown.write, debug) as actors,
+                    ):
                         dropped = _run(ray, manifest.units, actors, spec, out, debug, max_retries)
                     reason = _failure_reason(dropped, max_retries)
                     out.fail([row for unit in manifest.units for row in unit.rows], reason)
+            finally:
+                shown.close()
             if manifest.complete:
                 # Rows of earlier runs outside the job go when the writer closes.
                 writer.retain(manifest.job_keys)
@@ -144,11 +146,16 @@ def _import_ray() -> ModuleType:
 
 @contextmanager
 def _cluster(
-    ray: ModuleType, address: str | None, workers: int | None, echo: Callable[[str], None]
+    ray: ModuleType,
+    address: str | None,
+    workers: int | None,
+    echo: Callable[[str], None],
+    debug: bool = False,
 ) -> Iterator[int]:
     """Ray for the block: the connection this process has, or a local Ray started (and shut
     down after) when `address` is None, or the cluster at `address`. Yields how many model
-    actors to run."""
+    actors to run. The workers' own output stays in Ray's logs unless `debug` (the driver
+    reports each failed document itself)."""
     started = not ray.is_initialized()
     if started and address is None:
         cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
@@ -157,10 +164,11 @@ def _cluster(
             resources={SLOT: workers or 1},
             include_dashboard=False,
             logging_level=logging.WARNING,
+            log_to_driver=debug,
         )
     elif started:
         try:
-            ray.init(address=address, logging_level=logging.WARNING)
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=debug)
         except ConnectionError as e:
             raise RayClusterError(f"cannot connect to Ray at {address}: {error_text(e)}") from e
     try:
@@ -225,6 +233,48 @@ def _run(
     return dropped
 
 
+# Ray Data's warning that its own bars are off: the driver turned them off, for its own.
+_RAY_NOISE = ("Progress bars disabled",)
+
+
+@contextmanager
+def _ray_logs(write: Callable[[str], None], debug: bool) -> Iterator[None]:
+    """Ray's console log lines, for the block, through `write` (above the bars, never through
+    them), as `warning: ray: ...` lines: warnings and errors only, unless `debug` (Ray Data's
+    INFO lines on its execution plan stay in its log files). Ray's own console handlers are
+    put back after."""
+
+    class Through(logging.Handler):
+        last: logging.LogRecord | None = None
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record is self.last:  # `ray.data` passed it on to `ray` too
+                return
+            self.last = record
+            message = " ".join(record.getMessage().split())
+            if debug or not message.startswith(_RAY_NOISE):
+                kind = "warning" if record.levelno < logging.ERROR else "error"
+                write(f"{kind}: ray: {message}")
+
+    through = Through(logging.DEBUG if debug else logging.WARNING)
+    saved = []
+    for name in ("ray", "ray.data"):
+        logger = logging.getLogger(name)
+        consoles = [h for h in logger.handlers if type(h) is not logging.FileHandler]
+        consoles = [h for h in consoles if isinstance(h, logging.StreamHandler)]
+        for handler in consoles:
+            logger.removeHandler(handler)
+        logger.addHandler(through)
+        saved.append((logger, consoles))
+    try:
+        yield
+    finally:
+        for logger, consoles in saved:
+            logger.removeHandler(through)
+            for handler in consoles:
+                logger.addHandler(handler)
+
+
 @contextmanager
 def _dropped_units() -> Iterator[list[str]]:
     """The kind of error (its class name) of each block Ray Data drops in the block."""
@@ -253,13 +303,15 @@ def _failure_reason(dropped: list[str], max_retries: int) -> str:
 
 
 class _Output:
-    """The driver's side of the results: writes each row once, counts it, shows it."""
+    """The driver's side of the results: writes each row once, counts it, shows it, and names
+    each document (or request line) whose rows fail, in one line."""
 
     def __init__(
-        self, writer: ResultWriter, summary: RunSummary, identity: RunIdentity, bar: tqdm
+        self, writer: ResultWriter, summary: RunSummary, identity: RunIdentity, shown: Progress
     ) -> None:
-        self.writer, self.summary, self.identity, self.bar = writer, summary, identity, bar
+        self.writer, self.summary, self.identity, self.shown = writer, summary, identity, shown
         self.keys: set[str] = set()  # written by this run
+        self.named: set[str] = set()  # failed documents and request lines reported
 
     def write(self, rows: list[ResultRow]) -> None:
         rows = [row for row in rows if row.request_key not in self.keys]
@@ -269,8 +321,20 @@ class _Output:
         self.keys.update(row.request_key for row in rows)
         self.summary.written += len(rows)
         self.summary.errors += sum(row.status == "error" for row in rows)
-        self.bar.update(len(rows))
+        for row in rows:
+            name = _row_name(row)
+            if row.status == "error" and name not in self.named:
+                self.named.add(name)
+                self.shown.write(f"error in {name}: {row.error}")
+        self.shown.rows(len(rows))
 
     def fail(self, rows: Iterable[Row], reason: str) -> None:
         """Error rows for those of `rows` that this run has not written."""
         self.write([self.identity.error_row(r, reason) for r in rows if r.key not in self.keys])
+
+
+def _row_name(row: ResultRow) -> str:
+    """What a failed row is of, as a report names it: its request line, or its document."""
+    if row.request_line is not None:
+        return f"request {row.custom_id}"
+    return f"document {row.doc_id}"

@@ -51,7 +51,7 @@ class UnitWorker:
         model = load_model(setup.model_path, dtype=setup.dtype)
         self.setup, self.identity = setup, RunIdentity.of(setup, model.config, run_id)
         self.answerer = Answerer(
-            setup, model, self.identity, progress=False, echo=_to_stderr, debug=debug
+            setup, model, self.identity, progress=None, echo=_to_stderr, debug=debug
         )
         self.runtime, self.unit_plans = engine_runtime, unit_plans
         self.cache_limit = cache_limit(model.config, setup.spec.engine.prefill_chunk, on_gpu())

@@ -7,12 +7,16 @@ by Ray, results collected from several machines), the rows of all its files, ded
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
+import re
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -126,18 +130,101 @@ def export_openai_jsonl(
     return len(records)
 
 
-EXPORTERS: dict[str, Callable[[str | os.PathLike, Any], int]] = {
-    "openai-jsonl": export_openai_jsonl,
+_BATCH_LINE_KEYS = {"id", "custom_id", "response", "error"}
+_BATCH_ID = re.compile(r"batch_req_[0-9a-f]{32}")
+_MAX_LINE = 64 * 2**20  # a first line longer than this is no line of ours
+
+
+def is_batch_output(path: str | os.PathLike) -> bool:
+    """Whether the regular file `path` holds OpenAI Batch output lines salabatch wrote (as
+    `export_openai_jsonl` writes them: its ids), or nothing: a file a run may replace."""
+    with open(path, "rb") as f:
+        while line := f.readline(_MAX_LINE):
+            if line.strip():
+                break
+        else:
+            return True  # empty, or blank lines only
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return (
+        isinstance(first, dict)
+        and first.keys() == _BATCH_LINE_KEYS
+        and isinstance(first["id"], str)
+        and _BATCH_ID.fullmatch(first["id"]) is not None
+    )
+
+
+def export_rows_jsonl(path: str | os.PathLike, out: str | os.PathLike | TextIO) -> int:
+    """Write the rows as flat JSON lines: one object per row, every column (RESULT_SCHEMA's
+    names and order), timestamps in ISO 8601, in the results' order. Returns the rows."""
+    records = read_results(path).to_pylist()
+    _write_text(out, (json.dumps(_plain(r), ensure_ascii=False) + "\n" for r in records))
+    return len(records)
+
+
+def export_csv(path: str | os.PathLike, out: str | os.PathLike | TextIO) -> int:
+    """Write the rows as CSV: a header of the column names, then one record per row (an
+    answer's newlines stay inside its quoted field; nulls are empty), timestamps in ISO 8601,
+    in the results' order. Returns the rows."""
+    table = read_results(path)
+
+    def lines() -> Iterator[str]:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(table.column_names)
+        for record in table.to_pylist():
+            writer.writerow(_plain(record).values())
+            yield buffer.getvalue()
+            buffer.seek(0)
+            buffer.truncate()
+        yield buffer.getvalue()  # the header of a file without rows
+
+    _write_text(out, lines())
+    return table.num_rows
+
+
+# format -> (writer, the suffix its output file must have)
+EXPORTERS: dict[str, tuple[Callable[[str | os.PathLike, Any], int], str]] = {
+    "openai-jsonl": (export_openai_jsonl, ".jsonl"),
+    "jsonl": (export_rows_jsonl, ".jsonl"),
+    "csv": (export_csv, ".csv"),
 }
 
 
+def export_format(out: str | os.PathLike | None) -> str:
+    """The format an output path's suffix asks for: `.csv` CSV, else OpenAI Batch lines."""
+    return "csv" if out is not None and Path(out).suffix.lower() == ".csv" else "openai-jsonl"
+
+
 def export_results(path: str | os.PathLike, out: str | os.PathLike | TextIO, fmt: str) -> int:
-    """Dispatch to the exporter for `fmt` (a key of EXPORTERS); returns the rows written."""
+    """Write the results in `fmt` (a key of EXPORTERS) to `out`, a stream or a file path
+    whose suffix must be the format's (its folders are made); returns the rows written."""
     if fmt not in EXPORTERS:
         raise OutputError(
             "unknown export format", field="--format", expected=list(EXPORTERS), got=fmt
         )
-    return EXPORTERS[fmt](path, out)
+    export, suffix = EXPORTERS[fmt]
+    if not hasattr(out, "write"):
+        out = Path(out)
+        if out.suffix.lower() != suffix:
+            got = out.suffix or "a name without a suffix"
+            raise OutputError(
+                f"--format {fmt} writes a {suffix} file, not {got}: name the output "
+                f"x{suffix}, or choose the format that fits",
+                path=out,
+            )
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create its folder ({e.strerror or e})", path=out) from e
+    return export(path, out)
+
+
+def _plain(record: dict[str, Any]) -> dict[str, Any]:
+    """A row with its timestamps as ISO 8601 text, for JSON and CSV."""
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in record.items()}
 
 
 # --- OpenAI batch output -------------------------------------------------------------------

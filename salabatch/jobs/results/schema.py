@@ -119,6 +119,33 @@ ADDED_COLUMNS = ("request_line",)
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
 
+NOT_UTF8_PATH = " (file name not UTF-8: its bytes shown as \\xNN)"
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def escape_surrogates(text: str) -> str:
+    """`text` with what UTF-8 cannot hold written out: a byte of a file name that was not
+    UTF-8 (Python keeps it as a surrogate, U+DC80 to U+DCFF) as `\\xNN`, any other lone
+    surrogate as `\\udNNN`."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 class OutputWarning(UserWarning):
     """Something in a results folder was skipped (a corrupt part file); its rows are redone."""
 
@@ -166,6 +193,14 @@ class ResultRow:
     def __post_init__(self) -> None:
         if self.custom_id is None:
             object.__setattr__(self, "custom_id", f"{self.doc_id}/{self.question_id}")
+        # Parquet holds UTF-8 only: a file name's bytes that are not UTF-8 are escaped, and the
+        # path says so (a name like `caf\xe9.txt` may also be spelled so); any other lone
+        # surrogate (JSON allows "\ud800") is escaped too.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str) and not _is_utf8(value):
+                note = NOT_UTF8_PATH if f.name == "doc_path" else ""
+                object.__setattr__(self, f.name, escape_surrogates(value) + note)
         problems = [
             f"{name} must be a non-empty string, got {getattr(self, name)!r}"
             for name in _REQUIRED_TEXT + ("custom_id",)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import mlx.core as mx
-from tqdm import tqdm
 
+from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
@@ -23,6 +24,7 @@ from salabatch.errors import OutputError, error_text
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.run.plan import DocPlan, Row
 from salabatch.jobs.run.prepare import JobSetup
+from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec, spec_fingerprint
 from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
 
@@ -94,7 +96,7 @@ class Answerer:
         model: Model,
         identity: RunIdentity,
         *,
-        progress: bool,
+        progress: Progress | None,
         echo: Callable[[str], None],
         debug: bool = False,
     ) -> None:
@@ -115,6 +117,7 @@ class Answerer:
         pool: list[tuple[Row, DocPlan]] = []
         for plan in plans:
             if plan.error:
+                self.echo(f"error in {plan_name(plan)}: {plan.error}")
                 yield [self._error_row(r, plan, plan.error) for r in plan.rows]
             elif self.setup.is_pooled(plan):
                 pool += [(r, plan) for r in plan.rows]
@@ -132,19 +135,17 @@ class Answerer:
         key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
         try:
-            with tqdm(
-                total=len(plan.doc_prompt),
-                unit="tok",
-                desc=f"prefill {plan.doc.doc_id}",
-                leave=False,
-                disable=not self.progress,
-                dynamic_ncols=True,
-            ) as bar:
-                prefix = self.caches.get(
-                    key, plan.doc_prompt, lambda done, _: bar.update(done - bar.n)
-                )
+            with self._tokens(f"prefill {plan.doc.doc_id}", len(plan.doc_prompt)) as advance:
+                seen = 0
+
+                def prefilled(done: int, _total: int) -> None:
+                    nonlocal seen
+                    advance(done - seen)
+                    seen = done
+
+                prefix = self.caches.get(key, plan.doc_prompt, prefilled)
             requests = [self._request(r, r.prompt) for r in plan.rows]
-            for g in self._generator().generate(requests, prefix.cache):
+            for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
                 row = rows.pop(g.request.id)
                 yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
         except OutputError:
@@ -161,7 +162,7 @@ class Answerer:
         by_key = {r.key: (r, plan) for r, plan in pool}
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
-            for g in self._generator().generate(requests):
+            for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
                 row, plan = by_key.pop(g.request.id)
                 yield [self._row(row, plan, g, None, started)]
         except OutputError:
@@ -170,13 +171,25 @@ class Answerer:
             reason = self._report(e, "a pooled batch")
             yield [self._error_row(r, plan, reason) for r, plan in by_key.values()]
 
-    def _generator(self) -> Generator:
-        return Generator(
-            self.model,
-            batch_size=self.spec.engine.batch_size,
-            prefill_chunk=self.spec.engine.prefill_chunk,
-            detokenizer=self._detokenizer,
-        )
+    def _decode(
+        self, requests: list[Request], prefix: ModelCache | None, what: str
+    ) -> Iterator[Generation]:
+        """Each request's finished Generation, decoded from `prefix` (or its whole prompt),
+        counted on a bar of tokens: each token as it comes, a row's unused budget as it ends."""
+        with self._tokens(what, sum(r.max_tokens for r in requests)) as advance:
+            generator = Generator(
+                self.model,
+                batch_size=self.spec.engine.batch_size,
+                prefill_chunk=self.spec.engine.prefill_chunk,
+                on_token=lambda request, token: advance(1),
+                detokenizer=self._detokenizer,
+            )
+            for g in generator.generate(requests, prefix):
+                advance(max(0, g.request.max_tokens - len(g.tokens)))
+                yield g
+
+    def _tokens(self, what: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
+        return self.progress.tokens(what, total) if self.progress else nullcontext(_ignore)
 
     def _report(self, e: Exception, where: str) -> str:
         """Says in one line (with the traceback under --debug) that `where` failed; returns the
@@ -219,6 +232,18 @@ class Answerer:
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
         return self.identity.error_row(row, reason, plan.doc_tokens or None)
+
+
+def _ignore(n: int) -> None:
+    """No bar to advance."""
+
+
+def plan_name(plan: DocPlan) -> str:
+    """A plan as a report names it: its document, or its request line."""
+    row = plan.rows[0] if plan.rows else None
+    if row is not None and row.request_line is not None:
+        return f"request {row.custom_id}"
+    return f"document {plan.doc.doc_id}"
 
 
 def _row_prefix(prefix: Prefix, row: Row, plan: DocPlan) -> Prefix:

@@ -142,8 +142,10 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None]:
     """(custom_id, body, problem) of one line; the problem names the field it is about."""
     try:
         line = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return f"line-{number}", None, f"not valid JSON ({e})"
+    except json.JSONDecodeError as e:
+        return f"line-{number}", None, f"not valid JSON: {e.msg} at column {e.colno}"
+    except UnicodeDecodeError as e:
+        return f"line-{number}", None, f"not valid UTF-8: byte 0x{e.object[e.start]:02x}"
     if not isinstance(line, dict):
         return f"line-{number}", None, "a request line must be a JSON object"
     custom_id = line.get("custom_id")

@@ -71,7 +71,12 @@ class JobSetup:
     def prefix_key(self, plan: DocPlan) -> PrefixKey:
         """Where the prefix of `plan` (its document prompt, prefilled) is stored."""
         return PrefixKey.of(
-            self.spec.model, self.model_sha, self.tok.fingerprint, self.dtype, plan.doc_prompt
+            self.spec.model,
+            self.model_sha,
+            self.tok.fingerprint,
+            self.dtype,
+            plan.doc_prompt,
+            document=plan.doc.doc_id,
         )
 
 

@@ -15,25 +15,25 @@ executor's workers.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
 
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.load import load_model
 from salabatch.engine.memory import cache_limit
 from salabatch.engine.model import Model
 from salabatch.engine.runtime import engine_runtime
-from salabatch.jobs.ingest.documents import expand_sources
+from salabatch.jobs.ingest.documents import count_documents, expand_sources
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.run.answerer import Answerer, RunIdentity
 from salabatch.jobs.run.plan import DocPlan, Planner
 from salabatch.jobs.run.prepare import JobSetup, prepared
+from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec
 
 
@@ -102,16 +102,14 @@ class _Runner:
     ) -> None:
         self.setup, self.writer, self.summary = setup, writer, summary
         identity = RunIdentity.of(setup, model.config)
-        self.answerer = Answerer(setup, model, identity, progress=progress, echo=echo, debug=debug)
+        self.progress = Progress.to(
+            sys.stderr, setup.spec.name, count_rows(setup.spec), enabled=progress, echo=echo
+        )
+        self.answerer = Answerer(
+            setup, model, identity, progress=self.progress, echo=self.progress.write, debug=debug
+        )
         self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
         self.planned_all = False  # every plan of the job was drawn (no --limit cut)
-        self.bar = tqdm(
-            total=count_rows(setup.spec),
-            unit="row",
-            desc=setup.spec.name,
-            disable=not progress,
-            dynamic_ncols=True,
-        )
 
     def run(self, limit: int | None) -> None:
         planner = self.setup.planner(self.writer.done_keys())
@@ -126,7 +124,7 @@ class _Runner:
             self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
             self.request_lines = planner.request_lines
         finally:
-            self.bar.close()
+            self.progress.close()
 
     def _plans(self, planner: Planner, limit: int | None) -> Iterator[DocPlan]:
         """The job's plans in order, at most `limit` rows in all."""
@@ -143,7 +141,7 @@ class _Runner:
         self.planned_all = True
 
     def _count_skipped(self, planner: Planner) -> None:
-        self.bar.update(planner.skipped - self.summary.skipped)
+        self.progress.found_done(planner.skipped)
         self.summary.skipped = planner.skipped
 
     def _write(self, rows: list[ResultRow]) -> None:
@@ -152,19 +150,14 @@ class _Runner:
         self.writer.write(rows)
         self.summary.written += len(rows)
         self.summary.errors += sum(r.status == "error" for r in rows)
-        self.bar.update(len(rows))
+        self.progress.rows(len(rows))
 
 
 def count_rows(spec: JobSpec) -> int:
     """Rows the job asks for (documents × questions + request lines), without reading files
     beyond counting jsonl lines."""
-    total = 0
-    for f in expand_sources(spec.sources()):
-        if f.path.suffix.lower() == ".jsonl":
-            with open(f.path, "rb") as handle:
-                total += sum(1 for line in handle if line.strip()) * len(spec.questions)
-        else:
-            total += len(spec.questions)
+    files = expand_sources(spec.sources())
+    total = sum(count_documents(f) for f in files) * len(spec.questions)
     if spec.requests:
         with open(spec.requests, "rb") as handle:
             total += sum(1 for line in handle if line.strip())

@@ -2,7 +2,8 @@
 
 `load.load_job` reads a job with these: `parse_yaml` keeps the node tree so each validation
 message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, so
-`duplicate_keys` reports them; `apply_override` edits the parsed data before validation.
+`parse_yaml` reports them (`duplicate_keys`, on the tree as written: constructing the data
+merges `<<` keys into it); `apply_override` edits the parsed data before validation.
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ def read_job_file(path: str | Path) -> str:
         raise JobSpecError(f"cannot read job file: {e.strerror or e}", path=path) from None
 
 
-def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node]:
-    """(data, node tree) of a job file: the tree keeps line numbers for the error messages."""
+def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, list[str]]:
+    """(data, node tree, keys given twice) of a job file: the tree keeps line numbers for the
+    error messages; each key given twice in one mapping is one `location: message` line."""
     loader = yaml.SafeLoader(text)
+    duplicates: list[str] = []
     try:
         root = loader.get_single_node()
+        if root is not None:
+            # Before constructing: that flattens merge keys (`<<: *q`) into the tree, where a
+            # merged key and the mapping's own override of it would look like a duplicate.
+            duplicates = duplicate_keys(root)
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -55,7 +62,7 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node]:
         raise JobSpecError(
             f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
         )
-    return data, root
+    return data, root, duplicates
 
 
 def line_of(root: yaml.Node, loc: Loc) -> int | None:

@@ -20,12 +20,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from salabatch.errors import JobSpecError, JobValidationError
-from salabatch.jobs.ingest.documents import SUPPORTED_SUFFIXES, DocumentSource, expand_sources
+from salabatch.errors import JobSpecError, JobValidationError, OutputError
+from salabatch.jobs.ingest.documents import DEFAULT_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.results.export import is_batch_output
+from salabatch.jobs.results.read import read_final
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
 from salabatch.jobs.spec.job_yaml import (
     apply_override,
-    duplicate_keys,
     line_of,
     parse_yaml,
     read_job_file,
@@ -52,8 +53,7 @@ def load_job(
     every mistake, each with its YAML line or "(from the command line)") for one that does not
     validate.
     """
-    data, root = parse_yaml(read_job_file(path), path)
-    errors = duplicate_keys(root)
+    data, root, errors = parse_yaml(read_job_file(path), path)
     set_paths, override_errors = _command_line(data, overrides, requests, output)
     errors += override_errors
 
@@ -102,10 +102,15 @@ def _command_line(
 
 
 def requests_job(
-    requests: str | Path, model: str | None = None, overrides: Sequence[str] = ()
+    requests: str | Path,
+    model: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    output: str | Path | None = None,
 ) -> JobSpec:
     """A job for `salabatch run --requests FILE` without a job file: named after the file, the
-    model from `model` or else the one model every request names; results under ./results."""
+    model from `model` or else the one model every request names; results under ./results
+    unless `output` (`-o`, relative to the current directory) says where."""
     path = Path(os.path.expanduser(requests)).absolute()
     data: dict[str, Any] = {
         "name": slug(path.stem) or "requests",
@@ -114,6 +119,8 @@ def requests_job(
     }
     for override in overrides:
         apply_override(data, override)
+    if output is not None:
+        data["output"] = {"path": os.path.abspath(os.path.expanduser(output))}
     try:
         return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
     except ValidationError as e:
@@ -122,14 +129,27 @@ def requests_job(
 
 def _requests_model(path: Path) -> str:
     """The one model every request of an OpenAI batch file names."""
+    if problem := _requests_problem(path):
+        raise JobSpecError(problem, path=path)
     names = set()
     try:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                body = json.loads(line).get("body") or {}
-                names.add(body.get("model"))
-    except (OSError, ValueError, AttributeError) as e:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e:
         raise JobSpecError(f"cannot read the model from the requests ({e})", path=path) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+        except ValueError as e:
+            where = f" ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+            raise JobSpecError(
+                f"line {number}: not valid JSON{where}, so the model it names is unknown; fix "
+                "the line or give --model",
+                path=path,
+            ) from None
+        body = request.get("body") if isinstance(request, dict) else None
+        names.add(body.get("model") if isinstance(body, dict) else None)
     names.discard(None)
     if len(names) != 1:
         raise JobSpecError(
@@ -140,17 +160,39 @@ def _requests_model(path: Path) -> str:
     return names.pop()
 
 
+def _requests_problem(path: Path) -> str | None:
+    """Why the requests file cannot be read, or None: it must be a regular file (a FIFO would
+    wait for a writer forever)."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "a folder (expected a .jsonl file)"
+    return "not a regular file" if os.path.lexists(path) else "no such file"
+
+
+def batch_output(spec: JobSpec, beside: bool = False) -> tuple[JobSpec, Path | None]:
+    """(the spec whose output.path is the Parquet results, the OpenAI Batch output file or
+    None). An output.path ending in .jsonl is Batch output, its results beside it in
+    .parquet; `beside` (`--requests` without `-o`): Batch output beside the results too."""
+    path = spec.output.path
+    if path.suffix.lower() == ".jsonl":
+        results = spec.output.model_copy(update={"path": path.with_suffix(".parquet")})
+        return spec.model_copy(update={"output": results}), path
+    return spec, path.with_suffix(".jsonl") if beside else None
+
+
 # ---- what the disk lacks -----------------------------------------------------------------------
 
 
-def check_paths(spec: JobSpec) -> list[str]:
-    """`location: message` lines for what the job names but the disk lacks: the model folder,
-    the requests file, an output path that is a folder, document paths and globs (as
-    `iter_documents` would report them, every entry). Empty when all is there."""
-    return path_problems(spec)[0]
+def check_paths(spec: JobSpec, *, batch_beside: bool = False) -> list[str]:
+    """`location: message` lines for what the job names but the disk lacks or holds in its
+    way: the model folder, the requests file, the output files (see `output_problems`;
+    `batch_beside` as in `batch_output`), document paths and globs (as `iter_documents` would
+    report them, every entry). Empty when all is there."""
+    return path_problems(spec, batch_beside=batch_beside)[0]
 
 
-def path_problems(spec: JobSpec) -> tuple[list[str], int | None]:
+def path_problems(spec: JobSpec, *, batch_beside: bool = False) -> tuple[list[str], int | None]:
     """(`check_paths(spec)`, number of distinct document files or None when the documents have
     problems)."""
     problems: list[str] = []
@@ -162,13 +204,56 @@ def path_problems(spec: JobSpec) -> tuple[list[str], int | None]:
             problems.append(f"model: not a folder: {model} (expected a checkpoint folder)")
         elif not (model / "config.json").is_file():
             problems.append(f"model: no config.json in {model} (expected a checkpoint folder)")
-    if spec.requests is not None and not spec.requests.is_file():
-        kind = "a folder" if spec.requests.is_dir() else "no such file"
-        problems.append(f"requests: {kind}: {spec.requests} (expected a .jsonl file)")
-    if spec.output.path.is_dir():
-        problems.append(f"output.path: is a folder: {spec.output.path} (expected a file path)")
+    if spec.requests is not None and (problem := _requests_problem(spec.requests)):
+        problem = problem.replace(" (expected a .jsonl file)", "")
+        problems.append(f"requests: {problem}: {spec.requests} (expected a .jsonl file)")
+    results, batch = batch_output(spec, batch_beside)
+    problems += output_problems(results.output.path, batch, spec.requests)
     document_problems, n_files = _document_problems(spec.sources())
     return problems + document_problems, n_files
+
+
+def output_problems(results: Path, batch: Path | None, requests: Path | None) -> list[str]:
+    """What stops a run from writing its results (Parquet) and Batch output (.jsonl) files,
+    found before anything is loaded: a folder there, the requests file itself, a file that is
+    not what salabatch wrote there earlier (a run replaces only its own results and Batch
+    output, never someone else's file)."""
+    problems = []
+    for path, kind in ((results, "results"), (batch, "batch")):
+        if path is None:
+            continue
+        if path.is_dir():
+            problems.append(f"output.path: is a folder: {path} (expected a file path)")
+            continue
+        if not os.path.lexists(path):
+            continue
+        if requests is not None and _same_file(path, requests):
+            problems.append(
+                f"output.path: {path} is the requests file; refusing to overwrite the input"
+            )
+        elif not path.is_file():
+            problems.append(f"output.path: {path} is not a regular file")
+        elif kind == "batch" and not is_batch_output(path):
+            problems.append(
+                f"output.path: {path} exists and is not salabatch's OpenAI Batch output; "
+                "refusing to overwrite it: choose another output path or move the file away"
+            )
+        elif kind == "results":
+            try:
+                read_final(path, columns=[])
+            except OutputError as e:
+                problems.append(
+                    f"output.path: {path}: {e.message}; refusing to overwrite it: choose "
+                    "another output path or move the file away"
+                )
+    return problems
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _document_problems(sources: list[DocumentSource]) -> tuple[list[str], int | None]:
@@ -181,12 +266,15 @@ def _document_problems(sources: list[DocumentSource]) -> tuple[list[str], int | 
         problems = [_entry_problem(index, source) for index, source in enumerate(sources)]
         return [p for p in problems if p is not None], None
     problems = []
-    for file in files:  # only a file named directly can have an unsupported type
-        if file.path.suffix.lower() not in SUPPORTED_SUFFIXES:
+    for file in files:  # only a file named directly can have an unknown type
+        if file.format is None:
             where = render_loc(("documents", sources.index(file.source), "path"))
-            supported = " ".join(SUPPORTED_SUFFIXES)
             kind = file.path.suffix or "(none)"
-            problems.append(f"{where}: unsupported file type {kind} (supported: {supported})")
+            problems.append(
+                f"{where}: unsupported file type {kind} (supported: {' '.join(DEFAULT_SUFFIXES)}, "
+                "text files such as .rst .html .py; or give the entry a format: text, pdf or "
+                "jsonl)"
+            )
     return problems, len(files)
 
 

@@ -63,9 +63,26 @@ def _resolve(value: object, info: ValidationInfo) -> str:
         raise job_error(f"expected a path, got {show_value(value)}")
     if not value.strip():
         raise job_error("must not be empty")
+    if "\0" in value:
+        raise job_error(f"must not contain a NUL byte, got {show_value(value)}")
+    if bad := _not_utf8(value):
+        # the spec is stored as UTF-8 JSON in the results; a name from the command line may
+        # hold any bytes
+        raise job_error(f"is not valid UTF-8 ({bad}); rename it, or match it with a glob")
     base = (info.context or {}).get("base_dir") or os.getcwd()
     # A string, not a Path: JSON-mode validation (`model_validate_json`) takes only strings.
     return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+
+
+def _not_utf8(text: str) -> str | None:
+    """What in `text` is not UTF-8, or None: Python keeps the bytes of a command-line argument
+    that are not as surrogates (U+DC80 to U+DCFF)."""
+    for ch in text:
+        if 0xDC80 <= ord(ch) <= 0xDCFF:
+            return f"byte 0x{ord(ch) - 0xDC00:02x}"
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            return f"lone surrogate U+{ord(ch):04X}"
+    return None
 
 
 class _Strict(BaseModel):
@@ -85,6 +102,8 @@ class DocumentEntry(_Strict):
     glob: str | None = None  # for a folder: a pattern relative to it, e.g. "**/*.pdf"
     text_field: str = Field("text", min_length=1)  # .jsonl records: where the text is
     id_field: str = Field("id", min_length=1)  # .jsonl records: where the id is
+    # Read every file of the entry so, whatever its suffix (none included); default: by suffix.
+    format: Literal["text", "pdf", "jsonl"] | None = None
 
     @field_validator("path", mode="before")
     @classmethod
@@ -105,9 +124,12 @@ class DocumentEntry(_Strict):
             raise job_error("path is already a glob pattern: put the whole pattern in path")
         return value
 
-    def to_source(self) -> DocumentSource:
-        """The entry as `salabatch.jobs.ingest.documents` reads it."""
-        return DocumentSource(self.path, self.glob, self.text_field, self.id_field)
+    def to_source(self, max_tokens: int | None = None) -> DocumentSource:
+        """The entry as `salabatch.jobs.ingest.documents` reads it; `max_tokens`, the job's
+        max_context, limits the bytes of a document."""
+        return DocumentSource(
+            self.path, self.glob, self.text_field, self.id_field, self.format, max_tokens
+        )
 
 
 class Question(_Strict):
@@ -184,15 +206,37 @@ class CacheSettings(_Strict):
         return _resolve(value, info)
 
 
+# The longest output file name: the file system allows 255 bytes, and the results file gets a
+# parts folder (`.parts`) and temporary files (`.<stem>.tmp-<pid>-<8 hex>.parquet`) beside it.
+MAX_OUTPUT_NAME = 255 - 25
+OUTPUT_SUFFIXES = (".parquet", ".jsonl")
+
+
 class OutputSettings(_Strict):
-    """Where the results go; `path` defaults to `results/<name>.parquet` beside the job file."""
+    """Where the results go; `path` defaults to `results/<name>.parquet` beside the job file.
+    A path ending in .jsonl is OpenAI Batch output, its results beside it in .parquet."""
 
     path: Path
 
     @field_validator("path", mode="before")
     @classmethod
     def _resolve_path(cls, value: object, info: ValidationInfo) -> str:
-        return _resolve(value, info)
+        path = _resolve(value, info)
+        name = os.path.basename(path)
+        if os.path.splitext(name)[1].lower() not in OUTPUT_SUFFIXES:
+            raise job_error(
+                f"must end in .parquet (the results) or .jsonl (OpenAI Batch output, the results "
+                f"beside it in .parquet), got {show_value(name)}"
+            )
+        too_long = [p for p in Path(path).parts if len(os.fsencode(p)) > 255]
+        if too_long or len(os.fsencode(name)) > MAX_OUTPUT_NAME:
+            part = too_long[0] if too_long else name
+            raise job_error(
+                f"a file name of {len(os.fsencode(part))} bytes: at most {MAX_OUTPUT_NAME} "
+                "(file systems allow 255, and the results get a .parts folder and temporary "
+                "files named after them)"
+            )
+        return path
 
 
 class JobSpec(_Strict):
@@ -280,8 +324,9 @@ class JobSpec(_Strict):
         return is_builtin(self.model)
 
     def sources(self) -> list[DocumentSource]:
-        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`."""
-        return [entry.to_source() for entry in self.documents]
+        """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`, with
+        the byte limit of `engine.max_context`."""
+        return [entry.to_source(self.engine.max_context) for entry in self.documents]
 
 
 def _with_defaults(data: Any) -> Any:
@@ -292,10 +337,7 @@ def _with_defaults(data: Any) -> Any:
     data = dict(data)
     questions = data.get("questions")
     if isinstance(questions, list):
-        data["questions"] = [
-            {**q, "id": f"q{n}"} if isinstance(q, dict) and q.get("id") is None else q
-            for n, q in enumerate(questions, 1)
-        ]
+        data["questions"] = [_question(q, n) for n, q in enumerate(questions, 1)]
     if "cache" not in data:
         data["cache"] = {}
     output = data.get("output", {})
@@ -305,6 +347,15 @@ def _with_defaults(data: Any) -> Any:
         stem = name if isinstance(name, str) and _SAFE_NAME.fullmatch(name) else "job"
         data["output"] = {**output, "path": f"results/{stem}.parquet"}
     return data
+
+
+def _question(question: object, number: int) -> object:
+    """A question as given, its id `q<number>` when it has none; a plain string is its text."""
+    if isinstance(question, str):
+        return {"id": f"q{number}", "text": question}
+    if isinstance(question, dict) and question.get("id") is None:
+        return {**question, "id": f"q{number}"}
+    return question
 
 
 def _number_as_text(value: object) -> object:

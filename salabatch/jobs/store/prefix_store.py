@@ -67,11 +67,23 @@ class PrefixKey:
     dtype: str
     ids_sha256: str
     tokens: int
+    # the document it was first stored for, for `cache ls`; not part of the identity (the same
+    # text under another name is the same prefix)
+    document: str = ""
 
     @classmethod
-    def of(cls, model: str, model_fp: str, tokenizer_fp: str, dtype: str, ids: Sequence[int]):
+    def of(
+        cls,
+        model: str,
+        model_fp: str,
+        tokenizer_fp: str,
+        dtype: str,
+        ids: Sequence[int],
+        document: str = "",
+    ):
         data = b"".join(int(i).to_bytes(4, "little") for i in ids)
-        return cls(model, model_fp, tokenizer_fp, dtype, hashlib.sha256(data).hexdigest(), len(ids))
+        sha = hashlib.sha256(data).hexdigest()
+        return cls(model, model_fp, tokenizer_fp, dtype, sha, len(ids), document)
 
     @property
     def digest(self) -> str:
@@ -80,7 +92,7 @@ class PrefixKey:
 
     def identity(self) -> dict[str, str]:
         """The fields a manifest and a file header must repeat exactly."""
-        return {k: str(v) for k, v in asdict(self).items() if k != "model"}
+        return {k: str(v) for k, v in asdict(self).items() if k not in ("model", "document")}
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Entry:
     dtype: str
     created: float
     last_used: float
+    document: str = ""  # what it was stored for ("" for an entry of an older salabatch)
 
 
 @dataclass(frozen=True)
@@ -303,6 +316,7 @@ class PrefixStore:
             manifest = {
                 **key.identity(),
                 "model": key.model,
+                "document": key.document,
                 "kind": kind,
                 "position": cache.offset,
                 "bytes": data.stat().st_size,
@@ -392,6 +406,7 @@ class PrefixStore:
                     dtype=m.get("dtype", "?"),
                     created=float(m.get("created", 0)),
                     last_used=manifest.stat().st_mtime,
+                    document=str(m.get("document", "")),
                 )
             ]
         except (OSError, ValueError, KeyError):

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 import unicodedata
 from pathlib import Path
 
 import pytest
 
 from salabatch.errors import JobSpecError
-from salabatch.jobs.ingest.documents import Document, DocumentSource, expand_sources, iter_documents
+from salabatch.jobs.ingest.documents import (
+    Document,
+    DocumentSource,
+    expand_sources,
+    identify_documents,
+    iter_documents,
+)
 
 
 def read(*sources: DocumentSource | Path | str) -> list[Document]:
@@ -101,7 +111,8 @@ def test_utf16_with_bom_is_decoded(tmp_path):
 
 def test_unsupported_file_named_directly_is_an_error_document(tmp_path):
     doc = read_one(write(tmp_path / "memo.docx", b"PK\x03\x04"))
-    assert doc.error == "unsupported file type .docx; supported: .txt .md .pdf .jsonl"
+    assert doc.error.startswith("unsupported file type .docx; supported: .txt .md .pdf .jsonl")
+    assert doc.error.endswith("or any file with the entry's format:")
     assert doc.doc_id == "memo.docx"
 
 
@@ -246,3 +257,164 @@ def test_jsonl_custom_fields(tmp_path):
 def test_jsonl_with_only_blank_lines_is_an_error_document(tmp_path):
     (doc,) = read(write(tmp_path / "blank.jsonl", "\n  \n"))
     assert doc.error == "no records: every line is blank"
+
+
+# ---- hostile files: links, pipes, devices, sizes -----------------------------------------------
+
+
+def test_a_folder_walk_never_follows_a_link_back_into_a_walked_folder(tmp_path):
+    # Defect 3: a recursive glob followed `up -> ..` round and round (ids a/up/a/up/.../ok.txt).
+    root = tmp_path / "docs"
+    write(root / "a" / "ok.txt", "fine")
+    write(root / "b" / "also.md", "fine too")
+    write(tmp_path / "outside" / "x.txt", "a folder linked from inside is walked once")
+    (root / "a" / "up").symlink_to("..")
+    (root / "a" / "out").symlink_to(tmp_path / "outside")
+    (root / "b" / "loop").symlink_to(root / "b")
+    assert ids(read(root)) == ["a/ok.txt", "a/out/x.txt", "b/also.md"]
+    assert ids(read(DocumentSource(root, glob="**/*.txt"))) == ["a/ok.txt", "a/out/x.txt"]
+    assert ids(read(root / "**" / "*.md")) == ["b/also.md"]
+
+
+def test_a_folder_with_two_upward_link_loops_validates_in_under_two_seconds(tmp_path):
+    # Two loops made the walk exponential, with memory growing without bound: run it in a child
+    # that is killed if it takes long.
+    root = tmp_path / "docs"
+    write(root / "a" / "ok.txt", "fine")
+    (root / "a" / "up").symlink_to("..")
+    (root / "a" / "top").symlink_to(root)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: loops\nmodel: builtin:random\ndocuments: [{path: docs}]\n"
+        "questions: [{text: Summarize.}]\n"
+    )
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "salabatch.cli", "validate", str(job), "--schema-only"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    walk = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from salabatch.jobs.ingest.documents import DocumentSource, "
+            "expand_sources as e; t = time.perf_counter(); "
+            "f = e([DocumentSource(sys.argv[1])]); print(len(f), time.perf_counter() - t)",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert walk.returncode == 0, walk.stderr
+    files, seconds = walk.stdout.split()
+    assert files == "1" and float(seconds) < 2
+    assert time.perf_counter() - start < 30
+
+
+def test_a_fifo_or_a_device_named_as_a_document_is_an_error_document_not_a_hang(tmp_path):
+    # Defect 4: reading a FIFO waited for a writer forever; /dev/zero never ends.
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    (tmp_path / "null.jsonl").symlink_to("/dev/null")
+    sources = [DocumentSource(tmp_path / n) for n in ("pipe.txt", "zero.txt", "null.jsonl")]
+    docs = list(iter_documents(sources))
+    assert [(d.doc_id, d.error, d.sha256) for d in docs] == [
+        ("pipe.txt", "not a regular file: a FIFO (named pipe)", ""),
+        ("zero.txt", "not a regular file: a character device", ""),
+        ("null.jsonl", "not a regular file: a character device", ""),
+    ]
+    identified = [f.ids for f in identify_documents(sources)]
+    assert identified == [(("pipe.txt", ""),), (("zero.txt", ""),), (("null.jsonl", ""),)]
+    write(tmp_path / "real.txt", "a walk reads regular files only, as before")
+    assert ids(read(DocumentSource(tmp_path, glob="*.txt"))) == ["real.txt"]
+
+
+def test_a_document_over_the_byte_limit_of_max_context_is_not_read(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(3 * 2**30)  # 3 GB, sparse: costs no disk
+    small = write(tmp_path / "small.md", "x" * 1000)
+    start = time.perf_counter()
+    docs = read(DocumentSource(big, max_tokens=1024), DocumentSource(small, max_tokens=1024))
+    assert time.perf_counter() - start < 2
+    assert docs[0].error == (
+        "too large: 3.0 GB, over the 16.0 KB that engine.max_context 1024 tokens allows "
+        "(16 bytes a token); raise max_context or split the file"
+    )
+    assert docs[0].sha256 == "" and docs[1].ok
+    limited = read(DocumentSource(small, max_tokens=50))
+    assert limited[0].error.startswith("too large: 1000 B, over the 800 B")
+    pdf = write(tmp_path / "a.pdf", make_pdf(TWO_PAGES))
+    assert read(DocumentSource(pdf, max_tokens=10))[0].ok  # a PDF holds more than its text
+
+
+def test_a_jsonl_line_over_the_byte_limit_is_an_error_record_and_the_others_go_on(tmp_path):
+    lines = [json.dumps({"id": "a", "text": "short"}), json.dumps({"id": "b", "text": "y" * 900})]
+    path = write(tmp_path / "r.jsonl", "\n".join([*lines, lines[0].replace('"a"', '"c"')]) + "\n")
+    source = DocumentSource(path, max_tokens=50)  # 800 bytes a line
+    docs = read(source)
+    assert [(d.doc_id, d.error) for d in docs] == [
+        ("a", None),
+        (
+            "r.jsonl#L2",
+            "line 2: too large: 923 B, over the 800 B that engine.max_context 50 "
+            "tokens allows (16 bytes a token); raise max_context or split the line",
+        ),
+        ("c", None),
+    ]
+    (found,) = identify_documents([source])
+    assert found.ids == tuple((d.doc_id, d.sha256) for d in docs)
+
+
+# ---- what a file is: format and suffixes -------------------------------------------------------
+
+
+def test_rst_html_and_code_are_read_as_text_when_named_or_globbed(tmp_path):
+    write(tmp_path / "guide.rst", "Guide\n=====\n")
+    write(tmp_path / "page.html", "<p>Hello</p>")
+    write(tmp_path / "tool.py", "print('hi')\n")
+    write(tmp_path / "notes.txt", "notes")
+    docs = read(tmp_path / "guide.rst", tmp_path / "page.html")
+    assert [(d.doc_id, d.text) for d in docs] == [
+        ("guide.rst", "Guide\n=====\n"),
+        ("page.html", "<p>Hello</p>"),  # as it is: markup and all
+    ]
+    assert ids(read(tmp_path)) == ["notes.txt"]  # a walk without a glob: .txt .md .pdf .jsonl
+    assert ids(read(DocumentSource(tmp_path, glob="*"))) == [
+        "guide.rst",
+        "notes.txt",
+        "page.html",
+        "tool.py",
+    ]
+
+
+def test_files_without_a_suffix_are_read_with_the_entry_format(tmp_path):
+    write(tmp_path / "LICENSE", "Permission is hereby granted")
+    write(tmp_path / "records", json.dumps({"id": "r1", "text": "a record"}) + "\n")
+    with pytest.raises(JobSpecError, match=r"\(2 of another type: give the entry a format:\)"):
+        expand_sources([DocumentSource(tmp_path, glob="*")])
+    docs = read(DocumentSource(tmp_path / "LICENSE", format="text"))
+    assert [(d.doc_id, d.text) for d in docs] == [("LICENSE", "Permission is hereby granted")]
+    assert read_one(tmp_path / "LICENSE").error.startswith("unsupported file type (none)")
+    (record,) = read(DocumentSource(tmp_path / "records", format="jsonl"))
+    assert (record.doc_id, record.text) == ("r1", "a record")
+    assert ids(read(DocumentSource(tmp_path, glob="*", format="text"))) == ["LICENSE", "records"]
+
+
+def test_a_sparse_jsonl_line_is_stepped_over_and_the_next_record_read(tmp_path):
+    path = tmp_path / "holes.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"id": "a", "text": "first"}\n')
+        f.truncate(64 * 2**20)  # a line of 64 MB of zeros: a hole, never read
+        f.seek(0, os.SEEK_END)
+        f.write(b'\n{"id": "b", "text": "after the hole"}\n')
+    source = DocumentSource(path, max_tokens=1024)
+    docs = read(source)
+    assert [(d.doc_id, d.ok) for d in docs] == [("a", True), ("holes.jsonl#L2", False), ("b", True)]
+    assert docs[1].error.startswith("line 2: too large: 64.0 MB, over the 16.0 KB")
+    assert docs[2].text == "after the hole"

@@ -168,3 +168,23 @@ def test_executor_ray_without_ray_says_how_to_install(tmp_path, tiny_model, monk
     assert result.exit_code == 2
     assert len(result.output.splitlines()) == 1
     assert 'pip install "salabatch[ray]"' in result.output
+
+
+def test_ray_log_lines_go_above_the_bars_warnings_only():
+    import logging
+
+    from salabatch.jobs.ray.executor import _ray_logs
+
+    lines: list[str] = []
+    data = logging.getLogger("ray.data")
+    before = list(data.handlers)
+    with _ray_logs(lines.append, debug=False):
+        data.info("Starting execution of Dataset dataset_0")
+        data.warning("Progress bars disabled. To enable, set ...")
+        logging.getLogger("ray").warning("Token authentication is enabled\n for this cluster")
+        data.error("a block failed")
+    assert lines == [
+        "warning: ray: Token authentication is enabled for this cluster",
+        "error: ray: a block failed",
+    ]
+    assert data.handlers == before

@@ -205,3 +205,37 @@ def test_the_cli_reads_a_folder_and_says_in_one_line_when_it_holds_no_results(tm
         result = CliRunner().invoke(main, [command, str(tmp_path / "empty")])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
         assert "a folder without .parquet files" in result.output
+
+
+def test_export_csv_and_flat_jsonl_into_new_folders(results, tmp_path):
+    import csv
+
+    from click.testing import CliRunner
+
+    from salabatch.cli import main
+
+    table = read_results(results)
+    out = tmp_path / "new" / "deeper" / "answers.csv"  # the format from the suffix
+    result = CliRunner().invoke(main, ["export", str(results), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"6 rows -> {out}" in result.output
+    with open(out, newline="", encoding="utf-8") as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0]) == table.column_names and len(got) == 6
+    assert got[0]["answer"] == "line 1\nline 2\nline 3\nline 4\nline 5\nline 6"
+    assert got[3]["error"] == "out of memory" and got[3]["answer"] == ""
+    assert got[0]["finished_at"] == table["finished_at"][0].as_py().isoformat()
+
+    flat = tmp_path / "other" / "rows.jsonl"
+    result = CliRunner().invoke(main, ["export", str(results), "--format", "jsonl", "-o", str(flat)])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in flat.read_text(encoding="utf-8").splitlines()]
+    assert [list(x) for x in lines] == [table.column_names] * 6
+    assert lines[1]["custom_id"] == "a/q1" and lines[3]["answer"] is None
+    assert lines[0]["started_at"] == T0.isoformat()
+
+    for fmt, name in (("csv", "answers.jsonl"), ("openai-jsonl", "answers.csv"), ("jsonl", "x")):
+        wrong = tmp_path / name
+        result = CliRunner().invoke(main, ["export", str(results), "--format", fmt, "-o", str(wrong)])
+        assert result.exit_code == 2 and f"--format {fmt} writes a" in result.output
+        assert not wrong.exists()

@@ -4,6 +4,7 @@ parts."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -139,6 +140,20 @@ def test_rows_round_trip_exactly(tmp_path):
     assert back[0].started_at.utcoffset() == timedelta(0)
     assert back[1].custom_id == "a/q1" and back[2].custom_id == "req-17"
     assert pq.read_schema(path).equals(RESULT_SCHEMA, check_metadata=False)
+
+
+def test_text_that_utf8_cannot_hold_is_escaped_and_a_path_says_so(tmp_path):
+    path = tmp_path / "r.parquet"
+    row = make_row(
+        "a.q0",
+        doc_path="/data/caf" + os.fsdecode(b"\xe9") + ".txt",
+        custom_id="line-\ud800",  # JSON allows a lone surrogate
+    )
+    assert row.doc_path == "/data/caf\\xe9.txt (file name not UTF-8: its bytes shown as \\xNN)"
+    assert row.custom_id == "line-\\ud800"
+    with writer(path) as out:
+        out.write([row])
+    assert ResultRow.from_record(read_results(path).to_pylist()[0]) == row
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,8 @@ def test_run_writes_openai_batch_output_jsonl_in_input_order(tmp_path, tiny_mode
     assert "reasoning_content" not in got[0]["response"]["body"]["choices"][0]["message"]
     assert "chat/completions" in got[3]["error"]["message"]
     assert "tools" in got[4]["error"]["message"]
-    assert "not valid JSON" in got[5]["error"]["message"]
+    assert got[5]["error"]["message"] == "line 6: not valid JSON: Expecting value at column 1"
+    assert "error in request line-6: line 6: not valid JSON" in result.output  # said as it runs
 
     # `salabatch export` of the results beside it writes the same bytes
     exported = tmp_path / "exported.jsonl"
@@ -149,6 +150,30 @@ def test_a_job_file_output_ending_in_jsonl_writes_batch_output(tmp_path, tiny_mo
     assert run_cli("run", str(job)).exit_code == 0
     out = tmp_path / "out" / "answers.jsonl"
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["b", "a"]
+    assert len(read_results(out.with_suffix(".parquet"))) == 2
+
+
+def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_model):
+    requests = write_requests(tmp_path / "batch.jsonl", [line("a"), "{oops", line("b")])
+    result = run_cli("run", "--requests", str(requests))
+    assert result.exit_code == 2
+    assert result.output == (
+        f"error: {requests}: line 2: not valid JSON (Expecting property name enclosed in double "
+        "quotes at column 2), so the model it names is unknown; fix the line or give --model\n"
+    )
+
+
+def test_requests_without_o_write_the_batch_output_beside_the_results(
+    tmp_path, tiny_model, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    requests = write_requests(tmp_path / "batch.jsonl", [line("a"), line("b", "Name a sea.")])
+    args = ["--requests", str(requests), "--model", str(tiny_model)]
+    result = run_cli("run", *args, "--set", f"cache.dir={tmp_path / 'cache'}")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "results" / "batch.jsonl"
+    assert f"OpenAI Batch output -> {out}" in result.output
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "b"]
     assert len(read_results(out.with_suffix(".parquet"))) == 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 
 import pytest
 
@@ -197,3 +198,115 @@ def test_an_edited_request_body_replaces_its_row(tmp_path, tiny_model):
     assert run_cli("run", *args).exit_code == 0
     (only,) = read_results(out).to_pylist()
     assert only["custom_id"] == "a" and only["completion_tokens"] <= 2
+
+
+# ---- output paths: checked before the model loads, never a foreign file overwritten -------------
+
+
+def test_output_never_overwrites_the_requests_file_or_a_jsonl_that_is_not_salabatchs(
+    tmp_path, tiny_model, no_model_load
+):
+    # Defect 1: `--requests req.jsonl -o req.jsonl` replaced the input with the output, exit 0;
+    # so did a job's output.path naming any existing .jsonl.
+    body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    requests = tmp_path / "req.jsonl"
+    requests.write_text(json.dumps({"custom_id": "a", "body": body}) + "\n")
+    before = requests.read_bytes()
+    result = run_cli(
+        "run", "--requests", str(requests), "--model", str(tiny_model), "-o", str(requests)
+    )
+    assert result.exit_code == 2, result.output
+    assert f"output.path: {requests} is the requests file" in result.output
+    assert requests.read_bytes() == before
+
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"note": "mine, not salabatch output"}\n')
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: j\nmodel: {tiny_model}\nrequests: req.jsonl\noutput: {{path: notes.jsonl}}\n"
+    )
+    for command in ("validate", "run"):
+        result = run_cli(command, str(job))
+        assert result.exit_code == 2, (command, result.output)
+        assert f"output.path: {notes} exists and is not salabatch's OpenAI Batch output" in (
+            result.output
+        )
+        assert notes.read_text() == '{"note": "mine, not salabatch output"}\n'
+    assert not (tmp_path / "notes.parquet").exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [
+        ("res\0.parquet", "must not contain a NUL byte"),
+        ("r" * 250 + ".parquet", "file name of 258 bytes"),
+        (os.fsdecode(b"r\xe9s.parquet"), "not valid UTF-8"),
+        ("res.csv", "must end in .parquet"),
+    ],
+    ids=["nul", "long-name", "not-utf8", "csv"],
+)
+def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
+    tmp_path, tiny_model, no_model_load, output, problem
+):
+    # Defect 6: these passed validate and failed after the model loaded, exit 1, with a Python
+    # error; `output.path: res.csv` wrote Parquet into res.csv while `-o res.csv` was refused.
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model))
+    checks = [
+        ("validate", job, "--set", f"output.path={output}"),
+        ("run", job, "--set", f"output.path={output}"),
+        ("run", job, "-o", str(tmp_path / output)),
+    ]
+    for args in checks:
+        result = run_cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "output.path: " in result.output and problem in result.output, result.output
+        assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "job.yaml"]
+
+
+def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny_model):
+    # Defect 7: the run ended with "6 row(s) of the job are errors" and no word of which
+    # documents failed or why: the user needed `inspect`.
+    docs = write_docs(tmp_path)
+    (docs / "empty.txt").write_bytes(b"")
+    (docs / "broken.pdf").write_bytes(b"%PDF-1.4\n garbage")
+    job = write_job(tmp_path, tiny_model)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output
+    failed = [line for line in result.output.splitlines() if line.startswith("error in ")]
+    assert len(failed) == 2, result.output
+    assert failed[0].startswith("error in document broken.pdf: corrupt PDF")
+    assert failed[1] == "error in document empty.txt: empty file (0 bytes)"
+    again = run_cli("run", str(job))  # error rows kept: said again in the summary, not per row
+    assert again.exit_code == 3 and "error in document" not in again.output
+
+
+def test_a_3gb_file_and_a_fifo_in_a_job_become_error_rows_without_being_read(tmp_path, tiny_model):
+    docs = write_docs(tmp_path)
+    with open(docs / "huge.txt", "wb") as f:
+        f.truncate(3 * 2**30)  # sparse: no disk used; reading it would take seconds and GBs
+    os.mkfifo(docs / "pipe.md")  # a walk leaves it out; named, it is an error row
+    job = write_job(tmp_path, tiny_model, documents=[{"path": "docs"}, {"path": "docs/pipe.md"}])
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output
+    got = {(r["doc_id"], r["question_id"]): r for r in rows(tmp_path)}
+    assert got[("huge.txt", "who")]["error"].startswith("too large: 3.0 GB, over the 16.0 MB")
+    assert got[("pipe.md", "who")]["error"] == "not a regular file: a FIFO (named pipe)"
+    assert len(got) == 15 and sum(r["status"] == "ok" for r in got.values()) == 9
+
+
+def test_debug_works_after_the_command_name_too(tmp_path, tiny_model, monkeypatch):
+    from salabatch.jobs.results import export
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(export, "inspect_results", broken)
+    debug = run_cli("inspect", str(tmp_path / "x.parquet"), "--debug")
+    assert debug.exit_code == 1 and isinstance(debug.exception, ZeroDivisionError)
+    write_docs(tmp_path)
+    failing_generator(monkeypatch)
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)), "--debug")
+    assert result.exit_code == 3 and "Traceback" in result.output
+    assert run_cli("cache", "ls", "--dir", str(tmp_path / "c"), "--debug").exit_code == 0

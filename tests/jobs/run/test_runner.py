@@ -4,6 +4,7 @@ test_openai_batch.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -304,3 +305,43 @@ def test_ctrl_c_stops_after_finished_rows(tmp_path, tiny_model):
     saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
     assert 1 <= len(saved) < 21
     assert not (tmp_path / "out" / "results.parquet.parts").exists()
+
+
+def test_a_file_name_that_is_not_utf8_is_stored_escaped_and_its_row_says_so(tmp_path, tiny_model):
+    # Defect 2: a surrogate-escaped name stopped the whole run at the Parquet write, exit 1,
+    # losing the pooled batch it was in, and every rerun failed the same way.
+    docs = write_docs(tmp_path)
+    name = os.fsdecode(b"caf\xe9 menu.txt")
+    (docs / name).write_text("Soup of the day: leek.")
+    result = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert result.exit_code == 0, result.output
+    got = {r["doc_id"]: r for r in rows(tmp_path)}
+    assert len(rows(tmp_path)) == 12 and all(r["status"] == "ok" for r in rows(tmp_path))
+    escaped = got["caf_menu.txt"]["doc_path"]
+    assert escaped == f"{docs}/caf\\xe9 menu.txt (file name not UTF-8: its bytes shown as \\xNN)"
+    assert got["notes.txt"]["doc_path"] == str(docs / "notes.txt")
+    again = run_cli("run", str(write_job(tmp_path, tiny_model)))
+    assert again.exit_code == 0 and "12 already done" in again.output
+
+
+def test_sigterm_stops_like_ctrl_c_and_says_the_rows_are_safe(tmp_path, tiny_model):
+    proc = start_long_run(tmp_path, tiny_model, parts_wanted=1, max_tokens=128)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143  # 128 + SIGTERM, as a shell reports it
+    err = proc.stderr.read()
+    assert "terminated (SIGTERM): finished rows are saved; run the same command to resume" in err
+    assert "Traceback" not in err
+    saved = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()  # merged on exit
+    assert 1 <= len(saved) < 21
+    assert not (tmp_path / "out" / "results.parquet.parts").exists()
+
+
+def test_cache_ls_names_the_documents_of_the_stored_prefixes(tmp_path, tiny_model):
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    listed = run_cli("cache", "ls", "--dir", str(tmp_path / "cache"))
+    assert listed.exit_code == 0, listed.output
+    header, *entries = listed.output.splitlines()[:-1]
+    assert "document" in header.split()
+    documents = sorted(line.split()[8] for line in entries if " prefix " in line)
+    assert documents == ["letter.pdf", "report.md"]  # notes.txt is short: pooled, not stored

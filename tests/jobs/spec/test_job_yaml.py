@@ -116,3 +116,30 @@ def test_overrides_do_not_leak_through_yaml_aliases(tmp_path):
     )
     spec = load_job(job, ["questions[1].id=b"])
     assert [q.id for q in spec.questions] == ["a", "b"]
+
+
+def test_merge_keys_with_overrides_are_accepted(tmp_path):
+    # Defect 5: PyYAML merges `<<` into the node tree as it constructs the data, so a check
+    # of that tree afterwards saw the merged `id` beside the item's own and refused valid YAML.
+    job = write(
+        tmp_path,
+        """\
+        name: merge
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - &q {id: q1, text: "hi", max_tokens: 8}
+          - {<<: *q, id: q2, text: "yo"}
+          - <<: *q
+            id: q3
+        """,
+    )
+    spec = load_job(job)
+    assert [(q.id, q.text, q.max_tokens) for q in spec.questions] == [
+        ("q1", "hi", 8),
+        ("q2", "yo", 8),
+        ("q3", "hi", 8),
+    ]
+    # a key given twice in the item itself is still a mistake, located at its line
+    twice = write(tmp_path, MINIMAL + "generation: {<<: {seed: 1}, seed: 2, seed: 3}\n")
+    assert error_of(twice).startswith("generation.seed: duplicate key (line 5; first at line 5)")

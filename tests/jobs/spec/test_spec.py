@@ -70,7 +70,9 @@ def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home)
     assert [q.id for q in spec.questions] == ["summary", "parties"]
     assert spec.cache.dir == home / ".cache" / "salabatch"
     assert spec.output.path == jobs / "results" / "contracts.parquet"
-    assert spec.sources() == [DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id")]
+    assert spec.sources() == [
+        DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id", max_tokens=1048576)
+    ]
 
 
 def test_defaults(tmp_path, home):
@@ -135,6 +137,39 @@ def test_auto_ids_and_per_question_overrides(tmp_path):
     key = generation_key(spec, spec.questions[1])
     assert (key["max_tokens"], key["think"], key["temperature"]) == (20, True, 0.5)
     assert generation_key(spec, spec.questions[0])["max_tokens"] == 100
+
+
+def test_questions_given_as_plain_strings(tmp_path):
+    job = write(
+        tmp_path,
+        """\
+        name: plain
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - Who signed it?
+          - {id: when, text: "When?"}
+          - "What does it cost?"
+        """,
+    )
+    spec = load_job(job)
+    assert [(q.id, q.text) for q in spec.questions] == [
+        ("q1", "Who signed it?"),
+        ("when", "When?"),
+        ("q3", "What does it cost?"),
+    ]
+    assert (
+        error_of(job, ("questions[0]=''",))
+        == "questions[0].text: must not be empty (from the command line)"
+    )
+
+
+def test_a_documents_entry_format_is_text_pdf_or_jsonl(tmp_path):
+    job = write(tmp_path, MINIMAL.replace("[{path: docs}]", "[{path: LICENSE, format: text}]"))
+    assert load_job(job).sources()[0].format == "text"
+    assert error_of(job, ("documents[0].format=docx",)) == (
+        "documents[0].format: must be 'text', 'pdf' or 'jsonl', got 'docx' (from the command line)"
+    )
 
 
 def test_numbers_are_fine_as_names_and_ids(tmp_path):
@@ -325,9 +360,11 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
     ]
     (tmp_path / "model" / "config.json").write_text("{}")
     fixed = load_job(job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"])
-    assert check_paths(fixed) == [
-        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl)"
-    ]
+    (problem,) = check_paths(fixed)
+    assert problem.startswith(
+        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl"
+    )
+    assert problem.endswith("or give the entry a format: text, pdf or jsonl)")
     with pytest.raises(JobValidationError, match="documents\\[1\\].path: unsupported file type"):
         load_job(
             job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"], check_files=True
