@@ -80,6 +80,28 @@ def plan_memory(
     )
 
 
+def weights_bytes(model) -> int:
+    """Bytes of a loaded model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+def checkpoint_weights_bytes(path, cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes a checkpoint's weights will take once loaded, without reading them: its
+    parameter count in `itemsize` bytes, or a quantized checkpoint's files as they are."""
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    from salabatch.engine.model import Model
+
+    if cfg.quantization is not None:
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    shapes = tree_flatten(Model(cfg).parameters())  # lazy: nothing is allocated
+    return sum(p.size for _, p in shapes) * itemsize
+
+
 def document_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     """A one-row cache of `tokens` positions: the sparse layers' keys, values and compressed
     keys in their capacity, the lightning layers' float32 states."""
@@ -150,12 +172,12 @@ def available_bytes(gpu: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check(plan: MemoryPlan, free: int, what: str) -> None:
-    """Refuses (OutOfMemoryError) `what` when its new memory (all but the weights, loaded already)
-    exceeds `free`, in one line naming both."""
+def check(plan: MemoryPlan, free: int) -> None:
+    """Refuses (OutOfMemoryError) the plan when its new memory (all but the weights, loaded
+    already) exceeds `free`, in one line naming both."""
     needs = plan.peak - plan.weights
     if needs > free:
         raise OutOfMemoryError(
-            f"{what} needs {gb(needs)} more ({plan.line()}) and {gb(free)} is free: "
+            f"needs {gb(needs)} more than the weights ({plan.line()}) and {gb(free)} is free: "
             "lower engine.prefill_chunk or engine.batch_size, or free memory"
         )

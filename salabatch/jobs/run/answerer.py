@@ -14,11 +14,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
+from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
 from salabatch.errors import OutputError, error_text
 from salabatch.jobs.results.schema import ResultRow
@@ -135,6 +137,7 @@ class Answerer:
         key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
         try:
+            memory.check(self.memory_plan(plan), memory.available_bytes(on_gpu()))
             with self._tokens(f"prefill {plan.doc.doc_id}", len(plan.doc_prompt)) as advance:
                 seen = 0
 
@@ -153,6 +156,22 @@ class Answerer:
         except Exception as e:  # one document's failure must not end an overnight run
             reason = self._report(e, f"document {plan.doc.doc_id}")
             yield [self._error_row(r, plan, reason) for r in rows.values()]
+
+    def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
+        """What answering `plan` holds at its peak: the document's cache, a batch of its rows
+        (each a fork's tail, its question and its answer), a prefill chunk's temporaries."""
+        engine = self.spec.engine
+        longest = max(len(r.prompt) + r.max_tokens for r in plan.rows)
+        return memory.plan_memory(
+            self.model.config,
+            weights=memory.weights_bytes(self.model),
+            doc_tokens=len(plan.doc_prompt),
+            chunk=engine.prefill_chunk,
+            batch=min(engine.batch_size, len(plan.rows)),
+            row_tokens=2 * self.model.config.sparse.compression[1][1] + longest,
+            itemsize=self.model.dtype.size,
+            gpu=on_gpu(),
+        )
 
     # -- short documents and requests: whole prompts, batched across documents ---------------
     def _pool(self, pool: list[tuple[Row, DocPlan]]) -> Iterator[list[ResultRow]]:

@@ -29,7 +29,7 @@ def dry_run(
 ) -> None:
     """Prints the plan of `run_job(spec, resume=resume, retry_errors=retry_errors)`."""
     setup = JobSetup.of(spec)
-    ModelConfig.from_file(setup.model_path)  # the config is checked; no weights are read
+    config = ModelConfig.from_file(setup.model_path)  # checked; no weights are read
     earlier = _earlier_rows(spec.output.path)
     # the keys a run skips, as its ResultWriter.done_keys() gives them
     done = [key for key, ok in earlier.items() if ok or not retry_errors] if resume else []
@@ -41,7 +41,7 @@ def dry_run(
     for q in spec.questions:
         echo(f"  {q.id}: {q.text}")
     echo("documents:")
-    rows, prefill, cached = _show_documents(setup, planner, echo)
+    rows, prefill, cached, longest = _show_documents(setup, planner, echo)
     if spec.requests:
         plans = list(plan_requests(spec, setup.tok, planner))
         todo = sum(len(p.rows) for p in plans)
@@ -56,6 +56,8 @@ def dry_run(
         f"plan: {rows} row(s) to do, {planner.skipped} already done; prefill {prefill} document "
         f"tokens, {cached} from stored prefixes"
     )
+    if longest[0]:
+        echo(_memory_line(setup, config, *longest))
     stale = len(earlier.keys() - planner.job_keys) if resume else 0
     if stale:
         echo(f"{stale} row(s) of earlier runs are no longer in the job; the run drops them")
@@ -63,9 +65,11 @@ def dry_run(
 
 def _show_documents(
     setup: JobSetup, planner: Planner, echo: Callable[[str], None]
-) -> tuple[int, int, int]:
-    """One line per document; returns (rows to do, tokens to prefill, tokens already stored)."""
-    rows = prefill = cached = 0
+) -> tuple[int, int, int, tuple[int, int]]:
+    """One line per document; returns (rows to do, tokens to prefill, tokens already stored,
+    (the longest document prompt answered from its own prefix, its longest row: question and
+    answer))."""
+    rows = prefill = cached = longest = row_tokens = 0
     for plan in planner.documents():
         rows += len(plan.rows)
         if plan.error:
@@ -77,6 +81,8 @@ def _show_documents(
             state = "short: prefilled with each question, batched across documents"
             prefill += plan.doc_tokens * len(plan.rows)
         else:
+            longest = max(longest, plan.doc_tokens)
+            row_tokens = max(row_tokens, *(len(r.prompt) + r.max_tokens for r in plan.rows))
             hit = setup.store is not None and setup.store.has(setup.prefix_key(plan))
             cached += plan.doc_tokens if hit else 0
             prefill += 0 if hit else plan.doc_tokens
@@ -85,7 +91,34 @@ def _show_documents(
             f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, {len(plan.rows)} row(s), "
             f"{state}{notes}"
         )
-    return rows, prefill, cached
+    return rows, prefill, cached, (longest, row_tokens)
+
+
+def _memory_line(setup: JobSetup, config: ModelConfig, doc_tokens: int, row_tokens: int) -> str:
+    """The predicted peak of the run at its longest document, and the memory free now."""
+    import mlx.core as mx
+
+    from salabatch.engine import memory
+    from salabatch.engine.kernels.attention import on_gpu
+
+    engine = setup.spec.engine
+    itemsize = getattr(mx, setup.dtype).size
+    plan = memory.plan_memory(
+        config,
+        weights=memory.checkpoint_weights_bytes(setup.model_path, config, itemsize),
+        doc_tokens=doc_tokens,
+        chunk=engine.prefill_chunk,
+        batch=engine.batch_size,
+        row_tokens=2 * config.sparse.compression[1][1] + row_tokens,
+        itemsize=itemsize,
+        gpu=on_gpu(),
+    )
+    free = memory.available_bytes(on_gpu())
+    fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses such documents"
+    return (
+        f"memory: the longest document ({doc_tokens} tokens) needs {plan.line()}; "
+        f"{memory.gb(free)} free now ({fits})"
+    )
 
 
 def _earlier_rows(path: Path) -> dict[str, bool]:

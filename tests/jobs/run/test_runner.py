@@ -345,3 +345,25 @@ def test_cache_ls_names_the_documents_of_the_stored_prefixes(tmp_path, tiny_mode
     assert "document" in header.split()
     documents = sorted(line.split()[8] for line in entries if " prefix " in line)
     assert documents == ["letter.pdf", "report.md"]  # notes.txt is short: pooled, not stored
+
+
+def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
+    tmp_path, tiny_model, monkeypatch
+):
+    """Each document is planned before its prefill: one that needs more memory than is free
+    becomes error rows saying both figures, the run goes on; the dry run prints the plan."""
+    from salabatch.engine import memory
+
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    plan = run_cli("run", str(job), "--dry-run")
+    assert re.search(
+        r"memory: the longest document \(\d+ tokens\) needs about .* free now", plan.output
+    )
+    monkeypatch.setattr(memory, "available_bytes", lambda gpu: 1 << 20)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 3, result.output
+    refused = [r for r in rows(tmp_path) if r["status"] == "error"]
+    assert refused and all("is free" in r["error"] and "GB" in r["error"] for r in refused)
+    assert "error in document" in result.output and "OutOfMemoryError" in result.output
+    assert any(r["status"] == "ok" for r in rows(tmp_path))  # pooled short ones still answered
