@@ -1,17 +1,13 @@
 """InfLLM-v2 for one query per row, the decode step (SPEC §4.4): stage-1 scores, block pooling,
-top-k and stage-2 attention as one compiled graph.
+top-k and stage-2 attention. Two forms, the same results, each tested against the references
+(`select_blocks_ref`, `block_sparse_attention_ref`):
 
-In a decode step the arithmetic of a sparse layer is small and its ~70 op dispatches are most
-of the time. The step's shapes stay the same for thousands of tokens when every buffer is read
-whole (its capacity; what is not written yet is masked by position) and the block count is
-rounded up to a multiple of 64: then one compiled graph per shape replaces those dispatches.
-The same layouts and results as `select_blocks` then `block_sparse_attention`, whose
-references this is tested against. The config's `block` and `compression` reach the compiled
-graphs as plain ints, which `mx.compile` treats as constants of the graph, not as inputs.
-
-On the CPU, for float32, the step runs instead as one C++ primitive where it is built
-(`native.sparse_decode_step`, salabatch/engine/native/sparse_decode.cpp); these graphs are its
-reference in the tests and what every other device and dtype runs.
+* the CPU's (`infllm_v2_step`, `dense_step`): per layer, as the model's per-layer decode call
+  runs it: one C++ primitive where it is built, for float32 (`native.sparse_decode_step`,
+  salabatch/engine/native/sparse_decode.cpp), else compiled MLX-op graphs of whole buffers and
+  block counts in buckets of 64, the config's `block` and `compression` constants of the graph;
+* the GPU's (`decode_attention`, below): one piece of the model's single compiled decode step
+  (salabatch.engine.decode), with everything that changes per document or step an array.
 """
 
 from __future__ import annotations
@@ -142,8 +138,11 @@ def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local, bl
 
 
 def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
-    """Stage 2 as `_attend_take_graph`, each selected block multiplied where it lies
-    (`gather_mm`): no gathered copy of the keys and values, ~4× less time on the CPU at batch 8.
+    """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q; each
+    selected block multiplied where it lies (`gather_mm`): no gathered copy of the keys and
+    values (~4× less time on the CPU at batch 8 than a `take`). With shared keys, the slots in
+    them are read from the shared buffer and the row's own positions whole, masked to the
+    selected blocks.
     Scores stay per block, [n, k, G, block], and the softmax runs over the (k, block) axes."""
     n, _, G, d = q.shape
     k = sel.shape[-1]

@@ -241,23 +241,7 @@ def test_decode_step_matches_the_references(shared, form, lane_rows, monkeypatch
     monkeypatch.setattr(sparse_decode, "CPU_STEP", form)
     monkeypatch.setattr(sparse_decode, "LANE_ROWS", lane_rows)
 
-    rng = np.random.default_rng(21)
-    if shared:
-        doc = random_cache(1100, seed=12)
-        one = SparseKVCache(SC)
-        one.append(doc.keys.view()[:1], doc.values.view()[:1])
-        forks = []
-        for extra in (90, 7):
-            row = one.fork(1)
-            k = mx.array(rng.standard_normal((1, HK, extra, D)).astype(np.float32))
-            row.append(k, k * 0.5)
-            forks.append(row)
-        cache = SparseKVCache.concat(forks)
-    else:
-        cache = random_cache(1187, seed=13)
-    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
-    cache.append(k, -k)  # the step's own key
-    q = mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32))
+    cache, q = decode_case(shared, seed=21)
     starts = [n - 1 for n in cache.lengths]
     n_blocks = -(-max(cache.lengths) // BLOCK)
     kw = dict(
