@@ -74,7 +74,7 @@ class RowBuffer:
         self._reserve(x, max(self.lengths) + T)
         if len(set(self.lengths)) == 1:
             n = self.lengths[0]
-            self.data[..., n : n + T, :] = x
+            self._write((..., slice(n, n + T), slice(None)), x)
         else:  # each row at its own length: one scatter of [B, T] positions
             rows = mx.arange(len(self.lengths))[:, None]
             at = mx.array(self.lengths)[:, None] + mx.arange(T)
@@ -92,8 +92,18 @@ class RowBuffer:
         self._reserve(sized[0], max(ends))
         for b, p in enumerate(parts):
             if p is not None and p.shape[2]:
-                self.data[b : b + 1, :, self.lengths[b] : ends[b], :] = p
+                self._write((slice(b, b + 1), slice(None), slice(self.lengths[b], ends[b])), p)
         self.lengths = ends
+
+    def _write(self, where: tuple, x: mx.array) -> None:
+        """data[where] = x, data kept row-contiguous. A write of the whole buffer (a prompt of
+        exactly its capacity) makes x itself the buffer, as MLX's slice update returns the
+        update then: a strided view where x is (keys [B, T, Hk, d] transposed to [B, Hk, T, d]),
+        which the native CPU decode step cannot read in place (a fork's shared keys, at every
+        step), so it is copied, once."""
+        self.data[where] = x
+        if x.shape == self.data.shape:
+            self.data = mx.contiguous(self.data)
 
     def view(self, length: int | None = None) -> mx.array:
         """Positions [0, length) of every row (default: the longest row's length)."""

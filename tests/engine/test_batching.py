@@ -92,6 +92,22 @@ def test_shared_keys_are_stored_once(model):
             assert isinstance(batch[i], LightningCache) and batch[i].state.shape[0] == 8
 
 
+@pytest.mark.parametrize(("doc_len", "label"), [(128, "dense"), (512, "sparse")])
+def test_document_that_fills_its_buffers(model, doc_len, label):
+    """A document of exactly a buffer's capacity (`sparse_cache.capacity`) is written to its
+    buffers whole, which MLX does by keeping the written keys themselves (a transposed view);
+    its forks read them as shared keys at every step, and the CPU's native step reads buffers
+    where they lie, one contiguous run per key row. What `bench long` does at 1K tokens."""
+    doc = tokens(doc_len, seed=doc_len)
+    suffixes = [tokens(n, seed=300 + n) for n in (16, 5)]
+    steps = [np.random.default_rng(40 + i).integers(3, 256, size=4).tolist() for i in range(2)]
+    got, _, _ = batched(model, doc, suffixes, steps)
+    for b, suffix in enumerate(suffixes):
+        want = alone(model, doc, suffix, mx.array(steps[b], dtype=mx.int32))
+        for t, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert mx.abs(g[b] - w[0]).max().item() < TOL, f"row {b}, step {t} ({label})"
+
+
 def test_forks_of_one_document_share_one_shared_keys_object(model):
     doc_cache = model.make_cache()
     model(tokens(300, seed=2), doc_cache)

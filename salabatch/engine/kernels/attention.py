@@ -34,6 +34,12 @@ TILE_MEMORY_SHARE = 1 / 16
 # GPU path: queries per tile at most. A thousand queries of 32 heads already fill a GPU; larger
 # tiles only hold more memory (and a 8K chunk's graph has the same tiles at every context).
 TILE_ROWS = 1024
+# GPU path: the most entries one `gather_mm` or sort may batch. MLX's CUDA backend launches
+# them with one grid row per entry, and a grid's y and z sizes stop at 65,535: at 65,536 the
+# launch fails ("cuGraphAddKernelNode ... invalid argument"; seen on an H200, MLX 0.32.4, for
+# gather_mm, argsort, topk and argpartition). Tiles keep under it on every device, so the
+# graphs counted on the CPU are the ones CUDA runs.
+GRID_ROWS = 65_535
 
 Parts = mx.array | tuple[mx.array, ...]
 
@@ -66,11 +72,13 @@ def device_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def tile_rows(row_bytes: int, rows: int) -> int:
-    """GPU path: queries per tile when each takes `row_bytes` of transient memory, of `rows`
-    queries: a power of two (tiles of every call and chunk share shapes) within the device's
-    tile budget, at most TILE_ROWS, at least 1."""
+def tile_rows(row_bytes: int, rows: int, batched: int = 1) -> int:
+    """GPU path: queries per tile when each takes `row_bytes` of transient memory and adds
+    `batched` entries to the tile's batched kernels (`gather_mm`, sorts), of `rows` queries: a
+    power of two (tiles of every call and chunk share shapes) within the device's tile budget
+    and GRID_ROWS, at most TILE_ROWS, at least 1."""
     fit = max(1, int(device_memory() * TILE_MEMORY_SHARE) // max(row_bytes, 1))
+    fit = max(1, min(fit, GRID_ROWS // max(batched, 1)))
     return min(rows, TILE_ROWS, 1 << (fit.bit_length() - 1))
 
 

@@ -193,7 +193,9 @@ def block_sparse_attention_gpu(
         q_pos = _positions(starts, T)
         parts = _block_tables(kv, block)
         # per query: scores and weights of K·block keys for each of H heads, and K partial outputs
-        step = tile_rows(H * K * (block * (3 * q.dtype.size + 4) + 2 * d * q.dtype.size), T)
+        # (each query adds Hk·K entries per row to the gather_mm batches)
+        row_bytes = H * K * (block * (3 * q.dtype.size + 4) + 2 * d * q.dtype.size)
+        step = tile_rows(row_bytes, T, batched=B * Hk * K)
         for s in range(dense, T, step):
             e = min(T, s + step)
             o = _sparse_tile(table, rows[:, s:e], parts, sel[:, s:e], q_pos[:, s:e], (scale, block))

@@ -243,7 +243,8 @@ def select_blocks_gpu(
     plan = mx.array([prefill_len] + [_quirk(prefill_len, s) for s in strides], dtype=mx.int32)
     seen = _seen(mx.array(list(starts), dtype=mx.int32), plan, (T, strides, block))
     # per query, H heads' scores: level 1 in q's dtype and float32, level 2 once more in float32
-    rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T)
+    # (each query adds Hk rows per batch row to the block sort)
+    rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T, batched=B * Hk)
     qg = q.reshape(B, Hk, H // Hk, T, d)
     settings = (n_blocks, k, scale, init_blocks, local_blocks, block // compression[0][1])
     out = [

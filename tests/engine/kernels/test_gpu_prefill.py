@@ -178,6 +178,49 @@ def test_block_sparse_attention_gpu_matches_reference(monkeypatch, n, t, tile):
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
+def test_tiles_keep_batched_kernels_within_the_launch_grid(monkeypatch):
+    """MLX's CUDA backend cannot launch a gather_mm or a sort of 65,536 entries or more (one
+    grid row each; seen on an H200 at an 8K chunk's 1,024-query tiles). With GRID_ROWS made
+    small, every such kernel of stage 1 and stage 2 batches within it (compile off, so each call
+    is seen), and the smaller tiles still give the references' results."""
+    limit = 40
+    monkeypatch.setattr(attention, "GRID_ROWS", limit)
+    batches = []
+
+    def recorded(fn, entries):
+        def wrapped(*args, **kwargs):
+            batches.append((fn.__name__, entries(*args)))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def index_entries(a, b, lhs, rhs):
+        return int(np.prod(np.broadcast_shapes(lhs.shape, rhs.shape)))
+
+    monkeypatch.setattr(mx, "gather_mm", recorded(mx.gather_mm, index_entries))
+    for name in ("sort", "argsort", "topk", "argpartition"):
+        fn = getattr(mx, name)
+        monkeypatch.setattr(mx, name, recorded(fn, lambda x, *_: x.size // x.shape[-1]))
+    n, t, k = 1000, 70, 5
+    cache = random_cache(n, seed=13)
+    q = queries(t, seed=14)
+    starts = [n - t] * B
+    args = (q, cache.chunk_parts(0), cache.chunk_parts(1), starts)
+    kw = settings(n, k)
+    mx.disable_compile()
+    try:
+        idx = select_blocks_gpu(*args, **kw)
+        got = block_sparse_attention_gpu(q, cache.kv_view(), idx, starts, D**-0.5, BLOCK)
+        mx.eval(idx, got)
+    finally:
+        mx.enable_compile()
+    assert {name for name, _ in batches} >= {"gather_mm", "argsort"}
+    assert max(entries for _, entries in batches) <= limit
+    assert mx.array_equal(idx, select_blocks_ref(*args, **kw))
+    want = block_sparse_attention_ref(q, cache.kv_view(), idx, starts, D**-0.5, BLOCK)
+    assert mx.abs(got - want).max().item() < TOL_F32
+
+
 @pytest.mark.parametrize("t", [1, 70], ids=["one query", "prefill"])
 def test_block_sparse_attention_gpu_over_shared_keys(monkeypatch, t):
     """Forked rows at different lengths: slots in the document read its shared buffers, slots

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU section of benchmarks/README.md in one device call (a lent H100/H200, MLX's CUDA
+# backend). Prepare here with ../shared/tools/device-mlx-cuda.sh, make its first call (carry
+# .device/p1), then run this as the second (carry .device/p2):
+#
+#     bash benchmarks/device-gpu.sh
+#
+# It runs `salabatch bench long` one context at a time (SALA then the peer, so each context's
+# ratio exists even if the device's time runs out before the next), then the GPU-path parity
+# tests on the GPU (float32, TF32 off), and leaves the JSON files and the log in $OUT. Every
+# step has its own time limit; the whole fits a 10-minute call. Seen on an H200 (2026-11-25):
+# a test or bench that meets new shapes spends most of its time compiling kernels (NVRTC), so
+# give each test a generous --timeout and expect the first prefill of a process to be slow
+# (`bench long` reports it as prefill_first_s and times a second one).
+set -u
+source .device/p2/install.sh
+export MLX_ENABLE_TF32=0 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/salabatch-gpu}
+mkdir -p "$out"
+log="$out/log.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv \
+    | tee -a "$log"
+
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output and its time
+    local limit=$1 name=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit}s)" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$log"
+}
+
+for spec in ${CONTEXTS:-32K:150 128K:200 256K:120}; do
+    ctx=${spec%%:*} limit=${spec##*:}
+    peer=--peer
+    [ "$ctx" = 256K ] && peer=--no-peer  # the TTFT target; the dense peer's 256K prefill is long
+    step "$limit" "bench long $ctx" python3 -m salabatch.cli bench long --contexts "$ctx" \
+        "$peer" --steps 32 --out "$out/long-gpu-$ctx.json" --chart "/tmp/long-gpu-$ctx.png"
+done
+step "${TEST_S:-90}" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
+    --timeout 150 -rfE -k "not 9b_layout" \
+    tests/engine/test_decode.py tests/engine/test_gpu_prefill_model.py \
+    tests/engine/kernels/test_gpu_prefill.py tests/engine/kernels/test_sparse_kernels.py \
+    tests/engine/test_no_host_sync.py
+
+nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$log"
