@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@sh scripts/install-system-blas.sh || echo "note: no system BLAS installed; salabatch falls back to scipy-openblas32"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,ray]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,ray,serve]"
 	@touch $(STAMP)
 
 # A failed build is not fatal: salabatch then runs the same steps as MLX-op graphs (slower on

@@ -7,6 +7,7 @@ from salabatch.cli.jobs import run, validate
 from salabatch.cli.main import main, with_debug_option
 from salabatch.cli.model import convert_cmd, generate
 from salabatch.cli.results import export, inspect
+from salabatch.cli.serve import chat, serve
 from salabatch.cli.train import train
 
 for _command in (
@@ -20,6 +21,8 @@ for _command in (
     cache,
     train,
     bench,
+    serve,
+    chat,
 ):
     with_debug_option(_command)
     main.add_command(_command)

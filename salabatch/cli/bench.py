@@ -82,6 +82,62 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
     _emit("prefix", prefix.run(doc_tokens, questions, max_tokens), out)
 
 
+@bench.command("serve")
+@click.option(
+    "--model", "model_ref", default="builtin:random", show_default=True, help="Model to serve."
+)
+@click.option("--clients", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--document",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The document asked about [the demo's long contract].",
+)
+@click.option(
+    "--soak",
+    default=0,
+    show_default=True,
+    help="Then this many requests over --soak-documents documents, RSS sampled (0: none).",
+)
+@click.option("--soak-documents", default=20, show_default=True)
+@click.option("--soak-prefix-mb", default=16.0, show_default=True, help="The soak's prefix cap.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart", type=click.Path(dir_okay=False), help="PNG chart here (default: beside --out)."
+)
+def bench_serve(
+    model_ref: str,
+    clients: int,
+    max_tokens: int,
+    document: str | None,
+    soak: int,
+    soak_documents: int,
+    soak_prefix_mb: float,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """The server's batching: N concurrent streaming clients over one document against the same
+    requests one at a time and the same questions through `salabatch run`; total tokens/s and
+    TTFT p50/p95. Needs `salabatch[serve,bench]`."""
+    from pathlib import Path
+
+    from salabatch.bench import environment
+    from salabatch.bench import serve as serving
+
+    result = serving.run(
+        model_ref,
+        clients=clients,
+        max_tokens=max_tokens,
+        document=Path(document) if document else None,
+        soak=soak,
+        soak_documents=soak_documents,
+        soak_prefix_mb=soak_prefix_mb,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    result = {"bench": "serve", **environment(), **result}
+    _report(result, serving.table(result), out, chart, partial(serving.chart, result))
+
+
 @bench.command("quant")
 @click.option(
     "--model",

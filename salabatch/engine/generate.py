@@ -5,6 +5,10 @@ own (its lightning states depend on exactly its tokens), then joins the running 
 row leaves at once and a waiting request takes its place. With a `prefix` (a prefilled document)
 every row continues a fork of it, so the document's sparse-layer keys are stored once.
 
+The loop is made of two steppable parts that the server (`salabatch.serve.engine`) drives itself,
+between whose steps jobs arrive and leave: `Prefill` (a prompt, one chunk per step) and `Batch`
+(rows decoding together, one token per step; rows join, stop or are cancelled between steps).
+
 A row ends at a stop token, at `max_tokens`, or, given a detokenizer, as soon as its decoded
 text contains one of its stop strings (the text is then cut before it).
 """
@@ -40,18 +44,46 @@ def prefill(
     On a fresh cache the whole length is planned first, so every chunk runs the sparse layers
     as one call over all of `ids` would. `progress(done, total)` is called after each chunk.
     """
-    if not ids:
-        raise ValueError("prefill needs at least one token")
-    if cache.positions is None:
-        cache.plan_prefill(len(ids))
-    tokens = mx.array(list(ids), dtype=mx.int32)[None]
-    for start in range(0, len(ids), chunk):
-        h = model.hidden(tokens[:, start : start + chunk], cache)
-        last = h[:, -1:]
-        mx.eval(last, *cache.arrays())  # bounds the graph and memory to one chunk
+    feed = Prefill(model, ids, cache, chunk)
+    while not feed.finished:
+        done = feed.step()
         if progress:
-            progress(min(start + chunk, len(ids)), len(ids))
-    return model.logits(last)[0, 0]
+            progress(done, len(ids))
+    return feed.logits()
+
+
+class Prefill:
+    """`prefill` one chunk per `step()`, for a caller that does other work between chunks (the
+    server decodes its running rows while a long prompt is fed). The same calls as `prefill`."""
+
+    def __init__(self, model: Model, ids: Sequence[int], cache: ModelCache, chunk: int = 2048):
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        if cache.positions is None:
+            cache.plan_prefill(len(ids))
+        self.model, self.cache, self.chunk = model, cache, chunk
+        self.tokens = mx.array(list(ids), dtype=mx.int32)[None]  # [1, T]
+        self.total, self.done = len(ids), 0
+        self._last: mx.array | None = None  # [1, 1, hidden] the last position fed
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+    def step(self) -> int:
+        """Feeds the next chunk; → the tokens fed so far."""
+        start = self.done
+        h = self.model.hidden(self.tokens[:, start : start + self.chunk], self.cache)
+        self._last = h[:, -1:]
+        mx.eval(self._last, *self.cache.arrays())  # bounds the graph and memory to one chunk
+        self.done = min(start + self.chunk, self.total)
+        return self.done
+
+    def logits(self) -> mx.array:
+        """The last position's logits [vocab], once finished."""
+        if not self.finished:
+            raise ValueError(f"prefill at {self.done} of {self.total} tokens")
+        return self.model.logits(self._last)[0, 0]
 
 
 @dataclass(frozen=True)
@@ -74,7 +106,7 @@ class Generation:
 
     request: Request
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" once finished
     # With stop strings: the decoded text, cut before the stop string that ended it (the tokens
     # are all those generated). Without: None, decode `tokens`.
     text: str | None = None
@@ -113,10 +145,9 @@ class Generator:
     a fresh streaming decoder (e.g. `Tokenizer.detokenizer`): requests with stop strings need
     one, and only they use it.
 
-    Steps are pipelined: step n+1 is built and queued (`mx.async_eval`) before the tokens of
-    step n are read, so the host's work overlaps the device's; sampling runs on the device and
-    the only read per step is the batch's tokens. A row that stops is dropped after the step
-    already queued for it, whose token is discarded."""
+    Each request is prefilled on its own row, then joins a `Batch` (the decoding loop, one step
+    at a time), which keeps up to `batch_size` rows; a finished row leaves and a waiting request
+    takes its place."""
 
     def __init__(
         self,
@@ -147,83 +178,170 @@ class Generator:
         """Yields a request's Generation each time it reads a token (`last_token`), the last
         time finished (`done`)."""
         waiting = deque(requests)
-        rows: list[Generation] = []
-        batch: ModelCache | None = None
-        feed: mx.array | None = None  # [rows] each row's newest token: drawn, not yet read
-        counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
-        while waiting or rows:
-            joined = []
-            while waiting and len(rows) + len(joined) < self.batch_size:
-                joined.append(self._admit(waiting.popleft(), prefix))
-            if joined:
-                rows += [g for g, _, _ in joined]
-                caches = [c for _, c, _ in joined]
-                batch = ModelCache.concat(caches if batch is None else [batch, *caches])
-                first = [t for _, _, t in joined]
-                feed = mx.concatenate(first if feed is None else [feed, *first])
-                if counts is not None or penalized([g.request.params for g in rows]):
-                    counts = self._counts(counts, rows, len(joined), first)
-                batch.reserve(self._room(rows, prefix))
-            for g in rows:
-                g.batch_size = max(g.batch_size, len(rows))
-            logits = decode(self.model, feed, batch)
-            params = [g.request.params for g in rows]
-            drawn = sample_tokens(logits, params, [g._sampled for g in rows], counts)
-            for g in rows:
-                g._sampled += 1
-            if counts is not None:
-                counts = counts.at[mx.arange(len(rows)), drawn].add(1)
-            mx.async_eval(drawn, *batch.arrays(), *([] if counts is None else [counts]))
-            read = feed.tolist()  # the tokens the queued step is fed: all that is read per step
-            now = time.perf_counter()
-            keep = []
-            for b, (g, token) in enumerate(zip(rows, read, strict=True)):
-                self._read(g, token, now)
-                yield g
-                if not g.done:
-                    keep.append(b)
-            if len(keep) < len(rows):
-                rows = [rows[b] for b in keep]
-                batch = batch.select(keep) if keep else None
-                at = mx.array(keep, dtype=mx.int32)
-                drawn = drawn[at] if keep else None
-                counts = counts[at] if counts is not None and keep else None
-            feed = drawn
+        batch = Batch(
+            self.model,
+            forked=prefix is not None,
+            on_token=self.on_token,
+            detokenizer=self.detokenizer,
+        )
+        while waiting or batch:
+            while waiting and len(batch) < self.batch_size:
+                self._admit(batch, waiting.popleft(), prefix)
+            yield from batch.step()
 
-    def _admit(
-        self, request: Request, prefix: ModelCache | None
-    ) -> tuple[Generation, ModelCache, mx.array]:
-        """Prefills the request on its own row; → its Generation, its cache and its first
-        token [1], drawn on the device (read with the batch's next tokens)."""
-        if request.stop_strings and self.detokenizer is None:
-            raise ValueError(f"request {request.id}: stop strings need a Generator detokenizer")
+    def _admit(self, batch: Batch, request: Request, prefix: ModelCache | None) -> Generation:
+        """Prefills the request on its own row (a fork of `prefix`, or a fresh cache), which
+        joins `batch` at its next step."""
+        batch.check(request)
         start = time.perf_counter()
         cache = self.model.make_cache() if prefix is None else prefix.fork(1)
         logits = prefill(self.model, request.prompt, cache, self.prefill_chunk)
-        g = Generation(request, cached_tokens=0 if prefix is None else prefix.offset)
+        cached = 0 if prefix is None else prefix.offset
+        return batch.add(request, cache, logits, cached_tokens=cached, admitted=start)
+
+
+class Batch:
+    """Rows decoding together, one `step()` at a time: the decoding loop of `Generator.stream`,
+    for callers that decide between steps who joins (the server). A row joins at the next step
+    (`add`) and leaves in the step it reads its stop token, its `max_tokens`-th token or its
+    stop string; `cancel` drops it at the next step.
+
+    The rows' caches must be joinable (`ModelCache.concat`): all forks of one prefix, made at
+    one length (`forked`), or none holding shared keys. Buffers are reserved for each row's
+    whole prompt and answer when rows join (few shapes: one compiled trace per batch), or, with
+    `reserve_ahead`, for that many positions past the longest row (a server, whose max_tokens
+    may be the whole context): the steps grow them as the answers do.
+
+    Steps are pipelined: step n+1 is built and queued (`mx.async_eval`) before the tokens of
+    step n are read, so the host's work overlaps the device's; sampling runs on the device and
+    the only read per step is the batch's tokens. A row that stops is dropped after the step
+    already queued for it, whose token is discarded."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        forked: bool,
+        on_token: Callable[[Request, int], None] | None = None,
+        detokenizer: Callable[[], StreamingDetokenizer] | None = None,
+        reserve_ahead: int | None = None,
+    ) -> None:
+        self.model, self.forked, self.reserve_ahead = model, forked, reserve_ahead
+        self.on_token, self.detokenizer = on_token, detokenizer
+        self.rows: list[Generation] = []
+        self.cache: ModelCache | None = None
+        self._joining: list[tuple[Generation, ModelCache, mx.array]] = []
+        self._feed: mx.array | None = None  # [rows] each row's newest token: drawn, not yet read
+        self._counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
+
+    def __len__(self) -> int:
+        """Rows decoding and rows joining at the next step."""
+        return len(self.rows) + len(self._joining)
+
+    def check(self, request: Request) -> None:
+        """ValueError if this batch cannot run `request` (stop strings without a detokenizer)."""
+        if request.stop_strings and self.detokenizer is None:
+            raise ValueError(f"request {request.id}: stop strings need a Generator detokenizer")
+
+    def add(
+        self,
+        request: Request,
+        cache: ModelCache,
+        logits: mx.array,
+        *,
+        cached_tokens: int = 0,
+        admitted: float,
+    ) -> Generation:
+        """A prefilled row joins at the next step: its one-row `cache` and its prompt's last
+        `logits` [vocab], from which its first token is drawn here, on the device (read with the
+        batch's next tokens). `admitted`: when its prefill started (perf_counter)."""
+        self.check(request)
+        g = Generation(request, cached_tokens=cached_tokens)
         if request.stop_strings:
             g._detok = self.detokenizer()
-        g.prefill_s = time.perf_counter() - start
-        g._admitted = start
+        g.prefill_s = time.perf_counter() - admitted
+        g._admitted = admitted
         first = sample_tokens(logits[None], [request.params], [0])
         g._sampled = 1
-        return g, cache, first
+        self._joining.append((g, cache, first))
+        return g
 
-    def _room(self, rows: list[Generation], prefix: ModelCache | None) -> int:
+    def cancel(self, g: Generation) -> None:
+        """Ends row g ("cancelled") and drops it at the next step; a no-op once it finished."""
+        if not g.done:
+            self._finish(g, "cancelled", time.perf_counter())
+
+    def step(self) -> list[Generation]:
+        """One decode step of every row: → the rows that read a token in it (each its newest
+        token in `last_token`, `done` once finished). Rows joining are prefilled already."""
+        if any(g.done for g in self.rows):  # cancelled since the last step
+            self._keep([b for b, g in enumerate(self.rows) if not g.done])
+        if self._joining:
+            self._join()
+        rows = self.rows
+        if not rows:
+            return []
+        for g in rows:
+            g.batch_size = max(g.batch_size, len(rows))
+        logits = decode(self.model, self._feed, self.cache)
+        params = [g.request.params for g in rows]
+        drawn = sample_tokens(logits, params, [g._sampled for g in rows], self._counts)
+        for g in rows:
+            g._sampled += 1
+        if self._counts is not None:
+            self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
+        counts = [] if self._counts is None else [self._counts]
+        mx.async_eval(drawn, *self.cache.arrays(), *counts)
+        read = self._feed.tolist()  # the tokens the queued step is fed: all that is read per step
+        now = time.perf_counter()
+        for g, token in zip(rows, read, strict=True):
+            self._read(g, token, now)
+        self._feed = drawn
+        keep = [b for b, g in enumerate(rows) if not g.done]
+        if len(keep) < len(rows):
+            self._keep(keep)
+        return rows
+
+    def _join(self) -> None:
+        joined, self._joining = self._joining, []
+        self.rows = self.rows + [g for g, _, _ in joined]
+        caches = [c for _, c, _ in joined]
+        self.cache = ModelCache.concat(caches if self.cache is None else [self.cache, *caches])
+        first = [t for _, _, t in joined]
+        self._feed = mx.concatenate(first if self._feed is None else [self._feed, *first])
+        if self._counts is not None or penalized([g.request.params for g in self.rows]):
+            self._counts = self._grown_counts(len(joined), first)
+        room = self._room()
+        if self.reserve_ahead is not None:
+            room = min(room, self.cache.own_length() + self.reserve_ahead)
+        self.cache.reserve(room)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keeps only these rows (their cache, newest tokens and counts)."""
+        self.rows = [self.rows[b] for b in keep]
+        if not keep:
+            self.cache = self._feed = self._counts = None
+            return
+        self.cache = self.cache.select(keep)
+        at = mx.array(keep, dtype=mx.int32)
+        self._feed = self._feed[at]
+        if self._counts is not None:
+            self._counts = self._counts[at]
+
+    def _room(self) -> int:
         """Own positions the batch's rows may reach: each its prompt and answer, after a fork's
         tail of the document (under two level-2 strides). A bound that does not depend on the
         tail, so the batches of every document asked the same questions share buffer shapes
         (one compiled trace)."""
-        tail = 0 if prefix is None else 2 * self.model.config.sparse.compression[1][1]
-        return tail + max(len(g.request.prompt) + g.request.max_tokens for g in rows) + 1
+        tail = 2 * self.model.config.sparse.compression[1][1] if self.forked else 0
+        return tail + max(len(g.request.prompt) + g.request.max_tokens for g in self.rows) + 1
 
-    def _counts(
-        self, counts: mx.array | None, rows: list[Generation], joined: int, first: list[mx.array]
-    ) -> mx.array:
+    def _grown_counts(self, joined: int, first: list[mx.array]) -> mx.array:
         """Token counts of the rows after `joined` new ones (each holding its first token); rows
         that had none start from zero (they had no penalty, so nothing read them)."""
         vocab = self.model.config.vocab_size
-        old = len(rows) - joined
+        old = len(self.rows) - joined
+        counts = self._counts
         if counts is None:
             counts = mx.zeros((old, vocab), dtype=mx.int32)
         new = mx.zeros((joined, vocab), dtype=mx.int32)
@@ -253,7 +371,7 @@ class Generator:
     @staticmethod
     def _finish(g: Generation, reason: str, now: float, cut: int | None = None) -> None:
         g.finish_reason = reason
-        g.decode_s = now - g._first_at
+        g.decode_s = now - g._first_at if g._first_at else 0.0
         if g._detok is not None:
             if cut is None:
                 g._detok.finalize()

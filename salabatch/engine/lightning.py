@@ -47,10 +47,12 @@ class LightningAttention(nn.Module):
         self._log_decay = mx.array([-s for s in slopes], dtype=mx.float32)
         self._decay = mx.array([math.exp(-s) for s in slopes], dtype=mx.float32)  # exp(g)
         heads = self.n_heads + self.n_kv_heads  # q's heads then k's, in the decode step
-        self._is_q = mx.array([h < self.n_heads for h in range(heads)])[:, None, None]
+        # [heads, 1, 1], built whole from Python values for the same reason (a view of an array
+        # would be an op on this thread's stream, which another thread's decode cannot run)
+        self._is_q = mx.array([[[h < self.n_heads]] for h in range(heads)])
         self._qk_scale = mx.array(
-            [self.scale] * self.n_heads + [1.0] * self.n_kv_heads, dtype=mx.float32
-        )[:, None, None]
+            [[[self.scale if h < self.n_heads else 1.0]] for h in range(heads)], dtype=mx.float32
+        )
         self.fused = None  # q, k, v, z as one matmul (`fuse`), for the decode step
         # A decode step has the same shapes every time: one compiled graph per batch size
         # replaces ~25 op dispatches; the weights are its implicit inputs, so it sees updates.

@@ -1,7 +1,8 @@
 """OpenAI Batch input: a .jsonl of chat-completion requests becomes rows of the run.
 
 Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`.
-The body fields that decide the answer are honoured:
+The body is read by `salabatch.openai_api`, as the server reads it; the fields that decide the
+answer are honoured:
 
     messages                  system, developer (rendered as system), user, assistant; text only
     max_completion_tokens     or max_tokens (max_completion_tokens wins)
@@ -11,12 +12,12 @@ The body fields that decide the answer are honoured:
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
 
 Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
-`service_tier`, ... (`ACCEPTED`), and `n`, `stream`, `logprobs`, `top_logprobs` at their no-op
-values (`NO_OP`). Anything else (tools, response_format, logit_bias, logprobs: true, guided
-decoding, an unknown field or chat_template_kwargs key) is refused, never ignored: the line
-becomes an error row naming the field. Unset sampling fields take the job's `generation:`
-values. A line that cannot be served becomes an error row named by its custom_id (or `line-N`),
-and the others go on.
+`service_tier`, ... (`openai_api.ACCEPTED`), and `n`, `stream`, `logprobs`, `top_logprobs` at
+their no-op values (`openai_api.NO_OP`). Anything else (tools, response_format, logit_bias,
+logprobs: true, guided decoding, an unknown field or chat_template_kwargs key) is refused,
+never ignored: the line becomes an error row naming the field. Unset sampling fields take the
+job's `generation:` values. A line that cannot be served becomes an error row named by its
+custom_id (or `line-N`), and the others go on.
 
 Automatic prefix caching: request lines whose prompts share a long prefix (the same document
 before different questions) are planned as one DocPlan whose document prompt is that prefix, so
@@ -29,49 +30,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from salabatch import openai_api
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError
 from salabatch.jobs.ingest.documents import Document
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
+from salabatch.openai_api import BodyError
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SAMPLING = (
-    "max_completion_tokens",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
-HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs")
-# Fields about billing, logging or delivery: they cannot change the answer.
-ACCEPTED = (
-    "model",
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "stream_options",
-    "parallel_tool_calls",
-)
-NO_OP = {"n": 1, "stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
 PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
 
 
@@ -123,7 +96,7 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         if problem is None:
             try:
                 row, ids = _request_row(spec, tok, row, body)
-            except (ValueError, TypeError, KeyError, TokenizerError) as e:  # a chat template
+            except (BodyError, ValueError, TypeError, KeyError, TokenizerError) as e:  # a template
                 problem = str(e).strip("'\"")  # may refuse the messages: that line fails
             else:
                 lines.append(_Line(number, ids, None if done else row))
@@ -157,117 +130,29 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None]:
         return custom_id, None, "body is missing"
     if not str(url).endswith("/chat/completions"):
         return custom_id, body, f"only /v1/chat/completions requests are served, not {url}"
-    refused = [
-        name
-        for name, value in body.items()
-        if value is not None
-        and name not in HONOURED + ACCEPTED
-        and (name not in NO_OP or value != NO_OP[name])
-    ]
-    if refused:
-        fields = f"field{'s' * (len(refused) > 1)}: {', '.join(refused)}"
-        return custom_id, body, f"unsupported {fields} (refused rather than ignored)"
+    try:
+        openai_api.check_fields(body, openai_api.HONOURED)
+    except BodyError as e:
+        return custom_id, body, str(e)
     return custom_id, body, None
 
 
 def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[Row, np.ndarray]:
     """The row of a well-formed body, and its whole prompt's ids; ValueError names a bad field."""
-    messages = _messages(body.get("messages"))
-    params, max_tokens = _sampling(spec, body)
-    think = _think(body.get("chat_template_kwargs"), spec.generation.think)
+    messages = openai_api.messages(body.get("messages"))
+    params, max_tokens = openai_api.sampling(body, spec.generation)
+    think = openai_api.think(body.get("chat_template_kwargs"), spec.generation.think)
     row = replace(
         row,
         question=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
         params=params,
         max_tokens=max_tokens,
         think=think,
-        stop_strings=_stop(body.get("stop")),
+        stop_strings=openai_api.stop(body.get("stop")),
     )
     # big-endian: the bytes of two prompts compare as their ids do (see _groups)
     ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")
     return row, ids
-
-
-def _messages(raw) -> list[dict]:
-    if not isinstance(raw, list) or not raw:
-        raise ValueError("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
-        if extra:
-            raise ValueError(f"unsupported field: messages[{i}].{extra[0]}")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be text")
-        out.append({"role": ROLES[m["role"]], "content": content})
-    return out
-
-
-def _sampling(spec: JobSpec, body: dict) -> tuple[SamplingParams, int]:
-    """The body's sampling fields, each checked; unset ones are the job's `generation:`."""
-    gen = spec.generation
-
-    def number(name: str, default, ok, expected: str, integer: bool = False):
-        value = body.get(name)
-        if value is None:
-            return default
-        numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (numeric and math.isfinite(value) and ok(value)) or (
-            integer and value != int(value)
-        ):
-            raise ValueError(f"{name} must be {expected}, got {value!r}")
-        return int(value) if integer else float(value)
-
-    penalty = "a number in [-2, 2]"
-    top_k = number("top_k", gen.top_k, lambda v: v >= -1, "an integer ≥ -1 (-1: off)", True)
-    max_tokens = number("max_tokens", gen.max_tokens, lambda v: v >= 1, "an integer ≥ 1", True)
-    params = SamplingParams(
-        temperature=number("temperature", gen.temperature, lambda v: v >= 0, "a number ≥ 0"),
-        top_p=number("top_p", gen.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        top_k=max(top_k, 0),
-        repetition_penalty=number(
-            "repetition_penalty", gen.repetition_penalty, lambda v: v > 0, "a number > 0"
-        ),
-        seed=number("seed", gen.seed, lambda v: True, "an integer", True),
-        min_p=number("min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        presence_penalty=number("presence_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
-        frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
-    )
-    max_tokens = number(
-        "max_completion_tokens", max_tokens, lambda v: v >= 1, "an integer ≥ 1", True
-    )
-    return params, max_tokens
-
-
-def _stop(raw) -> tuple[str, ...]:
-    stops = [raw] if isinstance(raw, str) else [] if raw is None else raw
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP}")
-    return tuple(stops)
-
-
-def _think(kwargs, default: bool) -> bool:
-    if kwargs is None:
-        return default
-    if not isinstance(kwargs, dict):
-        raise ValueError("chat_template_kwargs must be an object")
-    unknown = sorted(k for k in kwargs if k != "enable_thinking")
-    if unknown:
-        raise ValueError(f"unsupported field: chat_template_kwargs.{unknown[0]}")
-    think = kwargs.get("enable_thinking", default)
-    if not isinstance(think, bool):
-        raise ValueError("chat_template_kwargs.enable_thinking must be true or false")
-    return think
 
 
 # ---- lines sharing a prefix ------------------------------------------------------------------

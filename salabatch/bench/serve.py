@@ -1,0 +1,317 @@
+"""What the server's continuous batching buys: the same questions over one document, answered
+three ways in one run, each with the document already prefilled (a server that has served it
+once; a job whose document is in the prefix store), so that the questions' own work is compared:
+
+* concurrent: `clients` streaming OpenAI clients at once against `salabatch serve`'s app
+  (uvicorn on 127.0.0.1, a free port): the document is their shared system message, and their
+  rows decode as one batch;
+* one_at_a_time: the same requests, each sent when the last has finished;
+* run: the same questions as a `salabatch run` job over the same prefix store.
+
+The default model is `builtin:random` (untrained: its answers run to `max_tokens`, so decoding
+is measured, where the trained demo model stops after a few tokens).
+
+Reported: total completion tokens per second of each, time to first token (p50, p95) of the
+server's requests, and the ratios. `soak` more requests cycling through `soak_documents`
+documents with a small prefix-memory cap measure the server's RSS over time instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+DEMO = Path(__file__).resolve().parents[2] / "jobs" / "demo"
+QUESTIONS = [
+    "Give the service provider of this agreement.",
+    "Tell me the Client in the contract.",
+    "What is the total fee under the agreement?",
+    "Find the commencement date.",
+    "Look up the initial term of this agreement.",
+    "Report the governing law in the contract.",
+    "I need the payment period stated in the document.",
+    "Name the party that pays the fee.",
+]
+
+
+def run(
+    model_ref: str = "builtin:random",
+    *,
+    clients: int = 8,
+    max_tokens: int = 64,
+    document: Path | None = None,
+    soak: int = 0,
+    soak_documents: int = 20,
+    soak_prefix_mb: float = 16.0,
+    progress=print,
+) -> dict:
+    from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.models import resolve_model
+
+    tok = load_tokenizer(resolve_model(model_ref))
+    text = (document or DEMO / "docs" / "rivercrest-labs-long.txt").read_text()
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(clients)]
+    out: dict = {
+        "model": model_ref,
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "document_tokens": len(tok.encode(text)),
+    }
+    progress(f"{clients} concurrent clients …")
+    out["concurrent"] = _served(model_ref, text, questions, max_tokens, together=True)
+    progress("the same requests one at a time …")
+    out["one_at_a_time"] = _served(model_ref, text, questions, max_tokens, together=False)
+    progress("the same questions through salabatch run …")
+    out["run"] = _run_job(model_ref, text, questions, max_tokens, clients)
+    tps = {k: out[k]["tokens_per_s"] for k in ("concurrent", "one_at_a_time", "run")}
+    out["ratios"] = {
+        "concurrent_over_one_at_a_time": round(tps["concurrent"] / tps["one_at_a_time"], 2),
+        "concurrent_over_run": round(tps["concurrent"] / tps["run"], 2),
+    }
+    if soak:
+        progress(f"soak: {soak} requests over {soak_documents} documents …")
+        out["soak"] = _soak(model_ref, tok, text, soak, soak_documents, max_tokens, soak_prefix_mb)
+    return out
+
+
+def _served(model_ref, text, questions, max_tokens, *, together: bool) -> dict:
+    import openai
+
+    with _server(model_ref, batch_size=max(8, len(questions))) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+        def ask(question: str) -> tuple[float, int, int]:
+            start = time.perf_counter()
+            first, usage = None, None
+            stream = client.chat.completions.create(
+                model="salabatch",
+                messages=[
+                    {"role": "system", "content": text},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - start
+                usage = chunk.usage or usage
+            return (
+                first or time.perf_counter() - start,
+                usage.completion_tokens,
+                (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0),
+            )
+
+        ask("Summarize the document.")  # the document prefilled and held, as on a busy server
+        start = time.perf_counter()
+        if together:
+            with ThreadPoolExecutor(len(questions)) as pool:
+                answers = list(pool.map(ask, questions))
+        else:
+            answers = [ask(q) for q in questions]
+        seconds = time.perf_counter() - start
+    ttft = sorted(a[0] for a in answers)
+    tokens = sum(a[1] for a in answers)
+    return {
+        "seconds": round(seconds, 3),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "ttft_p50_s": round(statistics.median(ttft), 3),
+        "ttft_p95_s": round(ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))], 3),
+        "cached_tokens": sum(a[2] for a in answers),
+    }
+
+
+def _run_job(model_ref, text, questions, max_tokens, batch) -> dict:
+    import pyarrow.parquet as pq
+
+    from salabatch.jobs.run.runner import run_job
+    from salabatch.jobs.spec.load import load_job
+
+    with tempfile.TemporaryDirectory() as root:
+        docs = Path(root, "docs")
+        docs.mkdir()
+        (docs / "document.txt").write_text(text)
+        job = {
+            "name": "bench-serve",
+            "model": model_ref,
+            "documents": [{"path": "./docs"}],
+            "questions": [{"id": f"q{i}", "text": q} for i, q in enumerate(questions)],
+            "generation": {"max_tokens": max_tokens, "temperature": 0.0, "think": False},
+            "engine": {"batch_size": batch},
+            "cache": {"dir": "./store"},
+            "output": {"path": "./warm.parquet"},
+        }
+        path = Path(root, "job.yaml")
+        warm = {**job, "questions": [{"id": "warm", "text": "Summarize the document."}]}
+        path.write_text(yaml.safe_dump(warm))  # the document prefilled into the store
+        run_job(load_job(path), progress=False, echo=lambda _: None)
+        path.write_text(yaml.safe_dump({**job, "output": {"path": "./answers.parquet"}}))
+        summary = run_job(load_job(path), progress=False, echo=lambda _: None)
+        table = pq.read_table(Path(root, "answers.parquet")).to_pylist()
+    if summary.errors or len(table) != len(questions):
+        raise RuntimeError(f"the bench's salabatch run failed: {summary}")
+    tokens = sum(r["completion_tokens"] for r in table)
+    return {
+        "seconds": round(summary.seconds, 3),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / summary.seconds, 1),
+    }
+
+
+def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict:
+    """Requests cycling through `documents` variants of the document (each its own prefix) on
+    a server whose prefix memory (`cap_mb`) holds only some of them, the rest going to its
+    prefix store on disk: the server's RSS sampled every 50 requests."""
+    import openai
+
+    variants = [f"Document {i}.\n{text}" for i in range(documents)]
+    one = len(tok.encode(variants[0]))
+    with _server(model_ref, batch_size=8, prefix_gb=cap_mb / 1024) as (url, pid):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        rss = []
+        start = time.perf_counter()
+        for i in range(requests):
+            client.chat.completions.create(
+                model="salabatch",
+                messages=[
+                    {"role": "system", "content": variants[i % documents]},
+                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+                ],
+                max_tokens=max_tokens,
+                temperature=0,
+            )
+            if (i + 1) % 50 == 0:
+                rss.append(round(_rss_gb(pid), 3))
+        seconds = time.perf_counter() - start
+    settled = rss[len(rss) // 5 :] or rss  # after the first fifth: buffers reach their sizes
+    return {
+        "requests": requests,
+        "documents": documents,
+        "document_tokens": one,
+        "prefix_memory_mb": cap_mb,
+        "seconds": round(seconds, 1),
+        "rss_gb_every_50": rss,
+        "rss_spread": round((max(settled) - min(settled)) / min(settled), 3),
+    }
+
+
+def _rss_gb(pid: int) -> float:
+    """The resident memory of process `pid` now, in GB (Linux /proc; elsewhere `ps`)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0) / 2**20
+
+
+@contextmanager
+def _server(model_ref: str, *, batch_size: int, prefix_gb: float = 2.0):
+    """`salabatch serve` as a process of its own (its engine thread and event loop share no
+    interpreter with the clients, as in use), on 127.0.0.1 and a free port, over a fresh prefix
+    store; yields (base URL, its pid)."""
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as store:
+        command = [
+            sys.executable, "-m", "salabatch.cli", "serve", "--model", model_ref,
+            "--host", "127.0.0.1", "--port", str(port), "--batch-size", str(batch_size),
+            "--max-queue", "256", "--state-dir", store, "--prefix-memory", str(prefix_gb),
+            "--served-model-name", "salabatch",
+        ]  # fmt: skip
+        with Path(store, "server.log").open("w+b") as log:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+            try:
+                _wait_for(port, process, log)
+                yield f"http://127.0.0.1:{port}/v1", process.pid
+            finally:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def _wait_for(port: int, process: subprocess.Popen, log) -> None:
+    """Until the server at `port` answers /health (two minutes at most)."""
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            why = log.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"the bench's server stopped: {why}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the bench's server did not start in 120 s") from None
+            time.sleep(0.2)
+
+
+def table(result: dict) -> str:
+    rows = [("mode", "seconds", "tokens", "tok/s", "TTFT p50", "TTFT p95")]
+    for mode in ("concurrent", "one_at_a_time", "run"):
+        r = result[mode]
+        rows.append(
+            (
+                mode,
+                f"{r['seconds']:.2f}",
+                str(r["completion_tokens"]),
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['ttft_p50_s']:.3f}" if "ttft_p50_s" in r else "–",
+                f"{r['ttft_p95_s']:.3f}" if "ttft_p95_s" in r else "–",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    ratios = result["ratios"]
+    lines.append(
+        f"concurrent / one at a time: {ratios['concurrent_over_one_at_a_time']:.2f}x; "
+        f"concurrent / salabatch run: {ratios['concurrent_over_run']:.2f}x"
+    )
+    if "soak" in result:
+        s = result["soak"]
+        lines.append(
+            f"soak: {s['requests']} requests over {s['documents']} documents, RSS (GB, every 50) "
+            f"{s['rss_gb_every_50']}, spread after warm-up {100 * s['rss_spread']:.1f} %"
+        )
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: str) -> None:
+    """Total tokens/s of the three modes, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ("concurrent", "one_at_a_time", "run")
+    labels = (f"{result['clients']} concurrent clients", "one at a time", "salabatch run")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(labels, [result[m]["tokens_per_s"] for m in modes], color=["C0", "C7", "C2"])
+    ax.set_ylabel("completion tokens/s (total)")
+    ax.set_title(f"salabatch bench serve — {result['model']}, {result['document_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,242 @@
+"""`salabatch serve` (the OpenAI-compatible server on uvicorn) and `salabatch chat` (a terminal
+chat): one model in a ServeEngine, continuous batching and prefix reuse behind both. Like every
+command group, nothing heavy is imported until a command runs."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+import click
+
+API_KEY_ENV = "SALABATCH_API_KEY"
+_MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
+
+_model = click.option(
+    "--model",
+    "model_ref",
+    required=True,
+    metavar="MODEL",
+    help="A checkpoint folder, a Hugging Face repo id, or builtin:tiny.",
+)
+_dtype = click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+)
+_state_dir = click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    help="The prefix store: prefilled documents and conversations kept on disk "
+    "(default: the salabatch cache folder, as `salabatch run` uses).",
+)
+_batch_size = click.option(
+    "--batch-size",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests decoding together at most.",
+)
+_prefix_memory = click.option(
+    "--prefix-memory",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="GB of memory for prefixes held between requests (the least recently used go to the "
+    "prefix store on disk).",
+)
+_max_tokens = click.option(
+    "--max-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens of an answer when the request sets no max_tokens.",
+)
+
+
+@click.command()
+@_model
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    envvar=API_KEY_ENV,
+    help=f"Require `Authorization: Bearer KEY` on every endpoint but /health (or ${API_KEY_ENV}).",
+)
+@click.option(
+    "--served-model-name",
+    help="The model's id in the API (default: MODEL as given).",
+)
+@_state_dir
+@_batch_size
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Requests waiting beyond a full batch; past it a request gets 429.",
+)
+@_prefix_memory
+@_max_tokens
+@_dtype
+def serve(
+    model_ref: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    state_dir: str | None,
+    batch_size: int,
+    max_queue: int,
+    prefix_memory: float,
+    max_tokens: int,
+    dtype: str,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
+    /v1/completions, /v1/models, /health, /metrics. Binds 127.0.0.1 unless told otherwise."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise click.ClickException(
+            'salabatch serve needs the serve extra: pip install "salabatch[serve]"'
+        ) from None
+    from salabatch.serve.app import ServeDefaults, create_app
+
+    if not api_key and not _is_loopback(host):
+        click.echo(
+            f"warning: serving on {host}:{port} without an API key: anyone who can reach it can "
+            f"use it (give --api-key or ${API_KEY_ENV})",
+            err=True,
+        )
+    engine, tok = _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory)
+    app = create_app(
+        engine,
+        tok,
+        model_id=served_model_name or model_ref,
+        api_key=api_key or None,
+        defaults=ServeDefaults(max_tokens=max_tokens),
+    )
+    engine.start()
+    try:
+        # A stream still running at Ctrl-C gets 5 s, then the engine stops it.
+        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+    finally:
+        engine.close()
+
+
+@click.command()
+@_model
+@click.option(
+    "--document",
+    "documents",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="A text or PDF file to chat about (repeatable): put in the system message, prefilled "
+    "once.",
+)
+@click.option("--system", "--system-prompt", help="System prompt (before the documents).")
+@click.option("--think/--no-think", default=False, show_default=True, help="Reason first.")
+@click.option("--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(0))
+@click.option("--seed", default=0, show_default=True)
+@_max_tokens
+@_state_dir
+@_prefix_memory
+@_dtype
+def chat(
+    model_ref: str,
+    documents: tuple[str, ...],
+    system: str | None,
+    think: bool,
+    temperature: float,
+    seed: int,
+    max_tokens: int,
+    state_dir: str | None,
+    prefix_memory: float,
+    dtype: str,
+) -> None:
+    """Chat with MODEL in the terminal, about --document files if given. Each turn prefills
+    only its own tokens. /reset forgets the conversation, /save FILE writes it as JSON, /quit
+    (or Ctrl-D) ends; Ctrl-C stops an answer, not the session."""
+    from salabatch.engine.sampling import SamplingParams
+    from salabatch.serve.chat import HELP, ChatSession, run_chat
+
+    texts = [_read_document(path) for path in documents]
+    # One conversation: one row at a time, room for an answer Ctrl-C is still stopping.
+    engine, tok = _engine(model_ref, dtype, state_dir, 1, 2, prefix_memory)
+    session = ChatSession(
+        engine,
+        tok,
+        documents=texts,
+        system=system,
+        params=SamplingParams(temperature=temperature, seed=seed),
+        max_tokens=max_tokens,
+        think=think,
+    )
+    tty = sys.stdout.isatty()
+
+    def read_line() -> str | None:
+        try:
+            return input(">> ")
+        except EOFError:  # Ctrl-D, or the end of piped input
+            click.echo()
+            return None
+
+    def note(line: str) -> None:
+        click.secho(line, dim=tty or None, err=True)
+
+    engine.start()
+    try:
+        click.echo(f"chat with {model_ref}; {HELP}", err=True)
+        run_chat(
+            session,
+            read_line,
+            lambda text: click.echo(text, nl=False),
+            note,
+            dim=(lambda text: click.style(text, dim=True)) if tty else str,
+        )
+    finally:
+        engine.close()
+
+
+def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory):
+    """(started-to-be ServeEngine, tokenizer) of a model reference."""
+    from salabatch.api import load
+    from salabatch.files import cache_dir
+    from salabatch.models import model_note
+    from salabatch.serve.engine import ServeEngine
+
+    if note := model_note(model_ref):
+        click.echo(f"note: {note}", err=True)
+    model, tok = load(model_ref, dtype)
+    engine = ServeEngine(
+        model,
+        tok,
+        batch_size=batch_size,
+        max_queue=max_queue,
+        prefix_bytes=int(prefix_memory * 2**30),
+        store_dir=os.path.expanduser(state_dir) if state_dir else cache_dir(),
+    )
+    return engine, tok
+
+
+def _read_document(path: str) -> tuple[str, str]:
+    """(name, text) of a --document, read as `salabatch run` reads a file (text or PDF)."""
+    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    docs = list(iter_documents([DocumentSource(path, max_tokens=_MAX_CONTEXT)]))
+    bad = next((d for d in docs if not d.ok), None)
+    if bad is not None or not docs:
+        reason = bad.error if bad is not None else "no document in it"
+        raise click.BadParameter(f"{path}: {reason}", param_hint="--document")
+    return os.path.basename(path), "\n\n".join(d.text for d in docs)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,189 @@
+"""The OpenAI request body as salabatch reads it, for the Batch path
+(`salabatch.jobs.run.openai_batch`) and the server (`salabatch.serve.app`) alike: which fields
+are honoured, which are accepted because they cannot change the answer, and which are refused,
+never silently ignored. Every check raises a BodyError naming its field.
+
+    messages                  system, developer (rendered as system), user, assistant; text only
+    max_completion_tokens     or max_tokens (max_completion_tokens wins)
+    temperature, top_p, top_k (-1 or 0: off), min_p, seed
+    presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
+    stop                      a string or up to 4: the answer ends before the first one it holds
+    chat_template_kwargs      {"enable_thinking": bool}: the request's think mode
+
+Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+from salabatch.engine.sampling import SamplingParams
+from salabatch.errors import SalabatchError
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SAMPLING = (
+    "max_completion_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs")
+# Fields about billing, logging or delivery: they cannot change the answer.
+ACCEPTED = (
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "stream_options",
+    "parallel_tool_calls",
+)
+NO_OP = {"n": 1, "stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+
+
+class BodyError(SalabatchError):
+    """A request body field that is malformed, or refused because salabatch cannot honour it.
+    `param` names the field (OpenAI's error `param`); str() is the message, which names it too."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Defaults(Protocol):
+    """What an unset sampling field takes: a job's `generation:` or the server's settings."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int
+
+
+def check_fields(
+    body: Mapping, honoured: tuple[str, ...], no_op: Mapping[str, object] = NO_OP
+) -> None:
+    """BodyError naming the fields of `body` that are neither honoured, accepted, nor at their
+    no-op value (`no_op`); a field set to null counts as unset."""
+    refused = [
+        name
+        for name, value in body.items()
+        if value is not None
+        and name not in honoured + ACCEPTED
+        and not _same(value, no_op.get(name))
+    ]
+    if refused:
+        fields = f"field{'s' * (len(refused) > 1)}: {', '.join(refused)}"
+        raise BodyError(f"unsupported {fields} (refused rather than ignored)", refused[0])
+
+
+def _same(value, no_op) -> bool:
+    """Whether `value` is the no-op value itself (`true` is not `1`, `0` not `false`)."""
+    return no_op is not None and type(value) is type(no_op) and value == no_op
+
+
+def messages(raw) -> list[dict]:
+    """The chat messages of a body as the chat template takes them ({"role", "content"})."""
+    if not isinstance(raw, list) or not raw:
+        raise BodyError("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BodyError(f"{at}.role must be one of {', '.join(ROLES)}", f"{at}.role")
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise BodyError(f"unsupported field: {at}.{extra[0]}", f"{at}.{extra[0]}")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise BodyError(f"{at}.content: only text parts are supported", f"{at}.content")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise BodyError(f"{at}.content must be text", f"{at}.content")
+        out.append({"role": ROLES[m["role"]], "content": content})
+    return out
+
+
+def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
+    """(sampling settings, max tokens) of a body, each field checked; unset ones are
+    `defaults`'."""
+
+    def number(name: str, default, ok, expected: str, integer: bool = False):
+        value = body.get(name)
+        if value is None:
+            return default
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (numeric and math.isfinite(value) and ok(value)) or (
+            integer and value != int(value)
+        ):
+            raise BodyError(f"{name} must be {expected}, got {value!r}", name)
+        return int(value) if integer else float(value)
+
+    penalty = "a number in [-2, 2]"
+    top_k = number("top_k", defaults.top_k, lambda v: v >= -1, "an integer ≥ -1 (-1: off)", True)
+    max_tokens = number("max_tokens", defaults.max_tokens, lambda v: v >= 1, "an integer ≥ 1", True)
+    params = SamplingParams(
+        temperature=number("temperature", defaults.temperature, lambda v: v >= 0, "a number ≥ 0"),
+        top_p=number("top_p", defaults.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        top_k=max(top_k, 0),
+        repetition_penalty=number(
+            "repetition_penalty", defaults.repetition_penalty, lambda v: v > 0, "a number > 0"
+        ),
+        seed=number("seed", defaults.seed, lambda v: True, "an integer", True),
+        min_p=number("min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        presence_penalty=number("presence_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
+        frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
+    )
+    max_tokens = number(
+        "max_completion_tokens", max_tokens, lambda v: v >= 1, "an integer ≥ 1", True
+    )
+    return params, max_tokens
+
+
+def stop(raw) -> tuple[str, ...]:
+    """The stop strings of a body's `stop` (a string or a list of at most MAX_STOP)."""
+    stops = [raw] if isinstance(raw, str) else [] if raw is None else raw
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise BodyError(f"stop must be a non-empty string or a list of at most {MAX_STOP}", "stop")
+    return tuple(stops)
+
+
+def think(kwargs, default: bool) -> bool:
+    """The think mode of a body's `chat_template_kwargs` (`default` where it says none)."""
+    if kwargs is None:
+        return default
+    if not isinstance(kwargs, dict):
+        raise BodyError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    unknown = sorted(k for k in kwargs if k != "enable_thinking")
+    if unknown:
+        raise BodyError(
+            f"unsupported field: chat_template_kwargs.{unknown[0]}",
+            f"chat_template_kwargs.{unknown[0]}",
+        )
+    value = kwargs.get("enable_thinking", default)
+    if not isinstance(value, bool):
+        raise BodyError(
+            "chat_template_kwargs.enable_thinking must be true or false",
+            "chat_template_kwargs.enable_thinking",
+        )
+    return value

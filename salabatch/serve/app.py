@@ -1,0 +1,634 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over one ServeEngine (`create_app`).
+
+    GET  /health                 {"status": "ok"}; never needs the API key
+    GET  /v1/models              the one model served
+    POST /v1/chat/completions    messages → a chat.completion, or SSE chunks with `stream: true`
+    POST /v1/completions         a text prompt → a text_completion, or SSE chunks
+    GET  /metrics                Prometheus text: the engine's stats, requests by endpoint/status
+
+Bodies are read by `salabatch.openai_api`, as the Batch path reads request lines: the same
+fields honoured and refused, and here `stream`, `stream_options.include_usage` honoured too; `n`
+must be 1. Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`):
+400 a bad or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown
+model or route, 413 a body over `max_body` bytes, 429 the engine's queue is full, 503 the engine
+is closed. A client that goes away, mid-stream or while waiting for a whole answer, cancels its
+job: its row leaves the batch at the engine's next step.
+
+The event loop never runs the model: the engine has its own thread, and rendering and tokenizing
+a prompt (a long document) run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import re
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from salabatch import openai_api
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import OutOfMemoryError, SalabatchError, TokenizerError
+from salabatch.openai_api import BodyError
+from salabatch.serve.completion import AnswerText, Piece, chat_job, text_job
+from salabatch.serve.engine import (
+    EngineClosed,
+    Failed,
+    Finished,
+    Job,
+    QueueFull,
+    ServeEngine,
+    Ticket,
+    Token,
+)
+
+MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
+CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
+COMPLETION_FIELDS = ("prompt", *openai_api.SAMPLING, "stop", "stream", "stream_options")
+CHAT_NO_OP = {"n": 1, "logprobs": False, "top_logprobs": 0}  # accepted at this value only
+COMPLETION_NO_OP = {"n": 1, "best_of": 1, "echo": False}
+OPEN_PATHS = ("/health",)  # served without the API key
+
+
+@dataclass(frozen=True)
+class ServeDefaults:
+    """What a request's unset sampling fields take (a job's `generation:` defaults)."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None: a fresh random seed per request (OpenAI's way)
+    think: bool = False
+
+
+class APIError(Exception):
+    """An OpenAI error response: its HTTP status and error object."""
+
+    TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def body(self) -> dict:
+        kind = self.TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status)
+
+
+def create_app(
+    engine: ServeEngine,
+    tokenizer: Tokenizer,
+    *,
+    model_id: str,
+    api_key: str | None = None,
+    defaults: ServeDefaults = ServeDefaults(),
+    max_body: int = MAX_BODY,
+) -> Starlette:
+    """The ASGI app serving `engine` (started and closed by the caller) as the model
+    `model_id`. With `api_key`, every endpoint but /health needs `Authorization: Bearer KEY`."""
+    server = _Server(engine, tokenizer, model_id, defaults, max_body)
+    app = Starlette(
+        routes=[
+            Route("/health", server.health, methods=["GET"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/metrics", server.metrics, methods=["GET"]),
+        ],
+        exception_handlers={
+            HTTPException: _http_error,
+            APIError: _api_error,
+            BodyError: _body_error,
+        },
+    )
+    # The last added runs first: every response is counted, the key check's 401s too.
+    app.add_middleware(_KeyCheck, api_key=api_key)
+    app.add_middleware(_Counting, counts=server.requests, paths={r.path for r in app.routes})
+    return app
+
+
+class _Server:
+    """The endpoints, over one engine and its tokenizer."""
+
+    def __init__(
+        self,
+        engine: ServeEngine,
+        tok: Tokenizer,
+        model_id: str,
+        defaults: ServeDefaults,
+        max_body: int,
+    ) -> None:
+        self.engine, self.tok, self.model_id = engine, tok, model_id
+        self.defaults, self.max_body = defaults, max_body
+        self.created = int(time.time())
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) → responses
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "salabatch",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(
+            prometheus(self.engine.stats(), self.requests),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+    # ---- completions -------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request, CHAT_FIELDS, CHAT_NO_OP)
+        stream, include_usage = _streaming(body)
+        messages = openai_api.messages(body.get("messages"))
+        params, max_tokens = self._sampling(body)
+        think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
+        stops = openai_api.stop(body.get("stop"))
+        try:  # a long document: tokenized off the event loop
+            job = await run_in_threadpool(
+                chat_job,
+                self.tok,
+                messages,
+                think=think,
+                params=params,
+                max_tokens=max_tokens,
+                stop_strings=stops,
+            )
+        except TokenizerError as e:  # the chat template refused the messages
+            raise APIError(400, str(e), param="messages") from None
+        answer = AnswerText(self.tok, stop_strings=stops, think=think)
+        ticket = self._submit(job, "messages")
+        reply = _Reply(job.id, "chat.completion", self.model_id, int(time.time()))
+        if stream:
+            return _EventStream(self._chat_chunks(ticket, answer, reply, include_usage), ticket)
+        finished = await _collect(ticket, answer, request)
+        message = {"role": "assistant", "content": answer.content, "refusal": None}
+        if think:
+            message["reasoning_content"] = answer.reasoning
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finished.finish_reason,
+        }
+        return JSONResponse(reply.body([choice], usage(finished)))
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
+        stream, include_usage = _streaming(body)
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or _token_ids(prompt)):
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        params, max_tokens = self._sampling(body)
+        stops = openai_api.stop(body.get("stop"))
+        job = await run_in_threadpool(
+            text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
+        )
+        answer = AnswerText(self.tok, stop_strings=stops, split_think=False)
+        ticket = self._submit(job, "prompt")
+        reply = _Reply(job.id, "text_completion", self.model_id, int(time.time()))
+        if stream:
+            return _EventStream(self._text_chunks(ticket, answer, reply, include_usage), ticket)
+        finished = await _collect(ticket, answer, request)
+        choice = {
+            "index": 0,
+            "text": answer.content,
+            "logprobs": None,
+            "finish_reason": finished.finish_reason,
+        }
+        return JSONResponse(reply.body([choice], usage(finished)))
+
+    def _sampling(self, body: dict):
+        """The body's sampling settings and max tokens; a request without a seed gets a fresh
+        one unless the server has a default (a seed matters only with temperature > 0)."""
+        defaults = self.defaults
+        if defaults.seed is None:
+            defaults = replace(defaults, seed=secrets.randbits(31))
+        return openai_api.sampling(body, defaults)
+
+    async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
+        """The request's JSON object, its fields checked and its model the one served."""
+        body = await read_json(request, self.max_body)
+        openai_api.check_fields(body, fields, no_op)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model is missing", param="model")
+        if model != self.model_id:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def _submit(self, job: Job, param: str) -> Ticket:
+        """The job's ticket; 400 for a prompt the model's context cannot hold (the engine would
+        fail it, but a stream's status is sent before its first event)."""
+        context = self.engine.model.config.max_position_embeddings
+        if len(job.prompt) >= context:
+            raise APIError(
+                400,
+                f"the prompt has {len(job.prompt)} tokens; the model's context holds {context} "
+                "(with room for one generated token)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return self.engine.submit(job, asyncio.get_running_loop())
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full") from None
+        except EngineClosed as e:
+            raise APIError(503, str(e), code="engine_closed") from None
+
+    # ---- streams -------------------------------------------------------------------------
+
+    async def _chat_chunks(
+        self, ticket: Ticket, answer: AnswerText, reply: _Reply, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return sse(reply.chunk([choice], **extra))
+
+        def delta(piece: Piece) -> bytes:
+            return chunk(
+                {"reasoning_content" if piece.channel == "reasoning" else "content": piece.text}
+            )
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in _events(ticket):
+            if isinstance(event, Token):
+                for piece in answer.add(event.token):
+                    yield delta(piece)
+            elif isinstance(event, Finished):
+                for piece in answer.finish(event):
+                    yield delta(piece)
+                yield chunk({}, event.finish_reason)
+                if include_usage:
+                    yield sse(reply.chunk([], usage=usage(event)))
+            else:
+                yield sse(event.body)
+        yield b"data: [DONE]\n\n"
+
+    async def _text_chunks(
+        self, ticket: Ticket, answer: AnswerText, reply: _Reply, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(text: str, finish_reason: str | None = None) -> bytes:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return sse(reply.chunk([choice], **extra))
+
+        async for event in _events(ticket):
+            if isinstance(event, Token):
+                for piece in answer.add(event.token):
+                    yield chunk(piece.text)
+            elif isinstance(event, Finished):
+                text = "".join(p.text for p in answer.finish(event))
+                yield chunk(text, event.finish_reason)
+                if include_usage:
+                    yield sse(reply.chunk([], usage=usage(event)))
+            else:
+                yield sse(event.body)
+        yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every object of one response shares: its id, kind and model."""
+
+    id: str
+    object: str  # "chat.completion" or "text_completion"
+    model: str
+    created: int  # seconds since the epoch, as OpenAI's
+
+    def body(self, choices: list, usage: dict) -> dict:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, choices: list, **extra: Any) -> dict:
+        kind = "chat.completion.chunk" if self.object == "chat.completion" else self.object
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+            **extra,
+        }
+
+
+def usage(finished: Finished) -> dict:
+    """OpenAI's usage object of a finished job."""
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
+    }
+
+
+def sse(data: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class _StreamFailed:
+    """A job that failed after its stream began (its status sent already): an error event."""
+
+    body: dict
+
+
+async def _events(ticket: Ticket) -> AsyncIterator[Token | Finished | _StreamFailed]:
+    """The ticket's events, a Failed as the error event to send (the status is already 200)."""
+    async for event in ticket:
+        if isinstance(event, Failed):
+            yield _StreamFailed(engine_error(event.error).body)
+            return
+        yield event
+        if isinstance(event, Finished):
+            return
+
+
+async def _collect(ticket: Ticket, answer: AnswerText, request: Request) -> Finished:
+    """The whole answer into `answer`; a client that goes away first cancels the ticket."""
+    last: list[Finished | Failed] = []
+
+    async def read() -> None:
+        async for event in ticket:
+            if isinstance(event, Token):
+                answer.add(event.token)
+            else:
+                last.append(event)
+                return
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        ticket.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        await read()
+        group.cancel_scope.cancel()
+    if isinstance(last[0], Failed):
+        raise engine_error(last[0].error)
+    answer.finish(last[0])
+    return last[0]
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose ticket is cancelled however it ends: a client gone mid-stream
+    stops its row at the engine's next step (a finished ticket ignores the cancel)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], ticket: Ticket) -> None:
+        super().__init__(
+            chunks,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.cancel()
+
+
+def engine_error(error: SalabatchError) -> APIError:
+    """The HTTP error of an engine failure: 429 queue full, 503 closed or out of memory, 400 a
+    job the engine refused (ValueError: its prompt or settings), 500 anything else."""
+    if isinstance(error, QueueFull):
+        return APIError(429, str(error), code="queue_full")
+    if isinstance(error, EngineClosed):
+        return APIError(503, str(error), code="engine_closed")
+    cause = getattr(error, "cause", error)  # JobFailed: what stopped the job
+    if isinstance(cause, OutOfMemoryError):
+        return APIError(503, str(error), code="out_of_memory")
+    if isinstance(cause, ValueError | BodyError | TokenizerError):
+        return APIError(400, str(error), code="invalid_request")
+    return APIError(500, str(error), code="engine_error")
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of a body."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BodyError("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BodyError("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise BodyError("stream_options must be an object", "stream_options")
+    unknown = sorted(k for k in options if k != "include_usage")
+    if unknown:
+        raise BodyError(
+            f"unsupported field: stream_options.{unknown[0]}", f"stream_options.{unknown[0]}"
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BodyError(
+            "stream_options.include_usage must be true or false", "stream_options.include_usage"
+        )
+    return stream, include
+
+
+def _token_ids(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (by Content-Length, then as read)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(
+        413, f"request body is larger than {limit} bytes", code="request_too_large"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise too_large
+    try:  # a long document's body takes a while to parse: off the event loop
+        body = (
+            json.loads(data) if len(data) < 1 << 20 else await run_in_threadpool(json.loads, data)
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = exc.detail
+    return APIError(
+        exc.status_code, message, code="not_found" if exc.status_code == 404 else None
+    ).response()
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _body_error(request: Request, exc: BodyError) -> Response:
+    return APIError(400, str(exc), param=exc.param).response()
+
+
+class _KeyCheck:
+    """ASGI middleware: with a key, every path but OPEN_PATHS needs `Authorization: Bearer KEY`
+    (compared in constant time)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.key = app, api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "invalid API key" if header else "missing API key (Authorization: Bearer KEY)"
+        response = APIError(401, message, code="invalid_api_key").response()
+        await response(scope, receive, send)
+
+
+class _Counting:
+    """ASGI middleware: counts responses by endpoint (a route's path, else "other") and status."""
+
+    def __init__(self, app, counts: Counter, paths: set[str]) -> None:
+        self.app, self.counts, self.paths = app, counts, paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.paths else "other"
+
+        started = False
+
+        async def counted(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counts[endpoint, message["status"]] += 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:  # Starlette's outermost layer answers it with a 500
+                self.counts[endpoint, 500] += 1
+            raise
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+_BUCKET = re.compile(r"^(?P<name>.+)_bucket_(?P<le>[^_]+)$")
+
+
+def prometheus(stats: dict[str, float], requests: Counter) -> str:
+    """Prometheus text exposition of the engine's stats and the app's request counts.
+
+    A stat `{h}_bucket_{le}` is a bucket of histogram `h` (with `{h}_sum`, `{h}_count`); a name
+    ending in `_total` is a counter; the rest are gauges. Every name gets the `salabatch_`
+    prefix."""
+    lines: list[str] = []
+    histograms: dict[str, list[tuple[float, str, float]]] = {}
+    for key, value in stats.items():
+        if m := _BUCKET.match(key):
+            le = m["le"]
+            bound = math.inf if le.lower() in ("inf", "+inf") else float(le)
+            histograms.setdefault(m["name"], []).append((bound, le, value))
+    for name, buckets in sorted(histograms.items()):
+        full = _name(name)
+        lines.append(f"# TYPE {full} histogram")
+        for bound, _, value in sorted(buckets):
+            le = "+Inf" if math.isinf(bound) else _number(bound)
+            lines.append(f'{full}_bucket{{le="{le}"}} {_number(value)}')
+        for part in ("sum", "count"):
+            if f"{name}_{part}" in stats:
+                lines.append(f"{full}_{part} {_number(stats[f'{name}_{part}'])}")
+    shown = {f"{n}_{p}" for n in histograms for p in ("sum", "count")}
+    for key, value in sorted(stats.items()):
+        if _BUCKET.match(key) or key in shown:
+            continue
+        full = _name(key)
+        lines.append(f"# TYPE {full} {'counter' if key.endswith('_total') else 'gauge'}")
+        lines.append(f"{full} {_number(value)}")
+    lines.append("# TYPE salabatch_http_requests_total counter")
+    for (endpoint, status), n in sorted(requests.items()):
+        lines.append(
+            f'salabatch_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}'
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _name(key: str) -> str:
+    key = re.sub(r"[^a-zA-Z0-9_:]", "_", key)
+    return key if key.startswith("salabatch_") else f"salabatch_{key}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

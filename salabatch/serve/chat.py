@@ -1,0 +1,192 @@
+"""The terminal chat (`salabatch chat`): a conversation with the serving engine in this process,
+no HTTP. Documents go in the system message, so they are prefilled once: every turn's prompt
+starts with them, and the engine finds the longest prefix it holds (the documents, then the
+conversation up to the last message of the turn before), so a turn costs only its own tokens.
+
+`run_chat` is the loop: a line is a question, or a command: `/reset` (forget the conversation,
+keep the documents), `/save FILE` (the conversation as JSON), `/help`, `/quit`. Answers stream
+as they come; Ctrl-C stops the answer (its job is cancelled), not the session. After each answer
+a line says its tokens, the prompt's cached tokens and the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import SalabatchError
+from salabatch.serve.completion import AnswerText, Piece, chat_job
+from salabatch.serve.engine import Finished, ServeEngine, Token
+
+HELP = "/reset forgets the conversation (not the documents), /save FILE writes it as JSON, /quit"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """How one answer went: the engine's counts and timings; or, when Ctrl-C stopped it
+    ("cancelled"), the tokens that came (the prompt's counts unknown: 0)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_s: float
+    finish_reason: str  # "stop", "length" or "cancelled"
+
+    def summary(self) -> str:
+        """The line shown after an answer."""
+        rate = self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        if self.finish_reason == "cancelled":  # the engine's counts never came
+            return f"[stopped after {self.completion_tokens} tokens, {rate:.1f} tok/s]"
+        return (
+            f"[{self.completion_tokens} tokens, {rate:.1f} tok/s; prompt {self.prompt_tokens} "
+            f"tokens, {self.cached_tokens} cached; first token after {self.ttft_s:.2f} s; "
+            f"{self.finish_reason}]"
+        )
+
+
+class ChatSession:
+    """One conversation: the system message (`system`, then each document as
+    `Document: NAME` and its text), the turns so far, and the engine that answers them."""
+
+    def __init__(
+        self,
+        engine: ServeEngine,
+        tok: Tokenizer,
+        *,
+        documents: Sequence[tuple[str, str]] = (),
+        system: str | None = None,
+        params: SamplingParams | None = None,
+        max_tokens: int = 512,
+        think: bool = False,
+    ) -> None:
+        self.engine, self.tok = engine, tok
+        self.documents = [name for name, _ in documents]
+        parts = [system] if system else []
+        parts += [f"Document: {name}\n\n{text.strip()}" for name, text in documents]
+        self.system = [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
+        self.params = params or SamplingParams()  # greedy
+        self.max_tokens, self.think = max_tokens, think
+        self.history: list[dict] = []
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.system + self.history
+
+    def ask(self, question: str, show: Callable[[Piece], None]) -> Turn:
+        """Answers `question`, its pieces streamed through `show` (reasoning pieces only with
+        `think`). A KeyboardInterrupt (Ctrl-C) stops the answer: the job is cancelled and the
+        text so far kept as the answer. A job the engine fails raises its error."""
+        messages = [*self.messages, {"role": "user", "content": question}]
+        answer = AnswerText(self.tok, think=self.think)
+        start = time.perf_counter()
+        first_at = None
+        finished: Finished | None = None
+        ticket, received = None, 0
+        try:
+            job = chat_job(
+                self.tok, messages, think=self.think, params=self.params, max_tokens=self.max_tokens
+            )
+            ticket = self.engine.submit(job)
+            for event in ticket:
+                if isinstance(event, Token):
+                    first_at = first_at or time.perf_counter()
+                    received += 1
+                    pieces = answer.add(event.token)
+                elif isinstance(event, Finished):
+                    finished, pieces = event, answer.finish(event)
+                else:
+                    raise event.error
+                for piece in pieces:
+                    show(piece)
+        except KeyboardInterrupt:
+            if ticket is None:
+                raise
+            ticket.cancel()
+        self.history += messages[-1:] + [{"role": "assistant", "content": answer.content}]
+        if finished is not None:
+            return Turn(
+                finished.prompt_tokens,
+                finished.cached_tokens,
+                finished.completion_tokens,
+                finished.ttft_s,
+                finished.decode_s,
+                finished.finish_reason,
+            )
+        now = time.perf_counter()
+        ttft = (first_at or now) - start
+        return Turn(0, 0, received, ttft, now - (first_at or now), "cancelled")
+
+    def reset(self) -> None:
+        """Forgets the conversation; the documents stay (and stay prefilled)."""
+        self.history = []
+
+    def save(self, path: str | Path) -> None:
+        """The conversation as JSON: the documents' names and the messages, system first."""
+        record = {"documents": self.documents, "messages": self.messages}
+        Path(path).expanduser().write_text(json.dumps(record, ensure_ascii=False, indent=2) + "\n")
+
+
+def run_chat(
+    session: ChatSession,
+    read_line: Callable[[], str | None],
+    write: Callable[[str], None],
+    note: Callable[[str], None],
+    dim: Callable[[str], str] = str,
+) -> None:
+    """The chat loop: reads lines (`read_line`: None at the end of input) until /quit or the
+    end; answers stream through `write` (reasoning styled by `dim`), summaries, notices and
+    errors go to `note` (one line each). Ctrl-C while reading a line only starts a new one;
+    Ctrl-C while the prompt is still being tokenized drops the question."""
+
+    def show(piece: Piece) -> None:
+        write(piece.text if piece.channel == "content" else dim(piece.text))
+
+    while True:
+        try:
+            line = read_line()
+        except KeyboardInterrupt:
+            write("\n")
+            continue
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        command, _, argument = line.partition(" ")
+        if command in ("/quit", "/exit"):
+            return
+        if command == "/help":
+            note(HELP)
+        elif command == "/reset":
+            session.reset()
+            note("[the conversation is forgotten; the documents stay]")
+        elif command == "/save":
+            if not argument.strip():
+                note("usage: /save FILE")
+                continue
+            try:
+                session.save(argument.strip())
+            except OSError as e:
+                note(f"cannot save to {argument.strip()}: {e.strerror or e}")
+            else:
+                note(f"[saved to {argument.strip()}]")
+        elif command.startswith("/") and " " not in command and len(command) > 1:
+            note(f"unknown command {command}: {HELP}")
+        else:
+            try:
+                turn = session.ask(line, show)
+            except KeyboardInterrupt:
+                note("[stopped before the answer began; the question is dropped]")
+                continue
+            except SalabatchError as e:
+                write("\n")
+                note(f"error: {e}")
+                continue
+            write("\n")
+            note(turn.summary())

@@ -1,0 +1,193 @@
+"""One completion over the serving engine, as the HTTP server and the terminal chat both make
+it: the Job of chat messages (the chat template's prompt, with a boundary at the end of the
+leading system messages and of the last message, so that requests sharing a document share its
+prefill and the next turn of a conversation resumes where this one's messages end) or of a text
+prompt, and the answer's tokens turned into text as it streams (stop strings held back until
+they cannot be one, a leading <think> block split off as the reasoning).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import TokenizerError
+from salabatch.openai_api import BodyError
+from salabatch.serve.engine import Finished, Job
+
+
+def new_id(kind: str) -> str:
+    """A fresh response id, OpenAI's shape: `chatcmpl-<32 hex>`, `cmpl-<32 hex>`."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def chat_job(
+    tok: Tokenizer,
+    messages: Sequence[dict],
+    *,
+    think: bool,
+    params: SamplingParams,
+    max_tokens: int,
+    stop_strings: tuple[str, ...] = (),
+    job_id: str | None = None,
+) -> Job:
+    """The Job of chat `messages` ({"role", "content"} each). Boundaries: where the leading
+    system messages end (a document there is prefilled once for every request that shares it)
+    and where the last message ends (the next turn of the conversation continues from there);
+    each only where its tokens are exactly a prefix of the whole prompt's. Stops at the
+    tokenizer's end-of-turn and eos tokens. Tokenizes the prompt up to three times: call it off
+    the event loop."""
+    prompt = tok.chat_prompt_ids(messages, think=think)
+    leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    boundaries = []
+    for end in sorted({leading, len(messages)} - {0}):
+        try:
+            ids = tok.chat_prompt_ids(messages[:end], think=think, add_generation_prompt=False)
+        except TokenizerError:  # a template may refuse a conversation without a user message
+            continue
+        if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            boundaries.append(len(ids))
+    return Job(
+        job_id or new_id("chatcmpl"),
+        tuple(prompt),
+        params,
+        max_tokens,
+        frozenset(tok.eos_ids),
+        stop_strings,
+        tuple(boundaries),
+    )
+
+
+def text_job(
+    tok: Tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    params: SamplingParams,
+    max_tokens: int,
+    stop_strings: tuple[str, ...] = (),
+    job_id: str | None = None,
+) -> Job:
+    """The Job of a raw prompt (`/v1/completions`): text as it is, special-token text included,
+    after BOS where the tokenizer adds one; or token ids, checked against the vocabulary."""
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_bos=tok.add_bos_token)
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise BodyError(
+                f"prompt token id {bad[0]} is out of range [0, {tok.vocab_size})", "prompt"
+            )
+    if not ids:
+        raise BodyError("prompt has no tokens", "prompt")
+    return Job(
+        job_id or new_id("cmpl"),
+        tuple(ids),
+        params,
+        max_tokens,
+        frozenset(tok.eos_ids),
+        stop_strings,
+    )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of the answer: `reasoning` (inside the leading <think> block) or `content`."""
+
+    channel: str
+    text: str
+
+
+class AnswerText:
+    """A job's tokens → the pieces of its answer to send, as they become certain.
+
+    Text that may be the start of a stop string is held back until it cannot be; the answer
+    never shows text from a stop string on. With `split_think` (chat), a leading
+    <think>…</think> block is the reasoning and the text after it the content, both without
+    their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
+    text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
+    drops it). Without `split_think` (a text completion) the text is the content, as it is.
+    """
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        *,
+        stop_strings: tuple[str, ...] = (),
+        split_think: bool = True,
+        think: bool = False,
+    ) -> None:
+        self._detok = tok.detokenizer(skip_special=True)
+        self._stops = stop_strings
+        self._split, self._think = split_think, think
+        self._sent = {"reasoning": 0, "content": 0}
+        self.reasoning = ""  # what was sent of each, so far
+        self.content = ""
+
+    def add(self, token: int) -> list[Piece]:
+        """The pieces token `token` makes certain (often none, or one)."""
+        self._detok.add_token(token)
+        return self._pieces(self._visible(self._detok.text), final=False)
+
+    def finish(self, finished: Finished) -> list[Piece]:
+        """The rest of the answer: the engine's text where a stop string ended it."""
+        self._detok.finalize()
+        text = finished.text if finished.text is not None else self._cut(self._detok.text)
+        return self._pieces(text, final=True)
+
+    def _cut(self, text: str) -> str:
+        """`text` before the first stop string it holds."""
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        return text[: min(found)] if found else text
+
+    def _visible(self, text: str) -> str:
+        """What of `text` is certain: before any stop string, and less a tail that may start
+        one."""
+        cut = self._cut(text)
+        if len(cut) < len(text):
+            return cut
+        return text[: len(text) - max((_partial(text, s) for s in self._stops), default=0)]
+
+    def _pieces(self, text: str, *, final: bool) -> list[Piece]:
+        if not self._split:
+            return self._send("content", text)
+        reasoning, content = _split(text, final)
+        pieces = self._send("reasoning", reasoning) if self._think else []
+        return pieces + self._send("content", content)
+
+    def _send(self, channel: str, text: str) -> list[Piece]:
+        sent = self._sent[channel]
+        if len(text) <= sent:
+            return []
+        self._sent[channel] = len(text)
+        setattr(self, channel, text)
+        return [Piece(channel, text[sent:])]
+
+
+def _split(text: str, final: bool) -> tuple[str, str]:
+    """(reasoning, content) of the answer so far, as far as they are certain: each grows by
+    appending only, and ends as `split_thinking(text)` when `final`. Before the end, a text
+    that may still open a think block shows nothing, the tail that may be the start of its
+    `</think>` is held, and so is trailing whitespace (it is stripped if nothing follows)."""
+    head = text.lstrip()
+    if not final and THINK_OPEN.startswith(head):
+        return "", ""  # nothing yet, or maybe the start of a think block
+    if not head.startswith(THINK_OPEN):
+        return "", head.rstrip()
+    body = head[len(THINK_OPEN) :]
+    end = body.find(THINK_CLOSE)
+    if end >= 0:
+        reasoning, content = body[:end].strip(), body[end + len(THINK_CLOSE) :].lstrip()
+        return reasoning, content.rstrip()
+    if not final:
+        body = body[: len(body) - _partial(body, THINK_CLOSE)]
+    return body.strip(), ""
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker` (0: none)."""
+    return max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)

@@ -1,0 +1,789 @@
+"""The serving engine: one model on its own thread, continuous batching of the requests that
+arrive, prefix reuse across requests. The HTTP server (`salabatch.serve.app`) and the terminal
+chat (`salabatch chat`) talk to it only through `ServeEngine.submit` and the `Ticket` it returns.
+
+A job goes: the queue (bounded: `QueueFull` past `max_queue` waiting) → its prefill → a row of a
+decoding group → its last event. All MLX work runs on the engine thread, which loops:
+
+1. takes waiting jobs while fewer than `batch_size` are prefilling or decoding;
+2. feeds about one chunk (`prefill_chunk` tokens) of the oldest jobs still prefilling, so a
+   long prompt never stops the others' decoding for more than a chunk, and many short ones
+   join at once;
+3. steps every decoding group once (`generate.Batch`, pipelined), so every running job advances.
+
+Prefix reuse (`prefixes.HeldPrefixes`): a job resumes from the longest held prefix its prompt
+starts with (memory, then the prefix store on disk): its row is a fork of it, and it prefills the
+rest. Rows forking one held prefix share its keys and decode as one group (16 clients asking
+questions of one document are one batch); rows that fork nothing (short prompts) decode as one
+group of their own, their caches joined; each other prefix is a group, and the groups are stepped
+in turn. `batch_size` bounds the rows of all groups together (and the jobs prefilling): it is the
+memory the rows may take, whatever their prefixes.
+
+Snapshots (the prefixes held): while prefilling, a job keeps its cache at each of its
+`boundaries` and at the end of its prompt that lies at least `snapshot_min` tokens (default 256)
+past where it resumed or its last snapshot: a shorter segment costs less to prefill again than
+to hold. A conversation's next turn re-sends the prompt, the answer and a new question, so it
+resumes at the last snapshot and prefills only what came after (at most `snapshot_min` tokens
+more than its own). A job that resumed from nothing snapshots its own cache (no copy) and goes on
+from a fork of it; a job on a fork pays one copy of the prefix per snapshot (`prefixes.owned`).
+Memory for held prefixes is capped at `prefix_bytes`; the least recently used go to the store,
+and `close()` writes the rest there.
+
+Every job ends with one Finished (stop, length, cancelled) or Failed (it could not run: its error
+names it; the others go on). `close()` ends what is left with Failed(EngineClosed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from salabatch.engine.sampling import SamplingParams
+from salabatch.errors import CacheWarning, SalabatchError, error_text
+
+if TYPE_CHECKING:
+    from salabatch.engine.cache import ModelCache
+    from salabatch.engine.generate import Batch, Generation
+    from salabatch.serve.prefixes import Held, HeldPrefixes
+
+SNAPSHOT_MIN = 256  # tokens a snapshot must lie past the last one (or where the job resumed)
+# positions reserved past a group's longest row when rows join: a row's buffers grow with its
+# answer from there (max_tokens may be the whole context, which a row rarely fills)
+RESERVE_AHEAD = 1024
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
+
+
+# What `ServeEngine.stats()` holds. Counters, since the engine was made:
+COUNTERS = (
+    "requests_total",  # accepted by submit
+    "requests_rejected_total",  # QueueFull
+    "requests_finished_total",  # stop or length
+    "requests_cancelled_total",
+    "requests_failed_total",
+    "prompt_tokens_total",  # of the jobs that started
+    "cached_tokens_total",  # prompt tokens resumed from a held prefix
+    "prefill_tokens_total",  # prompt tokens prefilled
+    "completion_tokens_total",
+    "prefix_hits_memory_total",
+    "prefix_hits_disk_total",
+    "prefix_misses_total",
+    "prefix_evictions_total",  # held prefixes evicted to the cap (stored, where there is a store)
+)
+GAUGES = (
+    "queue_depth",  # jobs waiting
+    "prefilling",  # jobs taken, prefilling
+    "running_rows",  # rows decoding, all groups
+    "decode_groups",  # groups (a held prefix's forks, or the rows without one)
+    "prefix_held_bytes",  # memory of the held prefixes: ≤ prefix_cap_bytes
+    "prefix_held_count",
+    "prefix_lent_bytes",  # evicted prefixes running rows still read (freed with them)
+    "prefix_cap_bytes",
+)
+HISTOGRAMS = (
+    "ttft_seconds",  # submit to first token
+    "decode_step_seconds",  # one step of one group
+)
+
+
+class QueueFull(SalabatchError):
+    """More requests are waiting than the engine's queue holds (HTTP 429)."""
+
+
+class EngineClosed(SalabatchError):
+    """The engine is shutting down or has stopped after an error (HTTP 503)."""
+
+
+class JobFailed(SalabatchError):
+    """A job the engine could not run (its prompt does not fit the model, its prefill ran out
+    of memory, ...); the message names the job, `cause` is the error behind it (a
+    SalabatchError such as OutOfMemoryError, or any other), `job_id` the job."""
+
+    def __init__(self, job_id: str, cause: BaseException) -> None:
+        self.job_id, self.cause = job_id, cause
+        why = str(cause) if isinstance(cause, SalabatchError) else error_text(cause)
+        super().__init__(f"job {job_id}: {type(cause).__name__}: {why}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One completion. `prompt` is the whole prompt's token ids, rendered by the caller (chat
+    template, document, earlier turns); the engine finds the longest prefix of it it already
+    holds. `boundaries`: token offsets inside the prompt where a reusable prefix ends (the end of
+    each message, say, so that requests sharing a system message with a document share its
+    prefill); the end of the prompt is always one. Generation stops at `max_tokens` or at the
+    model's context, whichever comes first."""
+
+    id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop: frozenset[int]  # stop token ids (end of turn, eos)
+    stop_strings: tuple[str, ...] = ()
+    boundaries: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Token:
+    """A token of the answer (never a stop token)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a job. finish_reason: "stop", "length" or "cancelled". `text` is the
+    answer cut before the stop string that ended it, where a stop string did (else None)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens reused from a prefix the engine held (memory or disk)
+    text: str | None
+    queued_s: float  # from submit to the start of its prefill
+    prefill_s: float
+    ttft_s: float  # from submit to its first token
+    decode_s: float
+    cache_source: str = "none"  # where its cached tokens came from: "memory" | "disk" | "none"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last event of a job that could not run (the error names why)."""
+
+    error: SalabatchError
+
+
+Event = Token | Finished | Failed
+
+
+class Ticket:
+    """A submitted job: its events in order, ending with one Finished or Failed. Iterate it once,
+    with `for` (blocking) or `async for` (on the loop given to `submit`); leaving the loop before
+    the last event cancels the job."""
+
+    def __init__(
+        self, job: Job, loop: asyncio.AbstractEventLoop | None, wake: Callable[[], None]
+    ) -> None:
+        self.job = job
+        self._loop, self._wake = loop, wake
+        self._events: deque[Event] = deque()
+        self._cond = threading.Condition()
+        self._ready = asyncio.Event()  # bound to `loop` at its first wait, set only there
+        self._cancelled = False
+        self._ended = False  # the last event was put
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stops the job at the engine's next step (thread-safe; a no-op once finished); a
+        Finished("cancelled") follows."""
+        if not self._ended and not self._cancelled:
+            self._cancelled = True
+            self._wake()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        """Events on the event loop given to `submit`."""
+        if self._loop is None:
+            raise RuntimeError("submit(job, loop) with an event loop to iterate on it")
+        return self._async_events()
+
+    def __iter__(self) -> Iterator[Event]:
+        """Events, blocking (for a caller without an event loop: `submit(job)` with no loop)."""
+        last = False
+        try:
+            while not last:
+                with self._cond:
+                    while not self._events:
+                        self._cond.wait()
+                    event = self._events.popleft()
+                last = isinstance(event, Finished | Failed)
+                yield event
+        finally:
+            if not last:
+                self.cancel()
+
+    async def _async_events(self) -> AsyncIterator[Event]:
+        last = False
+        try:
+            while not last:
+                self._ready.clear()
+                with self._cond:
+                    event = self._events.popleft() if self._events else None
+                if event is None:
+                    await self._ready.wait()  # set after the engine puts an event
+                    continue
+                last = isinstance(event, Finished | Failed)
+                yield event
+        finally:
+            if not last:
+                self.cancel()
+
+    def _put(self, event: Event) -> bool:
+        """From the engine thread; False when the caller's event loop is closed (no one can
+        read it: the engine then cancels the job)."""
+        with self._cond:
+            self._events.append(event)
+            self._ended = isinstance(event, Finished | Failed)
+            self._cond.notify_all()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed
+                return False
+        return True
+
+
+@dataclass(eq=False)
+class _Work:
+    """A job inside the engine: its ticket, times, and where it is."""
+
+    ticket: Ticket
+    rid: str  # the engine's own id for it (jobs' ids need not be unique)
+    submitted: float
+    started: float = 0.0  # its prefill began
+    first_at: float = 0.0  # its first token was put
+    cached: int = 0
+    source: str = "none"
+    base: Held | None = None  # the held prefix its row forks
+    steps: Iterator[int] | None = None  # its prefill, a chunk per next()
+    g: Generation | None = None
+    batch: Batch | None = None
+    emitted: int = 0  # tokens put as events
+
+
+class Histogram:
+    """Prometheus-style: cumulative counts of observations ≤ each bound, their sum and count."""
+
+    def __init__(self, name: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.bounds = name, bounds
+        self.counts = [0] * len(bounds)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def items(self) -> dict[str, float]:
+        pairs = zip(self.bounds, self.counts, strict=True)
+        out = {f"{self.name}_bucket_{b:g}": float(c) for b, c in pairs}
+        out[f"{self.name}_bucket_+Inf"] = float(self.count)
+        out[f"{self.name}_sum"] = self.sum
+        out[f"{self.name}_count"] = float(self.count)
+        return out
+
+
+@dataclass
+class _Stats:
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=lambda: Histogram(HISTOGRAMS[0], TTFT_BUCKETS))
+    step: Histogram = field(default_factory=lambda: Histogram(HISTOGRAMS[1], STEP_BUCKETS))
+
+    def add(self, name: str, n: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+class ServeEngine:
+    """Owns the model. `start()` runs the engine thread; `submit` may be called from any thread.
+
+    batch_size: rows decoding together at most (all groups) and jobs prefilling; max_queue:
+    jobs waiting beyond those (QueueFull past it); prefix_bytes: memory for held prefixes (least
+    recently used go to the prefix store on disk, if there is one, else are dropped); store_dir:
+    that store (`salabatch run`'s cache dir shares its documents), of at most `store_gb`;
+    snapshot_min: see the module docstring; model_sha: the model's fingerprint for the store's
+    keys (default: computed from `model.path`, memoized in the store)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        batch_size: int = 8,
+        max_queue: int = 64,
+        prefill_chunk: int = 2048,
+        prefix_bytes: int = 2 << 30,
+        store_dir: str | Path | None = None,
+        store_gb: float = 50.0,
+        snapshot_min: int = SNAPSHOT_MIN,
+        model_sha: str | None = None,
+    ) -> None:
+        if batch_size < 1 or max_queue < 0 or prefill_chunk < 1 or prefix_bytes < 0:
+            raise ValueError(
+                "batch_size and prefill_chunk must be ≥ 1, max_queue and prefix_bytes ≥ 0"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.max_queue = batch_size, max_queue
+        self.prefill_chunk, self.prefix_bytes = prefill_chunk, prefix_bytes
+        self.store_dir = None if store_dir is None else Path(store_dir).expanduser()
+        self.store_gb, self.snapshot_min, self.model_sha = store_gb, snapshot_min, model_sha
+        self._cv = threading.Condition()
+        self._queue: deque[_Work] = deque()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._stopped_why = "the engine is closed"
+        self._count = 0  # jobs submitted: their engine ids
+        self._stats = _Stats()
+        self._stats_lock = threading.Lock()
+        # engine thread only:
+        self._prefixes: HeldPrefixes | None = None
+        self._admitting: list[_Work] = []
+        self._groups: dict[int | None, Batch] = {}  # by id of the rows' shared keys
+        self._running: dict[str, _Work] = {}  # by rid: jobs with a row in a group
+
+    # -- the callers' side ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the engine thread (once; a second call does nothing)."""
+        with self._cv:
+            if self._closing:
+                raise EngineClosed(self._stopped_why)
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="salabatch-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Cancels what is queued or running (each gets Failed(EngineClosed)), writes the held
+        prefixes the store lacks to it (with a `store_dir`: a restarted server finds them) and
+        joins the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        else:
+            self._end_all(EngineClosed(self._stopped_why))
+
+    def __enter__(self) -> ServeEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+        """Queues `job` and returns at once (thread-safe). Events go to `loop` (thread-safe
+        calls: nothing blocks it) for `async for`, else to a blocking `for`. QueueFull when
+        `max_queue` jobs are waiting already; EngineClosed after `close()`."""
+        ticket = Ticket(job, loop, self._wake)
+        with self._cv:
+            if self._closing:
+                raise EngineClosed(self._stopped_why)
+            if len(self._queue) >= self.max_queue:
+                self._stat("requests_rejected_total")
+                raise QueueFull(
+                    f"{len(self._queue)} requests are waiting, as many as the queue holds "
+                    f"(max_queue {self.max_queue}); retry later"
+                )
+            self._count += 1
+            self._queue.append(_Work(ticket, f"#{self._count}", time.perf_counter()))
+            self._stat("requests_total")
+            self._cv.notify_all()
+        return ticket
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for /metrics: requests, prompt/completion/cached tokens, queue
+        depth, running rows, prefix hits (memory, disk) and misses, held prefix bytes, and the
+        TTFT and decode-step histograms (as `{name}_bucket_{le}` counts, `_sum`, `_count`).
+        The names are `COUNTERS`, `GAUGES` and `HISTOGRAMS`."""
+        with self._stats_lock:
+            out = dict.fromkeys((*COUNTERS, *GAUGES), 0.0)
+            out |= {k: float(v) for k, v in self._stats.counters.items()}
+            out |= self._stats.gauges | self._stats.ttft.items() | self._stats.step.items()
+        out["queue_depth"] = float(len(self._queue))
+        out["prefix_cap_bytes"] = float(self.prefix_bytes)
+        return out
+
+    def check(self, job: Job) -> None:
+        """JobFailed if the engine would refuse `job` before any work (an empty prompt, ids
+        outside the vocabulary, a prompt that fills the context, max_tokens < 1, an empty stop
+        string): for a caller that answers those before it starts a stream. Thread-safe, no
+        MLX; the engine checks again anyway."""
+        try:
+            self._check(job)
+        except ValueError as e:
+            raise JobFailed(job.id, e) from e
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _stat(self, name: str, n: float = 1) -> None:
+        with self._stats_lock:
+            self._stats.add(name, n)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        from salabatch.engine.kernels.attention import on_gpu
+        from salabatch.engine.memory import cache_limit
+        from salabatch.engine.runtime import engine_runtime
+
+        why = "the engine is closed"
+        try:
+            with engine_runtime(cache_limit(self.model.config, self.prefill_chunk, on_gpu())):
+                self._prefixes = self._held_prefixes()
+                self._serve()
+                self._end_all(EngineClosed(why))  # the jobs first, then the prefixes to disk
+                self._prefixes.flush()
+        except BaseException as e:  # a fault of the engine itself: every job must still end
+            why = f"the engine stopped: {type(e).__name__}: {error_text(e)}"
+            warnings.warn(why, RuntimeWarning, stacklevel=1)
+        finally:
+            self._end_all(EngineClosed(why))
+            mx.clear_streams()  # what MLX asks of a thread that ran MLX work
+
+    def _held_prefixes(self) -> HeldPrefixes:
+        """The held prefixes, over the prefix store where there is one and the model's
+        fingerprint can be had (else memory only, with a warning)."""
+        from salabatch.engine.fingerprint import model_fingerprint
+        from salabatch.engine.runtime import dtype_name
+        from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+        from salabatch.serve.prefixes import HeldPrefixes
+
+        cfg = self.model.config
+        if self.store_dir is None:
+            return HeldPrefixes(self.prefix_bytes, cfg)
+        path = getattr(self.model, "path", None)
+        try:
+            sha = self.model_sha or model_fingerprint(
+                path, memo=self.store_dir / "fingerprints.json"
+            )
+            tok_sha = self.tokenizer.fingerprint
+        except (OSError, TypeError, AttributeError) as e:
+            warnings.warn(
+                f"{self.store_dir}: prefixes are held in memory only: the model or tokenizer "
+                f"has no fingerprint ({error_text(e)})",
+                CacheWarning,
+                stacklevel=2,
+            )
+            return HeldPrefixes(self.prefix_bytes, cfg)
+        name, dtype = str(path or "model"), dtype_name(self.model.dtype)
+
+        def key(ids_sha: str, tokens: int) -> PrefixKey:
+            return PrefixKey(name, sha, tok_sha, dtype, ids_sha, tokens, "served prefix")
+
+        store = PrefixStore(self.store_dir, self.store_gb)
+        return HeldPrefixes(self.prefix_bytes, cfg, store, key)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                if self._closing:
+                    return
+                self._drop_cancelled_queued()
+                while self._queue and self._busy() < self.batch_size:
+                    self._admitting.append(self._queue.popleft())
+                if not self._admitting and not self._groups:
+                    self._publish()
+                    self._cv.wait()
+                    continue
+            self._sweep_cancelled()
+            self._advance()
+            for key, batch in list(self._groups.items()):
+                self._step(key, batch)
+            self._publish()
+
+    def _busy(self) -> int:
+        return len(self._admitting) + sum(len(b) for b in self._groups.values())
+
+    def _drop_cancelled_queued(self) -> None:
+        """(Under the lock) ends the queued jobs that were cancelled."""
+        if any(w.ticket.cancelled for w in self._queue):
+            for w in [w for w in self._queue if w.ticket.cancelled]:
+                self._queue.remove(w)
+                self._finish(w, "cancelled")
+
+    def _sweep_cancelled(self) -> None:
+        """Ends cancelled jobs that are prefilling (after the chunk done) or decoding (their
+        row leaves at its group's next step)."""
+        for w in [w for w in self._admitting if w.ticket.cancelled]:
+            self._admitting.remove(w)
+            if w.steps is not None:
+                w.steps.close()
+            self._finish(w, "cancelled")
+        for w in [w for w in self._running.values() if w.ticket.cancelled and not w.g.done]:
+            w.batch.cancel(w.g)
+            self._done(w)
+
+    def _advance(self) -> None:
+        """About one chunk of prefill: chunks of the oldest jobs prefilling until
+        `prefill_chunk` tokens are fed (many short prompts join at once, a long one takes a
+        chunk per turn); a job whose prefill ends joins a group."""
+        budget = self.prefill_chunk
+        while self._admitting and budget > 0:
+            w = self._admitting[0]
+            try:
+                if w.steps is None:
+                    w.started = time.perf_counter()
+                    w.steps = self._admission(w)
+                budget -= next(w.steps)
+            except StopIteration:
+                self._admitting.pop(0)
+            except Exception as e:
+                self._admitting.pop(0)
+                self._fail(w, e)
+
+    def _admission(self, w: _Work) -> Iterator[int]:
+        """w's prefill, one chunk per next() (→ the tokens it fed): resumes from the longest
+        held prefix, snapshots at its save points (`save_points`), and ends with its row in a
+        group."""
+        import mlx.core as mx
+
+        from salabatch.engine.generate import Prefill, Request
+        from salabatch.serve.prefixes import owned, prefix_digests
+
+        job, model = w.ticket.job, self.model
+        max_tokens = self._check(job)
+        n = len(job.prompt)
+        w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
+        resumed = 0 if w.base is None else w.base.tokens
+        w.cached = resumed
+        points = save_points(resumed, n, job.boundaries, self.snapshot_min)
+        self._check_memory(job, resumed, points, max_tokens)
+        digests = prefix_digests(job.prompt, points)
+        # `row` is the job's cache: fresh (its own keys) until its first snapshot, else a fork
+        row: ModelCache = model.make_cache() if w.base is None else w.base.cache.fork(1)
+        logits = None if w.base is None or resumed < n else w.base.logits
+        at = resumed
+        for q in points if points and points[-1] == n else [*points, n]:
+            if q > at:
+                feed = Prefill(model, job.prompt[at:q], row, self.prefill_chunk)
+                while not feed.finished:
+                    before = feed.done
+                    fed = feed.step() - before
+                    self._stat("prefill_tokens_total", fed)
+                    yield fed
+                logits, at = feed.logits(), q
+                mx.eval(logits)  # a snapshot keeps them: [vocab], not the graph behind them
+            if q in points:
+                if w.base is None:  # the row owns its keys: it is the snapshot, no copy
+                    w.base = self._prefixes.hold(digests[q], q, row, logits, use=True)
+                    row = row.fork(1)
+                else:
+                    snapshot = owned(row, model.config)
+                    self._prefixes.hold(digests[q], q, snapshot, logits)
+                yield 0
+        base = 0 if w.base is None else w.base.tokens
+        request = Request(
+            w.rid, job.prompt[base:], job.params, max_tokens, job.stop, job.stop_strings
+        )
+        w.batch = self._group(row)
+        w.g = w.batch.add(request, row, logits, cached_tokens=resumed, admitted=w.started)
+        self._running[w.rid] = w
+
+    def _check(self, job: Job) -> int:
+        """JobFailed's causes before any work: an empty prompt, ids outside the vocabulary, a
+        prompt that fills the model's context, max_tokens < 1, an empty stop string. → the
+        tokens the job may generate (max_tokens, cut at the context)."""
+        cfg = self.model.config
+        n, context = len(job.prompt), cfg.max_position_embeddings
+        if n == 0:
+            raise ValueError("the prompt has no tokens")
+        if job.max_tokens < 1:
+            raise ValueError(f"max_tokens must be ≥ 1, got {job.max_tokens}")
+        bad = [t for t in job.prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        if n >= context:
+            raise ValueError(
+                f"the prompt has {n} tokens, the model's context holds {context} "
+                "(with room for one generated token)"
+            )
+        if not all(job.stop_strings):
+            raise ValueError("a stop string must not be empty")
+        return min(job.max_tokens, context - n)
+
+    def _check_memory(self, job: Job, resumed: int, points: list[int], max_tokens: int) -> None:
+        """OutOfMemoryError unless what the job adds fits in the memory free: its new keys,
+        its largest snapshot copy (a job on a fork copies its prefix at a snapshot), its row
+        (as reserved when it joins) and a prefill chunk's temporaries."""
+        from salabatch.engine import memory
+        from salabatch.engine.kernels.attention import on_gpu
+
+        cfg, itemsize = self.model.config, self.model.dtype.size
+        n = len(job.prompt)
+        copies = points if resumed else points[1:]  # a fresh job's first snapshot is its cache
+        tail = 2 * cfg.sparse.compression[1][1]
+        max_tokens = min(max_tokens, RESERVE_AHEAD)  # reserved now; more as the answer grows
+        plan = memory.MemoryPlan(
+            weights=0,
+            document=memory.document_bytes(cfg, n - resumed, itemsize)
+            + (memory.document_bytes(cfg, max(copies), itemsize) if copies else 0),
+            rows=memory.row_bytes(cfg, tail + n - resumed + max_tokens, itemsize),
+            transient=memory.transient_bytes(cfg, min(self.prefill_chunk, n), on_gpu()),
+        )
+        memory.check(plan, memory.available_bytes(on_gpu()))
+
+    def _group(self, row: ModelCache) -> Batch:
+        """The decoding group a row joins: that of the rows holding the same shared keys (forks
+        of one held prefix), or of the rows holding none."""
+        from salabatch.engine.generate import Batch
+        from salabatch.engine.sparse_cache import SparseKVCache
+
+        shared = next((c.shared for c in row.layers if isinstance(c, SparseKVCache)), None)
+        key = None if shared is None else id(shared)  # the rows keep `shared` alive
+        if key not in self._groups:
+            tok = self.tokenizer
+            detok = getattr(tok, "detokenizer", None)
+            self._groups[key] = Batch(
+                self.model,
+                forked=shared is not None,
+                detokenizer=None if detok is None else lambda: detok(skip_special=True),
+                reserve_ahead=RESERVE_AHEAD,
+            )
+        return self._groups[key]
+
+    def _step(self, key: int | None, batch: Batch) -> None:
+        """One step of a group: its rows' tokens put as events, finished rows ended."""
+        start = time.perf_counter()
+        try:
+            read = batch.step()
+        except Exception as e:  # the group's rows cannot go on; the other groups can
+            del self._groups[key]
+            for w in [w for w in self._running.values() if w.batch is batch]:
+                del self._running[w.rid]
+                self._fail(w, e)
+            return
+        if read:
+            with self._stats_lock:
+                self._stats.step.observe(time.perf_counter() - start)
+        for g in read:
+            w = self._running[g.request.id]
+            if not self._put_tokens(w):
+                batch.cancel(g)
+            if g.done:
+                self._done(w)
+        if not batch:
+            del self._groups[key]
+
+    def _put_tokens(self, w: _Work) -> bool:
+        """Puts w's new tokens as events; False when its caller's loop is gone."""
+        tokens = w.g.tokens[w.emitted :]
+        w.emitted += len(tokens)
+        ok = True
+        for t in tokens:
+            if not w.first_at:
+                w.first_at = time.perf_counter()
+            ok = w.ticket._put(Token(t)) and ok
+        return ok
+
+    # -- ends ----------------------------------------------------------------------------------
+    def _done(self, w: _Work) -> None:
+        """w's row finished (or was cancelled): its Finished."""
+        self._running.pop(w.rid, None)
+        g = w.g
+        self._finish(w, g.finish_reason, g.completion_tokens, g.text, g.prefill_s, g.decode_s)
+
+    def _finish(
+        self,
+        w: _Work,
+        reason: str,
+        completion: int = 0,
+        text: str | None = None,
+        prefill_s: float = 0.0,
+        decode_s: float = 0.0,
+    ) -> None:
+        now = time.perf_counter()
+        job = w.ticket.job
+        started = w.started or now
+        ttft = (w.first_at or now) - w.submitted
+        event = Finished(
+            finish_reason=reason,
+            prompt_tokens=len(job.prompt),
+            completion_tokens=completion,
+            cached_tokens=w.cached,
+            text=text,
+            queued_s=started - w.submitted,
+            prefill_s=prefill_s,
+            ttft_s=ttft,
+            decode_s=decode_s,
+            cache_source=w.source,
+        )
+        self._release(w)
+        with self._stats_lock:
+            s = self._stats
+            s.add(
+                "requests_cancelled_total" if reason == "cancelled" else "requests_finished_total"
+            )
+            s.add("completion_tokens_total", completion)
+            if w.started:
+                s.add("prompt_tokens_total", len(job.prompt))
+                s.add("cached_tokens_total", w.cached)
+            if completion:
+                s.ttft.observe(ttft)
+        w.ticket._put(event)
+
+    def _fail(self, w: _Work, e: BaseException) -> None:
+        self._release(w)
+        self._stat("requests_failed_total")
+        error = e if isinstance(e, EngineClosed) else JobFailed(w.ticket.job.id, e)
+        w.ticket._put(Failed(error))
+
+    def _release(self, w: _Work) -> None:
+        if w.base is not None and self._prefixes is not None:
+            self._prefixes.release(w.base)
+            w.base = None
+
+    def _end_all(self, error: EngineClosed) -> None:
+        """Every job not ended yet ends with Failed(error); no job is accepted after."""
+        with self._cv:
+            self._closing = True
+            self._stopped_why = error.message
+            waiting = list(self._queue)
+            self._queue.clear()
+        for w in [*waiting, *self._admitting, *self._running.values()]:
+            if w.steps is not None:
+                w.steps.close()
+            self._fail(w, error)
+        self._admitting.clear()
+        self._running.clear()
+        self._groups.clear()
+        self._publish()
+
+    def _publish(self) -> None:
+        """The gauges stats() reads, as the engine thread sees them now."""
+        p = self._prefixes
+        gauges = {
+            "prefilling": float(len(self._admitting)),
+            "running_rows": float(len(self._running)),
+            "decode_groups": float(len(self._groups)),
+        }
+        if p is not None:
+            gauges |= {
+                "prefix_held_bytes": float(p.held_bytes),
+                "prefix_held_count": float(len(p.held)),
+                "prefix_lent_bytes": float(p.lent_bytes),
+                "prefix_hits_memory_total": float(p.hits_memory),
+                "prefix_hits_disk_total": float(p.hits_disk),
+                "prefix_misses_total": float(p.misses),
+                "prefix_evictions_total": float(p.evictions),
+            }
+        with self._stats_lock:
+            self._stats.gauges = gauges
+
+
+def save_points(start: int, end: int, boundaries: tuple[int, ...], minimum: int) -> list[int]:
+    """Where a job whose prompt of `end` tokens resumes at `start` keeps snapshots: each of its
+    boundaries, and its end, lying at least `minimum` tokens past the last snapshot (or
+    `start`), in order."""
+    out, last = [], start
+    for q in sorted({b for b in boundaries if start < b < end} | {end}):
+        if q - last >= minimum:
+            out.append(q)
+            last = q
+    return out

@@ -1,0 +1,231 @@
+"""Held prefixes: prefilled prompt prefixes the server resumes later prompts from, in memory
+under a byte cap, the least recently used written to the prefix store on disk.
+
+A held prefix is a one-row cache without shared keys holding exactly the tokens it is keyed by:
+the sha256 of their ids, as `PrefixKey` hashes a stored prefix, so the disk tier is `salabatch
+run`'s store (a document a run prefilled is found by the server, and the other way round). It
+is never continued: a job forks it (`ModelCache.fork(1)`: the sparse layers' keys shared, not
+copied; the lightning states and a tail of under 128 keys copied, a constant size) and prefills
+the rest of its prompt on the fork. All forks of one held prefix share one `SharedKeys`, so
+their rows decode in one batch.
+
+A fork cannot be forked again nor saved, so a snapshot taken on a fork (a job that resumed from
+a held prefix, then prefilled past one of its boundaries) must own its keys: `owned` copies the
+fork's shared keys and its own into one new cache. That is one copy of the prefix, paid when the
+snapshot is saved; a hit never copies more than the fork's constant part.
+
+Memory: `cap` bounds the bytes of the prefixes held (`held_bytes`). Past it the least recently
+used are evicted: written to the store (when there is one and it does not hold them yet), then
+dropped. A prefix evicted while running rows still read it stays matchable (`lent`) until the
+last of them ends, so a new job over it forks the same keys rather than loading a second copy;
+its memory is the rows' (`lent_bytes`), freed with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from salabatch.engine.cache import FORMAT_VERSION, ModelCache
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.sparse_cache import SparseKVCache
+from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+
+
+def prefix_digests(ids: Sequence[int], lengths: Iterable[int]) -> dict[int, str]:
+    """sha256 hex of ids[:n] for every n in `lengths` (as `PrefixKey.of` hashes a prompt: 4
+    little-endian bytes per id), in one pass over the ids."""
+    data = np.asarray(ids, dtype="<u4")
+    h, at, out = hashlib.sha256(), 0, {}
+    for n in sorted(set(lengths)):
+        h.update(data[at:n].tobytes())
+        at = n
+        out[n] = h.copy().hexdigest()
+    return out
+
+
+def owned(cache: ModelCache, cfg: ModelConfig) -> ModelCache:
+    """A one-row cache that holds all of its keys: a fork's shared keys and its own, copied once
+    into new buffers (evaluated here), with the lightning states as they are. What a snapshot
+    taken on a fork holds, since a fork can be neither forked nor saved."""
+    if cache.rows != 1:
+        raise ValueError(f"a snapshot is of one row, this cache has {cache.rows}")
+    arrays: dict[str, mx.array] = {}
+    for i, c in enumerate(cache.layers):
+        if isinstance(c, SparseKVCache) and c.shared is not None:
+            c.settle()
+            s, n = c.shared, c.keys.lengths[0]
+            own = [c.keys.data[:, :, :n], c.values.data[:, :, :n]]
+            arrays[f"layers.{i}.keys"] = mx.concatenate([s.keys[:, :, : s.start], own[0]], axis=2)
+            arrays[f"layers.{i}.values"] = mx.concatenate(
+                [s.values[:, :, : s.start], own[1]], axis=2
+            )
+            for level, buf in enumerate(c.compressed):
+                mine = buf.data[:, :, : buf.lengths[0]]
+                arrays[f"layers.{i}.chunks{level}"] = mx.concatenate(
+                    [s.chunk_view(level), mine], axis=2
+                )
+        else:
+            arrays |= {f"layers.{i}.{name}": a for name, a in c.to_state().items()}
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "layer_kinds": json.dumps([c.kind for c in cache.layers]),
+        "position": str(cache.offset),
+        "prefill_len": str(cache.prefill_len),
+    }
+    copy = ModelCache.from_state(arrays, meta, cfg)
+    mx.eval(*copy.arrays())
+    return copy
+
+
+@dataclass(eq=False)
+class Held:
+    """One held prefix: `tokens` ids whose sha256 is `sha`, their one-row `cache`, and the
+    logits [vocab] of its last position where known (a prefix prefilled here; not one read from
+    disk), so that a prompt it holds whole can draw its first token without a prefill."""
+
+    sha: str
+    tokens: int
+    cache: ModelCache
+    logits: mx.array | None
+    users: int = 0  # running jobs whose rows fork it
+    stored: bool = False  # the store holds it already (it was read from there, or written)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + (0 if self.logits is None else self.logits.nbytes)
+
+
+class HeldPrefixes:
+    """The held prefixes of one model: `match` finds the longest a prompt starts with (memory,
+    then the store), `hold` keeps a new one, `release` ends a job's use of the one it forked.
+    `key(sha, tokens)` names a prefix in the store (model and tokenizer fingerprints, dtype).
+    Used by the engine thread only."""
+
+    def __init__(
+        self,
+        cap: int,
+        cfg: ModelConfig,
+        store: PrefixStore | None = None,
+        key: Callable[[str, int], PrefixKey] | None = None,
+    ) -> None:
+        if store is not None and key is None:
+            raise ValueError("a store needs a key function")
+        self.cap, self.cfg, self.store, self.key = cap, cfg, store, key
+        self.held: OrderedDict[str, Held] = OrderedDict()  # least recently used first
+        self.lent: dict[str, Held] = {}  # evicted while rows read them
+        self.held_bytes = 0
+        self.stored_lengths: set[int] = set()  # lengths of the prefixes this engine stored
+        self.hits_memory = self.hits_disk = self.misses = self.evictions = 0
+
+    @property
+    def lent_bytes(self) -> int:
+        return sum(h.nbytes for h in self.lent.values())
+
+    def match(self, ids: Sequence[int], boundaries: Iterable[int] = ()) -> tuple[Held | None, str]:
+        """The longest held prefix of `ids` (acquired: `release` it when its job ends) and
+        where it came from: "memory", "disk" or "none" (no prefix, None). Lengths tried: those
+        of the prefixes held or stored here, and `boundaries` (where another process's store
+        entries, a run's documents, end). A prefix as long as `ids` itself serves only with its
+        logits (held in memory since its prefill)."""
+        n = len(ids)
+        mine = {h.tokens for h in (*self.held.values(), *self.lent.values())}
+        on_disk = {b for b in boundaries if 0 < b < n} | self.stored_lengths
+        lengths = {t for t in mine | on_disk | {n} if 0 < t <= n}
+        digests = prefix_digests(ids, lengths)
+        found = None
+        for t in sorted(lengths, reverse=True):
+            h = self.held.get(digests[t]) or self.lent.get(digests[t])
+            if h is not None and (t < n or h.logits is not None):
+                found = h
+                break
+        if self.store is not None:
+            shortest = 0 if found is None else found.tokens
+            for t in sorted((t for t in on_disk if shortest < t < n), reverse=True):
+                key = self.key(digests[t], t)
+                if not self.store.has(key):
+                    continue
+                cache = self.store.load(key, self.cfg)
+                if cache is not None:
+                    self.hits_disk += 1
+                    return self.hold(digests[t], t, cache, None, use=True, stored=True), "disk"
+        if found is None:
+            self.misses += 1
+            return None, "none"
+        self.hits_memory += 1
+        self._acquire(found)
+        return found, "memory"
+
+    def hold(
+        self,
+        sha: str,
+        tokens: int,
+        cache: ModelCache,
+        logits: mx.array | None,
+        *,
+        use: bool = False,
+        stored: bool = False,
+    ) -> Held:
+        """Keeps `cache` (one row, no shared keys: never continue it after) as the prefix of
+        `tokens` ids hashing to `sha`; `use`: acquired for the caller's job; `stored`: the store
+        holds it already. Evicts down to the cap. The prefix held already under `sha`, if one
+        is, is kept instead."""
+        held = self.held.get(sha) or self.lent.get(sha)
+        if held is None:
+            held = Held(sha, tokens, cache, logits, stored=stored)
+            self.held[sha] = held
+            self.held_bytes += held.nbytes
+        elif sha in self.held:
+            self.held.move_to_end(sha)
+        if use:
+            held.users += 1
+        self._evict()
+        return held
+
+    def release(self, held: Held) -> None:
+        """A job that forked `held` ended; a lent prefix with no reader left is dropped."""
+        held.users -= 1
+        if held.users == 0 and self.lent.get(held.sha) is held:
+            del self.lent[held.sha]
+
+    def _acquire(self, held: Held) -> None:
+        held.users += 1
+        if held.sha in self.held:
+            self.held.move_to_end(held.sha)
+
+    def flush(self) -> int:
+        """Writes every held prefix the store lacks (a server or chat closing, so the next one
+        finds them); → how many were written. Most recently used first: a store over its
+        budget keeps those."""
+        if self.store is None:
+            return 0
+        written = 0
+        for sha, held in reversed([*self.held.items(), *self.lent.items()]):
+            if held.stored:
+                continue
+            key = self.key(sha, held.tokens)
+            self.store.save(key, held.cache)  # a store that cannot be written warns once
+            held.stored = self.store.has(key)
+            written += held.stored
+        return written
+
+    def _evict(self) -> None:
+        """Least recently used first, until the held bytes are within the cap."""
+        while self.held_bytes > self.cap and self.held:
+            sha, held = self.held.popitem(last=False)
+            self.held_bytes -= held.nbytes
+            self.evictions += 1
+            if self.store is not None and not held.stored:
+                key = self.key(sha, held.tokens)
+                self.store.save(key, held.cache)  # a store that cannot be written warns once
+                held.stored = self.store.has(key)
+            if held.stored:
+                self.stored_lengths.add(held.tokens)
+            if held.users > 0:
+                self.lent[sha] = held

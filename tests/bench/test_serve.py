@@ -1,0 +1,44 @@
+"""`salabatch bench serve` end to end, small: a real `salabatch serve` process, streaming
+clients, the same questions one at a time and through `salabatch run`, and a short soak. It
+measures nothing here; the numbers live in benchmarks/."""
+
+from __future__ import annotations
+
+import pytest
+
+from salabatch.bench import serve
+
+
+@pytest.fixture(scope="module")
+def result():
+    return serve.run(
+        "builtin:tiny", clients=3, max_tokens=6, soak=50, soak_documents=3, progress=lambda _: None
+    )
+
+
+def test_three_modes_answer_the_same_questions(result):
+    modes = [result[m] for m in ("concurrent", "one_at_a_time", "run")]
+    assert all(m["completion_tokens"] > 0 and m["tokens_per_s"] > 0 for m in modes)
+    # the server answers the same requests alike, together or one at a time (greedy)
+    assert result["concurrent"]["completion_tokens"] == result["one_at_a_time"]["completion_tokens"]
+    # every request resumed from the document its warm-up request left held
+    doc = result["document_tokens"]
+    assert result["concurrent"]["cached_tokens"] >= 3 * doc
+    assert result["one_at_a_time"]["cached_tokens"] >= 3 * doc
+    for m in ("concurrent", "one_at_a_time"):
+        assert 0 < result[m]["ttft_p50_s"] <= result[m]["ttft_p95_s"]
+    assert set(result["ratios"]) == {"concurrent_over_one_at_a_time", "concurrent_over_run"}
+
+
+def test_soak_samples_the_servers_memory(result):
+    soak = result["soak"]
+    assert soak["requests"] == 50 and len(soak["rss_gb_every_50"]) == 1
+    assert soak["rss_gb_every_50"][0] > 0.05  # a server with a model, not this process
+
+
+def test_table_and_chart(result, tmp_path):
+    text = serve.table(result)
+    assert "concurrent / one at a time" in text and "soak" in text
+    pytest.importorskip("matplotlib")
+    serve.chart(result, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").stat().st_size > 1000

@@ -1,0 +1,141 @@
+"""`salabatch chat`: the terminal chat over a real ServeEngine on builtin:tiny, driven by
+scripted input: documents (text and PDF) prefilled once, later turns resuming from them, /save,
+/reset, and Ctrl-C stopping an answer but not the session."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.serve.chat import ChatSession, run_chat
+from salabatch.serve.engine import SNAPSHOT_MIN, ServeEngine
+from tests import REPO
+
+MODEL = "builtin:tiny"
+DOCS = REPO / "jobs" / "demo" / "docs"
+SUMMARY = re.compile(
+    r"\[(\d+) tokens, [\d.]+ tok/s; prompt (\d+) tokens, (\d+) cached; "
+    r"first token after [\d.]+ s; (stop|length)\]"
+)
+STOPPED = re.compile(r"\[stopped after (\d+) tokens, [\d.]+ tok/s\]")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import salabatch
+
+    return salabatch.load(MODEL)
+
+
+def turns(text: str) -> list[dict]:
+    """The summary lines of a chat's output, in order."""
+    return [
+        {"completion": int(c), "prompt": int(p), "cached": int(k), "finish": f}
+        for c, p, k, f in SUMMARY.findall(text)
+    ]
+
+
+def test_chat_over_documents_resumes_each_turn_from_them_and_saves_the_conversation(tmp_path, tiny):
+    _, tok = tiny
+    for name in ("redwater-robotics.txt", "westcliff-energy.pdf"):
+        shutil.copy(DOCS / name, tmp_path / name)
+    script = [
+        "Give the service provider of this agreement.",
+        "Tell me the Client in the contract.",
+        f"/save {tmp_path / 'conversation.json'}",
+        "/reset",
+        "Find the commencement date.",
+        "/nonsense",
+        "/quit",
+        "never asked",
+    ]
+    result = CliRunner().invoke(
+        main,
+        [
+            "chat",
+            "--model",
+            MODEL,
+            "--document",
+            str(tmp_path / "redwater-robotics.txt"),
+            "--document",
+            str(tmp_path / "westcliff-energy.pdf"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--max-tokens",
+            "12",
+        ],
+        input="\n".join(script) + "\n",
+    )
+    assert result.exit_code == 0, result.output
+    first, second, third = turns(result.stderr)  # the question after /quit was never asked
+
+    saved = json.loads((tmp_path / "conversation.json").read_text())
+    assert saved["documents"] == ["redwater-robotics.txt", "westcliff-energy.pdf"]
+    system, *history = saved["messages"]
+    assert system["role"] == "system" and "Redwater Robotics" in system["content"]
+    assert "Westcliff" in system["content"]  # the PDF's text, extracted
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    assert [history[0]["content"], history[2]["content"]] == script[:2]
+    for answer in (history[1]["content"], history[3]["content"]):
+        assert answer in result.stdout  # what was streamed is what was kept
+
+    system_ids = tok.chat_prompt_ids([system], think=False, add_generation_prompt=False)
+    turn_one = [system, history[0]]
+    assert first["prompt"] == len(tok.chat_prompt_ids(turn_one, think=False))
+    assert first["cached"] == 0  # a fresh state dir: the documents are prefilled once, here
+    assert second["prompt"] == len(tok.chat_prompt_ids([system, *history[:3]], think=False))
+    # the second turn resumes from the first's snapshot (the documents at least), so it
+    # prefills at most SNAPSHOT_MIN tokens more than its own
+    assert second["cached"] >= max(len(system_ids), first["prompt"] - SNAPSHOT_MIN)
+    # after /reset the conversation is gone, the documents stay held
+    reset = [system, {"role": "user", "content": script[4]}]
+    assert third["prompt"] == len(tok.chat_prompt_ids(reset, think=False))
+    assert third["cached"] >= len(system_ids)
+    assert "unknown command /nonsense" in result.stderr
+    assert "[saved to" in result.stderr and "forgotten" in result.stderr
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(tmp_path, tiny):
+    """Ctrl-C while an answer streams (a KeyboardInterrupt raised where the text is shown, as
+    SIGINT raises one wherever the main thread is) cancels its job; the next question is
+    answered as usual."""
+    model, tok = tiny
+    document = (DOCS / "redwater-robotics.txt").read_text()
+    lines = iter(["A question that runs long.", "Who is the provider?"])
+    shown, notes, interrupted = [], [], []
+
+    def write(text: str) -> None:
+        if text.strip() and not interrupted:
+            interrupted.append(text)
+            raise KeyboardInterrupt
+        shown.append(text)
+
+    with ServeEngine(model, tok, batch_size=1, max_queue=2) as engine:
+        session = ChatSession(engine, tok, documents=[("a.txt", document)], max_tokens=400)
+        run_chat(session, lambda: next(lines, None), write, notes.append)
+        stats = engine.stats()
+        deadline = time.monotonic() + 10
+        while stats["requests_cancelled_total"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = engine.stats()
+    (first,) = STOPPED.findall(notes[0])
+    assert int(first) < 400
+    (second,) = turns("\n".join(notes))
+    assert second["finish"] in ("stop", "length") and second["cached"] > 0
+    assert stats["requests_cancelled_total"] == 1 and stats["requests_finished_total"] == 1
+    # the first answer stopped early: far short of its 400 tokens
+    assert stats["completion_tokens_total"] - second["completion"] < 400
+    assert [m["role"] for m in session.history] == ["user", "assistant"] * 2
+
+
+def test_a_document_that_cannot_be_read_is_refused_before_the_model_loads(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = CliRunner().invoke(main, ["chat", "--model", MODEL, "--document", str(empty)])
+    assert result.exit_code == 2 and "empty" in result.output and "--document" in result.output

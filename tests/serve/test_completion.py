@@ -1,0 +1,110 @@
+"""A completion's Job (prompt, boundaries at message ends) and its answer's text as it streams
+(stop strings held back, the <think> block split off), on builtin:tiny's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from salabatch.engine.chat import split_thinking
+from salabatch.engine.sampling import SamplingParams
+from salabatch.openai_api import BodyError
+from salabatch.serve.completion import AnswerText, chat_job, text_job
+from salabatch.serve.engine import Finished
+
+
+@pytest.fixture(scope="module")
+def tok():
+    import salabatch
+
+    return salabatch.load("builtin:tiny")[1]
+
+
+def finished(text: str | None = None) -> Finished:
+    return Finished("stop", 1, 1, 0, text, 0.0, 0.0, 0.0, 0.0)
+
+
+def stream(tok, text: str, *, stops=(), think=True, split=True, engine_text=None) -> dict:
+    """What AnswerText sends for `text` fed a token at a time, per channel; every piece is
+    checked to come only once its text is certain (no piece is ever taken back)."""
+    answer = AnswerText(tok, stop_strings=stops, split_think=split, think=think)
+    sent = {"reasoning": "", "content": ""}
+    for token in tok.encode(text):
+        for piece in answer.add(token):
+            sent[piece.channel] += piece.text
+    for piece in answer.finish(finished(engine_text)):
+        sent[piece.channel] += piece.text
+    assert (answer.content, answer.reasoning if think else "") == (
+        sent["content"],
+        sent["reasoning"],
+    )
+    return sent
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "  <think> hmm, let me see </think>\n\n The answer is 42.  ",
+        "Acme Corp  ",
+        "<thi",  # looked like a think block, was not
+        "<think> cut at max_tokens  ",
+        " plain <think> x</think>",  # not leading: all content
+        "<think></think>",
+        "",
+    ],
+)
+def test_streamed_reasoning_and_content_are_split_thinking_of_the_whole(tok, text):
+    reasoning, content = split_thinking(text)
+    assert stream(tok, text) == {"reasoning": reasoning, "content": content}
+    # without think the reasoning is dropped, as the Batch path drops it
+    assert stream(tok, text, think=False) == {"reasoning": "", "content": content}
+
+
+def test_nothing_of_a_think_block_is_sent_as_content_before_it_closes(tok):
+    answer = AnswerText(tok, think=False)
+    sent = [p for t in tok.encode("<think>secret plan") for p in answer.add(t)]
+    assert sent == []
+
+
+def test_stop_strings_are_held_back_until_they_cannot_start(tok):
+    answer = AnswerText(tok, stop_strings=("END",), split_think=False)
+    shown = ""
+    for token in tok.encode("The answer EN"):
+        shown += "".join(p.text for p in answer.add(token))
+    assert shown == "The answer "  # "EN" may start "END": held
+    for token in tok.encode("D and more"):
+        shown += "".join(p.text for p in answer.add(token))
+    assert shown == "The answer "  # it did: nothing from the stop string on
+    shown += "".join(p.text for p in answer.finish(finished("The answer ")))
+    assert shown == "The answer "
+
+
+def test_held_text_that_was_no_stop_string_comes_at_the_end(tok):
+    got = stream(tok, "The answer EN", stops=("END",), split=False)
+    assert got["content"] == "The answer EN"
+
+
+def test_chat_job_ends_prefixes_at_the_system_message_and_the_last_message(tok):
+    system = {"role": "system", "content": "Document: a.txt\n\nThe Provider is Acme Corp."}
+    turn = [system, {"role": "user", "content": "Who is the provider?"}]
+    job = chat_job(tok, turn, think=False, params=SamplingParams(), max_tokens=8)
+    assert list(job.prompt) == tok.chat_prompt_ids(turn, think=False)
+    ends = [tok.chat_prompt_ids(turn[:k], think=False, add_generation_prompt=False) for k in (1, 2)]
+    assert job.boundaries == (len(ends[0]), len(ends[1]))
+    assert all(list(job.prompt[: len(e)]) == e for e in ends)
+    assert job.stop == frozenset(tok.eos_ids) and job.max_tokens == 8
+    # the next turn's prompt starts with this turn's messages: it can resume at their end
+    later = [*turn, {"role": "assistant", "content": "Acme"}, {"role": "user", "content": "And?"}]
+    following = chat_job(tok, later, think=False, params=SamplingParams(), max_tokens=8)
+    assert following.prompt[: len(ends[1])] == tuple(ends[1])
+    # no system message: only the end of the last message
+    alone = chat_job(tok, turn[1:], think=False, params=SamplingParams(), max_tokens=8)
+    assert len(alone.boundaries) == 1
+
+
+def test_text_job_takes_text_or_token_ids(tok):
+    job = text_job(tok, "hello", params=SamplingParams(), max_tokens=4)
+    assert list(job.prompt) == tok.encode("hello", add_bos=tok.add_bos_token)
+    assert text_job(tok, [5, 6], params=SamplingParams(), max_tokens=4).prompt == (5, 6)
+    with pytest.raises(BodyError) as e:
+        text_job(tok, [5, tok.vocab_size], params=SamplingParams(), max_tokens=4)
+    assert e.value.param == "prompt"

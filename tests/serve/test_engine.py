@@ -1,0 +1,484 @@
+"""The serving engine on a tiny random model: concurrent jobs decode together and each gets
+exactly what it gets alone (greedy); cancel, the bounded queue, failures and close end jobs as
+they should; a conversation's next turn and a document's next question resume from the held
+prefix; the held prefixes keep to their memory cap, and an evicted one comes back from disk."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.generate import Generator, Prefill, Request, prefill
+from salabatch.engine.load import load_model
+from salabatch.engine.sampling import SamplingParams
+from salabatch.jobs.store.prefix_store import PrefixKey
+from salabatch.serve import engine as engine_module
+from salabatch.serve.engine import (
+    COUNTERS,
+    GAUGES,
+    EngineClosed,
+    Failed,
+    Finished,
+    Job,
+    JobFailed,
+    QueueFull,
+    ServeEngine,
+    Token,
+    save_points,
+)
+from salabatch.serve.prefixes import owned, prefix_digests
+from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+
+GREEDY = SamplingParams()
+TOL = 1e-4  # float32 logits, as tests/engine/test_batching.py
+
+
+class Detok:
+    """A streaming detokenizer's interface; token t reads as `<t>`."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add_token(self, token: int) -> None:
+        self.text += f"<{token}>"
+
+    def finalize(self) -> None:
+        pass
+
+
+class Tok:
+    """What the engine reads of a tokenizer: its fingerprint and a streaming detokenizer."""
+
+    fingerprint = "test-tokenizer"
+
+    def detokenizer(self, *, skip_special: bool = False) -> Detok:
+        return Detok()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # sparse (InfLLM-v2) from 256 tokens: the documents below run the sparse kernels
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m"), tiny_config_dict(**SPARSE_AT_256))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint, dtype="float32")
+
+
+def ids(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(np.random.default_rng(seed).integers(3, 256, size=n).tolist())
+
+
+def job(name: str, prompt, max_tokens: int = 12, **kw) -> Job:
+    return Job(name, tuple(prompt), kw.pop("params", GREEDY), max_tokens, frozenset(), **kw)
+
+
+def collect(ticket) -> tuple[list[int], Finished | Failed]:
+    tokens = []
+    for event in ticket:
+        if isinstance(event, Token):
+            tokens.append(event.token)
+        else:
+            return tokens, event
+    raise AssertionError("no last event")
+
+
+def alone(model, prompt, max_tokens: int = 12, doc=None) -> list[int]:
+    """The reference: the Generator, one request at a time; with `doc` (a prefilled document's
+    cache), over a fork of it, as the engine resumes at a boundary."""
+    own = tuple(prompt[0 if doc is None else doc.offset :])
+    request = Request("r", own, GREEDY, max_tokens)
+    return next(iter(Generator(model, batch_size=1).generate([request], doc))).tokens
+
+
+def prefilled(model, doc: tuple[int, ...]):
+    cache = model.make_cache()
+    prefill(model, doc, cache)
+    return cache
+
+
+def test_save_points():
+    assert save_points(0, 1000, (), 256) == [1000]
+    assert save_points(0, 100, (), 256) == []  # too short to be worth holding
+    assert save_points(0, 2020, (2000,), 256) == [2000]  # the question after it is short
+    assert save_points(2000, 2400, (2020, 2300), 256) == [2300]  # 2400: 100 past 2300
+    assert save_points(0, 900, (300, 400, 700), 256) == [300, 700]
+
+
+def test_jobs_over_one_document_decode_together_each_as_alone(model):
+    """16 questions of one 1500-token document, 8 queued before the engine starts and 8 sent
+    while they decode: one prefill of the document, the rows in one batch (the late ones join
+    it), and each the tokens it gets alone."""
+    doc = ids(1500, 1)
+    questions = [ids(3 + 2 * i, 100 + i) for i in range(16)]
+    jobs = [job(f"q{i}", doc + q, boundaries=(len(doc),)) for i, q in enumerate(questions)]
+    engine = ServeEngine(model, Tok(), batch_size=16, prefill_chunk=512)
+    tickets = [engine.submit(j) for j in jobs[:8]]
+    with engine:
+        first = iter(tickets[0])
+        early = [next(first).token]
+        tickets += [engine.submit(j) for j in jobs[8:]]
+        tokens, fin = collect(first)
+        got = [(early + tokens, fin)] + [collect(t) for t in tickets[1:]]
+        stats = engine.stats()
+    doc_cache = prefilled(model, doc)
+    for j, (tokens, fin) in zip(jobs, got, strict=True):
+        assert isinstance(fin, Finished) and fin.finish_reason == "length", fin
+        assert tokens == alone(model, j.prompt, doc=doc_cache), j.id
+        assert fin.completion_tokens == 12 and fin.prompt_tokens == len(j.prompt)
+    assert sorted(f.cached_tokens for _, f in got) == [0] + [1500] * 15
+    assert stats["prefill_tokens_total"] == 1500 + sum(map(len, questions))
+    assert stats["prefix_misses_total"] == 1 and stats["prefix_hits_memory_total"] == 15
+    # decoded together: far fewer steps than tokens (a group per row would be 16 × 11 steps)
+    assert stats["decode_step_seconds_count"] < 32
+    assert stats["completion_tokens_total"] == 192 and stats["requests_finished_total"] == 16
+    assert set(COUNTERS) | set(GAUGES) <= set(stats)
+    assert stats["ttft_seconds_count"] == 16 == stats["ttft_seconds_bucket_+Inf"]
+    assert stats["decode_step_seconds_bucket_1"] <= stats["decode_step_seconds_count"]
+
+
+def test_different_prompts_decode_together_each_as_alone(model):
+    """Unrelated prompts submitted from threads: short ones share one batch (their caches
+    joined), long ones each decode over their own held prefix."""
+    prompts = [ids(n, n) for n in (5, 40, 1, 17, 300, 9, 120, 280, 33, 2)]
+    engine = ServeEngine(model, Tok(), batch_size=10, max_queue=16)
+    out: dict[int, tuple] = {}
+    submitted = threading.Barrier(len(prompts) + 1)
+
+    def client(i: int) -> None:
+        ticket = engine.submit(job(f"p{i}", prompts[i], max_tokens=10))
+        submitted.wait()
+        out[i] = collect(ticket)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    submitted.wait()
+    with engine:
+        for t in threads:
+            t.join()
+        stats = engine.stats()
+    for i, prompt in enumerate(prompts):
+        tokens, fin = out[i]
+        assert fin.finish_reason == "length" and fin.cached_tokens == 0
+        assert tokens == alone(model, prompt, max_tokens=10), i
+    assert stats["decode_step_seconds_count"] < 40  # 10 + 10 + 10; one group per job: 100
+    assert stats["prefix_held_count"] == 2  # the prompts of ≥ 256 tokens
+
+
+def test_cancel_running_and_queued(model):
+    engine = ServeEngine(model, Tok(), batch_size=1, max_queue=4)
+    long = engine.submit(job("long", ids(20, 5), max_tokens=10_000))
+    queued = engine.submit(job("queued", ids(20, 6)))
+    queued.cancel()
+    after = engine.submit(job("after", ids(20, 7)))
+    with engine:
+        tokens = []
+        for event in long:
+            if isinstance(event, Token):
+                tokens.append(event.token)
+                if len(tokens) == 3:
+                    long.cancel()
+            else:
+                last = event
+        assert isinstance(last, Finished) and last.finish_reason == "cancelled"
+        assert 3 <= last.completion_tokens == len(tokens) < 100
+        tokens, fin = collect(queued)
+        assert not tokens and fin.finish_reason == "cancelled" and fin.completion_tokens == 0
+        got, fin = collect(after)
+        assert fin.finish_reason == "length" and got == alone(model, ids(20, 7))
+        stats = engine.stats()
+    assert stats["requests_cancelled_total"] == 2 and stats["running_rows"] == 0
+
+
+def test_leaving_the_loop_cancels(model):
+    with ServeEngine(model, Tok(), batch_size=2) as engine:
+        ticket = engine.submit(job("a", ids(10, 1), max_tokens=10_000))
+        for event in ticket:
+            assert isinstance(event, Token)
+            break
+        assert ticket.cancelled  # the break closed the generator: the job is cancelled
+        other = collect(engine.submit(job("b", ids(10, 2))))
+        assert other[1].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while engine.stats()["requests_cancelled_total"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["requests_cancelled_total"] == 1
+
+
+def test_queue_full(model):
+    engine = ServeEngine(model, Tok(), batch_size=1, max_queue=2)
+    first, second = (engine.submit(job(f"j{i}", ids(8, i))) for i in range(2))
+    with pytest.raises(QueueFull, match="max_queue 2"):
+        engine.submit(job("j2", ids(8, 2)))
+    with engine:
+        assert collect(first)[1].finish_reason == collect(second)[1].finish_reason == "length"
+        # under load: one row decoding (batch_size 1), two waiting, the next refused
+        busy = engine.submit(job("busy", ids(8, 3), max_tokens=10_000))
+        assert isinstance(next(iter(busy)), Token)
+        waiting = [engine.submit(job(f"w{i}", ids(8, 10 + i))) for i in range(2)]
+        with pytest.raises(QueueFull):
+            engine.submit(job("refused", ids(8, 20)))
+        busy.cancel()
+        for t in waiting:
+            assert collect(t)[1].finish_reason == "length"
+        assert engine.stats()["requests_rejected_total"] == 2
+
+
+def conversation_turn(engine, prompt, boundaries=()) -> tuple[list[int], Finished]:
+    tokens, fin = collect(engine.submit(job("turn", prompt, max_tokens=16, boundaries=boundaries)))
+    assert isinstance(fin, Finished), fin
+    return tokens, fin
+
+
+def test_next_turn_resumes_from_the_last(model):
+    """Turn 1 of a conversation over a 2000-token document; turn 2 re-sends it with the answer
+    and a new question and prefills under 5 % of turn 1's tokens, with the answer it gets on a
+    fresh engine. A document's next question resumes at the document's boundary."""
+    doc = ids(2000, 3)
+    one = doc + ids(12, 4)
+    with ServeEngine(model, Tok(), prefill_chunk=512) as engine:
+        answer, fin1 = conversation_turn(engine, one)
+        assert fin1.cached_tokens == 0
+        two = one + tuple(answer) + ids(15, 5)
+        answer2, fin2 = conversation_turn(engine, two, boundaries=(len(one),))
+        assert fin2.cached_tokens == len(one) and fin2.cache_source == "memory"
+        assert fin2.prompt_tokens - fin2.cached_tokens < 0.05 * fin1.prompt_tokens
+    with ServeEngine(model, Tok(), prefill_chunk=512) as fresh:
+        assert conversation_turn(fresh, two, boundaries=(len(one),))[0] == answer2
+
+    # a document with its boundary: the question after it is too short to be held, so the
+    # next turn resumes at the document and prefills question, answer and new question
+    with ServeEngine(model, Tok(), prefill_chunk=512) as engine:
+        first = doc + ids(12, 6)
+        answer, fin1 = conversation_turn(engine, first, boundaries=(len(doc),))
+        second = first + tuple(answer) + ids(15, 7)
+        _, fin2 = conversation_turn(engine, second, boundaries=(len(doc), len(first)))
+        assert fin2.cached_tokens == len(doc)
+        assert fin2.prompt_tokens - fin2.cached_tokens < 0.05 * fin1.prompt_tokens
+        # a segment long enough is held even on a fork (a copy), and the third turn finds it
+        third = second + ids(300, 8)
+        _, fin3 = conversation_turn(engine, third, boundaries=(len(doc), len(second)))
+        fourth = third + ids(5, 9)
+        _, fin4 = conversation_turn(engine, fourth, boundaries=(len(doc), len(third)))
+        assert fin3.cached_tokens == len(doc) and fin4.cached_tokens == len(third)
+        # the same prompt again: held whole with its logits, nothing prefilled
+        again, fin5 = conversation_turn(engine, third)
+        assert fin5.cached_tokens == len(third)
+    with ServeEngine(model, Tok(), prefill_chunk=512) as fresh:
+        assert conversation_turn(fresh, third, boundaries=(len(doc), len(second)))[0] == again
+
+
+def test_prefix_memory_cap_and_disk(model, tmp_path):
+    """Eight distinct 400-token prompts through a cap of two held prefixes: the held bytes stay
+    under the cap while they run; the evicted ones are written to the store, and a later prompt
+    that continues the first is resumed from disk with the answer it gets from memory."""
+    prompts = [ids(400, 50 + i) for i in range(8)]
+    with ServeEngine(model, Tok(), batch_size=4) as probe:  # the bytes one prefix holds
+        collect(probe.submit(job("probe", prompts[0], max_tokens=1)))
+        one = probe.stats()["prefix_held_bytes"]
+    cap = int(2.5 * one)
+    store = tmp_path / "store"
+    with ServeEngine(model, Tok(), batch_size=4, prefix_bytes=cap, store_dir=store) as engine:
+        tickets = [engine.submit(job(f"p{i}", p, max_tokens=6)) for i, p in enumerate(prompts)]
+        held = []
+        for t in tickets:
+            for _ in t:
+                held.append(engine.stats()["prefix_held_bytes"])
+            assert isinstance(_, Finished)
+        stats = engine.stats()
+        assert max(held) <= cap and stats["prefix_held_bytes"] <= cap
+        assert stats["prefix_evictions_total"] >= 6 and stats["prefix_lent_bytes"] == 0
+        assert len(list((store / "prefixes").glob("*.safetensors"))) >= 6
+        later = prompts[0] + ids(10, 99)
+        tokens, fin = collect(engine.submit(job("later", later)))
+        assert fin.cached_tokens == 400 and fin.cache_source == "disk"
+        assert engine.stats()["prefix_hits_disk_total"] == 1
+    with ServeEngine(model, Tok(), batch_size=4) as memory:
+        collect(memory.submit(job("first", prompts[0], max_tokens=6)))
+        again, fin = collect(memory.submit(job("later", later)))
+        assert fin.cache_source == "memory" and again == tokens
+    # a new engine on the same store (a restarted server) finds it by the job's boundary
+    with ServeEngine(model, Tok(), store_dir=store) as restarted:
+        again, fin = collect(restarted.submit(job("later", later, boundaries=(400,))))
+        assert fin.cache_source == "disk" and again == tokens
+
+
+def test_close_writes_the_held_prefixes_to_the_store(model, tmp_path):
+    """A server that closes with prefixes held in memory (under its cap: none evicted) writes
+    them to the store, so the next one over the same store resumes from disk."""
+    store = tmp_path / "store"
+    doc = ids(600, 70)
+    with ServeEngine(model, Tok(), store_dir=store) as engine:
+        first, _ = collect(engine.submit(job("first", doc + ids(8, 71), boundaries=(600,))))
+        assert engine.stats()["prefix_evictions_total"] == 0
+    assert list((store / "prefixes").glob("*.safetensors"))
+    later = doc + ids(8, 71)
+    with ServeEngine(model, Tok(), store_dir=store) as restarted:
+        again, fin = collect(restarted.submit(job("again", later, boundaries=(600,))))
+    assert fin.cache_source == "disk" and fin.cached_tokens >= 600 and again == first
+
+
+def test_async_iteration_does_not_block_the_loop(model):
+    prompts = [ids(30 + i, 200 + i) for i in range(4)]
+
+    async def main() -> tuple[list, int]:
+        loop = asyncio.get_running_loop()
+        ticks = 0
+        done = asyncio.Event()
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        async def client(engine, prompt) -> list[int]:
+            tokens = []
+            async for event in engine.submit(job("a", prompt), loop):
+                if isinstance(event, Token):
+                    tokens.append(event.token)
+                else:
+                    assert isinstance(event, Finished) and event.finish_reason == "length"
+            return tokens
+
+        beat = asyncio.create_task(heartbeat())
+        with ServeEngine(model, Tok(), batch_size=4) as engine:
+            results = await asyncio.gather(*(client(engine, p) for p in prompts))
+        done.set()
+        await beat
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == alone(model, prompt)
+    assert ticks > 5  # the loop ran while the engine worked
+
+
+def test_a_failing_job_does_not_stop_the_others(model, monkeypatch):
+    step = Prefill.step
+
+    def failing(self):
+        if self.total == 77:
+            raise RuntimeError("the device is on fire")
+        return step(self)
+
+    monkeypatch.setattr(Prefill, "step", failing)
+    good = [ids(20, 300 + i) for i in range(3)]
+    context = model.config.max_position_embeddings
+    engine = ServeEngine(model, Tok(), batch_size=8)
+    bad = [
+        engine.submit(job("too-long", (5,) * context)),
+        engine.submit(job("bad-id", (5, 300, 6))),
+        engine.submit(job("empty", ())),
+        engine.submit(job("fails-in-prefill", ids(77, 1))),
+    ]
+    tickets = [engine.submit(job(f"g{i}", p)) for i, p in enumerate(good)]
+    with pytest.raises(JobFailed, match="job bad-id: ValueError: token id 300"):
+        engine.check(job("bad-id", (5, 300, 6)))
+    engine.check(job("fine", good[0]))
+    with engine:
+        for ticket, why in zip(bad, ("context", "vocabulary", "no tokens", "on fire"), strict=True):
+            tokens, last = collect(ticket)
+            assert not tokens and isinstance(last, Failed)
+            assert isinstance(last.error, JobFailed) and why in str(last.error)
+            assert last.error.job_id == ticket.job.id and ticket.job.id in str(last.error)
+        for ticket, prompt in zip(tickets, good, strict=True):
+            tokens, last = collect(ticket)
+            assert isinstance(last, Finished) and tokens == alone(model, prompt)
+        assert engine.stats()["requests_failed_total"] == 4
+
+
+def test_stop_strings_end_a_row_with_its_text_cut(model):
+    prompt = ids(25, 11)
+    free = alone(model, prompt, max_tokens=12)
+    stop = f"<{free[4]}>"
+    cut = "".join(f"<{t}>" for t in free).index(stop)
+    with ServeEngine(model, Tok()) as engine:
+        tokens, fin = collect(engine.submit(job("s", prompt, stop_strings=(stop,))))
+        plain = collect(engine.submit(job("t", prompt)))[1]
+    assert fin.finish_reason == "stop" and fin.text == "".join(f"<{t}>" for t in free)[:cut]
+    assert tokens == free[: len(tokens)] and len(tokens) <= 5
+    assert plain.text is None and plain.finish_reason == "length"
+
+
+def test_close_ends_everything(model):
+    engine = ServeEngine(model, Tok(), batch_size=1, max_queue=4)
+    engine.start()
+    running = engine.submit(job("running", ids(10, 1), max_tokens=10_000))
+    assert isinstance(next(iter(running)), Token)
+    queued = engine.submit(job("queued", ids(10, 2)))
+    engine.close()
+    assert not engine._thread.is_alive()
+    for ticket in (running, queued):
+        last = list(ticket)[-1]
+        assert isinstance(last, Failed) and isinstance(last.error, EngineClosed)
+    with pytest.raises(EngineClosed):
+        engine.submit(job("late", ids(10, 3)))
+    never = ServeEngine(model, Tok())
+    waiting = never.submit(job("w", ids(10, 4)))
+    never.close()  # never started: what waits still ends
+    assert isinstance(collect(waiting)[1].error, EngineClosed)
+
+
+def test_a_snapshot_of_a_fork_continues_as_the_fork(model):
+    """`owned` copies a fork (shared keys and its own) into a cache that continues exactly as
+    the fork does, and forks as a prefilled cache does; the copy is the one cost of a snapshot
+    taken on a fork."""
+    doc = model.make_cache()
+    prefill(model, ids(700, 1), doc)
+    fork = doc.fork(1)
+    prefill(model, ids(300, 2), fork)  # 1000 tokens: sparse mode, past the shared keys
+    copy = owned(fork, model.config)
+    assert copy.offset == fork.offset == 1000
+    assert all(getattr(c, "shared", None) is None for c in copy.layers)
+    after = ids(40, 3)
+    want = prefill(model, after, fork)
+    assert mx.abs(prefill(model, after, copy.fork(1)) - want).max().item() < TOL
+    assert mx.abs(prefill(model, after, copy) - want).max().item() < TOL
+
+
+def test_prefix_digests_name_what_the_store_names():
+    prompt = ids(500, 4)
+    digests = prefix_digests(prompt, [500, 1, 256])
+    for n in (1, 256, 500):
+        assert digests[n] == PrefixKey.of("m", "f", "t", "float32", prompt[:n]).ids_sha256
+
+
+def test_rows_grow_past_what_was_reserved(model, monkeypatch):
+    """A server's rows reserve `RESERVE_AHEAD` positions, not their whole max_tokens (which may
+    be the context): answers longer than that grow their buffers as they go, unchanged."""
+    monkeypatch.setattr(engine_module, "RESERVE_AHEAD", 1)
+    doc = ids(300, 8)
+    prompts = [doc + ids(4 + i, 40 + i) for i in range(3)] + [ids(30, 9)]
+    with ServeEngine(model, Tok(), batch_size=4) as engine:
+        tickets = [engine.submit(job("g", p, max_tokens=150, boundaries=(300,))) for p in prompts]
+        got = [collect(t)[0] for t in tickets]
+    doc_cache = prefilled(model, doc)
+    for p, tokens in zip(prompts[:3], got[:3], strict=True):
+        assert tokens == alone(model, p, max_tokens=150, doc=doc_cache)
+    assert got[3] == alone(model, prompts[3], max_tokens=150)
+
+
+def test_the_gpu_path_runs_on_the_engine_thread(checkpoint, monkeypatch):
+    """The compiled decode step (a GPU's, forced here on any device) of a model loaded on this
+    thread runs on the engine's: arrays the model keeps outside its parameters are evaluated
+    when the engine is made, not left as ops of this thread's stream."""
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    model = load_model(checkpoint, dtype="float32")
+    doc = ids(600, 12)
+    prompts = [doc + ids(5 + i, 60 + i) for i in range(3)] + [ids(20, 13)]
+    with ServeEngine(model, Tok(), batch_size=4) as engine:
+        tickets = [engine.submit(job("g", p, boundaries=(600,))) for p in prompts]
+        got = [collect(t) for t in tickets]
+    doc_cache = prefilled(model, doc)
+    for p, (tokens, fin) in zip(prompts[:3], got[:3], strict=True):
+        assert isinstance(fin, Finished), fin
+        assert tokens == alone(model, p, doc=doc_cache)
+    assert got[3][0] == alone(model, prompts[3])

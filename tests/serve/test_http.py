@@ -1,0 +1,532 @@
+"""The HTTP server with the real `openai` client (sync, async, streaming) against a server
+started here on 127.0.0.1 (uvicorn in a thread) over a real ServeEngine on builtin:tiny: answers,
+streams, usage and cached tokens, concurrent clients, cancellation, auth, 429, bad bodies,
+/metrics; and `salabatch serve` itself, as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+
+from salabatch.serve.app import create_app
+from salabatch.serve.engine import ServeEngine
+from tests import REPO
+
+MODEL = "builtin:tiny"
+KEY = "sk-test-key"
+DOCS = REPO / "jobs" / "demo" / "docs"
+MAX_BODY = 4 << 20
+QUESTIONS = [
+    "Give the service provider of this agreement.",
+    "Tell me the Client in the contract.",
+    "What is the total fee under the agreement?",
+    "Find the commencement date.",
+    "Look up the initial term of this agreement.",
+    "Report the governing law in the contract.",
+    "I need the payment period stated in the document.",
+    "Who is the provider?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import salabatch
+
+    return salabatch.load(MODEL)
+
+
+class Served:
+    """A uvicorn server in a thread over `create_app(engine, ...)`, on a socket bound here."""
+
+    def __init__(self, engine: ServeEngine, tok, **app_settings) -> None:
+        self.engine, self.tok = engine, tok
+        app = create_app(engine, tok, model_id=MODEL, **app_settings)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=120)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    def __enter__(self) -> Served:
+        self.engine.start()
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.close()
+        self.sock.close()
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def raw(self, method: str, path: str, body=None, key: str | None = KEY):
+        """(status, headers, body bytes) of a plain HTTP request (`key`: None sends none)."""
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        return response.status, dict(response.getheaders()), data
+
+    def metrics(self) -> dict[str, float]:
+        status, _, data = self.raw("GET", "/metrics")
+        assert status == 200
+        return parse_metrics(data.decode())
+
+    def wait_for(self, what, timeout: float = 15.0):
+        deadline = time.monotonic() + timeout
+        while not (value := what()):
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.02)
+        return value
+
+
+@pytest.fixture(scope="module")
+def served(tiny, tmp_path_factory):
+    """One server for most tests: batch 8, a prefix store, snapshots every 16 tokens (so the
+    short conversations here keep theirs), the API key, a 4 MB body limit."""
+    model, tok = tiny
+    store = tmp_path_factory.mktemp("store")
+    engine = ServeEngine(model, tok, batch_size=8, max_queue=64, store_dir=store, snapshot_min=16)
+    with Served(engine, tok, api_key=KEY, max_body=MAX_BODY) as s:
+        yield s
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name (labels included, as written) → value; every line must be valid."""
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (-?[0-9.e+-]+|\+Inf)$")
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            assert re.fullmatch(r"# TYPE \S+ (counter|gauge|histogram)", line), line
+            continue
+        m = sample.match(line)
+        assert m, line
+        out[m[1]] = float(m[2])
+    return out
+
+
+def document(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def system_turn(doc: str, question: str) -> list[dict]:
+    return [
+        {"role": "system", "content": f"Document: contract\n\n{doc}"},
+        {"role": "user", "content": question},
+    ]
+
+
+def user_turn(doc: str, question: str) -> list[dict]:
+    """The prompt builtin:tiny was trained on: the document, then the question, one message."""
+    return [{"role": "user", "content": f"{doc}\n\n{question}"}]
+
+
+# ---- answers -------------------------------------------------------------------------------
+
+
+def test_models_and_health(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, _, body = served.raw("GET", "/health", key=None)
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+
+
+def test_chat_answer_usage_and_a_second_turn_resumes_from_the_first(served):
+    client, tok = served.client(), served.tok
+    doc = "Second-turn test. " + document("redwater-robotics.txt")
+    turn = system_turn(doc, QUESTIONS[0])
+    first = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=16)
+    assert first.object == "chat.completion" and first.model == MODEL
+    assert first.id.startswith("chatcmpl-")
+    (choice,) = first.choices
+    assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
+    assert first.usage.prompt_tokens == len(tok.chat_prompt_ids(turn, think=False))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # a document never seen
+    assert first.usage.completion_tokens >= 1
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+    following = [
+        *turn,
+        {"role": "assistant", "content": choice.message.content},
+        {"role": "user", "content": QUESTIONS[1]},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=following, max_tokens=16)
+    first_messages = tok.chat_prompt_ids(turn, think=False, add_generation_prompt=False)
+    # the first turn's messages come from its snapshot: only the rest is prefilled
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(first_messages)
+    assert second.usage.prompt_tokens == len(tok.chat_prompt_ids(following, think=False))
+
+    # another conversation over the same document: the document is not prefilled again
+    other = client.chat.completions.create(
+        model=MODEL, messages=system_turn(doc, QUESTIONS[2]), max_tokens=4
+    )
+    system_ids = tok.chat_prompt_ids(turn[:1], think=False, add_generation_prompt=False)
+    assert other.usage.prompt_tokens_details.cached_tokens >= len(system_ids)
+
+
+def test_a_stream_is_the_answer_in_chunks_then_usage_then_done(served):
+    client = served.client()
+    messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[3])
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == []  # include_usage: one last chunk with the usage
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True})
+    status, headers, data = served.raw("POST", "/v1/chat/completions", body.encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = data.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_stop_strings_end_the_answer_before_them_streamed_or_not(served):
+    client = served.client()
+    messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[2])
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
+    text = answer.choices[0].message.content
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    expected = text[: text.find(stop)].strip()
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, stop=stop)
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+
+
+def test_text_completions_streamed_or_not(served):
+    client = served.client()
+    whole = client.completions.create(model=MODEL, prompt="The gate code is", max_tokens=12)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    prompt_ids = served.tok.encode("The gate code is", add_bos=True)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The gate code is", max_tokens=12, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12)
+    assert by_ids.choices[0].text == whole.choices[0].text
+
+
+def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(served):
+    """Greedy: the same text whatever else is in the batch. Half the clients share a document
+    in their system message (forks of one held prefix, one group), half send their own."""
+    docs = [document("redwater-robotics.txt"), document("brightgate-systems.md")]
+    requests = [system_turn(docs[0], q) for q in QUESTIONS] + [
+        user_turn(docs[1], q) for q in QUESTIONS
+    ]
+
+    async def ask(client, messages) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main() -> tuple[list[str], list[str], float]:
+        async with served.async_client() as client:
+            alone = [await ask(client, m) for m in requests]
+            rows, done = [], False
+
+            async def watch() -> None:
+                while not done:
+                    rows.append(served.engine.stats()["running_rows"])
+                    await asyncio.sleep(0.005)
+
+            watcher = asyncio.create_task(watch())
+            together = await asyncio.gather(*(ask(client, m) for m in requests))
+            done = True
+            await watcher
+        return alone, together, max(rows)
+
+    alone, together, most_rows = asyncio.run(main())
+    assert together == alone
+    assert len(set(alone)) > 1  # the answers differ: no client got another's
+    assert most_rows > 1  # they did decode together
+
+
+# ---- cancellation --------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_cancels_its_job(served):
+    """A stream closed after three chunks, and a non-streamed request whose socket closes,
+    both of an answer of 5,000 tokens (the prompt "x" runs to max_tokens): each job ends
+    cancelled at once, its row gone, far short of its tokens."""
+    before = served.engine.stats()
+    stream = served.client().completions.create(
+        model=MODEL, prompt="x", max_tokens=5000, stream=True
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    cancelled = before["requests_cancelled_total"] + 1
+    served.wait_for(lambda: served.engine.stats()["requests_cancelled_total"] >= cancelled)
+
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5000}).encode()
+    with socket.create_connection(("127.0.0.1", served.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        served.wait_for(lambda: served.engine.stats()["running_rows"] >= 1)
+    served.wait_for(lambda: served.engine.stats()["requests_cancelled_total"] >= cancelled + 1)
+    after = served.wait_for(
+        lambda: (s := served.engine.stats())["running_rows"] == 0 and s["prefilling"] == 0 and s
+    )
+    assert after["completion_tokens_total"] - before["completion_tokens_total"] < 2 * 5000
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+
+def test_auth_every_endpoint_but_health_needs_the_key(served):
+    with pytest.raises(openai.AuthenticationError) as e:
+        served.client("wrong-key").models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for path in ("/metrics", "/v1/models", "/nowhere"):
+        for key in (None, "wrong-key", ""):
+            status, _, data = served.raw("GET", path, key=key)
+            assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error"
+    status, _, _ = served.raw("POST", "/v1/chat/completions", b"{}", key=KEY[:-1])
+    assert status == 401
+    assert served.raw("GET", "/health", key=None)[0] == 200
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stream": True, "stream_options": {"sideways": True}}, "stream_options.sideways"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_a_bad_field_is_a_400_naming_it(served, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body |= fields
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(**{"model": MODEL, "messages": []}, extra_body=body)
+    error = e.value.body
+    assert e.value.status_code == 400 and error["param"] == param, error
+    assert error["type"] == "invalid_request_error" and param.split("[")[0] in error["message"]
+
+
+def test_unknown_model_or_route_is_a_404_body_too_large_a_413(served):
+    with pytest.raises(openai.NotFoundError) as e:
+        served.client().chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert (e.value.body["code"], e.value.body["param"]) == ("model_not_found", "model")
+    status, _, data = served.raw("GET", "/v1/nowhere")
+    assert status == 404 and json.loads(data)["error"]["code"] == "not_found"
+    status, _, data = served.raw("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in json.loads(data)
+
+    big = json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode()
+    status, _, data = served.raw("POST", "/v1/completions", big)  # Content-Length says so
+    assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
+    chunked = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no Content-Length
+    status, _, data = served.raw("POST", "/v1/completions", chunked)
+    assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
+
+    status, _, data = served.raw("POST", "/v1/completions", b'{"prompt": "x"}')  # no model
+    assert status == 400 and json.loads(data)["error"]["param"] == "model"
+    for bad in (b"{not json", b"[1, 2]"):
+        status, _, data = served.raw("POST", "/v1/chat/completions", bad)
+        assert status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream(served):
+    context = served.engine.model.config.max_position_embeddings
+    body = {"model": MODEL, "prompt": [5] * context, "max_tokens": 1, "stream": True}
+    status, _, data = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    error = json.loads(data)["error"]
+    assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
+
+
+def test_a_full_queue_answers_429(tiny):
+    """One row decoding, one waiting: of 6 clients at once, those past them get 429 at once."""
+    model, tok = tiny
+    engine = ServeEngine(model, tok, batch_size=1, max_queue=1)
+
+    async def ask(client) -> str:
+        try:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=400)
+        except openai.RateLimitError as e:
+            assert e.body["code"] == "queue_full" and e.body["type"] == "rate_limit_error"
+            return "429"
+        return "ok"
+
+    async def main(s: Served) -> list[str]:
+        async with s.async_client() as client:
+            return await asyncio.gather(*(ask(client) for _ in range(6)))
+
+    with Served(engine, tok) as s:
+        outcomes = asyncio.run(main(s))
+        metrics = s.metrics()
+    assert outcomes.count("ok") >= 1 and outcomes.count("429") >= 1, outcomes
+    assert metrics['salabatch_http_requests_total{endpoint="/v1/completions",status="429"}'] == (
+        outcomes.count("429")
+    )
+    assert metrics["salabatch_requests_rejected_total"] == outcomes.count("429")
+
+
+def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(served):
+    ok = 'salabatch_http_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    bad = 'salabatch_http_requests_total{endpoint="/v1/chat/completions",status="400"}'
+    before = served.metrics()
+    client = served.client()
+    for _ in range(2):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
+    after = served.metrics()
+    assert after[ok] - before.get(ok, 0) == 2 and after[bad] - before.get(bad, 0) == 1
+    assert after["salabatch_requests_total"] - before["salabatch_requests_total"] == 2
+    assert (
+        after['salabatch_ttft_seconds_bucket{le="+Inf"}'] == after["salabatch_ttft_seconds_count"]
+    )
+    for name in (
+        "salabatch_queue_depth",
+        "salabatch_prefix_hits_memory_total",
+        "salabatch_cached_tokens_total",
+    ):
+        assert name in after
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+@contextmanager
+def serve_process(tmp_path: Path, *args: str, env: dict | None = None):
+    """`salabatch serve` on builtin:tiny in a process; yields (port, its stderr file)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / f"serve-{port}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "salabatch.cli",
+        "serve",
+        "--model",
+        MODEL,
+        "--port",
+        str(port),
+    ]
+    with log.open("w") as err:
+        process = subprocess.Popen(
+            [*command, "--state-dir", str(tmp_path / "state"), *args],
+            stderr=err,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        yield port, process, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def wait_healthy(port: int, process) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, "salabatch serve exited"
+        assert time.monotonic() < deadline, "salabatch serve did not answer /health"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
+def get(port: int, path: str, key: str | None = None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    return conn.getresponse().status
+
+
+def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path):
+    with (
+        serve_process(tmp_path, "--host", "0.0.0.0") as (open_port, opened, open_log),
+        serve_process(tmp_path, env={"SALABATCH_API_KEY": KEY}) as (port, keyed, keyed_log),
+    ):
+        wait_healthy(open_port, opened)
+        wait_healthy(port, keyed)
+        assert get(open_port, "/v1/models") == 200  # no key set: open
+        assert (get(port, "/v1/models"), get(port, "/v1/models", KEY)) == (401, 200)
+        for process in (opened, keyed):
+            process.send_signal(signal.SIGINT)
+            assert process.wait(30) == 0
+    warnings = [line for line in open_log.read_text().splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and "API key" in warnings[0]
+    assert "warning" not in keyed_log.read_text()
