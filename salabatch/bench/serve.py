@@ -53,6 +53,7 @@ def run(
     soak: int = 0,
     soak_documents: int = 20,
     soak_prefix_mb: float = 16.0,
+    turn_tokens: int = 16384,
     progress=print,
 ) -> dict:
     from salabatch.engine.tokenizer import load_tokenizer
@@ -78,6 +79,9 @@ def run(
         "concurrent_over_one_at_a_time": round(tps["concurrent"] / tps["one_at_a_time"], 2),
         "concurrent_over_run": round(tps["concurrent"] / tps["run"], 2),
     }
+    if turn_tokens:
+        progress(f"a second turn over a {turn_tokens}-token document …")
+        out["turns"] = _turns(model_ref, tok, text, turn_tokens, max_tokens)
     if soak:
         progress(f"soak: {soak} requests over {soak_documents} documents …")
         out["soak"] = _soak(model_ref, tok, text, soak, soak_documents, max_tokens, soak_prefix_mb)
@@ -168,6 +172,42 @@ def _run_job(model_ref, text, questions, max_tokens, batch) -> dict:
         "seconds": round(summary.seconds, 3),
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / summary.seconds, 1),
+    }
+
+
+def _turns(model_ref, tok, text, tokens, max_tokens) -> dict:
+    """Two turns of one conversation over a document of about `tokens` tokens (the document
+    repeated): what the second prefills, by its usage."""
+    import openai
+
+    copies = max(1, round(tokens / len(tok.encode(text))))
+    document = "\n\n".join([text] * copies)
+    messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTIONS[0]}]
+    with _server(model_ref, batch_size=8) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+        usage = []
+        for question in QUESTIONS[1:3]:
+            start = time.perf_counter()
+            reply = client.chat.completions.create(
+                model="salabatch", messages=messages, max_tokens=max_tokens, temperature=0
+            )
+            u = reply.usage
+            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+            usage.append((u.prompt_tokens, cached, time.perf_counter() - start))
+            answer = reply.choices[0].message.content or ""
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": question},
+            ]
+    (p1, c1, s1), (p2, c2, s2) = usage
+    return {
+        "turn1_prompt_tokens": p1,
+        "turn1_cached_tokens": c1,
+        "turn1_s": round(s1, 2),
+        "turn2_prompt_tokens": p2,
+        "turn2_cached_tokens": c2,
+        "turn2_s": round(s2, 2),
+        "turn2_prefilled_share_of_turn1": round((p2 - c2) / p1, 4),
     }
 
 
@@ -290,6 +330,13 @@ def table(result: dict) -> str:
         f"concurrent / one at a time: {ratios['concurrent_over_one_at_a_time']:.2f}x; "
         f"concurrent / salabatch run: {ratios['concurrent_over_run']:.2f}x"
     )
+    if "turns" in result:
+        t = result["turns"]
+        lines.append(
+            f"second turn: {t['turn2_prompt_tokens']} prompt tokens, {t['turn2_cached_tokens']} "
+            f"cached: prefilled {100 * t['turn2_prefilled_share_of_turn1']:.2f} % of the first "
+            f"turn's {t['turn1_prompt_tokens']} ({t['turn2_s']} s against {t['turn1_s']} s)"
+        )
     if "soak" in result:
         s = result["soak"]
         lines.append(

@@ -101,6 +101,12 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
 )
 @click.option("--soak-documents", default=20, show_default=True)
 @click.option("--soak-prefix-mb", default=16.0, show_default=True, help="The soak's prefix cap.")
+@click.option(
+    "--turn-tokens",
+    default=16384,
+    show_default=True,
+    help="Also two turns of a conversation over a document this long (0: not).",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option(
     "--chart", type=click.Path(dir_okay=False), help="PNG chart here (default: beside --out)."
@@ -113,6 +119,7 @@ def bench_serve(
     soak: int,
     soak_documents: int,
     soak_prefix_mb: float,
+    turn_tokens: int,
     out: str | None,
     chart: str | None,
 ) -> None:
@@ -132,6 +139,7 @@ def bench_serve(
         soak=soak,
         soak_documents=soak_documents,
         soak_prefix_mb=soak_prefix_mb,
+        turn_tokens=turn_tokens,
         progress=lambda line: click.echo(line, err=True),
     )
     result = {"bench": "serve", **environment(), **result}

@@ -12,7 +12,13 @@ from salabatch.bench import serve
 @pytest.fixture(scope="module")
 def result():
     return serve.run(
-        "builtin:tiny", clients=3, max_tokens=6, soak=50, soak_documents=3, progress=lambda _: None
+        "builtin:tiny",
+        clients=3,
+        max_tokens=6,
+        soak=50,
+        soak_documents=3,
+        turn_tokens=2000,
+        progress=lambda _: None,
     )
 
 
@@ -28,6 +34,13 @@ def test_three_modes_answer_the_same_questions(result):
     for m in ("concurrent", "one_at_a_time"):
         assert 0 < result[m]["ttft_p50_s"] <= result[m]["ttft_p95_s"]
     assert set(result["ratios"]) == {"concurrent_over_one_at_a_time", "concurrent_over_run"}
+
+
+def test_a_second_turn_resumes_from_the_first(result):
+    t = result["turns"]
+    assert t["turn1_cached_tokens"] == 0 and t["turn1_prompt_tokens"] >= 2000
+    assert t["turn2_cached_tokens"] >= t["turn1_prompt_tokens"] - 256  # the snapshot rule
+    assert t["turn2_prefilled_share_of_turn1"] < 0.2
 
 
 def test_soak_samples_the_servers_memory(result):
