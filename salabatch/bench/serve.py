@@ -18,6 +18,7 @@ documents with a small prefix-memory cap measure the server's RSS over time inst
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import statistics
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,34 +91,14 @@ def run(
 
 
 def _served(model_ref, text, questions, max_tokens, *, together: bool) -> dict:
-    import openai
-
     with _server(model_ref, batch_size=max(8, len(questions))) as (url, _):
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
         def ask(question: str) -> tuple[float, int, int]:
-            start = time.perf_counter()
-            first, usage = None, None
-            stream = client.chat.completions.create(
-                model="salabatch",
-                messages=[
-                    {"role": "system", "content": text},
-                    {"role": "user", "content": question},
-                ],
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter() - start
-                usage = chunk.usage or usage
-            return (
-                first or time.perf_counter() - start,
-                usage.completion_tokens,
-                (usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0),
-            )
+            messages = [
+                {"role": "system", "content": text},
+                {"role": "user", "content": question},
+            ]
+            return _stream(url, messages, max_tokens)
 
         ask("Summarize the document.")  # the document prefilled and held, as on a busy server
         start = time.perf_counter()
@@ -178,23 +160,18 @@ def _run_job(model_ref, text, questions, max_tokens, batch) -> dict:
 def _turns(model_ref, tok, text, tokens, max_tokens) -> dict:
     """Two turns of one conversation over a document of about `tokens` tokens (the document
     repeated): what the second prefills, by its usage."""
-    import openai
-
     copies = max(1, round(tokens / len(tok.encode(text))))
     document = "\n\n".join([text] * copies)
     messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTIONS[0]}]
     with _server(model_ref, batch_size=8) as (url, _):
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
         usage = []
         for question in QUESTIONS[1:3]:
             start = time.perf_counter()
-            reply = client.chat.completions.create(
-                model="salabatch", messages=messages, max_tokens=max_tokens, temperature=0
-            )
-            u = reply.usage
-            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-            usage.append((u.prompt_tokens, cached, time.perf_counter() - start))
-            answer = reply.choices[0].message.content or ""
+            reply = _post(url, messages, max_tokens)
+            u = reply["usage"]
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            usage.append((u["prompt_tokens"], cached, time.perf_counter() - start))
+            answer = reply["choices"][0]["message"]["content"] or ""
             messages += [
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": question},
@@ -215,27 +192,21 @@ def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict
     """Requests cycling through `documents` variants of the document (each its own prefix) on
     a server whose prefix memory (`cap_mb`) holds only some of them, the rest going to its
     prefix store on disk: the server's RSS sampled every 50 requests."""
-    import openai
-
     variants = [f"Document {i}.\n{text}" for i in range(documents)]
     one = len(tok.encode(variants[0]))
     with _server(model_ref, batch_size=8, prefix_gb=cap_mb / 1024) as (url, pid):
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         rss = []
         start = time.perf_counter()
         for i in range(requests):
-            client.chat.completions.create(
-                model="salabatch",
-                messages=[
-                    {"role": "system", "content": variants[i % documents]},
-                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
-                ],
-                max_tokens=max_tokens,
-                temperature=0,
-            )
+            messages = [
+                {"role": "system", "content": variants[i % documents]},
+                {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+            ]
+            _post(url, messages, max_tokens)
             if (i + 1) % 50 == 0:
                 rss.append(round(_rss_gb(pid), 3))
         seconds = time.perf_counter() - start
+        metrics = _metrics(url)
     settled = rss[len(rss) // 5 :] or rss  # after the first fifth: buffers reach their sizes
     return {
         "requests": requests,
@@ -245,7 +216,60 @@ def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict
         "seconds": round(seconds, 1),
         "rss_gb_every_50": rss,
         "rss_spread": round((max(settled) - min(settled)) / min(settled), 3),
+        "server": metrics,  # what the server's prefix memory did, from its /metrics
     }
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The server's prefix counters and gauges from /metrics (Prometheus text)."""
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("salabatch_prefix") or name.startswith("salabatch_requests"):
+            out[name.removeprefix("salabatch_")] = float(value)
+    return out
+
+
+def _body(messages: list[dict], max_tokens: int, stream: bool) -> bytes:
+    body = {"model": "salabatch", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps(body).encode()
+
+
+def _open(url: str, body: bytes):
+    request = urllib.request.Request(
+        f"{url}/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    return urllib.request.urlopen(request, timeout=3600)
+
+
+def _post(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """A chat completion, whole."""
+    with _open(url, _body(messages, max_tokens, stream=False)) as response:
+        return json.load(response)
+
+
+def _stream(url: str, messages: list[dict], max_tokens: int) -> tuple[float, int, int]:
+    """A streamed chat completion, read as a client reads it (a plain SSE reader: the clients
+    share this 2-core machine with the server, so they should cost it little) → (seconds to
+    the first content, completion tokens, cached prompt tokens)."""
+    start = time.perf_counter()
+    first, usage = None, None
+    with _open(url, _body(messages, max_tokens, stream=True)) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the bench's request failed: {chunk['error']}")
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return first or time.perf_counter() - start, usage["completion_tokens"], cached
 
 
 def _rss_gb(pid: int) -> float:
@@ -292,8 +316,6 @@ def _server(model_ref: str, *, batch_size: int, prefix_gb: float = 2.0):
 
 def _wait_for(port: int, process: subprocess.Popen, log) -> None:
     """Until the server at `port` answers /health (two minutes at most)."""
-    import urllib.request
-
     deadline = time.monotonic() + 120
     while True:
         if process.poll() is not None:

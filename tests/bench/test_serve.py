@@ -47,6 +47,8 @@ def test_soak_samples_the_servers_memory(result):
     soak = result["soak"]
     assert soak["requests"] == 50 and len(soak["rss_gb_every_50"]) == 1
     assert soak["rss_gb_every_50"][0] > 0.05  # a server with a model, not this process
+    # the server's own counters: every soak request (and the two before it) reached it
+    assert soak["server"]["requests_total"] >= 50 and "prefix_held_bytes" in soak["server"]
 
 
 def test_table_and_chart(result, tmp_path):
