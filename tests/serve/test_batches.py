@@ -242,3 +242,39 @@ def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
         assert running.request_counts.completed < 30
         s.client.batches.cancel(batch.id)
         assert s.done(batch.id).status == "cancelled"
+
+
+def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_once(tmp_path):
+    from tests.serve.test_http import serve_process, wait_healthy
+
+    lines = many(24, 24)
+    batch_id = None
+    for kill_after in (2, 8, 14, None):  # three SIGKILLs mid-batch, then one that finishes it
+        with serve_process(tmp_path) as (port, process, log):
+            wait_healthy(port, process)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
+            )
+            if batch_id is None:
+                data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+                file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+                batch_id = client.batches.create(
+                    input_file_id=file_id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                ).id
+            deadline = time.monotonic() + 120
+            while True:
+                batch = client.batches.retrieve(batch_id)
+                assert time.monotonic() < deadline, batch
+                if kill_after is not None and batch.request_counts.completed >= kill_after:
+                    assert batch.status == "in_progress", batch
+                    process.kill()
+                    process.wait()
+                    break
+                if kill_after is None and batch.status == "completed":
+                    out = client.files.content(batch.output_file_id).text.splitlines()
+                    break
+                time.sleep(0.05)
+    assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0
+    assert [json.loads(o)["custom_id"] for o in out] == [x["custom_id"] for x in lines]
