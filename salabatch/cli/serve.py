@@ -30,7 +30,8 @@ _state_dir = click.option(
     "--state-dir",
     type=click.Path(file_okay=False),
     help="The prefix store: prefilled documents and conversations kept on disk "
-    "(default: the salabatch cache folder, as `salabatch run` uses).",
+    "(default: the salabatch cache folder, as `salabatch run` uses); for serve, also the "
+    "Batch API's files and batches (in its batches/ folder).",
 )
 _batch_size = click.option(
     "--batch-size",
@@ -95,7 +96,8 @@ def serve(
     dtype: str,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
-    /v1/completions, /v1/models, /health, /metrics. Binds 127.0.0.1 unless told otherwise."""
+    /v1/completions, /v1/models, /v1/files and /v1/batches (the Batch API), /health, /metrics.
+    Binds 127.0.0.1 unless told otherwise."""
     try:
         import uvicorn
     except ImportError:
