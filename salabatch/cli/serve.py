@@ -30,7 +30,8 @@ _state_dir = click.option(
     "--state-dir",
     type=click.Path(file_okay=False),
     help="The prefix store: prefilled documents and conversations kept on disk "
-    "(default: the salabatch cache folder, as `salabatch run` uses).",
+    "(default: the salabatch cache folder, as `salabatch run` uses); for serve, also the "
+    "Batch API's files and batches (in its batches/ folder).",
 )
 _batch_size = click.option(
     "--batch-size",
@@ -95,7 +96,8 @@ def serve(
     dtype: str,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
-    /v1/completions, /v1/models, /health, /metrics. Binds 127.0.0.1 unless told otherwise."""
+    /v1/completions, /v1/models, /v1/files and /v1/batches (the Batch API), /health, /metrics.
+    Binds 127.0.0.1 unless told otherwise."""
     try:
         import uvicorn
     except ImportError:
@@ -110,20 +112,33 @@ def serve(
             f"use it (give --api-key or ${API_KEY_ENV})",
             err=True,
         )
+    from salabatch.files import cache_dir
+    from salabatch.serve.batches.routes import batch_routes
+    from salabatch.serve.batches.runner import BatchRunner
+    from salabatch.serve.batches.store import BatchStore
+
     engine, tok = _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory)
+    model_id = served_model_name or model_ref
+    defaults = ServeDefaults(max_tokens=max_tokens)
+    store = BatchStore(os.path.join(os.path.expanduser(state_dir or cache_dir()), "batches"))
+    runner = BatchRunner(engine, tok, store, model_id=model_id, defaults=defaults)
     app = create_app(
         engine,
         tok,
-        model_id=served_model_name or model_ref,
+        model_id=model_id,
         api_key=api_key or None,
-        defaults=ServeDefaults(max_tokens=max_tokens),
+        defaults=defaults,
+        routes=batch_routes(runner),
     )
     engine.start()
+    runner.start()  # batches a killed server left go on
     try:
         # A stream still running at Ctrl-C gets 5 s, then the engine stops it.
         uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
     finally:
+        runner.close()
         engine.close()
+        store.close()
 
 
 @click.command()

@@ -28,7 +28,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,9 +109,11 @@ def create_app(
     api_key: str | None = None,
     defaults: ServeDefaults = ServeDefaults(),
     max_body: int = MAX_BODY,
+    routes: Sequence[Route] = (),
 ) -> Starlette:
     """The ASGI app serving `engine` (started and closed by the caller) as the model
-    `model_id`. With `api_key`, every endpoint but /health needs `Authorization: Bearer KEY`."""
+    `model_id`. With `api_key`, every endpoint but /health needs `Authorization: Bearer KEY`.
+    `routes`: more endpoints (the Batch API's, `salabatch.serve.batches.routes`)."""
     server = _Server(engine, tokenizer, model_id, defaults, max_body)
     app = Starlette(
         routes=[
@@ -120,6 +122,7 @@ def create_app(
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/metrics", server.metrics, methods=["GET"]),
+            *routes,
         ],
         exception_handlers={
             HTTPException: _http_error,

@@ -1,0 +1,142 @@
+"""The OpenAI Files and Batches endpoints over a BatchStore and its BatchRunner (routes for
+`create_app(..., routes=batch_routes(runner))`):
+
+    POST   /v1/files                multipart `file` + `purpose` "batch"; 413 past `max_file`
+    GET    /v1/files                ?purpose=
+    GET    /v1/files/{id}           a FileObject
+    GET    /v1/files/{id}/content   its bytes
+    DELETE /v1/files/{id}
+    POST   /v1/batches              input_file_id, endpoint /v1/chat/completions, window 24h
+    GET    /v1/batches              ?after=&limit= (newest first)
+    GET    /v1/batches/{id}
+    POST   /v1/batches/{id}/cancel
+
+Unknown ids are 404 OpenAI error objects.
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from salabatch.serve.app import APIError, read_json
+from salabatch.serve.batches.runner import ENDPOINT, BatchRunner
+
+MAX_FILE = 200 << 20  # bytes of an uploaded input file (OpenAI allows 200 MB)
+READ = 1 << 20
+
+
+def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
+    store = runner.store
+
+    def file_or_404(file_id: str) -> dict:
+        found = store.file(file_id)
+        if found is None:
+            raise APIError(404, f"no file with id {file_id!r}", param="file_id", code="not_found")
+        return found
+
+    def batch_or_404(batch: dict | None, batch_id: str) -> dict:
+        if batch is None:
+            message = f"no batch with id {batch_id!r}"
+            raise APIError(404, message, param="batch_id", code="not_found")
+        return batch
+
+    async def upload(request: Request) -> Response:
+        message = f"the file is larger than {max_file} bytes"
+        too_large = APIError(413, message, code="file_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_file + (64 << 10):  # the form's own bytes
+            raise too_large
+        async with request.form(max_files=1, max_fields=8) as form:
+            purpose, file = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                raise APIError(400, "purpose must be 'batch'", param="purpose")
+            if not isinstance(file, UploadFile):
+                raise APIError(400, "the form has no file", param="file")
+
+            def copy(out) -> int:
+                size = 0
+                while part := file.file.read(READ):
+                    size += len(part)
+                    if size > max_file:
+                        raise too_large
+                    out.write(part)
+                return size
+
+            added = await run_in_threadpool(
+                store.add_file, file.filename or "upload.jsonl", purpose, copy
+            )
+        return JSONResponse(added)
+
+    async def list_files(request: Request) -> Response:
+        data = store.files(request.query_params.get("purpose"))
+        return JSONResponse({"object": "list", "data": data, "has_more": False})
+
+    async def get_file(request: Request) -> Response:
+        return JSONResponse(file_or_404(request.path_params["file_id"]))
+
+    async def file_content(request: Request) -> Response:
+        found = file_or_404(request.path_params["file_id"])
+        return FileResponse(store.file_path(found["id"]), media_type="application/octet-stream")
+
+    async def delete_file(request: Request) -> Response:
+        file_id = request.path_params["file_id"]
+        if not store.delete_file(file_id):
+            file_or_404(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    async def create_batch(request: Request) -> Response:
+        body = await read_json(request, 1 << 20)
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str) or store.file(file_id) is None:
+            raise APIError(
+                400, f"no input file with id {file_id!r}", param="input_file_id", code="not_found"
+            )
+        if body.get("endpoint") != ENDPOINT:
+            raise APIError(400, f"endpoint must be {ENDPOINT}", param="endpoint")
+        if body.get("completion_window") != "24h":
+            raise APIError(400, "completion_window must be '24h'", param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise APIError(400, "metadata must be an object of strings", param="metadata")
+        return JSONResponse(runner.create(file_id, metadata))
+
+    async def get_batch(request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        return JSONResponse(batch_or_404(store.batch(batch_id), batch_id))
+
+    async def list_batches(request: Request) -> Response:
+        limit = request.query_params.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be between 1 and 100", param="limit")
+        data, more = store.batches(request.query_params.get("after"), int(limit))
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": more,
+            }
+        )
+
+    async def cancel_batch(request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        return JSONResponse(batch_or_404(runner.cancel(batch_id), batch_id))
+
+    return [
+        Route("/v1/files", upload, methods=["POST"]),
+        Route("/v1/files", list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+        Route("/v1/batches", create_batch, methods=["POST"]),
+        Route("/v1/batches", list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
+    ]

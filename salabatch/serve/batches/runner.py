@@ -1,0 +1,363 @@
+"""The batch runner: one thread that takes batches in the order they came and answers their
+lines through the server's ServeEngine, as the chat endpoint answers a request (the same body
+checks, the same Job with a boundary where the system messages end, so lines sharing a document
+prefill it once). At most `in_flight` lines of a batch are in the engine at a time, so chat
+requests arriving meanwhile join the next step rather than wait behind the batch.
+
+    validating   the input file is read and checked; a bad one → failed, its `errors` listed
+    in_progress  each answered line is recorded in the store before the next is taken
+    finalizing   the output file (answered lines) and error file (refused or failed lines)
+    completed | failed | cancelling → cancelled (the lines answered so far are its files)
+
+`start()` resumes what a killed server left: validating, in_progress and finalizing batches go
+on from their recorded lines (none answered twice); cancelling ones end cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+
+from salabatch import openai_api
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import SalabatchError, TokenizerError
+from salabatch.openai_api import BodyError
+from salabatch.serve.app import APIError, ServeDefaults, engine_error, usage
+from salabatch.serve.batches.store import BatchStore, new_id
+from salabatch.serve.completion import AnswerText, chat_job
+from salabatch.serve.engine import EngineClosed, Failed, QueueFull, ServeEngine, Token
+
+ENDPOINT = "/v1/chat/completions"
+WINDOW_S = 24 * 3600  # completion_window "24h"
+DEFAULTS = ServeDefaults()
+IN_FLIGHT = 2  # lines of a batch in the engine at once: chat requests keep the other rows
+
+
+class BatchRunner:
+    """Runs the store's batches on `engine` (started and closed by the caller, around
+    `start()` and `close()`)."""
+
+    def __init__(
+        self,
+        engine: ServeEngine,
+        tok: Tokenizer,
+        store: BatchStore,
+        *,
+        model_id: str,
+        defaults: ServeDefaults = DEFAULTS,
+        in_flight: int = IN_FLIGHT,
+    ) -> None:
+        self.engine, self.tok, self.store = engine, tok, store
+        self.model_id, self.defaults, self.in_flight = model_id, defaults, in_flight
+        self._cv = threading.Condition()
+        self._queue: deque[str] = deque()
+        self._tickets: list = []  # of the batch running: cancelled by cancel() and close()
+        self._current: str | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the callers' side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Queues the batches a previous server left open, then starts the thread."""
+        for batch in self.store.open_batches():
+            if batch["status"] == "cancelling":
+                self._end_cancelled(batch["id"])
+            else:
+                self._queue.append(batch["id"])
+        self._thread = threading.Thread(target=self._loop, name="salabatch-batches", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops after the lines in flight (their tickets cancelled, their lines not recorded:
+        a restarted server answers them)."""
+        with self._cv:
+            self._stopping = True
+            for ticket in self._tickets:
+                ticket.cancel()
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def create(self, input_file_id: str, metadata: dict | None) -> dict:
+        """A new batch, validating, queued."""
+        now = int(time.time())
+        batch = {
+            "id": new_id("batch"),
+            "object": "batch",
+            "endpoint": ENDPOINT,
+            "errors": None,
+            "input_file_id": input_file_id,
+            "completion_window": "24h",
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + WINDOW_S,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+        }
+        self.store.add_batch(batch)
+        with self._cv:
+            self._queue.append(batch["id"])
+            self._cv.notify_all()
+        return self.store.batch(batch["id"])
+
+    def cancel(self, batch_id: str) -> dict | None:
+        """Marks a validating or in-progress batch cancelling (the runner ends it cancelled);
+        APIError 409 for one that has finished; None for no such batch."""
+
+        def cancelling(batch: dict) -> dict | None:
+            if batch["status"] == "cancelling":
+                return None
+            if batch["status"] not in ("validating", "in_progress"):
+                raise APIError(
+                    409, f"batch {batch_id} is {batch['status']}: it cannot be cancelled"
+                )
+            return {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
+
+        batch = self.store.update_batch(batch_id, cancelling)
+        if batch is not None:
+            with self._cv:
+                if self._current == batch_id:
+                    for ticket in self._tickets:
+                        ticket.cancel()
+                self._cv.notify_all()
+        return batch
+
+    # ---- the thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._current = batch_id = self._queue.popleft()
+            try:
+                self._run(batch_id)
+            except EngineClosed:
+                return  # the server is stopping: a restart resumes the batch
+            finally:
+                self._current = None
+
+    def _run(self, batch_id: str) -> None:
+        batch = self.store.batch(batch_id)
+        if batch is None or batch["status"] not in ("validating", "in_progress", "finalizing"):
+            if batch is not None and batch["status"] == "cancelling":
+                self._end_cancelled(batch_id)
+            return
+        lines, errors = self._read_input(batch["input_file_id"])
+        if batch["status"] == "validating":
+            if errors:
+                self._set(batch_id, "failed", errors={"object": "list", "data": errors})
+                return
+            total = {"total": len(lines), "completed": 0, "failed": 0}
+            self._set(batch_id, "in_progress", request_counts=total)
+        if self.store.batch(batch_id)["status"] == "in_progress":
+            done = self.store.done_lines(batch_id)
+            if not self._answer(batch_id, [x for x in lines if x[0] not in done]):
+                return
+        if self.store.batch(batch_id)["status"] == "cancelling":
+            self._end_cancelled(batch_id)
+            return
+        self._set(batch_id, "finalizing")
+        self._set(batch_id, "completed", **self._write_files(batch_id))
+
+    def _answer(self, batch_id: str, lines: list[tuple[int, str, dict]]) -> bool:
+        """Answers `lines` (line, custom_id, body), `in_flight` at a time, recording each as it
+        ends; False when the runner stopped first (the rest stay unanswered)."""
+        pending, running = deque(lines), deque()
+        while pending or running:
+            if self._stopping or self.store.batch(batch_id)["status"] == "cancelling":
+                for _, ticket, _ in running:
+                    ticket.cancel()
+                return not self._stopping
+            while pending and len(running) < self.in_flight:
+                number, custom_id, body = pending[0]
+                try:
+                    ticket, answer, think = self._submit(body)
+                except QueueFull:
+                    break  # chat has the queue: take this line when a row frees
+                except (APIError, BodyError, TokenizerError) as e:
+                    error = e if isinstance(e, APIError) else _refused(e)
+                    self._record(batch_id, number, custom_id, None, error)
+                else:
+                    running.append(((number, custom_id), ticket, (answer, think)))
+                    with self._cv:
+                        self._tickets.append(ticket)
+                pending.popleft()
+            if not running:
+                time.sleep(0.05)  # the queue was full
+                continue
+            (number, custom_id), ticket, (answer, think) = running.popleft()
+            last = None
+            for event in ticket:
+                if isinstance(event, Token):
+                    answer.add(event.token)
+                else:
+                    last = event
+            with self._cv:
+                self._tickets.remove(ticket)
+            if isinstance(last, Failed):
+                if isinstance(last.error, EngineClosed):
+                    raise last.error
+                self._record(batch_id, number, custom_id, None, engine_error(last.error))
+            elif last.finish_reason != "cancelled":  # a cancelled line stays unanswered
+                answer.finish(last)
+                answered = (ticket.job.id, answer, think, last)
+                self._record(batch_id, number, custom_id, answered, None)
+        return True
+
+    def _submit(self, body: dict):
+        """(ticket, AnswerText, think) of a line's body, checked as the chat endpoint checks
+        one."""
+        openai_api.check_fields(body, openai_api.HONOURED)
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        messages = openai_api.messages(body.get("messages"))
+        defaults = self.defaults
+        if defaults.seed is None:
+            defaults = replace(defaults, seed=secrets.randbits(31))
+        params, max_tokens = openai_api.sampling(body, defaults)
+        think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
+        stops = openai_api.stop(body.get("stop"))
+        job = chat_job(
+            self.tok,
+            messages,
+            think=think,
+            params=params,
+            max_tokens=max_tokens,
+            stop_strings=stops,
+        )
+        answer = AnswerText(self.tok, stop_strings=stops, think=think)
+        return self.engine.submit(job), answer, think
+
+    def _record(self, batch_id, number, custom_id, answered, error: APIError | None) -> None:
+        if error is not None:
+            request_id, status, body = new_id("batch_req"), error.status, error.body
+        else:
+            request_id, answer, think, finished = answered
+            message = {"role": "assistant", "content": answer.content, "refusal": None}
+            if think:
+                message["reasoning_content"] = answer.reasoning
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finished.finish_reason,
+            }
+            status, body = (
+                200,
+                {
+                    "id": request_id,
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": self.model_id,
+                    "choices": [choice],
+                    "usage": usage(finished),
+                    "system_fingerprint": None,
+                },
+            )
+        output = {
+            "id": new_id("batch_req"),
+            "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None,
+        }
+        self.store.add_line(batch_id, number, output, failed=error is not None)
+
+    # ---- input, output, status ---------------------------------------------------------------
+
+    def _read_input(self, file_id: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
+        """(lines as (line number, custom_id, body), errors) of an input file: every line a JSON
+        object with a unique custom_id, method POST, url the batch's endpoint, a body object."""
+        lines, errors, seen = [], [], set()
+
+        def error(number: int | None, code: str, message: str, param: str | None = None):
+            errors.append({"code": code, "message": message, "param": param, "line": number})
+
+        try:
+            data = self.store.file_path(file_id).read_bytes()
+        except FileNotFoundError:
+            error(None, "missing_file", f"the input file {file_id} was deleted")
+            return [], errors
+        for number, raw in enumerate(data.splitlines(), 1):
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                error(number, "invalid_json_line", f"line {number} is not valid JSON ({e})")
+                continue
+            if not isinstance(line, dict):
+                error(number, "invalid_request", f"line {number} is not a JSON object")
+                continue
+            custom_id = line.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id:
+                error(number, "missing_required_parameter", "custom_id is missing", "custom_id")
+            elif custom_id in seen:
+                message = f"custom_id {custom_id!r} repeats"
+                error(number, "duplicate_custom_id", message, "custom_id")
+            if line.get("method") != "POST":
+                error(number, "invalid_method", "method must be POST", "method")
+            if line.get("url") != ENDPOINT:
+                error(number, "invalid_url", f"url must be {ENDPOINT}, the batch's endpoint", "url")
+            if not isinstance(line.get("body"), dict):
+                error(number, "missing_required_parameter", "body must be an object", "body")
+            if not errors:
+                seen.add(custom_id)
+                lines.append((number, custom_id, line["body"]))
+        if not lines and not errors:
+            error(None, "empty_file", "the input file has no request lines")
+        return lines, errors
+
+    def _write_files(self, batch_id: str) -> dict:
+        """The output and error files of the recorded lines (ids fixed by the batch, so a
+        restart while finalizing writes the same files once)."""
+        ids = {}
+        for failed, key in ((False, "output_file_id"), (True, "error_file_id")):
+            outputs = self.store.outputs(batch_id, failed)
+            file_id = f"file-{'err' if failed else 'out'}-{batch_id.removeprefix('batch_')}"
+            ids[key] = None
+            if outputs:
+                if self.store.file(file_id) is None:
+                    text = "".join(o + "\n" for o in outputs).encode()
+                    self.store.add_file(
+                        f"{batch_id}_{'error' if failed else 'output'}.jsonl",
+                        "batch_output",
+                        lambda f, text=text: f.write(text),
+                        file_id,
+                    )
+                ids[key] = file_id
+        return ids
+
+    def _end_cancelled(self, batch_id: str) -> None:
+        self._set(batch_id, "cancelled", **self._write_files(batch_id))
+
+    def _set(self, batch_id: str, status: str, **fields) -> None:
+        at = {} if status == "validating" else {f"{status}_at": int(time.time())}
+        self.store.update_batch(batch_id, lambda b: {**b, **fields, **at, "status": status})
+
+
+def _refused(e: SalabatchError) -> APIError:
+    """The 400 of a line's body that cannot be answered (a refused field, a bad message)."""
+    return APIError(400, str(e), param=getattr(e, "param", None))

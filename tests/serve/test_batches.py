@@ -1,0 +1,280 @@
+"""The Batch API (`/v1/files`, `/v1/batches`) with the real `openai` client against a server on
+127.0.0.1 over a ServeEngine on builtin:tiny: the round trip, an invalid input file, a refused
+field, cancel, a restart mid-batch on the same state dir, chat answered while a batch runs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+from openai.types.chat import ChatCompletion
+
+from salabatch.serve.app import create_app
+from salabatch.serve.batches.routes import batch_routes
+from salabatch.serve.batches.runner import BatchRunner
+from salabatch.serve.batches.store import BatchStore
+from salabatch.serve.engine import ServeEngine
+from tests import REPO
+
+MODEL = "builtin:tiny"
+DOCS = REPO / "jobs" / "demo" / "docs"
+QUESTIONS = [
+    "Give the service provider of this agreement.",
+    "Tell me the Client in the contract.",
+    "What is the total fee under the agreement?",
+    "Find the commencement date.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import salabatch
+
+    return salabatch.load(MODEL)
+
+
+class Server:
+    """A server with the Batch API over `state` (the prefix store and the batch records), in
+    a uvicorn thread, as `salabatch serve` runs one."""
+
+    def __init__(self, tiny, state, *, max_file: int = 1 << 20, in_flight: int = 2) -> None:
+        model, tok = tiny
+        self.engine = ServeEngine(model, tok, batch_size=4, max_queue=16, store_dir=state / "p")
+        self.store = BatchStore(state / "batches")
+        self.runner = BatchRunner(self.engine, tok, self.store, model_id=MODEL, in_flight=in_flight)
+        app = create_app(
+            self.engine, tok, model_id=MODEL, routes=batch_routes(self.runner, max_file)
+        )
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+        port = self.sock.getsockname()[1]
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
+        )
+
+    def __enter__(self) -> Server:
+        self.engine.start()
+        self.runner.start()
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.runner.close()
+        self.engine.close()
+        self.store.close()
+        self.sock.close()
+
+    def upload(self, lines: list[dict]) -> str:
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        return self.client.files.create(file=("in.jsonl", data), purpose="batch").id
+
+    def start_batch(self, lines: list[dict]):
+        return self.client.batches.create(
+            input_file_id=self.upload(lines),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"test": "yes"},
+        )
+
+    def wait(self, batch_id: str, until, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while not until(batch := self.client.batches.retrieve(batch_id)):
+            assert time.monotonic() < deadline, f"timed out: {batch}"
+            time.sleep(0.05)
+        return batch
+
+    def done(self, batch_id: str, timeout: float = 120.0):
+        final = ("completed", "failed", "cancelled")
+        return self.wait(batch_id, lambda b: b.status in final, timeout)
+
+    def output(self, file_id: str | None) -> list[dict]:
+        if file_id is None:
+            return []
+        return [json.loads(x) for x in self.client.files.content(file_id).text.splitlines()]
+
+
+def line(custom_id: str, doc: str, question: str, **body) -> dict:
+    messages = [
+        {"role": "system", "content": f"Document: contract\n\n{(DOCS / doc).read_text()}"},
+        {"role": "user", "content": question},
+    ]
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": messages, "max_tokens": 16, **body},
+    }
+
+
+def many(n: int, max_tokens: int) -> list[dict]:
+    docs = ["redwater-robotics.txt", "brightgate-systems.md"]
+    return [line(f"q{i}", docs[i % 2], QUESTIONS[i % 4], max_tokens=max_tokens) for i in range(n)]
+
+
+def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
+    lines = [
+        line(f"req-{i}", doc, q)
+        for i, (doc, q) in enumerate(
+            (d, q) for d in ("redwater-robotics.txt", "brightgate-systems.md") for q in QUESTIONS
+        )
+    ]
+    with Server(tiny, tmp_path) as s:
+        batch = s.start_batch(lines)
+        assert batch.status == "validating" and batch.metadata == {"test": "yes"}
+        batch = s.done(batch.id)
+        assert batch.status == "completed", batch
+        assert batch.request_counts.total == batch.request_counts.completed == 8
+        assert batch.error_file_id is None and batch.errors is None
+        assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at
+        assert batch.finalizing_at <= batch.completed_at
+        out = s.output(batch.output_file_id)
+        assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(8)]
+        cached = []
+        for o in out:
+            assert o["response"]["status_code"] == 200 and o["error"] is None
+            body = ChatCompletion.model_validate(o["response"]["body"])
+            assert body.model == MODEL and body.choices[0].finish_reason in ("stop", "length")
+            cached.append(body.usage.prompt_tokens_details.cached_tokens)
+        # the document is the system message: its prefix is prefilled once per document
+        assert cached[0] == 0 and sum(c > 0 for c in cached[1:4]) >= 2, cached
+        assert sum(c > 0 for c in cached[5:8]) >= 2, cached
+
+        # the files: listed, retrieved, deleted; unknown ids and big files refused
+        ids = {f.id for f in s.client.files.list()}
+        assert {batch.input_file_id, batch.output_file_id} <= ids
+        assert s.client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+        assert s.client.batches.list(limit=5).data[0].id == batch.id
+        assert s.client.files.delete(batch.input_file_id).deleted
+        with pytest.raises(openai.NotFoundError):
+            s.client.files.retrieve(batch.input_file_id)
+        with pytest.raises(openai.NotFoundError):
+            s.client.batches.retrieve("batch_nope")
+        with pytest.raises(openai.APIStatusError) as e:
+            s.client.files.create(file=("big.jsonl", b"x" * (2 << 20)), purpose="batch")
+        assert e.value.status_code == 413
+
+
+def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
+    good = line("a", "redwater-robotics.txt", QUESTIONS[0])
+    with Server(tiny, tmp_path) as s:
+        file_id = s.client.files.create(
+            file=("bad.jsonl", (json.dumps(good) + "\nnot json\n" + json.dumps(good)).encode()),
+            purpose="batch",
+        ).id
+        batch = s.client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        batch = s.done(batch.id)
+        assert batch.status == "failed" and batch.failed_at is not None
+        assert batch.output_file_id is None and batch.request_counts.completed == 0
+        errors = {(e.line, e.code) for e in batch.errors.data}
+        assert errors == {(2, "invalid_json_line"), (3, "duplicate_custom_id")}
+
+
+def test_a_refused_field_goes_to_the_error_file_and_the_batch_completes(tiny, tmp_path):
+    lines = [
+        line("ok-1", "redwater-robotics.txt", QUESTIONS[0]),
+        line("tools", "redwater-robotics.txt", QUESTIONS[1], tools=[{"type": "function"}]),
+        line("ok-2", "redwater-robotics.txt", QUESTIONS[2]),
+    ]
+    with Server(tiny, tmp_path) as s:
+        batch = s.done(s.start_batch(lines).id)
+        assert batch.status == "completed"
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (3, 2, 1)
+        assert [o["custom_id"] for o in s.output(batch.output_file_id)] == ["ok-1", "ok-2"]
+        (err,) = s.output(batch.error_file_id)
+        assert err["custom_id"] == "tools" and err["response"]["status_code"] == 400
+        assert err["response"]["body"]["error"]["param"] == "tools"
+
+
+def test_cancel_mid_batch(tiny, tmp_path):
+    with Server(tiny, tmp_path) as s:
+        batch = s.start_batch(many(40, 48))
+        s.wait(batch.id, lambda b: b.request_counts.completed >= 2)
+        assert s.client.batches.cancel(batch.id).status == "cancelling"
+        batch = s.done(batch.id)
+        assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
+        done = batch.request_counts.completed
+        assert 2 <= done < 40
+        out = s.output(batch.output_file_id)
+        assert len(out) == done and len({o["custom_id"] for o in out}) == done
+
+
+def test_a_restart_mid_batch_answers_every_line_once(tiny, tmp_path):
+    lines = many(16, 24)
+    with Server(tiny, tmp_path) as s:
+        batch = s.start_batch(lines)
+        s.wait(batch.id, lambda b: b.request_counts.completed >= 3)
+    with Server(tiny, tmp_path) as s:  # the same state dir: the batch resumes
+        before = s.client.batches.retrieve(batch.id)
+        assert before.status == "in_progress" and 3 <= before.request_counts.completed < 16
+        batch = s.done(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 16
+        out = s.output(batch.output_file_id)
+        assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
+        assert len({o["id"] for o in out}) == 16
+
+
+def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
+    with Server(tiny, tmp_path) as s:
+        batch = s.start_batch(many(30, 48))
+        s.wait(batch.id, lambda b: b.request_counts.completed >= 1)
+        messages = [{"role": "user", "content": "Who is the provider?"}]
+        reply = s.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        assert reply.choices[0].message.content is not None
+        running = s.client.batches.retrieve(batch.id)
+        assert running.status == "in_progress", running  # the chat did not wait for the batch
+        assert running.request_counts.completed < 30
+        s.client.batches.cancel(batch.id)
+        assert s.done(batch.id).status == "cancelled"
+
+
+def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_once(tmp_path):
+    from tests.serve.test_http import serve_process, wait_healthy
+
+    lines = many(24, 24)
+    batch_id = None
+    for kill_after in (2, 8, 14, None):  # three SIGKILLs mid-batch, then one that finishes it
+        with serve_process(tmp_path) as (port, process, log):
+            wait_healthy(port, process)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
+            )
+            if batch_id is None:
+                data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+                file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+                batch_id = client.batches.create(
+                    input_file_id=file_id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                ).id
+            deadline = time.monotonic() + 120
+            while True:
+                batch = client.batches.retrieve(batch_id)
+                assert time.monotonic() < deadline, batch
+                if kill_after is not None and batch.request_counts.completed >= kill_after:
+                    assert batch.status == "in_progress", batch
+                    process.kill()
+                    process.wait()
+                    break
+                if kill_after is None and batch.status == "completed":
+                    out = client.files.content(batch.output_file_id).text.splitlines()
+                    break
+                time.sleep(0.05)
+    assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0
+    assert [json.loads(o)["custom_id"] for o in out] == [x["custom_id"] for x in lines]
