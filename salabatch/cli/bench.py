@@ -146,6 +146,31 @@ def bench_serve(
     _report(result, serving.table(result), out, chart, partial(serving.chart, result))
 
 
+@bench.command("batch")
+@click.option(
+    "--model", "model_ref", default="builtin:random", show_default=True, help="Model to serve."
+)
+@click.option("--lines", default=200, show_default=True, type=click.IntRange(min=1))
+@click.option("--documents", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-tokens", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out: str | None):
+    """The Batch API: one batch over many documents through `salabatch serve` (prefills per
+    document, every line once) and chat TTFT while it runs against the idle server."""
+    from salabatch.bench import batch as batches
+    from salabatch.bench import environment
+
+    result = batches.run(
+        model_ref,
+        lines=lines,
+        documents=documents,
+        max_tokens=max_tokens,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    result = {"bench": "batch", **environment(), **result}
+    _report(result, batches.table(result), out, None, None)
+
+
 @bench.command("quant")
 @click.option(
     "--model",

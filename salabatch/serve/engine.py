@@ -36,6 +36,7 @@ names it; the others go on). `close()` ends what is left with Failed(EngineClose
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import warnings
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
     from salabatch.serve.prefixes import Held, HeldPrefixes
 
 SNAPSHOT_MIN = 256  # tokens a snapshot must lie past the last one (or where the job resumed)
+# Background jobs' prefill chunk while interactive jobs are about (INTERACTIVE_S since the last
+# one prefilled or decoded): an interactive job arriving waits for at most one such chunk.
+BACKGROUND_CHUNK = 64
+INTERACTIVE_S = 30.0
 # positions reserved past a group's longest row when rows join: a row's buffers grow with its
 # answer from there (max_tokens may be the whole context, which a row rarely fills)
 RESERVE_AHEAD = 1024
@@ -119,7 +124,9 @@ class Job:
     holds. `boundaries`: token offsets inside the prompt where a reusable prefix ends (the end of
     each message, say, so that requests sharing a system message with a document share its
     prefill); the end of the prompt is always one. Generation stops at `max_tokens` or at the
-    model's context, whichever comes first."""
+    model's context, whichever comes first. `background`: a job no one waits on (a batch's
+    line): interactive jobs are admitted and prefilled before it, and its prefill goes in
+    `background_chunk` pieces, so an interactive job never waits behind more than one."""
 
     id: str
     prompt: tuple[int, ...]
@@ -128,6 +135,7 @@ class Job:
     stop: frozenset[int]  # stop token ids (end of turn, eos)
     stop_strings: tuple[str, ...] = ()
     boundaries: tuple[int, ...] = ()
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,7 +312,8 @@ class ServeEngine:
     recently used go to the prefix store on disk, if there is one, else are dropped); store_dir:
     that store (`salabatch run`'s cache dir shares its documents), of at most `store_gb`;
     snapshot_min: see the module docstring; model_sha: the model's fingerprint for the store's
-    keys (default: computed from `model.path`, memoized in the store)."""
+    keys (default: computed from `model.path`, memoized in the store); background_chunk: the
+    prefill chunk of background jobs while interactive jobs are about (default 64 tokens)."""
 
     def __init__(
         self,
@@ -319,6 +328,7 @@ class ServeEngine:
         store_gb: float = 50.0,
         snapshot_min: int = SNAPSHOT_MIN,
         model_sha: str | None = None,
+        background_chunk: int | None = None,
     ) -> None:
         if batch_size < 1 or max_queue < 0 or prefill_chunk < 1 or prefix_bytes < 0:
             raise ValueError(
@@ -327,6 +337,7 @@ class ServeEngine:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_queue = batch_size, max_queue
         self.prefill_chunk, self.prefix_bytes = prefill_chunk, prefix_bytes
+        self.background_chunk = min(prefill_chunk, background_chunk or BACKGROUND_CHUNK)
         self.store_dir = None if store_dir is None else Path(store_dir).expanduser()
         self.store_gb, self.snapshot_min, self.model_sha = store_gb, snapshot_min, model_sha
         self._cv = threading.Condition()
@@ -342,6 +353,10 @@ class ServeEngine:
         self._admitting: list[_Work] = []
         self._groups: dict[int | None, Batch] = {}  # by id of the rows' shared keys
         self._running: dict[str, _Work] = {}  # by rid: jobs with a row in a group
+        # engine time on background prefill and on steps with interactive rows, while there are
+        # such rows (`_serve` keeps the first within the second)
+        self._background_s = self._interactive_s = 0.0
+        self._interactive_at = -math.inf  # when an interactive job was last prefilling or decoding
 
     # -- the callers' side ---------------------------------------------------------------------
     def start(self) -> None:
@@ -487,16 +502,35 @@ class ServeEngine:
                     return
                 self._drop_cancelled_queued()
                 while self._queue and self._busy() < self.batch_size:
-                    self._admitting.append(self._queue.popleft())
+                    self._admitting.append(self._next_queued())
                 if not self._admitting and not self._groups:
                     self._publish()
                     self._cv.wait()
                     continue
             self._sweep_cancelled()
-            self._advance()
+            interactive = any(not w.ticket.job.background for w in self._running.values())
+            if interactive or any(not w.ticket.job.background for w in self._admitting):
+                self._interactive_at = time.perf_counter()
+            if not interactive:
+                self._background_s = self._interactive_s = 0.0
+            start = time.perf_counter()
+            # a row that just joined steps before the next background chunk: 0 < 0 is False
+            self._advance(background=not interactive or self._background_s < self._interactive_s)
+            self._background_s += time.perf_counter() - start
+            start = time.perf_counter()
             for key, batch in list(self._groups.items()):
                 self._step(key, batch)
+            if interactive:
+                self._interactive_s += time.perf_counter() - start
             self._publish()
+
+    def _next_queued(self) -> _Work:
+        """(Under the lock) the oldest interactive job waiting, else the oldest background one."""
+        for w in self._queue:
+            if not w.ticket.job.background:
+                self._queue.remove(w)
+                return w
+        return self._queue.popleft()
 
     def _busy(self) -> int:
         return len(self._admitting) + sum(len(b) for b in self._groups.values())
@@ -520,23 +554,38 @@ class ServeEngine:
             w.batch.cancel(w.g)
             self._done(w)
 
-    def _advance(self) -> None:
+    def _advance(self, background: bool = True) -> None:
         """About one chunk of prefill: chunks of the oldest jobs prefilling until
         `prefill_chunk` tokens are fed (many short prompts join at once, a long one takes a
-        chunk per turn); a job whose prefill ends joins a group."""
+        chunk per turn), interactive jobs first; a job whose prefill ends joins a group. A
+        background job's chunk ends the turn: the groups step, the queue is looked at, between
+        any two of its chunks; with `background` False none is fed (`_serve` keeps background
+        prefill to at most half the engine's time while interactive rows decode)."""
         budget = self.prefill_chunk
+        self._admitting.sort(key=lambda w: w.ticket.job.background)  # stable: oldest first
         while self._admitting and budget > 0:
             w = self._admitting[0]
+            if w.ticket.job.background and not background:
+                return
+            background = background and w.ticket.job.background  # none after an interactive
             try:
                 if w.steps is None:
                     w.started = time.perf_counter()
                     w.steps = self._admission(w)
-                budget -= next(w.steps)
+                fed = next(w.steps)
+                budget = 0 if w.ticket.job.background and fed else budget - fed
             except StopIteration:
                 self._admitting.pop(0)
             except Exception as e:
                 self._admitting.pop(0)
                 self._fail(w, e)
+
+    def _chunk(self, job: Job) -> int:
+        """The next prefill chunk of `job`: `prefill_chunk`, but `background_chunk` for a
+        background job while interactive jobs came within INTERACTIVE_S (an interactive job
+        arriving waits for the chunk in progress, so that chunk is kept short)."""
+        recent = time.perf_counter() - self._interactive_at < INTERACTIVE_S
+        return self.background_chunk if job.background and recent else self.prefill_chunk
 
     def _admission(self, w: _Work) -> Iterator[int]:
         """w's prefill, one chunk per next() (→ the tokens it fed): resumes from the longest
@@ -564,6 +613,7 @@ class ServeEngine:
             if q > at:
                 feed = Prefill(model, job.prompt[at:q], row, self.prefill_chunk)
                 while not feed.finished:
+                    feed.chunk = self._chunk(job)
                     before = feed.done
                     fed = feed.step() - before
                     self._stat("prefill_tokens_total", fed)

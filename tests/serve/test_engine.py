@@ -310,6 +310,40 @@ def test_prefix_memory_cap_and_disk(model, tmp_path):
         assert fin.cache_source == "disk" and again == tokens
 
 
+def test_interactive_jobs_go_before_a_background_prefill(model):
+    """A background job (a batch's line) with a long prompt, then an interactive one: the
+    interactive job is admitted and answered while the background prefill is still going (its
+    chunks are small and take at most half the engine's time while interactive rows decode),
+    and both answer as they do alone."""
+    long, short = ids(3000, 80), ids(20, 81)
+    with ServeEngine(model, Tok(), prefill_chunk=512, background_chunk=64) as engine:
+        alone_long = collect(engine.submit(job("a", long, max_tokens=4)))[0]
+        alone_short = collect(engine.submit(job("b", short, max_tokens=8)))[0]
+    order = []
+    with ServeEngine(model, Tok(), prefill_chunk=512, background_chunk=64) as engine:
+        background = engine.submit(job("bg", long, max_tokens=4, background=True))
+        time.sleep(0.05)  # its prefill under way
+        interactive = engine.submit(job("fg", short, max_tokens=8))
+
+        def read(name, ticket):
+            got = collect(ticket)
+            order.append(name)
+            return got
+
+        threads = [
+            threading.Thread(target=lambda: results.__setitem__("bg", read("bg", background))),
+            threading.Thread(target=lambda: results.__setitem__("fg", read("fg", interactive))),
+        ]
+        results = {}
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert order == ["fg", "bg"]
+    assert results["fg"][0] == alone_short and results["bg"][0] == alone_long
+    assert results["fg"][1].ttft_s < 0.5 * results["bg"][1].ttft_s
+
+
 def test_close_writes_the_held_prefixes_to_the_store(model, tmp_path):
     """A server that closes with prefixes held in memory (under its cap: none evicted) writes
     them to the store, so the next one over the same store resumes from disk."""

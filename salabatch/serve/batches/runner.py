@@ -249,7 +249,7 @@ class BatchRunner:
             stop_strings=stops,
         )
         answer = AnswerText(self.tok, stop_strings=stops, think=think)
-        return self.engine.submit(job), answer, think
+        return self.engine.submit(replace(job, background=True)), answer, think
 
     def _record(self, batch_id, number, custom_id, answered, error: APIError | None) -> None:
         if error is not None:
