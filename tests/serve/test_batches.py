@@ -42,11 +42,15 @@ class Server:
     """A server with the Batch API over `state` (the prefix store and the batch records), in
     a uvicorn thread, as `salabatch serve` runs one."""
 
-    def __init__(self, tiny, state, *, max_file: int = 1 << 20, in_flight: int = 2) -> None:
+    def __init__(
+        self, tiny, state, *, max_file: int = 1 << 20, in_flight: int = 2, window_s=24 * 3600
+    ) -> None:
         model, tok = tiny
         self.engine = ServeEngine(model, tok, batch_size=4, max_queue=16, store_dir=state / "p")
         self.store = BatchStore(state / "batches")
-        self.runner = BatchRunner(self.engine, tok, self.store, model_id=MODEL, in_flight=in_flight)
+        self.runner = BatchRunner(
+            self.engine, tok, self.store, model_id=MODEL, in_flight=in_flight, window_s=window_s
+        )
         app = create_app(
             self.engine, tok, model_id=MODEL, routes=batch_routes(self.runner, max_file)
         )
@@ -98,7 +102,7 @@ class Server:
         return batch
 
     def done(self, batch_id: str, timeout: float = 120.0):
-        final = ("completed", "failed", "cancelled")
+        final = ("completed", "failed", "cancelled", "expired")
         return self.wait(batch_id, lambda b: b.status in final, timeout)
 
     def output(self, file_id: str | None) -> list[dict]:
@@ -200,6 +204,20 @@ def test_a_refused_field_goes_to_the_error_file_and_the_batch_completes(tiny, tm
         (err,) = s.output(batch.error_file_id)
         assert err["custom_id"] == "tools" and err["response"]["status_code"] == 400
         assert err["response"]["body"]["error"]["param"] == "tools"
+
+
+def test_a_batch_past_its_window_expires(tiny, tmp_path):
+    """A window that has closed before the batch runs: it ends expired, every line in the
+    error file with OpenAI's `batch_expired` error, no output file."""
+    lines = many(3, max_tokens=4)
+    with Server(tiny, tmp_path, window_s=0) as s:
+        batch = s.done(s.start_batch(lines).id)
+        assert batch.status == "expired" and batch.expired_at is not None
+        assert batch.output_file_id is None
+        errors = s.output(batch.error_file_id)
+        assert [e["custom_id"] for e in errors] == [x["custom_id"] for x in lines]
+        assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)
+        assert batch.request_counts.failed == 3
 
 
 def test_cancel_mid_batch(tiny, tmp_path):

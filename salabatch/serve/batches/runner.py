@@ -50,9 +50,11 @@ class BatchRunner:
         model_id: str,
         defaults: ServeDefaults = DEFAULTS,
         in_flight: int = IN_FLIGHT,
+        window_s: float = WINDOW_S,
     ) -> None:
         self.engine, self.tok, self.store = engine, tok, store
         self.model_id, self.defaults, self.in_flight = model_id, defaults, in_flight
+        self.window_s = window_s  # a batch not done this long after its creation expires
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
         self._tickets: list = []  # of the batch running: cancelled by cancel() and close()
@@ -98,7 +100,7 @@ class BatchRunner:
             "error_file_id": None,
             "created_at": now,
             "in_progress_at": None,
-            "expires_at": now + WINDOW_S,
+            "expires_at": now + round(self.window_s),
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -173,6 +175,12 @@ class BatchRunner:
         if self.store.batch(batch_id)["status"] == "cancelling":
             self._end_cancelled(batch_id)
             return
+        if self._expired(batch_id):
+            done = self.store.done_lines(batch_id)
+            for number, custom_id, _ in (x for x in lines if x[0] not in done):
+                self.store.add_line(batch_id, number, _expired_line(custom_id), failed=True)
+            self._set(batch_id, "expired", **self._write_files(batch_id))
+            return
         self._set(batch_id, "finalizing")
         self._set(batch_id, "completed", **self._write_files(batch_id))
 
@@ -181,7 +189,8 @@ class BatchRunner:
         ends; False when the runner stopped first (the rest stay unanswered)."""
         pending, running = deque(lines), deque()
         while pending or running:
-            if self._stopping or self.store.batch(batch_id)["status"] == "cancelling":
+            stop = self.store.batch(batch_id)["status"] == "cancelling" or self._expired(batch_id)
+            if self._stopping or stop:
                 for _, ticket, _ in running:
                     ticket.cancel()
                 return not self._stopping
@@ -350,12 +359,30 @@ class BatchRunner:
                 ids[key] = file_id
         return ids
 
+    def _expired(self, batch_id: str) -> bool:
+        """Whether the batch's completion window has passed (its unanswered lines then end with
+        `batch_expired` errors, its answered ones in its output file)."""
+        return time.time() >= self.store.batch(batch_id)["expires_at"]
+
     def _end_cancelled(self, batch_id: str) -> None:
         self._set(batch_id, "cancelled", **self._write_files(batch_id))
 
     def _set(self, batch_id: str, status: str, **fields) -> None:
         at = {} if status == "validating" else {f"{status}_at": int(time.time())}
         self.store.update_batch(batch_id, lambda b: {**b, **fields, **at, "status": status})
+
+
+def _expired_line(custom_id: str) -> dict:
+    """The error-file line of a request the batch's window closed on, as OpenAI writes it."""
+    return {
+        "id": new_id("batch_req"),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {
+            "code": "batch_expired",
+            "message": "This request could not be executed before the completion window expired.",
+        },
+    }
 
 
 def _refused(e: SalabatchError) -> APIError:
