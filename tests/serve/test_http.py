@@ -463,12 +463,23 @@ def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(serve
 # ---- the command ---------------------------------------------------------------------------
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: held together while chosen (one at a time, a port just released
+    can be handed out again, and two servers would then race for it)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 @contextmanager
-def serve_process(tmp_path: Path, *args: str, env: dict | None = None):
-    """`salabatch serve` on builtin:tiny in a process; yields (port, its stderr file)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def serve_process(tmp_path: Path, port: int, *args: str, env: dict | None = None):
+    """`salabatch serve` on builtin:tiny in a process on `port`; yields (port, the process,
+    its stderr file)."""
     log = tmp_path / f"serve-{port}.log"
     command = [
         sys.executable,
@@ -482,7 +493,7 @@ def serve_process(tmp_path: Path, *args: str, env: dict | None = None):
     ]
     with log.open("w") as err:
         process = subprocess.Popen(
-            [*command, "--state-dir", str(tmp_path / "state"), *args],
+            [*command, "--state-dir", str(tmp_path / f"state-{port}"), *args],
             stderr=err,
             stdout=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
@@ -516,9 +527,14 @@ def get(port: int, path: str, key: str | None = None) -> int:
 
 
 def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path):
+    first, second = free_ports(2)
     with (
-        serve_process(tmp_path, "--host", "0.0.0.0") as (open_port, opened, open_log),
-        serve_process(tmp_path, env={"SALABATCH_API_KEY": KEY}) as (port, keyed, keyed_log),
+        serve_process(tmp_path, first, "--host", "0.0.0.0") as (open_port, opened, open_log),
+        serve_process(tmp_path, second, env={"SALABATCH_API_KEY": KEY}) as (
+            port,
+            keyed,
+            keyed_log,
+        ),
     ):
         wait_healthy(open_port, opened)
         wait_healthy(port, keyed)

@@ -40,6 +40,26 @@ def new_id(kind: str) -> str:
     return f"{kind}{sep}{uuid.uuid4().hex}"
 
 
+OPEN_WAIT_S = 30.0  # how long a store waits for another process that holds the database
+
+
+def _setup(db: sqlite3.Connection) -> None:
+    """WAL, synced commits and the schema. Switching to WAL needs the database to itself and
+    does not wait on another connection (a second server starting on the same state dir):
+    retried until OPEN_WAIT_S has passed."""
+    deadline = time.monotonic() + OPEN_WAIT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
+            db.executescript(SCHEMA)
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class BatchStore:
     """Files and batches under `root` (made if missing)."""
 
@@ -49,11 +69,12 @@ class BatchStore:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
-            self.root / "batches.sqlite", check_same_thread=False, isolation_level=None
+            self.root / "batches.sqlite",
+            check_same_thread=False,
+            isolation_level=None,
+            timeout=OPEN_WAIT_S,
         )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
-        self._db.executescript(SCHEMA)
+        _setup(self._db)
 
     def close(self) -> None:
         with self._lock:
