@@ -477,9 +477,17 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def serve_process(tmp_path: Path, port: int, *args: str, env: dict | None = None):
-    """`salabatch serve` on builtin:tiny in a process on `port`; yields (port, the process,
-    its stderr file)."""
+def serve_process(
+    tmp_path: Path,
+    *args: str,
+    port: int | None = None,
+    state: Path | None = None,
+    env: dict | None = None,
+):
+    """`salabatch serve` on builtin:tiny in a process (on `port`, default a free one; its
+    state dir `state`, default tmp_path/state); yields (port, the process, its stderr file)."""
+    port = port or free_ports(1)[0]
+    state = state or tmp_path / "state"
     log = tmp_path / f"serve-{port}.log"
     command = [
         sys.executable,
@@ -493,7 +501,7 @@ def serve_process(tmp_path: Path, port: int, *args: str, env: dict | None = None
     ]
     with log.open("w") as err:
         process = subprocess.Popen(
-            [*command, "--state-dir", str(tmp_path / f"state-{port}"), *args],
+            [*command, "--state-dir", str(state), *args],
             stderr=err,
             stdout=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
@@ -528,13 +536,11 @@ def get(port: int, path: str, key: str | None = None) -> int:
 
 def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path):
     first, second = free_ports(2)
+    opened_at = {"port": first, "state": tmp_path / "open"}
+    keyed_at = {"port": second, "state": tmp_path / "keyed", "env": {"SALABATCH_API_KEY": KEY}}
     with (
-        serve_process(tmp_path, first, "--host", "0.0.0.0") as (open_port, opened, open_log),
-        serve_process(tmp_path, second, env={"SALABATCH_API_KEY": KEY}) as (
-            port,
-            keyed,
-            keyed_log,
-        ),
+        serve_process(tmp_path, "--host", "0.0.0.0", **opened_at) as (open_port, opened, open_log),
+        serve_process(tmp_path, **keyed_at) as (port, keyed, keyed_log),
     ):
         wait_healthy(open_port, opened)
         wait_healthy(port, keyed)
