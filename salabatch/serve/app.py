@@ -193,20 +193,11 @@ class _Server:
             raise APIError(400, str(e), param="messages") from None
         answer = AnswerText(self.tok, stop_strings=stops, think=think)
         ticket = self._submit(job, "messages")
-        reply = _Reply(job.id, "chat.completion", self.model_id, int(time.time()))
+        reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
             return _EventStream(self._chat_chunks(ticket, answer, reply, include_usage), ticket)
         finished = await _collect(ticket, answer, request)
-        message = {"role": "assistant", "content": answer.content, "refusal": None}
-        if think:
-            message["reasoning_content"] = answer.reasoning
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": finished.finish_reason,
-        }
-        return JSONResponse(reply.body([choice], usage(finished)))
+        return JSONResponse(chat_completion(reply, answer, think, finished))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
@@ -221,7 +212,7 @@ class _Server:
         )
         answer = AnswerText(self.tok, stop_strings=stops, split_think=False)
         ticket = self._submit(job, "prompt")
-        reply = _Reply(job.id, "text_completion", self.model_id, int(time.time()))
+        reply = Reply(job.id, "text_completion", self.model_id, int(time.time()))
         if stream:
             return _EventStream(self._text_chunks(ticket, answer, reply, include_usage), ticket)
         finished = await _collect(ticket, answer, request)
@@ -234,12 +225,7 @@ class _Server:
         return JSONResponse(reply.body([choice], usage(finished)))
 
     def _sampling(self, body: dict):
-        """The body's sampling settings and max tokens; a request without a seed gets a fresh
-        one unless the server has a default (a seed matters only with temperature > 0)."""
-        defaults = self.defaults
-        if defaults.seed is None:
-            defaults = replace(defaults, seed=secrets.randbits(31))
-        return openai_api.sampling(body, defaults)
+        return sampling(body, self.defaults)
 
     async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
         """The request's JSON object, its fields checked and its model the one served."""
@@ -248,13 +234,7 @@ class _Server:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "model is missing", param="model")
-        if model != self.model_id:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(model, self.model_id)
         return body
 
     def _submit(self, job: Job, param: str) -> Ticket:
@@ -279,7 +259,7 @@ class _Server:
     # ---- streams -------------------------------------------------------------------------
 
     async def _chat_chunks(
-        self, ticket: Ticket, answer: AnswerText, reply: _Reply, include_usage: bool
+        self, ticket: Ticket, answer: AnswerText, reply: Reply, include_usage: bool
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
@@ -308,7 +288,7 @@ class _Server:
         yield b"data: [DONE]\n\n"
 
     async def _text_chunks(
-        self, ticket: Ticket, answer: AnswerText, reply: _Reply, include_usage: bool
+        self, ticket: Ticket, answer: AnswerText, reply: Reply, include_usage: bool
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
@@ -331,7 +311,7 @@ class _Server:
 
 
 @dataclass(frozen=True)
-class _Reply:
+class Reply:
     """What every object of one response shares: its id, kind and model."""
 
     id: str
@@ -361,6 +341,39 @@ class _Reply:
             "system_fingerprint": None,
             **extra,
         }
+
+
+def chat_completion(reply: Reply, answer: AnswerText, think: bool, finished: Finished) -> dict:
+    """The chat.completion object of a finished answer (the reasoning apart with `think`)."""
+    message = {"role": "assistant", "content": answer.content, "refusal": None}
+    if think:
+        message["reasoning_content"] = answer.reasoning
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finished.finish_reason,
+    }
+    return reply.body([choice], usage(finished))
+
+
+def sampling(body: dict, defaults: ServeDefaults):
+    """The body's sampling settings and max tokens; a request without a seed gets a fresh one
+    unless the server has a default (a seed matters only with temperature > 0)."""
+    if defaults.seed is None:
+        defaults = replace(defaults, seed=secrets.randbits(31))
+    return openai_api.sampling(body, defaults)
+
+
+def check_model(model: str, served: str) -> None:
+    """APIError 404 unless `model` is the one served."""
+    if model != served:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def usage(finished: Finished) -> dict:

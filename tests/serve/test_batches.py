@@ -5,89 +5,54 @@ field, cancel, a restart mid-batch on the same state dir, chat answered while a 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import openai
 import pytest
-import uvicorn
 from openai.types.chat import ChatCompletion
 
-from salabatch.serve.app import create_app
 from salabatch.serve.batches.routes import batch_routes
 from salabatch.serve.batches.runner import BatchRunner
 from salabatch.serve.batches.store import BatchStore
 from salabatch.serve.engine import ServeEngine
-from tests import REPO
+from tests.serve.test_http import DOCS, MODEL, Served
+from tests.serve.test_http import QUESTIONS as ASKED
 
-MODEL = "builtin:tiny"
-DOCS = REPO / "jobs" / "demo" / "docs"
-QUESTIONS = [
-    "Give the service provider of this agreement.",
-    "Tell me the Client in the contract.",
-    "What is the total fee under the agreement?",
-    "Find the commencement date.",
-]
+QUESTIONS = ASKED[:4]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    import salabatch
-
-    return salabatch.load(MODEL)
-
-
-class Server:
+class Server(Served):
     """A server with the Batch API over `state` (the prefix store and the batch records), in
-    a uvicorn thread, as `salabatch serve` runs one."""
+    a uvicorn thread, as `salabatch serve` runs one; `api` its openai client."""
 
     def __init__(
         self, tiny, state, *, max_file: int = 1 << 20, in_flight: int = 2, window_s=24 * 3600
     ) -> None:
         model, tok = tiny
-        self.engine = ServeEngine(model, tok, batch_size=4, max_queue=16, store_dir=state / "p")
+        engine = ServeEngine(model, tok, batch_size=4, max_queue=16, store_dir=state / "p")
         self.store = BatchStore(state / "batches")
         self.runner = BatchRunner(
-            self.engine, tok, self.store, model_id=MODEL, in_flight=in_flight, window_s=window_s
+            engine, tok, self.store, model_id=MODEL, in_flight=in_flight, window_s=window_s
         )
-        app = create_app(
-            self.engine, tok, model_id=MODEL, routes=batch_routes(self.runner, max_file)
-        )
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
-        port = self.sock.getsockname()[1]
-        self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
-        )
+        super().__init__(engine, tok, routes=batch_routes(self.runner, max_file))
+        self.api = self.client("none")  # no key is asked for
 
     def __enter__(self) -> Server:
-        self.engine.start()
+        super().__enter__()
         self.runner.start()
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
         self.runner.close()
-        self.engine.close()
+        super().__exit__(*exc)
         self.store.close()
-        self.sock.close()
 
     def upload(self, lines: list[dict]) -> str:
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        return self.client.files.create(file=("in.jsonl", data), purpose="batch").id
+        return self.api.files.create(file=("in.jsonl", data), purpose="batch").id
 
     def start_batch(self, lines: list[dict]):
-        return self.client.batches.create(
+        return self.api.batches.create(
             input_file_id=self.upload(lines),
             endpoint="/v1/chat/completions",
             completion_window="24h",
@@ -96,7 +61,7 @@ class Server:
 
     def wait(self, batch_id: str, until, timeout: float = 120.0):
         deadline = time.monotonic() + timeout
-        while not until(batch := self.client.batches.retrieve(batch_id)):
+        while not until(batch := self.api.batches.retrieve(batch_id)):
             assert time.monotonic() < deadline, f"timed out: {batch}"
             time.sleep(0.05)
         return batch
@@ -108,7 +73,7 @@ class Server:
     def output(self, file_id: str | None) -> list[dict]:
         if file_id is None:
             return []
-        return [json.loads(x) for x in self.client.files.content(file_id).text.splitlines()]
+        return [json.loads(x) for x in self.api.files.content(file_id).text.splitlines()]
 
 
 def line(custom_id: str, doc: str, question: str, **body) -> dict:
@@ -158,28 +123,28 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         assert sum(c > 0 for c in cached[5:8]) >= 2, cached
 
         # the files: listed, retrieved, deleted; unknown ids and big files refused
-        ids = {f.id for f in s.client.files.list()}
+        ids = {f.id for f in s.api.files.list()}
         assert {batch.input_file_id, batch.output_file_id} <= ids
-        assert s.client.files.retrieve(batch.output_file_id).purpose == "batch_output"
-        assert s.client.batches.list(limit=5).data[0].id == batch.id
-        assert s.client.files.delete(batch.input_file_id).deleted
+        assert s.api.files.retrieve(batch.output_file_id).purpose == "batch_output"
+        assert s.api.batches.list(limit=5).data[0].id == batch.id
+        assert s.api.files.delete(batch.input_file_id).deleted
         with pytest.raises(openai.NotFoundError):
-            s.client.files.retrieve(batch.input_file_id)
+            s.api.files.retrieve(batch.input_file_id)
         with pytest.raises(openai.NotFoundError):
-            s.client.batches.retrieve("batch_nope")
+            s.api.batches.retrieve("batch_nope")
         with pytest.raises(openai.APIStatusError) as e:
-            s.client.files.create(file=("big.jsonl", b"x" * (2 << 20)), purpose="batch")
+            s.api.files.create(file=("big.jsonl", b"x" * (2 << 20)), purpose="batch")
         assert e.value.status_code == 413
 
 
 def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
     good = line("a", "redwater-robotics.txt", QUESTIONS[0])
     with Server(tiny, tmp_path) as s:
-        file_id = s.client.files.create(
+        file_id = s.api.files.create(
             file=("bad.jsonl", (json.dumps(good) + "\nnot json\n" + json.dumps(good)).encode()),
             purpose="batch",
         ).id
-        batch = s.client.batches.create(
+        batch = s.api.batches.create(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         batch = s.done(batch.id)
@@ -224,7 +189,7 @@ def test_cancel_mid_batch(tiny, tmp_path):
     with Server(tiny, tmp_path) as s:
         batch = s.start_batch(many(40, 48))
         s.wait(batch.id, lambda b: b.request_counts.completed >= 2)
-        assert s.client.batches.cancel(batch.id).status == "cancelling"
+        assert s.api.batches.cancel(batch.id).status == "cancelling"
         batch = s.done(batch.id)
         assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
         done = batch.request_counts.completed
@@ -239,7 +204,7 @@ def test_a_restart_mid_batch_answers_every_line_once(tiny, tmp_path):
         batch = s.start_batch(lines)
         s.wait(batch.id, lambda b: b.request_counts.completed >= 3)
     with Server(tiny, tmp_path) as s:  # the same state dir: the batch resumes
-        before = s.client.batches.retrieve(batch.id)
+        before = s.api.batches.retrieve(batch.id)
         assert before.status == "in_progress" and 3 <= before.request_counts.completed < 16
         batch = s.done(batch.id)
         assert batch.status == "completed" and batch.request_counts.completed == 16
@@ -253,12 +218,12 @@ def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
         batch = s.start_batch(many(30, 48))
         s.wait(batch.id, lambda b: b.request_counts.completed >= 1)
         messages = [{"role": "user", "content": "Who is the provider?"}]
-        reply = s.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        reply = s.api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
         assert reply.choices[0].message.content is not None
-        running = s.client.batches.retrieve(batch.id)
+        running = s.api.batches.retrieve(batch.id)
         assert running.status == "in_progress", running  # the chat did not wait for the batch
         assert running.request_counts.completed < 30
-        s.client.batches.cancel(batch.id)
+        s.api.batches.cancel(batch.id)
         assert s.done(batch.id).status == "cancelled"
 
 

@@ -9,7 +9,6 @@ import re
 import shutil
 import time
 
-import pytest
 from click.testing import CliRunner
 
 from salabatch.cli import main
@@ -24,13 +23,6 @@ SUMMARY = re.compile(
     r"first token after [\d.]+ s; (stop|length)\]"
 )
 STOPPED = re.compile(r"\[stopped after (\d+) tokens, [\d.]+ tok/s\]")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    import salabatch
-
-    return salabatch.load(MODEL)
 
 
 def turns(text: str) -> list[dict]:

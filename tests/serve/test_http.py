@@ -43,13 +43,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    import salabatch
-
-    return salabatch.load(MODEL)
-
-
 class Served:
     """A uvicorn server in a thread over `create_app(engine, ...)`, on a socket bound here."""
 

@@ -16,7 +16,6 @@ on from their recorded lines (none answered twice); cancelling ones end cancelle
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import time
 from collections import deque
@@ -26,7 +25,15 @@ from salabatch import openai_api
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
-from salabatch.serve.app import APIError, ServeDefaults, engine_error, usage
+from salabatch.serve.app import (
+    APIError,
+    Reply,
+    ServeDefaults,
+    chat_completion,
+    check_model,
+    engine_error,
+    sampling,
+)
 from salabatch.serve.batches.store import BatchStore, new_id
 from salabatch.serve.completion import AnswerText, chat_job
 from salabatch.serve.engine import EngineClosed, Failed, QueueFull, ServeEngine, Token
@@ -234,19 +241,10 @@ class BatchRunner:
         """(ticket, AnswerText, think) of a line's body, checked as the chat endpoint checks
         one."""
         openai_api.check_fields(body, openai_api.HONOURED)
-        model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+        if body.get("model") is not None:
+            check_model(body["model"], self.model_id)
         messages = openai_api.messages(body.get("messages"))
-        defaults = self.defaults
-        if defaults.seed is None:
-            defaults = replace(defaults, seed=secrets.randbits(31))
-        params, max_tokens = openai_api.sampling(body, defaults)
+        params, max_tokens = sampling(body, self.defaults)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
         stops = openai_api.stop(body.get("stop"))
         job = chat_job(
@@ -265,27 +263,8 @@ class BatchRunner:
             request_id, status, body = new_id("batch_req"), error.status, error.body
         else:
             request_id, answer, think, finished = answered
-            message = {"role": "assistant", "content": answer.content, "refusal": None}
-            if think:
-                message["reasoning_content"] = answer.reasoning
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finished.finish_reason,
-            }
-            status, body = (
-                200,
-                {
-                    "id": request_id,
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": self.model_id,
-                    "choices": [choice],
-                    "usage": usage(finished),
-                    "system_fingerprint": None,
-                },
-            )
+            reply = Reply(request_id, "chat.completion", self.model_id, int(time.time()))
+            status, body = 200, chat_completion(reply, answer, think, finished)
         output = {
             "id": new_id("batch_req"),
             "custom_id": custom_id,
