@@ -27,6 +27,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.decode import decode
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
+from salabatch.engine.speculative import OFF, Speculation
 
 if TYPE_CHECKING:
     from salabatch.engine.detokenizer import StreamingDetokenizer
@@ -94,6 +95,9 @@ class Request:
     max_tokens: int = 256
     stop: frozenset[int] = frozenset()  # stop token ids
     stop_strings: tuple[str, ...] = ()  # needs a Generator with a detokenizer
+    # The tokens before `prompt` that the row continues (its document), where the `lookup`
+    # drafter looks for what came next; the prompt and answer are searched too.
+    context: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not all(self.stop_strings):
@@ -115,6 +119,8 @@ class Generation:
     ttft_s: float = 0.0  # from its admission to its first token
     decode_s: float = 0.0  # from its first token to its last
     batch_size: int = 1  # most rows decoding together while it ran
+    draft_tokens: int = 0  # tokens drafted for it (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted by the full model
     last_token: int | None = None  # the newest token read (a stop token is not in `tokens`)
     _detok: StreamingDetokenizer | None = field(default=None, repr=False, compare=False)
     _scanned: int = field(default=0, repr=False, compare=False)  # text searched for stop strings
@@ -157,6 +163,7 @@ class Generator:
         prefill_chunk: int = 2048,
         on_token: Callable[[Request, int], None] | None = None,
         detokenizer: Callable[[], StreamingDetokenizer] | None = None,
+        speculation: Speculation = OFF,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be ≥ 1")
@@ -165,6 +172,7 @@ class Generator:
         self.prefill_chunk = prefill_chunk
         self.on_token = on_token
         self.detokenizer = detokenizer
+        self.speculation = speculation
 
     def generate(
         self, requests: Iterable[Request], prefix: ModelCache | None = None
@@ -183,6 +191,7 @@ class Generator:
             forked=prefix is not None,
             on_token=self.on_token,
             detokenizer=self.detokenizer,
+            speculation=self.speculation,
         )
         while waiting or batch:
             while waiting and len(batch) < self.batch_size:
@@ -225,8 +234,10 @@ class Batch:
         on_token: Callable[[Request, int], None] | None = None,
         detokenizer: Callable[[], StreamingDetokenizer] | None = None,
         reserve_ahead: int | None = None,
+        speculation: Speculation = OFF,
     ) -> None:
         self.model, self.forked, self.reserve_ahead = model, forked, reserve_ahead
+        self.speculation = speculation
         self.on_token, self.detokenizer = on_token, detokenizer
         self.rows: list[Generation] = []
         self.cache: ModelCache | None = None
