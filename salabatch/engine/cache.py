@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
+from salabatch.engine.kernels.gla import gla_replay
 from salabatch.engine.sparse_cache import SharedKeys, SparseKVCache
 from salabatch.errors import CacheFormatError
 
@@ -37,6 +39,10 @@ class LightningCache:
 
     def __init__(self, state: mx.array | None = None) -> None:
         self.state = state
+        # While a call may be taken back (`ModelCache.checkpoint`): the (k, v) [B, H, T, d]
+        # float32 and log-decay g [H] each call since fed the recurrence, from which `rollback`
+        # replays the state.
+        self.record: list[tuple[mx.array, mx.array, mx.array]] | None = None
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> LightningCache:
@@ -72,11 +78,34 @@ class LightningCache:
     def nbytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes
 
+    def rollback(self, state: mx.array, keep: Sequence[int]) -> None:
+        """The state after the first keep[b] tokens fed to row b since it was `state`, replayed
+        from the record with the decode step's arithmetic (`gla_replay`)."""
+        record, self.record = self.record, None
+        if not any(keep):
+            self.state = state
+            return
+        if record is None or sum(k.shape[2] for k, _, _ in record) < max(keep):
+            raise ValueError("rolling a lightning layer forward needs the calls' record")
+        k = mx.concatenate([k for k, _, _ in record], axis=2)
+        v = mx.concatenate([v for _, v, _ in record], axis=2)
+        self.state = gla_replay(k, v, record[0][2], state, mx.array(list(keep), dtype=mx.int32))
+
 
 LayerCache = LightningCache | SparseKVCache
 
 # kind → class: what `ModelCache` builds for a layer of that kind, and reads back from disk.
 LAYER_CACHES: dict[str, type[LayerCache]] = {c.kind: c for c in (LightningCache, SparseKVCache)}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a cache held before calls that may be partly taken back (`ModelCache.checkpoint`):
+    the rows' positions, and per layer its lightning state (an array: a reference is a copy, as
+    MLX arrays never change) or its sparse rows' own lengths."""
+
+    positions: tuple[int, ...]
+    layers: tuple[mx.array | tuple[int, ...] | None, ...]
 
 
 class ModelCache:
@@ -139,6 +168,36 @@ class ModelCache:
         if len(set(start)) == 1:
             return start[0]
         return mx.array(start, dtype=mx.int32)
+
+    # -- taking tokens back (speculative decoding, ragged batches) ----------------------------
+    def checkpoint(self, verify: bool = True) -> Checkpoint:
+        """Marks the cache as it is, so that `rollback` can keep any number of the tokens fed to
+        each row after it. `verify`: the calls until then are a verify pass: every layer feeds
+        their tokens one by one with the decode step's arithmetic (sparse layers `stepwise`),
+        and lightning layers record what they feed their recurrence (which rolling back to a
+        point other than this one needs). Without, only rolling back to here is possible."""
+        layers = []
+        for c in self.layers:
+            if isinstance(c, SparseKVCache):
+                layers.append(tuple(c.keys.lengths))
+                c.stepwise = verify
+            else:
+                layers.append(c.state)
+                c.record = [] if verify else None
+        return Checkpoint(tuple(self.positions), tuple(layers))
+
+    def rollback(self, point: Checkpoint, keep: Sequence[int]) -> None:
+        """Keeps the first keep[b] tokens fed to row b since `point`, as if the rest were never
+        fed: lightning states replayed exactly (`LightningCache.rollback`), sparse keys, values
+        and compressed chunks cut, positions set back. The rows must be the checkpoint's."""
+        if len(keep) != len(point.positions) or self.rows != len(keep):
+            raise ValueError(f"rollback of {len(keep)} rows, the cache has {self.rows}")
+        for c, before in zip(self.layers, point.layers, strict=True):
+            if isinstance(c, SparseKVCache):
+                c.truncate([n + k for n, k in zip(before, keep, strict=True)])
+            else:
+                c.rollback(before, keep)
+        self.positions = [p + k for p, k in zip(point.positions, keep, strict=True)]
 
     # -- batches -------------------------------------------------------------------------------
     def fork(self, n: int) -> ModelCache:

@@ -27,7 +27,16 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.decode import decode
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
-from salabatch.engine.speculative import OFF, Speculation
+from salabatch.engine.speculative import (
+    OFF,
+    Layers,
+    Lookup,
+    Policy,
+    RowStats,
+    RowText,
+    Speculation,
+    verify,
+)
 
 if TYPE_CHECKING:
     from salabatch.engine.detokenizer import StreamingDetokenizer
@@ -127,6 +136,8 @@ class Generation:
     _admitted: float = field(default=0.0, repr=False, compare=False)
     _first_at: float = field(default=0.0, repr=False, compare=False)
     _sampled: int = field(default=0, repr=False, compare=False)  # tokens drawn, read or not
+    _text: RowText | None = field(default=None, repr=False, compare=False)  # lookup drafting
+    _stats: RowStats = field(default_factory=RowStats, repr=False, compare=False)
 
     @property
     def done(self) -> bool:
@@ -238,6 +249,9 @@ class Batch:
     ) -> None:
         self.model, self.forked, self.reserve_ahead = model, forked, reserve_ahead
         self.speculation = speculation
+        self._lookup = Lookup() if speculation.draft in ("lookup", "auto") else None
+        self._layers = Layers(model, speculation.layers) if speculation.draft == "layers" else None
+        self._policy = Policy(speculation)
         self.on_token, self.detokenizer = on_token, detokenizer
         self.rows: list[Generation] = []
         self.cache: ModelCache | None = None
@@ -294,6 +308,9 @@ class Batch:
             return []
         for g in rows:
             g.batch_size = max(g.batch_size, len(rows))
+        if self.speculation.draft != "off" and self._policy.speculate():
+            return self._speculative_step()
+        self._policy.plain_step(len(rows))
         logits = decode(self.model, self._feed, self.cache)
         params = [g.request.params for g in rows]
         drawn = sample_tokens(logits, params, [g._sampled for g in rows], self._counts)
@@ -312,6 +329,108 @@ class Batch:
         if len(keep) < len(rows):
             self._keep(keep)
         return rows
+
+    # -- speculative decoding (salabatch.engine.speculative) -----------------------------------
+    def _speculative_step(self) -> list[Generation]:
+        """Reads the rows' newest tokens, drafts after them and verifies the drafts in one pass
+        of the model (`speculative.verify`); every row reads its accepted drafts, and the
+        model's token after them is drawn for the next step. Without a draft in any row, a plain
+        step. Not pipelined: the drafts need the tokens read."""
+        began = time.perf_counter()
+        rows = self.rows
+        newest = self._feed.tolist()
+        for g, token in zip(rows, newest, strict=True):
+            self._read(g, token, began)
+        alive = [b for b, g in enumerate(rows) if not g.done]
+        if len(alive) < len(rows):
+            self._keep(alive)
+        if not self.rows:
+            return rows
+        newest = [newest[b] for b in alive]
+        live = self.rows
+        drafts, q = self._drafts(live)
+        params = [g.request.params for g in live]
+        steps = [g._sampled for g in live]
+        counts = self._counts
+        if not any(drafts):  # a plain step, its token read at the next
+            logits = decode(self.model, self._feed, self.cache)
+            self._drawn(live, [[]] * len(live), sample_tokens(logits, params, steps, counts))
+            mx.eval(self._feed)
+            self._policy.verify_pass(len(live), len(live), time.perf_counter() - began)
+            return rows
+        T = 1 + max(map(len, drafts))
+        ids = [[t, *d] + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts, strict=True)]
+        point = self.cache.checkpoint()
+        logits = self.model(mx.array(ids, dtype=mx.int32), self.cache)  # [B, T, vocab]
+        first = sample_tokens(logits[:, 0], params, steps, counts)
+        verdicts = verify(logits, drafts, params, steps, first, q)
+        self.cache.rollback(point, [v.accepted + 1 for v in verdicts])
+        now = time.perf_counter()
+        produced = 0
+        for g, d, v in zip(live, drafts, verdicts, strict=True):
+            g.draft_tokens += len(d)
+            g.accepted_tokens += v.accepted
+            g._stats.passed(len(d), v.accepted)
+            for token in d[: v.accepted]:
+                if not g.done:
+                    self._read(g, token, now)
+                    produced += 1
+            produced += 1
+        self._policy.verify_pass(len(live), produced, now - began)
+        kept = [d[: v.accepted] for d, v in zip(drafts, verdicts, strict=True)]
+        self._drawn(live, kept, mx.array([v.next_token for v in verdicts], dtype=mx.int32))
+        return rows
+
+    def _drafts(self, rows: list[Generation]) -> tuple[list[list[int]], mx.array | None]:
+        """Each row's drafts (none for a row with penalties, or that `auto` rests), at most
+        `tokens`, its room to max_tokens, and what keeps the pass on one side of dense_len (a
+        pass over it would attend as one call does, sparsely from its first query: SPEC P7).
+        With the `layers` drafter, also the draft distributions of rows with a temperature."""
+        k = self._policy.tokens
+        dense_len = self.model.config.sparse.dense_len
+        # every row is fed the pass's length, so its side of dense_len bounds every row's drafts
+        side = min(dense_len - 1 - p if p + 1 < dense_len else k for p in self.cache.positions)
+        limits = [
+            max(0, min(k, side, g.request.max_tokens - len(g.tokens) - 1))
+            if not penalized([g.request.params]) and self._policy.drafts_for(g._stats)
+            else 0
+            for g in rows
+        ]
+        limit = max(limits)
+        if not limit:
+            return [[] for _ in rows], None
+        if self._layers is not None:
+            params = [g.request.params for g in rows]
+            drafted, q = self._layers.propose(
+                self.cache, self._feed, params, [g._sampled for g in rows], limit
+            )
+            return [d[:n] for d, n in zip(drafted.tolist(), limits, strict=True)], q
+        drafts = []
+        for g, n in zip(rows, limits, strict=True):
+            if g._text is None:
+                g._text = RowText(g.request.context, list(g.request.prompt))
+            g._text.own[len(g.request.prompt) :] = g.tokens
+            drafts.append(self._lookup.propose(g._text, n))
+        return drafts, None
+
+    def _drawn(self, rows: list[Generation], kept: list[list[int]], drawn: mx.array) -> None:
+        """After a step that read `kept[b]` more tokens of row b and drew `drawn` [B] (read at
+        the next step): the rows' random steps and token counts move on."""
+        for g, d in zip(rows, kept, strict=True):
+            g._sampled += len(d) + 1
+        if self._counts is not None:
+            at = [(b, t) for b, d in enumerate(kept) for t in d]
+            if at:
+                b, t = zip(*at, strict=True)
+                self._counts = self._counts.at[mx.array(b), mx.array(t)].add(1)
+            self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
+        self._feed = drawn
+        mx.async_eval(
+            drawn, *self.cache.arrays(), *([] if self._counts is None else [self._counts])
+        )
+        keep = [b for b, g in enumerate(rows) if not g.done]
+        if len(keep) < len(rows):
+            self._keep(keep)
 
     def _join(self) -> None:
         joined, self._joining = self._joining, []

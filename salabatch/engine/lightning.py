@@ -15,7 +15,7 @@ import mlx.nn as nn
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels.gates import sigmoid_mul
-from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed
+from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed, gla_stepwise
 from salabatch.engine.linear import Linear, fuse
 
 
@@ -57,9 +57,15 @@ class LightningAttention(nn.Module):
         # A decode step has the same shapes every time: one compiled graph per batch size
         # replaces ~25 op dispatches; the weights are its implicit inputs, so it sees updates.
         self._step = mx.compile(self._forward, inputs=self.state)
+        self._verify = mx.compile(self._recorded, inputs=self.state)  # per T and batch size
 
     def __call__(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
         """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
+        if cache.record is not None:  # a verify pass: token by token, recorded
+            positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
+            y, cache.state, k, v = self._verify(x, cache.state, positions)
+            cache.record.append((k, v, self._log_decay))
+            return y
         if x.shape[1] == 1 and cache.state is not None:
             positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
             y, cache.state = self._step(x, cache.state, positions)
@@ -112,11 +118,26 @@ class LightningAttention(nn.Module):
     ) -> tuple[mx.array, mx.array]:
         cache = LightningCache(state)
         o = self.core(x, cache, offset).astype(x.dtype)
+        return self._out(o, x), cache.state
+
+    def _recorded(
+        self, x: mx.array, state: mx.array, offset: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """A verify pass's call: `_forward` token by token (`gla_stepwise`) → (y, the state,
+        and the k, v [B, H, T, d] float32 it fed the recurrence, for a rollback)."""
+        cache = LightningCache(state)
+        cache.record = []
+        o = self.core(x, cache, offset).astype(x.dtype)
+        ((k, v, _),) = cache.record
+        return self._out(o, x), cache.state, k, v
+
+    def _out(self, o: mx.array, x: mx.array) -> mx.array:
+        """The recurrence's output o [B, T, H*dv] → o_norm → × sigmoid(z_proj(x)) → o_proj."""
         if "o_norm" in self:
             o = self.o_norm(o)
         if "z_proj" in self:
             o = sigmoid_mul(o, self.z_proj(x))
-        return self.o_proj(o), cache.state
+        return self.o_proj(o)
 
     def core(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
         """The recurrence's output [B, T, H*dv] in float32, before o_norm and the gate."""
@@ -134,7 +155,12 @@ class LightningAttention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-        o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
+        if cache.record is not None:  # decode's arithmetic per token; rollback replays it
+            f32 = mx.float32
+            cache.record.append((k.astype(f32), v.astype(f32), self._log_decay))
+            o, cache.state = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
+        else:
+            o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
         return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]
 
 

@@ -1,5 +1,5 @@
 """The model's linear layers: `nn.Linear`, whose float32 products of a few rows on the CPU (a
-decode step's batch) go to the native `rows_matmul` instead of BLAS.
+decode step's batch, a verify pass) go to the native `rows_matmul` instead of BLAS.
 
 OpenBLAS packs the whole weight matrix for every float32 matmul of 2+ rows; at a decode batch
 of 8 that costs several times the arithmetic (benchmarks/README.md). The native product reads
@@ -20,8 +20,11 @@ import mlx.nn as nn
 from salabatch.engine.kernels import native
 from salabatch.engine.kernels.attention import on_gpu
 
-# rows of x (all leading axes together) for which the native product is used
-NATIVE_ROWS = range(1, 17)
+# rows of x (all leading axes together) for which the native product is used: a decode batch,
+# and a verify pass of drafted tokens (8 rows × 5 positions = 40; 8 × 9 at 8 drafts), where
+# OpenBLAS's packing of the whole weight costs several times the product (10-16x at 24-128 rows
+# on the 2-core VM, `bench spec`'s history in benchmarks/README.md)
+NATIVE_ROWS = range(1, 129)
 
 
 class Linear(nn.Linear):

@@ -89,6 +89,19 @@ def sample_tokens(
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if all(p.temperature == 0 for p in params):
         return greedy
+    drawn = draw(truncated(logits, params), step_keys([p.seed for p in params], steps))
+    hot = column((p.temperature > 0 for p in params), mx.bool_)[:, 0]
+    return mx.where(hot, drawn, greedy)
+
+
+def truncated(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """The logits [B, V] (float32, penalties applied) a row with temperature draws from: divided
+    by its temperature, -inf outside its top-k, top-p and min-p (what `sample_tokens` draws
+    from; a row at temperature 0 gets its logits as they are)."""
+
+    def column(values, dtype=mx.float32) -> mx.array:
+        return mx.array(list(values), dtype=dtype)[:, None]  # [B, 1]
+
     logits = logits / column(p.temperature or 1.0 for p in params)
     V = logits.shape[-1]
     ranked = -mx.sort(-logits, axis=-1)  # [B, V] descending
@@ -101,11 +114,13 @@ def sample_tokens(
     edge = mx.take_along_axis(ranked, kept - 1, axis=-1)  # the last token kept, [B, 1]
     floor = column(math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params)
     edge = mx.maximum(edge, ranked[:, :1] + floor)
-    logits = mx.where(logits >= edge, logits, -mx.inf)
-    keys = step_keys([p.seed for p in params], steps)
+    return mx.where(logits >= edge, logits, -mx.inf)
+
+
+def draw(logits: mx.array, keys: mx.array) -> mx.array:
+    """One token per row from softmax(logits [B, V]), row b with its key keys[b] → [B] int32."""
     drawn = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(logits, keys)
-    hot = column((p.temperature > 0 for p in params), mx.bool_)[:, 0]
-    return mx.where(hot, drawn.astype(mx.int32), greedy)
+    return drawn.astype(mx.int32)
 
 
 def token_counts(generated: Sequence[Sequence[int]], vocab: int) -> mx.array:

@@ -46,28 +46,37 @@ class SparseAttention(nn.Module):
         self.fused = None  # q, k, v, o_gate as one matmul (`fuse`), for the decode step
 
     def __call__(self, x: mx.array, cache: SparseKVCache, offset: int | mx.array) -> mx.array:
-        """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
-        B, T, _ = x.shape
+        """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B]).
+        While the cache is `stepwise` (a verify pass), the T queries attend one by one as T
+        decode steps would (the same kernels), so the pass gives what decoding gives."""
+        T = x.shape[1]
         q, k, v = self.qkv(x, offset)
         cache.append(k, v)
+        if cache.stepwise and T > 1:  # a verify pass: each query as its decode step sees it
+            parts = [self.attend(q[:, :, t : t + 1], cache, T - 1 - t) for t in range(T)]
+            return self.out(mx.concatenate(parts, axis=2), x)
+        return self.out(self.attend(q, cache), x)
 
-        starts = [n - T for n in cache.lengths]  # position of each row's first query
+    def attend(self, q: mx.array, cache: SparseKVCache, ahead: int = 0) -> mx.array:
+        """q [B, H, T, d], the queries of the last T positions each row holds but `ahead`, over
+        their cached sequences → [B, H, T, d]: dense below dense_len, InfLLM-v2 from there."""
+        B, T = q.shape[0], q.shape[2]
+        starts = [n - T - ahead for n in cache.lengths]  # position of each row's first query
         sparse = [b for b, s in enumerate(starts) if self.is_sparse(cache.prefill_len, s, T)]
         if not sparse:
-            o = self.dense(q, cache.kv_view(), starts)
-        elif len(sparse) == B:
-            o = self.infllm_v2(q, cache, starts)
-        else:  # rows on both sides of dense_len: each group its own way, then back in order
-            dense = [b for b in range(B) if b not in sparse]
-            o_dense = self.dense(
-                q[mx.array(dense)], cache.kv_view().take(dense), [starts[b] for b in dense]
-            )
-            o_sparse = self.infllm_v2(
-                q[mx.array(sparse)], cache, [starts[b] for b in sparse], sparse
-            )
-            order = mx.argsort(mx.array(dense + sparse))
-            o = mx.concatenate([o_dense, o_sparse])[order]
-        return self.out(o, x)
+            return self.dense(q, cache.kv_view(ahead), starts)
+        if len(sparse) == B:
+            return self.infllm_v2(q, cache, starts, ahead=ahead)
+        # rows on both sides of dense_len: each group its own way, then back in order
+        dense = [b for b in range(B) if b not in sparse]
+        o_dense = self.dense(
+            q[mx.array(dense)], cache.kv_view(ahead).take(dense), [starts[b] for b in dense]
+        )
+        o_sparse = self.infllm_v2(
+            q[mx.array(sparse)], cache, [starts[b] for b in sparse], sparse, ahead
+        )
+        order = mx.argsort(mx.array(dense + sparse))
+        return mx.concatenate([o_dense, o_sparse])[order]
 
     def fuse(self) -> None:
         gate = [self.o_gate] if "o_gate" in self else []
@@ -143,12 +152,18 @@ class SparseAttention(nn.Module):
         return attention(q, keys, values, self.scale, mask)
 
     def infllm_v2(
-        self, q: mx.array, cache: SparseKVCache, starts: list[int], rows: list[int] | None = None
+        self,
+        q: mx.array,
+        cache: SparseKVCache,
+        starts: list[int],
+        rows: list[int] | None = None,
+        ahead: int = 0,
     ) -> mx.array:
-        """q [B', H, T, d] of `rows` (default: all) against their cached sequences."""
+        """q [B', H, T, d] of `rows` (default: all) against their cached sequences (but the last
+        `ahead` positions)."""
         sc = self.sparse
         block = sc.block_size
-        kv = cache.kv_view()
+        kv = cache.kv_view(ahead)
         n_blocks = -(-max(kv.lengths) // block)
         settings = dict(
             prefill_len=cache.prefill_len,

@@ -191,6 +191,7 @@ class SparseKVCache:
         self.compressed = tuple(RowBuffer(stride=stride) for _, stride in sparse.compression)
         self.prefill_len = 0  # planned prompt length (ModelCache.plan_prefill)
         self.trace: list[mx.array] | None = None  # set to a list to record block selections
+        self.stepwise = False  # queries attend one at a time, as decode steps (a verify pass)
         self._forked: tuple[int, SharedKeys] | None = None  # (length, shared keys) given to forks
 
     @classmethod
@@ -262,9 +263,21 @@ class SparseKVCache:
                 ]
             )
 
-    def kv_view(self) -> KVView:
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Keeps each row's first lengths[b] own positions (≤ what it holds) and the compressed
+        chunks wholly inside them: the later entries are left as spare room."""
+        if any(n > h for n, h in zip(lengths, self.keys.lengths, strict=True)):
+            raise ValueError(f"cannot keep {list(lengths)} of {self.keys.lengths} positions")
+        self.keys.lengths, self.values.lengths = list(lengths), list(lengths)
+        self.stepwise = False
+        for level, (size, stride) in enumerate(self.sparse.compression):
+            buf, base = self.compressed[level], self.shared_chunks(level)
+            whole = [max(0, (self.start + n - size) // stride + 1) - base for n in lengths]
+            buf.lengths = [min(h, w) for h, w in zip(buf.lengths, whole, strict=True)]
+
+    def kv_view(self, ahead: int = 0) -> KVView:
         """Keys/values as attention reads them: whole buffers (capacities are multiples of the
-        block), valid up to each row's length."""
+        block), valid up to each row's length (but its last `ahead` positions)."""
         shared = self.shared
         return KVView(
             None if shared is None else shared.keys,
@@ -272,7 +285,7 @@ class SparseKVCache:
             self.start,
             self.keys.data,
             self.values.data,
-            tuple(self.lengths),
+            tuple(n - ahead for n in self.lengths),
         )
 
     def chunk_parts(self, level: int, whole: bool = False) -> tuple[mx.array, ...]:

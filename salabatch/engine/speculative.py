@@ -1,12 +1,37 @@
 """Speculative decoding: draft a few tokens cheaply, verify them with one pass of the full model.
 
-(Skeleton: settings only; the drafters and the verifier follow.)
+A verify pass feeds each row its newest token and its drafts, k + 1 positions, and reads the
+full model's choice at every one; a row keeps the drafts up to the first that disagrees, plus
+the model's own token after them (so a pass always yields at least the token a plain step
+would). Everything the rejected tokens wrote is taken back exactly (`ModelCache.rollback`): the
+lightning states are replayed over the kept tokens with the decode step's own arithmetic, the
+sparse layers' keys, values and compressed chunks are cut, the positions set back. Greedy rows
+therefore get the tokens plain greedy decoding gives; rows with a temperature accept a draft d
+with probability min(1, p(d)/q(d)) and, at the first rejection, draw from the normalised
+residual max(0, p − q), which leaves the distribution of their text that of plain sampling.
+
+Drafters:
+* `lookup` — the row's document, prompt and answer so far: where the answer's last two tokens
+  occurred before (the longest match backwards among their latest occurrences), what followed
+  them there. Free to run; answers copied from a document (names, amounts, clauses) accept
+  long runs.
+* `layers` — the model's first N layers, its final norm and head, on the model's own cache for
+  those layers (rolled back after drafting): k small passes per verify.
+* `auto` — `lookup`, used only while it pays: each row drafts while its drafts are accepted,
+  and the batch runs verify passes while their measured tokens per second beat plain steps',
+  otherwise plain (pipelined) steps, probing again after a back-off.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
+
+import mlx.core as mx
+
+from salabatch.engine.sampling import SamplingParams, draw, step_keys, truncated
 
 DRAFTS = ("off", "lookup", "layers", "auto")
 Draft = Literal["off", "lookup", "layers", "auto"]
@@ -14,9 +39,9 @@ Draft = Literal["off", "lookup", "layers", "auto"]
 
 @dataclass(frozen=True)
 class Speculation:
-    """How a batch drafts: `off`; `lookup` (what followed the generated text's latest n-gram in
-    the row's document and prompt); `layers` (the model's first `layers` layers and its head);
-    `auto` (lookup where its measured acceptance pays, per row). `tokens`: drafts per step."""
+    """How a batch drafts: `off`; `lookup` (what followed the answer's latest tokens in the
+    row's document and prompt); `layers` (the model's first `layers` layers and its head);
+    `auto` (lookup where its measured acceptance pays, per row). `tokens`: drafts per pass."""
 
     draft: Draft = "auto"
     tokens: int = 4
@@ -30,3 +55,334 @@ class Speculation:
 
 
 OFF = Speculation("off")
+
+# The lookup drafter matches the answer's last MATCH tokens, then extends the match backwards
+# over at most LOOKBACK tokens to prefer the occurrence that agrees longest; it weighs the
+# CANDIDATES latest occurrences. Without one, it matches the last token alone.
+MATCH, LOOKBACK, CANDIDATES = 2, 16, 16
+VOTES = 256  # a lone token's continuations counted to choose where to copy from
+
+
+class Lookup:
+    """Prompt-lookup drafting over a row's context (its document: indexed once per document,
+    shared by its rows) followed by its prompt and answer (indexed as they grow)."""
+
+    def __init__(self) -> None:
+        self._contexts: dict[int, tuple[tuple[int, ...], dict]] = {}  # id → (context, index)
+
+    def propose(self, row: RowText, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the row's last tokens where they occurred before:
+        the latest occurrences of its last MATCH tokens, the one agreeing longest backwards
+        first; without any, of its last token."""
+        if limit < 1:
+            return []
+        ctx, ctx_index = self._context(row.context)
+        row.extend_index()
+        n = len(ctx) + len(row.own)
+
+        def at(i: int) -> int:
+            return ctx[i] if i < len(ctx) else row.own[i - len(ctx)]
+
+        for size in range(min(MATCH, n), 0, -1):
+            key = tuple(at(i) for i in range(n - size, n))
+            mine, theirs = row.index.get(key, []), ctx_index.get(key, [])
+            if size == 1:  # the most frequent continuation of the token, at its latest place
+                best = _most_followed(mine + theirs, at, n)
+            else:  # the latest of the occurrences agreeing longest backwards
+                best = _longest_agreeing(
+                    mine[-CANDIDATES:][::-1] + theirs[-CANDIDATES:][::-1], at, n
+                )
+            if best >= 0:
+                out: list[int] = []  # a match reaching the end continues into its own draft
+                for i in range(best, best + limit):
+                    out.append(at(i) if i < n else out[i - n])
+                return out
+        return []
+
+    def _context(self, context: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
+        """The context and its index (each 1..MATCH-gram → the positions after it), made once
+        per context object; the entry keeps the tuple alive, so its id stays its own."""
+        if (hit := self._contexts.get(id(context))) is not None:
+            return hit
+        index: dict[tuple[int, ...], list[int]] = {}
+        for size in range(1, MATCH + 1):
+            for end in range(size, len(context) + 1):
+                index.setdefault(context[end - size : end], []).append(end)
+        self._contexts[id(context)] = (context, index)
+        return context, index
+
+
+def _longest_agreeing(ends: list[int], at, n: int) -> int:
+    """Of the places `ends` (positions after an occurrence of the text's last tokens, latest
+    first), the first of those agreeing longest with the text before them; -1 if none."""
+    best, best_len = -1, -1
+    for end in ends:
+        if end >= n:
+            continue
+        length = 0
+        while length < LOOKBACK and end > length and at(end - length - 1) == at(n - length - 1):
+            length += 1
+        if length > best_len:
+            best, best_len = end, length
+    return best
+
+
+def _most_followed(ends: list[int], at, n: int) -> int:
+    """Of the places `ends` (after an occurrence of the text's last token), the latest of those
+    followed by the token that follows it most often (among its last VOTES occurrences)."""
+    votes: dict[int, int] = {}
+    latest: dict[int, int] = {}
+    for end in ends[-VOTES:]:
+        if end < n:
+            token = at(end)
+            votes[token] = votes.get(token, 0) + 1
+            latest[token] = max(latest.get(token, -1), end)
+    if not votes:
+        return -1
+    return latest[max(votes, key=lambda t: (votes[t], latest[t]))]
+
+
+@dataclass
+class RowText:
+    """A row's text as the lookup drafter reads it: its context, then `own` (its prompt and the
+    answer so far), with `own`'s 1..MATCH-grams indexed by the position after them."""
+
+    context: tuple[int, ...]
+    own: list[int]
+    index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    _indexed: int = 0  # own positions whose preceding n-grams are indexed
+
+    def extend_index(self) -> None:
+        offset = len(self.context)
+        for end in range(max(self._indexed, 1), len(self.own) + 1):
+            for size in range(1, min(MATCH, end) + 1):
+                self.index.setdefault(tuple(self.own[end - size : end]), []).append(offset + end)
+        self._indexed = len(self.own) + 1
+
+
+class Layers:
+    """Drafting with the model's first `n` layers, its final norm and head, over the model's
+    cache for those layers (the other layers' caches are not touched; all are rolled back)."""
+
+    def __init__(self, model, n: int) -> None:
+        layers = len(model.layers)
+        self.model, self.n = model, max(1, min(n, layers - 1))
+
+    def propose(self, cache, last: mx.array, params: Sequence[SamplingParams], steps, limit: int):
+        """`limit` drafts per row from its newest tokens last [B] → (drafts [B, limit] int32,
+        the draft distributions [B, limit, V] of rows with a temperature, else None)."""
+        point = cache.checkpoint(verify=False)
+        hot = any(p.temperature > 0 for p in params)
+        tokens, dists = [], []
+        feed = last
+        for i in range(limit):
+            logits = self._logits(feed[:, None], cache).astype(mx.float32)  # [B, V]
+            if hot:
+                t = truncated(logits, params)
+                keys = step_keys([p.seed ^ _DRAFT_SEED for p in params], [s + i for s in steps])
+                drawn = draw(t, keys)
+                greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+                hot_rows = mx.array([p.temperature > 0 for p in params])
+                feed = mx.where(hot_rows, drawn, greedy)
+                dists.append(mx.softmax(t, axis=-1))
+            else:
+                feed = mx.argmax(logits, axis=-1).astype(mx.int32)
+            tokens.append(feed)
+        drafts = mx.stack(tokens, axis=1)
+        q = mx.stack(dists, axis=1) if hot else None
+        mx.eval(drafts, *([] if q is None else [q]))
+        cache.rollback(point, [0] * len(params))
+        return drafts, q
+
+    def _logits(self, ids: mx.array, cache) -> mx.array:
+        model = self.model
+        offset = cache.advance(*ids.shape)
+        h = model.model.embed_tokens(ids) * model.model.scale_emb
+        for layer, layer_cache in zip(model.layers[: self.n], cache, strict=False):
+            h = layer(h, layer_cache, offset)
+        return model.logits(model.model.norm(h))[:, -1]
+
+
+_DRAFT_SEED = 0x5DEECE66D  # a row's draws for drafting, acceptance and residuals: streams of
+_ACCEPT_SEED = 0x2545F491  # its own, apart from its plain sampling's (seed, step)
+_RESIDUAL_SEED = 0x9E3779B9
+
+
+@dataclass
+class Verdict:
+    """A verify pass's outcome for one row: how many drafts it keeps, and the token after them
+    (the model's own), which is drawn and not yet read."""
+
+    accepted: int
+    next_token: int
+
+
+def verify(
+    logits: mx.array,
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    first: mx.array,
+    q: mx.array | None = None,
+) -> list[Verdict]:
+    """The rows' verdicts from the full model's logits [B, T, V] over (newest token, drafts):
+    `first` [B] is the token plain sampling draws from position 0 (penalties included; a row
+    without drafts takes it); `steps[b]` the row's tokens drawn so far; q [B, T - 1, V] the
+    draft distributions of a `layers` drafter for rows with a temperature (None: the drafts are
+    certain, as lookup's, q(d) = 1)."""
+    B, T, _ = logits.shape
+    greedy = mx.argmax(logits, axis=-1)  # [B, T]
+    hot = [b for b in range(B) if drafts[b] and params[b].temperature > 0]
+    arrays = [greedy, first]
+    if hot:
+        accept, residual, plain = _rejection(logits, drafts, params, steps, hot, q)
+        arrays += [accept, residual, plain]
+    mx.eval(*arrays)
+    greedy_l, first_l = greedy.tolist(), first.tolist()
+    if hot:
+        accept_l, residual_l, plain_l = accept.tolist(), residual.tolist(), plain.tolist()
+    out = []
+    for b in range(B):
+        d = list(drafts[b])
+        if not d:
+            out.append(Verdict(0, first_l[b]))
+        elif b in hot:
+            h = hot.index(b)
+            n = 0
+            while n < len(d) and accept_l[h][n]:
+                n += 1
+            out.append(Verdict(n, plain_l[h][n] if n == len(d) else residual_l[h][n]))
+        else:
+            y = greedy_l[b]
+            n = 0
+            while n < len(d) and d[n] == y[n]:
+                n += 1
+            out.append(Verdict(n, y[n]))
+    return out
+
+
+def _rejection(logits, drafts, params, steps, hot: list[int], q):
+    """For the rows `hot` (with drafts and a temperature), at every position i: whether draft
+    i + 1 is accepted (u < p(d)/q(d)), a draw from the residual max(0, p − q) normalised, and a
+    plain draw from p (the bonus token after all drafts) → three [len(hot), T] arrays."""
+    B, T, V = logits.shape
+    rows = mx.array(hot)
+    p_params = [params[b] for b in hot for _ in range(T)]
+    flat = truncated(logits[rows].reshape(-1, V).astype(mx.float32), p_params)  # [H·T, V]
+    p = mx.softmax(flat, axis=-1)
+    padded = [list(drafts[b]) + [0] * (T - len(drafts[b])) for b in hot]
+    d = mx.array(padded, dtype=mx.int32).reshape(-1, 1)  # [H·T, 1] draft i + 1 at position i
+    p_d = mx.take_along_axis(p, d, axis=-1)[:, 0]
+    if q is None:
+        q_full = mx.zeros_like(p).at[mx.arange(p.shape[0]), d[:, 0]].add(1.0)
+    else:
+        qh = mx.pad(
+            q[rows][:, : T - 1], [(0, 0), (0, 1), (0, 0)]
+        )  # [H, T, V]: no draft after the last
+        q_full = qh.reshape(-1, V)
+    q_d = mx.take_along_axis(q_full, d, axis=-1)[:, 0]
+    seeds = [params[b].seed for b in hot for _ in range(T)]
+    at = [steps[b] + i for b in hot for i in range(T)]
+    u = mx.vmap(lambda key: mx.random.uniform(key=key))(
+        step_keys([s ^ _ACCEPT_SEED for s in seeds], at)
+    )
+    accept = u < p_d / mx.maximum(q_d, 1e-30)
+    left = mx.maximum(p - q_full, 0.0)
+    residual = draw(mx.log(left), step_keys([s ^ _RESIDUAL_SEED for s in seeds], at))
+    plain = draw(flat, step_keys(seeds, at))
+    shape = (len(hot), T)
+    return accept.reshape(shape), residual.reshape(shape), plain.reshape(shape)
+
+
+class Policy:
+    """When a batch speculates, and how far: fixed for `lookup` and `layers` (every step a pass
+    of `tokens` drafts), adaptive for `auto`, which must never cost much where drafting does
+    not pay.
+
+    `auto` keeps its own draft length, 0 (plain, pipelined steps) to `tokens`. It starts plain
+    (measuring a plain step's time at this row count), then probes with one draft per row; after
+    each pass it compares the tokens per second of its passes (a moving average) with plain
+    steps': ahead by GROW, one draft more; behind, one less, and at 0 plain steps for a back-off
+    that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. A probe at one
+    draft costs little: the pass is barely longer than a step. Per row: a row drafts while the
+    share of its drafts accepted (a moving average) stays at least ROW_FLOOR, and on every
+    PROBE-th pass otherwise."""
+
+    ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP = 0.3, 8, 1.05, 8, 256, 2
+
+    def __init__(self, speculation: Speculation) -> None:
+        self.adaptive = speculation.draft == "auto"
+        self.most = speculation.tokens
+        self.tokens = 0 if self.adaptive else self.most  # drafts per row in the next pass
+        self._plain: dict[int, float] = {}  # rows → seconds per plain step (moving average)
+        self._rate: float | None = None  # tokens per second of the passes at this length
+        self._wait = self.WARMUP  # plain steps before the next probe
+        self._backoff = self.BACKOFF
+        self._last_plain: float | None = None
+
+    def speculate(self) -> bool:
+        """Whether this step is a verify pass (else a plain step)."""
+        if self.tokens:
+            return True
+        if self._wait > 0:
+            self._wait -= 1
+            return False
+        self.tokens, self._rate = 1, None  # probe
+        return True
+
+    def plain_step(self, rows: int) -> None:
+        """A plain (pipelined) step ended: its time is the interval since the last one's end."""
+        now = time.perf_counter()
+        if self._last_plain is not None:
+            _average(self._plain, rows, now - self._last_plain)
+        self._last_plain = now
+
+    def verify_pass(self, rows: int, tokens: int, seconds: float) -> None:
+        """A pass over `rows` rows (a verify pass, or a plain step that read first) gave
+        `tokens` tokens in `seconds`."""
+        self._last_plain = None
+        if not self.adaptive:
+            return
+        rate = tokens / max(seconds, 1e-9)
+        self._rate = rate if self._rate is None else 0.5 * self._rate + 0.5 * rate
+        plain = self._plain_seconds(rows)
+        if plain is None:  # nothing to compare with: measure plain steps first
+            self.tokens, self._wait = 0, self.WARMUP
+            return
+        if self._rate * plain >= self.GROW * rows:  # a plain step gives `rows` in `plain` s
+            self.tokens = min(self.tokens + 1, self.most)
+            self._backoff = self.BACKOFF
+        elif self._rate * plain < rows:
+            self.tokens -= 1
+            self._rate = None
+            if not self.tokens:
+                self._wait = self._backoff
+                self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+
+    def _plain_seconds(self, rows: int) -> float | None:
+        """A plain step's time at this row count, or at the nearest one measured."""
+        if not self._plain:
+            return None
+        return self._plain[min(self._plain, key=lambda r: (abs(r - rows), r))]
+
+    def drafts_for(self, stats: RowStats) -> bool:
+        """Whether a row drafts in this pass."""
+        if not self.adaptive or stats.rate >= self.ROW_FLOOR:
+            return True
+        stats.skipped += 1
+        return stats.skipped % self.PROBE == 0
+
+
+@dataclass
+class RowStats:
+    rate: float = 1.0  # moving average of the share of its drafts accepted
+    skipped: int = 0
+
+    def passed(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rate = 0.6 * self.rate + 0.4 * accepted / drafted
+
+
+def _average(table: dict[int, float], key: int, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else 0.7 * old + 0.3 * value

@@ -208,6 +208,36 @@ def gla_step(q, k, v, g, scale, state=None):
     return _step(q, k, v, g, S, scale)
 
 
+def gla_stepwise(q, k, v, g, scale, state=None):
+    """T tokens as T decode steps (`gla_step` each): the arithmetic of decoding exactly, for a
+    verify pass over a few drafted tokens that must give what decoding them one by one gives."""
+    q, k, v, g, S = _prepare(q, k, v, g, state)
+    outs = []
+    for t in range(q.shape[2]):
+        at = slice(t, t + 1)
+        o, S = _step(q[:, :, at], k[:, :, at], v[:, :, at], g, S, scale)
+        outs.append(o)
+    return mx.concatenate(outs, axis=2), S
+
+
+@mx.compile
+def _advance(k, v, g, S):
+    return mx.exp(g)[:, None, None] * S + k.swapaxes(-1, -2) * v  # `_step`'s state, alone
+
+
+@mx.compile
+def gla_replay(k, v, g, state, keep):
+    """The state after the first keep[b] of the T tokens k, v [B, H, T, d] (float32) fed to row
+    b from `state`: `_step`'s update token by token, a row keeping its state once past its count
+    (keep [B] int32). Rolls a recurrence back to any point of a verify pass; one compiled graph
+    per T and batch size."""
+    S = state
+    for t in range(k.shape[2]):
+        at = slice(t, t + 1)
+        S = mx.where((keep > t)[:, None, None, None], _advance(k[:, :, at], v[:, :, at], g, S), S)
+    return S
+
+
 def gla_step_decayed(q, k, v, decay, state):
     """The decode step inside a compiled model step, where every op is a kernel: q already
     scaled, decay = exp(g) [H] given, state [B, H, dk, dv] float32 (not None)."""
