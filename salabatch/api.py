@@ -8,6 +8,11 @@
         print(response.text, end="", flush=True)
     answers = salabatch.batch_generate(model, tokenizer, document, ["Who?", "When?"])
 
+Speculative decoding is off unless asked for: `draft="lookup"` drafts from the prompt itself
+(a document's own text), `"layers"` from the model's first `draft_layers` layers, `"auto"` picks
+per row; `num_draft_tokens` tokens a step, as mlx-lm calls them. A greedy answer is the same
+with it as without it.
+
 A text prompt is one user message, put in the model's chat template (with `system` and `think`
 as `salabatch generate` takes them); a list of token ids is used as it is. Answers are the text
 as generated, special tokens left out: with `think=True` it starts with the `<think>` block
@@ -34,14 +39,16 @@ from salabatch.errors import TokenizerError
 if TYPE_CHECKING:
     from salabatch.engine.model import Model
     from salabatch.engine.sampling import SamplingParams
+    from salabatch.engine.speculative import Speculation
     from salabatch.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class GenerationResponse:
     """One step of `stream_generate`, with the fields of mlx-lm's `GenerationResponse` (less
-    `logprobs` and `from_draft`). The last one has a `finish_reason`; when the model stops, its
-    `token` is the stop token, which no text and no count includes."""
+    `logprobs` and `from_draft`; speculative decoding's counts instead). The last one has a
+    `finish_reason`; when the model stops, its `token` is the stop token, which no text and no
+    count includes."""
 
     text: str  # the new piece of text; may be empty (a character still incomplete)
     token: int  # the token just generated
@@ -51,6 +58,8 @@ class GenerationResponse:
     generation_tps: float  # answer tokens per second after the first (0.0 until the second)
     peak_memory: float  # GB, MLX's peak so far
     finish_reason: str | None = None  # "stop" | "length" on the last response
+    draft_tokens: int = 0  # tokens drafted so far (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
 
 def load(
@@ -86,10 +95,14 @@ def stream_generate(
     repetition_penalty: float = 1.0,
     seed: int = 0,
     prefill_chunk: int = 2048,
+    draft: str = "off",
+    num_draft_tokens: int = 4,
+    draft_layers: int = 8,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
     the tokenizer or `max_tokens`. Greedy unless `temperature` > 0; the same seed gives the same
-    text, as in `salabatch run`."""
+    text, as in `salabatch run`. `draft`, `num_draft_tokens`, `draft_layers`: speculative
+    decoding (see the module docstring)."""
     import mlx.core as mx
 
     from salabatch.engine.generate import Generator, Request
@@ -99,11 +112,13 @@ def stream_generate(
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    speculation = _speculation(draft, num_draft_tokens, draft_layers)
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     request = Request("0", tuple(ids), params, max_tokens, frozenset(tokenizer.eos_ids))
     detok = tokenizer.detokenizer(skip_special=True)
-    generator = Generator(model, batch_size=1, prefill_chunk=prefill_chunk)
+    # no context: the prompt is all the row has, and the lookup drafter searches it
+    generator = Generator(model, batch_size=1, prefill_chunk=prefill_chunk, speculation=speculation)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
         first_at = None
         for g in generator.stream([request]):
@@ -123,6 +138,8 @@ def stream_generate(
                 generation_tps=(n - 1) / (now - first_at) if n > 1 and now > first_at else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=g.finish_reason,
+                draft_tokens=g.draft_tokens,
+                accepted_tokens=g.accepted_tokens,
             )
 
 
@@ -169,17 +186,27 @@ def batch_generate(
     seed: int = 0,
     batch_size: int = 8,
     prefill_chunk: int = 2048,
+    draft: str = "off",
+    num_draft_tokens: int = 4,
+    draft_layers: int = 8,
 ) -> list[str]:
     """The answers to `questions` about `document`, in question order. The document's prompt
     is prefilled once and every question continues it, up to `batch_size` decoding together;
-    each prompt is the one `salabatch run` builds (document, then question, one user message)."""
+    each prompt is the one `salabatch run` builds (document, then question, one user message).
+    `draft`, `num_draft_tokens`, `draft_layers`: speculative decoding (the module docstring);
+    the lookup drafter searches the document."""
     from salabatch.engine.generate import Generator, Request, prefill
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
+    speculation = _speculation(draft, num_draft_tokens, draft_layers)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     stop = frozenset(tokenizer.eos_ids)
+    if not questions:
+        return []
+    doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
+    context = tuple(doc_prompt)  # one tuple for every row: what the lookup drafter searches
     requests = [
         Request(
             str(i),
@@ -187,16 +214,16 @@ def batch_generate(
             params,
             max_tokens,
             stop,
+            context=context,
         )
         for i, q in enumerate(questions)
     ]
-    if not requests:
-        return []
-    doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
         prefix = model.make_cache()
         prefill(model, doc_prompt, prefix, prefill_chunk)
-        generator = Generator(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+        generator = Generator(
+            model, batch_size=batch_size, prefill_chunk=prefill_chunk, speculation=speculation
+        )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
 
@@ -230,6 +257,16 @@ def _prompt_ids(
             got=bad[0] if bad else [],
         )
     return ids
+
+
+def _speculation(draft: str, tokens: int, layers: int) -> Speculation:
+    """The engine's Speculation of the API's arguments (ValueError naming a bad one)."""
+    from salabatch.engine.speculative import Speculation
+
+    for name, value in (("num_draft_tokens", tokens), ("draft_layers", layers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+    return Speculation(draft, tokens, layers)  # it names the drafts allowed
 
 
 def _params(

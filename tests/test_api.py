@@ -13,9 +13,12 @@ import textwrap
 import pytest
 
 import salabatch
+from salabatch.engine import generate as generate_module
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import TokenizerError
+from tests.drafts import record_generators
 from tests.engine.test_threads import on_thread
 
 DOC = "The ferry to Eastwick leaves at 7:10 from the north quay. " * 12
@@ -104,6 +107,39 @@ def test_batch_generate_answers_in_question_order(loaded):
     ]
     assert got == alone and len(set(alone)) > 1
     assert salabatch.batch_generate(model, tok, DOC, []) == []
+
+
+def test_speculation_reaches_the_generator_and_its_counts_come_back(loaded, monkeypatch):
+    model, tok = loaded
+    seen = record_generators(monkeypatch, generate_module)
+    plain = salabatch.generate(model, tok, "Say hi.", max_tokens=6)
+    assert seen.speculations == [OFF]  # off unless asked for
+    settings = {"draft": "lookup", "num_draft_tokens": 3, "draft_layers": 2}
+    responses = list(salabatch.stream_generate(model, tok, "Say hi.", 6, **settings))
+    assert seen.speculations[-1] == Speculation("lookup", 3, 2)
+    assert seen.requests[-1].context == ()  # the prompt is all there is to search
+    n = responses[-1].generation_tokens
+    assert (responses[-1].draft_tokens, responses[-1].accepted_tokens) == (2 * n + 1, n)
+    assert "".join(r.text for r in responses) == plain  # greedy: the same answer
+
+    answers = salabatch.batch_generate(
+        model, tok, DOC, QUESTIONS[:2], 4, draft="auto", num_draft_tokens=2
+    )
+    assert seen.speculations[-1] == Speculation("auto", 2, 8)
+    first, second = seen.requests[-2:]
+    doc_prompt = tuple(tok.document_prompt(DOC, system=None, think=False))
+    assert first.context == doc_prompt and second.context is first.context
+    assert answers == salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)
+
+    for bad, message in (
+        ({"draft": "medusa"}, "draft must be one of off, lookup, layers, auto"),
+        ({"draft": "layers", "num_draft_tokens": 0}, "num_draft_tokens must be an integer ≥ 1"),
+        ({"draft": "layers", "draft_layers": 2.5}, "draft_layers must be an integer ≥ 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            salabatch.generate(model, tok, "Say hi.", max_tokens=2, **bad)
+        with pytest.raises(ValueError, match=message):
+            salabatch.batch_generate(model, tok, DOC, QUESTIONS[:1], 2, **bad)
 
 
 def test_load_on_one_thread_generate_on_another(cache_dir, loaded):

@@ -1,7 +1,7 @@
 """The root of the `salabatch` command: loads the BLAS first, prints warnings and errors as one
 line each and exits with their code; what every command group shares (`debug_enabled`,
-`human_size`). Thin: each command imports what it needs (MLX included) when it runs, so
-`salabatch --help` stays instant."""
+`human_size`, `speculation_options`). Thin: each command imports what it needs (MLX included)
+when it runs, so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
@@ -111,6 +111,44 @@ def with_debug_option(command: click.Command) -> None:
 @click.option("--debug", is_flag=True, help="Show tracebacks and warnings' sources.")
 def main(debug: bool) -> None:
     """Answer questions over long documents with MiniCPM-SALA on MLX."""
+
+
+# salabatch.engine.speculative.DRAFTS (a test holds them equal), spelled here: that module may
+# import mlx.core, which must wait for the BLAS
+DRAFTS = ("off", "lookup", "layers", "auto")
+
+
+def speculation_options(command: click.Command) -> click.Command:
+    """`--draft`, `--num-draft-tokens` and `--draft-layers` (speculative decoding, off unless
+    asked for), as the parameters `draft`, `num_draft_tokens` and `draft_layers`."""
+    options = [
+        click.option(
+            "--draft",
+            default="off",
+            show_default=True,
+            type=click.Choice(DRAFTS),
+            help="Speculative decoding: draft from the prompt's own text (lookup), from the "
+            "model's first layers (layers), or pick per request (auto). Greedy answers are "
+            "the same; they come faster where drafts are accepted.",
+        ),
+        click.option(
+            "--num-draft-tokens",
+            default=4,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Tokens drafted per step.",
+        ),
+        click.option(
+            "--draft-layers",
+            default=8,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Layers of the model the layers drafter runs.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def human_size(n: int) -> str:

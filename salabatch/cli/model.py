@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from salabatch.cli.main import human_size
+from salabatch.cli.main import human_size, speculation_options
 
 
 @click.command()
@@ -34,6 +34,7 @@ from salabatch.cli.main import human_size
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
 )
 @click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+@speculation_options
 def generate(
     args,
     model_opt,
@@ -48,6 +49,9 @@ def generate(
     think,
     dtype,
     prefill_chunk,
+    draft,
+    num_draft_tokens,
+    draft_layers,
 ) -> None:
     """Answer one PROMPT with MODEL (a checkpoint folder, a Hugging Face repo id, or
     builtin:tiny — a small demo model trained on synthetic contracts and facts), streamed,
@@ -79,6 +83,9 @@ def generate(
         min_p=min_p,
         seed=seed,
         prefill_chunk=prefill_chunk,
+        draft=draft,
+        num_draft_tokens=num_draft_tokens,
+        draft_layers=draft_layers,
     )
     click.echo()
     click.echo(

@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from salabatch.cli.main import speculation_options
+
 API_KEY_ENV = "SALABATCH_API_KEY"
 _MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
 
@@ -82,6 +84,7 @@ _max_tokens = click.option(
 @_prefix_memory
 @_max_tokens
 @_dtype
+@speculation_options
 def serve(
     model_ref: str,
     host: str,
@@ -94,6 +97,9 @@ def serve(
     prefix_memory: float,
     max_tokens: int,
     dtype: str,
+    draft: str,
+    num_draft_tokens: int,
+    draft_layers: int,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
     /v1/completions, /v1/models, /v1/files and /v1/batches (the Batch API), /health, /metrics.
@@ -112,12 +118,16 @@ def serve(
             f"use it (give --api-key or ${API_KEY_ENV})",
             err=True,
         )
+    from salabatch.engine.speculative import Speculation
     from salabatch.files import cache_dir
     from salabatch.serve.batches.routes import batch_routes
     from salabatch.serve.batches.runner import BatchRunner
     from salabatch.serve.batches.store import BatchStore
 
-    engine, tok = _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory)
+    speculation = Speculation(draft, num_draft_tokens, draft_layers)
+    engine, tok = _engine(
+        model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, speculation
+    )
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
     store = BatchStore(os.path.join(os.path.expanduser(state_dir or cache_dir()), "batches"))
@@ -215,9 +225,11 @@ def chat(
         engine.close()
 
 
-def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory):
-    """(started-to-be ServeEngine, tokenizer) of a model reference."""
+def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, speculation=None):
+    """(started-to-be ServeEngine, tokenizer) of a model reference; `speculation`: the engine's
+    Speculation (None: off)."""
     from salabatch.api import load
+    from salabatch.engine.speculative import OFF
     from salabatch.files import cache_dir
     from salabatch.models import model_note
     from salabatch.serve.engine import ServeEngine
@@ -232,6 +244,7 @@ def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory):
         max_queue=max_queue,
         prefix_bytes=int(prefix_memory * 2**30),
         store_dir=os.path.expanduser(state_dir) if state_dir else cache_dir(),
+        speculation=speculation or OFF,
     )
     return engine, tok
 

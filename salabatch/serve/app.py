@@ -377,13 +377,20 @@ def check_model(model: str, served: str) -> None:
 
 
 def usage(finished: Finished) -> dict:
-    """OpenAI's usage object of a finished job."""
-    return {
+    """OpenAI's usage object of a finished job; with drafts (speculative decoding), their counts
+    as OpenAI counts a predicted output's."""
+    out = {
         "prompt_tokens": finished.prompt_tokens,
         "completion_tokens": finished.completion_tokens,
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
     }
+    if finished.draft_tokens:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": finished.accepted_tokens,
+            "rejected_prediction_tokens": finished.draft_tokens - finished.accepted_tokens,
+        }
+    return out
 
 
 def sse(data: dict) -> bytes:

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import CacheWarning, SalabatchError, error_text
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ COUNTERS = (
     "cached_tokens_total",  # prompt tokens resumed from a held prefix
     "prefill_tokens_total",  # prompt tokens prefilled
     "completion_tokens_total",
+    "draft_tokens_total",  # tokens drafted (speculative decoding)
+    "accepted_tokens_total",  # drafted tokens accepted
     "prefix_hits_memory_total",
     "prefix_hits_disk_total",
     "prefix_misses_total",
@@ -160,6 +163,8 @@ class Finished:
     ttft_s: float  # from submit to its first token
     decode_s: float
     cache_source: str = "none"  # where its cached tokens came from: "memory" | "disk" | "none"
+    draft_tokens: int = 0  # tokens drafted for it (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True)
@@ -313,7 +318,8 @@ class ServeEngine:
     that store (`salabatch run`'s cache dir shares its documents), of at most `store_gb`;
     snapshot_min: see the module docstring; model_sha: the model's fingerprint for the store's
     keys (default: computed from `model.path`, memoized in the store); background_chunk: the
-    prefill chunk of background jobs while interactive jobs are about (default 64 tokens)."""
+    prefill chunk of background jobs while interactive jobs are about (default 64 tokens);
+    speculation: how the groups draft (speculative decoding; off by default)."""
 
     def __init__(
         self,
@@ -329,6 +335,7 @@ class ServeEngine:
         snapshot_min: int = SNAPSHOT_MIN,
         model_sha: str | None = None,
         background_chunk: int | None = None,
+        speculation: Speculation = OFF,
     ) -> None:
         if batch_size < 1 or max_queue < 0 or prefill_chunk < 1 or prefix_bytes < 0:
             raise ValueError(
@@ -340,6 +347,7 @@ class ServeEngine:
         self.background_chunk = min(prefill_chunk, background_chunk or BACKGROUND_CHUNK)
         self.store_dir = None if store_dir is None else Path(store_dir).expanduser()
         self.store_gb, self.snapshot_min, self.model_sha = store_gb, snapshot_min, model_sha
+        self.speculation = speculation
         self._cv = threading.Condition()
         self._queue: deque[_Work] = deque()
         self._closing = False
@@ -630,7 +638,13 @@ class ServeEngine:
                 yield 0
         base = 0 if w.base is None else w.base.tokens
         request = Request(
-            w.rid, job.prompt[base:], job.params, max_tokens, job.stop, job.stop_strings
+            w.rid,
+            job.prompt[base:],
+            job.params,
+            max_tokens,
+            job.stop,
+            job.stop_strings,
+            context=job.prompt[:base],  # the held prefix's tokens, where lookup drafts search
         )
         w.batch = self._group(row)
         w.g = w.batch.add(request, row, logits, cached_tokens=resumed, admitted=w.started)
@@ -695,6 +709,7 @@ class ServeEngine:
                 forked=shared is not None,
                 detokenizer=None if detok is None else lambda: detok(skip_special=True),
                 reserve_ahead=RESERVE_AHEAD,
+                speculation=self.speculation,
             )
         return self._groups[key]
 
@@ -752,6 +767,7 @@ class ServeEngine:
         job = w.ticket.job
         started = w.started or now
         ttft = (w.first_at or now) - w.submitted
+        drafted, accepted = (0, 0) if w.g is None else (w.g.draft_tokens, w.g.accepted_tokens)
         event = Finished(
             finish_reason=reason,
             prompt_tokens=len(job.prompt),
@@ -763,6 +779,8 @@ class ServeEngine:
             ttft_s=ttft,
             decode_s=decode_s,
             cache_source=w.source,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
         )
         self._release(w)
         with self._stats_lock:
@@ -771,6 +789,8 @@ class ServeEngine:
                 "requests_cancelled_total" if reason == "cancelled" else "requests_finished_total"
             )
             s.add("completion_tokens_total", completion)
+            s.add("draft_tokens_total", drafted)
+            s.add("accepted_tokens_total", accepted)
             if w.started:
                 s.add("prompt_tokens_total", len(job.prompt))
                 s.add("cached_tokens_total", w.cached)

@@ -6,9 +6,13 @@ from __future__ import annotations
 from click.testing import CliRunner, Result
 
 from salabatch.cli import main
+from salabatch.cli.main import DRAFTS as CLI_DRAFTS
+from salabatch.engine import generate as generate_module
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.quantize import BITS, GROUP_SIZES
+from salabatch.engine.speculative import DRAFTS, OFF, Speculation
 from tests.cli.test_jobs import validate
+from tests.drafts import record_generators
 
 
 def convert(*args: str) -> Result:
@@ -85,3 +89,27 @@ def test_generate_takes_mlx_lm_spellings(tiny):
     ):
         result = CliRunner().invoke(main, ["generate", *args])
         assert result.exit_code == 2 and message in result.output
+
+
+def test_generate_draft_flags_reach_the_generator(tiny, monkeypatch):
+    seen = record_generators(monkeypatch, generate_module)
+
+    def generate(*args: str) -> Result:
+        return CliRunner().invoke(main, ["generate", "builtin:random", "Say hi.", "-m", "4", *args])
+
+    plain = generate()
+    assert plain.exit_code == 0, plain.output
+    assert seen.speculations == [OFF]
+    drafted = generate("--draft", "layers", "--num-draft-tokens", "2", "--draft-layers", "3")
+    assert drafted.exit_code == 0, drafted.output
+    assert seen.speculations[-1] == Speculation("layers", 2, 3)
+    assert drafted.stdout == plain.stdout  # greedy: the same answer
+    for args, message in (
+        (("--draft", "medusa"), "'medusa' is not one of 'off', 'lookup', 'layers', 'auto'"),
+        (("--num-draft-tokens", "0"), "0 is not in the range x>=1"),
+        (("--draft-layers", "0"), "0 is not in the range x>=1"),
+    ):
+        refused = generate(*args)
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+    # The CLI lists the engine's drafts (it cannot import speculative.py before the BLAS loads).
+    assert CLI_DRAFTS == DRAFTS

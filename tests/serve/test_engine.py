@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from salabatch.engine.generate import Generator, Prefill, Request, prefill
+from salabatch.engine import generate as generate_module
+from salabatch.engine.generate import Batch, Generator, Prefill, Request, prefill
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.speculative import OFF, Speculation
 from salabatch.jobs.store.prefix_store import PrefixKey
 from salabatch.serve import engine as engine_module
+from salabatch.serve.app import usage
 from salabatch.serve.engine import (
     COUNTERS,
     GAUGES,
@@ -427,6 +431,58 @@ def test_a_failing_job_does_not_stop_the_others(model, monkeypatch):
             tokens, last = collect(ticket)
             assert isinstance(last, Finished) and tokens == alone(model, prompt)
         assert engine.stats()["requests_failed_total"] == 4
+
+
+def test_speculation_reaches_the_groups_with_the_held_prefix_as_context(model, monkeypatch):
+    """The engine's Speculation goes to every decoding group; a row forking a held prefix has
+    its tokens as context (where the lookup drafter searches), a row forking none has none; the
+    draft counts come back in Finished, the usage and the counters."""
+    made: list[Batch] = []
+    added: list[Request] = []
+
+    class Recording(Batch):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def add(self, request, *args, **kwargs):
+            added.append(request)
+            return super().add(request, *args, **kwargs)
+
+        def step(self):
+            read = super().step()
+            for g in read:
+                if g.done:  # counts the engine would not give: 2n + 1 drafted, n accepted
+                    g.draft_tokens, g.accepted_tokens = 2 * len(g.tokens) + 1, len(g.tokens)
+            return read
+
+    monkeypatch.setattr(generate_module, "Batch", Recording)
+    doc, short = ids(400, 21), ids(20, 22)
+    questions = [ids(5, 23), ids(7, 24)]
+    speculation = Speculation("lookup", 3, 2)
+    with ServeEngine(model, Tok(), prefill_chunk=512, speculation=speculation) as engine:
+        got = [
+            collect(engine.submit(job(f"q{i}", doc + q, boundaries=(len(doc),))))
+            for i, q in enumerate(questions)
+        ]
+        got.append(collect(engine.submit(job("short", short))))
+        stats = engine.stats()
+    assert made and all(b.speculation == speculation for b in made)
+    for request, q in zip(added[:2], questions, strict=True):
+        assert request.context == doc and request.prompt == q  # the first held it, the next forks
+    assert added[-1].context == () and added[-1].prompt == short
+    for tokens, fin in got:
+        assert isinstance(fin, Finished) and fin.completion_tokens == len(tokens) == 12
+        assert (fin.draft_tokens, fin.accepted_tokens) == (25, 12)
+        assert usage(fin)["completion_tokens_details"] == {
+            "accepted_prediction_tokens": 12,
+            "rejected_prediction_tokens": 13,
+        }
+    assert stats["draft_tokens_total"] == 75 and stats["accepted_tokens_total"] == 36
+    undrafted = replace(got[0][1], draft_tokens=0, accepted_tokens=0)
+    assert "completion_tokens_details" not in usage(undrafted)
+    with ServeEngine(model, Tok()) as engine:  # off unless asked for
+        assert engine.speculation == OFF
 
 
 def test_stop_strings_end_a_row_with_its_text_cut(model):

@@ -22,7 +22,11 @@ from pathlib import Path
 import openai
 import pytest
 import uvicorn
+from click.testing import CliRunner
 
+from salabatch.cli import main
+from salabatch.engine.speculative import OFF, Speculation
+from salabatch.serve import engine as engine_module
 from salabatch.serve.app import create_app
 from salabatch.serve.engine import ServeEngine
 from tests import REPO
@@ -545,3 +549,27 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path)
     warnings = [line for line in open_log.read_text().splitlines() if "warning" in line]
     assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and "API key" in warnings[0]
     assert "warning" not in keyed_log.read_text()
+
+
+def test_serve_draft_flags_reach_the_engine(tmp_path, monkeypatch):
+    made: list[ServeEngine] = []
+
+    class Recording(ServeEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine_module, "ServeEngine", Recording)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: None)  # serve nothing
+
+    def serve(*args: str):
+        command = ["serve", "--model", MODEL, "--state-dir", str(tmp_path / "state"), *args]
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 0, result.output
+        return made[-1].speculation
+
+    assert serve() == OFF
+    assert serve("--draft", "auto", "--num-draft-tokens", "6") == Speculation("auto", 6, 8)
+    assert serve("--draft", "layers", "--draft-layers", "2") == Speculation("layers", 4, 2)
+    refused = CliRunner().invoke(main, ["serve", "--model", MODEL, "--draft", "medusa"])
+    assert refused.exit_code == 2 and "'medusa' is not one of" in refused.output

@@ -78,6 +78,12 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
         ("decode tok/s, mean", _num(pc.mean(table.filter(ok)["decode_tok_s"]).as_py())),
         ("ttft s, mean", _num(pc.mean(table["ttft_s"]).as_py(), digits=3)),
     ]
+    drafted = pc.sum(table["draft_tokens"]).as_py()
+    if drafted:  # speculative decoding was on for some rows
+        accepted = pc.sum(table["accepted_tokens"]).as_py() or 0
+        counts.append(
+            ("drafts accepted", f"{_int(accepted)} of {_int(drafted)} ({accepted / drafted:.0%})")
+        )
     lines = _aligned(head) + [""] + _aligned(counts, right=True)
 
     errors = Counter(
@@ -252,6 +258,12 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
     }
     if r["cached_tokens"] is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": r["cached_tokens"]}
+    if r["draft_tokens"]:  # OpenAI's counts of a predicted output are the nearest
+        accepted = r["accepted_tokens"] or 0
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": r["draft_tokens"] - accepted,
+        }
     created = r["started_at"] or r["finished_at"]
     message = {"role": "assistant", "content": r["answer"], "refusal": None}
     if r["reasoning"] is not None:

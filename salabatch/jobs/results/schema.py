@@ -98,6 +98,8 @@ RESULT_SCHEMA = pa.schema(
         _col("prompt_tokens", _I, "tokens of the whole prompt: document prompt + question"),
         _col("cached_tokens", _I, "prompt tokens served from the prefix cache"),
         _col("completion_tokens", _I, "generated tokens, think block included"),
+        _col("draft_tokens", _I, "tokens drafted by speculative decoding; 0 when it was off"),
+        _col("accepted_tokens", _I, "drafted tokens the model accepted (at most draft_tokens)"),
         # timings
         _col("doc_prefill_s", _F, "seconds prefilling the document; 0 when it came from a cache"),
         _col("prefill_tok_s", _F, "prefill throughput, tokens/s"),
@@ -114,7 +116,7 @@ RESULT_SCHEMA = pa.schema(
 )
 
 # Columns added to schema v1 later: a file without them reads as if they held nulls.
-ADDED_COLUMNS = ("request_line",)
+ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens")
 
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
@@ -179,6 +181,8 @@ class ResultRow:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
     doc_prefill_s: float | None = None
     prefill_tok_s: float | None = None
     ttft_s: float | None = None

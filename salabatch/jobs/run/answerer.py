@@ -22,6 +22,7 @@ from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
+from salabatch.engine.speculative import Speculation
 from salabatch.errors import OutputError, error_text
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.run.plan import DocPlan, Row
@@ -112,6 +113,8 @@ class Answerer:
             snapshot_every=spec.cache.snapshot_every,
         )
         self.stop = frozenset(setup.tok.eos_ids)
+        drafts = spec.engine.speculative
+        self.speculation = Speculation(drafts.draft, drafts.tokens, drafts.layers)
 
     def answer(self, plans: Iterable[DocPlan]) -> Iterator[list[ResultRow]]:
         """The rows of `plans` as they finish: one finished row at a time, or the error rows of
@@ -147,7 +150,9 @@ class Answerer:
                     seen = done
 
                 prefix = self.caches.get(key, plan.doc_prompt, prefilled)
-            requests = [self._request(r, r.prompt) for r in plan.rows]
+            # one tuple for all the rows: the lookup drafter searches the document
+            context = tuple(plan.doc_prompt)
+            requests = [self._request(r, r.prompt, context) for r in plan.rows]
             for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
                 row = rows.pop(g.request.id)
                 yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
@@ -179,6 +184,7 @@ class Answerer:
             return
         started = _now()
         by_key = {r.key: (r, plan) for r, plan in pool}
+        # no context: each prompt holds its document, and the drafter searches the prompt
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
             for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
@@ -202,6 +208,7 @@ class Answerer:
                 prefill_chunk=self.spec.engine.prefill_chunk,
                 on_token=lambda request, token: advance(1),
                 detokenizer=self._detokenizer,
+                speculation=self.speculation,
             )
             for g in generator.generate(requests, prefix):
                 advance(max(0, g.request.max_tokens - len(g.tokens)))
@@ -219,9 +226,15 @@ class Answerer:
         return reason
 
     # -- rows ----------------------------------------------------------------------------------
-    def _request(self, row: Row, prompt: tuple[int, ...]) -> Request:
+    def _request(self, row: Row, prompt: tuple[int, ...], context: tuple[int, ...] = ()) -> Request:
         return Request(
-            row.key, tuple(prompt), row.params, row.max_tokens, self.stop, row.stop_strings
+            row.key,
+            tuple(prompt),
+            row.params,
+            row.max_tokens,
+            self.stop,
+            row.stop_strings,
+            context=context,
         )
 
     def _detokenizer(self) -> StreamingDetokenizer:
@@ -244,6 +257,8 @@ class Answerer:
             decode_s=g.decode_s,
             decode_tok_s=g.decode_tok_s,
             batch_size=g.batch_size,
+            draft_tokens=g.draft_tokens,
+            accepted_tokens=g.accepted_tokens,
             peak_mem_gb=mx.get_peak_memory() / 2**30,
             started_at=started,
             finished_at=_now(),

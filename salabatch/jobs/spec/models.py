@@ -173,6 +173,24 @@ class GenerationSettings(_Strict):
     think: StrictBool = False  # MiniCPM's thinking mode in the chat template
 
 
+class Speculative(_Strict):
+    """Speculative decoding, the job's `engine.speculative` (see
+    `salabatch.engine.speculative.Speculation`): a greedy answer is the same with it or without
+    it, so it is in no row's key and no prefix's, and changing it reruns nothing."""
+
+    # off | lookup (the document's own text) | layers (the model's first `layers` layers) |
+    # auto (lookup where it pays); the same names as the engine's DRAFTS (a test holds them so)
+    draft: Literal["off", "lookup", "layers", "auto"] = "auto"
+    tokens: StrictInt = Field(4, ge=1, le=16)  # drafts per step; a longer draft is rarely kept
+    layers: StrictInt = Field(8, ge=1)  # the `layers` drafter's depth
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        # YAML reads an unquoted `off` (or `no`) as false: the user wrote off.
+        return "off" if value is False else value
+
+
 class Engine(_Strict):
     """How the model runs; none of this changes an answer except `dtype` and `on_overflow`."""
 
@@ -188,6 +206,7 @@ class Engine(_Strict):
     # short document prompt is cheap to prefill again and its own batch would be mostly empty.
     # 0: never.
     pool_max_tokens: StrictInt = Field(2048, ge=0)
+    speculative: Speculative = Field(default_factory=Speculative)
 
 
 class CacheSettings(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -131,19 +132,50 @@ def test_export_gives_the_reasoning_of_a_think_row(tmp_path):
     assert "reasoning_content" not in plain["response"]["body"]["choices"][0]["message"]
 
 
-def test_results_of_an_older_salabatch_without_request_line_still_read(tmp_path):
+@pytest.mark.parametrize(
+    "added", [["request_line"], ["draft_tokens", "accepted_tokens"]], ids=lambda a: a[0]
+)
+def test_results_of_an_older_salabatch_without_added_columns_still_read(tmp_path, added):
     path = tmp_path / "old.parquet"
     table = pa.Table.from_pylist(
         [make_row("b.q0").to_record(), make_row("a.q0").to_record()], schema=RESULT_SCHEMA
     )
-    pq.write_table(table.drop_columns(["request_line"]), path)
-    assert read_results(path)["request_line"].to_pylist() == [None, None]
+    pq.write_table(table.drop_columns(added), path)
+    assert all(read_results(path)[c].to_pylist() == [None, None] for c in added)
+    assert "drafts accepted" not in inspect_results(path)
     stream = io.StringIO()
     assert export_openai_jsonl(path, stream) == 2
-    assert [json.loads(x)["custom_id"] for x in stream.getvalue().splitlines()] == ["a/q0", "b/q0"]
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["a/q0", "b/q0"]
+    assert "completion_tokens_details" not in lines[0]["response"]["body"]["usage"]
     with writer(path) as out:  # a run resumes it, and merges it into the current schema
-        out.write([make_row("c.q0", request_line=4)])
-    assert read_results(path)["request_line"].to_pylist() == [None, None, 4]
+        out.write([make_row("c.q0", **dict.fromkeys(added, 4))])
+    merged = read_results(path)
+    assert merged.column_names == RESULT_SCHEMA.names
+    assert all(merged[c].to_pylist() == [None, None, 4] for c in added)
+
+
+def test_draft_counts_in_inspect_and_in_the_openai_usage(tmp_path):
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write(
+            [
+                make_row("a.q0", draft_tokens=30, accepted_tokens=12),
+                make_row("a.q1", draft_tokens=10, accepted_tokens=8),
+                make_row("b.q0"),  # speculative decoding off: 0 drafted
+            ]
+        )
+    text = inspect_results(path)
+    assert re.search(r"^drafts accepted\s+20 of 40 \(50%\)$", text, re.M), text
+    stream = io.StringIO()
+    export_openai_jsonl(path, stream)
+    usage = [json.loads(x)["response"]["body"]["usage"] for x in stream.getvalue().splitlines()]
+    assert usage[0]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 12,
+        "rejected_prediction_tokens": 18,
+    }
+    assert usage[1]["completion_tokens_details"]["rejected_prediction_tokens"] == 2
+    assert "completion_tokens_details" not in usage[2]
 
 
 def test_inspect_and_export_read_a_folder_as_a_file(tmp_path, results):

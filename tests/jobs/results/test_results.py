@@ -22,7 +22,7 @@ SPEC = json.dumps({"name": "contracts", "questions": [{"id": "q0", "text": "Who?
 VERSIONS = {"salabatch": "0.1.0", "mlx": "0.30.0", "python": "3.11.0"}
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
 
-# DESIGN.md's columns, in its order, with request_key and reasoning added.
+# DESIGN.md's columns, in its order, with request_key, reasoning and the draft counts added.
 DESIGN_COLUMNS = [
     "run_id",
     "job_name",
@@ -46,6 +46,8 @@ DESIGN_COLUMNS = [
     "prompt_tokens",
     "cached_tokens",
     "completion_tokens",
+    "draft_tokens",
+    "accepted_tokens",
     "doc_prefill_s",
     "prefill_tok_s",
     "ttft_s",
@@ -78,6 +80,8 @@ def make_row(key: str, *, status: str = "ok", run_id: str = "run-1", **kw) -> Re
         prompt_tokens=1010,
         cached_tokens=1000,
         completion_tokens=20,
+        draft_tokens=0,
+        accepted_tokens=0,
         doc_prefill_s=2.0,
         prefill_tok_s=500.0,
         ttft_s=0.25,

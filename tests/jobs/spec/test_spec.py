@@ -8,10 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from salabatch.engine.speculative import DRAFTS
 from salabatch.errors import JobSpecError, JobValidationError
 from salabatch.jobs.ingest.documents import DocumentSource
 from salabatch.jobs.spec.load import check_paths, load_job
-from salabatch.jobs.spec.models import JobSpec, generation_key, spec_fingerprint, spec_json
+from salabatch.jobs.spec.models import (
+    JobSpec,
+    Speculative,
+    generation_key,
+    spec_fingerprint,
+    spec_json,
+)
 
 DESIGN_JOB = """\
 name: contracts-review
@@ -93,6 +100,20 @@ def test_defaults(tmp_path, home):
     )
     assert spec.output.path == tmp_path / "results" / "mini.parquet"
     assert spec.documents[0].text_field == "text" and spec.documents[0].id_field == "id"
+
+
+def test_speculative_decoding_settings(tmp_path):
+    assert load_job(write(tmp_path, MINIMAL)).engine.speculative == Speculative(
+        draft="auto", tokens=4, layers=8
+    )
+    # unquoted `off` is YAML's false: the user wrote off
+    job = write(tmp_path, MINIMAL + "engine:\n  speculative: {draft: off, tokens: 16}\n")
+    assert load_job(job).engine.speculative == Speculative(draft="off", tokens=16, layers=8)
+    for value in ("off", "'off'", "lookup"):
+        set_ = load_job(job, [f"engine.speculative.draft={value}", "engine.speculative.layers=2"])
+        assert set_.engine.speculative == Speculative(draft=value.strip("'"), tokens=16, layers=2)
+    # the job file's names are the engine's
+    assert Speculative.model_fields["draft"].annotation.__args__ == DRAFTS
 
 
 def test_glob_paths_keep_their_pattern_and_jsonl_fields(tmp_path):
@@ -204,7 +225,9 @@ def test_unknown_top_level_key_lists_allowed_fields(tmp_path):
 def test_unknown_nested_key_suggests_the_close_one(tmp_path):
     error = error_of(write(tmp_path, MINIMAL + "engine: {batchsize: 4}\n"))
     assert error.startswith("engine.batchsize: unknown field, did you mean 'batch_size'?")
-    allowed = "prefill_chunk, batch_size, dtype, max_context, on_overflow, pool_max_tokens"
+    allowed = (
+        "prefill_chunk, batch_size, dtype, max_context, on_overflow, pool_max_tokens, speculative"
+    )
     assert f"(allowed: {allowed})" in error
 
 
@@ -247,6 +270,28 @@ cache: {max_gb: .nan}
         "engine.dtype: must be 'auto', 'float32', 'bfloat16' or 'float16', got 'fp16' (line 7)",
         "cache.max_gb: expected a finite number, got nan (line 12)",
     ]
+
+
+def test_bad_speculative_settings_name_their_field(tmp_path):
+    job = write(
+        tmp_path,
+        MINIMAL + "engine:\n  speculative:\n    draft: medusa\n    tokens: 0\n    layers: '8'\n",
+    )
+    assert errors_of(job) == [
+        "engine.speculative.draft: must be 'off', 'lookup', 'layers' or 'auto', got 'medusa' "
+        "(line 7)",
+        "engine.speculative.tokens: must be greater than or equal to 1, got 0 (line 8)",
+        "engine.speculative.layers: expected an integer, got '8' (line 9)",
+    ]
+    job = write(tmp_path, MINIMAL + "engine: {speculative: {draft: yes, tokens: 17, layers: 0}}\n")
+    assert errors_of(job) == [
+        "engine.speculative.draft: must be 'off', 'lookup', 'layers' or 'auto', got true (line 5)",
+        "engine.speculative.tokens: must be less than or equal to 16, got 17 (line 5)",
+        "engine.speculative.layers: must be greater than or equal to 1, got 0 (line 5)",
+    ]
+    error = error_of(write(tmp_path, MINIMAL + "engine: {speculative: {draft_tokens: 2}}\n"))
+    assert error.startswith("engine.speculative.draft_tokens: unknown field")
+    assert "(allowed: draft, tokens, layers)" in error
 
 
 def test_every_mistake_is_reported_at_once(tmp_path):
