@@ -43,6 +43,7 @@ class LightningCache:
         # float32 and log-decay g [H] each call since fed the recurrence, from which `rollback`
         # replays the state.
         self.record: list[tuple[mx.array, mx.array, mx.array]] | None = None
+        self.stepwise = False  # recorded calls run token by token, as decode steps
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> LightningCache:
@@ -81,7 +82,7 @@ class LightningCache:
     def rollback(self, state: mx.array, keep: Sequence[int]) -> None:
         """The state after the first keep[b] tokens fed to row b since it was `state`, replayed
         from the record with the decode step's arithmetic (`gla_replay`)."""
-        record, self.record = self.record, None
+        record, self.record, self.stepwise = self.record, None, False
         if not any(keep):
             self.state = state
             return
@@ -170,20 +171,24 @@ class ModelCache:
         return mx.array(start, dtype=mx.int32)
 
     # -- taking tokens back (speculative decoding, ragged batches) ----------------------------
-    def checkpoint(self, verify: bool = True) -> Checkpoint:
+    def checkpoint(self, record: bool = True, stepwise: bool = True) -> Checkpoint:
         """Marks the cache as it is, so that `rollback` can keep any number of the tokens fed to
-        each row after it. `verify`: the calls until then are a verify pass: every layer feeds
-        their tokens one by one with the decode step's arithmetic (sparse layers `stepwise`),
-        and lightning layers record what they feed their recurrence (which rolling back to a
-        point other than this one needs). Without, only rolling back to here is possible."""
+        each row after it. `record`: lightning layers record what the calls until then feed
+        their recurrence (which rolling back to a point other than this one needs); without,
+        only rolling back to here is possible. `stepwise` (with `record`): the calls are a
+        verify pass, and every layer feeds their tokens one by one with the decode step's
+        arithmetic, so the pass gives what decoding them gives; without, they run as a
+        prefill does (a batch of prompts of different lengths, padded, each rolled back to its
+        own length)."""
         layers = []
         for c in self.layers:
             if isinstance(c, SparseKVCache):
                 layers.append(tuple(c.keys.lengths))
-                c.stepwise = verify
+                c.stepwise = record and stepwise
             else:
                 layers.append(c.state)
-                c.record = [] if verify else None
+                c.record = [] if record else None
+                c.stepwise = record and stepwise
         return Checkpoint(tuple(self.positions), tuple(layers))
 
     def rollback(self, point: Checkpoint, keep: Sequence[int]) -> None:

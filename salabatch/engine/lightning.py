@@ -61,11 +61,14 @@ class LightningAttention(nn.Module):
 
     def __call__(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
         """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
-        if cache.record is not None:  # a verify pass: token by token, recorded
+        if cache.record is not None and cache.stepwise:  # a verify pass: token by token
             positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
             y, cache.state, k, v = self._verify(x, cache.state, positions)
             cache.record.append((k, v, self._log_decay))
             return y
+        if cache.record is not None:  # a call that may be partly taken back: recorded
+            o = self.core(x, cache, offset).astype(x.dtype)
+            return self._out(o, x)
         if x.shape[1] == 1 and cache.state is not None:
             positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
             y, cache.state = self._step(x, cache.state, positions)
@@ -126,7 +129,7 @@ class LightningAttention(nn.Module):
         """A verify pass's call: `_forward` token by token (`gla_stepwise`) → (y, the state,
         and the k, v [B, H, T, d] float32 it fed the recurrence, for a rollback)."""
         cache = LightningCache(state)
-        cache.record = []
+        cache.record, cache.stepwise = [], True
         o = self.core(x, cache, offset).astype(x.dtype)
         ((k, v, _),) = cache.record
         return self._out(o, x), cache.state, k, v
@@ -155,9 +158,10 @@ class LightningAttention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-        if cache.record is not None:  # decode's arithmetic per token; rollback replays it
+        if cache.record is not None:  # what rollback replays
             f32 = mx.float32
             cache.record.append((k.astype(f32), v.astype(f32), self._log_decay))
+        if cache.stepwise:  # decode's arithmetic, token by token
             o, cache.state = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
         else:
             o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)

@@ -171,7 +171,7 @@ class Layers:
     def propose(self, cache, last: mx.array, params: Sequence[SamplingParams], steps, limit: int):
         """`limit` drafts per row from its newest tokens last [B] → (drafts [B, limit] int32,
         the draft distributions [B, limit, V] of rows with a temperature, else None)."""
-        point = cache.checkpoint(verify=False)
+        point = cache.checkpoint(record=False)
         hot = any(p.temperature > 0 for p in params)
         tokens, dists = [], []
         feed = last
