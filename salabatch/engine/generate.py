@@ -310,7 +310,7 @@ class Batch:
             g.batch_size = max(g.batch_size, len(rows))
         if self.speculation.draft != "off" and self._policy.speculate():
             return self._speculative_step()
-        self._policy.plain_step(len(rows))
+        self._policy.plain_step(len(rows), time.perf_counter())
         logits = decode(self.model, self._feed, self.cache)
         params = [g.request.params for g in rows]
         drawn = sample_tokens(logits, params, [g._sampled for g in rows], self._counts)

@@ -24,7 +24,6 @@ Drafters:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -330,9 +329,9 @@ class Policy:
         self.tokens, self._rate = 1, None  # probe
         return True
 
-    def plain_step(self, rows: int) -> None:
-        """A plain (pipelined) step ended: its time is the interval since the last one's end."""
-        now = time.perf_counter()
+    def plain_step(self, rows: int, now: float) -> None:
+        """A plain (pipelined) step over `rows` rows ended at `now` (perf_counter): its time is
+        the interval since the last one's end."""
         if self._last_plain is not None:
             _average(self._plain, rows, now - self._last_plain)
         self._last_plain = now

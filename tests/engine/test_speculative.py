@@ -1,0 +1,302 @@
+"""Speculative decoding: a rollback keeps exactly the tokens kept, greedy speculation gives plain
+greedy decoding's tokens (every drafter, batch 1 and 8, dense, sparse and across dense_len, 300
+tokens), rejection sampling keeps plain sampling's distribution, the drafters and the auto
+policy do what they say."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.generate import Generator, Request, prefill
+from salabatch.engine.load import load_model
+from salabatch.engine.sampling import SamplingParams, sample_tokens
+from salabatch.engine.sparse_cache import SparseKVCache
+from salabatch.engine.speculative import (
+    Lookup,
+    Policy,
+    RowStats,
+    RowText,
+    Speculation,
+    verify,
+)
+from salabatch.engine.tokenizer import load_tokenizer
+from salabatch.models import resolve_model
+from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+
+ATOL = 2e-5  # float32: a verify pass and decode steps differ by rounding at most
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("s"), tiny_config_dict(**SPARSE_AT_256))
+    return load_model(path, dtype="float32")
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+
+
+def document(model, n: int):
+    tokens = tuple(ids(n, 1))
+    cache = model.make_cache()
+    prefill(model, tokens, cache)
+    return tokens, cache
+
+
+# -- the rollback ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("doc_len", [150, 600], ids=["dense", "sparse"])
+def test_rollback_keeps_exactly_the_tokens_kept(model, doc_len, engine_path):
+    """Rows fed 7 tokens in one recorded pass, then rolled back to 1, 4 and 7 of them, continue
+    as rows that decoded just those tokens one by one (states, keys, chunks, positions)."""
+    _, doc = document(model, doc_len)
+    fed = [ids(7, 20 + b) for b in range(3)]
+    keep = [1, 4, 7]
+    cache = doc.fork(3)
+    point = cache.checkpoint()
+    model(mx.array(fed), cache)
+    cache.rollback(point, keep)
+    after = model(mx.array([[9], [9], [9]]), cache)[:, -1]
+    for b in range(3):
+        alone = doc.fork(1)
+        for token in fed[b][: keep[b]]:
+            model(mx.array([[token]]), alone)
+        want = model(mx.array([[9]]), alone)[:, -1]
+        assert cache.positions[b] == alone.positions[0]
+        np.testing.assert_allclose(np.array(after[b]), np.array(want[0]), atol=ATOL)
+    sparse = next(c for c in cache if isinstance(c, SparseKVCache))
+    assert sparse.keys.lengths == [n - sparse.start + 1 for n in (doc_len + k for k in keep)]
+
+
+def test_ragged_prefill_rolls_each_row_back_to_its_own_length(model):
+    """Prompts of different lengths prefilled as one padded batch (recorded, as a prefill),
+    then each rolled back to its length, equal each prompt prefilled alone."""
+    _, doc = document(model, 600)
+    prompts = [ids(n, 10 + n) for n in (5, 30, 1, 17)]
+    T = max(map(len, prompts))
+    cache = doc.fork(len(prompts))
+    point = cache.checkpoint(stepwise=False)
+    h = model.hidden(mx.array([p + [0] * (T - len(p)) for p in prompts]), cache)
+    last = model.logits(mx.stack([h[b, len(p) - 1] for b, p in enumerate(prompts)]))
+    cache.rollback(point, [len(p) for p in prompts])
+    after = model(mx.array([[7]] * len(prompts)), cache)[:, -1]
+    for b, p in enumerate(prompts):
+        alone = doc.fork(1)
+        logits = prefill(model, p, alone)
+        np.testing.assert_allclose(np.array(last[b]), np.array(logits), atol=ATOL)
+        want = model(mx.array([[7]]), alone)[0, -1]
+        np.testing.assert_allclose(np.array(after[b]), np.array(want), atol=ATOL)
+
+
+def test_rollback_without_a_record_only_returns_to_the_checkpoint(model):
+    _, doc = document(model, 150)
+    cache = doc.fork(1)
+    point = cache.checkpoint(record=False)
+    model(mx.array([[5, 6]]), cache)
+    with pytest.raises(ValueError, match="record"):
+        cache.rollback(point, [1])
+
+
+# -- greedy identity ------------------------------------------------------------------------------
+def generate(model, requests, prefix, batch_size, draft="off", **settings):
+    spec = Speculation(draft, **settings)
+    out = Generator(model, batch_size=batch_size, speculation=spec).generate(requests, prefix)
+    return {g.request.id: g for g in out}
+
+
+@pytest.mark.parametrize("draft", ["lookup", "layers", "auto"])
+@pytest.mark.parametrize(
+    "doc_len", [150, 600], ids=["dense-then-sparse", "sparse"]
+)  # 150: the answers cross dense_len (256)
+def test_greedy_speculation_gives_plain_greedy_tokens(model, draft, doc_len):
+    context, doc = document(model, doc_len)
+    lengths = [5, 17, 1, 9, 30, 2, 12, 7]
+    reqs = [
+        Request(f"q{i}", tuple(ids(n, 40 + i)), max_tokens=300, context=context)
+        for i, n in enumerate(lengths)
+    ]
+    for batch, rows in ((8, reqs), (1, reqs[:2])):
+        plain = generate(model, rows, doc, batch)
+        spec = generate(model, rows, doc, batch, draft)
+        for r in rows:
+            assert spec[r.id].tokens == plain[r.id].tokens, (batch, r.id)
+            assert spec[r.id].finish_reason == plain[r.id].finish_reason
+        drafted = sum(g.draft_tokens for g in spec.values())
+        accepted = sum(g.accepted_tokens for g in spec.values())
+        assert 0 <= accepted <= drafted
+        if draft != "auto":
+            assert accepted > 0  # the passes ran and kept drafts
+
+
+def test_greedy_speculation_on_the_gpu_path(model, monkeypatch):
+    """The GPU path's compiled decode step beside the verify pass's graphs."""
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    context, doc = document(model, 150)
+    reqs = [Request(f"q{i}", tuple(ids(9, i)), max_tokens=160, context=context) for i in range(4)]
+    plain = generate(model, reqs, doc, 4)
+    for draft in ("lookup", "layers"):
+        spec = generate(model, reqs, doc, 4, draft, tokens=6)
+        assert {k: g.tokens for k, g in spec.items()} == {k: g.tokens for k, g in plain.items()}
+
+
+def test_stop_tokens_and_max_tokens_end_speculating_rows_as_plain_ones(model):
+    context, doc = document(model, 150)
+    free = Request("free", tuple(ids(4, 3)), max_tokens=80, context=context)
+    tokens = generate(model, [free], doc, 1)["free"].tokens
+    stop = frozenset({tokens[30]})  # a token the answer reaches mid-way
+    reqs = [
+        Request("stop", free.prompt, max_tokens=80, stop=stop, context=context),
+        Request("short", free.prompt, max_tokens=13, context=context),
+    ]
+    plain = generate(model, reqs, doc, 2)
+    spec = generate(model, reqs, doc, 2, "layers")
+    for r in reqs:
+        assert spec[r.id].tokens == plain[r.id].tokens
+        assert spec[r.id].finish_reason == plain[r.id].finish_reason
+    assert spec["short"].finish_reason == "length" and len(spec["short"].tokens) == 13
+
+
+def test_builtin_model_answers_the_demo_questions_identically():
+    path = resolve_model("builtin:tiny")
+    model, tok = load_model(path, dtype="float32"), load_tokenizer(path)
+    text = "Services Agreement between Redwater Robotics (the Provider) and Acme Mills. " * 3
+    context = tuple(tok.document_prompt(text, system=None, think=False))
+    doc = model.make_cache()
+    prefill(model, context, doc)
+    questions = ["Give the service provider of this agreement.", "Tell me the Client."]
+    stop = frozenset(tok.eos_ids)
+    reqs = [
+        Request(q, tuple(tok.prompt_suffix(q, system=None, think=False)), SamplingParams(), 24,
+                stop, context=context)
+        for q in questions
+    ]  # fmt: skip
+    plain = generate(model, reqs, doc, 2)
+    spec = generate(model, reqs, doc, 2, "lookup")
+    assert {k: g.tokens for k, g in spec.items()} == {k: g.tokens for k, g in plain.items()}
+
+
+# -- rejection sampling ---------------------------------------------------------------------------
+def _emitted(verdicts, drafts):
+    """The first two tokens each row emits: its accepted drafts, then the model's token."""
+    out = []
+    for v, d in zip(verdicts, drafts, strict=True):
+        tokens = list(d[: v.accepted]) + [v.next_token]
+        out.append(tokens[:2])
+    return out
+
+
+def _tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "layers"])
+def test_rejection_sampling_keeps_the_distribution_of_plain_sampling(drafter):
+    """Drafts accepted with min(1, p/q) and residual draws leave each emitted token distributed
+    as plain sampling's: the first by p0, the second (after the first draft) by p1."""
+    N, V = 6000, 6
+    rng = np.random.default_rng(0)
+    raw = rng.normal(size=(3, V)).astype(np.float32) * 1.5
+    logits = mx.broadcast_to(mx.array(raw)[None], (N, 3, V))
+    p = np.exp(raw) / np.exp(raw).sum(axis=1, keepdims=True)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(N)]
+    q = None
+    if drafter == "lookup":
+        drafts = [[int(np.argsort(p[0])[-2]), 2]] * N  # the second likeliest: often rejected
+    else:
+        qd = np.full((2, V), 1.0 / V)  # the draft model: uniform, its drafts drawn from it
+        drafts = rng.integers(0, V, size=(N, 2)).tolist()
+        q = mx.broadcast_to(mx.array(qd, dtype=mx.float32)[None], (N, 2, V))
+    first = sample_tokens(logits[:, 0], params, [0] * N)
+    emitted = _emitted(verify(logits, drafts, params, [0] * N, first, q), drafts)
+    firsts = np.bincount([e[0] for e in emitted], minlength=V)
+    assert _tv(firsts, p[0]) < 0.025
+    seconds = [e[1] for e, d in zip(emitted, drafts, strict=True) if len(e) > 1 and e[0] == d[0]]
+    assert len(seconds) > 800  # the first draft was accepted that often: the second follows p1
+    assert _tv(np.bincount(seconds, minlength=V), p[1]) < 0.05
+
+
+def _same_distribution(a: list, b: list) -> bool:
+    """Two-sample chi-square test of the samples a and b (equal sizes) at the 0.1 % level,
+    categories seen fewer than 10 times pooled; the critical value by Wilson-Hilferty."""
+    support = sorted(set(a) | set(b), key=str)
+    ca = np.array([a.count(t) for t in support], dtype=float)
+    cb = np.array([b.count(t) for t in support], dtype=float)
+    rare = ca + cb < 10
+    if rare.any():
+        ca = np.append(ca[~rare], ca[rare].sum())
+        cb = np.append(cb[~rare], cb[rare].sum())
+    both = ca + cb
+    stat = float((((ca - cb) ** 2) / both).sum())  # equal sample sizes: Σ (a - b)² / (a + b)
+    df = len(both) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3
+    return stat < critical
+
+
+def test_sampled_speculation_matches_plain_sampling_in_distribution(model):
+    """Through the whole model: sampled answers (top-3) drafted by the first layers against plain
+    sampling's, by a two-sample test of their first two tokens together and of the next two."""
+    context, doc = document(model, 150)
+    prompt = tuple(ids(6, 5))
+    hot = [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(960)]
+    reqs = [Request(f"s{i}", prompt, p, 4, context=context) for i, p in enumerate(hot)]
+    plain = generate(model, reqs, doc, 96)
+    spec = generate(model, reqs, doc, 96, "layers", tokens=3)
+    assert sum(g.accepted_tokens for g in spec.values()) > 0
+    for part in (slice(0, 2), slice(2, 3), slice(3, 4)):
+        a = [tuple(plain[r.id].tokens[part]) for r in reqs]
+        b = [tuple(spec[r.id].tokens[part]) for r in reqs]
+        assert _same_distribution(a, b), part
+
+
+# -- the drafters and the policy ------------------------------------------------------------------
+def test_lookup_copies_what_followed_the_answer_in_the_document():
+    doc = (5, 6, 7, 8, 9, 10, 11, 3, 5, 6, 12)
+    row = RowText(doc, [40, 41, 6, 7])  # the answer ends with "6 7": the document has "6 7 8 9"
+    assert Lookup().propose(row, 3) == [8, 9, 10]
+    row = RowText(doc, [40, 9])  # one token alone: its continuation there
+    assert Lookup().propose(row, 2) == [10, 11]
+    row = RowText((), [1, 2, 3, 1, 2, 3, 1, 2])  # a repeat continues into its own draft
+    assert Lookup().propose(row, 5) == [3, 1, 2, 3, 1]
+    assert Lookup().propose(RowText(doc, [99, 98]), 4) == []
+
+
+def test_auto_backs_off_where_passes_do_not_pay_and_grows_where_they_do():
+    policy = Policy(Speculation("auto", tokens=4))
+    plain = [policy.speculate() for _ in range(Policy.WARMUP)]
+    assert plain == [False] * Policy.WARMUP  # measures plain steps first
+    policy.plain_step(8, 0.0)
+    policy.plain_step(8, 0.010)  # 10 ms a plain step for 8 rows: 800 tokens/s
+    assert policy.speculate() and policy.tokens == 1  # then probes with one draft
+    policy.verify_pass(8, 8, 0.02)  # 400 tokens/s: worse
+    assert policy.tokens == 0
+    waits = 0
+    while not policy.speculate():
+        waits += 1
+    assert waits == Policy.BACKOFF
+    for _ in range(3):
+        policy.verify_pass(8, 24, 0.012)  # 2,000 tokens/s
+    assert policy.tokens == 4
+    policy.verify_pass(8, 8, 0.5)
+    policy.verify_pass(8, 8, 0.5)
+    assert policy.tokens < 4
+    stats = RowStats()
+    stats.passed(4, 0)
+    stats.passed(4, 0)
+    stats.passed(4, 0)
+    assert stats.rate < Policy.ROW_FLOOR
+    assert sum(policy.drafts_for(stats) for _ in range(16)) == 16 // Policy.PROBE
+
+
+def test_fixed_drafters_always_draft_their_tokens():
+    policy = Policy(Speculation("lookup", tokens=5))
+    assert policy.speculate() and policy.tokens == 5
+    policy.verify_pass(8, 1, 10.0)
+    assert policy.tokens == 5
+
+
+def test_speculation_settings_are_checked():
+    with pytest.raises(ValueError, match="draft must be one of"):
+        Speculation("sometimes")
+    with pytest.raises(ValueError, match="≥ 1"):
+        Speculation("lookup", tokens=0)
