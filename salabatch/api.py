@@ -103,8 +103,6 @@ def stream_generate(
     the tokenizer or `max_tokens`. Greedy unless `temperature` > 0; the same seed gives the same
     text, as in `salabatch run`. `draft`, `num_draft_tokens`, `draft_layers`: speculative
     decoding (see the module docstring)."""
-    import mlx.core as mx
-
     from salabatch.engine.generate import Generator, Request
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
@@ -124,23 +122,37 @@ def stream_generate(
         for g in generator.stream([request]):
             now = time.perf_counter()
             first_at = first_at or now
-            if len(g.tokens) > len(detok.tokens):  # the token read was not a stop token
-                detok.add_token(g.tokens[-1])
-            if g.done:
+            # a step may read several tokens (accepted drafts): one response for each, and the
+            # stop token, when it ended the answer, one of its own (no text), the last
+            new = g.tokens[len(detok.tokens) :]
+            stopped = g.done and g.last_token in request.stop
+            for i, token in enumerate(new):
+                detok.add_token(token)
+                last = i == len(new) - 1 and not stopped
+                if last and g.done:
+                    detok.finalize()
+                yield _response(detok, token, ids, g, len(detok.tokens), now, first_at, last)
+            if stopped:
                 detok.finalize()
-            n = len(g.tokens)
-            yield GenerationResponse(
-                text=detok.last_segment,
-                token=g.last_token,
-                prompt_tokens=len(ids),
-                prompt_tps=len(ids) / g.ttft_s if g.ttft_s else 0.0,
-                generation_tokens=n,
-                generation_tps=(n - 1) / (now - first_at) if n > 1 and now > first_at else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=g.finish_reason,
-                draft_tokens=g.draft_tokens,
-                accepted_tokens=g.accepted_tokens,
-            )
+                yield _response(detok, g.last_token, ids, g, len(g.tokens), now, first_at, True)
+
+
+def _response(detok, token, ids, g, n, now, first_at, last) -> GenerationResponse:
+    """`stream_generate`'s response for the answer's n-th token (`last`: the step's last)."""
+    import mlx.core as mx
+
+    return GenerationResponse(
+        text=detok.last_segment,
+        token=token,
+        prompt_tokens=len(ids),
+        prompt_tps=len(ids) / g.ttft_s if g.ttft_s else 0.0,
+        generation_tokens=n,
+        generation_tps=(n - 1) / (now - first_at) if n > 1 and now > first_at else 0.0,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason=g.finish_reason if last else None,
+        draft_tokens=g.draft_tokens,
+        accepted_tokens=g.accepted_tokens,
+    )
 
 
 def generate(

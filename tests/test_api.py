@@ -79,6 +79,14 @@ def test_stream_responses_count_and_finish(loaded):
     assert responses[-1].token == tokens[2] and responses[-1].generation_tokens == n
     assert "".join(r.text for r in responses) == tok.decode(tokens[:n], skip_special=True)
 
+    # Speculating, a step reads several tokens: still one response per token, the same text.
+    for draft in ("layers", "lookup"):
+        drafted = list(salabatch.stream_generate(model, tok, "Say hi.", 12, draft=draft))
+        plain = list(salabatch.stream_generate(model, tok, "Say hi.", 12))
+        assert [r.token for r in drafted] == [r.token for r in plain]
+        assert [r.generation_tokens for r in drafted] == list(range(1, 13))
+        assert "".join(r.text for r in drafted) == "".join(r.text for r in plain)
+
 
 def test_token_ids_are_used_as_they_are(loaded):
     model, tok = loaded

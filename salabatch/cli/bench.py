@@ -237,6 +237,53 @@ def bench_quant(
     _emit("quant", quant.run(hidden, layers, prefill, steps, chosen, act_dtype), out)
 
 
+@bench.command("spec")
+@click.option(
+    "--workloads",
+    default="extraction,free-form,cost",
+    show_default=True,
+    help="Comma-separated: extraction (the demo job's questions), free-form, cost (the 9B's "
+    "layer layout at 1/16 width, random weights).",
+)
+@click.option("--batches", default="1,2,8", show_default=True, help="Batch sizes.")
+@click.option("--drafts", default="off,lookup,layers,auto", show_default=True)
+@click.option("--rounds", default=3, show_default=True, help="Timed rounds (median kept).")
+@click.option("--tokens", default=4, show_default=True, help="Drafts per pass.")
+@click.option("--layers", default=2, show_default=True, help="The layers drafter's layers.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False),
+    help="PNG chart here (default: beside --out, as .png).",
+)
+def bench_spec(
+    workloads: str,
+    batches: str,
+    drafts: str,
+    rounds: int,
+    tokens: int,
+    layers: int,
+    out: str | None,
+    chart: str | None,
+) -> None:
+    """Speculative decoding: decode tokens/s without drafts and with each drafter, at each
+    batch size, acceptance, and whether greedy answers are unchanged. Needs the repository's
+    jobs/ (the demo documents) for extraction and free-form."""
+    from salabatch.bench import environment, spec
+
+    result = spec.run(
+        workloads=tuple(w.strip() for w in workloads.split(",") if w.strip()),
+        batches=tuple(int(b) for b in batches.split(",")),
+        drafts=tuple(d.strip() for d in drafts.split(",") if d.strip()),
+        rounds=rounds,
+        tokens=tokens,
+        layers=layers,
+        progress=lambda text: click.echo(text, err=True),
+    )
+    result = {"bench": "spec", **environment(), **result}
+    _report(result, spec.table(result), out, chart, partial(spec.chart, result))
+
+
 @bench.command("gla")
 @click.option("--repeat", default=5, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")

@@ -299,15 +299,17 @@ class Policy:
     not pay.
 
     `auto` keeps its own draft length, 0 (plain, pipelined steps) to `tokens`. It starts plain
-    (measuring a plain step's time at this row count), then probes with one draft per row; after
-    each pass it compares the tokens per second of its passes (a moving average) with plain
-    steps': ahead by GROW, one draft more; behind, one less, and at 0 plain steps for a back-off
-    that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. A probe at one
-    draft costs little: the pass is barely longer than a step. Per row: a row drafts while the
-    share of its drafts accepted (a moving average) stays at least ROW_FLOOR, and on every
-    PROBE-th pass otherwise."""
+    (measuring a plain step's time at this row count), then probes with one draft per row.
+    After each pass it compares the tokens per second of its passes (a moving average) with
+    plain steps': ahead by GROW, one draft more; not (or the pass accepted nothing, which
+    never pays, whatever a noisy clock says), one less, and at 0 plain steps for a
+    back-off that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. Every
+    REMEASURE passes it runs WARMUP plain steps again, so the comparison is with plain steps of
+    now (not of a cold start). A probe at one draft costs little: the pass is barely longer
+    than a step. Per row: a row drafts while the share of its drafts accepted (a moving
+    average) stays at least ROW_FLOOR, and on every PROBE-th pass otherwise."""
 
-    ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP = 0.3, 8, 1.05, 8, 256, 2
+    ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP, REMEASURE = 0.3, 8, 1.05, 8, 256, 3, 24
 
     def __init__(self, speculation: Speculation) -> None:
         self.adaptive = speculation.draft == "auto"
@@ -315,8 +317,9 @@ class Policy:
         self.tokens = 0 if self.adaptive else self.most  # drafts per row in the next pass
         self._plain: dict[int, float] = {}  # rows → seconds per plain step (moving average)
         self._rate: float | None = None  # tokens per second of the passes at this length
-        self._wait = self.WARMUP  # plain steps before the next probe
+        self._wait, self._resume = self.WARMUP, 1  # plain steps before passes of `_resume`
         self._backoff = self.BACKOFF
+        self._passes = 0
         self._last_plain: float | None = None
 
     def speculate(self) -> bool:
@@ -326,12 +329,12 @@ class Policy:
         if self._wait > 0:
             self._wait -= 1
             return False
-        self.tokens, self._rate = 1, None  # probe
+        self.tokens, self._rate = self._resume, None
         return True
 
     def plain_step(self, rows: int, now: float) -> None:
         """A plain (pipelined) step over `rows` rows ended at `now` (perf_counter): its time is
-        the interval since the last one's end."""
+        the interval since the last one's end (the first after other work is not timed)."""
         if self._last_plain is not None:
             _average(self._plain, rows, now - self._last_plain)
         self._last_plain = now
@@ -344,19 +347,25 @@ class Policy:
             return
         rate = tokens / max(seconds, 1e-9)
         self._rate = rate if self._rate is None else 0.5 * self._rate + 0.5 * rate
+        self._passes += 1
         plain = self._plain_seconds(rows)
-        if plain is None:  # nothing to compare with: measure plain steps first
-            self.tokens, self._wait = 0, self.WARMUP
-            return
-        if self._rate * plain >= self.GROW * rows:  # a plain step gives `rows` in `plain` s
+        if plain is None or self._passes % self.REMEASURE == 0:  # plain steps of now first
+            self._pause(self.WARMUP, self.tokens)
+        elif tokens > rows and self._rate * plain >= self.GROW * rows:  # plain: `rows` tokens
             self.tokens = min(self.tokens + 1, self.most)
             self._backoff = self.BACKOFF
-        elif self._rate * plain < rows:
-            self.tokens -= 1
+        else:
             self._rate = None
-            if not self.tokens:
-                self._wait = self._backoff
+            if self.tokens > 1:
+                self.tokens -= 1
+            else:
+                self._pause(self._backoff, 1)
                 self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+
+    def _pause(self, steps: int, then: int) -> None:
+        """Plain steps for `steps` steps (one more: the first is not timed), then passes of
+        `then` drafts."""
+        self.tokens, self._wait, self._resume = 0, steps + 1, then
 
     def _plain_seconds(self, rows: int) -> float | None:
         """A plain step's time at this row count, or at the nearest one measured."""
@@ -383,5 +392,7 @@ class RowStats:
 
 
 def _average(table: dict[int, float], key: int, value: float) -> None:
+    """A moving average per key; a sample over twice the average (a stall of the machine)
+    counts as twice the average."""
     old = table.get(key)
-    table[key] = value if old is None else 0.7 * old + 0.3 * value
+    table[key] = value if old is None else 0.7 * old + 0.3 * min(value, 2 * old)

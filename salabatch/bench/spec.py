@@ -1,0 +1,221 @@
+"""Speculative decoding, side by side in one run: decode without drafts (`off`) and with each
+drafter (`lookup`, `layers`, `auto`), at several batch sizes, on three workloads:
+
+* extraction: the demo job's seven questions over its text documents, on builtin:tiny (the
+  answers are names, amounts and dates copied from the document: where lookup shines);
+* free-form: open questions over the same documents, on builtin:tiny, longer answers;
+* cost: the 9B's layer layout (32 layers, 8 sparse) at 1/16 width with random weights over a
+  random document: acceptance means nothing there, the row shows what a pass costs.
+
+Per workload and batch size, each document is prefilled once; the questions then decode with
+every setting in turn, the settings alternating over `rounds` rounds (the median kept), so
+the machine's drift falls on all of them alike. Reported per row: decode tokens/s (batch 1:
+each answer's tokens after its first over its decode time, as `Generation.decode_tok_s`;
+larger batches: all tokens over the wall time of the batch, its questions' own prefill
+included, the same for every setting), the ratio to `off`, drafts made and accepted, and
+whether every greedy answer is token for token `off`'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from salabatch.engine.generate import Generator, Request, prefill
+from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.speculative import Speculation
+
+DRAFTS = ("off", "lookup", "layers", "auto")
+BATCHES = (1, 2, 8)
+DEMO = Path(__file__).resolve().parents[2] / "jobs"  # the repository's jobs/ (demo documents)
+FREE_FORM = (
+    "Summarize this agreement.",
+    "Describe the obligations of the Provider.",
+    "Explain how the agreement can be terminated.",
+    "What does the Client have to pay, and when?",
+)
+
+
+def run(
+    workloads: tuple[str, ...] = ("extraction", "free-form", "cost"),
+    batches: tuple[int, ...] = BATCHES,
+    drafts: tuple[str, ...] = DRAFTS,
+    rounds: int = 3,
+    tokens: int = 4,
+    layers: int = 2,
+    progress=None,
+) -> dict:
+    rows = []
+    for workload in workloads:
+        model, documents = _workload(workload)
+        for batch in batches:
+            rows += _measure(model, documents, workload, batch, drafts, rounds, tokens, layers)
+            if progress:
+                progress(table({"rows": rows[-len(drafts) :]}))
+    return {
+        "device": str(mx.default_device()),
+        "settings": {"tokens": tokens, "layers": layers, "rounds": rounds},
+        "rows": rows,
+    }
+
+
+def _workload(name: str) -> tuple:
+    """The model and [(document tokens, [Request])] of a workload."""
+    if name == "cost":
+        return _cost()
+    from salabatch.api import load
+
+    model, tok = load("builtin:tiny")
+    import yaml
+
+    job = yaml.safe_load((DEMO / "demo.yaml").read_text())
+    extraction = name == "extraction"
+    questions = [q["text"] for q in job["questions"]] if extraction else list(FREE_FORM)
+    max_tokens = job["generation"]["max_tokens"] if extraction else 64
+    stop = frozenset(tok.eos_ids)
+    documents = []
+    for path in sorted((DEMO / "demo" / "docs").glob("*")):
+        if path.suffix not in (".txt", ".md"):
+            continue
+        doc = tuple(tok.document_prompt(path.read_text(), system=None, think=False))
+        asks = [
+            Request(
+                f"{path.stem}/{i}",
+                tuple(tok.prompt_suffix(q, system=None, think=False)),
+                SamplingParams(),
+                max_tokens,
+                stop,
+                context=doc,
+            )
+            for i, q in enumerate(questions)
+        ]
+        documents.append((doc, asks))
+    return model, documents
+
+
+def _cost() -> tuple:
+    from salabatch.bench.long import SALA_9B_SPARSE_LAYERS, SHAPES, _sala, random_init
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.model import Model
+
+    small = SHAPES["small"].sala
+    config = _sala(256, 32, 8, 2, 32, 1024, small["vocab_size"], SALA_9B_SPARSE_LAYERS, 16)
+    model = random_init(Model(ModelConfig.from_dict(config)), mx.float32, seed=0)
+    model.fuse()
+    rng = np.random.default_rng(0)
+    doc = tuple(rng.integers(3, 4000, size=2048).tolist())
+    asks = [
+        Request(f"random/{i}", tuple(rng.integers(3, 4000, size=16).tolist()), max_tokens=64,
+                context=doc)
+        for i in range(8)
+    ]  # fmt: skip
+    return model, [(doc, asks)]
+
+
+def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) -> list[dict]:
+    prefixes = []
+    for doc, asks in documents:
+        cache = model.make_cache()
+        prefill(model, doc, cache, 1024)
+        prefixes.append((cache, asks))
+    seen: dict[str, list[dict]] = {d: [] for d in drafts}
+    for _ in range(rounds + 1):  # the first round warms every trace and is not kept
+        for draft in drafts:
+            spec = Speculation(draft, tokens=tokens, layers=layers)
+            runs = [_decode(model, cache, asks, batch, spec) for cache, asks in prefixes]
+            seen[draft].append(_total(runs, batch))
+    base = _kept(seen["off"]) if "off" in seen else None
+    rows = []
+    for draft in drafts:
+        kept = _kept(seen[draft])
+        row = {
+            "workload": workload,
+            "batch": batch,
+            "draft": draft,
+            "tok_s": round(kept["tok_s"], 1),
+            "tok_s_rounds": [round(r["tok_s"], 1) for r in seen[draft][1:]],
+            "drafted": kept["drafted"],
+            "accepted": kept["accepted"],
+            "acceptance": round(kept["accepted"] / kept["drafted"], 3) if kept["drafted"] else None,
+            "tokens": kept["tokens"],
+        }
+        if base is not None:
+            row["vs_off"] = round(kept["tok_s"] / base["tok_s"], 3)
+            row["same_answers"] = kept["answers"] == base["answers"]
+        rows.append(row)
+    return rows
+
+
+def _decode(model, cache, asks, batch, spec) -> tuple[list, float]:
+    start = time.perf_counter()
+    done = list(Generator(model, batch_size=batch, speculation=spec).generate(asks, cache))
+    return done, time.perf_counter() - start
+
+
+def _total(runs, batch) -> dict:
+    done = [g for gens, _ in runs for g in gens]
+    if batch == 1:
+        steps = sum(max(len(g.tokens) - 1, 0) for g in done)
+        rate = steps / sum(g.decode_s for g in done)
+    else:
+        rate = sum(len(g.tokens) for g in done) / sum(wall for _, wall in runs)
+    return {
+        "tok_s": rate,
+        "drafted": sum(g.draft_tokens for g in done),
+        "accepted": sum(g.accepted_tokens for g in done),
+        "tokens": sum(len(g.tokens) for g in done),
+        "answers": {g.request.id: g.tokens for g in done},
+    }
+
+
+def _kept(rounds: list[dict]) -> dict:
+    """The median round of the timed ones (the first warmed up)."""
+    timed = rounds[1:] or rounds
+    middle = statistics.median_low([r["tok_s"] for r in timed])
+    return next(r for r in timed if r["tok_s"] == middle)
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"{'workload':11s} {'batch':>5s} {'draft':7s} {'tok/s':>8s} {'vs off':>7s} "
+        f"{'accepted':>14s} same"
+    ]
+    for r in result["rows"]:
+        acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+        vs = f"{r['vs_off']:.2f}×" if "vs_off" in r else "-"
+        same = {True: "yes", False: "NO"}.get(r.get("same_answers"), "-")
+        lines.append(
+            f"{r['workload']:11s} {r['batch']:5d} {r['draft']:7s} {r['tok_s']:8.1f} {vs:>7s} "
+            f"{acc:>14s} {same}"
+        )
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["draft"] != "off" and "vs_off" in r]
+    groups = sorted({(r["workload"], r["batch"]) for r in rows}, key=lambda g: (g[0], g[1]))
+    drafts = [d for d in DRAFTS if any(r["draft"] == d for r in rows)]
+    width = 0.8 / max(len(drafts), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4))
+    ratio = {(r["workload"], r["batch"], r["draft"]): r["vs_off"] for r in rows}
+    for i, d in enumerate(drafts):
+        values = [ratio.get((*g, d), 0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=d)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(drafts) - 1) / 2 for x in range(len(groups))])
+    ax.set_xticklabels([f"{w}\nb{b}" for w, b in groups], fontsize=8)
+    ax.set_ylabel("decode tokens/s vs off")
+    ax.set_title(f"salabatch bench spec — {result['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
