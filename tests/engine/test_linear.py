@@ -76,7 +76,8 @@ BIG = 1 << 17  # the split size of the real module: this test's weight (24 x 32)
         ((2, 32), mx.float32, BIG, True),
         ((1, 1, 32), mx.float32, BIG, False),  # one row of a small weight: BLAS's product
         ((1, 1, 32), mx.float32, 24 * 32, True),  # one row of a weight the threads split
-        ((4, 16, 32), mx.float32, BIG, False),  # 64 rows: a prefill chunk
+        ((8, 5, 32), mx.float32, BIG, True),  # a verify pass: 8 rows of 1 + 4 drafts
+        ((4, 64, 32), mx.float32, BIG, False),  # 256 rows: a prefill chunk
         ((8, 1, 32), mx.bfloat16, BIG, False),
     ],
 )
