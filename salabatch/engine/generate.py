@@ -8,6 +8,8 @@ every row continues a fork of it, so the document's sparse-layer keys are stored
 The loop is made of two steppable parts that the server (`salabatch.serve.engine`) drives itself,
 between whose steps jobs arrive and leave: `Prefill` (a prompt, one chunk per step) and `Batch`
 (rows decoding together, one token per step; rows join, stop or are cancelled between steps).
+With `speculation` (salabatch.engine.speculative), a step may instead be a verify pass over
+drafted tokens, from which each row reads its accepted drafts and the model's next token.
 
 A row ends at a stop token, at `max_tokens`, or, given a detokenizer, as soon as its decoded
 text contains one of its stop strings (the text is then cut before it).
@@ -235,7 +237,9 @@ class Batch:
     Steps are pipelined: step n+1 is built and queued (`mx.async_eval`) before the tokens of
     step n are read, so the host's work overlaps the device's; sampling runs on the device and
     the only read per step is the batch's tokens. A row that stops is dropped after the step
-    already queued for it, whose token is discarded."""
+    already queued for it, whose token is discarded. Speculating (`speculation`, with its
+    `Policy` deciding per step), a step reads the tokens first, drafts after them and verifies
+    the drafts in one pass, which is not pipelined."""
 
     def __init__(
         self,

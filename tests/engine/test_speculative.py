@@ -268,22 +268,27 @@ def test_auto_backs_off_where_passes_do_not_pay_and_grows_where_they_do():
     policy.plain_step(8, 0.0)
     policy.plain_step(8, 0.010)  # 10 ms a plain step for 8 rows: 800 tokens/s
     assert policy.speculate() and policy.tokens == 1  # then probes with one draft
-    policy.verify_pass(8, 8, 0.02)  # 400 tokens/s: worse
+    policy.verify_pass(8, 9, 0.02)  # 450 tokens/s: worse
     assert policy.tokens == 0
     waits = 0
     while not policy.speculate():
         waits += 1
-    assert waits == Policy.BACKOFF
+    assert waits == Policy.BACKOFF + 1  # the first plain step after a pass is not timed
     for _ in range(3):
         policy.verify_pass(8, 24, 0.012)  # 2,000 tokens/s
     assert policy.tokens == 4
+    policy.verify_pass(8, 8, 0.001)  # accepted nothing: never pays, however fast it looked
+    assert policy.tokens == 3
     policy.verify_pass(8, 8, 0.5)
-    policy.verify_pass(8, 8, 0.5)
-    assert policy.tokens < 4
+    assert policy.tokens == 2
+    for _ in range(Policy.REMEASURE):  # and every REMEASURE passes, plain steps of now
+        if not policy.tokens:
+            break
+        policy.verify_pass(8, 24, 0.012)
+    assert policy.tokens == 0 and not policy.speculate()
     stats = RowStats()
-    stats.passed(4, 0)
-    stats.passed(4, 0)
-    stats.passed(4, 0)
+    for _ in range(3):
+        stats.passed(4, 0)
     assert stats.rate < Policy.ROW_FLOOR
     assert sum(policy.drafts_for(stats) for _ in range(16)) == 16 // Policy.PROBE
 
@@ -300,3 +305,24 @@ def test_speculation_settings_are_checked():
         Speculation("sometimes")
     with pytest.raises(ValueError, match="≥ 1"):
         Speculation("lookup", tokens=0)
+
+
+# -- the golden configs ---------------------------------------------------------------------------
+def test_no_divergence_on_the_golden_configs(golden_dir):
+    """The independent reference's config and weights (float32): each case's prompt (its
+    document prefilled once) answered greedily for 120 tokens with every drafter, as plain
+    decoding answers it: the divergence rate the issue asks measured, 0 of every token."""
+    import json
+
+    model = load_model(golden_dir, dtype="float32")
+    cases = json.loads((golden_dir / "golden_manifest.json").read_text())["cases"]
+    for name, case in cases.items():
+        ids = mx.load(str(golden_dir / case["file"]))["input_ids"].tolist()[: case["prompt_len"]]
+        doc = model.make_cache()
+        prefill(model, ids[:-1], doc)
+        reqs = [Request(name, tuple(ids[-1:]), max_tokens=120, context=tuple(ids[:-1]))]
+        plain = generate(model, reqs, doc, 1)[name]
+        for draft in ("lookup", "layers"):
+            spec = generate(model, reqs, doc, 1, draft, tokens=4, layers=2)[name]
+            assert spec.tokens == plain.tokens, (draft, name)
+            assert spec.draft_tokens > 0
