@@ -359,8 +359,7 @@ class Batch:
         if not any(drafts):  # a plain step, its token read at the next
             logits = decode(self.model, self._feed, self.cache)
             self._drawn(live, [[]] * len(live), sample_tokens(logits, params, steps, counts))
-            mx.eval(self._feed)
-            self._policy.verify_pass(len(live), len(live), time.perf_counter() - began)
+            self._policy.undrafted()
             return rows
         T = 1 + max(map(len, drafts))
         ids = [[t, *d] + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts, strict=True)]

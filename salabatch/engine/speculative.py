@@ -60,7 +60,9 @@ OFF = Speculation("off")
 # over at most LOOKBACK tokens to prefer the occurrence that agrees longest; it weighs the
 # CANDIDATES latest occurrences. Without one, it matches the last token alone.
 MATCH, LOOKBACK, CANDIDATES = 2, 16, 16
-VOTES = 256  # a lone token's continuations counted to choose where to copy from
+MIN_MATCH = 1  # the fewest tokens matched to draft (1: a lone token too)
+VOTES = 1024  # a lone token's places weighed (spread over the document)
+WINDOW = 32  # tokens before a place compared with the prompt
 
 
 class Lookup:
@@ -73,7 +75,9 @@ class Lookup:
     def propose(self, row: RowText, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the row's last tokens where they occurred before:
         the latest occurrences of its last MATCH tokens, the one agreeing longest backwards
-        first; without any, of its last token."""
+        first; without any, its last token alone, where the document's words around it are
+        most the prompt's (`ContextIndex.nearest`: the first token of an answer has nothing
+        before it to match, but the question says where in the document it is)."""
         if limit < 1:
             return []
         index = self._context(row.context)
@@ -84,11 +88,13 @@ class Lookup:
         def at(i: int) -> int:
             return ctx[i] if i < len(ctx) else row.own[i - len(ctx)]
 
-        for size in range(min(MATCH, n), 0, -1):
+        for size in range(min(MATCH, n), MIN_MATCH - 1, -1):
             key = tuple(at(i) for i in range(n - size, n))
             mine = row.index.get(key, [])
-            if size == 1:  # the most frequent continuation of the token, at its latest place
-                best = _most_followed(index.ends(key, VOTES) + mine, at, n)
+            if size == 1:  # a lone token: where the document speaks of what the prompt asks
+                best = index.nearest(key[0], row.asked, VOTES)
+                if best < 0:
+                    best = _longest_agreeing(mine[-CANDIDATES:][::-1], at, n)
             else:  # the latest of the occurrences agreeing longest backwards
                 theirs = index.ends(key, CANDIDATES)
                 best = _longest_agreeing(mine[-CANDIDATES:][::-1] + theirs[::-1], at, n)
@@ -116,6 +122,8 @@ class ContextIndex:
         self.tokens = tokens
         ids = np.asarray(tokens, dtype=np.int64)
         self.base = int(ids.max()) + 1 if len(ids) else 1  # base**MATCH fits in int64
+        self._ids = ids
+        self._weight = np.log((len(ids) + 1) / (np.bincount(ids) + 1)) if len(ids) else ids
         self._levels = []  # per size: (the n-grams as numbers, sorted; the positions after)
         for size in range(1, MATCH + 1):
             count = max(len(ids) - size + 1, 0)
@@ -136,6 +144,26 @@ class ContextIndex:
         lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
         return ends[max(lo, hi - latest) : hi].tolist()
 
+    def nearest(self, token: int, asked: np.ndarray, most: int) -> int:
+        """Of the places after `token` in the document (at most `most`, spread over it), the
+        one whose WINDOW tokens before share most with `asked` (the prompt's tokens), each
+        shared token weighted by its rarity in the document; -1 if the token never occurs."""
+        if token >= self.base or not len(asked):
+            return -1
+        keys, ends = self._levels[0]
+        lo, hi = np.searchsorted(keys, token, "left"), np.searchsorted(keys, token, "right")
+        places = ends[lo:hi]
+        places = places[places < len(self._ids)]  # a continuation to copy
+        if not len(places):
+            return -1
+        if len(places) > most:
+            places = places[np.linspace(0, len(places) - 1, most).astype(np.int64)]
+        window = places[:, None] - 1 - np.arange(1, WINDOW + 1)  # [places, WINDOW]
+        seen = self._ids[np.maximum(window, 0)]
+        shared = np.isin(seen, asked) & (window >= 0)
+        score = (shared * self._weight[seen]).sum(axis=1)
+        return int(places[len(score) - 1 - int(np.argmax(score[::-1]))])  # ties: the latest
+
 
 def _longest_agreeing(ends: list[int], at, n: int) -> int:
     """Of the places `ends` (positions after an occurrence of the text's last tokens, latest
@@ -152,21 +180,6 @@ def _longest_agreeing(ends: list[int], at, n: int) -> int:
     return best
 
 
-def _most_followed(ends: list[int], at, n: int) -> int:
-    """Of the places `ends` (after an occurrence of the text's last token), the latest of those
-    followed by the token that follows it most often (among its last VOTES occurrences)."""
-    votes: dict[int, int] = {}
-    latest: dict[int, int] = {}
-    for end in ends[-VOTES:]:
-        if end < n:
-            token = at(end)
-            votes[token] = votes.get(token, 0) + 1
-            latest[token] = max(latest.get(token, -1), end)
-    if not votes:
-        return -1
-    return latest[max(votes, key=lambda t: (votes[t], latest[t]))]
-
-
 @dataclass
 class RowText:
     """A row's text as the lookup drafter reads it: its context, then `own` (its prompt and the
@@ -175,6 +188,11 @@ class RowText:
     context: tuple[int, ...]
     own: list[int]
     index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    asked: np.ndarray = field(init=False)  # the prompt's distinct tokens
+
+    def __post_init__(self) -> None:
+        self.asked = np.unique(np.asarray(self.own, dtype=np.int64))
+
     _indexed: int = 0  # own positions whose preceding n-grams are indexed
 
     def extend_index(self) -> None:
@@ -327,8 +345,8 @@ class Policy:
     `auto` keeps its own draft length, 0 (plain, pipelined steps) to `tokens`. It starts plain
     (measuring a plain step's time at this row count), then probes with one draft per row.
     After each pass it compares the tokens per second of its passes (a moving average) with
-    plain steps': ahead by GROW, one draft more; not (or the pass accepted nothing, which
-    never pays, whatever a noisy clock says), one less, and at 0 plain steps for a
+    plain steps': ahead by GROW, one draft more; behind (or its passes accept next to nothing,
+    FUTILE, which never pays whatever a noisy clock says), one less, and at 0 plain steps for a
     back-off that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. Every
     REMEASURE passes it runs WARMUP plain steps again, so the comparison is with plain steps of
     now (not of a cold start). A probe at one draft costs little: the pass is barely longer
@@ -336,6 +354,7 @@ class Policy:
     average) stays at least ROW_FLOOR, and on every PROBE-th pass otherwise."""
 
     ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP, REMEASURE = 0.3, 8, 1.05, 8, 256, 3, 24
+    FUTILE = 0.1  # drafts accepted per row and pass (moving average) under which passes stop
 
     def __init__(self, speculation: Speculation) -> None:
         self.adaptive = speculation.draft == "auto"
@@ -343,6 +362,7 @@ class Policy:
         self.tokens = 0 if self.adaptive else self.most  # drafts per row in the next pass
         self._plain: dict[int, float] = {}  # rows → seconds per plain step (moving average)
         self._rate: float | None = None  # tokens per second of the passes at this length
+        self._gained = 0.0  # drafts accepted per row and pass (moving average)
         self._wait, self._resume = self.WARMUP, 1  # plain steps before passes of `_resume`
         self._backoff = self.BACKOFF
         self._passes = 0
@@ -365,22 +385,30 @@ class Policy:
             _average(self._plain, rows, now - self._last_plain)
         self._last_plain = now
 
+    def undrafted(self) -> None:
+        """A step that read first but found no draft in any row ran as a plain step: it tells
+        nothing of what passes give (a row's first step has no answer to match yet)."""
+        self._last_plain = None
+
     def verify_pass(self, rows: int, tokens: int, seconds: float) -> None:
-        """A pass over `rows` rows (a verify pass, or a plain step that read first) gave
-        `tokens` tokens in `seconds`."""
+        """A verify pass over `rows` rows gave `tokens` tokens in `seconds`."""
         self._last_plain = None
         if not self.adaptive:
             return
-        rate = tokens / max(seconds, 1e-9)
-        self._rate = rate if self._rate is None else 0.5 * self._rate + 0.5 * rate
+        rate, gained = tokens / max(seconds, 1e-9), (tokens - rows) / rows
+        if self._rate is None:
+            self._rate, self._gained = rate, gained
+        else:
+            self._rate = 0.5 * self._rate + 0.5 * rate
+            self._gained = 0.5 * self._gained + 0.5 * gained
         self._passes += 1
         plain = self._plain_seconds(rows)
         if plain is None or self._passes % self.REMEASURE == 0:  # plain steps of now first
             self._pause(self.WARMUP, self.tokens)
-        elif tokens > rows and self._rate * plain >= self.GROW * rows:  # plain: `rows` tokens
-            self.tokens = min(self.tokens + 1, self.most)
+        elif self._gained >= self.FUTILE and self._rate * plain >= self.GROW * rows:
+            self.tokens = min(self.tokens + 1, self.most)  # (a plain step: `rows` tokens)
             self._backoff = self.BACKOFF
-        else:
+        elif self._gained < self.FUTILE or self._rate * plain < rows:
             self._rate = None
             if self.tokens > 1:
                 self.tokens -= 1
