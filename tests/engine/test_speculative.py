@@ -257,7 +257,8 @@ def test_lookup_copies_what_followed_the_answer_in_the_document():
     row = RowText(doc, [40, 9])  # one token alone: its continuation there
     assert Lookup().propose(row, 2) == [10, 11]
     # a lone token found twice: where the document's words are the prompt's
-    doc = (70, 71, 72, 5, 6, 7, 80, 81, 82, 5, 9, 9)
+    filler = tuple(range(100, 140))  # more than a window apart
+    doc = (70, 71, 72, 5, 6, 7, *filler, 80, 81, 82, 5, 9, 9)
     assert Lookup().propose(RowText(doc, [81, 90, 5]), 2) == [9, 9]
     assert Lookup().propose(RowText(doc, [71, 90, 5]), 2) == [6, 7]
     row = RowText((), [1, 2, 3, 1, 2, 3, 1, 2])  # a repeat continues into its own draft
