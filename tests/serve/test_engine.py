@@ -602,8 +602,9 @@ def test_padded_batches():
     [
         # a dense prefix: rows that stay below dense_len (256), then rows that cross it
         (100, [[1, 17, 63, 64, 65, 150], [156, 200, 300]]),
-        # a sparse prefix (InfLLM-v2 from 256 tokens), from one token to past a block
-        (700, [[1, 5, 63, 64, 65, 130, 333]]),
+        # a sparse prefix (InfLLM-v2 from 256 tokens), from one token to past a block; rows of
+        # one length (nothing padded) and a prompt alone
+        (700, [[1, 5, 63, 64, 65, 130, 333], [30, 30], [40]]),
     ],
 )
 def test_prefill_forks_is_each_rows_own_prefill(model, doc_len, groups):
@@ -612,7 +613,7 @@ def test_prefill_forks_is_each_rows_own_prefill(model, doc_len, groups):
     states) and the next decode step; the rows join the prefix's other forks."""
     doc = prefilled(model, ids(doc_len, doc_len))
     for lengths in groups:
-        prompts = [ids(n, 1000 + n) for n in lengths]
+        prompts = [ids(n, 1000 + n + i) for i, n in enumerate(lengths)]
         rows = prefill_forks(model, doc, prompts)
         for p, (row, logits) in zip(prompts, rows, strict=True):
             own = doc.fork(1)
