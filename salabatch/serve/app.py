@@ -44,7 +44,7 @@ from salabatch import openai_api
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import OutOfMemoryError, SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
-from salabatch.serve.completion import AnswerText, Piece, chat_job, text_job
+from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job, text_job
 from salabatch.serve.engine import (
     EngineClosed,
     Failed,
@@ -151,6 +151,7 @@ class _Server:
         self.defaults, self.max_body = defaults, max_body
         self.created = int(time.time())
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) → responses
+        self.leading_ids = LeadingIds(tok)  # documents in system messages, tokenized once
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -188,6 +189,7 @@ class _Server:
                 params=params,
                 max_tokens=max_tokens,
                 stop_strings=stops,
+                leading_ids=self.leading_ids,
             )
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import SalabatchError
-from salabatch.serve.completion import AnswerText, Piece, chat_job
+from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import Finished, ServeEngine, Token
 
 HELP = "/reset forgets the conversation (not the documents), /save FILE writes it as JSON, /quit"
@@ -73,6 +73,7 @@ class ChatSession:
         self.params = params or SamplingParams()  # greedy
         self.max_tokens, self.think = max_tokens, think
         self.history: list[dict] = []
+        self.leading_ids = LeadingIds(tok)  # the system message (the documents) tokenized once
 
     @property
     def messages(self) -> list[dict]:
@@ -90,7 +91,12 @@ class ChatSession:
         ticket, received = None, 0
         try:
             job = chat_job(
-                self.tok, messages, think=self.think, params=self.params, max_tokens=self.max_tokens
+                self.tok,
+                messages,
+                think=self.think,
+                params=self.params,
+                max_tokens=self.max_tokens,
+                leading_ids=self.leading_ids,
             )
             ticket = self.engine.submit(job)
             for event in ticket:

@@ -4,13 +4,23 @@ leading system messages and of the last message, so that requests sharing a docu
 prefill and the next turn of a conversation resumes where this one's messages end) or of a text
 prompt, and the answer's tokens turned into text as it streams (stop strings held back until
 they cannot be one, a leading <think> block split off as the reasoning).
+
+A server asked many questions of one document tokenizes it once: `LeadingIds` keeps the ids of
+recent leading system messages, so a request over a document seen lately tokenizes its whole
+prompt once more for the prompt and once for the end of its last message, not a third time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN
 from salabatch.engine.sampling import SamplingParams
@@ -19,10 +29,46 @@ from salabatch.errors import TokenizerError
 from salabatch.openai_api import BodyError
 from salabatch.serve.engine import Finished, Job
 
+LEADING_IDS_TOKENS = 1 << 22  # ids `LeadingIds` holds at most (16 MB as int32)
+
 
 def new_id(kind: str) -> str:
     """A fresh response id, OpenAI's shape: `chatcmpl-<32 hex>`, `cmpl-<32 hex>`."""
     return f"{kind}-{uuid.uuid4().hex}"
+
+
+class LeadingIds:
+    """The token ids of the leading system messages of recent chat requests (a document many
+    requests send), for `chat_job`'s first boundary: `ids(messages, think)` is
+    `tok.chat_prompt_ids(messages, think=think, add_generation_prompt=False)`, tokenized once
+    per document. At most `tokens` ids are held, the least recently used dropped first.
+    Thread-safe (jobs are made in worker threads)."""
+
+    def __init__(self, tok: Tokenizer, tokens: int = LEADING_IDS_TOKENS) -> None:
+        self.tok, self.tokens = tok, tokens
+        self._held: OrderedDict[tuple[str, bool], np.ndarray] = OrderedDict()
+        self._count = 0  # ids held
+        self._lock = threading.Lock()
+
+    def ids(self, messages: Sequence[dict], think: bool) -> np.ndarray:
+        """[n] int32: the ids of `messages` without a generation prompt (TokenizerError where
+        the template refuses them)."""
+        text = json.dumps(list(messages), sort_keys=True, ensure_ascii=False, default=str)
+        key = (hashlib.sha256(text.encode()).hexdigest(), think)
+        with self._lock:
+            ids = self._held.get(key)
+            if ids is not None:
+                self._held.move_to_end(key)
+                return ids
+        found = self.tok.chat_prompt_ids(messages, think=think, add_generation_prompt=False)
+        ids = np.asarray(found, dtype=np.int32)
+        with self._lock:
+            if key not in self._held and len(ids) <= self.tokens:
+                self._held[key] = ids
+                self._count += len(ids)
+                while self._count > self.tokens:
+                    self._count -= len(self._held.popitem(last=False)[1])
+        return ids
 
 
 def chat_job(
@@ -34,22 +80,28 @@ def chat_job(
     max_tokens: int,
     stop_strings: tuple[str, ...] = (),
     job_id: str | None = None,
+    leading_ids: LeadingIds | None = None,
 ) -> Job:
     """The Job of chat `messages` ({"role", "content"} each). Boundaries: where the leading
     system messages end (a document there is prefilled once for every request that shares it)
     and where the last message ends (the next turn of the conversation continues from there);
     each only where its tokens are exactly a prefix of the whole prompt's. Stops at the
-    tokenizer's end-of-turn and eos tokens. Tokenizes the prompt up to three times: call it off
-    the event loop."""
+    tokenizer's end-of-turn and eos tokens. Tokenizes the prompt up to three times, twice where
+    `leading_ids` (of `tok`) holds its leading system messages: call it off the event loop."""
+    if leading_ids is not None and leading_ids.tok is not tok:
+        raise ValueError("leading_ids holds another tokenizer's ids")
     prompt = tok.chat_prompt_ids(messages, think=think)
     leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     boundaries = []
     for end in sorted({leading, len(messages)} - {0}):
         try:
-            ids = tok.chat_prompt_ids(messages[:end], think=think, add_generation_prompt=False)
+            if end == leading and leading_ids is not None:
+                ids = leading_ids.ids(messages[:end], think)
+            else:
+                ids = tok.chat_prompt_ids(messages[:end], think=think, add_generation_prompt=False)
         except TokenizerError:  # a template may refuse a conversation without a user message
             continue
-        if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+        if 0 < len(ids) < len(prompt) and np.array_equal(prompt[: len(ids)], ids):
             boundaries.append(len(ids))
     return Job(
         job_id or new_id("chatcmpl"),

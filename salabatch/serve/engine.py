@@ -11,6 +11,13 @@ decoding group → its last event. All MLX work runs on the engine thread, which
    join at once;
 3. steps every decoding group once (`generate.Batch`, pipelined), so every running job advances.
 
+Jobs taken together whose rows fork one held prefix and whose own tokens are short (one chunk,
+no snapshot to take, interactive) prefill together: their own tokens right-padded into one call
+on n forks of the prefix, each row then rolled back to exactly its tokens (`prefill_forks`; a
+job alone takes the same path, a batch of one: its plain prefill). Padding is kept small by
+batching similar lengths (`padded_batches`). Other jobs prefill on their own row, a chunk per
+turn.
+
 Prefix reuse (`prefixes.HeldPrefixes`): a job resumes from the longest held prefix its prompt
 starts with (memory, then the prefix store on disk): its row is a fork of it, and it prefills the
 rest. Rows forking one held prefix share its keys and decode as one group (16 clients asking
@@ -41,7 +48,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +58,8 @@ from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import CacheWarning, SalabatchError, error_text
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from salabatch.engine.cache import ModelCache
     from salabatch.engine.generate import Batch, Generation
     from salabatch.serve.prefixes import Held, HeldPrefixes
@@ -63,6 +72,11 @@ INTERACTIVE_S = 30.0
 # positions reserved past a group's longest row when rows join: a row's buffers grow with its
 # answer from there (max_tokens may be the whole context, which a row rarely fills)
 RESERVE_AHEAD = 1024
+# Padded batches of own prompts (`padded_batches`): padding at most this share of the real
+# tokens, or at most PAD_FREE tokens in all (a short batch pads freely: one call less is worth
+# more than a few padded positions)
+PAD_SHARE = 0.25
+PAD_FREE = 16
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
 
@@ -268,7 +282,9 @@ class _Work:
     cached: int = 0
     source: str = "none"
     base: Held | None = None  # the held prefix its row forks
-    steps: Iterator[int] | None = None  # its prefill, a chunk per next()
+    points: list[int] | None = None  # where it snapshots (`save_points`), once begun
+    max_tokens: int = 0  # what it may generate (max_tokens cut at the context), once begun
+    steps: Iterator[int] | None = None  # its prefill on its own row, a chunk per next()
     g: Generation | None = None
     batch: Batch | None = None
     emitted: int = 0  # tokens put as events
@@ -563,12 +579,14 @@ class ServeEngine:
             self._done(w)
 
     def _advance(self, background: bool = True) -> None:
-        """About one chunk of prefill: chunks of the oldest jobs prefilling until
-        `prefill_chunk` tokens are fed (many short prompts join at once, a long one takes a
-        chunk per turn), interactive jobs first; a job whose prefill ends joins a group. A
-        background job's chunk ends the turn: the groups step, the queue is looked at, between
-        any two of its chunks; with `background` False none is fed (`_serve` keeps background
-        prefill to at most half the engine's time while interactive rows decode)."""
+        """About one chunk of prefill: the oldest jobs prefilling until `prefill_chunk` tokens
+        are fed (many short prompts join at once, a long one takes a chunk per turn),
+        interactive jobs first; a job whose prefill ends joins a group. Interactive jobs that
+        have not begun are begun in order, and those that can prefill together do
+        (`_admit_together`). A background job's chunk ends the turn: the groups step, the queue
+        is looked at, between any two of its chunks; with `background` False none is fed
+        (`_serve` keeps background prefill to at most half the engine's time while interactive
+        rows decode)."""
         budget = self.prefill_chunk
         self._admitting.sort(key=lambda w: w.ticket.job.background)  # stable: oldest first
         while self._admitting and budget > 0:
@@ -576,9 +594,13 @@ class ServeEngine:
             if w.ticket.job.background and not background:
                 return
             background = background and w.ticket.job.background  # none after an interactive
+            if w.points is None and not w.ticket.job.background:
+                budget -= self._admit_together(budget)
+                continue
             try:
                 if w.steps is None:
-                    w.started = time.perf_counter()
+                    if w.points is None:
+                        self._begin(w)
                     w.steps = self._admission(w)
                 fed = next(w.steps)
                 budget = 0 if w.ticket.job.background and fed else budget - fed
@@ -595,23 +617,78 @@ class ServeEngine:
         recent = time.perf_counter() - self._interactive_at < INTERACTIVE_S
         return self.background_chunk if job.background and recent else self.prefill_chunk
 
+    def _begin(self, w: _Work) -> None:
+        """What w's prefill starts with: its checks (`_check`, `_check_memory`: JobFailed's
+        causes), the longest held prefix its prompt starts with (acquired), its save points."""
+        job = w.ticket.job
+        w.started = time.perf_counter()
+        w.max_tokens = self._check(job)
+        w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
+        w.cached = 0 if w.base is None else w.base.tokens
+        w.points = save_points(w.cached, len(job.prompt), job.boundaries, self.snapshot_min)
+        self._check_memory(job, w.cached, w.points, w.max_tokens)
+
+    def _joinable(self, w: _Work) -> bool:
+        """Whether begun job w can prefill together with others (`_admit_together`): its row
+        forks a held prefix, and what it adds is one interactive chunk with no snapshot."""
+        own = len(w.ticket.job.prompt) - w.cached
+        interactive = not w.ticket.job.background
+        return w.base is not None and not w.points and interactive and 0 < own <= self.prefill_chunk
+
+    def _admit_together(self, budget: int) -> int:
+        """Begins the interactive jobs at the head of the line that have not begun, oldest
+        first, until about `budget` tokens or one that must prefill on its own row (it stays
+        first in line, begun). Those that can (`_joinable`) prefill now, in padded batches of the
+        forks of each held prefix (`padded_batches`, `prefill_forks`), and join its group.
+        → the positions fed (padding included)."""
+        taken: dict[int, list[_Work]] = {}  # by held prefix, oldest first
+        total = 0
+        while self._admitting and total < budget:
+            w = self._admitting[0]
+            if w.points is not None or w.ticket.job.background:
+                break
+            try:
+                self._begin(w)
+            except Exception as e:
+                self._admitting.pop(0)
+                self._fail(w, e)
+                continue
+            if not self._joinable(w):
+                break
+            self._admitting.pop(0)
+            taken.setdefault(id(w.base), []).append(w)
+            total += len(w.ticket.job.prompt) - w.cached
+        fed = 0
+        dense_len = self.model.config.sparse.dense_len
+        for ws in taken.values():
+            held = ws[0].base
+            rests = [w.ticket.job.prompt[held.tokens :] for w in ws]
+            lengths = [len(r) for r in rests]
+            for batch in padded_batches(lengths, self.prefill_chunk, dense_len - held.tokens):
+                jobs = [ws[i] for i in batch]
+                try:
+                    rows = prefill_forks(self.model, held.cache, [rests[i] for i in batch])
+                except Exception as e:  # these jobs cannot run; the others can
+                    for w in jobs:
+                        self._fail(w, e)
+                    continue
+                fed += len(batch) * max(lengths[i] for i in batch)
+                self._stat("prefill_tokens_total", sum(lengths[i] for i in batch))
+                for w, (row, logits) in zip(jobs, rows, strict=True):
+                    self._enter(w, row, logits)
+        return fed
+
     def _admission(self, w: _Work) -> Iterator[int]:
-        """w's prefill, one chunk per next() (→ the tokens it fed): resumes from the longest
-        held prefix, snapshots at its save points (`save_points`), and ends with its row in a
+        """Begun job w's prefill on its own row, one chunk per next() (→ the tokens it fed):
+        resumes from its held prefix, snapshots at its save points, and ends with its row in a
         group."""
         import mlx.core as mx
 
-        from salabatch.engine.generate import Prefill, Request
+        from salabatch.engine.generate import Prefill
         from salabatch.serve.prefixes import owned, prefix_digests
 
-        job, model = w.ticket.job, self.model
-        max_tokens = self._check(job)
-        n = len(job.prompt)
-        w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
-        resumed = 0 if w.base is None else w.base.tokens
-        w.cached = resumed
-        points = save_points(resumed, n, job.boundaries, self.snapshot_min)
-        self._check_memory(job, resumed, points, max_tokens)
+        job, model, points = w.ticket.job, self.model, w.points
+        n, resumed = len(job.prompt), w.cached
         digests = prefix_digests(job.prompt, points)
         # `row` is the job's cache: fresh (its own keys) until its first snapshot, else a fork
         row: ModelCache = model.make_cache() if w.base is None else w.base.cache.fork(1)
@@ -636,18 +713,26 @@ class ServeEngine:
                     snapshot = owned(row, model.config)
                     self._prefixes.hold(digests[q], q, snapshot, logits)
                 yield 0
+        self._enter(w, row, logits)
+
+    def _enter(self, w: _Work, row: ModelCache, logits: mx.array) -> None:
+        """w's prefilled row (one row; `logits` [vocab] of its prompt's last position) joins
+        its group."""
+        from salabatch.engine.generate import Request
+
+        job = w.ticket.job
         base = 0 if w.base is None else w.base.tokens
         request = Request(
             w.rid,
             job.prompt[base:],
             job.params,
-            max_tokens,
+            w.max_tokens,
             job.stop,
             job.stop_strings,
             context=job.prompt[:base],  # the held prefix's tokens, where lookup drafts search
         )
         w.batch = self._group(row)
-        w.g = w.batch.add(request, row, logits, cached_tokens=resumed, admitted=w.started)
+        w.g = w.batch.add(request, row, logits, cached_tokens=w.cached, admitted=w.started)
         self._running[w.rid] = w
 
     def _check(self, job: Job) -> int:
@@ -857,3 +942,59 @@ def save_points(start: int, end: int, boundaries: tuple[int, ...], minimum: int)
             out.append(q)
             last = q
     return out
+
+
+def padded_batches(lengths: Sequence[int], cap: int, side: int) -> list[list[int]]:
+    """Own prompts' lengths → batches of their indices, each prefilled as one call padded to
+    its longest (`prefill_forks`), shortest first: a batch's rows × longest ≤ `cap` (a prefill
+    chunk), its padding ≤ PAD_SHARE of its real tokens or ≤ PAD_FREE tokens, and its lengths
+    all below `side` or all at or above it. `side`: dense_len less the prefix's length, the own
+    length from which a row's sparse layers attend sparsely; a padded call decides for its
+    longest row, so a shorter row must not be carried across."""
+    out: list[list[int]] = []
+    batch: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        if batch:
+            padded, with_n = (len(batch) + 1) * n, real + n
+            one_side = (lengths[batch[0]] >= side) == (n >= side)
+            small = padded - with_n <= max(PAD_FREE, PAD_SHARE * with_n)
+            if one_side and small and padded <= cap:
+                batch.append(i)
+                real = with_n
+                continue
+            out.append(batch)
+        batch, real = [i], n
+    if batch:
+        out.append(batch)
+    return out
+
+
+def prefill_forks(
+    model, prefix: ModelCache, prompts: Sequence[Sequence[int]]
+) -> list[tuple[ModelCache, mx.array]]:
+    """Each of `prompts` (own tokens, at least one each) prefilled on its own fork of the
+    one-row `prefix`, all in one call right-padded to the longest: → per prompt, its one-row
+    cache (a fork of `prefix`, joinable with its other forks) and its last position's logits
+    [vocab]. Each row keeps exactly its own tokens (`ModelCache.checkpoint` records a padded
+    call, `rollback` cuts every row to its length): `generate.prefill` of each on
+    `prefix.fork(1)`, within float rounding, when all prompts lie on one side of dense_len
+    (`padded_batches`); exactly that for one prompt."""
+    import mlx.core as mx
+
+    lengths = [len(p) for p in prompts]
+    n, T = len(prompts), max(lengths)
+    padded = min(lengths) < T  # else nothing to cut: a plain call (a prompt alone: its prefill)
+    cache = prefix.fork(n)
+    point = cache.checkpoint(record=True, stepwise=False) if padded else None
+    # [n, T]: padded with each row's last token (any id will do: the rollback drops them)
+    ids = mx.array([[*p, *[p[-1]] * (T - len(p))] for p in prompts], dtype=mx.int32)
+    h = model.hidden(ids, cache)  # [n, T, hidden]
+    last = h[mx.arange(n), mx.array([m - 1 for m in lengths])]  # [n, hidden]
+    logits = model.logits(last)  # [n, vocab]
+    if padded:
+        cache.rollback(point, lengths)
+    rows = [cache] if n == 1 else [cache.select([b]) for b in range(n)]
+    mx.eval(logits, *(a for row in rows for a in row.arrays()))
+    return [(row, logits[b]) for b, row in enumerate(rows)]

@@ -8,7 +8,7 @@ import pytest
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.sampling import SamplingParams
 from salabatch.openai_api import BodyError
-from salabatch.serve.completion import AnswerText, chat_job, text_job
+from salabatch.serve.completion import AnswerText, LeadingIds, chat_job, text_job
 from salabatch.serve.engine import Finished
 
 
@@ -99,6 +99,55 @@ def test_chat_job_ends_prefixes_at_the_system_message_and_the_last_message(tok):
     # no system message: only the end of the last message
     alone = chat_job(tok, turn[1:], think=False, params=SamplingParams(), max_tokens=8)
     assert len(alone.boundaries) == 1
+
+
+def test_leading_ids_give_the_same_jobs_and_tokenize_a_document_once(tok, monkeypatch):
+    """Jobs made with a LeadingIds are those made without (prompt, boundaries), whatever the
+    layout; across requests over one document its system message is tokenized once, and a
+    document evicted past the cap is tokenized again."""
+    doc = {"role": "system", "content": "Document: a.txt\n\n" + "The Provider is Acme Corp. " * 40}
+    other = {"role": "system", "content": "Document: b.txt\n\n" + "The Client is Bolt Ltd. " * 40}
+    user = {"role": "user", "content": "Who is the provider?"}
+    layouts = [
+        [doc, user],
+        [doc, {"role": "system", "content": "Answer briefly."}, user],
+        [user],
+        [doc],
+        [doc, user, {"role": "assistant", "content": "Acme"}, {"role": "user", "content": "And?"}],
+    ]
+    leading = LeadingIds(tok)
+    for messages in layouts:
+        for think in (False, True):
+            want = chat_job(tok, messages, think=think, params=SamplingParams(), max_tokens=8)
+            got = chat_job(
+                tok,
+                messages,
+                think=think,
+                params=SamplingParams(),
+                max_tokens=8,
+                leading_ids=leading,
+            )
+            assert (got.prompt, got.boundaries) == (want.prompt, want.boundaries), messages
+
+    tokenized: list[str] = []  # the first message of each chat_prompt_ids call
+    real = tok.chat_prompt_ids
+
+    def counted(messages, **kw):
+        tokenized.append(messages[0]["content"][:15])
+        return real(messages, **kw)
+
+    monkeypatch.setattr(tok, "chat_prompt_ids", counted)
+    sizes = [len(real([d], think=False, add_generation_prompt=False)) for d in (doc, other)]
+    leading = LeadingIds(tok, tokens=max(sizes))  # room for one document
+    for system, question in [(doc, "Who?"), (doc, "When?"), (other, "Who?"), (doc, "Why?")]:
+        messages = [system, {"role": "user", "content": question}]
+        chat_job(
+            tok, messages, think=False, params=SamplingParams(), max_tokens=8, leading_ids=leading
+        )
+    # each request tokenizes its prompt and the end of its last message, and its document when
+    # that is not held: a.txt the first time and after b.txt took its place
+    assert tokenized.count("Document: a.txt") == 3 + 2 + 3
+    assert tokenized.count("Document: b.txt") == 3
 
 
 def test_text_job_takes_text_or_token_ids(tok):

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from salabatch.engine import generate as generate_module
+from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import Batch, Generator, Prefill, Request, prefill
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.sparse_cache import SparseKVCache
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.jobs.store.prefix_store import PrefixKey
 from salabatch.serve import engine as engine_module
@@ -33,6 +35,8 @@ from salabatch.serve.engine import (
     QueueFull,
     ServeEngine,
     Token,
+    padded_batches,
+    prefill_forks,
     save_points,
 )
 from salabatch.serve.prefixes import owned, prefix_digests
@@ -40,6 +44,9 @@ from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 GREEDY = SamplingParams()
 TOL = 1e-4  # float32 logits, as tests/engine/test_batching.py
+# float32 lightning states (entries up to ~100): relative to the largest, the replay of a rolled
+# back call (decode's arithmetic) against a chunked prefill's
+STATE_REL = 1e-5
 
 
 class Detok:
@@ -572,3 +579,122 @@ def test_the_gpu_path_runs_on_the_engine_thread(checkpoint, monkeypatch):
         assert isinstance(fin, Finished), fin
         assert tokens == alone(model, p, doc=doc_cache)
     assert got[3][0] == alone(model, prompts[3])
+
+
+# ---- prefilling together -------------------------------------------------------------------
+
+
+def test_padded_batches():
+    # the bench's 8 questions: one batch, shortest first
+    lengths = [44, 45, 42, 37, 44, 46, 44, 41]
+    assert padded_batches(lengths, 2048, 4096) == [[3, 7, 2, 0, 4, 6, 1, 5]]
+    assert padded_batches([1, 100], 2048, 4096) == [[0], [1]]  # 99 padded positions of 101
+    assert padded_batches([1, 10], 2048, 4096) == [[0, 1]]  # 9 ≤ PAD_FREE
+    assert padded_batches([100] * 30, 2048, 4096) == [list(range(20)), list(range(20, 30))]
+    # a shorter row is never carried across `side` (dense_len less the prefix) by a longer one
+    assert padded_batches([10, 20, 30, 31], 2048, 25) == [[0, 1], [2, 3]]
+    assert padded_batches([24, 25], 2048, 25) == [[0], [1]]
+    assert padded_batches([7], 2048, 25) == [[0]] and padded_batches([], 2048, 25) == []
+
+
+@pytest.mark.parametrize(
+    ("doc_len", "groups"),
+    [
+        # a dense prefix: rows that stay below dense_len (256), then rows that cross it
+        (100, [[1, 17, 63, 64, 65, 150], [156, 200, 300]]),
+        # a sparse prefix (InfLLM-v2 from 256 tokens), from one token to past a block; rows of
+        # one length (nothing padded) and a prompt alone
+        (700, [[1, 5, 63, 64, 65, 130, 333], [30, 30], [40]]),
+    ],
+)
+def test_prefill_forks_is_each_rows_own_prefill(model, doc_len, groups):
+    """Prompts of different lengths prefilled as one padded call on forks of a prefix give each
+    row what its own prefill gives: the last logits, the cache (positions, keys kept, lightning
+    states) and the next decode step; the rows join the prefix's other forks."""
+    doc = prefilled(model, ids(doc_len, doc_len))
+    for lengths in groups:
+        prompts = [ids(n, 1000 + n + i) for i, n in enumerate(lengths)]
+        rows = prefill_forks(model, doc, prompts)
+        for p, (row, logits) in zip(prompts, rows, strict=True):
+            own = doc.fork(1)
+            want = prefill(model, p, own)
+            assert logits.shape == want.shape
+            assert mx.abs(logits - want).max().item() < TOL, len(p)
+            assert row.positions == own.positions == [doc_len + len(p)]
+            for mine, theirs in zip(row.layers, own.layers, strict=True):
+                if isinstance(mine, SparseKVCache):
+                    assert mine.keys.lengths == theirs.keys.lengths
+                    assert [b.lengths for b in mine.compressed] == [
+                        b.lengths for b in theirs.compressed
+                    ]
+                else:
+                    scale = mx.abs(theirs.state).max().item()
+                    assert mx.abs(mine.state - theirs.state).max().item() < STATE_REL * scale
+            step = mx.array([[int(want.argmax())]], dtype=mx.int32)
+            assert mx.abs(model(step, row) - model(step, own)).max().item() < TOL, len(p)
+        joined = ModelCache.concat([doc.fork(1), *(row for row, _ in rows)])
+        assert joined.rows == 1 + len(prompts)
+
+
+@pytest.fixture
+def batched(monkeypatch):
+    """The sizes of the padded prefill calls the engine makes (`prefill_forks`)."""
+    sizes: list[int] = []
+    real = engine_module.prefill_forks
+
+    def counted(model, prefix, prompts):
+        sizes.append(len(prompts))
+        return real(model, prefix, prompts)
+
+    monkeypatch.setattr(engine_module, "prefill_forks", counted)
+    return sizes
+
+
+def test_jobs_taken_together_prefill_together_each_as_alone(model, batched):
+    """Questions of one held document taken together: the short ones prefill as padded batches
+    of similar lengths (1 and 3 tokens, three of about 40, 200 alone), one longer than the
+    prefill chunk prefills on its own row; each gets exactly what it gets alone."""
+    doc = ids(600, 21)
+    own = [1, 40, 3, 200, 41, 45, 700]
+    prompts = [doc + ids(n, 300 + n) for n in own]
+    engine = ServeEngine(model, Tok(), batch_size=8, prefill_chunk=512)
+    first = engine.submit(job("doc", doc + ids(8, 22), boundaries=(600,)))
+    jobs = [job(f"q{n}", p, boundaries=(600,)) for n, p in zip(own, prompts, strict=True)]
+    tickets = [engine.submit(j) for j in jobs]
+    with engine:
+        collect(first)
+        got = [collect(t) for t in tickets]
+        stats = engine.stats()
+    doc_cache = prefilled(model, doc)
+    for p, (tokens, fin) in zip(prompts, got, strict=True):
+        assert isinstance(fin, Finished) and fin.cached_tokens == 600, fin
+        assert tokens == alone(model, p, doc=doc_cache), len(p) - 600
+    assert sorted(batched) == [1, 2, 3]  # 200 | 1, 3 | 40, 41, 45; 700 on its own row
+    assert stats["prefill_tokens_total"] == 608 + sum(own)
+
+
+def test_rows_on_both_sides_of_dense_len_over_a_dense_prefix(model, batched):
+    """A held prefix of 200 tokens (dense, below dense_len 256): questions that end below
+    dense_len prefill apart from those that end past it (one padded call would carry the
+    shorter across), and each gets what it gets alone; a job alone takes the same padded path,
+    as a batch of one."""
+    doc = ids(200, 31)
+    own = [48, 58, 50, 60, 54]  # 248, 250, 254 | 258, 260
+    prompts = [doc + ids(n, 400 + n) for n in own]
+    engine = ServeEngine(model, Tok(), batch_size=8, snapshot_min=128)  # the questions: none
+    first = engine.submit(job("doc", doc + ids(3, 32), boundaries=(200,)))
+    jobs = [job(f"q{n}", p, boundaries=(200,)) for n, p in zip(own, prompts, strict=True)]
+    tickets = [engine.submit(j) for j in jobs]
+    lone = doc + ids(30, 33)
+    with engine:
+        collect(first)
+        got = [collect(t) for t in tickets]
+        together = sorted(batched)
+        batched.clear()
+        single, _ = collect(engine.submit(job("one", lone, boundaries=(200,))))
+    doc_cache = prefilled(model, doc)
+    for p, (tokens, fin) in zip(prompts, got, strict=True):
+        assert isinstance(fin, Finished) and fin.cached_tokens == 200, fin
+        assert tokens == alone(model, p, doc=doc_cache), len(p) - 200
+    assert together == [2, 3]
+    assert single == alone(model, lone, doc=doc_cache) and batched == [1]

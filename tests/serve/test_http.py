@@ -291,6 +291,42 @@ def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(serv
     assert most_rows > 1  # they did decode together
 
 
+def test_concurrent_clients_over_a_held_document_prefill_together_as_alone(tiny, monkeypatch):
+    """Snapshots at their default spacing (256 tokens), so no question is held after it is
+    answered: 8 streaming clients asking of one held document at once have their questions
+    prefilled together (padded calls of several rows), and each gets the answer it gets alone."""
+    sizes: list[int] = []
+    real = engine_module.prefill_forks
+
+    def counted(model, prefix, prompts):
+        sizes.append(len(prompts))
+        return real(model, prefix, prompts)
+
+    monkeypatch.setattr(engine_module, "prefill_forks", counted)
+    model, tok = tiny
+    doc = document("redwater-robotics.txt")
+    requests = [system_turn(doc, q) for q in QUESTIONS]
+
+    async def ask(client, messages) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main(s: Served) -> tuple[list[str], list[str], list[int]]:
+        async with s.async_client() as client:
+            alone = [await ask(client, m) for m in requests]  # the first prefills the document
+            apart = list(sizes)
+            together = await asyncio.gather(*(ask(client, m) for m in requests))
+        return alone, together, apart
+
+    with Served(ServeEngine(model, tok, batch_size=8), tok, api_key=KEY) as s:
+        alone, together, apart = asyncio.run(main(s))
+    assert together == alone
+    assert apart == [1] * 7  # alone: batches of one
+    assert sum(sizes[7:]) == 8 and max(sizes[7:]) > 1, sizes
+
+
 # ---- cancellation --------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from salabatch.serve.app import (
     sampling,
 )
 from salabatch.serve.batches.store import BatchStore, new_id
-from salabatch.serve.completion import AnswerText, chat_job
+from salabatch.serve.completion import AnswerText, LeadingIds, chat_job
 from salabatch.serve.engine import EngineClosed, Failed, QueueFull, ServeEngine, Token
 
 ENDPOINT = "/v1/chat/completions"
@@ -62,6 +62,7 @@ class BatchRunner:
         self.engine, self.tok, self.store = engine, tok, store
         self.model_id, self.defaults, self.in_flight = model_id, defaults, in_flight
         self.window_s = window_s  # a batch not done this long after its creation expires
+        self.leading_ids = LeadingIds(tok)  # its lines' documents, each tokenized once
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
         self._tickets: list = []  # of the batch running: cancelled by cancel() and close()
@@ -254,6 +255,7 @@ class BatchRunner:
             params=params,
             max_tokens=max_tokens,
             stop_strings=stops,
+            leading_ids=self.leading_ids,
         )
         answer = AnswerText(self.tok, stop_strings=stops, think=think)
         return self.engine.submit(replace(job, background=True)), answer, think
