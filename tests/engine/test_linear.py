@@ -86,6 +86,7 @@ def test_which_inputs_take_the_native_product(shape, dtype, split, native_path, 
     real = native.rows_matmul
     monkeypatch.setattr(native, "rows_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
     monkeypatch.setattr(native, "split_floats", lambda: split)
+    mx.random.seed(3)  # the layer's initial weights: the same whatever ran before
     layer = Linear(32, 24, bias=True)
     x = arrays(shape, seed=1)[0].astype(dtype)
     layer.set_dtype(dtype)
@@ -94,4 +95,5 @@ def test_which_inputs_take_the_native_product(shape, dtype, split, native_path, 
         want = x @ layer.weight.T + layer.bias
     assert bool(calls) == native_path
     assert got.shape == (*shape[:-1], 24)
-    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=1e-2).item()
+    atol = 1e-4 if dtype == mx.float32 else 3e-2  # bf16: its rounding of sums near 1-2
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=atol).item()
