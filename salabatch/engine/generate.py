@@ -358,7 +358,7 @@ class Batch:
         counts = self._counts
         if not any(drafts):  # a plain step, its token read at the next
             logits = decode(self.model, self._feed, self.cache)
-            self._drawn(live, [[]] * len(live), sample_tokens(logits, params, steps, counts))
+            self._drawn(live, [[]] * len(live), sample_tokens(logits, params, steps, counts), False)
             self._policy.undrafted()
             return rows
         T = 1 + max(map(len, drafts))
@@ -381,7 +381,8 @@ class Batch:
             produced += 1
         self._policy.verify_pass(len(live), produced, now - began)
         kept = [d[: v.accepted] for d, v in zip(drafts, verdicts, strict=True)]
-        self._drawn(live, kept, mx.array([v.next_token for v in verdicts], dtype=mx.int32))
+        drawn = mx.array([v.next_token for v in verdicts], dtype=mx.int32)
+        self._drawn(live, kept, drawn, True)
         return rows
 
     def _drafts(self, rows: list[Generation]) -> tuple[list[list[int]], mx.array | None]:
@@ -416,9 +417,12 @@ class Batch:
             drafts.append(self._lookup.propose(g._text, n))
         return drafts, None
 
-    def _drawn(self, rows: list[Generation], kept: list[list[int]], drawn: mx.array) -> None:
-        """After a step that read `kept[b]` more tokens of row b and drew `drawn` [B] (read at
-        the next step): the rows' random steps and token counts move on."""
+    def _drawn(
+        self, rows: list[Generation], kept: list[list[int]], drawn: mx.array, passed: bool
+    ) -> None:
+        """After a step (`passed`: a verify pass) that read `kept[b]` more tokens of row b and
+        drew `drawn` [B] (read at the next step): the rows' random steps and token counts move
+        on."""
         for g, d in zip(rows, kept, strict=True):
             g._sampled += len(d) + 1
         if self._counts is not None:
@@ -428,9 +432,11 @@ class Batch:
                 self._counts = self._counts.at[mx.array(b), mx.array(t)].add(1)
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
         self._feed = drawn
-        mx.async_eval(
-            drawn, *self.cache.arrays(), *([] if self._counts is None else [self._counts])
-        )
+        counts = [] if self._counts is None else [self._counts]
+        if passed:  # its rollback is queued with the next pass's layers, overlapping their build
+            mx.async_eval(drawn, *counts)
+        else:
+            mx.async_eval(drawn, *self.cache.arrays(), *counts)
         keep = [b for b, g in enumerate(rows) if not g.done]
         if len(keep) < len(rows):
             self._keep(keep)

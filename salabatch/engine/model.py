@@ -98,8 +98,14 @@ class SALAModel(nn.Module):
         B, T = ids.shape
         offset = cache.advance(B, T)
         h = self.embed_tokens(ids) * self.scale_emb  # [B, T, hidden]
+        # A verify pass cannot overlap the step before it (its drafts needed that step's
+        # tokens): each layer is queued as soon as it is built, so the device runs it while the
+        # host builds the next.
+        queue = any(c.stepwise for c in cache)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, layer_cache, offset)
+            if queue:
+                mx.async_eval(h)
         return self.norm(h)
 
 

@@ -53,9 +53,38 @@ class SparseAttention(nn.Module):
         q, k, v = self.qkv(x, offset)
         cache.append(k, v)
         if cache.stepwise and T > 1:  # a verify pass: each query as its decode step sees it
-            parts = [self.attend(q[:, :, t : t + 1], cache, T - 1 - t) for t in range(T)]
-            return self.out(mx.concatenate(parts, axis=2), x)
+            return self.out(self.attend_stepwise(q, cache), x)
         return self.out(self.attend(q, cache), x)
+
+    def attend_stepwise(self, q: mx.array, cache: SparseKVCache) -> mx.array:
+        """A verify pass's queries q [B, H, T, d] (the last T positions of each row), each
+        attending as the decode step at its position does → [B, H, T, d]: the native step
+        takes them all at once (T rows of queries per row of keys); elsewhere, and for a batch
+        with rows on both sides of dense_len, they go one by one (`attend` with `ahead`)."""
+        B, H, T, d = q.shape
+        sc = self.sparse
+        starts = [n - T for n in cache.lengths]  # a pass never crosses dense_len (SPEC P7)
+        modes = {self.is_sparse(cache.prefill_len, s, 1) for s in starts}
+        kv = cache.kv_view()
+        # the decode step's top-k: min(topk, blocks of the longest row at that step)
+        longest = max(cache.lengths)
+        ks = {min(sc.topk_eff, -(-(longest - T + 1 + t) // sc.block_size)) for t in range(T)}
+        if len(modes) > 1 or len(ks) > 1 or cache.trace is not None or not runs_native(q, kv):
+            parts = [self.attend(q[:, :, t : t + 1], cache, T - 1 - t) for t in range(T)]
+            return mx.concatenate(parts, axis=2)
+        flat = q.transpose(0, 2, 1, 3).reshape(B * T, H, 1, d)  # row b's queries, then b + 1's
+        at = [s + t for s in starts for t in range(T)]
+        if modes == {False}:
+            o = dense_step(flat, kv, at, self.scale, sc.block_size, queries=T)
+        else:
+            whole = [cache.chunk_parts(level, whole=True) for level in range(len(sc.compression))]
+            o, _ = infllm_v2_step(
+                flat, kv, *whole, at, prefill_len=cache.prefill_len,
+                n_blocks=-(-longest // sc.block_size), k=ks.pop(), scale=self.scale,
+                init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
+                block=sc.block_size, compression=sc.compression, queries=T,
+            )  # fmt: skip
+        return o.reshape(B, T, H, d).transpose(0, 2, 1, 3)
 
     def attend(self, q: mx.array, cache: SparseKVCache, ahead: int = 0) -> mx.array:
         """q [B, H, T, d], the queries of the last T positions each row holds but `ahead`, over

@@ -9,7 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.engine import sparse
 from salabatch.engine.generate import Generator, Request, prefill
+from salabatch.engine.kernels import native
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams, sample_tokens
 from salabatch.engine.sparse_cache import SparseKVCache
@@ -96,6 +98,43 @@ def test_rollback_without_a_record_only_returns_to_the_checkpoint(model):
     model(mx.array([[5, 6]]), cache)
     with pytest.raises(ValueError, match="record"):
         cache.rollback(point, [1])
+
+
+@pytest.mark.parametrize("doc_len", [150, 600], ids=["dense", "sparse"])
+def test_a_verify_pass_computes_exactly_what_decode_steps_compute(model, doc_len, monkeypatch):
+    """On the CPU path (native kernels, float32) a pass over 5 tokens per row, rows at
+    different positions, gives bit for bit the logits of decoding those tokens one by one:
+    the sparse layers take the pass's queries in one native call (5 rows of queries per row of
+    keys), each computed as its own step."""
+    _, doc = document(model, doc_len)
+
+    def ragged():  # rows at positions n, n + 1, n + 2
+        cache = doc.fork(3)
+        point = cache.checkpoint()
+        model(mx.array([[4, 4]] * 3), cache)
+        cache.rollback(point, [0, 1, 2])
+        return cache
+
+    cache, steps = ragged(), ragged()
+    together = []  # the native calls that took a pass's queries at once
+    for name in ("dense_step", "infllm_v2_step"):
+        kernel = getattr(sparse, name)
+
+        def spy(*args, kernel=kernel, **kw):
+            together.append(kw.get("queries", 1))
+            return kernel(*args, **kw)
+
+        monkeypatch.setattr(sparse, name, spy)
+    fed = [ids(5, 30 + b) for b in range(3)]
+    cache.checkpoint()
+    passed = model(mx.array(fed), cache)
+    one_by_one = mx.stack(
+        [model(mx.array([[f[t]] for f in fed]), steps)[:, -1] for t in range(5)], axis=1
+    )
+    assert cache.positions == steps.positions == [doc_len + 5 + b for b in range(3)]
+    if native.missing() is None:
+        assert 5 in together
+    assert mx.array_equal(passed, one_by_one)
 
 
 # -- greedy identity ------------------------------------------------------------------------------

@@ -57,16 +57,18 @@ def sparse_decode_step(
     compression: tuple[tuple[int, int], tuple[int, int]],
     stream: mx.Stream,
     n_threads: int | None = None,
+    queries: int = 1,
     **settings,
 ) -> tuple[mx.array, mx.array]:
     """`sparse_decode._step` as one primitive on a CPU stream (float32): (o, idx). `settings`:
     start, prefill_len, k, scale, init_blocks, local_blocks, block (as the C++ names them);
-    `n_threads` defaults to `threads()`."""
+    `n_threads` defaults to `threads()`; `queries` rows of q (and pos) per row of the keys
+    and the rows' compressed chunks (a verify pass's positions of one row)."""
     (_, stride1), (_, stride2) = compression
     o, idx = _native.sparse_decode_step(
         q, pos, list(c1), list(c2), list(shared), rows_k, rows_v,
         stride1=stride1, stride2=stride2, threads=n_threads or threads(), dense=False,
-        stream=stream, **settings,
+        queries=queries, stream=stream, **settings,
     )  # fmt: skip
     return o, idx
 
@@ -84,15 +86,16 @@ def dense_decode_step(
     block: int,
     stream: mx.Stream,
     n_threads: int | None = None,
+    queries: int = 1,
 ) -> mx.array:
     """Dense attention of one query per row, each over every key up to its position `pos[b]`,
     as the sparse step with every one of its blocks selected (no stage 1): o [B, H, 1, d].
-    `blocks` ≥ the longest row's block count."""
+    `blocks` ≥ the longest row's block count; `queries` as in `sparse_decode_step`."""
     o, _ = _native.sparse_decode_step(
         q, pos, [], [], list(shared), rows_k, rows_v,
         start=start, prefill_len=0, k=blocks, scale=scale, init_blocks=0, local_blocks=0,
         block=block, stride1=block, stride2=block, threads=n_threads or threads(), dense=True,
-        stream=stream,
+        queries=queries, stream=stream,
     )  # fmt: skip
     return o
 

@@ -55,15 +55,20 @@ def infllm_v2_step(
     local_blocks: int,
     block: int,
     compression: tuple[tuple[int, int], tuple[int, int]],
+    queries: int = 1,
 ) -> tuple[mx.array, mx.array]:
     """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
     a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K]).
+    `queries` > 1 (the native step only, where `runs_native`): q has that many rows per row of
+    kv and c1/c2's rows, a verify pass's positions of one row, each computed as its own step.
 
     The MLX-op step splits a batch of at least LANE_ROWS rows between the lanes (on the CPU, a
     core each: ~1.5× at batch 8); a smaller one is too short a step for two streams. The
     native step runs on one stream and splits its kv heads between the cores itself."""
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
     settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression)
+    if queries > 1:
+        return _native_step(q, kv, c1, c2, starts, settings, queries)
     B = q.shape[0]
     step = _native_step if runs_native(q, kv) else _step
     lane = lanes() if B >= LANE_ROWS and step is _step else lanes()[:1]
@@ -86,26 +91,29 @@ def runs_native(q: mx.array, kv: KVView) -> bool:
     return q.dtype == kv.rows_k.dtype == mx.float32
 
 
-def dense_step(q: mx.array, kv: KVView, starts: Sequence[int], scale: float, block: int):
+def dense_step(
+    q: mx.array, kv: KVView, starts: Sequence[int], scale: float, block: int, queries: int = 1
+):
     """Dense attention of q [B, H, 1, d], row b at position starts[b] over its keys up to there,
     as the native step with every block selected (where `runs_native`): the shared prefix read
-    once for all rows, as in a sparse step. → o [B, H, 1, d] float32."""
+    once for all rows, as in a sparse step; `queries` rows of q per row of kv (as in
+    `infllm_v2_step`). → o [B, H, 1, d] float32."""
     return native.dense_decode_step(
         q, mx.array(list(starts), dtype=mx.int32),
         () if not kv.start else (kv.shared_k, kv.shared_v), kv.rows_k, kv.rows_v,
         start=kv.start, blocks=max(starts) // block + 1, scale=scale, block=block,
-        stream=mx.default_stream(mx.default_device()),
+        stream=mx.default_stream(mx.default_device()), queries=queries,
     )  # fmt: skip
 
 
-def _native_step(q, kv, c1, c2, starts, settings):
+def _native_step(q, kv, c1, c2, starts, settings, queries=1):
     prefill_len, _, k, scale, init_blocks, local_blocks, block, compression = settings
     shared = () if not kv.start else (kv.shared_k, kv.shared_v)
     return native.sparse_decode_step(
         q, mx.array(list(starts), dtype=mx.int32), c1, c2, shared, kv.rows_k, kv.rows_v,
         start=kv.start, prefill_len=prefill_len, k=k, scale=scale, init_blocks=init_blocks,
         local_blocks=local_blocks, block=block, compression=compression,
-        stream=mx.default_stream(mx.default_device()),
+        stream=mx.default_stream(mx.default_device()), queries=queries,
     )  # fmt: skip
 
 

@@ -13,13 +13,14 @@ namespace salabatch {
 
 // InfLLM-v2 decode step (sparse_decode.cpp) → {o [B, H, 1, d], idx [B, Hk, 1, k]}; its kv
 // heads on up to `threads` threads. `dense`: every block up to each row's query instead of
-// stage 1's choice (dense attention; c1, c2 may be empty).
+// stage 1's choice (dense attention; c1, c2 may be empty). `queries` rows of q per row of keys
+// (a verify pass's positions of one row).
 std::vector<mx::array> sparse_decode_step(
     const mx::array& q, const mx::array& pos, const std::vector<mx::array>& c1,
     const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
     const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
     float scale, int init_blocks, int local_blocks, int block, int stride1, int stride2,
-    int threads, bool dense, const mx::Stream& stream);
+    int threads, bool dense, int queries, const mx::Stream& stream);
 
 // x [M, K] · w [O, K]ᵀ → [M, O], float32, on up to `threads` threads (rows_matmul.cpp): a
 // weight of at least kSplitFloats floats is split between them; a smaller one takes less time

@@ -17,9 +17,11 @@ NB_MODULE(_native, m) {
       nb::arg("c1"), nb::arg("c2"), nb::arg("shared"), nb::arg("rows_k"), nb::arg("rows_v"),
       nb::kw_only(), nb::arg("start"), nb::arg("prefill_len"), nb::arg("k"), nb::arg("scale"),
       nb::arg("init_blocks"), nb::arg("local_blocks"), nb::arg("block"), nb::arg("stride1"),
-      nb::arg("stride2"), nb::arg("threads"), nb::arg("dense"), nb::arg("stream"),
+      nb::arg("stride2"), nb::arg("threads"), nb::arg("dense"), nb::arg("queries") = 1,
+      nb::arg("stream"),
       "InfLLM-v2 decode step for one query per row → (o [B, H, 1, d], idx [B, Hk, 1, k]);\n"
-      "dense: every block up to the query's instead of stage 1's choice.");
+      "dense: every block up to the query's instead of stage 1's choice; queries: rows of q\n"
+      "per row of keys.");
   m.def(
       "rows_matmul", &salabatch::rows_matmul, nb::arg("x"), nb::arg("w"), nb::kw_only(),
       nb::arg("threads"), nb::arg("stream"),

@@ -1,6 +1,8 @@
 // InfLLM-v2 decode step on the CPU as one MLX primitive (SPEC §4.3–4.4): stage-1 scores,
 // block pooling, top-k and stage-2 attention for one query per row, in one pass per
-// (row, kv head) pair.
+// (row, kv head) pair. A verify pass's n queries of one row of keys (its newest token and its
+// drafts, each at its own position) are n rows of q that read that row's keys: each computes
+// what the decode step at its position computes.
 //
 // The MLX-op graphs of salabatch/engine/kernels/sparse_decode.py compute the same thing and
 // stay its reference (tests compare the two) and the path every other device takes. On the
@@ -16,9 +18,10 @@
 // Layout (float32 only; the Python dispatcher sends nothing else here):
 //   q        [B, H, 1, d]        H = Hk * G query heads, head h reads kv head h / G
 //   pos      [B] int32           each row's query position
-//   c1, c2   parts [1 or B, Hk, n, d], concatenated along n (shared chunks, then the rows')
+//   c1, c2   parts [1 or B/n, Hk, n, d], concatenated along n (shared chunks, then the rows')
 //   shared   () or (k, v) [1, Hk, cap, d]: positions [0, start) common to every row
-//   rows_k/v [B, Hk, R, d]       row b's own positions start + 0 .. R-1
+//   rows_k/v [B/n, Hk, R, d]     key row r's own positions start + 0 .. R-1, read by the
+//                                query rows r·n .. r·n + n - 1 (n = `queries`, usually 1)
 // → o [B, H, 1, d] float32, idx [B, Hk, 1, K] int32 (ascending, -1 padding at the end).
 
 #include <algorithm>
@@ -51,6 +54,7 @@ struct Settings {
   float scale;
   int threads;
   bool dense;  // every block up to the query's (dense attention): no stage 1
+  int queries;  // rows of q per row of keys
 };
 
 // Pooling, forcing and top-k for a query in block q_blk: the ids, ascending, -1 padded.
@@ -253,6 +257,7 @@ void SparseDecodeStep::eval_cpu(
       const mx::array& a = inputs[at];
       c.base.push_back(a.data<float>());
       c.row_stride.push_back(a.shape(0) == 1 ? 0 : a.strides(0));
+      c.queries = st.queries;
       c.head_stride.push_back(a.strides(1));
       c.count.push_back(a.shape(2));
       c.total += inputs[at].shape(2);
@@ -393,7 +398,8 @@ void SparseDecodeStep::eval_cpu(
           int b = who[j];
           const float *k = shared_kb, *v = shared_vb;
           if (u >= S) {
-            size_t own = b * row_stride + g * head_stride + (first - st.start) * d;
+            size_t own = static_cast<size_t>(b / st.queries) * row_stride + g * head_stride +
+                         (first - st.start) * d;
             k = rows_k + own;
             v = rows_v + own;
           }
@@ -428,17 +434,20 @@ std::vector<mx::array> salabatch::sparse_decode_step(
     const std::vector<mx::array>& c2, const std::vector<mx::array>& shared,
     const mx::array& rows_k, const mx::array& rows_v, int start, int prefill_len, int k,
     float scale, int init_blocks, int local_blocks, int block, int stride1, int stride2,
-    int threads, bool dense, const mx::Stream& stream) {
+    int threads, bool dense, int queries, const mx::Stream& stream) {
   int B = q.shape(0), H = q.shape(1), d = q.shape(3), Hk = rows_k.shape(1);
   if (q.shape(2) != 1 || H % Hk != 0 || (start > 0) != (shared.size() == 2)) {
     throw std::invalid_argument("sparse_decode_step: q [B, H, 1, d] and (k, v) iff start > 0");
+  }
+  if (queries < 1 || B != rows_k.shape(0) * queries) {
+    throw std::invalid_argument("sparse_decode_step: q must have `queries` rows per key row");
   }
   if (block % stride1 != 0 || start % block != 0 || H / Hk > 4 * W) {
     throw std::invalid_argument("sparse_decode_step: block geometry (SPEC P14)");
   }
   Settings st{H, Hk, d, k, static_cast<int>(c1.size()), static_cast<int>(c2.size()),
               start, prefill_len, init_blocks, local_blocks, block, stride1, stride2, scale,
-              threads, dense};
+              threads, dense, queries};
   std::vector<mx::array> inputs;
   auto add = [&](const mx::array& a, mx::Dtype dtype, bool copy) {
     if (a.dtype() != dtype || (dtype == mx::float32 && (a.ndim() != 4 || a.shape(3) != d))) {

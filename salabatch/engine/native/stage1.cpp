@@ -71,7 +71,8 @@ Level score_level(const Chunks& c, const Queries& q, int g) {
       continue;
     }
     for (int b = 0; b < q.B; ++b) {
-      scores(q.row(b), q.nv, q.d, part + b * c.row_stride[p], s.n, l.own[b].data() + s.offset * q.nv);
+      const float* row = part + static_cast<size_t>(b / c.queries) * c.row_stride[p];
+      scores(q.row(b), q.nv, q.d, row, s.n, l.own[b].data() + s.offset * q.nv);
     }
   }
   return l;

@@ -20,6 +20,7 @@ struct Chunks {
   std::vector<size_t> row_stride, head_stride;  // elements; 0 row stride: shared by every row
   std::vector<int> count;
   int total = 0;
+  int queries = 1;  // query rows per row of the parts: query row b reads row b / queries
 };
 
 // The queries of one kv head's G heads, scaled (to base 2 with `scale` folded in) and
