@@ -169,6 +169,7 @@ def serve(
 @_state_dir
 @_prefix_memory
 @_dtype
+@speculation_options
 def chat(
     model_ref: str,
     documents: tuple[str, ...],
@@ -180,16 +181,21 @@ def chat(
     state_dir: str | None,
     prefix_memory: float,
     dtype: str,
+    draft: str,
+    num_draft_tokens: int,
+    draft_layers: int,
 ) -> None:
     """Chat with MODEL in the terminal, about --document files if given. Each turn prefills
     only its own tokens. /reset forgets the conversation, /save FILE writes it as JSON, /quit
     (or Ctrl-D) ends; Ctrl-C stops an answer, not the session."""
     from salabatch.engine.sampling import SamplingParams
+    from salabatch.engine.speculative import Speculation
     from salabatch.serve.chat import HELP, ChatSession, run_chat
 
     texts = [_read_document(path) for path in documents]
+    speculation = Speculation(draft, num_draft_tokens, draft_layers)
     # One conversation: one row at a time, room for an answer Ctrl-C is still stopping.
-    engine, tok = _engine(model_ref, dtype, state_dir, 1, 2, prefix_memory)
+    engine, tok = _engine(model_ref, dtype, state_dir, 1, 2, prefix_memory, speculation)
     session = ChatSession(
         engine,
         tok,

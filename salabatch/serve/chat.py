@@ -37,16 +37,23 @@ class Turn:
     ttft_s: float
     decode_s: float
     finish_reason: str  # "stop", "length" or "cancelled"
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
+    accepted_tokens: int = 0
 
     def summary(self) -> str:
         """The line shown after an answer."""
         rate = self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
         if self.finish_reason == "cancelled":  # the engine's counts never came
             return f"[stopped after {self.completion_tokens} tokens, {rate:.1f} tok/s]"
+        drafts = (
+            f"drafts {self.accepted_tokens}/{self.draft_tokens} accepted; "
+            if self.draft_tokens
+            else ""
+        )
         return (
             f"[{self.completion_tokens} tokens, {rate:.1f} tok/s; prompt {self.prompt_tokens} "
-            f"tokens, {self.cached_tokens} cached; first token after {self.ttft_s:.2f} s; "
-            f"{self.finish_reason}]"
+            f"tokens, {self.cached_tokens} cached; {drafts}first token after "
+            f"{self.ttft_s:.2f} s; {self.finish_reason}]"
         )
 
 
@@ -123,6 +130,8 @@ class ChatSession:
                 finished.ttft_s,
                 finished.decode_s,
                 finished.finish_reason,
+                finished.draft_tokens,
+                finished.accepted_tokens,
             )
         now = time.perf_counter()
         ttft = (first_at or now) - start

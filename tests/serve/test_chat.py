@@ -20,7 +20,7 @@ MODEL = "builtin:tiny"
 DOCS = REPO / "jobs" / "demo" / "docs"
 SUMMARY = re.compile(
     r"\[(\d+) tokens, [\d.]+ tok/s; prompt (\d+) tokens, (\d+) cached; "
-    r"first token after [\d.]+ s; (stop|length)\]"
+    r"(?:drafts (\d+)/(\d+) accepted; )?first token after [\d.]+ s; (stop|length)\]"
 )
 STOPPED = re.compile(r"\[stopped after (\d+) tokens, [\d.]+ tok/s\]")
 
@@ -28,8 +28,15 @@ STOPPED = re.compile(r"\[stopped after (\d+) tokens, [\d.]+ tok/s\]")
 def turns(text: str) -> list[dict]:
     """The summary lines of a chat's output, in order."""
     return [
-        {"completion": int(c), "prompt": int(p), "cached": int(k), "finish": f}
-        for c, p, k, f in SUMMARY.findall(text)
+        {
+            "completion": int(c),
+            "prompt": int(p),
+            "cached": int(k),
+            "accepted": int(a or 0),
+            "drafted": int(d or 0),
+            "finish": f,
+        }
+        for c, p, k, a, d, f in SUMMARY.findall(text)
     ]
 
 
@@ -91,6 +98,25 @@ def test_chat_over_documents_resumes_each_turn_from_them_and_saves_the_conversat
     assert third["cached"] >= len(system_ids)
     assert "unknown command /nonsense" in result.stderr
     assert "[saved to" in result.stderr and "forgotten" in result.stderr
+
+
+def test_chat_drafts_from_the_documents_and_answers_as_without(tmp_path):
+    """--draft lookup: the same greedy answers, with the drafts each turn made and accepted in
+    its summary line."""
+    shutil.copy(DOCS / "redwater-robotics.txt", tmp_path / "doc.txt")
+    script = ["Give the service provider of this agreement.", "Find the commencement date."]
+    runs = {}
+    for draft in ("off", "lookup"):
+        args = ["chat", "--model", MODEL, "--document", str(tmp_path / "doc.txt")]
+        args += ["--state-dir", str(tmp_path / draft), "--max-tokens", "24", "--draft", draft]
+        result = CliRunner().invoke(main, args, input="\n".join(script) + "\n")
+        assert result.exit_code == 0, result.output
+        runs[draft] = (result.stdout, turns(result.stderr))
+    assert runs["lookup"][0] == runs["off"][0]  # the answers, as streamed
+    assert [t["completion"] for t in runs["lookup"][1]] == [t["completion"] for t in runs["off"][1]]
+    assert all(t["drafted"] == 0 for t in runs["off"][1])
+    drafted = sum(t["drafted"] for t in runs["lookup"][1])
+    assert drafted > 0 and 0 < sum(t["accepted"] for t in runs["lookup"][1]) <= drafted
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(tmp_path, tiny):
