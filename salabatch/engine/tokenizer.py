@@ -74,6 +74,11 @@ class Tokenizer:
         self._cont_plain = parse_backend(cont, plain=True) if cont is not None else None
         added = backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
+        # Added tokens the backend splits its input at, matched in the raw text and taking no
+        # space before them: a text cut right before one encodes as its two sides (`_cuts_at`).
+        self._cut_tokens = tuple(
+            t.content for t in added.values() if not (t.lstrip or t.normalized or t.single_word)
+        )
         bos_text = backend.id_to_token(bos_id) if bos_id is not None else None
         self._chat = ChatFormat(
             chat_template,
@@ -169,6 +174,38 @@ class Tokenizer:
         )
         return self._prompt_start_ids(segments)
 
+    def chat_prompt_ids_after(
+        self,
+        messages: Sequence[dict],
+        head: int,
+        head_ids: Sequence[int],
+        *,
+        think: bool,
+        add_generation_prompt: bool = True,
+    ) -> list[int] | None:
+        """`chat_prompt_ids(messages, ...)` without encoding its first `head` messages again:
+        `head_ids` are `chat_prompt_ids(messages[:head], add_generation_prompt=False)` (a
+        document in a system message, a conversation's turns), the rest's text is encoded on
+        its own. Exact where the head's rendered text is the prompt's first text and the rest
+        starts with an added token the backend splits at (a ChatML turn's `<|im_start|>`): the
+        backend encodes the two sides of such a cut apart. None where it is not so (the caller
+        encodes the whole prompt)."""
+        whole = self._chat.render(
+            messages, think=think, add_generation_prompt=add_generation_prompt
+        )
+        if head == len(messages) and not add_generation_prompt:
+            return list(head_ids)
+        first = self._chat.render(messages[:head], think=think, add_generation_prompt=False)
+        rest = _after(whole, first)
+        if not rest or rest[0][1] or not head_ids or not self._cuts_at(rest[0][0]):
+            return None
+        ids = self._encode_segments(rest, after_split=head_ids[-1] in self._added_ids)
+        return [*head_ids, *ids]
+
+    def _cuts_at(self, text: str) -> bool:
+        """Whether `text` starts with an added token the backend splits at (`_cut_tokens`)."""
+        return any(text.startswith(t) for t in self._cut_tokens)
+
     def split_chat_prompt(
         self, document: str, question: str, *, system: str | None, think: bool
     ) -> tuple[list[int], list[int]]:
@@ -241,3 +278,19 @@ class Tokenizer:
         i = next((k for k, t in enumerate(ids) if t in self._added_ids), len(ids))
         j = next((k for k, t in enumerate(cont_ids) if t in self._added_ids), len(cont_ids))
         return cont_ids[:j] + ids[i:]
+
+
+def _after(whole: list[Segment], first: list[Segment]) -> list[Segment] | None:
+    """The segments of `whole` after its first text `first` (a cut inside a segment of
+    template text splits it); None where `first`'s text does not start `whole`'s, or the cut
+    falls inside a message's plain text."""
+    for i, (text, plain) in enumerate(first):
+        if i >= len(whole):
+            return None
+        w_text, w_plain = whole[i]
+        if (w_text, w_plain) == (text, plain):
+            continue
+        if i != len(first) - 1 or plain or w_plain or not w_text.startswith(text):
+            return None
+        return [(w_text[len(text) :], False), *whole[i + 1 :]]
+    return list(whole[len(first) :])

@@ -6,8 +6,9 @@ prompt, and the answer's tokens turned into text as it streams (stop strings hel
 they cannot be one, a leading <think> block split off as the reasoning).
 
 A server asked many questions of one document tokenizes it once: `LeadingIds` keeps the ids of
-recent leading system messages, so a request over a document seen lately tokenizes its whole
-prompt once more for the prompt and once for the end of its last message, not a third time.
+recent leading system messages, and a request's prompt is those ids followed by the rest's
+(`Tokenizer.chat_prompt_ids_after`, where the template cuts there), so a request over a
+document seen lately tokenizes only its own messages.
 """
 
 from __future__ import annotations
@@ -86,23 +87,32 @@ def chat_job(
     system messages end (a document there is prefilled once for every request that shares it)
     and where the last message ends (the next turn of the conversation continues from there);
     each only where its tokens are exactly a prefix of the whole prompt's. Stops at the
-    tokenizer's end-of-turn and eos tokens. Tokenizes the prompt up to three times, twice where
-    `leading_ids` (of `tok`) holds its leading system messages: call it off the event loop."""
+    tokenizer's end-of-turn and eos tokens.
+
+    Each part is tokenized once: the leading system messages (by `leading_ids`, of `tok`, once
+    per document across requests), then the messages after them, then the generation prompt,
+    each part's ids following the ones before (`Tokenizer.chat_prompt_ids_after`); where the
+    template does not cut there, the whole text up to that point again. Call it off the event
+    loop."""
     if leading_ids is not None and leading_ids.tok is not tok:
         raise ValueError("leading_ids holds another tokenizer's ids")
-    prompt = tok.chat_prompt_ids(messages, think=think)
     leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    boundaries = []
+    marks = []  # the ids of the messages up to each boundary, without a generation prompt
+    head, head_ids = 0, []
     for end in sorted({leading, len(messages)} - {0}):
         try:
             if end == leading and leading_ids is not None:
-                ids = leading_ids.ids(messages[:end], think)
+                ids = leading_ids.ids(messages[:end], think).tolist()
             else:
-                ids = tok.chat_prompt_ids(messages[:end], think=think, add_generation_prompt=False)
+                ids = _ids_after(tok, messages[:end], head, head_ids, think, False)
         except TokenizerError:  # a template may refuse a conversation without a user message
             continue
-        if 0 < len(ids) < len(prompt) and np.array_equal(prompt[: len(ids)], ids):
-            boundaries.append(len(ids))
+        marks.append(ids)
+        head, head_ids = end, ids
+    prompt = _ids_after(tok, messages, head, head_ids, think, True)
+    boundaries = [
+        len(ids) for ids in marks if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids
+    ]
     return Job(
         job_id or new_id("chatcmpl"),
         tuple(prompt),
@@ -112,6 +122,15 @@ def chat_job(
         stop_strings,
         tuple(boundaries),
     )
+
+
+def _ids_after(tok, messages, head, head_ids, think, add_generation_prompt) -> list[int]:
+    """`tok.chat_prompt_ids(messages, ...)`, from the ids of its first `head` messages where
+    the template cuts after them."""
+    settings = dict(think=think, add_generation_prompt=add_generation_prompt)
+    if head and (ids := tok.chat_prompt_ids_after(messages, head, head_ids, **settings)):
+        return ids
+    return tok.chat_prompt_ids(messages, **settings)
 
 
 def text_job(

@@ -144,6 +144,58 @@ def test_split_matches_whole_prompt_with_sentencepiece_style_tokenizer(tmp_path,
     check_stream(sp, doc_prompt + suffix)
 
 
+CONVERSATIONS = [  # a document (with special-token text, kept plain), questions, answers
+    [
+        {"role": "system", "content": "Document: the Doc.\n\nthe user us. 你好 <|im_start|>x"},
+        {"role": "user", "content": "the user?"},
+    ],
+    [
+        {"role": "system", "content": "Document: the Doc."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the <|im_end|> user?"},
+        {"role": "assistant", "content": "the Doc."},
+        {"role": "user", "content": "us?"},
+    ],
+    [{"role": "user", "content": "the user?"}, {"role": "assistant", "content": "us."}],
+]
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_prompt_ids_after_a_head_are_the_whole_prompts(tok, tmp_path, think):
+    """A prompt's ids made from its first messages' ids and the rest encoded apart are the
+    whole prompt's ids, with the byte-level and the SentencePiece-style tokenizer, with and
+    without the generation prompt, at every message boundary; ChatML always cuts there."""
+    sp = load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))
+    for t in (tok, sp):
+        for conversation in CONVERSATIONS:
+            for head in range(1, len(conversation) + 1):
+                first = t.chat_prompt_ids(
+                    conversation[:head], think=think, add_generation_prompt=False
+                )
+                for generation in (True, False):
+                    got = t.chat_prompt_ids_after(
+                        conversation, head, first, think=think, add_generation_prompt=generation
+                    )
+                    want = t.chat_prompt_ids(
+                        conversation, think=think, add_generation_prompt=generation
+                    )
+                    assert got == want, (t, conversation, head, generation)
+
+
+def test_prompt_ids_after_a_head_refuse_a_template_that_does_not_cut_there(demo_copy):
+    """A template that writes later messages before earlier ones: the first messages' text
+    does not start the prompt's, so there are no ids to build on (None)."""
+    backwards = (
+        "{% for m in messages | reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    edit_json(demo_copy / "tokenizer_config.json", chat_template=backwards)
+    t = load_tokenizer(demo_copy)
+    conversation = messages()
+    first = t.chat_prompt_ids(conversation[:1], think=True, add_generation_prompt=False)
+    assert t.chat_prompt_ids_after(conversation, 1, first, think=True) is None
+
+
 # ---- thinking -----------------------------------------------------------------------------
 
 

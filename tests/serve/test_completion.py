@@ -102,9 +102,10 @@ def test_chat_job_ends_prefixes_at_the_system_message_and_the_last_message(tok):
 
 
 def test_leading_ids_give_the_same_jobs_and_tokenize_a_document_once(tok, monkeypatch):
-    """Jobs made with a LeadingIds are those made without (prompt, boundaries), whatever the
-    layout; across requests over one document its system message is tokenized once, and a
-    document evicted past the cap is tokenized again."""
+    """Jobs made with a LeadingIds are those made without (prompt, boundaries), and their
+    prompts those of the whole conversation tokenized at once, whatever the layout; across
+    requests over one document its system message is tokenized once, and a document evicted
+    past the cap is tokenized again."""
     doc = {"role": "system", "content": "Document: a.txt\n\n" + "The Provider is Acme Corp. " * 40}
     other = {"role": "system", "content": "Document: b.txt\n\n" + "The Client is Bolt Ltd. " * 40}
     user = {"role": "user", "content": "Who is the provider?"}
@@ -128,26 +129,33 @@ def test_leading_ids_give_the_same_jobs_and_tokenize_a_document_once(tok, monkey
                 leading_ids=leading,
             )
             assert (got.prompt, got.boundaries) == (want.prompt, want.boundaries), messages
+            assert list(got.prompt) == tok.chat_prompt_ids(messages, think=think)
 
-    tokenized: list[str] = []  # the first message of each chat_prompt_ids call
-    real = tok.chat_prompt_ids
+    encoded: list[str] = []  # which document each text the backend encodes holds
+    real = tok.encode
 
-    def counted(messages, **kw):
-        tokenized.append(messages[0]["content"][:15])
-        return real(messages, **kw)
+    def counted(text, *args, **kw):
+        encoded.extend(name for name in ("a.txt", "b.txt") if f"Document: {name}" in text)
+        return real(text, *args, **kw)
 
-    monkeypatch.setattr(tok, "chat_prompt_ids", counted)
-    sizes = [len(real([d], think=False, add_generation_prompt=False)) for d in (doc, other)]
+    sizes = [
+        len(tok.chat_prompt_ids([d], think=False, add_generation_prompt=False))
+        for d in (doc, other)
+    ]
+    monkeypatch.setattr(tok, "encode", counted)
     leading = LeadingIds(tok, tokens=max(sizes))  # room for one document
     for system, question in [(doc, "Who?"), (doc, "When?"), (other, "Who?"), (doc, "Why?")]:
         messages = [system, {"role": "user", "content": question}]
         chat_job(
             tok, messages, think=False, params=SamplingParams(), max_tokens=8, leading_ids=leading
         )
-    # each request tokenizes its prompt and the end of its last message, and its document when
-    # that is not held: a.txt the first time and after b.txt took its place
-    assert tokenized.count("Document: a.txt") == 3 + 2 + 3
-    assert tokenized.count("Document: b.txt") == 3
+    # a request encodes its own messages only, and its document when that is not held: a.txt
+    # the first time and after b.txt took its place
+    assert encoded == ["a.txt", "b.txt", "a.txt"]
+    # without LeadingIds, once per request
+    encoded.clear()
+    chat_job(tok, [doc, user], think=False, params=SamplingParams(), max_tokens=8)
+    assert encoded == ["a.txt"]
 
 
 def test_text_job_takes_text_or_token_ids(tok):
