@@ -8,8 +8,11 @@ once; a job whose document is in the prefix store), so that the questions' own w
 * one_at_a_time: the same requests, each sent when the last has finished;
 * run: the same questions as a `salabatch run` job over the same prefix store.
 
-Each mode is timed in ROUNDS rounds and its median round reported (this machine's neighbours
-move single rounds by a third).
+The two served modes share one server and alternate, round by round (ROUNDS each, which
+comes first switching every round), so that the machine's drift falls on both alike; each
+mode's median round is reported, and the ratio of concurrent over one at a time is the median
+of the rounds' pairs (this machine's neighbours move single rounds by a third). `run` is timed
+in ROUNDS rounds of its own.
 
 The default model is `builtin:random` (untrained: its answers run to `max_tokens`, so decoding
 is measured, where the trained demo model stops after a few tokens).
@@ -37,7 +40,7 @@ from pathlib import Path
 import yaml
 
 DEMO = Path(__file__).resolve().parents[2] / "jobs" / "demo"
-ROUNDS = 3  # timed rounds of each mode; the median is reported
+ROUNDS = 5  # timed rounds of each mode; the median is reported
 QUESTIONS = [
     "Give the service provider of this agreement.",
     "Tell me the Client in the contract.",
@@ -74,16 +77,17 @@ def run(
         "max_tokens": max_tokens,
         "document_tokens": len(tok.encode(text)),
     }
-    progress(f"{clients} concurrent clients …")
-    out["concurrent"] = _served(model_ref, text, questions, max_tokens, together=True)
-    progress("the same requests one at a time …")
-    out["one_at_a_time"] = _served(model_ref, text, questions, max_tokens, together=False)
+    progress(f"{clients} concurrent clients and the same requests one at a time, alternating …")
+    served, paired = _served(model_ref, text, questions, max_tokens)
+    out.update(served)
     progress("the same questions through salabatch run …")
     out["run"] = _run_job(model_ref, text, questions, max_tokens, clients)
-    tps = {k: out[k]["tokens_per_s"] for k in ("concurrent", "one_at_a_time", "run")}
     out["ratios"] = {
-        "concurrent_over_one_at_a_time": round(tps["concurrent"] / tps["one_at_a_time"], 2),
-        "concurrent_over_run": round(tps["concurrent"] / tps["run"], 2),
+        "concurrent_over_one_at_a_time": round(statistics.median(paired), 2),
+        "concurrent_over_one_at_a_time_rounds": [round(r, 2) for r in paired],
+        "concurrent_over_run": round(
+            out["concurrent"]["tokens_per_s"] / out["run"]["tokens_per_s"], 2
+        ),
     }
     if turn_tokens:
         progress(f"a second turn over a {turn_tokens}-token document …")
@@ -94,7 +98,10 @@ def run(
     return out
 
 
-def _served(model_ref, text, questions, max_tokens, *, together: bool) -> dict:
+def _served(model_ref, text, questions, max_tokens) -> tuple[dict, list[float]]:
+    """({"concurrent": ..., "one_at_a_time": ...}, each round's concurrent over one at a time
+    tokens/s) from one server, the modes alternating."""
+    rounds: dict[str, list] = {"concurrent": [], "one_at_a_time": []}
     with _server(model_ref, batch_size=max(8, len(questions))) as (url, _):
 
         def ask(question: str) -> tuple[float, int, int]:
@@ -105,16 +112,25 @@ def _served(model_ref, text, questions, max_tokens, *, together: bool) -> dict:
             return _stream(url, messages, max_tokens)
 
         ask("Summarize the document.")  # the document prefilled and held, as on a busy server
-        rounds = []
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            if together:
-                with ThreadPoolExecutor(len(questions)) as pool:
-                    answers = list(pool.map(ask, questions))
-            else:
-                answers = [ask(q) for q in questions]
-            rounds.append((time.perf_counter() - start, answers))
-    seconds, answers = sorted(rounds, key=lambda r: r[0])[len(rounds) // 2]  # the median round
+        for i in range(ROUNDS):
+            for mode in list(rounds)[:: 1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                if mode == "concurrent":
+                    with ThreadPoolExecutor(len(questions)) as pool:
+                        answers = list(pool.map(ask, questions))
+                else:
+                    answers = [ask(q) for q in questions]
+                rounds[mode].append((time.perf_counter() - start, answers))
+    paired = [
+        (sum(a[1] for a in c) / cs) / (sum(a[1] for a in o) / os_)
+        for (cs, c), (os_, o) in zip(rounds["concurrent"], rounds["one_at_a_time"], strict=True)
+    ]
+    return {mode: _summary(r) for mode, r in rounds.items()}, paired
+
+
+def _summary(rounds: list) -> dict:
+    """A served mode's figures from its rounds [(seconds, answers)]: the median round's."""
+    seconds, answers = sorted(rounds, key=lambda r: r[0])[len(rounds) // 2]
     ttft = sorted(a[0] for a in answers)
     tokens = sum(a[1] for a in answers)
     return {
@@ -361,9 +377,11 @@ def table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     ratios = result["ratios"]
+    pairs = ", ".join(f"{r:.2f}" for r in ratios["concurrent_over_one_at_a_time_rounds"])
     lines.append(
-        f"concurrent / one at a time: {ratios['concurrent_over_one_at_a_time']:.2f}x; "
-        f"concurrent / salabatch run: {ratios['concurrent_over_run']:.2f}x"
+        f"concurrent / one at a time: {ratios['concurrent_over_one_at_a_time']:.2f}x (median of "
+        f"the rounds' pairs: {pairs}); concurrent / salabatch run: "
+        f"{ratios['concurrent_over_run']:.2f}x"
     )
     if "turns" in result:
         t = result["turns"]
