@@ -7,13 +7,15 @@ drafter (`lookup`, `layers`, `auto`), at several batch sizes, on three workloads
 * cost: the 9B's layer layout (32 layers, 8 sparse) at 1/16 width with random weights over a
   random document: acceptance means nothing there, the row shows what a pass costs.
 
-Per workload and batch size, each document is prefilled once; the questions then decode with
-every setting in turn, the settings alternating over `rounds` rounds (the median kept), so
-the machine's drift falls on all of them alike. Reported per row: decode tokens/s (batch 1:
-each answer's tokens after its first over its decode time, as `Generation.decode_tok_s`;
-larger batches: all tokens over the wall time of the batch, its questions' own prefill
-included, the same for every setting), the ratio to `off`, drafts made and accepted, and
-whether every greedy answer is token for token `off`'s.
+Per workload and batch size, each document is prefilled once; then, in each of `rounds`
+rounds, every document's questions decode with every setting in turn (document by document,
+the settings' order reversed every round), so that the machine's drift falls on all of them
+alike. Reported per row: decode tokens/s (batch 1: each answer's tokens after its first over
+its decode time, as `Generation.decode_tok_s`; larger batches: all tokens over the wall time
+of the batch, its questions' own prefill included, the same for every setting), the median
+round's; the ratio to `off`, the median of the rounds' ratios (each round's settings ran side
+by side); drafts made and accepted; and whether every greedy answer is token for token
+`off`'s.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def run(
     workloads: tuple[str, ...] = ("extraction", "free-form", "cost"),
     batches: tuple[int, ...] = BATCHES,
     drafts: tuple[str, ...] = DRAFTS,
-    rounds: int = 3,
+    rounds: int = 5,
     tokens: int = 4,
     layers: int = 2,
     progress=None,
@@ -122,12 +124,15 @@ def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) 
         cache = model.make_cache()
         prefill(model, doc, cache, 1024)
         prefixes.append((cache, asks))
+    specs = {d: Speculation(d, tokens=tokens, layers=layers) for d in drafts}
     seen: dict[str, list[dict]] = {d: [] for d in drafts}
-    for _ in range(rounds + 1):  # the first round warms every trace and is not kept
+    for i in range(rounds + 1):  # the first round warms every trace and is not kept
+        runs: dict[str, list] = {d: [] for d in drafts}
+        for cache, asks in prefixes:
+            for draft in drafts[:: 1 if i % 2 == 0 else -1]:
+                runs[draft].append(_decode(model, cache, asks, batch, specs[draft]))
         for draft in drafts:
-            spec = Speculation(draft, tokens=tokens, layers=layers)
-            runs = [_decode(model, cache, asks, batch, spec) for cache, asks in prefixes]
-            seen[draft].append(_total(runs, batch))
+            seen[draft].append(_total(runs[draft], batch))
     base = _kept(seen["off"]) if "off" in seen else None
     rows = []
     for draft in drafts:
@@ -144,8 +149,15 @@ def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) 
             "tokens": kept["tokens"],
         }
         if base is not None:
-            row["vs_off"] = round(kept["tok_s"] / base["tok_s"], 3)
-            row["same_answers"] = kept["answers"] == base["answers"]
+            pairs = [
+                mine["tok_s"] / theirs["tok_s"]
+                for mine, theirs in zip(seen[draft][1:], seen["off"][1:], strict=True)
+            ]
+            row["vs_off"] = round(statistics.median(pairs), 3)
+            row["vs_off_rounds"] = [round(r, 3) for r in pairs]
+            row["same_answers"] = all(
+                r["answers"] == b["answers"] for r, b in zip(seen[draft], seen["off"], strict=True)
+            )
         rows.append(row)
     return rows
 

@@ -247,7 +247,7 @@ def bench_quant(
 )
 @click.option("--batches", default="1,2,8", show_default=True, help="Batch sizes.")
 @click.option("--drafts", default="off,lookup,layers,auto", show_default=True)
-@click.option("--rounds", default=3, show_default=True, help="Timed rounds (median kept).")
+@click.option("--rounds", default=5, show_default=True, help="Timed rounds (the median kept).")
 @click.option("--tokens", default=4, show_default=True, help="Drafts per pass.")
 @click.option("--layers", default=2, show_default=True, help="The layers drafter's layers.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
