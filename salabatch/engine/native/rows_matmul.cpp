@@ -170,9 +170,12 @@ mx::array rows_matmul(
       x.dtype() != mx::float32 || w.dtype() != mx::float32) {
     throw std::invalid_argument("rows_matmul: float32 x [M, K] and w [O, K], K a multiple of 8");
   }
+  // a weight is evaluated and row-contiguous (as loaded): read where it lies, no copy op in
+  // the graph (an op each is what a few rows' product costs most on the CPU)
+  bool ready = w.is_available() && w.flags().row_contiguous;
   return mx::array(
       {x.shape(0), w.shape(0)}, mx::float32, std::make_shared<RowsMatmul>(stream, threads),
-      {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
+      {mx::contiguous(x, false, stream), ready ? w : mx::contiguous(w, false, stream)});
 }
 
 }  // namespace salabatch
