@@ -235,6 +235,20 @@ def decode_step(model, cache, device_memory: int | None = H100_MEMORY):
         return nodes(logits, *cache.arrays()), seconds
 
 
+def verify_pass(model, cache, tokens: int = 5, device_memory: int | None = H100_MEMORY):
+    """A speculative verify pass over `tokens` positions of every row of `cache` (its newest
+    token and `tokens` - 1 drafts) as the GPU runs it today: (its kernels by name, the host
+    seconds building it). Built on a fork of the rows; `cache` is left as it was."""
+    rows = cache.select(range(cache.rows))
+    rows.checkpoint()
+    ids = mx.zeros((cache.rows, tokens), dtype=mx.int32)
+    with gpu_graph(device_memory):
+        start = time.perf_counter()
+        logits = model(ids, rows)
+        seconds = time.perf_counter() - start
+        return nodes(logits, *rows.arrays()), seconds
+
+
 def peer_decode_step(tokens: int, dtype: mx.Dtype = mx.bfloat16, hidden: int = 256):
     """The dense peer's decode step (mlx-lm's llama at Qwen3-8B's 36 layers and attention,
     small width) after `tokens` of context, as the GPU runs it; None without mlx-lm."""
@@ -265,7 +279,8 @@ def peer_decode_step(tokens: int, dtype: mx.Dtype = mx.bfloat16, hidden: int = 2
 
 def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
     """`bench long --graph`: per context, kernels of SALA's decode step (batch 1 and `batch`)
-    and the peer's (counted at 4K: the same at every context), of an 8K prefill chunk in a
+    and of a speculative verify pass of 5 positions (batch 1), the peer's decode step
+    (counted at 4K: the same at every context), of an 8K prefill chunk in a
     sparse and in a lightning layer, the host seconds building them, and the estimated FLOPs
     and bytes of each part of a prefill chunk and a decode step, SALA (9B) and the peer
     (Qwen3-8B shapes), bf16 (`bench.costs`)."""
@@ -288,6 +303,10 @@ def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
             counts, seconds = decode_step(model, cache)
             row[f"decode_b{b}_kernels"] = kernels(counts)
             row[f"decode_b{b}_host_s"] = round(seconds, 4)
+            if b == 1:  # a speculative pass of 5 positions (4 drafts), as a GPU runs it now
+                counts, seconds = verify_pass(model, cache)
+                row["verify5_b1_kernels"] = kernels(counts)
+                row["verify5_b1_host_s"] = round(seconds, 4)
         row["peer_decode_b1_kernels"] = peer
         counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - chunk, n), chunk)
         row["prefill_sparse_layer_kernels"] = kernels(counts)
@@ -311,15 +330,16 @@ def report_table(result: dict) -> str:
     """The terminal table of `report`: kernels, then estimated TFLOPs and GB per context."""
     batch = result["batch"]
     lines = [
-        f"{'context':>8} | decode kernels: SALA b1 {f'b{batch}':>5} peer | prefill 8K kernels: "
-        "sparse layer, lightning layer | est. prefill chunk TFLOP SALA/peer, GB SALA/peer | "
-        "est. decode step GFLOP SALA/peer, GB SALA/peer"
+        f"{'context':>8} | decode kernels: SALA b1 {f'b{batch}':>5} peer verify5 | prefill 8K "
+        "kernels: sparse layer, lightning layer | est. prefill chunk TFLOP SALA/peer, GB "
+        "SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
     ]
     for r in result["rows"]:
         pre, dec = r["prefill_costs"], r["decode_b1_costs"]
         lines.append(
             f"{r['context']:>8} | {r['decode_b1_kernels']:>24} {r[f'decode_b{batch}_kernels']:>5} "
-            f"{r['peer_decode_b1_kernels'] or '–':>4} | {r['prefill_sparse_layer_kernels']:>31},"
+            f"{r['peer_decode_b1_kernels'] or '–':>4} {r['verify5_b1_kernels']:>7} | "
+            f"{r['prefill_sparse_layer_kernels']:>31},"
             f" {r['prefill_lightning_layer_kernels']:>14} | "
             f"{pre['sala_total'][0] / 1e12:>7.1f} / {pre['peer_total'][0] / 1e12:.1f}, "
             f"{pre['sala_total'][1] / 1e9:.1f} / {pre['peer_total'][1] / 1e9:.1f} | "

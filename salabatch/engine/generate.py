@@ -364,7 +364,7 @@ class Batch:
         T = 1 + max(map(len, drafts))
         ids = [[t, *d] + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts, strict=True)]
         point = self.cache.checkpoint()
-        logits = self.model(mx.array(ids, dtype=mx.int32), self.cache)  # [B, T, vocab]
+        logits = self.model(mx.array(ids, dtype=mx.int32), self.cache, queue=True)  # [B, T, V]
         first = sample_tokens(logits[:, 0], params, steps, counts)
         verdicts = verify(logits, drafts, params, steps, first, q)
         self.cache.rollback(point, [v.accepted + 1 for v in verdicts])

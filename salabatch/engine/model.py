@@ -94,14 +94,13 @@ class SALAModel(nn.Module):
         self.layers = [Block(cfg, kind) for kind in cfg.layer_kinds]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, ids: mx.array, cache: ModelCache) -> mx.array:
+    def __call__(self, ids: mx.array, cache: ModelCache, queue: bool = False) -> mx.array:
+        """`queue`: each layer is queued for the device as soon as it is built, so the device
+        runs it while the host builds the next (a verify pass, which cannot overlap the step
+        before it: its drafts needed that step's tokens)."""
         B, T = ids.shape
         offset = cache.advance(B, T)
         h = self.embed_tokens(ids) * self.scale_emb  # [B, T, hidden]
-        # A verify pass cannot overlap the step before it (its drafts needed that step's
-        # tokens): each layer is queued as soon as it is built, so the device runs it while the
-        # host builds the next.
-        queue = any(c.stepwise for c in cache)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, layer_cache, offset)
             if queue:
@@ -120,14 +119,19 @@ class Model(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.decoder = DecodeStep(self)  # the compiled decode step (salabatch.engine.decode)
 
-    def __call__(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
-        return self.logits(self.hidden(ids, cache))
+    def __call__(
+        self, ids: mx.array, cache: ModelCache | None = None, queue: bool = False
+    ) -> mx.array:
+        return self.logits(self.hidden(ids, cache, queue))
 
-    def hidden(self, ids: mx.array, cache: ModelCache | None = None) -> mx.array:
-        """Final-normed hidden states [B, T, hidden]; generation takes logits of the last only."""
+    def hidden(
+        self, ids: mx.array, cache: ModelCache | None = None, queue: bool = False
+    ) -> mx.array:
+        """Final-normed hidden states [B, T, hidden]; generation takes logits of the last only.
+        `queue`: each layer evaluated asynchronously as soon as it is built (`SALAModel`)."""
         if ids.ndim != 2:
             raise ValueError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
-        return self.model(ids, self.make_cache() if cache is None else cache)
+        return self.model(ids, self.make_cache() if cache is None else cache, queue)
 
     def logits(self, h: mx.array) -> mx.array:
         h = h / self.config.logit_divisor

@@ -15,6 +15,7 @@ from salabatch.bench.graph import (
     kernels,
     peer_decode_step,
     sala_model,
+    verify_pass,
 )
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.decode import decode
@@ -146,6 +147,19 @@ def test_decode_step_kernels_at_the_9b_layout(rows):
     peer = peer_decode_step(4096, mx.float32)
     if peer is not None:
         assert 550 <= kernels(peer) <= 680, f"the peer counted {kernels(peer)}, not as the issue"
+
+
+def test_a_verify_pass_is_counted_as_the_gpu_runs_it():
+    """A speculative verify pass of 5 positions builds under `gpu_graph` without evaluating a
+    stand-in op, leaves the cache it forks as it was, and costs more kernels than a step (its
+    per-layer graphs are not the compiled step's: what `bench long --graph` reports)."""
+    model = sala_model(mx.float32)
+    cache = filled_model_cache(model, 4096).fork(1)
+    cache.reserve(128 + 64)
+    before = (list(cache.positions), [a.shape for a in cache.arrays()])
+    counts, _ = verify_pass(model, cache)
+    assert (list(cache.positions), [a.shape for a in cache.arrays()]) == before
+    assert kernels(counts) > kernels(decode_step(model, cache)[0])
 
 
 def test_generator_on_the_gpu_path_answers_as_on_the_cpu(model, monkeypatch):
