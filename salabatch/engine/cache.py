@@ -42,8 +42,11 @@ class LightningCache:
         # While a call may be taken back (`ModelCache.checkpoint`): the (k, v) [B, H, T, d]
         # float32 and log-decay g [H] each call since fed the recurrence, from which `rollback`
         # replays the state.
-        self.record: list[tuple[mx.array, mx.array, mx.array]] | None = None
+        self.record: list[tuple[mx.array, mx.array, mx.array] | None] | None = None
         self.stepwise = False  # recorded calls run token by token, as decode steps
+        # Stepwise calls that kept the state after each of their tokens record None each and
+        # leave them here, [B, tokens, H, dk, dv] (`LightningAttention.__call__`)
+        self.states: mx.array | None = None
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> LightningCache:
@@ -83,8 +86,19 @@ class LightningCache:
         """The state after the first keep[b] tokens fed to row b since it was `state`, replayed
         from the record with the decode step's arithmetic (`gla_replay`)."""
         record, self.record, self.stepwise = self.record, None, False
+        states, self.states = self.states, None
         if not any(keep):
             self.state = state
+            return
+        if record and record[0] is None:  # stepwise calls that kept their states: take one
+            if states.shape[1] < max(keep):
+                raise ValueError("rolling a lightning layer forward past the tokens it was fed")
+            if len(set(keep)) == 1:  # (every row the same: a view of one token's states)
+                self.state = states[:, keep[0] - 1]
+                return
+            at = mx.array([max(n - 1, 0) for n in keep], dtype=mx.int32)
+            kept = states[mx.arange(len(keep)), at]
+            self.state = mx.where(mx.array(list(keep))[:, None, None, None] > 0, kept, state)
             return
         fed = -1 if record is None else sum(k.shape[2] for k, _, _ in record)
         if fed < max(keep):

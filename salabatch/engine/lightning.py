@@ -18,6 +18,12 @@ from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed, gla_stepwise
 from salabatch.engine.linear import Linear, fuse
 
+# A verify pass keeps a lightning layer's state after each of its tokens (a rollback then takes
+# the one it keeps, one op) where they take at most this many bytes; beyond, the k, v it fed
+# are kept and a rollback replays them (`kernels.gla.gla_replay`): the 9B's state is 2 MiB a
+# row, so one row's pass of up to 8 tokens keeps its states.
+STATES_BYTES = 16 << 20
+
 
 class LightningAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -57,14 +63,28 @@ class LightningAttention(nn.Module):
         # A decode step has the same shapes every time: one compiled graph per batch size
         # replaces ~25 op dispatches; the weights are its implicit inputs, so it sees updates.
         self._step = mx.compile(self._forward, inputs=self.state)
-        self._verify = mx.compile(self._recorded, inputs=self.state)  # per T and batch size
+        # per T and batch size; keeping the state after every token, or the k, v fed (smaller)
+        self._verify = mx.compile(self._recorded, inputs=self.state)
+        self._verify_states = mx.compile(self._recorded_states, inputs=self.state)
 
     def __call__(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
         """x [B, T, hidden] (already input-normed); offset: position of x[:, 0] (int or [B])."""
         if cache.record is not None and cache.stepwise:  # a verify pass: token by token
             positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
-            y, cache.state, k, v = self._verify(x, cache.state, positions)
-            cache.record.append((k, v, self._log_decay))
+            B, T = x.shape[:2]
+            fits = B * T * cache.state[0].nbytes <= STATES_BYTES
+            if cache.record[:1] == [None] or (not cache.record and fits):  # as the first call
+                y, states = self._verify_states(x, cache.state, positions)
+                cache.states = (
+                    states
+                    if cache.states is None
+                    else mx.concatenate([cache.states, states], axis=1)
+                )
+                cache.state = states[:, -1]
+                cache.record.append(None)  # a call of T tokens, its states kept
+            else:
+                y, cache.state, k, v = self._verify(x, cache.state, positions)
+                cache.record.append((k, v, self._log_decay))
             return y
         if cache.record is not None:  # a call that may be partly taken back: recorded
             o = self.core(x, cache, offset).astype(x.dtype)
@@ -127,12 +147,22 @@ class LightningAttention(nn.Module):
         self, x: mx.array, state: mx.array, offset: mx.array
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """A verify pass's call: `_forward` token by token (`gla_stepwise`) → (y, the state,
-        and the k, v [B, H, T, d] float32 it fed the recurrence, for a rollback)."""
+        and the k, v [B, H, T, d] float32 it fed the recurrence, for a rollback to replay)."""
         cache = LightningCache(state)
         cache.record, cache.stepwise = [], True
         o = self.core(x, cache, offset).astype(x.dtype)
         ((k, v, _),) = cache.record
         return self._out(o, x), cache.state, k, v
+
+    def _recorded_states(
+        self, x: mx.array, state: mx.array, offset: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`_recorded`, keeping the state after every token [B, T, H, dk, dv] instead of the k,
+        v: a rollback takes the one it keeps (`LightningCache.rollback`)."""
+        cache = LightningCache(state)
+        cache.record, cache.stepwise = [], True
+        o = self.core(x, cache, offset).astype(x.dtype)
+        return self._out(o, x), mx.stack(cache.states, axis=1)
 
     def _out(self, o: mx.array, x: mx.array) -> mx.array:
         """The recurrence's output o [B, T, H*dv] → o_norm → × sigmoid(z_proj(x)) → o_proj."""
@@ -162,7 +192,8 @@ class LightningAttention(nn.Module):
             f32 = mx.float32
             cache.record.append((k.astype(f32), v.astype(f32), self._log_decay))
         if cache.stepwise:  # decode's arithmetic, token by token
-            o, cache.state = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
+            o, states = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
+            cache.state, cache.states = states[-1], states  # (a list: `_recorded_states`)
         else:
             o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
         return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from salabatch.engine import sparse
+from salabatch.engine import lightning, sparse
 from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.kernels import native
 from salabatch.engine.load import load_model
@@ -48,10 +48,20 @@ def document(model, n: int):
 
 
 # -- the rollback ---------------------------------------------------------------------------------
+@pytest.fixture(params=["states", "replay"])
+def lightning_kept(request, monkeypatch):
+    """How a verify pass's lightning layers can be rolled back: from the state after each token
+    (kept where small, `lightning.STATES_BYTES`), or by replaying the k, v they were fed."""
+    if request.param == "replay":
+        monkeypatch.setattr(lightning, "STATES_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("doc_len", [150, 600], ids=["dense", "sparse"])
-def test_rollback_keeps_exactly_the_tokens_kept(model, doc_len, engine_path):
+def test_rollback_keeps_exactly_the_tokens_kept(model, doc_len, engine_path, lightning_kept):
     """Rows fed 7 tokens in one recorded pass, then rolled back to 1, 4 and 7 of them, continue
-    as rows that decoded just those tokens one by one (states, keys, chunks, positions)."""
+    as rows that decoded just those tokens one by one (states, keys, chunks, positions); also
+    with 4 tokens kept by every row, and 0."""
     _, doc = document(model, doc_len)
     fed = [ids(7, 20 + b) for b in range(3)]
     keep = [1, 4, 7]
@@ -69,6 +79,18 @@ def test_rollback_keeps_exactly_the_tokens_kept(model, doc_len, engine_path):
         np.testing.assert_allclose(np.array(after[b]), np.array(want[0]), atol=ATOL)
     sparse = next(c for c in cache if isinstance(c, SparseKVCache))
     assert sparse.keys.lengths == [n - sparse.start + 1 for n in (doc_len + k for k in keep)]
+    for same in (4, 0):  # every row alike
+        cache = doc.fork(3)
+        point = cache.checkpoint()
+        model(mx.array(fed), cache)
+        cache.rollback(point, [same] * 3)
+        after = model(mx.array([[9], [9], [9]]), cache)[:, -1]
+        for b in range(3):
+            alone = doc.fork(1)
+            for token in fed[b][:same]:
+                model(mx.array([[token]]), alone)
+            want = model(mx.array([[9]]), alone)[:, -1]
+            np.testing.assert_allclose(np.array(after[b]), np.array(want[0]), atol=ATOL)
 
 
 def test_ragged_prefill_rolls_each_row_back_to_its_own_length(model):
@@ -101,7 +123,9 @@ def test_rollback_without_a_record_only_returns_to_the_checkpoint(model):
 
 
 @pytest.mark.parametrize("doc_len", [150, 600], ids=["dense", "sparse"])
-def test_a_verify_pass_computes_exactly_what_decode_steps_compute(model, doc_len, monkeypatch):
+def test_a_verify_pass_computes_exactly_what_decode_steps_compute(
+    model, doc_len, monkeypatch, lightning_kept
+):
     """On the CPU path (native kernels, float32) a pass over 5 tokens per row, rows at
     different positions, gives bit for bit the logits of decoding those tokens one by one:
     the sparse layers take the pass's queries in one native call (5 rows of queries per row of

@@ -210,14 +210,16 @@ def gla_step(q, k, v, g, scale, state=None):
 
 def gla_stepwise(q, k, v, g, scale, state=None):
     """T tokens as T decode steps (`gla_step` each): the arithmetic of decoding exactly, for a
-    verify pass over a few drafted tokens that must give what decoding them one by one gives."""
+    verify pass over a few drafted tokens that must give what decoding them one by one gives.
+    → (o, [the state after each token]: the last is the final state)."""
     q, k, v, g, S = _prepare(q, k, v, g, state)
-    outs = []
+    outs, states = [], []
     for t in range(q.shape[2]):
         at = slice(t, t + 1)
         o, S = _step(q[:, :, at], k[:, :, at], v[:, :, at], g, S, scale)
         outs.append(o)
-    return mx.concatenate(outs, axis=2), S
+        states.append(S)
+    return mx.concatenate(outs, axis=2), states
 
 
 @mx.compile
