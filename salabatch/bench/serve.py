@@ -121,9 +121,14 @@ def _served(model_ref, text, questions, max_tokens) -> tuple[dict, list[float]]:
                 else:
                     answers = [ask(q) for q in questions]
                 rounds[mode].append((time.perf_counter() - start, answers))
+
+    def rate(r) -> float:  # a round's completion tokens per second
+        seconds, answers = r
+        return sum(a[1] for a in answers) / seconds
+
     paired = [
-        (sum(a[1] for a in c) / cs) / (sum(a[1] for a in o) / os_)
-        for (cs, c), (os_, o) in zip(rounds["concurrent"], rounds["one_at_a_time"], strict=True)
+        rate(c) / rate(o)
+        for c, o in zip(rounds["concurrent"], rounds["one_at_a_time"], strict=True)
     ]
     return {mode: _summary(r) for mode, r in rounds.items()}, paired
 

@@ -83,8 +83,9 @@ class LightningCache:
         return 0 if self.state is None else self.state.nbytes
 
     def rollback(self, state: mx.array, keep: Sequence[int]) -> None:
-        """The state after the first keep[b] tokens fed to row b since it was `state`, replayed
-        from the record with the decode step's arithmetic (`gla_replay`)."""
+        """The state after the first keep[b] tokens fed to row b since it was `state`: the one
+        kept by stepwise calls that kept their states, else replayed from the record with the
+        decode step's arithmetic (`gla_replay`)."""
         record, self.record, self.stepwise = self.record, None, False
         states, self.states = self.states, None
         if not any(keep):

@@ -162,7 +162,7 @@ class LightningAttention(nn.Module):
         cache = LightningCache(state)
         cache.record, cache.stepwise = [], True
         o = self.core(x, cache, offset).astype(x.dtype)
-        return self._out(o, x), mx.stack(cache.states, axis=1)
+        return self._out(o, x), cache.states
 
     def _out(self, o: mx.array, x: mx.array) -> mx.array:
         """The recurrence's output o [B, T, H*dv] → o_norm → × sigmoid(z_proj(x)) → o_proj."""
@@ -193,7 +193,8 @@ class LightningAttention(nn.Module):
             cache.record.append((k.astype(f32), v.astype(f32), self._log_decay))
         if cache.stepwise:  # decode's arithmetic, token by token
             o, states = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
-            cache.state, cache.states = states[-1], states  # (a list: `_recorded_states`)
+            # (a call that keeps only the k, v never evaluates the stacked states)
+            cache.state, cache.states = states[-1], mx.stack(states, axis=1)
         else:
             o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
         return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]

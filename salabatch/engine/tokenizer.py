@@ -190,11 +190,11 @@ class Tokenizer:
         starts with an added token the backend splits at (a ChatML turn's `<|im_start|>`): the
         backend encodes the two sides of such a cut apart. None where it is not so (the caller
         encodes the whole prompt)."""
+        if head == len(messages) and not add_generation_prompt:  # the head is the prompt
+            return list(head_ids)
         whole = self._chat.render(
             messages, think=think, add_generation_prompt=add_generation_prompt
         )
-        if head == len(messages) and not add_generation_prompt:
-            return list(head_ids)
         first = self._chat.render(messages[:head], think=think, add_generation_prompt=False)
         rest = _after(whole, first)
         if not rest or rest[0][1] or not head_ids or not self._cuts_at(rest[0][0]):
