@@ -1,0 +1,116 @@
+"""Where a SALA prefill chunk's time goes on a GPU: one 8K chunk through each part of a layer at
+the 9B's shapes (hidden 4096, 32 heads, 2 kv heads, head dim 128, bf16, random weights; the
+sparse layer's cache holds random keys, so its selection varies query by query), each part
+timed alone: the median of 3 runs after one that compiles its kernels.
+
+    python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 131072)
+
+Run on the device after `.device/p2/install.sh` (see benchmarks/device-gpu.sh); prints one line
+per part as it goes, so a call cut short keeps what it measured. On the CPU it runs the GPU path
+(`SALABATCH_GPU_PATH=1`) at a small width, to check the script, not to time it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import mlx.core as mx
+
+from salabatch.bench.graph import SALA_9B_HEADS, filled_sparse_cache
+from salabatch.bench.long import random_init
+from salabatch.demo.checkpoint import sala_config
+from salabatch.engine.cache import LightningCache
+from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels.attention import on_gpu
+from salabatch.engine.kernels.sparse_attention import block_sparse_attention
+from salabatch.engine.kernels.sparse_select import select_blocks
+from salabatch.engine.lightning import LightningAttention
+from salabatch.engine.sparse import SparseAttention
+
+CHUNK = 8192
+
+
+def timed(name: str, fn, flops: float | None = None) -> None:
+    """Print the median seconds of `fn` (evaluated) over 3 runs after a first that compiles."""
+    start = time.perf_counter()
+    mx.eval(fn())
+    first = time.perf_counter() - start
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval(fn())
+        runs.append(time.perf_counter() - start)
+    s = sorted(runs)[1]
+    rate = f"  {flops / s / 1e12:6.1f} TFLOP/s" if flops else ""
+    print(f"{name:<44} {s * 1e3:9.2f} ms  (first {first:6.2f} s){rate}", flush=True)
+
+
+def main(contexts: list[int]) -> None:
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    hidden = 4096 if gpu else 256
+    chunk = CHUNK if gpu else 1024
+    dt = mx.bfloat16 if gpu else mx.float32  # the CPU's gather_mm is float32 only
+    raw = sala_config(
+        vocab=256, hidden=hidden, intermediate=hidden, layers=2, sparse_layers=(0,),
+        **SALA_9B_HEADS,
+    )  # fmt: skip
+    cfg = ModelConfig.from_dict(raw)
+    sparse = random_init(SparseAttention(cfg), dt, seed=0)
+    lightning = random_init(LightningAttention(cfg), dt, seed=1)
+    print(f"device {mx.default_device()}, GPU path {on_gpu()}, hidden {hidden}, chunk {chunk}", flush=True)
+
+    x = (mx.random.normal((1, chunk, hidden), key=mx.random.key(0)) * 0.5).astype(dt)
+    w = (mx.random.normal((hidden, 3 * hidden), key=mx.random.key(1)) * 0.02).astype(dt)
+    mx.eval(x, w)
+    timed(f"matmul [{chunk}, {hidden}] x [{hidden}, {3 * hidden}]", lambda: x @ w,
+          2 * chunk * hidden * 3 * hidden)  # fmt: skip
+
+    state = mx.zeros((1, 32, 128, 128), mx.float32)
+    mx.eval(state)
+    timed("lightning layer, whole (8K chunk)", lambda: lightning(x, LightningCache(state), 0))
+
+    for n in contexts:
+        cache = filled_sparse_cache(sparse, n - chunk, n, dt)
+        # random keys: each query's top-k differs, as a real document's does
+        for i, buf in enumerate((cache.keys, cache.values, *cache.compressed)):
+            a = buf.data
+            buf.data = mx.random.normal(a.shape, key=mx.random.key(10 + i)).astype(a.dtype)
+        mx.eval(cache.arrays())
+        q, k, v = sparse.qkv(x, n - chunk)
+        cache.append(k, v)
+        mx.eval(q, cache.arrays())
+        timed(f"{n}: sparse qkv projections", lambda: sparse.qkv(x, n - chunk))
+        timed(f"{n}: sparse attend (stage 1 + 2)", lambda: sparse.attend(q, cache))
+        sc = sparse.sparse
+        kv = cache.kv_view()
+        n_blocks = -(-n // sc.block_size)
+        parts = [cache.chunk_parts(level) for level in range(len(sc.compression))]
+        starts = [n - chunk]
+        settings = dict(
+            prefill_len=cache.prefill_len, n_blocks=n_blocks, k=min(sc.topk_eff, n_blocks),
+            scale=sparse.scale, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
+            block=sc.block_size, compression=sc.compression,
+        )  # fmt: skip
+        timed(f"{n}: stage 1 (select_blocks)",
+              lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
+        idx = select_blocks(q, parts[0], parts[1], starts, **settings)
+        mx.eval(idx)
+        # stage 2's useful work: K·block keys for each query and head, QK and PV
+        useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
+        timed(f"{n}: stage 2 (block_sparse_attention)",
+              lambda: block_sparse_attention(q, kv, idx, starts, sparse.scale, sc.block_size),
+              useful)  # fmt: skip
+        keys, values = kv.parts(n)
+        dense = 2 * 2 * chunk * cfg.num_attention_heads * (n - chunk / 2) * 128
+        timed(f"{n}: dense causal SDPA, for scale",
+              lambda: mx.fast.scaled_dot_product_attention(
+                  q, keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2),
+                  values[0] if len(values) == 1 else mx.concatenate(values, axis=2),
+                  scale=sparse.scale, mask="causal"),
+              dense)  # fmt: skip
+        del cache, kv, keys, values, idx
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [32768, 131072])
