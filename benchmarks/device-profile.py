@@ -1,9 +1,12 @@
 """Where a SALA prefill chunk's time goes on a GPU: one 8K chunk through each part of a layer at
 the 9B's shapes (hidden 4096, 32 heads, 2 kv heads, head dim 128, bf16, random weights; the
 sparse layer's cache holds random keys, so its selection varies query by query), each part
-timed alone: the median of 3 runs after one that compiles its kernels.
+timed alone: the median of 3 runs after one that compiles its kernels. Stage 1 is also timed
+without its sort (scores and pooling only), and stage 2 in both its GPU forms whatever the
+context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
+as an additive mask, and the gathers of each query's blocks, checked against each other.
 
-    python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 131072)
+    python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
 Run on the device after `.device/p2/install.sh` (see benchmarks/device-gpu.sh); prints one line
 per part as it goes, so a call cut short keeps what it measured. On the CPU it runs the GPU path
@@ -22,8 +25,9 @@ from salabatch.bench.long import random_init
 from salabatch.demo.checkpoint import sala_config
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.kernels.attention import on_gpu
-from salabatch.engine.kernels.sparse_attention import block_sparse_attention
+from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
 from salabatch.engine.kernels.sparse_select import select_blocks
 from salabatch.engine.lightning import LightningAttention
 from salabatch.engine.sparse import SparseAttention
@@ -58,7 +62,8 @@ def main(contexts: list[int]) -> None:
     cfg = ModelConfig.from_dict(raw)
     sparse = random_init(SparseAttention(cfg), dt, seed=0)
     lightning = random_init(LightningAttention(cfg), dt, seed=1)
-    print(f"device {mx.default_device()}, GPU path {on_gpu()}, hidden {hidden}, chunk {chunk}", flush=True)
+    device = mx.default_device()
+    print(f"device {device}, GPU path {on_gpu()}, hidden {hidden}, chunk {chunk}", flush=True)
 
     x = (mx.random.normal((1, chunk, hidden), key=mx.random.key(0)) * 0.5).astype(dt)
     w = (mx.random.normal((hidden, 3 * hidden), key=mx.random.key(1)) * 0.02).astype(dt)
@@ -71,46 +76,79 @@ def main(contexts: list[int]) -> None:
     timed("lightning layer, whole (8K chunk)", lambda: lightning(x, LightningCache(state), 0))
 
     for n in contexts:
-        cache = filled_sparse_cache(sparse, n - chunk, n, dt)
-        # random keys: each query's top-k differs, as a real document's does
-        for i, buf in enumerate((cache.keys, cache.values, *cache.compressed)):
-            a = buf.data
-            buf.data = mx.random.normal(a.shape, key=mx.random.key(10 + i)).astype(a.dtype)
-        mx.eval(cache.arrays())
-        q, k, v = sparse.qkv(x, n - chunk)
-        cache.append(k, v)
-        mx.eval(q, cache.arrays())
-        timed(f"{n}: sparse qkv projections", lambda: sparse.qkv(x, n - chunk))
-        timed(f"{n}: sparse attend (stage 1 + 2)", lambda: sparse.attend(q, cache))
-        sc = sparse.sparse
-        kv = cache.kv_view()
-        n_blocks = -(-n // sc.block_size)
-        parts = [cache.chunk_parts(level) for level in range(len(sc.compression))]
-        starts = [n - chunk]
-        settings = dict(
-            prefill_len=cache.prefill_len, n_blocks=n_blocks, k=min(sc.topk_eff, n_blocks),
-            scale=sparse.scale, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
-            block=sc.block_size, compression=sc.compression,
-        )  # fmt: skip
-        timed(f"{n}: stage 1 (select_blocks)",
-              lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
-        idx = select_blocks(q, parts[0], parts[1], starts, **settings)
-        mx.eval(idx)
-        # stage 2's useful work: K·block keys for each query and head, QK and PV
-        useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
-        timed(f"{n}: stage 2 (block_sparse_attention)",
-              lambda: block_sparse_attention(q, kv, idx, starts, sparse.scale, sc.block_size),
-              useful)  # fmt: skip
-        keys, values = kv.parts(n)
-        dense = 2 * 2 * chunk * cfg.num_attention_heads * (n - chunk / 2) * 128
-        timed(f"{n}: dense causal SDPA, for scale",
-              lambda: mx.fast.scaled_dot_product_attention(
-                  q, keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2),
-                  values[0] if len(values) == 1 else mx.concatenate(values, axis=2),
-                  scale=sparse.scale, mask="causal"),
-              dense)  # fmt: skip
-        del cache, kv, keys, values, idx
+        profile_context(sparse, cfg, x, n, chunk, dt)
+
+
+def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
+    """One sparse layer's parts at context n (tokens once the chunk is in)."""
+    cache = filled_sparse_cache(sparse, n - chunk, n, dt)
+    # random keys: each query's top-k differs, as a real document's does
+    for i, buf in enumerate((cache.keys, cache.values, *cache.compressed)):
+        a = buf.data
+        buf.data = mx.random.normal(a.shape, key=mx.random.key(10 + i)).astype(a.dtype)
+    mx.eval(cache.arrays())
+    q, k, v = sparse.qkv(x, n - chunk)
+    cache.append(k, v)
+    mx.eval(q, cache.arrays())
+    timed(f"{n}: sparse qkv projections", lambda: sparse.qkv(x, n - chunk))
+    timed(f"{n}: sparse attend (stage 1 + 2)", lambda: sparse.attend(q, cache))
+    sc = sparse.sparse
+    kv = cache.kv_view()
+    n_blocks = -(-n // sc.block_size)
+    parts = [cache.chunk_parts(level) for level in range(len(sc.compression))]
+    starts = [n - chunk]
+    settings = dict(
+        prefill_len=cache.prefill_len, n_blocks=n_blocks, k=min(sc.topk_eff, n_blocks),
+        scale=sparse.scale, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
+        block=sc.block_size, compression=sc.compression,
+    )  # fmt: skip
+    timed(f"{n}: stage 1 (select_blocks)",
+          lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
+    idx = select_blocks(q, parts[0], parts[1], starts, **settings)
+    mx.eval(idx)
+    # stage 2's useful work: K·block keys for each query and head, QK and PV
+    useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
+    outs = {}
+    for form, limit in (("masked", 1 << 62), ("gathered", 0)):
+        sparse_attention.MASKED_KEYS = limit
+
+        def stage2():
+            return block_sparse_attention(q, kv, idx, starts, sparse.scale, sc.block_size)
+
+        outs[form] = stage2()
+        timed(f"{n}: stage 2, {form} form", stage2, useful)
+    sparse_attention.MASKED_KEYS = MASKED_KEYS
+    a, b = (outs[f].astype(mx.float32) for f in ("masked", "gathered"))
+    print(f"{n}: stage 2's forms differ by {(a - b).abs().max().item():.3g} at most", flush=True)
+    # stage 1 without its sort: scores, softmax, head sum and pooling of every block
+    c1 = parts[0][0].astype(q.dtype)
+    c2 = parts[1][0].astype(q.dtype)
+    qg = q.reshape(1, 2, -1, chunk, 128)
+
+    def scores_only():
+        s2 = (qg @ c2[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
+        lse2 = mx.logsumexp(s2, axis=-1, keepdims=True)
+        s1 = (qg @ c1[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
+        p = mx.exp(s1 - lse2).sum(axis=2)  # [1, Hk, T, N1]
+        r = p.shape[-1] // 4 * 4
+        return p[..., :r].reshape(*p.shape[:-1], -1, 4).max(axis=-1)
+
+    timed(f"{n}: stage 1 scores and pooling, no sort", scores_only)
+    pooled = scores_only()
+    mx.eval(pooled)
+    timed(f"{n}: stage 1 sort alone (argsort of the blocks)",
+          lambda: mx.argsort(pooled.astype(q.dtype), axis=-1)[..., :96])  # fmt: skip
+    timed(f"{n}: stage 1 top-k alone (mx.topk of the blocks)",
+          lambda: mx.topk(pooled.astype(q.dtype), 96, axis=-1))  # fmt: skip
+    keys, values = kv.parts(n)
+    dense = 2 * 2 * chunk * cfg.num_attention_heads * (n - chunk / 2) * 128
+    timed(f"{n}: dense causal SDPA, for scale",
+          lambda: mx.fast.scaled_dot_product_attention(
+              q, keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2),
+              values[0] if len(values) == 1 else mx.concatenate(values, axis=2),
+              scale=sparse.scale, mask="causal"),
+          dense)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [32768, 131072])
+    main([int(a) for a in sys.argv[1:]] or [32768, 65536, 131072])

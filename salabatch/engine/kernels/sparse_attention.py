@@ -51,6 +51,16 @@ SCORED_KEYS_PER_SLOT = 16
 # `_scored` reads keys up to a multiple of this: tiles and chunks then share buffer shapes, so
 # MLX reuses its cached buffers instead of faulting in fresh memory for every tile.
 KEY_BUCKET = 4096
+# GPU path: while a query tile's keys (rounded up to MASKED_BUCKET) are at most this many, stage
+# 2 is one fused SDPA over all of them with the selection as an additive mask (`_masked_tile`);
+# beyond, each query's blocks are gathered (`_sparse_tile`). Measured on an H200 (9B shapes,
+# bf16, one 8K chunk): the gathers take 39 ms at any context, dense causal SDPA over the same
+# keys 6.2 ms at 32K and 28.9 ms at 128K (benchmarks/README.md); the mask's own reads and the
+# crossover are estimates until `benchmarks/device-profile.py` times the masked form.
+MASKED_KEYS = 64 * 1024
+# The masked form's keys are a multiple of this (the mask hides the rest): its SDPA and mask
+# shapes, and so cuDNN's built graphs, repeat across chunks and documents.
+MASKED_BUCKET = 8192
 
 
 @dataclass(frozen=True)
@@ -173,11 +183,13 @@ def block_sparse_attention(
 def block_sparse_attention_gpu(
     q: mx.array, kv: KVView, idx: mx.array, starts: Sequence[int], scale: float, block: int
 ) -> mx.array:
-    """GPU path: `mx.gather_mm` reads each query's selected blocks in place from the cache
-    (no copy of keys or values), the G heads of a kv head as the rows of one small matmul per
-    block; scores in q's dtype, softmax in float32. Query tiles are sized by the device's tile
-    budget, which does not depend on the context. Queries whose slots hold every block before
-    them (the first K blocks of a sequence) take fused causal attention instead."""
+    """GPU path. Queries whose slots hold every block before them (the first K blocks of a
+    sequence) take fused causal attention. The rest, in query tiles sized by the device's tile
+    budget: while their keys are few (MASKED_KEYS, rows with their own keys only), one fused
+    SDPA over every key with the selection as an additive mask (`_masked_tile`); else
+    `mx.gather_mm` reads each query's selected blocks in place from the cache (no copy of keys
+    or values), the G heads of a kv head as the rows of one small matmul per block, scores in
+    q's dtype, softmax in float32, tiles the same at every context (`_sparse_tile`)."""
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     G = H // Hk
@@ -185,7 +197,20 @@ def block_sparse_attention_gpu(
     outs = []  # [B, t, H, d] each
     if dense:
         outs.append(_causal(q[:, :, :dense], kv, starts, 0, scale).transpose(0, 2, 1, 3))
-    if dense < T:
+    keys = min(kv.rows_k.shape[2], -(-(max(starts) + T) // MASKED_BUCKET) * MASKED_BUCKET)
+    if dense < T and kv.start == 0 and keys <= MASKED_KEYS:
+        # per query: its row of the mask (bool, then q's dtype), the scores of the SDPA's tiles
+        step = tile_rows(Hk * keys * (1 + 2 * q.dtype.size), T - dense)
+        for s in range(dense, T, step):
+            e = min(T, s + step)
+            o = [
+                _masked_tile(
+                    q[b : b + 1, :, s:e], kv, b, idx[b, :, s:e], starts[b] + s, scale, block
+                )
+                for b in range(B)
+            ]
+            outs.append(mx.concatenate(o) if B > 1 else o[0])
+    elif dense < T:
         # [B·T·Hk, G, d]: one query's G heads per row; a view when q is the projection's output
         table = q.transpose(0, 2, 1, 3).reshape(B * T * Hk, G, d)
         rows = mx.arange(B * T * Hk, dtype=mx.uint32).reshape(B, T, Hk, 1)
@@ -202,6 +227,43 @@ def block_sparse_attention_gpu(
             outs.append(o.reshape(B, e - s, H, d))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, T, H, d]
     return o.transpose(0, 2, 1, 3)
+
+
+def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: int) -> mx.array:
+    """Row b's queries q [1, H, t, d] at positions first.. attending their blocks idx [Hk, t, K]
+    as one fused SDPA over the row's keys up to the last query, rounded up to MASKED_BUCKET (at
+    most its buffer): kv heads as the SDPA's batch, each one's G query heads sharing its mask,
+    0 where the key's block is selected and the key is not after the query, −inf elsewhere
+    (every query keeps its own key) → [1, t, H, d]."""
+    _, H, t, d = q.shape
+    Hk = idx.shape[0]
+    end = first + t
+    keys = min(kv.rows_k.shape[2], -(-end // MASKED_BUCKET) * MASKED_BUCKET)
+    allowed = _selected_keys(idx, mx.array(first, dtype=mx.int32), (keys, block))
+    mask = mx.where(allowed, 0.0, -mx.inf).astype(q.dtype)  # [Hk, 1, t, keys]
+    k = kv.rows_k[b : b + 1, :, :keys].transpose(1, 0, 2, 3)  # [Hk, 1, keys, d]: a view
+    v = kv.rows_v[b : b + 1, :, :keys].transpose(1, 0, 2, 3)
+    o = mx.fast.scaled_dot_product_attention(
+        q.reshape(Hk, H // Hk, t, d), k, v, scale=scale, mask=mask
+    )
+    return o.reshape(1, H, t, d).transpose(0, 2, 1, 3)
+
+
+@mx.compile
+def _selected_keys(idx: mx.array, first: mx.array, settings) -> mx.array:
+    """idx [Hk, t, K] (-1: none) of queries at first + 0..t-1 → [Hk, 1, t, keys] bool: the key's
+    block is selected and the key is not after the query. `first` is data: one trace per
+    shape, not per chunk."""
+    keys, block = settings
+    Hk, t, _ = idx.shape
+    blocks = -(-keys // block)
+    spare = mx.where(idx < 0, blocks, idx)  # -1 slots mark a spare column, dropped
+    chosen = mx.zeros((Hk, t, blocks + 1), dtype=mx.bool_)
+    chosen = mx.put_along_axis(chosen, spare, mx.array(True), axis=-1)[..., :blocks]
+    per_key = mx.broadcast_to(chosen[..., None], (Hk, t, blocks, block)).reshape(Hk, t, -1)
+    q_pos = first + mx.arange(t, dtype=mx.int32)
+    allowed = per_key[..., :keys] & (mx.arange(keys, dtype=mx.int32) <= q_pos[:, None])
+    return allowed[:, None]
 
 
 def _block_tables(kv: KVView, block: int) -> list[tuple[mx.array, ...]]:

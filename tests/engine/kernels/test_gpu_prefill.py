@@ -1,5 +1,6 @@
 """The GPU path's prefill forms against their float32 references, run on any device: stage 1
-(`select_blocks_gpu`), stage 2 (`block_sparse_attention_gpu`) and the lightning prefill
+(`select_blocks_gpu`), stage 2 (`block_sparse_attention_gpu`: its masked and its gathered
+form) and the lightning prefill
 (`gla_parallel`), on lengths 1, 63, 64, 65, block and tile boundaries Â±1, the stage-1 quirk
 lengths, rows forked over shared keys at different lengths, and a non-zero initial state."""
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from salabatch.engine.kernels import attention
+from salabatch.engine.kernels import attention, sparse_attention
 from salabatch.engine.kernels import gla as gla_module
 from salabatch.engine.kernels.gla import gla, gla_parallel, gla_recurrent_ref
 from salabatch.engine.kernels.sparse_attention import (
@@ -42,6 +43,14 @@ F32_RTOL = 1e-5  # relative RMS error of the float32 lightning form (measured â‰
 BF16_RTOL = 2e-2  # relative RMS error of bf16 operands against the float32 reference
 BF16_SAME_SLOTS = 0.97  # share of selected blocks bf16 scores agree on with float32 (near ties)
 SMALL_TILE = 16  # TILE_ROWS that forces many query tiles, the last one partial
+FORMS = ["masked", "gathered"]  # stage 2 on the GPU path: below MASKED_KEYS, and above
+
+
+def stage2_form(monkeypatch, form: str) -> None:
+    """Stage 2 takes `form` at the small lengths these tests use (gathered: as past
+    MASKED_KEYS)."""
+    if form == "gathered":
+        monkeypatch.setattr(sparse_attention, "MASKED_KEYS", 0)
 
 
 def settings(n: int, k: int, prefill_len: int = 0) -> dict:
@@ -166,9 +175,11 @@ def stage2(cache: SparseKVCache, t: int, k: int, seed: int, dtype=mx.float32):
 STAGE2_CASES = [(700, 700), (1000, 333), (1000, 63), (1000, 64), (1000, 65), (1000, 1), (129, 65)]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("tile", [SMALL_TILE, None], ids=["small tiles", "device tiles"])
 @pytest.mark.parametrize(("n", "t"), STAGE2_CASES)
-def test_block_sparse_attention_gpu_matches_reference(monkeypatch, n, t, tile):
+def test_block_sparse_attention_gpu_matches_reference(monkeypatch, n, t, tile, form):
+    stage2_form(monkeypatch, form)
     if tile:
         monkeypatch.setattr(attention, "TILE_ROWS", tile)
     cache = random_cache(n, seed=7 * n + t)
@@ -185,6 +196,7 @@ def test_tiles_keep_batched_kernels_within_the_launch_grid(monkeypatch):
     is seen), and the smaller tiles still give the references' results."""
     limit = 40
     monkeypatch.setattr(attention, "GRID_ROWS", limit)
+    stage2_form(monkeypatch, "gathered")
     batches = []
 
     def recorded(fn, entries):
@@ -233,9 +245,11 @@ def test_block_sparse_attention_gpu_over_shared_keys(monkeypatch, t):
     assert mx.abs(got - want).max().item() < TOL_F32
 
 
-def test_block_sparse_attention_gpu_in_bf16(monkeypatch):
-    """bf16 keys and queries (gather_mm in bf16, softmax and sums in float32) against the
-    float32 reference of the same selection."""
+@pytest.mark.parametrize("form", FORMS)
+def test_block_sparse_attention_gpu_in_bf16(monkeypatch, form):
+    """bf16 keys and queries (gather_mm or SDPA in bf16, softmax and sums in float32) against
+    the float32 reference of the same selection."""
+    stage2_form(monkeypatch, form)
     if mx.default_device() == mx.cpu:  # MLX's CPU gather_mm is float32 only: run the GPU's
         gather_mm = mx.gather_mm  # (float32 accumulation, the result rounded to the inputs')
 
@@ -254,6 +268,55 @@ def test_block_sparse_attention_gpu_in_bf16(monkeypatch):
     got = block_sparse_attention_gpu(q, low, idx, starts, D**-0.5, BLOCK)
     assert got.dtype == mx.bfloat16
     assert rel_rms(got, want) < BF16_RTOL
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_at_different_lengths(monkeypatch, form):
+    """Rows of their own keys only (no shared part) at different lengths: each row's queries
+    at its own positions, each masked tile over its own row's keys."""
+    stage2_form(monkeypatch, form)
+    monkeypatch.setattr(attention, "TILE_ROWS", SMALL_TILE)
+    long, short = random_cache(1000, seed=21), random_cache(760, seed=22)
+    cache = SparseKVCache.concat([long.select([0]), short.select([1])])
+    assert cache.kv_view().start == 0 and cache.lengths == [1000, 760]
+    q, idx, starts, want = stage2(cache, 200, k=5, seed=23)
+    got = block_sparse_attention_gpu(q, cache.kv_view(), idx, starts, D**-0.5, BLOCK)
+    assert mx.abs(got - want).max().item() < TOL_F32
+
+
+def test_stage2_form_follows_the_keys(monkeypatch):
+    """The masked form (one SDPA per row and tile, no gather) while a tile's keys rounded up to
+    MASKED_BUCKET are at most MASKED_KEYS; the gathers (no SDPA past the first K blocks'
+    queries) beyond, and for rows over shared keys."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(mx, "gather_mm", spy("gather_mm", mx.gather_mm))
+    sdpa = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy("sdpa", sdpa))
+    cache = random_cache(1000, seed=24)
+    q, idx, starts, _ = stage2(cache, 300, k=5, seed=25)  # every query past the first K blocks
+    for limit, want in ((sparse_attention.MASKED_BUCKET, "sdpa"), (0, "gather_mm")):
+        monkeypatch.setattr(sparse_attention, "MASKED_KEYS", limit)
+        calls.clear()
+        mx.disable_compile()
+        try:
+            mx.eval(block_sparse_attention_gpu(q, cache.kv_view(), idx, starts, D**-0.5, BLOCK))
+        finally:
+            mx.enable_compile()
+        assert set(calls) == {want}, (limit, calls)
+    calls.clear()
+    shared = forked((840, 703), doc=640, seed=26)
+    q, idx, starts, _ = stage2(shared, 70, k=5, seed=27)
+    monkeypatch.setattr(sparse_attention, "MASKED_KEYS", sparse_attention.MASKED_BUCKET)
+    mx.eval(block_sparse_attention_gpu(q, shared.kv_view(), idx, starts, D**-0.5, BLOCK))
+    assert "gather_mm" in calls
 
 
 def test_block_sparse_attention_dispatches_to_the_gpu_form_under_the_switch(monkeypatch):
