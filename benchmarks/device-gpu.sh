@@ -6,12 +6,15 @@
 #     bash benchmarks/device-gpu.sh
 #
 # It runs `salabatch bench long` one context at a time (SALA then the peer, so each context's
-# ratio exists even if the device's time runs out before the next), then the GPU-path parity
-# tests on the GPU (float32, TF32 off), and leaves the JSON files and the log in $OUT. Every
-# step has its own time limit; the whole fits a 10-minute call. Seen on an H200 (2026-11-25):
-# a test or bench that meets new shapes spends most of its time compiling kernels (NVRTC), so
-# give each test a generous --timeout and expect the first prefill of a process to be slow
-# (`bench long` reports it as prefill_first_s and times a second one).
+# ratio exists even if the device's time runs out before the next), then
+# benchmarks/device-profile.py (where a prefill chunk's and a decode step's time goes), and,
+# with TEST_S > 0 (a second call on the warm machine: TEST_S=300 CONTEXTS= PROFILE_S=0), the
+# GPU-path parity tests (float32, TF32 off); the JSON files and the log land in $OUT. Every
+# step has its own time limit; the defaults fit a 10-minute call. Seen on an H200: a process
+# that meets new shapes spends most of its time compiling kernels (NVRTC; the kernels are kept
+# on the machine for later processes): a fresh machine's first `bench long 32K` took over 140
+# s, the same run on the warm machine 36 s. `bench long` reports a process's first prefill as
+# prefill_first_s and times a second one.
 set -u
 source .device/p2/install.sh
 export MLX_ENABLE_TF32=0 PYTHONUNBUFFERED=1
@@ -29,14 +32,15 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
     echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$log"
 }
 
-for spec in ${CONTEXTS:-32K:150 128K:200 256K:120}; do
+for spec in ${CONTEXTS-32K:220 128K:170 256K:90}; do
     ctx=${spec%%:*} limit=${spec##*:}
     peer=--peer
     [ "$ctx" = 256K ] && peer=--no-peer  # the TTFT target; the dense peer's 256K prefill is long
     step "$limit" "bench long $ctx" python3 -m salabatch.cli bench long --contexts "$ctx" \
         "$peer" --steps 32 --out "$out/long-gpu-$ctx.json" --chart "/tmp/long-gpu-$ctx.png"
 done
-step "${TEST_S:-90}" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
+[ "${PROFILE_S:-110}" -gt 0 ] && step "${PROFILE_S:-110}" "profile" python3 benchmarks/device-profile.py
+[ "${TEST_S:-0}" -gt 0 ] && step "$TEST_S" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
     --timeout 150 -rfE -k "not 9b_layout" \
     tests/engine/test_decode.py tests/engine/test_gpu_prefill_model.py \
     tests/engine/kernels/test_gpu_prefill.py tests/engine/kernels/test_sparse_kernels.py \

@@ -5,6 +5,9 @@ timed alone: the median of 3 runs after one that compiles its kernels. Stage 1 i
 without its sort (scores and pooling only), and stage 2 in both its GPU forms whatever the
 context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
 as an additive mask, and the gathers of each query's blocks, checked against each other.
+Then decode: the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width
+with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and
+one layer), from which a layer of each kind costs what it adds.
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
@@ -77,6 +80,51 @@ def main(contexts: list[int]) -> None:
 
     for n in contexts:
         profile_context(sparse, cfg, x, n, chunk, dt)
+    profile_decode(hidden, dt)
+
+
+def profile_decode(hidden: int, dt, context: int = 32768) -> None:
+    """Medians of 32 compiled decode steps at batch 1 after `context` tokens (zeros) of models
+    of the 9B's width and head with 8 lightning, 8 sparse and 1 lightning layer(s)."""
+    from salabatch.bench.graph import filled_model_cache
+    from salabatch.bench.long import SHAPES
+    from salabatch.engine.decode import decode
+    from salabatch.engine.model import Model
+
+    nine = SHAPES["9b"].sala
+    vocab, mlp = (nine["vocab_size"], nine["intermediate_size"]) if hidden == 4096 else (4096, 1024)
+    steps = {}
+    for name, layers, sparse_layers in (
+        ("8 lightning", 8, ()),
+        ("8 sparse", 8, range(8)),
+        ("1 lightning", 1, ()),
+    ):
+        raw = sala_config(
+            vocab=vocab, hidden=hidden, intermediate=mlp, layers=layers,
+            sparse_layers=sparse_layers, **SALA_9B_HEADS,
+        )  # fmt: skip
+        model = random_init(Model(ModelConfig.from_dict(raw)), dt, seed=2)
+        model.fuse()  # as load_model does
+        cache = filled_model_cache(model, context)
+        cache.reserve(context + 64)
+        ids = mx.zeros((1,), dtype=mx.int32)
+        for _ in range(3):  # trace, then buffers settle
+            mx.eval(decode(model, ids, cache), cache.arrays())
+        times = []
+        for _ in range(32):
+            start = time.perf_counter()
+            mx.eval(decode(model, ids, cache), cache.arrays())
+            times.append(time.perf_counter() - start)
+        steps[name] = sorted(times)[16]
+        print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
+              flush=True)  # fmt: skip
+        del model, cache
+    light = (steps["8 lightning"] - steps["1 lightning"]) / 7
+    sparse = light + (steps["8 sparse"] - steps["8 lightning"]) / 8
+    head = steps["1 lightning"] - light
+    print(f"decode, per layer: lightning {light * 1e3:.3f} ms, sparse {sparse * 1e3:.3f} ms; "
+          f"embedding + head {head * 1e3:.3f} ms; the 9B (24 + 8 layers) "
+          f"{(24 * light + 8 * sparse + head) * 1e3:.2f} ms", flush=True)  # fmt: skip
 
 
 def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:

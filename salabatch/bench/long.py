@@ -118,7 +118,9 @@ def build(kind: str, shapes: Shapes, dtype: mx.Dtype):
         from salabatch.engine.config import ModelConfig
         from salabatch.engine.model import Model
 
-        return random_init(Model(ModelConfig.from_dict(shapes.sala)), dtype, seed=0)
+        model = random_init(Model(ModelConfig.from_dict(shapes.sala)), dtype, seed=0)
+        model.fuse()  # as `load_model` leaves it: the decode step's projections fused
+        return model
     try:
         from mlx_lm.models import llama
     except ImportError:

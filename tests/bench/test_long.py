@@ -31,6 +31,21 @@ def test_rows_for_both_models_at_every_context(result):
         assert ("decode_b3_tok_s" in r) == (r["model"] == "sala")
 
 
+def test_rows_report_the_hosts_part_of_a_decode_step(result):
+    for r in result["results"]:
+        assert 0 < r["decode_b1_host_ms"] <= 1e3 / r["decode_b1_tok_s"]
+
+
+def test_sala_is_measured_fused_as_load_model_leaves_it():
+    """The decode step takes the fused projections `load_model` makes; a model left unfused
+    would run each projection on its own, as no user's does."""
+    import mlx.core as mx
+
+    model = long.build("sala", TINY, mx.float32)
+    assert all(layer.mlp.fused is not None for layer in model.layers)
+    assert all(layer.self_attn.fused is not None for layer in model.layers)
+
+
 def test_ratios_compare_like_with_like(result):
     rows = {(r["model"], r["context"]): r for r in result["results"]}
     for ratio in result["ratios"]:
