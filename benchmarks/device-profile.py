@@ -31,7 +31,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
-from salabatch.engine.kernels.sparse_select import select_blocks
+from salabatch.engine.kernels.sparse_select import _k_smallest, select_blocks
 from salabatch.engine.lightning import LightningAttention
 from salabatch.engine.sparse import SparseAttention
 
@@ -186,6 +186,8 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     mx.eval(pooled)
     timed(f"{n}: stage 1 sort alone (argsort of the blocks)",
           lambda: mx.argsort(pooled.astype(q.dtype), axis=-1)[..., :96])  # fmt: skip
+    timed(f"{n}: stage 1 top-k alone (partition of unique keys, the engine's)",
+          lambda: _k_smallest(-pooled.astype(q.dtype), 96))  # fmt: skip
     timed(f"{n}: stage 1 top-k alone (mx.topk of the blocks)",
           lambda: mx.topk(pooled.astype(q.dtype), 96, axis=-1))  # fmt: skip
     keys, values = kv.parts(n)

@@ -235,7 +235,7 @@ def select_blocks_gpu(
     """GPU path: query tiles as large as the device's tile budget allows (the same tiles at every
     context a budget covers), each one compiled graph over every chunk: scores as matmuls in q's
     dtype (bf16 operands, float32 accumulation), the softmax and head sum in float32 and fused,
-    then one stable sort of the blocks instead of top-k, partition and their tie-breaking."""
+    then one partition of unique keys (`_k_smallest`) instead of top-k and its tie-breaking."""
     B, H, T, d = q.shape
     c1, c2 = (_keys_of(parts, q.dtype) for parts in (c1, c2))  # [b, Hk, N, d]
     Hk, N1, N2 = c1.shape[1], c1.shape[2], c2.shape[2]
@@ -302,14 +302,33 @@ def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx
     body = padded[..., : r * n_blocks].reshape(B, Hk, t, n_blocks, r).max(axis=-1)
     pooled = mx.maximum(body, padded[..., r::r])  # [B, Hk, t, n_blocks]
     # Ascending keys, best first: forced blocks, then scores high to low (in q's dtype, as the
-    # CUDA kernel stores them), blocks after the query last. MLX's sorts are stable merge sorts
-    # on every backend, so equal scores keep the lowest block first (SPEC P11).
+    # CUDA kernel stores them), blocks after the query last.
     b = mx.arange(n_blocks)
     qb = seen[2][:, None, :, None]  # [B, 1, t, 1]
     forced = (b < init_blocks) | ((b >= qb - local_blocks) & (b <= qb))
     key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(qg.dtype)))
-    idx = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1).astype(mx.int32)
+    idx = _k_smallest(key, k).astype(mx.int32)
     return mx.where(idx > qb, -1, idx)
+
+
+def _k_smallest(key: mx.array, k: int) -> mx.array:
+    """The ids (positions on the last axis) of the k smallest of key [..., n], equal keys by
+    the lowest id (SPEC P11), ascending. Where the ids fit beside the key's bits (a 16-bit key
+    and n ≤ 65,536, or a 32-bit key), one partition of unique unsigned keys, the key's bits in
+    ascending order above the id, then a sort of k: the same ids as a stable sort (MLX's
+    partitions need not be stable, but the keys are unique), with no sort of the whole axis
+    where MLX partitions by selection. Else a stable argsort."""
+    n, bits = key.shape[-1], 8 * key.dtype.size
+    if bits not in (16, 32) or n > 1 << 16:
+        return mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
+    wide, shift = (mx.uint32, 16) if bits == 16 else (mx.uint64, 32)
+    key = mx.where(key == 0, 0, key)  # −0 and +0 are equal: one bit pattern
+    raw = mx.view(key, mx.uint16 if bits == 16 else mx.uint32).astype(wide)
+    top = 1 << (bits - 1)  # the sign bit: negative floats order reversed, below the positive
+    ordered = mx.where(raw >= top, (2 * top - 1) - raw, raw + top)
+    unique = (ordered << shift) | mx.arange(n, dtype=wide)
+    best = mx.partition(unique, k - 1, axis=-1)[..., :k]
+    return mx.sort(best & ((1 << shift) - 1), axis=-1)
 
 
 def _bucket(n: int, limit: int, step: int) -> int:

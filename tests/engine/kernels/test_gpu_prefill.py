@@ -19,6 +19,7 @@ from salabatch.engine.kernels.sparse_attention import (
     block_sparse_attention_ref,
 )
 from salabatch.engine.kernels.sparse_select import (
+    _k_smallest,
     select_blocks,
     select_blocks_gpu,
     select_blocks_ref,
@@ -119,6 +120,20 @@ def test_select_blocks_gpu_matches_reference(monkeypatch, n, t, k, tile):
     assert mx.array_equal(got, select_blocks_ref(*args, **kw))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_k_smallest_is_a_stable_sorts_choice(dtype):
+    """Stage 1's top-k by one partition of unique keys picks what a stable sort picks: the k
+    smallest keys, equal ones by the lowest id (SPEC P11), ascending; with ties everywhere,
+    ±0, ±inf; and by the stable sort itself past 65,536 blocks."""
+    rng = np.random.default_rng(5)
+    values = np.array([-np.inf, -2.5, -1.0, -0.0, 0.0, 0.75, np.inf], dtype=np.float32)
+    for n, k in ((7, 3), (200, 12), (1000, 96), (70_000, 5)):
+        key = mx.array(rng.choice(values, size=(3, n))).astype(dtype)
+        want = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
+        got = _k_smallest(key, k)
+        assert mx.array_equal(got.astype(mx.int32), want.astype(mx.int32)), (n, k)
+
+
 def test_select_blocks_gpu_over_shared_keys_at_different_lengths(monkeypatch):
     monkeypatch.setattr(attention, "TILE_ROWS", SMALL_TILE)
     cache = forked((790, 745), doc=700, seed=3)
@@ -210,7 +225,7 @@ def test_tiles_keep_batched_kernels_within_the_launch_grid(monkeypatch):
         return int(np.prod(np.broadcast_shapes(lhs.shape, rhs.shape)))
 
     monkeypatch.setattr(mx, "gather_mm", recorded(mx.gather_mm, index_entries))
-    for name in ("sort", "argsort", "topk", "argpartition"):
+    for name in ("sort", "argsort", "topk", "argpartition", "partition"):
         fn = getattr(mx, name)
         monkeypatch.setattr(mx, name, recorded(fn, lambda x, *_: x.size // x.shape[-1]))
     n, t, k = 1000, 70, 5
@@ -226,7 +241,7 @@ def test_tiles_keep_batched_kernels_within_the_launch_grid(monkeypatch):
         mx.eval(idx, got)
     finally:
         mx.enable_compile()
-    assert {name for name, _ in batches} >= {"gather_mm", "argsort"}
+    assert {name for name, _ in batches} >= {"gather_mm", "partition"}
     assert max(entries for _, entries in batches) <= limit
     assert mx.array_equal(idx, select_blocks_ref(*args, **kw))
     want = block_sparse_attention_ref(q, cache.kv_view(), idx, starts, D**-0.5, BLOCK)
