@@ -13,12 +13,13 @@ Layout:
 
 Query t attends to key j iff block(j) is in idx[.., t, :] and j ≤ q_pos[t].
 
-The fast path gathers, on the device, the K selected blocks of every query (fixed K, -1 slots
-padded and masked), so its cost grows with K, not with the context, and nothing depends on the
-values of the selection: no host round trip, the same op graph for every prompt of a shape.
-Queries go in tiles whose gathered keys stay under MAX_GATHER_BYTES; the G query heads of a kv
-head form the rows of one small attention, which runs through the attention dispatcher (fused
-SDPA on a GPU).
+The fast paths gather, on the device, the K selected blocks of every query (fixed K, -1 slots
+padded and masked), so their cost grows with K, not with the context, and nothing depends on the
+values of the selection: no host round trip, the same op graph for every prompt of a shape. On
+the CPU, queries go in tiles whose gathered keys stay under MAX_GATHER_BYTES. On the GPU path
+(`block_sparse_attention_gpu`), while the keys are few (MASKED_KEYS), a query tile is instead
+one fused SDPA over every key with the selection as an additive mask: a GPU's fused attention
+over all of them costs less there than the gathers (measured on an H200).
 """
 
 from __future__ import annotations
