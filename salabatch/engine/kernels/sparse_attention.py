@@ -241,6 +241,8 @@ def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: in
     end = first + t
     keys = min(kv.rows_k.shape[2], -(-end // MASKED_BUCKET) * MASKED_BUCKET)
     allowed = _selected_keys(idx, mx.array(first, dtype=mx.int32), (keys, block))
+    # Additive, made here: the dispatcher's boolean mask would reach CUDA's SDPA converted at
+    # the full [Hk, G, t, keys] (G times this)
     mask = mx.where(allowed, 0.0, -mx.inf).astype(q.dtype)  # [Hk, 1, t, keys]
     k = kv.rows_k[b : b + 1, :, :keys].transpose(1, 0, 2, 3)  # [Hk, 1, keys, d]: a view
     v = kv.rows_v[b : b + 1, :, :keys].transpose(1, 0, 2, 3)
