@@ -18,7 +18,7 @@
 set -u
 source .device/p2/install.sh
 # Timings run as users run: MLX's default (TF32 in float32 matmuls on CUDA: SALA's lightning
-# recurrence and stage-1 softmax are float32); the parity tests set MLX_ENABLE_TF32=0 themselves.
+# recurrence is float32); the parity tests run with MLX_ENABLE_TF32=0 (tests/conftest.py).
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/salabatch-gpu}
 mkdir -p "$out"
