@@ -7,7 +7,8 @@ context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA wit
 as an additive mask, and the gathers of each query's blocks, checked against each other.
 Then decode: the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width
 with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and
-one layer), from which a layer of each kind costs what it adds.
+one layer), from which a layer of each kind costs what it adds. The lightning recurrence is
+also timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
@@ -30,6 +31,7 @@ from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.kernels.attention import on_gpu
+from salabatch.engine.kernels.gla import gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
 from salabatch.engine.kernels.sparse_select import _k_smallest, select_blocks
 from salabatch.engine.lightning import LightningAttention
@@ -77,6 +79,15 @@ def main(contexts: list[int]) -> None:
     state = mx.zeros((1, 32, 128, 128), mx.float32)
     mx.eval(state)
     timed("lightning layer, whole (8K chunk)", lambda: lightning(x, LightningCache(state), 0))
+
+    # the lightning recurrence alone (float32, as the layer runs it), by chunk length
+    shape = (1, 32, chunk, 128)
+    qkv = [mx.random.normal(shape, key=mx.random.key(20 + i)) for i in range(3)]
+    g = lightning._log_decay
+    mx.eval(qkv, g)
+    for c in (64, 128, 256):
+        timed(f"lightning recurrence alone, {c}-token chunks",
+              lambda c=c: gla_parallel(*qkv, g, 0.1, state, chunk=c))  # fmt: skip
 
     for n in contexts:
         profile_context(sparse, cfg, x, n, chunk, dt)
