@@ -58,9 +58,10 @@ class SparseAttention(nn.Module):
 
     def attend_stepwise(self, q: mx.array, cache: SparseKVCache) -> mx.array:
         """A verify pass's queries q [B, H, T, d] (the last T positions of each row), each
-        attending as the decode step at its position does → [B, H, T, d]: the native step
-        takes them all at once (T rows of queries per row of keys); elsewhere, and for a batch
-        with rows on both sides of dense_len, they go one by one (`attend` with `ahead`)."""
+        attending as the decode step at its position does → [B, H, T, d]: the decode step's
+        kernels take them all at once (T rows of queries per row of keys: the native step, or
+        for sparse rows the MLX-op graphs, the GPU path's); dense rows off the native step, and
+        a batch with rows on both sides of dense_len, go one by one (`attend` with `ahead`)."""
         B, H, T, d = q.shape
         sc = self.sparse
         starts = [n - T for n in cache.lengths]  # a pass never crosses dense_len (SPEC P7)
@@ -69,7 +70,8 @@ class SparseAttention(nn.Module):
         # the decode step's top-k: min(topk, blocks of the longest row at that step)
         longest = max(cache.lengths)
         ks = {min(sc.topk_eff, -(-(longest - T + 1 + t) // sc.block_size)) for t in range(T)}
-        if len(modes) > 1 or len(ks) > 1 or cache.trace is not None or not runs_native(q, kv):
+        dense_off_native = modes == {False} and not runs_native(q, kv)
+        if len(modes) > 1 or len(ks) > 1 or cache.trace is not None or dense_off_native:
             parts = [self.attend(q[:, :, t : t + 1], cache, T - 1 - t) for t in range(T)]
             return mx.concatenate(parts, axis=2)
         flat = q.transpose(0, 2, 1, 3).reshape(B * T, H, 1, d)  # row b's queries, then b + 1's

@@ -11,7 +11,7 @@ import pytest
 
 from salabatch.engine import lightning, sparse
 from salabatch.engine.generate import Generator, Request, prefill
-from salabatch.engine.kernels import native
+from salabatch.engine.kernels import native, sparse_decode
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams, sample_tokens
 from salabatch.engine.sparse_cache import SparseKVCache
@@ -159,6 +159,44 @@ def test_a_verify_pass_computes_exactly_what_decode_steps_compute(
     if native.missing() is None:
         assert 5 in together
     assert mx.array_equal(passed, one_by_one)
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["rows over shared keys", "own keys"])
+def test_a_verify_pass_takes_its_sparse_queries_at_once_off_the_native_step(
+    model, monkeypatch, forked
+):
+    """Off the native step (its MLX-op graphs, what the GPU path runs), a sparse layer still
+    takes a pass's queries in one call, T query rows reading their row's keys in place, and
+    the pass gives what decoding the tokens one by one gives, rows at different positions."""
+    monkeypatch.setattr(sparse_decode, "CPU_STEP", "blocks")
+    _, doc = document(model, 600)
+
+    def rows():  # rows at positions n, n + 1, n + 2
+        cache = doc.fork(3) if forked else doc.select([0, 0, 0])
+        point = cache.checkpoint()
+        model(mx.array([[4, 4]] * 3), cache)
+        cache.rollback(point, [0, 1, 2])
+        return cache
+
+    cache, steps = rows(), rows()
+    layer = next(c for c in cache.layers if isinstance(c, SparseKVCache))
+    assert (layer.kv_view().start > 0) == forked
+    together = []
+    kernel = sparse.infllm_v2_step
+
+    def spy(*args, **kw):
+        together.append(kw.get("queries", 1))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(sparse, "infllm_v2_step", spy)
+    fed = [ids(5, 50 + b) for b in range(3)]
+    cache.checkpoint()
+    passed = model(mx.array(fed), cache)
+    one_by_one = mx.stack(
+        [model(mx.array([[f[t]] for f in fed]), steps)[:, -1] for t in range(5)], axis=1
+    )
+    assert 5 in together
+    assert mx.abs(passed - one_by_one).max().item() < ATOL
 
 
 # -- greedy identity ------------------------------------------------------------------------------

@@ -59,8 +59,9 @@ def infllm_v2_step(
 ) -> tuple[mx.array, mx.array]:
     """q [B, H, 1, d] at positions starts[b]; c1/c2 as in select_blocks, whose last part may be
     a whole buffer (chunks not complete yet are masked). → (o [B, H, 1, d], idx [B, Hk, 1, K]).
-    `queries` > 1 (the native step only, where `runs_native`): q has that many rows per row of
-    kv and c1/c2's rows, a verify pass's positions of one row, each computed as its own step.
+    `queries` > 1: q has that many rows per row of kv and c1/c2's rows, a verify pass's
+    positions of one row, each computed as its own step (one call of the native step, or of the
+    MLX-op graphs, whose rows then read their kv row's keys in place).
 
     The MLX-op step splits a batch of at least LANE_ROWS rows between the lanes (on the CPU, a
     core each: ~1.5× at batch 8); a smaller one is too short a step for two streams. The
@@ -68,7 +69,8 @@ def infllm_v2_step(
     blocks = -(-n_blocks // BLOCK_BUCKET) * BLOCK_BUCKET
     settings = (prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression)
     if queries > 1:
-        return _native_step(q, kv, c1, c2, starts, settings, queries)
+        step = _native_step if runs_native(q, kv) else _step
+        return step(q, kv, c1, c2, starts, settings, queries)
     B = q.shape[0]
     step = _native_step if runs_native(q, kv) else _step
     lane = lanes() if B >= LANE_ROWS and step is _step else lanes()[:1]
@@ -117,19 +119,25 @@ def _native_step(q, kv, c1, c2, starts, settings, queries=1):
     )  # fmt: skip
 
 
-def _step(q, kv, c1, c2, starts, settings):
+def _step(q, kv, c1, c2, starts, settings, queries=1):
+    """The MLX-op step: q [B·queries, H, 1, d], `queries` rows per row of kv (each at its own
+    position starts[i])."""
     prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression = settings
     pos = mx.array(list(starts), dtype=mx.int32)
+    if queries > 1:  # the rows' own compressed keys once per query (the shared part is common)
+        c1, c2 = (
+            tuple(p if p.shape[0] == 1 else mx.repeat(p, queries, 0) for p in c) for c in (c1, c2)
+        )
     idx = _select(
         q, pos, c1, c2, prefill_len, blocks, k, scale, init_blocks, local_blocks, block, compression
     )
-    # stage 2: one attention per (row, kv head) pair, its G query heads as the rows
+    # stage 2: one attention per (query row, kv head) pair, its G query heads as the rows
     B, H, _, d = q.shape
     Hk = kv.rows_k.shape[1]
     shared = () if kv.shared_k is None else (kv.shared_k, kv.shared_v)
     o = _attend_blocks(
         q.reshape(B * Hk, 1, H // Hk, d), idx.reshape(B * Hk, k), mx.repeat(pos, Hk),
-        shared, kv.rows_k, kv.rows_v, kv.start, scale, block,
+        shared, kv.rows_k, kv.rows_v, kv.start, scale, block, queries,
     )  # fmt: skip
     return o.reshape(B, H, 1, d), idx
 
@@ -145,17 +153,18 @@ def _select_graph(q, pos, c1, c2, prefill_len, blocks, k, scale, init, local, bl
     return top_k_lowest_index(pooled, k, q_blk)
 
 
-def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block):
+def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, block, queries=1):
     """Stage 2 for the pairs p = b·Hk + g: q [n, 1, G, d], sel [n, k], pos [n] → like q; each
     selected block multiplied where it lies (`gather_mm`): no gathered copy of the keys and
     values (~4× less time on the CPU at batch 8 than a `take`). With shared keys, the slots in
     them are read from the shared buffer and the row's own positions whole, masked to the
-    selected blocks.
+    selected blocks. `queries` query rows b per row of keys: pair p reads kv row b // queries.
     Scores stay per block, [n, k, G, block], and the softmax runs over the (k, block) axes."""
     n, _, G, d = q.shape
     k = sel.shape[-1]
     Hk = rows_k.shape[1]
     pairs = mx.arange(n)
+    kv_pairs = pairs if queries == 1 else pairs // (Hk * queries) * Hk + pairs % Hk
     safe = mx.maximum(sel, 0)
     allowed = (sel[..., None] >= 0) & (
         sel[..., None] * block + mx.arange(block) <= pos[:, None, None]
@@ -168,7 +177,7 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
         allowed = allowed & (sel < S)[..., None]
     else:
         table_k, table_v = rows_k, rows_v
-        at = pairs[:, None] * (rows_k.shape[2] // block) + safe
+        at = kv_pairs[:, None] * (rows_k.shape[2] // block) + safe
     table_k, table_v = table_k.reshape(-1, block, d), table_v.reshape(-1, block, d)
     at = at.astype(mx.uint32)
     lhs = mx.broadcast_to(pairs[:, None], (n, k)).astype(mx.uint32)
@@ -177,7 +186,9 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
     top = s.max(axis=(1, 3))  # [n, G]
     if start:
         R = rows_k.shape[2]
-        own_k, own_v = rows_k.reshape(n, R, d), rows_v.reshape(n, R, d)
+        own_k, own_v = rows_k.reshape(-1, R, d), rows_v.reshape(-1, R, d)
+        if queries > 1:  # each pair its kv row's own keys (a fork's own: a few hundred)
+            own_k, own_v = own_k[kv_pairs], own_v[kv_pairs]
         member = (sel[:, :, None] == S + mx.arange(R // block)).any(axis=1)  # [n, R/block]
         own = mx.repeat(member, block, axis=-1) & (start + mx.arange(R) <= pos[:, None])
         s_own = mx.where(own[:, None], qs.reshape(n, G, d) @ own_k.swapaxes(-1, -2), -mx.inf)
