@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels.attention import attention
+from salabatch.engine.kernels.attention import GRID_ROWS, attention
 from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention
 from salabatch.engine.kernels.sparse_decode import (
@@ -70,8 +70,12 @@ class SparseAttention(nn.Module):
         # the decode step's top-k: min(topk, blocks of the longest row at that step)
         longest = max(cache.lengths)
         ks = {min(sc.topk_eff, -(-(longest - T + 1 + t) // sc.block_size)) for t in range(T)}
-        dense_off_native = modes == {False} and not runs_native(q, kv)
-        if len(modes) > 1 or len(ks) > 1 or cache.trace is not None or dense_off_native:
+        native = runs_native(q, kv)
+        # off the native step, the MLX-op graphs batch B·T·Hk·K block products in one gather_mm,
+        # which MLX's CUDA backend launches only under GRID_ROWS entries
+        too_many = B * T * self.n_kv_heads * max(ks) >= GRID_ROWS
+        one_by_one = not native and (modes == {False} or too_many)
+        if len(modes) > 1 or len(ks) > 1 or cache.trace is not None or one_by_one:
             parts = [self.attend(q[:, :, t : t + 1], cache, T - 1 - t) for t in range(T)]
             return mx.concatenate(parts, axis=2)
         flat = q.transpose(0, 2, 1, 3).reshape(B * T, H, 1, d)  # row b's queries, then b + 1's

@@ -161,14 +161,21 @@ def test_a_verify_pass_computes_exactly_what_decode_steps_compute(
     assert mx.array_equal(passed, one_by_one)
 
 
-@pytest.mark.parametrize("forked", [True, False], ids=["rows over shared keys", "own keys"])
+@pytest.mark.parametrize(
+    ("forked", "grid"),
+    [(True, None), (False, None), (True, 100)],
+    ids=["rows over shared keys", "own keys", "over the launch grid"],
+)
 def test_a_verify_pass_takes_its_sparse_queries_at_once_off_the_native_step(
-    model, monkeypatch, forked
+    model, monkeypatch, forked, grid
 ):
     """Off the native step (its MLX-op graphs, what the GPU path runs), a sparse layer still
     takes a pass's queries in one call, T query rows reading their row's keys in place, and
-    the pass gives what decoding the tokens one by one gives, rows at different positions."""
+    the pass gives what decoding the tokens one by one gives, rows at different positions; one
+    by one where the batched block products would reach the launch grid (GRID_ROWS)."""
     monkeypatch.setattr(sparse_decode, "CPU_STEP", "blocks")
+    if grid:
+        monkeypatch.setattr(sparse, "GRID_ROWS", grid)
     _, doc = document(model, 600)
 
     def rows():  # rows at positions n, n + 1, n + 2
@@ -195,7 +202,7 @@ def test_a_verify_pass_takes_its_sparse_queries_at_once_off_the_native_step(
     one_by_one = mx.stack(
         [model(mx.array([[f[t]] for f in fed]), steps)[:, -1] for t in range(5)], axis=1
     )
-    assert 5 in together
+    assert (5 in together) == (grid is None)
     assert mx.abs(passed - one_by_one).max().item() < ATOL
 
 
