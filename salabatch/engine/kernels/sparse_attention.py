@@ -198,7 +198,7 @@ def block_sparse_attention_gpu(
     outs = []  # [B, t, H, d] each
     if dense:
         outs.append(_causal(q[:, :, :dense], kv, starts, 0, scale).transpose(0, 2, 1, 3))
-    keys = min(kv.rows_k.shape[2], -(-(max(starts) + T) // MASKED_BUCKET) * MASKED_BUCKET)
+    keys = _masked_keys(kv, max(starts) + T)
     if dense < T and kv.start == 0 and keys <= MASKED_KEYS:
         # per query: its row of the mask (bool, then q's dtype), the scores of the SDPA's tiles
         step = tile_rows(Hk * keys * (1 + 2 * q.dtype.size), T - dense)
@@ -238,8 +238,7 @@ def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: in
     (every query keeps its own key) → [1, t, H, d]."""
     _, H, t, d = q.shape
     Hk = idx.shape[0]
-    end = first + t
-    keys = min(kv.rows_k.shape[2], -(-end // MASKED_BUCKET) * MASKED_BUCKET)
+    keys = _masked_keys(kv, first + t)
     allowed = _selected_keys(idx, mx.array(first, dtype=mx.int32), (keys, block))
     # Additive, made here: the dispatcher's boolean mask would reach CUDA's SDPA converted at
     # the full [Hk, G, t, keys] (G times this)
@@ -250,6 +249,12 @@ def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: in
         q.reshape(Hk, H // Hk, t, d), k, v, scale=scale, mask=mask
     )
     return o.reshape(1, H, t, d).transpose(0, 2, 1, 3)
+
+
+def _masked_keys(kv: KVView, end: int) -> int:
+    """Keys the masked form reads for queries ending at `end`: rounded up to MASKED_BUCKET,
+    at most the rows' buffer."""
+    return min(kv.rows_k.shape[2], -(-end // MASKED_BUCKET) * MASKED_BUCKET)
 
 
 @mx.compile
