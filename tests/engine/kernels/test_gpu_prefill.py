@@ -20,6 +20,7 @@ from salabatch.engine.kernels.sparse_attention import (
 )
 from salabatch.engine.kernels.sparse_select import (
     _k_smallest,
+    _k_smallest_counted,
     select_blocks,
     select_blocks_gpu,
     select_blocks_ref,
@@ -121,16 +122,17 @@ def test_select_blocks_gpu_matches_reference(monkeypatch, n, t, k, tile):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_k_smallest_is_a_stable_sorts_choice(dtype):
-    """Stage 1's top-k by one partition of unique keys picks what a stable sort picks: the k
-    smallest keys, equal ones by the lowest id (SPEC P11), ascending; with ties everywhere,
-    ±0, ±inf; and by the stable sort itself past 65,536 blocks."""
+@pytest.mark.parametrize("fn", [_k_smallest, _k_smallest_counted])
+def test_k_smallest_is_a_stable_sorts_choice(fn, dtype):
+    """Stage 1's top-k by one partition of unique keys, or by bisecting them, picks what a
+    stable sort picks: the k smallest keys, equal ones by the lowest id (SPEC P11), ascending;
+    with ties everywhere, ±0, ±inf; and by the stable sort itself past 65,536 blocks."""
     rng = np.random.default_rng(5)
     values = np.array([-np.inf, -2.5, -1.0, -0.0, 0.0, 0.75, np.inf], dtype=np.float32)
     for n, k in ((7, 3), (200, 12), (1000, 96), (70_000, 5)):
         key = mx.array(rng.choice(values, size=(3, n))).astype(dtype)
         want = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
-        got = _k_smallest(key, k)
+        got = fn(key, k)
         assert mx.array_equal(got.astype(mx.int32), want.astype(mx.int32)), (n, k)
 
 
