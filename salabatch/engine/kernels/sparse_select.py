@@ -321,48 +321,14 @@ def _k_smallest(key: mx.array, k: int) -> mx.array:
     n, bits = key.shape[-1], 8 * key.dtype.size
     if bits not in (16, 32) or n > 1 << 16:
         return mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
-    unique, shift = _unique_keys(key)
-    best = mx.partition(unique, k - 1, axis=-1)[..., :k]
-    return mx.sort(best & ((1 << shift) - 1), axis=-1)
-
-
-def _unique_keys(key: mx.array) -> tuple[mx.array, int]:
-    """key [..., n] (16- or 32-bit floats, n ≤ 65,536) → unsigned keys that order as key does,
-    equal keys by position (the key's bits, sign-folded, above the position), and the shift
-    that separates the two."""
-    n, bits = key.shape[-1], 8 * key.dtype.size
     wide, shift = (mx.uint32, 16) if bits == 16 else (mx.uint64, 32)
     key = mx.where(key == 0, 0, key)  # −0 and +0 are equal: one bit pattern
     raw = mx.view(key, mx.uint16 if bits == 16 else mx.uint32).astype(wide)
     top = 1 << (bits - 1)  # the sign bit: negative floats order reversed, below the positive
     ordered = mx.where(raw >= top, (2 * top - 1) - raw, raw + top)
-    return (ordered << shift) | mx.arange(n, dtype=wide), shift
-
-
-def _k_smallest_counted(key: mx.array, k: int) -> mx.array:
-    """`_k_smallest` with no sort at all: the k-th smallest unique key found by bisecting its
-    bits (one count of the keys at or below a bound per bit: 32 passes over a bf16 row), the k
-    keys at or below it written to their slots in id order (a running count). Same ids."""
-    n, bits = key.shape[-1], 8 * key.dtype.size
-    if bits not in (16, 32) or n > 1 << 16:
-        return mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
-    unique, shift = _unique_keys(key)
-    return _counted(unique, k, 2 * bits)
-
-
-@mx.compile
-def _counted(unique: mx.array, k: int, bits: int) -> mx.array:
-    lo = mx.zeros((*unique.shape[:-1], 1), dtype=unique.dtype)
-    hi = mx.bitwise_invert(lo)  # every bit set
-    for _ in range(bits):  # the smallest bound with k keys at or below it: the k-th key
-        mid = lo + ((hi - lo) >> 1)
-        enough = (unique <= mid).astype(mx.int32).sum(axis=-1, keepdims=True) >= k
-        lo, hi = mx.where(enough, lo, mid + 1), mx.where(enough, mid, hi)
-    chosen = unique <= lo  # exactly k: the keys are unique
-    slot = mx.where(chosen, mx.cumsum(chosen.astype(mx.int32), axis=-1) - 1, k)  # k: discarded
-    ids = mx.broadcast_to(mx.arange(unique.shape[-1], dtype=mx.int32), unique.shape)
-    out = mx.zeros((*unique.shape[:-1], k + 1), dtype=mx.int32)
-    return mx.put_along_axis(out, slot, ids, axis=-1)[..., :k]
+    unique = (ordered << shift) | mx.arange(n, dtype=wide)
+    best = mx.partition(unique, k - 1, axis=-1)[..., :k]
+    return mx.sort(best & ((1 << shift) - 1), axis=-1)
 
 
 def _bucket(n: int, limit: int, step: int) -> int:

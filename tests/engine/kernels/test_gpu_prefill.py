@@ -20,7 +20,6 @@ from salabatch.engine.kernels.sparse_attention import (
 )
 from salabatch.engine.kernels.sparse_select import (
     _k_smallest,
-    _k_smallest_counted,
     select_blocks,
     select_blocks_gpu,
     select_blocks_ref,
@@ -42,6 +41,9 @@ from tests.engine.kernels.test_sparse_kernels import (
 
 TOL_F32 = 1e-5  # max abs error of float32 attention against the float32 reference
 F32_RTOL = 1e-5  # relative RMS error of the float32 lightning form (measured ≤ 2e-6)
+# ... and of its final state: a state sums decays exp(g·n) for n up to the call's length, and
+# CUDA's exp loses ~|g·n| ulps (measured 1.02e-5 at 500 tokens on an H100; ≤ 2e-6 on the CPU)
+F32_STATE_RTOL = 2e-5
 BF16_RTOL = 2e-2  # relative RMS error of bf16 operands against the float32 reference
 BF16_SAME_SLOTS = 0.97  # share of selected blocks bf16 scores agree on with float32 (near ties)
 SMALL_TILE = 16  # TILE_ROWS that forces many query tiles, the last one partial
@@ -122,17 +124,16 @@ def test_select_blocks_gpu_matches_reference(monkeypatch, n, t, k, tile):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-@pytest.mark.parametrize("fn", [_k_smallest, _k_smallest_counted])
-def test_k_smallest_is_a_stable_sorts_choice(fn, dtype):
-    """Stage 1's top-k by one partition of unique keys, or by bisecting them, picks what a
-    stable sort picks: the k smallest keys, equal ones by the lowest id (SPEC P11), ascending;
-    with ties everywhere, ±0, ±inf; and by the stable sort itself past 65,536 blocks."""
+def test_k_smallest_is_a_stable_sorts_choice(dtype):
+    """Stage 1's top-k by one partition of unique keys picks what a stable sort picks: the k
+    smallest keys, equal ones by the lowest id (SPEC P11), ascending; with ties everywhere,
+    ±0, ±inf; and by the stable sort itself past 65,536 blocks."""
     rng = np.random.default_rng(5)
     values = np.array([-np.inf, -2.5, -1.0, -0.0, 0.0, 0.75, np.inf], dtype=np.float32)
     for n, k in ((7, 3), (200, 12), (1000, 96), (70_000, 5)):
         key = mx.array(rng.choice(values, size=(3, n))).astype(dtype)
         want = mx.sort(mx.argsort(key, axis=-1)[..., :k], axis=-1)
-        got = fn(key, k)
+        got = _k_smallest(key, k)
         assert mx.array_equal(got.astype(mx.int32), want.astype(mx.int32)), (n, k)
 
 
@@ -355,7 +356,7 @@ def test_gla_parallel_matches_reference(T, with_state):
     assert o.shape == o_ref.shape and o.dtype == mx.float32
     assert s.shape == s_ref.shape and s.dtype == mx.float32
     assert rel_rms(o, o_ref) <= F32_RTOL
-    assert rel_rms(s, s_ref) <= F32_RTOL
+    assert rel_rms(s, s_ref) <= F32_STATE_RTOL
 
 
 def test_gla_parallel_in_segments(monkeypatch):
@@ -364,7 +365,7 @@ def test_gla_parallel_in_segments(monkeypatch):
     q, k, v, state = make_inputs(300, seed=3)
     o_ref, s_ref = gla_recurrent_ref(q, k, v, G4, 0.25, state)
     o, s = gla_parallel(q, k, v, G4, 0.25, state)
-    assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_RTOL
+    assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_STATE_RTOL
 
 
 def test_gla_parallel_every_9b_decay_and_bf16_inputs():
@@ -372,7 +373,7 @@ def test_gla_parallel_every_9b_decay_and_bf16_inputs():
     g = -mx.array(SLOPES_32, dtype=mx.float32)
     o_ref, s_ref = gla_recurrent_ref(q, k, v, g, 0.3, state)
     o, s = gla_parallel(q, k, v, g, 0.3, state)
-    assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_RTOL
+    assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_STATE_RTOL
     low = [x.astype(mx.bfloat16) for x in (q, k, v)]
     o, s = gla_parallel(*low, g, 0.3, state)
     assert rel_rms(o, o_ref) <= BF16_RTOL and rel_rms(s, s_ref) <= BF16_RTOL
