@@ -10,13 +10,20 @@
 # benchmarks/device-profile.py (where a prefill chunk's and a decode step's time goes), and,
 # with TEST_S > 0 (a second call on the warm machine: TEST_S=300 CONTEXTS= PROFILE_S=0), the
 # GPU-path parity tests (float32, TF32 off); the JSON files and the log land in $OUT. Every
-# step has its own time limit; the defaults fit a 10-minute call. Seen on an H200: a process
-# that meets new shapes spends most of its time compiling kernels (NVRTC; the kernels are kept
-# on the machine for later processes): a fresh machine's first `bench long 32K` took over 140
-# s, the same run on the warm machine 36 s. `bench long` reports a process's first prefill as
-# prefill_first_s and times a second one.
+# step has its own time limit; the defaults fit a 10-minute call. A process that meets new
+# shapes spends most of its time compiling kernels (NVRTC; they are kept on the machine for
+# later processes): on a fresh H100 (2026-11-26) the first `bench long 32K` did not finish in
+# 230 s nor the first 128K in 150 s, while 256K and the profile then ran in 80 and 68 s; on
+# the warm machine 32K and 128K took 35 and 66 s. So the first call warms the machine (its
+# 256K and profile count), and a second call right after it times 32K and 128K:
+#
+#     CONTEXTS="32K:140 128K:150" PROFILE_S=0 bash benchmarks/device-gpu.sh
+#
+# `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 set -u
-source .device/p2/install.sh
+# the first call on a machine installs MLX's CUDA wheels; a later call on the warm machine finds
+# them in /tmp/site (install.sh deletes the first part it joins) and only sets the environment
+if [ -d /tmp/site/mlx ]; then source .device/p2/env.sh; else source .device/p2/install.sh; fi
 # Timings run as users run: MLX's default (TF32 in float32 matmuls on CUDA: SALA's lightning
 # recurrence is float32); the parity tests run with MLX_ENABLE_TF32=0 (tests/conftest.py).
 export PYTHONUNBUFFERED=1
@@ -34,14 +41,14 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
     echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$log"
 }
 
-for spec in ${CONTEXTS-32K:220 128K:170 256K:90}; do
+for spec in ${CONTEXTS-32K:230 128K:150 256K:80}; do
     ctx=${spec%%:*} limit=${spec##*:}
     peer=--peer
     [ "$ctx" = 256K ] && peer=--no-peer  # the TTFT target; the dense peer's 256K prefill is long
     step "$limit" "bench long $ctx" python3 -m salabatch.cli bench long --contexts "$ctx" \
         "$peer" --steps 32 --out "$out/long-gpu-$ctx.json" --chart "/tmp/long-gpu-$ctx.png"
 done
-[ "${PROFILE_S:-110}" -gt 0 ] && step "${PROFILE_S:-110}" "profile" python3 benchmarks/device-profile.py
+[ "${PROFILE_S:-120}" -gt 0 ] && step "${PROFILE_S:-120}" "profile" python3 benchmarks/device-profile.py
 [ "${TEST_S:-0}" -gt 0 ] && MLX_ENABLE_TF32=0 step "$TEST_S" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
     --timeout 150 -rfE -k "not 9b_layout" \
     tests/engine/test_decode.py tests/engine/test_gpu_prefill_model.py \
