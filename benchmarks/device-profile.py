@@ -95,8 +95,9 @@ def main(contexts: list[int]) -> None:
 
 
 def profile_decode(hidden: int, dt, context: int = 32768) -> None:
-    """Medians of 32 compiled decode steps at batch 1 after `context` tokens (zeros) of models
-    of the 9B's width and head with 8 lightning, 8 sparse and 1 lightning layer(s)."""
+    """Medians of 32 compiled decode steps at batch 1 (a row forked from a `context`-token
+    document of zeros) of models of the 9B's width and head with 8 lightning, 8 sparse and 1
+    lightning layer(s)."""
     from salabatch.bench.graph import filled_model_cache
     from salabatch.bench.long import SHAPES
     from salabatch.engine.decode import decode
@@ -116,8 +117,10 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         )  # fmt: skip
         model = random_init(Model(ModelConfig.from_dict(raw)), dt, seed=2)
         model.fuse()  # as load_model does
-        cache = filled_model_cache(model, context)
-        cache.reserve(context + 64)
+        # a row forked from the document, as `bench long` and `salabatch run` decode: the
+        # document's keys shared, the row's own few (an unforked row re-sums all its keys' chunks)
+        cache = filled_model_cache(model, context).fork(1)
+        cache.reserve(256)  # the row's own keys (< 128) and the 35 steps: one buffer shape
         ids = mx.zeros((1,), dtype=mx.int32)
         for _ in range(3):  # trace, then buffers settle
             mx.eval(decode(model, ids, cache), cache.arrays())
