@@ -29,6 +29,12 @@ if [ -d /tmp/site/mlx ]; then source .device/p2/env.sh; else source .device/p2/i
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/salabatch-gpu}
 mkdir -p "$out"
+# MLX's compiled CUDA kernels (NVRTC, minutes on a fresh machine): kept in one folder that
+# comes back as $OUT/ptx.tar.gz; keep it as .device/ptx.tar.gz here and carry it next time
+# (beside .device/p2) to start warm.
+export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
+mkdir -p "$MLX_PTX_CACHE_DIR"
+[ -f .device/ptx.tar.gz ] && tar xzf .device/ptx.tar.gz -C "$MLX_PTX_CACHE_DIR"
 log="$out/log.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv \
     | tee -a "$log"
@@ -56,3 +62,4 @@ done
     tests/engine/test_no_host_sync.py
 
 nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$log"
+tar czf "$out/ptx.tar.gz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$out/ptx.tar.gz" | tee -a "$log"
