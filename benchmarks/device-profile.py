@@ -33,7 +33,7 @@ from salabatch.engine.kernels import sparse_attention
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.gla import gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
-from salabatch.engine.kernels.sparse_select import _k_smallest, select_blocks
+from salabatch.engine.kernels.sparse_select import _k_smallest, _pooled, select_blocks
 from salabatch.engine.lightning import LightningAttention
 from salabatch.engine.sparse import SparseAttention
 
@@ -182,20 +182,18 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     sparse_attention.MASKED_KEYS = MASKED_KEYS
     a, b = (outs[f].astype(mx.float32) for f in ("masked", "gathered"))
     print(f"{n}: stage 2's forms differ by {(a - b).abs().max().item():.3g} at most", flush=True)
-    # stage 1 without its sort: scores, softmax, head sum and pooling of every block
+    # stage 1 without its top-k: raw scores, softmax, head sum and pooling (the engine's
+    # `_pooled`, every chunk seen)
     c1 = parts[0][0].astype(q.dtype)
     c2 = parts[1][0].astype(q.dtype)
     qg = q.reshape(1, 2, -1, chunk, 128)
+    seen = [mx.full((1, chunk), c.shape[2], dtype=mx.int32) for c in (c1, c2)]
 
     def scores_only():
-        s2 = (qg @ c2[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
-        lse2 = mx.logsumexp(s2, axis=-1, keepdims=True)
-        s1 = (qg @ c1[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
-        p = mx.exp(s1 - lse2).sum(axis=2)  # [1, Hk, T, N1]
-        r = p.shape[-1] // 4 * 4
-        return p[..., :r].reshape(*p.shape[:-1], -1, 4).max(axis=-1)
+        s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))
+        return _pooled(s1, s2, *seen, sparse.scale, n_blocks, sc.block_size // sc.compression[0][1])
 
-    timed(f"{n}: stage 1 scores and pooling, no sort", scores_only)
+    timed(f"{n}: stage 1 scores and pooling, no top-k", scores_only)
     pooled = scores_only()
     mx.eval(pooled)
     top = min(96, pooled.shape[-1])  # the 9B's K, or every block of a small context

@@ -284,23 +284,11 @@ def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx
     sees at levels 1 and 2 and its block; r: level-1 strides per block → [B, Hk, t, K]."""
     n_blocks, k, scale, init_blocks, local_blocks, r = settings
     B, Hk, G, t, _ = qg.shape
-    N1, N2 = c1.shape[2], c2.shape[2]
-    v1, v2 = (v[:, None, None, :, None] for v in seen[:2])  # [B, 1, 1, t, 1]
-    if N1 and N2:
-        s2 = (qg @ c2[:, :, None].swapaxes(-1, -2)).astype(mx.float32) * scale  # [B, Hk, G, t, N2]
-        s2 = mx.where(mx.arange(N2) < v2, s2, -mx.inf)
-        m2 = mx.where(v2 > 0, s2.max(axis=-1, keepdims=True), 0.0)
-        lse2 = m2 + mx.log(mx.exp(s2 - m2).sum(axis=-1, keepdims=True))
-        s1 = (qg @ c1[:, :, None].swapaxes(-1, -2)).astype(mx.float32) * scale  # [B, Hk, G, t, N1]
-        p = mx.where((mx.arange(N1) < v1) & (v2 > 0), mx.exp(s1 - lse2), 0.0)
-        scores = p.sum(axis=2)  # [B, Hk, t, N1]
+    if c1.shape[2] and c2.shape[2]:
+        s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))  # [B, Hk, G, t, N]
+        pooled = _pooled(s1, s2, seen[0], seen[1], scale, n_blocks, r)
     else:  # no complete chunk: every query scores 0
-        scores = mx.zeros((B, Hk, t, N1), dtype=mx.float32)
-    # Pooled over the chunks overlapping each block (r·b−1 … r·b+r−1). Scores are ≥ 0, so zero
-    # padding never wins a max; the one block that can lack chunks is the query's own (forced).
-    padded = mx.pad(scores, [(0, 0), (0, 0), (0, 0), (1, r * n_blocks - N1)])  # [.., r·nb + 1]
-    body = padded[..., : r * n_blocks].reshape(B, Hk, t, n_blocks, r).max(axis=-1)
-    pooled = mx.maximum(body, padded[..., r::r])  # [B, Hk, t, n_blocks]
+        pooled = mx.zeros((B, Hk, t, n_blocks), dtype=mx.float32)
     # Ascending keys, best first: forced blocks, then scores high to low (in q's dtype, as the
     # CUDA kernel stores them), blocks after the query last.
     b = mx.arange(n_blocks)
@@ -309,6 +297,27 @@ def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx
     key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(qg.dtype)))
     idx = _k_smallest(key, k).astype(mx.int32)
     return mx.where(idx > qb, -1, idx)
+
+
+def _pooled(s1, s2, seen1, seen2, scale: float, n_blocks: int, r: int) -> mx.array:
+    """A tile's block scores from its raw scores s1 [B, Hk, G, t, N1], s2 [.., N2] (q's dtype,
+    unscaled) and the chunks each query sees (seen1, seen2 [B, t]) → [B, Hk, t, n_blocks]
+    float32: each level-1 chunk's probability under the level-2 normaliser, summed over the G
+    heads, maxed over the chunks overlapping each block."""
+    B, Hk, _, t, N1 = s1.shape
+    N2 = s2.shape[-1]
+    v1, v2 = (v[:, None, None, :, None] for v in (seen1, seen2))  # [B, 1, 1, t, 1]
+    s2 = mx.where(mx.arange(N2) < v2, s2.astype(mx.float32) * scale, -mx.inf)
+    m2 = mx.where(v2 > 0, s2.max(axis=-1, keepdims=True), 0.0)
+    lse2 = m2 + mx.log(mx.exp(s2 - m2).sum(axis=-1, keepdims=True))
+    s1 = s1.astype(mx.float32) * scale
+    p = mx.where((mx.arange(N1) < v1) & (v2 > 0), mx.exp(s1 - lse2), 0.0)
+    scores = p.sum(axis=2)  # [B, Hk, t, N1]
+    # Pooled over the chunks overlapping each block (r·b−1 … r·b+r−1). Scores are ≥ 0, so zero
+    # padding never wins a max; the one block that can lack chunks is the query's own (forced).
+    padded = mx.pad(scores, [(0, 0), (0, 0), (0, 0), (1, r * n_blocks - N1)])  # [.., r·nb + 1]
+    body = padded[..., : r * n_blocks].reshape(B, Hk, t, n_blocks, r).max(axis=-1)
+    return mx.maximum(body, padded[..., r::r])
 
 
 def _k_smallest(key: mx.array, k: int) -> mx.array:
