@@ -24,7 +24,8 @@ Choose with `SALABATCH_BLAS`: `off` / `0` / `none` keeps MLX's own BLAS; `openbl
 `scipy` forces a kind; any other value is a path to a library exporting `cblas_sgemm`.
 Thread count, set through threadpoolctl: the physical cores available to the process, unless
 OPENBLAS_NUM_THREADS, BLIS_NUM_THREADS, MKL_NUM_THREADS or OMP_NUM_THREADS is set (the libraries
-read those themselves).
+read those themselves). OpenBLAS's idle threads sleep at once instead of polling for ~0.1 s
+(`SPIN`: OPENBLAS_THREAD_TIMEOUT, unless set).
 """
 
 from __future__ import annotations
@@ -227,6 +228,8 @@ def _load(kind: str, path: str, reason: str) -> BlasInfo:
         raise BlasLoadError("no such file")
     if kind == "scipy-openblas32":
         path = str(patch_scipy_openblas(Path(path)))
+    if kind in ("openblas", "scipy-openblas32"):  # read once, as the library loads
+        os.environ.setdefault(*SPIN)
     lib = ctypes.CDLL(path)  # local first: a library without CBLAS must not shadow anything
     if not hasattr(lib, "cblas_sgemm"):
         raise BlasLoadError("does not export cblas_sgemm")
@@ -239,6 +242,15 @@ def _load(kind: str, path: str, reason: str) -> BlasInfo:
 
 
 # ----- threads ----------------------------------------------------------------------------------
+
+# OpenBLAS's idle worker threads poll (sched_yield) for 2^28 cycles, about 0.1 s, after each
+# threaded call before they sleep. A decode step follows a prompt's threaded matmuls within
+# that time, so they poll through it on the cores its host thread and MLX's own thread need:
+# measured on the 2-core machine, builtin:tiny decoded ~20 % slower (1.5M involuntary context
+# switches in 4 s) than with 2^4 cycles, which lets them sleep at once; a 16K prefill was no
+# slower (a chunk's matmuls take milliseconds, waking the workers microseconds). A value the
+# user set wins.
+SPIN = ("OPENBLAS_THREAD_TIMEOUT", "4")
 
 _THREAD_VARIABLES = (
     "OPENBLAS_NUM_THREADS",

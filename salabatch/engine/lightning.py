@@ -192,9 +192,8 @@ class LightningAttention(nn.Module):
             f32 = mx.float32
             cache.record.append((k.astype(f32), v.astype(f32), self._log_decay))
         if cache.stepwise:  # decode's arithmetic, token by token
-            o, states = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
-            # (a call that keeps only the k, v never evaluates the stacked states)
-            cache.state, cache.states = states[-1], mx.stack(states, axis=1)
+            o, cache.states = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
+            cache.state = cache.states[:, -1]
         else:
             o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
         return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]

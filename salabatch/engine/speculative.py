@@ -58,9 +58,9 @@ OFF = Speculation("off")
 
 # The lookup drafter matches the answer's last MATCH tokens, then extends the match backwards
 # over at most LOOKBACK tokens to prefer the occurrence that agrees longest; it weighs the
-# CANDIDATES latest occurrences. Without one, it matches the last token alone.
+# CANDIDATES latest occurrences. Without one, at an answer's first token (which has nothing
+# of the answer before it to match), it matches that token alone.
 MATCH, LOOKBACK, CANDIDATES = 2, 16, 16
-MIN_MATCH = 1  # the fewest tokens matched to draft (1: a lone token too)
 VOTES = 1024  # a lone token's places weighed (spread over the document)
 WINDOW = 32  # tokens before a place compared with the prompt
 
@@ -75,9 +75,12 @@ class Lookup:
     def propose(self, row: RowText, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the row's last tokens where they occurred before:
         the latest occurrences of its last MATCH tokens, the one agreeing longest backwards
-        first; without any, its last token alone, where the document's words around it are
-        most the prompt's (`ContextIndex.nearest`: the first token of an answer has nothing
-        before it to match, but the question says where in the document it is)."""
+        first; without any, and only at the answer's first token, that token alone, where the
+        document's words around it are most the prompt's (`ContextIndex.nearest`: the first
+        token of an answer has nothing before it to match, but the question says where in the
+        document it is). Later, an answer whose last MATCH tokens are nowhere before has left
+        the document's words: a lone token's place is a guess that rarely holds (13 such
+        passes kept 3 drafts on the demo questions), so it drafts nothing."""
         if limit < 1:
             return []
         index = self._context(row.context)
@@ -88,7 +91,8 @@ class Lookup:
         def at(i: int) -> int:
             return ctx[i] if i < len(ctx) else row.own[i - len(ctx)]
 
-        for size in range(min(MATCH, n), MIN_MATCH - 1, -1):
+        fewest = 1 if len(row.own) - row.prompt <= 1 else min(2, MATCH)
+        for size in range(min(MATCH, n), fewest - 1, -1):
             key = tuple(at(i) for i in range(n - size, n))
             mine = row.index.get(key, [])
             if size == 1:  # a lone token: where the document speaks of what the prompt asks
@@ -189,9 +193,11 @@ class RowText:
     own: list[int]
     index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     asked: np.ndarray = field(init=False)  # the prompt's distinct tokens
+    prompt: int = field(init=False)  # how many of `own` are the prompt (the rest: the answer)
 
     def __post_init__(self) -> None:
         self.asked = np.unique(np.asarray(self.own, dtype=np.int64))
+        self.prompt = len(self.own)
 
     _indexed: int = 0  # own positions whose preceding n-grams are indexed
 

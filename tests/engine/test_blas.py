@@ -215,3 +215,46 @@ def test_doctor_in_a_fresh_process_reports_the_activated_blas():
     assert report["gemm_gflops"] > 0 and report["decode_gbps"] > 0
     assert report["blas"]["kind"] == blas.active().kind
     assert report["mlx"] == mx.__version__
+
+
+IDLE = textwrap.dedent(
+    """
+    import json, os, time
+    from salabatch.engine import blas
+    info = blas.activate_blas()
+    import mlx.core as mx
+    a = mx.random.normal((1024, 1024))
+    mx.eval(a @ a)  # threaded: the workers poll after it, or sleep
+    start = time.process_time()
+    time.sleep(0.3)
+    print(json.dumps({"kind": info.kind, "threads": info.threads,
+                      "idle_cpu": time.process_time() - start,
+                      "timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}))
+    """
+)
+
+
+def idle_after_a_threaded_matmul(tmp_path, env: dict[str, str]) -> dict:
+    full_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
+    for name in ("SALABATCH_BLAS", "OPENBLAS_THREAD_TIMEOUT", *blas._THREAD_VARIABLES):
+        if name not in env:
+            full_env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-c", IDLE], env=full_env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@linux_only
+def test_openblas_threads_sleep_once_idle_instead_of_polling(tmp_path):
+    """Idle OpenBLAS workers would poll for ~0.1 s after each threaded call, on the cores the
+    decode loop needs: they sleep at once (`blas.SPIN`), unless the user set the timeout."""
+    out = idle_after_a_threaded_matmul(tmp_path, {})
+    if not out["kind"].endswith("openblas") or not out["threads"] or out["threads"] < 2:
+        pytest.skip(f"needs a threaded OpenBLAS: {out['kind']} on {out['threads']} threads")
+    assert out["timeout"] == blas.SPIN[1]
+    assert out["idle_cpu"] < 0.03, f"{out['idle_cpu']:.3f} s of CPU while idle"
+    chosen = idle_after_a_threaded_matmul(tmp_path, {"OPENBLAS_THREAD_TIMEOUT": "28"})
+    assert chosen["timeout"] == "28"
+    assert chosen["idle_cpu"] > out["idle_cpu"]  # (~0.1 s measured: the polling it spares)

@@ -209,17 +209,27 @@ def gla_step(q, k, v, g, scale, state=None):
 
 
 def gla_stepwise(q, k, v, g, scale, state=None):
-    """T tokens as T decode steps (`gla_step` each): the arithmetic of decoding exactly, for a
-    verify pass over a few drafted tokens that must give what decoding them one by one gives.
-    → (o, [the state after each token]: the last is the final state)."""
+    """T tokens with the arithmetic of T decode steps (`gla_step` each), for a verify pass over
+    a few drafted tokens that must give what decoding them one by one gives: the states by
+    `_step`'s update token by token (one fused pass), each token's output by `_step`'s
+    one-row product with its state. → (o, the state after each token [B, T, H, dk, dv]: the
+    last is the final state)."""
     q, k, v, g, S = _prepare(q, k, v, g, state)
-    outs, states = [], []
-    for t in range(q.shape[2]):
-        at = slice(t, t + 1)
-        o, S = _step(q[:, :, at], k[:, :, at], v[:, :, at], g, S, scale)
-        outs.append(o)
-        states.append(S)
-    return mx.concatenate(outs, axis=2), states
+    states = _states(k, v, g, S)  # [B, T, H, dk, dv]
+    o = (scale * q).transpose(0, 2, 1, 3)[..., None, :] @ states  # [B, T, H, 1, dv]
+    return o[..., 0, :].transpose(0, 2, 1, 3), states
+
+
+@mx.compile
+def _states(k, v, g, S):
+    """The state after each of the tokens k, v [B, H, T, d] from S, `_step`'s update (the same
+    bits) in one fused kernel instead of T."""
+    decay = mx.exp(g)[:, None, None]
+    out = []
+    for t in range(k.shape[2]):
+        S = decay * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out.append(S)
+    return mx.stack(out, axis=1)
 
 
 @mx.compile
