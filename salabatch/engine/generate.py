@@ -450,6 +450,7 @@ class Batch:
         self._feed = mx.concatenate(first if self._feed is None else [self._feed, *first])
         if self._counts is not None or penalized([g.request.params for g in self.rows]):
             self._counts = self._grown_counts(len(joined), first)
+        self._policy.joined()
         room = self._room()
         if self.reserve_ahead is not None:
             room = min(room, self.cache.own_length() + self.reserve_ahead)

@@ -356,7 +356,8 @@ class Policy:
     back-off that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. Every
     REMEASURE passes it runs WARMUP plain steps again, so the comparison is with plain steps of
     now (not of a cold start). A probe at one draft costs little: the pass is barely longer
-    than a step. Per row: a row drafts while the share of its drafts accepted (a moving
+    than a step; a probe that finds nothing to draft (`undrafted`) backs off the same way, until
+    a row joins. Per row: a row drafts while the share of its drafts accepted (a moving
     average) stays at least ROW_FLOOR, and on every PROBE-th pass otherwise."""
 
     ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP, REMEASURE = 0.3, 8, 1.05, 8, 256, 3, 24
@@ -373,6 +374,7 @@ class Policy:
         self._backoff = self.BACKOFF
         self._passes = 0
         self._last_plain: float | None = None
+        self._idle = False  # resting after a step that found nothing to draft (`undrafted`)
 
     def speculate(self) -> bool:
         """Whether this step is a verify pass (else a plain step)."""
@@ -392,9 +394,22 @@ class Policy:
         self._last_plain = now
 
     def undrafted(self) -> None:
-        """A step that read first but found no draft in any row ran as a plain step: it tells
-        nothing of what passes give (a row's first step has no answer to match yet)."""
+        """A step that read first but found no draft in any row ran as a plain step, not
+        pipelined: for `auto`, a probe that found nothing to verify, after which it runs plain
+        (pipelined) steps, twice as many each time, until a row joins (`joined`). Before,
+        answers that never repeat their document (the bench's random one) ran every step
+        unpipelined: 0.91× plain decoding at batch 8."""
         self._last_plain = None
+        if self.adaptive:
+            self._rate, self._idle = None, True
+            self._pause(self._backoff, self.tokens or 1)
+            self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+
+    def joined(self) -> None:
+        """Rows joined the batch: where `auto` rests because no row had anything to draft, it
+        asks again at the next step (a new answer's first token may find its place)."""
+        if self._idle and not self.tokens:
+            self._wait, self._idle = 0, False
 
     def verify_pass(self, rows: int, tokens: int, seconds: float) -> None:
         """A verify pass over `rows` rows gave `tokens` tokens in `seconds`."""

@@ -407,6 +407,29 @@ def test_auto_backs_off_where_passes_do_not_pay_and_grows_where_they_do():
     assert sum(policy.drafts_for(stats) for _ in range(16)) == 16 // Policy.PROBE
 
 
+def test_auto_rests_where_no_row_has_anything_to_draft():
+    """A probe that finds no draft in any row ran unpipelined for nothing: `auto` runs plain
+    steps, twice as many each time, until a row joins; `lookup` keeps asking."""
+    policy = Policy(Speculation("auto", tokens=4))
+    while not policy.speculate():
+        pass
+    for rest in (Policy.BACKOFF, 2 * Policy.BACKOFF):
+        policy.undrafted()
+        waits = 0
+        while not policy.speculate():
+            waits += 1
+        assert waits == rest + 1
+    policy.undrafted()
+    assert not policy.speculate()
+    policy.joined()
+    assert policy.speculate() and policy.tokens == 1
+    policy.joined()  # (while passes run, a join changes nothing)
+    assert policy.speculate() and policy.tokens == 1
+    fixed = Policy(Speculation("lookup", tokens=4))
+    fixed.undrafted()
+    assert fixed.speculate() and fixed.tokens == 4
+
+
 def test_fixed_drafters_always_draft_their_tokens():
     policy = Policy(Speculation("lookup", tokens=5))
     assert policy.speculate() and policy.tokens == 5
