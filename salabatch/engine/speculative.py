@@ -383,7 +383,7 @@ class Policy:
         if self._wait > 0:
             self._wait -= 1
             return False
-        self.tokens, self._rate = self._resume, None
+        self.tokens, self._rate, self._idle = self._resume, None, False
         return True
 
     def plain_step(self, rows: int, now: float) -> None:
