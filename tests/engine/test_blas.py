@@ -50,11 +50,16 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(tmp_path, env: dict[str, str], prelude: str = "", activate: bool = True) -> dict:
+def probe(
+    tmp_path, env: dict[str, str], prelude: str = "", activate: bool = True, code: str = PROBE
+) -> dict:
+    """What `code` (PROBE by default) prints as JSON in a fresh process with `env` (the BLAS
+    choice and OpenBLAS's timeout only as `env` sets them)."""
     full_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
-    if "SALABATCH_BLAS" not in env:
-        full_env.pop("SALABATCH_BLAS", None)
-    code = PROBE.replace("ACTIVATE", "blas.activate_blas()" if activate else "pass")
+    for name in ("SALABATCH_BLAS", blas.SPIN[0]):
+        if name not in env:
+            full_env.pop(name, None)
+    code = code.replace("ACTIVATE", "blas.activate_blas()" if activate else "pass")
     done = subprocess.run(
         [sys.executable, "-c", prelude + code],
         env=full_env,
@@ -221,7 +226,8 @@ IDLE = textwrap.dedent(
     """
     import json, os, time
     from salabatch.engine import blas
-    info = blas.activate_blas()
+    ACTIVATE
+    info = blas.active()
     import mlx.core as mx
     a = mx.random.normal((1024, 1024))
     mx.eval(a @ a)  # threaded: the workers poll after it, or sleep
@@ -234,27 +240,15 @@ IDLE = textwrap.dedent(
 )
 
 
-def idle_after_a_threaded_matmul(tmp_path, env: dict[str, str]) -> dict:
-    full_env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
-    for name in ("SALABATCH_BLAS", "OPENBLAS_THREAD_TIMEOUT", *blas._THREAD_VARIABLES):
-        if name not in env:
-            full_env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-c", IDLE], env=full_env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 @linux_only
 def test_openblas_threads_sleep_once_idle_instead_of_polling(tmp_path):
     """Idle OpenBLAS workers would poll for ~0.1 s after each threaded call, on the cores the
     decode loop needs: they sleep at once (`blas.SPIN`), unless the user set the timeout."""
-    out = idle_after_a_threaded_matmul(tmp_path, {})
+    out = probe(tmp_path, {}, code=IDLE)
     if not out["kind"].endswith("openblas") or not out["threads"] or out["threads"] < 2:
         pytest.skip(f"needs a threaded OpenBLAS: {out['kind']} on {out['threads']} threads")
     assert out["timeout"] == blas.SPIN[1]
     assert out["idle_cpu"] < 0.03, f"{out['idle_cpu']:.3f} s of CPU while idle"
-    chosen = idle_after_a_threaded_matmul(tmp_path, {"OPENBLAS_THREAD_TIMEOUT": "28"})
+    chosen = probe(tmp_path, {"OPENBLAS_THREAD_TIMEOUT": "28"}, code=IDLE)
     assert chosen["timeout"] == "28"
     assert chosen["idle_cpu"] > out["idle_cpu"]  # (~0.1 s measured: the polling it spares)

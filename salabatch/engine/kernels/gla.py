@@ -195,8 +195,15 @@ def _parallel(q, k, v, g, S, settings):
 # Compiled so the decay, the outer product and the add make one pass over the state (decode is
 # memory-bound: about 1.7x faster on CPU at B = 8). Retraces once per shape and scale.
 @mx.compile
+def _advance(k, v, g, S):
+    """The state after one token k, v [B, H, 1, d]: the update of every form fed token by token
+    (decode, verify passes, rollbacks), so they agree to the bit."""
+    return mx.exp(g)[:, None, None] * S + k.swapaxes(-1, -2) * v  # [B, H, dk, 1] * [B, H, 1, dv]
+
+
+@mx.compile
 def _step(q, k, v, g, S, scale):
-    S = mx.exp(g)[:, None, None] * S + k.swapaxes(-1, -2) * v  # [B, H, dk, 1] * [B, H, 1, dv]
+    S = _advance(k, v, g, S)
     return (scale * q) @ S, S  # [B, H, 1, dv]
 
 
@@ -222,26 +229,20 @@ def gla_stepwise(q, k, v, g, scale, state=None):
 
 @mx.compile
 def _states(k, v, g, S):
-    """The state after each of the tokens k, v [B, H, T, d] from S, `_step`'s update (the same
-    bits): a kernel a token, reading k and v in place (T calls of `_step` sliced and copied
+    """The state after each of the tokens k, v [B, H, T, d] from S (`_advance` token by
+    token): a kernel a token, reading k and v in place (T calls of `_step` sliced and copied
     them, ~10 kernels more a layer)."""
-    decay = mx.exp(g)[:, None, None]
     out = []
     for t in range(k.shape[2]):
-        S = decay * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        S = _advance(k[:, :, t : t + 1], v[:, :, t : t + 1], g, S)
         out.append(S)
     return mx.stack(out, axis=1)
 
 
 @mx.compile
-def _advance(k, v, g, S):
-    return mx.exp(g)[:, None, None] * S + k.swapaxes(-1, -2) * v  # `_step`'s state, alone
-
-
-@mx.compile
 def gla_replay(k, v, g, state, keep):
     """The state after the first keep[b] of the T tokens k, v [B, H, T, d] (float32) fed to row
-    b from `state`: `_step`'s update token by token, a row keeping its state once past its count
+    b from `state`: `_advance` token by token, a row keeping its state once past its count
     (keep [B] int32). Rolls a recurrence back to any point of a verify pass; one compiled graph
     per T and batch size."""
     S = state
