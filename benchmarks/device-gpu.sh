@@ -20,6 +20,12 @@
 #     CONTEXTS="32K:140 128K:150" PROFILE_S=0 bash benchmarks/device-gpu.sh
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
+#
+# With SPEC_S > 0, `salabatch bench spec`'s cost workload (issue 38: the 9B in bf16 over a
+# 32K-token document, off / lookup / auto at batch 1 and 8, and a verify pass's time in plain
+# steps) runs after `bench long`; best on the warm machine, alone:
+#
+#     CONTEXTS= PROFILE_S=0 SPEC_S=240 bash benchmarks/device-gpu.sh
 set -u
 # the first call on a machine installs MLX's CUDA wheels; a later call on the warm machine finds
 # them in /tmp/site (install.sh deletes the first part it joins) and only sets the environment
@@ -54,6 +60,9 @@ for spec in ${CONTEXTS-32K:230 128K:150 256K:80}; do
     step "$limit" "bench long $ctx" python3 -m salabatch.cli bench long --contexts "$ctx" \
         "$peer" --steps 32 --out "$out/long-gpu-$ctx.json" --chart "/tmp/long-gpu-$ctx.png"
 done
+[ "${SPEC_S:-0}" -gt 0 ] && step "$SPEC_S" "bench spec cost" python3 -m salabatch.cli bench spec \
+    --workloads cost --batches 1,8 --drafts off,lookup,auto --rounds 2 \
+    --out "$out/spec-gpu.json" --chart /tmp/spec-gpu.png
 [ "${PROFILE_S:-120}" -gt 0 ] && step "${PROFILE_S:-120}" "profile" python3 benchmarks/device-profile.py
 [ "${TEST_S:-0}" -gt 0 ] && MLX_ENABLE_TF32=0 step "$TEST_S" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
     --timeout 150 -rfE -k "not 9b_layout" \

@@ -4,8 +4,11 @@ drafter (`lookup`, `layers`, `auto`), at several batch sizes, on three workloads
 * extraction: the demo job's seven questions over its text documents, on builtin:tiny (the
   answers are names, amounts and dates copied from the document: where lookup shines);
 * free-form: open questions over the same documents, on builtin:tiny, longer answers;
-* cost: the 9B's layer layout (32 layers, 8 sparse) at 1/16 width with random weights over a
-  random document: acceptance means nothing there, the row shows what a pass costs.
+* cost: random weights over a random document, the 9B's layer layout (32 layers, 8 sparse) at
+  1/16 width on a CPU, the 9B itself in bfloat16 over a 32K-token document on a GPU (`shapes`,
+  `context`): acceptance means nothing there, the rows show what drafting costs; beside them,
+  a verify pass's time in plain decode steps (`pass_cost`), the figure that bounds every
+  drafter's gain on that device.
 
 Per workload and batch size, each document is prefilled once; then, in each of `rounds`
 rounds, every document's questions decode with every setting in turn (document by document,
@@ -27,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from salabatch.engine.decode import decode
 from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.speculative import Speculation
@@ -49,26 +53,45 @@ def run(
     rounds: int = 5,
     tokens: int = 4,
     layers: int = 2,
+    shapes: str | None = None,
+    context: int | None = None,
     progress=None,
 ) -> dict:
-    rows = []
+    """`shapes` ("small" or "9b") and `context` (tokens) size the cost workload; None: by the
+    device (`cost_defaults`)."""
+    chosen = {
+        **cost_defaults(),
+        **{k: v for k, v in (("shapes", shapes), ("context", context)) if v},
+    }
+    rows, costs = [], []
     for workload in workloads:
-        model, documents = _workload(workload)
+        model, documents = _workload(workload, **chosen)
         for batch in batches:
             rows += _measure(model, documents, workload, batch, drafts, rounds, tokens, layers)
+            if workload == "cost":
+                costs.append(pass_cost(model, documents[0][0], batch, tokens))
             if progress:
-                progress(table({"rows": rows[-len(drafts) :]}))
+                progress(table({"rows": rows[-len(drafts) :], "pass_cost": costs[-1:]}))
     return {
         "device": str(mx.default_device()),
-        "settings": {"tokens": tokens, "layers": layers, "rounds": rounds},
+        "settings": {"tokens": tokens, "layers": layers, "rounds": rounds, **chosen},
         "rows": rows,
+        "pass_cost": costs,
     }
 
 
-def _workload(name: str) -> tuple:
+def cost_defaults() -> dict:
+    """The cost workload's model and document by device: the 9B over 32K tokens on a GPU (what
+    users run there), the 9B's layout at 1/16 width over 2K on a CPU."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return {"shapes": "9b", "context": 32768}
+    return {"shapes": "small", "context": 2048}
+
+
+def _workload(name: str, shapes: str = "small", context: int = 2048) -> tuple:
     """The model and [(document tokens, [Request])] of a workload."""
     if name == "cost":
-        return _cost()
+        return _cost(shapes, context)
     from salabatch.api import load
 
     model, tok = load("builtin:tiny")
@@ -99,17 +122,23 @@ def _workload(name: str) -> tuple:
     return model, documents
 
 
-def _cost() -> tuple:
+def _cost(shapes: str, context: int) -> tuple:
     from salabatch.bench.long import SALA_9B_SPARSE_LAYERS, SHAPES, _sala, random_init
     from salabatch.engine.config import ModelConfig
     from salabatch.engine.model import Model
+    from salabatch.engine.runtime import resolve_dtype
 
-    small = SHAPES["small"].sala
-    config = _sala(256, 32, 8, 2, 32, 1024, small["vocab_size"], SALA_9B_SPARSE_LAYERS, 16)
-    model = random_init(Model(ModelConfig.from_dict(config)), mx.float32, seed=0)
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes must be one of {', '.join(SHAPES)}, got {shapes!r}")
+    if shapes == "9b":
+        config = SHAPES["9b"].sala
+    else:  # the 9B's 32 layers, 8 of them sparse, at the small shapes' width
+        small = SHAPES["small"].sala
+        config = _sala(256, 32, 8, 2, 32, 1024, small["vocab_size"], SALA_9B_SPARSE_LAYERS, 16)
+    model = random_init(Model(ModelConfig.from_dict(config)), resolve_dtype(None), seed=0)
     model.fuse()
     rng = np.random.default_rng(0)
-    doc = tuple(rng.integers(3, 4000, size=2048).tolist())
+    doc = tuple(rng.integers(3, 4000, size=context).tolist())
     asks = [
         Request(f"random/{i}", tuple(rng.integers(3, 4000, size=16).tolist()), max_tokens=64,
                 context=doc)
@@ -118,12 +147,16 @@ def _cost() -> tuple:
     return model, [(doc, asks)]
 
 
+def _prefilled(model, doc: tuple[int, ...]):
+    """A one-row cache of the document: 1K-token chunks (the demo's short documents, as before),
+    8K past 8K tokens (the GPU's chunk)."""
+    cache = model.make_cache()
+    prefill(model, doc, cache, 8192 if len(doc) > 8192 else 1024)
+    return cache
+
+
 def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) -> list[dict]:
-    prefixes = []
-    for doc, asks in documents:
-        cache = model.make_cache()
-        prefill(model, doc, cache, 1024)
-        prefixes.append((cache, asks))
+    prefixes = [(_prefilled(model, doc), asks) for doc, asks in documents]
     specs = {d: Speculation(d, tokens=tokens, layers=layers) for d in drafts}
     seen: dict[str, list[dict]] = {d: [] for d in drafts}
     for i in range(rounds + 1):  # the first round warms every trace and is not kept
@@ -160,6 +193,45 @@ def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) 
             )
         rows.append(row)
     return rows
+
+
+def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int = 24) -> dict:
+    """A verify pass's time against a plain decode step's, at `batch` rows forked from the
+    document, each run as `Batch` runs it: plain steps pipelined (the next built and queued
+    before the last is read), passes of `tokens` drafts + 1 positions not (each reads the
+    model's tokens, then the rollback keeps one position, as a pass whose drafts all fail).
+    → the median step and pass in milliseconds, and the pass in steps: a drafter gains only
+    where a pass keeps more tokens than that."""
+    cache = _prefilled(model, doc).fork(batch)
+    cache.reserve(cache.own_length() + 2 * steps + 2)
+    rng = np.random.default_rng(1)
+    feed = mx.array(rng.integers(3, 4000, size=batch), dtype=mx.int32)
+    step_times, pass_times = [], []
+    last = time.perf_counter()
+    for _ in range(steps):
+        drawn = mx.argmax(decode(model, feed, cache), axis=-1).astype(mx.int32)
+        mx.async_eval(drawn, *cache.arrays())
+        feed.tolist()  # the last step's tokens: what a plain step reads
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last, feed = now, drawn
+    feed.tolist()
+    for _ in range(steps):
+        start = time.perf_counter()
+        ids = mx.array(rng.integers(3, 4000, size=(batch, tokens + 1)), dtype=mx.int32)
+        point = cache.checkpoint()
+        mx.argmax(model(ids, cache, queue=True), axis=-1).tolist()
+        cache.rollback(point, [1] * batch)  # queued with the next pass, as `Batch` leaves it
+        pass_times.append(time.perf_counter() - start)
+    step_ms = 1000 * statistics.median(step_times[2:])
+    pass_ms = 1000 * statistics.median(pass_times[2:])
+    return {
+        "batch": batch,
+        "positions": tokens + 1,
+        "step_ms": round(step_ms, 3),
+        "pass_ms": round(pass_ms, 3),
+        "pass_steps": round(pass_ms / step_ms, 2),
+    }
 
 
 def _decode(model, cache, asks, batch, spec) -> tuple[list, float]:
@@ -203,6 +275,11 @@ def table(result: dict) -> str:
         lines.append(
             f"{r['workload']:11s} {r['batch']:5d} {r['draft']:7s} {r['tok_s']:8.1f} {vs:>7s} "
             f"{acc:>14s} {same}"
+        )
+    for c in result.get("pass_cost", []):
+        lines.append(
+            f"cost, batch {c['batch']}: a verify pass of {c['positions']} positions "
+            f"{c['pass_ms']:.2f} ms = {c['pass_steps']:.2f} plain steps ({c['step_ms']:.2f} ms)"
         )
     return "\n".join(lines)
 

@@ -250,6 +250,17 @@ def bench_quant(
 @click.option("--rounds", default=5, show_default=True, help="Timed rounds (the median kept).")
 @click.option("--tokens", default=4, show_default=True, help="Drafts per pass.")
 @click.option("--layers", default=2, show_default=True, help="The layers drafter's layers.")
+@click.option(
+    "--shapes",
+    type=click.Choice(["small", "9b"]),
+    help="The cost workload's model: the 9B's layout at 1/16 width, or the 9B itself "
+    "[default: 9b on a GPU, small on a CPU].",
+)
+@click.option(
+    "--context",
+    type=click.IntRange(min=64),
+    help="The cost workload's document, tokens [default: 32768 on a GPU, 2048 on a CPU].",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option(
     "--chart",
@@ -263,6 +274,8 @@ def bench_spec(
     rounds: int,
     tokens: int,
     layers: int,
+    shapes: str | None,
+    context: int | None,
     out: str | None,
     chart: str | None,
 ) -> None:
@@ -278,6 +291,8 @@ def bench_spec(
         rounds=rounds,
         tokens=tokens,
         layers=layers,
+        shapes=shapes,
+        context=context,
         progress=lambda text: click.echo(text, err=True),
     )
     result = {"bench": "spec", **environment(), **result}

@@ -3,6 +3,8 @@ here; the numbers live in benchmarks/README.md."""
 
 from __future__ import annotations
 
+import pytest
+
 from salabatch.bench import spec
 
 
@@ -23,3 +25,24 @@ def test_spec_bench_rows_ratios_and_table():
     assert lookup["tokens"] == off["tokens"] > 0
     table = spec.table(result)
     assert "extraction" in table and "lookup" in table and "yes" in table
+
+
+def test_pass_cost_times_a_verify_pass_against_plain_steps(tmp_path):
+    """`pass_cost` on a tiny checkpoint: both times measured, their ratio reported, and the
+    document's own cache left as it was (the rows are forks of a fresh prefill)."""
+    from salabatch.engine.load import load_model
+    from tests.tiny import tiny_config_dict, write_tiny_checkpoint
+
+    model = load_model(write_tiny_checkpoint(tmp_path, tiny_config_dict()), dtype="float32")
+    doc = tuple(range(3, 200))
+    cost = spec.pass_cost(model, doc, batch=2, tokens=3, steps=6)
+    assert cost["batch"] == 2 and cost["positions"] == 4
+    assert cost["step_ms"] > 0 and cost["pass_ms"] > 0
+    assert abs(cost["pass_steps"] - cost["pass_ms"] / cost["step_ms"]) <= 0.01
+    line = spec.table({"rows": [], "pass_cost": [cost]})
+    assert "a verify pass of 4 positions" in line and "plain steps" in line
+
+
+def test_cost_workload_refuses_unknown_shapes():
+    with pytest.raises(ValueError, match="shapes must be one of"):
+        spec._workload("cost", shapes="70b")
