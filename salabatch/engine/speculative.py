@@ -349,16 +349,23 @@ class Policy:
     not pay.
 
     `auto` keeps its own draft length, 0 (plain, pipelined steps) to `tokens`. It starts plain
-    (measuring a plain step's time at this row count), then probes with one draft per row.
-    After each pass it compares the tokens per second of its passes (a moving average) with
-    plain steps': ahead by GROW, one draft more; behind (or its passes accept next to nothing,
-    FUTILE, which never pays whatever a noisy clock says), one less, and at 0 plain steps for a
-    back-off that doubles each time (BACKOFF up to MAX_BACKOFF) before the next probe. Every
-    REMEASURE passes it runs WARMUP plain steps again, so the comparison is with plain steps of
-    now (not of a cold start). A probe at one draft costs little: the pass is barely longer
-    than a step; a probe that finds nothing to draft (`undrafted`) backs off the same way, until
-    a row joins. Per row: a row drafts while the share of its drafts accepted (a moving
-    average) stays at least ROW_FLOOR, and on every PROBE-th pass otherwise."""
+    (measuring a plain step's time at this row count), then probes with `tokens` drafts per
+    row. After each pass it compares the tokens per second of its passes (a moving average)
+    with plain steps': ahead by GROW, one draft more; behind (or its passes accept next to
+    nothing, FUTILE, which never pays whatever a noisy clock says), one less, and at 0 plain
+    steps for a back-off that doubles each time (BACKOFF up to MAX_BACKOFF) before the next
+    probe; a probe that is behind backs off at once. Every REMEASURE passes it runs WARMUP
+    plain steps again, so the comparison is with plain steps of now (not of a cold start).
+    A probe drafts the full length because a pass costs little more for more drafts (on a GPU
+    it reads the weights once whatever its length; on the 2-core CPU at batch 1, 5 positions
+    cost ~1.25× 2) while the answers worth drafting for, copied from the document, are short:
+    a probe at one draft growing by one a pass spends most of such an answer growing; and a
+    failed probe backs off at once, so where nothing pays it costs one pass a back-off. (On
+    the demo questions at batch 1 on the 2-core CPU the two probes were within the machine's
+    noise: 1.28× and 1.29× plain decoding in one 12-round A/B.) A probe that finds nothing to
+    draft (`undrafted`) backs off the same way, until a row joins. Per row: a row drafts while
+    the share of its drafts accepted (a moving average) stays at least ROW_FLOOR, and on every
+    PROBE-th pass otherwise."""
 
     ROW_FLOOR, PROBE, GROW, BACKOFF, MAX_BACKOFF, WARMUP, REMEASURE = 0.3, 8, 1.05, 8, 256, 3, 24
     FUTILE = 0.1  # drafts accepted per row and pass (moving average) under which passes stop
@@ -370,11 +377,13 @@ class Policy:
         self._plain: dict[int, float] = {}  # rows → seconds per plain step (moving average)
         self._rate: float | None = None  # tokens per second of the passes at this length
         self._gained = 0.0  # drafts accepted per row and pass (moving average)
-        self._wait, self._resume = self.WARMUP, 1  # plain steps before passes of `_resume`
+        self._wait, self._resume = self.WARMUP, self.most  # plain steps, then passes of `_resume`
+        self._probing = True  # the passes after the wait are a probe (not a remeasure's)
         self._backoff = self.BACKOFF
         self._passes = 0
         self._last_plain: float | None = None
         self._idle = False  # resting after a step that found nothing to draft (`undrafted`)
+        self._probe = False  # the pass running is a probe
 
     def speculate(self) -> bool:
         """Whether this step is a verify pass (else a plain step)."""
@@ -384,6 +393,7 @@ class Policy:
             self._wait -= 1
             return False
         self.tokens, self._rate, self._idle = self._resume, None, False
+        self._probe, self._probing = self._probing, False
         return True
 
     def plain_step(self, rows: int, now: float) -> None:
@@ -402,8 +412,7 @@ class Policy:
         self._last_plain = None
         if self.adaptive:
             self._rate, self._idle = None, True
-            self._pause(self._backoff, self.tokens or 1)
-            self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+            self._back_off()
 
     def joined(self) -> None:
         """Rows joined the batch: where `auto` rests because no row had anything to draft, it
@@ -423,6 +432,7 @@ class Policy:
             self._rate = 0.5 * self._rate + 0.5 * rate
             self._gained = 0.5 * self._gained + 0.5 * gained
         self._passes += 1
+        probe, self._probe = self._probe, False
         plain = self._plain_seconds(rows)
         if plain is None or self._passes % self.REMEASURE == 0:  # plain steps of now first
             self._pause(self.WARMUP, self.tokens)
@@ -431,11 +441,16 @@ class Policy:
             self._backoff = self.BACKOFF
         elif self._gained < self.FUTILE or self._rate * plain < rows:
             self._rate = None
-            if self.tokens > 1:
+            if self.tokens > 1 and not probe:
                 self.tokens -= 1
             else:
-                self._pause(self._backoff, 1)
-                self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+                self._back_off()
+
+    def _back_off(self) -> None:
+        """Plain steps for the back-off, doubled for the next time, then a probe."""
+        self._pause(self._backoff, self.most)
+        self._probing = True
+        self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
 
     def _pause(self, steps: int, then: int) -> None:
         """Plain steps for `steps` steps (one more: the first is not timed), then passes of

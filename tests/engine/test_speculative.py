@@ -380,13 +380,18 @@ def test_auto_backs_off_where_passes_do_not_pay_and_grows_where_they_do():
     assert plain == [False] * Policy.WARMUP  # measures plain steps first
     policy.plain_step(8, 0.0)
     policy.plain_step(8, 0.010)  # 10 ms a plain step for 8 rows: 800 tokens/s
-    assert policy.speculate() and policy.tokens == 1  # then probes with one draft
-    policy.verify_pass(8, 9, 0.02)  # 450 tokens/s: worse
+    assert policy.speculate() and policy.tokens == 4  # then probes with its full length
+    policy.verify_pass(8, 9, 0.02)  # 450 tokens/s: worse, and a probe backs off at once
     assert policy.tokens == 0
     waits = 0
     while not policy.speculate():
         waits += 1
     assert waits == Policy.BACKOFF + 1  # the first plain step after a pass is not timed
+    assert policy.tokens == 4
+    policy.verify_pass(8, 24, 0.012)  # 2,000 tokens/s: the probe pays
+    for _ in range(2):  # 90 tokens/s: the average falls behind, one draft less (no back-off)
+        policy.verify_pass(8, 9, 0.1)
+    assert policy.tokens == 3
     for _ in range(3):
         policy.verify_pass(8, 24, 0.012)  # 2,000 tokens/s
     assert policy.tokens == 4
@@ -422,9 +427,9 @@ def test_auto_rests_where_no_row_has_anything_to_draft():
     policy.undrafted()
     assert not policy.speculate()
     policy.joined()
-    assert policy.speculate() and policy.tokens == 1
+    assert policy.speculate() and policy.tokens == 4
     policy.joined()  # (while passes run, a join changes nothing)
-    assert policy.speculate() and policy.tokens == 1
+    assert policy.speculate() and policy.tokens == 4
     fixed = Policy(Speculation("lookup", tokens=4))
     fixed.undrafted()
     assert fixed.speculate() and fixed.tokens == 4
