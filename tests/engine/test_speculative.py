@@ -369,6 +369,9 @@ def test_lookup_copies_what_followed_the_answer_in_the_document():
     doc = (70, 71, 72, 5, 6, 7, *filler, 80, 81, 82, 5, 9, 9)
     assert Lookup().propose(RowText(doc, [81, 90, 5]), 2) == [9, 9]
     assert Lookup().propose(RowText(doc, [71, 90, 5]), 2) == [6, 7]
+    # ... and where no place stands out from the others, no guess
+    doc = (70, 71, 72, 5, 6, 7, *filler, 70, 71, 72, 5, 9, 9)
+    assert Lookup().propose(RowText(doc, [71, 90, 5]), 2) == []
     row = RowText((), [1, 2, 3, 1, 2, 3, 1, 2])  # a repeat continues into its own draft
     assert Lookup().propose(row, 5) == [3, 1, 2, 3, 1]
     assert Lookup().propose(RowText(doc, [99, 98]), 4) == []
