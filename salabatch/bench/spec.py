@@ -6,9 +6,10 @@ drafter (`lookup`, `layers`, `auto`), at several batch sizes, on three workloads
 * free-form: open questions over the same documents, on builtin:tiny, longer answers;
 * cost: random weights over a random document, the 9B's layer layout (32 layers, 8 sparse) at
   1/16 width on a CPU, the 9B itself in bfloat16 over a 32K-token document on a GPU (`shapes`,
-  `context`): acceptance means nothing there, the rows show what drafting costs; beside them,
-  a verify pass's time in plain decode steps (`pass_cost`), the figure that bounds every
-  drafter's gain on that device.
+  `context`): acceptance means nothing there, the rows show what drafting costs.
+
+Beside each workload and batch, a verify pass's time in plain decode steps (`pass_cost`, over
+the workload's first document): the figure that bounds every drafter's gain on that device.
 
 Per workload and batch size, each document is prefilled once; then, in each of `rounds`
 rounds, every document's questions decode with every setting in turn (document by document,
@@ -68,8 +69,7 @@ def run(
         model, documents = _workload(workload, **chosen)
         for batch in batches:
             rows += _measure(model, documents, workload, batch, drafts, rounds, tokens, layers)
-            if workload == "cost":
-                costs.append(pass_cost(model, documents[0][0], batch, tokens))
+            costs.append({"workload": workload, **pass_cost(model, documents[0][0], batch, tokens)})
             if progress:
                 progress(table({"rows": rows[-len(drafts) :], "pass_cost": costs[-1:]}))
     return {
@@ -195,7 +195,7 @@ def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) 
     return rows
 
 
-def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int = 24) -> dict:
+def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int = 48) -> dict:
     """A verify pass's time against a plain decode step's, at `batch` rows forked from the
     document, each run as `Batch` runs it: plain steps pipelined (the next built and queued
     before the last is read), passes of `tokens` drafts + 1 positions not (each reads the
@@ -278,7 +278,7 @@ def table(result: dict) -> str:
         )
     for c in result.get("pass_cost", []):
         lines.append(
-            f"cost, batch {c['batch']}: a verify pass of {c['positions']} positions "
+            f"{c['workload']}, batch {c['batch']}: a verify pass of {c['positions']} positions "
             f"{c['pass_ms']:.2f} ms = {c['pass_steps']:.2f} plain steps ({c['step_ms']:.2f} ms)"
         )
     return "\n".join(lines)

@@ -23,8 +23,11 @@ def test_spec_bench_rows_ratios_and_table():
     assert lookup["drafted"] > 0 and 0 <= lookup["accepted"] <= lookup["drafted"]
     assert lookup["same_answers"] is True  # greedy: speculation changes no answer
     assert lookup["tokens"] == off["tokens"] > 0
+    (cost,) = result["pass_cost"]  # a verify pass against plain steps, beside the rows
+    assert cost["workload"] == "extraction" and cost["batch"] == 8 and cost["pass_steps"] > 0
     table = spec.table(result)
     assert "extraction" in table and "lookup" in table and "yes" in table
+    assert "extraction, batch 8: a verify pass of 5 positions" in table
 
 
 def test_pass_cost_times_a_verify_pass_against_plain_steps(tmp_path):
@@ -40,7 +43,7 @@ def test_pass_cost_times_a_verify_pass_against_plain_steps(tmp_path):
     assert cost["step_ms"] > 0 and cost["pass_ms"] > 0
     ratio = cost["pass_ms"] / cost["step_ms"]  # of the rounded times: within their rounding
     assert cost["pass_steps"] == pytest.approx(ratio, rel=0.02, abs=0.01)
-    line = spec.table({"rows": [], "pass_cost": [cost]})
+    line = spec.table({"rows": [], "pass_cost": [{"workload": "cost", **cost}]})
     assert "a verify pass of 4 positions" in line and "plain steps" in line
 
 
