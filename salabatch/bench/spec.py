@@ -205,7 +205,8 @@ def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int =
     cache = _prefilled(model, doc).fork(batch)
     cache.reserve(cache.own_length() + 2 * steps + 2)
     rng = np.random.default_rng(1)
-    feed = mx.array(rng.integers(3, 4000, size=batch), dtype=mx.int32)
+    vocab = model.config.vocab_size  # (builtin:tiny's is 1,024: an id past it reads past the table)
+    feed = mx.array(rng.integers(3, vocab, size=batch), dtype=mx.int32)
     step_times, pass_times = [], []
     last = time.perf_counter()
     for _ in range(steps):
@@ -218,7 +219,7 @@ def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int =
     feed.tolist()
     for _ in range(steps):
         start = time.perf_counter()
-        ids = mx.array(rng.integers(3, 4000, size=(batch, tokens + 1)), dtype=mx.int32)
+        ids = mx.array(rng.integers(3, vocab, size=(batch, tokens + 1)), dtype=mx.int32)
         point = cache.checkpoint()
         mx.argmax(model(ids, cache, queue=True), axis=-1).tolist()
         cache.rollback(point, [1] * batch)  # queued with the next pass, as `Batch` leaves it
