@@ -67,9 +67,11 @@ def run(
     rows, costs = [], []
     for workload in workloads:
         model, documents = _workload(workload, **chosen)
+        # each document prefilled once: every batch size and setting decodes forks of it
+        prefixes = [(_prefilled(model, doc), asks) for doc, asks in documents]
         for batch in batches:
-            rows += _measure(model, documents, workload, batch, drafts, rounds, tokens, layers)
-            costs.append({"workload": workload, **pass_cost(model, documents[0][0], batch, tokens)})
+            rows += _measure(model, prefixes, workload, batch, drafts, rounds, tokens, layers)
+            costs.append({"workload": workload, **pass_cost(model, prefixes[0][0], batch, tokens)})
             if progress:
                 progress(table({"rows": rows[-len(drafts) :], "pass_cost": costs[-1:]}))
     return {
@@ -155,8 +157,7 @@ def _prefilled(model, doc: tuple[int, ...]):
     return cache
 
 
-def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) -> list[dict]:
-    prefixes = [(_prefilled(model, doc), asks) for doc, asks in documents]
+def _measure(model, prefixes, workload, batch, drafts, rounds, tokens, layers) -> list[dict]:
     specs = {d: Speculation(d, tokens=tokens, layers=layers) for d in drafts}
     seen: dict[str, list[dict]] = {d: [] for d in drafts}
     for i in range(rounds + 1):  # the first round warms every trace and is not kept
@@ -195,14 +196,15 @@ def _measure(model, documents, workload, batch, drafts, rounds, tokens, layers) 
     return rows
 
 
-def pass_cost(model, doc: tuple[int, ...], batch: int, tokens: int, steps: int = 48) -> dict:
+def pass_cost(model, prefix, batch: int, tokens: int, steps: int = 48) -> dict:
     """A verify pass's time against a plain decode step's, at `batch` rows forked from the
-    document, each run as `Batch` runs it: plain steps pipelined (the next built and queued
-    before the last is read), passes of `tokens` drafts + 1 positions not (each reads the
-    model's tokens, then the rollback keeps one position, as a pass whose drafts all fail).
-    → the median step and pass in milliseconds, and the pass in steps: a drafter gains only
-    where a pass keeps more tokens than that."""
-    cache = _prefilled(model, doc).fork(batch)
+    prefilled document `prefix` (a one-row cache, left as it is), each run as `Batch` runs it:
+    plain steps pipelined (the next built and queued before the last is read), passes of
+    `tokens` drafts + 1 positions not (each reads the model's tokens, then the rollback keeps
+    one position, as a pass whose drafts all fail). → the median step and pass in
+    milliseconds, and the pass in steps: a drafter gains only where a pass keeps more tokens
+    than that."""
+    cache = prefix.fork(batch)
     cache.reserve(cache.own_length() + 2 * steps + 2)
     rng = np.random.default_rng(1)
     vocab = model.config.vocab_size  # (builtin:tiny's is 1,024: an id past it reads past the table)

@@ -32,13 +32,15 @@ def test_spec_bench_rows_ratios_and_table():
 
 def test_pass_cost_times_a_verify_pass_against_plain_steps(tmp_path):
     """`pass_cost` on a tiny checkpoint: both times measured, their ratio reported, and the
-    document's own cache left as it was (the rows are forks of a fresh prefill)."""
+    document's cache left as it was (the rows are its forks)."""
     from salabatch.engine.load import load_model
     from tests.tiny import tiny_config_dict, write_tiny_checkpoint
 
     model = load_model(write_tiny_checkpoint(tmp_path, tiny_config_dict()), dtype="float32")
     doc = tuple(range(3, 200))
-    cost = spec.pass_cost(model, doc, batch=2, tokens=3, steps=6)
+    prefix = spec._prefilled(model, doc)
+    cost = spec.pass_cost(model, prefix, batch=2, tokens=3, steps=6)
+    assert prefix.offset == len(doc)  # the rows were forks
     assert cost["batch"] == 2 and cost["positions"] == 4
     assert cost["step_ms"] > 0 and cost["pass_ms"] > 0
     ratio = cost["pass_ms"] / cost["step_ms"]  # of the rounded times: within their rounding
