@@ -205,7 +205,9 @@ def pass_cost(model, prefix, batch: int, tokens: int, steps: int = 48) -> dict:
     milliseconds, and the pass in steps: a drafter gains only where a pass keeps more tokens
     than that."""
     cache = prefix.fork(batch)
-    cache.reserve(cache.own_length() + 2 * steps + 2)
+    # room for every step, every pass's kept position and the last pass's whole length: the
+    # buffers keep one shape (a growth mid-measure would retrace the GPU's compiled step)
+    cache.reserve(cache.own_length() + 2 * steps + tokens + 1)
     rng = np.random.default_rng(1)
     vocab = model.config.vocab_size  # (builtin:tiny's is 1,024: an id past it reads past the table)
     feed = mx.array(rng.integers(3, vocab, size=batch), dtype=mx.int32)
