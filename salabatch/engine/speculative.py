@@ -420,7 +420,7 @@ class Policy:
         unpipelined: 0.91× plain decoding at batch 8."""
         self._last_plain = None
         if self.adaptive:
-            self._rate, self._idle = None, True
+            self._idle = True
             self._back_off()
 
     def joined(self) -> None:
