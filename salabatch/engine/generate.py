@@ -261,6 +261,7 @@ class Batch:
         self.cache: ModelCache | None = None
         self._joining: list[tuple[Generation, ModelCache, mx.array]] = []
         self._feed: mx.array | None = None  # [rows] each row's newest token: drawn, not yet read
+        self._known: list[int] | None = None  # `_feed`'s values where the host has them (a pass's)
         self._counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
 
     def __len__(self) -> int:
@@ -324,11 +325,14 @@ class Batch:
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
         counts = [] if self._counts is None else [self._counts]
         mx.async_eval(drawn, *self.cache.arrays(), *counts)
-        read = self._feed.tolist()  # the tokens the queued step is fed: all that is read per step
+        # the tokens the queued step is fed: all that is read per step
+        read = self._known if self._known is not None else self._feed.tolist()
         now = time.perf_counter()
         for g, token in zip(rows, read, strict=True):
             self._read(g, token, now)
-        self._feed = drawn
+        self._feed, self._known = drawn, None
+        if self._policy.awaits_draft and self._draftable(rows):
+            self._policy.draftable()
         keep = [b for b, g in enumerate(rows) if not g.done]
         if len(keep) < len(rows):
             self._keep(keep)
@@ -342,9 +346,10 @@ class Batch:
         step. Not pipelined: the drafts need the tokens read."""
         began = time.perf_counter()
         rows = self.rows
-        newest = self._feed.tolist()
+        newest = self._known if self._known is not None else self._feed.tolist()
+        read = time.perf_counter()  # (a row's first token is read here, as a plain step reads it)
         for g, token in zip(rows, newest, strict=True):
-            self._read(g, token, began)
+            self._read(g, token, read)
         alive = [b for b, g in enumerate(rows) if not g.done]
         if len(alive) < len(rows):
             self._keep(alive)
@@ -365,7 +370,8 @@ class Batch:
         ids = [[t, *d] + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts, strict=True)]
         point = self.cache.checkpoint()
         logits = self.model(mx.array(ids, dtype=mx.int32), self.cache, queue=True)  # [B, T, V]
-        first = sample_tokens(logits[:, 0], params, steps, counts)
+        plain = counts is None and all(p.plain_greedy for p in params)  # first: the argmax
+        first = None if plain else sample_tokens(logits[:, 0], params, steps, counts)
         verdicts = verify(logits, drafts, params, steps, first, q)
         self.cache.rollback(point, [v.accepted + 1 for v in verdicts])
         now = time.perf_counter()
@@ -381,24 +387,16 @@ class Batch:
             produced += 1
         self._policy.verify_pass(len(live), produced, now - began)
         kept = [d[: v.accepted] for d, v in zip(drafts, verdicts, strict=True)]
-        drawn = mx.array([v.next_token for v in verdicts], dtype=mx.int32)
-        self._drawn(live, kept, drawn, True)
+        known = [v.next_token for v in verdicts]
+        self._drawn(live, kept, mx.array(known, dtype=mx.int32), True, known)
         return rows
 
     def _drafts(self, rows: list[Generation]) -> tuple[list[list[int]], mx.array | None]:
-        """Each row's drafts (none for a row with penalties, or that `auto` rests), at most
-        `tokens`, its room to max_tokens, and what keeps the pass on one side of dense_len (a
-        pass over it would attend as one call does, sparsely from its first query: SPEC P7).
-        With the `layers` drafter, also the draft distributions of rows with a temperature."""
-        k = self._policy.tokens
-        dense_len = self.model.config.sparse.dense_len
-        # every row is fed the pass's length, so its side of dense_len bounds every row's drafts
-        side = min(dense_len - 1 - p if p + 1 < dense_len else k for p in self.cache.positions)
+        """Each row's drafts (`_draft_room`; none for a row that `auto` rests), with the `layers`
+        drafter also the draft distributions of rows with a temperature."""
         limits = [
-            max(0, min(k, side, g.request.max_tokens - len(g.tokens) - 1))
-            if not penalized([g.request.params]) and self._policy.drafts_for(g._stats)
-            else 0
-            for g in rows
+            n if n and self._policy.drafts_for(g._stats) else 0
+            for g, n in zip(rows, self._draft_room(rows, self._policy.tokens), strict=True)
         ]
         limit = max(limits)
         if not limit:
@@ -409,20 +407,44 @@ class Batch:
                 self.cache, self._feed, params, [g._sampled for g in rows], limit
             )
             return [d[:n] for d, n in zip(drafted.tolist(), limits, strict=True)], q
-        drafts = []
-        for g, n in zip(rows, limits, strict=True):
-            if g._text is None:
-                g._text = RowText(g.request.context, list(g.request.prompt))
-            g._text.own[len(g.request.prompt) :] = g.tokens
-            drafts.append(self._lookup.propose(g._text, n))
+        drafts = [self._lookup.propose(_row_text(g), n) for g, n in zip(rows, limits, strict=True)]
         return drafts, None
 
+    def _draft_room(self, rows: list[Generation], k: int) -> list[int]:
+        """Drafts each row may have: at most k, its room to max_tokens, none with penalties, and
+        what keeps the pass on one side of dense_len (a pass over it would attend as one call
+        does, sparsely from its first query: SPEC P7)."""
+        dense_len = self.model.config.sparse.dense_len
+        # every row is fed the pass's length, so its side of dense_len bounds every row's drafts
+        side = min(dense_len - 1 - p if p + 1 < dense_len else k for p in self.cache.positions)
+        return [
+            0
+            if penalized([g.request.params])
+            else max(0, min(k, side, g.request.max_tokens - len(g.tokens) - 1))
+            for g in rows
+        ]
+
+    def _draftable(self, rows: list[Generation]) -> bool:
+        """Whether the lookup drafter finds a draft after some row's newest token read (and the
+        row has room for it): when a batch running plain steps because it found none drafts
+        again."""
+        room = self._draft_room(rows, self.speculation.tokens)
+        return any(
+            n and not g.done and self._lookup.propose(_row_text(g), 1)
+            for g, n in zip(rows, room, strict=True)
+        )
+
     def _drawn(
-        self, rows: list[Generation], kept: list[list[int]], drawn: mx.array, passed: bool
+        self,
+        rows: list[Generation],
+        kept: list[list[int]],
+        drawn: mx.array,
+        passed: bool,
+        known: list[int] | None = None,
     ) -> None:
         """After a step (`passed`: a verify pass) that read `kept[b]` more tokens of row b and
-        drew `drawn` [B] (read at the next step): the rows' random steps and token counts move
-        on."""
+        drew `drawn` [B] (read at the next step; `known`: its values, where a pass read them):
+        the rows' random steps and token counts move on."""
         for g, d in zip(rows, kept, strict=True):
             g._sampled += len(d) + 1
         if self._counts is not None:
@@ -431,10 +453,11 @@ class Batch:
                 b, t = zip(*at, strict=True)
                 self._counts = self._counts.at[mx.array(b), mx.array(t)].add(1)
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
-        self._feed = drawn
+        self._feed, self._known = drawn, known
         counts = [] if self._counts is None else [self._counts]
         if passed:  # its rollback is queued with the next pass's layers, overlapping their build
-            mx.async_eval(drawn, *counts)
+            if counts:  # (its tokens the host has: nothing to wait for)
+                mx.async_eval(*counts)
         else:
             mx.async_eval(drawn, *self.cache.arrays(), *counts)
         keep = [b for b, g in enumerate(rows) if not g.done]
@@ -448,6 +471,7 @@ class Batch:
         self.cache = ModelCache.concat(caches if self.cache is None else [self.cache, *caches])
         first = [t for _, _, t in joined]
         self._feed = mx.concatenate(first if self._feed is None else [self._feed, *first])
+        self._known = None
         if self._counts is not None or penalized([g.request.params for g in self.rows]):
             self._counts = self._grown_counts(len(joined), first)
         self._policy.joined()
@@ -460,11 +484,13 @@ class Batch:
         """Keeps only these rows (their cache, newest tokens and counts)."""
         self.rows = [self.rows[b] for b in keep]
         if not keep:
-            self.cache = self._feed = self._counts = None
+            self.cache = self._feed = self._counts = self._known = None
             return
         self.cache = self.cache.select(keep)
         at = mx.array(keep, dtype=mx.int32)
         self._feed = self._feed[at]
+        if self._known is not None:
+            self._known = [self._known[b] for b in keep]
         if self._counts is not None:
             self._counts = self._counts[at]
 
@@ -517,6 +543,14 @@ class Batch:
                 g._detok.finalize()
             g.text = g._detok.text[:cut]
             g._detok = None
+
+
+def _row_text(g: Generation) -> RowText:
+    """Row g's text as the lookup drafter reads it, up to its newest token read."""
+    if g._text is None:
+        g._text = RowText(g.request.context, list(g.request.prompt))
+    g._text.own[len(g.request.prompt) :] = g.tokens
+    return g._text
 
 
 def _stop_string_at(g: Generation) -> int | None:

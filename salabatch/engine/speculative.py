@@ -280,23 +280,25 @@ def verify(
     drafts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     steps: Sequence[int],
-    first: mx.array,
+    first: mx.array | None,
     q: mx.array | None = None,
 ) -> list[Verdict]:
     """The rows' verdicts from the full model's logits [B, T, V] over (newest token, drafts):
     `first` [B] is the token plain sampling draws from position 0 (penalties included; a row
-    without drafts takes it); `steps[b]` the row's tokens drawn so far; q [B, T - 1, V] the
-    draft distributions of a `layers` drafter for rows with a temperature (None: the drafts are
-    certain, as lookup's, q(d) = 1)."""
+    without drafts takes it), None where that is the argmax (every row plainly greedy);
+    `steps[b]` the row's tokens drawn so far; q [B, T - 1, V] the draft distributions of a
+    `layers` drafter for rows with a temperature (None: the drafts are certain, as lookup's,
+    q(d) = 1)."""
     B, T, _ = logits.shape
     greedy = mx.argmax(logits, axis=-1)  # [B, T]
     hot = [b for b in range(B) if drafts[b] and params[b].temperature > 0]
-    arrays = [greedy, first]
+    arrays = [greedy] if first is None else [greedy, first]
     if hot:
         accept, residual, plain = _rejection(logits, drafts, params, steps, hot, q)
         arrays += [accept, residual, plain]
     mx.eval(*arrays)
-    greedy_l, first_l = greedy.tolist(), first.tolist()
+    greedy_l = greedy.tolist()
+    first_l = [y[0] for y in greedy_l] if first is None else first.tolist()
     if hot:
         accept_l, residual_l, plain_l = accept.tolist(), residual.tolist(), plain.tolist()
     out = []
@@ -392,10 +394,14 @@ class Policy:
         self._passes = 0
         self._last_plain: float | None = None
         self._idle = False  # resting after a step that found nothing to draft (`undrafted`)
+        self.lookup = speculation.draft == "lookup"
+        self._awaiting = False  # `lookup`: plain steps until a draft is found (`undrafted`)
         self._probe = False  # the pass running is a probe
 
     def speculate(self) -> bool:
         """Whether this step is a verify pass (else a plain step)."""
+        if self._awaiting:
+            return False
         if self.tokens:
             return True
         if self._wait > 0:
@@ -414,20 +420,35 @@ class Policy:
 
     def undrafted(self) -> None:
         """A step that read first but found no draft in any row ran as a plain step, not
-        pipelined: for `auto`, a probe that found nothing to verify, after which it runs plain
-        (pipelined) steps, twice as many each time, until a row joins (`joined`). Before,
-        answers that never repeat their document (the bench's random one) ran every step
-        unpipelined: 0.91× plain decoding at batch 8."""
+        pipelined. `lookup` then runs plain (pipelined) steps until the drafter finds a draft
+        after a token they read (`awaits_draft`, `draftable`) or a row joins: a step that reads
+        before it drafts leaves the device idle while the host drafts and builds, so each step
+        without a draft cost ~1.2 pipelined ones on the 2-core CPU at batch 1. `auto` backs off
+        (plain steps, twice as many each time) until then. Before, answers that never repeat
+        their document (the bench's random one) ran every step unpipelined: 0.91× plain
+        decoding at batch 8."""
         self._last_plain = None
         if self.adaptive:
             self._idle = True
             self._back_off()
+        elif self.lookup:
+            self._awaiting = True
 
-    def joined(self) -> None:
-        """Rows joined the batch: where `auto` rests because no row had anything to draft, it
-        asks again at the next step (a new answer's first token may find its place)."""
+    @property
+    def awaits_draft(self) -> bool:
+        """Plain steps run because no row had a draft: the batch asks its drafter after each."""
+        return self._awaiting or (self._idle and not self.tokens)
+
+    def draftable(self) -> None:
+        """A row has a draft after its newest token: drafting resumes at the next step."""
+        self._awaiting = False
         if self._idle and not self.tokens:
             self._wait, self._idle = 0, False
+
+    def joined(self) -> None:
+        """Rows joined the batch: where it rests because no row had anything to draft, it asks
+        again at the next step (a new answer's first token may find its place)."""
+        self.draftable()
 
     def verify_pass(self, rows: int, tokens: int, seconds: float) -> None:
         """A verify pass over `rows` rows gave `tokens` tokens in `seconds`."""

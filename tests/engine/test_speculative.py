@@ -417,7 +417,8 @@ def test_auto_backs_off_where_passes_do_not_pay_and_grows_where_they_do():
 
 def test_auto_rests_where_no_row_has_anything_to_draft():
     """A probe that finds no draft in any row ran unpipelined for nothing: `auto` runs plain
-    steps, twice as many each time, until a row joins; `lookup` keeps asking."""
+    steps, twice as many each time, until a row joins or a draft is found; `lookup` runs plain
+    steps until then."""
     policy = Policy(Speculation("auto", tokens=4))
     while not policy.speculate():
         pass
@@ -434,8 +435,20 @@ def test_auto_rests_where_no_row_has_anything_to_draft():
     policy.joined()  # (while passes run, a join changes nothing)
     assert policy.speculate() and policy.tokens == 4
     fixed = Policy(Speculation("lookup", tokens=4))
+    fixed.undrafted()  # `lookup`: plain (pipelined) steps until its drafter finds a draft
+    assert fixed.awaits_draft and not fixed.speculate() and not fixed.speculate()
+    fixed.draftable()
+    assert not fixed.awaits_draft and fixed.speculate() and fixed.tokens == 4
     fixed.undrafted()
+    fixed.joined()  # or a row joins
     assert fixed.speculate() and fixed.tokens == 4
+    policy.undrafted()  # `auto` resting likewise asks its drafter after each plain step
+    assert policy.awaits_draft and not policy.speculate()
+    policy.draftable()
+    assert policy.speculate() and policy.tokens == 4
+    layers = Policy(Speculation("layers", tokens=4))
+    layers.undrafted()  # (no room to draft: nothing to wait for)
+    assert not layers.awaits_draft and layers.speculate()
 
 
 def test_fixed_drafters_always_draft_their_tokens():

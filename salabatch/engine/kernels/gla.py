@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from salabatch.engine.kernels import native
 from salabatch.engine.kernels.attention import on_gpu
 
 # Full chunks are processed this many at a time: the per-chunk start states of a segment,
@@ -208,20 +209,27 @@ def _step(q, k, v, g, S, scale):
 
 
 def gla_step(q, k, v, g, scale, state=None):
-    """One-token decode (T == 1): one state update and one read-out."""
+    """One-token decode (T == 1): one state update and one read-out; on the CPU the native
+    kernel that verify passes run (`gla_stepwise`), so the two agree to the bit."""
     q, k, v, g, S = _prepare(q, k, v, g, state)
     if q.shape[2] != 1:
         raise ValueError(f"gla_step: expected T == 1, got q {q.shape}")
+    if _native_steps():
+        o, states = native.gla_steps(q, k, v, mx.exp(g), S, scale)
+        return o, states[:, 0]
     return _step(q, k, v, g, S, scale)
 
 
 def gla_stepwise(q, k, v, g, scale, state=None):
     """T tokens with the arithmetic of T decode steps (`gla_step` each), for a verify pass over
-    a few drafted tokens that must give what decoding them one by one gives: the states by
-    `_step`'s update token by token (one compiled function), each token's output by `_step`'s
-    one-row product with its state (one batched product). → (o, the state after each token
-    [B, T, H, dk, dv]: the last is the final state)."""
+    a few drafted tokens that must give what decoding them one by one gives. → (o, the state
+    after each token [B, T, H, dk, dv]: the last is the final state). On the CPU one native
+    primitive (`native.gla_steps`, ~1 µs a token); elsewhere, or without the native module,
+    the states by `_step`'s update token by token (one compiled function) and each token's
+    output by `_step`'s one-row product with its state (one batched product)."""
     q, k, v, g, S = _prepare(q, k, v, g, state)
+    if _native_steps():
+        return native.gla_steps(q, k, v, mx.exp(g), S, scale)
     states = _states(k, v, g, S)  # [B, T, H, dk, dv]
     o = (scale * q).transpose(0, 2, 1, 3)[..., None, :] @ states  # [B, T, H, 1, dv]
     return o[..., 0, :].transpose(0, 2, 1, 3), states
@@ -250,6 +258,11 @@ def gla_replay(k, v, g, state, keep):
         at = slice(t, t + 1)
         S = mx.where((keep > t)[:, None, None, None], _advance(k[:, :, at], v[:, :, at], g, S), S)
     return S
+
+
+def _native_steps() -> bool:
+    """Token-by-token forms run the native kernel: the CPU path, the module built."""
+    return not on_gpu() and native.missing() is None
 
 
 def gla_step_decayed(q, k, v, decay, state):

@@ -112,3 +112,24 @@ def gate(z: mx.array, x: mx.array, *, silu: bool, n_threads: int | None = None) 
     and x of one shape); differentiable."""
     stream = mx.default_stream(mx.default_device())
     return _native.gate(z, x, silu=silu, threads=n_threads or threads(), stream=stream)
+
+
+def gla_steps(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    gamma: mx.array,
+    state: mx.array,
+    scale: float,
+    n_threads: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """A lightning recurrence fed token by token (the decode step, a verify pass) as one
+    primitive on the default CPU stream: q, k [B, H, T, dk], v [B, H, T, dv], gamma = exp(g)
+    [H], state [B, H, dk, dv], float32 → (o [B, H, T, dv], the state after every token
+    [B, T, H, dk, dv]). The state's update rounds as `kernels.gla`'s MLX ops do; the read-out
+    sums over dk in order."""
+    stream = mx.default_stream(mx.default_device())
+    o, states = _native.gla_steps(
+        q, k, v, gamma, state, scale=scale, threads=n_threads or threads(), stream=stream
+    )
+    return o, states

@@ -34,4 +34,12 @@ mx::array rows_matmul(
 mx::array gate(
     const mx::array& z, const mx::array& x, bool silu, int threads, const mx::Stream& stream);
 
+// A lightning layer's recurrence over T tokens, token by token (gla_steps.cpp): q, k
+// [B, H, T, dk], v [B, H, T, dv], gamma = exp(g) [H], state [B, H, dk, dv], all float32 →
+// {o [B, H, T, dv], the state after every token [B, T, H, dk, dv]}; rows and heads on up to
+// `threads` threads where the states are large.
+std::vector<mx::array> gla_steps(
+    const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& gamma,
+    const mx::array& state, float scale, int threads, const mx::Stream& stream);
+
 }  // namespace salabatch

@@ -30,4 +30,9 @@ NB_MODULE(_native, m) {
       "gate", &salabatch::gate, nb::arg("z"), nb::arg("x"), nb::kw_only(), nb::arg("silu"),
       nb::arg("threads"), nb::arg("stream"),
       "x·σ(z), or silu(z)·x with `silu`: float32 arrays of one shape.");
+  m.def(
+      "gla_steps", &salabatch::gla_steps, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("gamma"), nb::arg("state"), nb::kw_only(), nb::arg("scale"), nb::arg("threads"),
+      nb::arg("stream"),
+      "A lightning recurrence token by token → (o [B, H, T, dv], states [B, T, H, dk, dv]).");
 }

@@ -8,12 +8,16 @@ import math
 import mlx.core as mx
 import pytest
 
+from salabatch.engine.kernels import gla as gla_module
+from salabatch.engine.kernels import native
 from salabatch.engine.kernels.gla import (
     decay_slopes,
     gla,
     gla_chunked,
     gla_recurrent_ref,
+    gla_replay,
     gla_step,
+    gla_stepwise,
 )
 
 # Relative RMS error, ||got - want|| / ||want||.
@@ -80,6 +84,47 @@ def test_step_repeated_matches_reference():
         outs.append(o_t)
     assert_close(mx.concatenate(outs, axis=2), o_ref, F32_RTOL, "output")
     assert_close(s, s_ref, F32_RTOL, "final state")
+
+
+@pytest.mark.parametrize("path", ["native", "mlx-ops"])
+@pytest.mark.parametrize("T", [1, 5, 9])
+def test_token_by_token_forms_match_the_reference_and_each_other(T, path, monkeypatch):
+    """`gla_stepwise` (a verify pass) against the reference, and to the bit against `gla_step`
+    fed its tokens one by one (decoding them): on the CPU's native kernel and on the MLX-op form
+    (the GPU path, a CPU without the module). Either way the states are `_advance`'s, which a
+    rollback's replay (`gla_replay`) uses."""
+    if path == "native" and native.missing() is not None:
+        pytest.skip(str(native.missing()))
+    if path == "mlx-ops":
+        monkeypatch.setattr(gla_module, "_native_steps", lambda: False)
+    q, k, v, state = make_inputs(T, 16, 24)
+    o_ref, s_ref = gla_recurrent_ref(q, k, v, G4, 0.25, state)
+    o, states = gla_stepwise(q, k, v, G4, 0.25, state)
+    assert o.shape == (B, H, T, 24) and states.shape == (B, T, H, 16, 24)
+    assert_close(o, o_ref, F32_RTOL, "output")
+    assert_close(states[:, -1], s_ref, F32_RTOL, "final state")
+    outs, s = [], state
+    for t in range(T):
+        o_t, s = gla_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], G4, 0.25, s)
+        assert mx.array_equal(s, states[:, t]).item(), f"state after token {t}"
+        outs.append(o_t)
+    assert mx.array_equal(mx.concatenate(outs, axis=2), o).item()
+    keep = mx.array([T, max(T - 2, 0)], dtype=mx.int32)  # rows rolled back to different points
+    replayed = gla_replay(k, v, G4, state, keep)
+    for b, n in enumerate(keep.tolist()):
+        want = states[b, n - 1] if n else state[b]
+        assert mx.array_equal(replayed[b], want).item(), f"row {b} replayed over {n} tokens"
+
+
+def test_native_steps_do_not_depend_on_the_thread_count():
+    if native.missing() is not None:
+        pytest.skip(str(native.missing()))
+    q, k, v, state = make_inputs(5, 64, 64, heads=8)  # states over the size split between threads
+    gamma = mx.exp(mx.repeat(G4, 2))
+    one = native.gla_steps(q, k, v, gamma, state, 0.1, n_threads=1)
+    for n in (2, 3):
+        many = native.gla_steps(q, k, v, gamma, state, 0.1, n_threads=n)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(one, many, strict=True))
 
 
 def test_dispatcher_matches_reference():
