@@ -293,6 +293,8 @@ class Batch:
         g._admitted = admitted
         first = sample_tokens(logits[None], [request.params], [0])
         g._sampled = 1
+        if self._lookup is not None:
+            self._lookup.prepare(_row_text(g))
         self._joining.append((g, cache, first))
         return g
 

@@ -109,6 +109,12 @@ class Lookup:
                 return out
         return []
 
+    def prepare(self, row: RowText) -> None:
+        """Indexes a row's document (once per document) and prompt: when it joins, with its
+        prefill, rather than in its first step."""
+        self._context(row.context)
+        row.extend_index()
+
     def _context(self, context: tuple[int, ...]) -> ContextIndex:
         """The context's index, made once per context object (it keeps the tuple alive, so
         the id stays its own)."""
@@ -169,7 +175,9 @@ class ContextIndex:
             places = places[np.linspace(0, len(places) - 1, most).astype(np.int64)]
         window = places[:, None] - 1 - np.arange(1, WINDOW + 1)  # [places, WINDOW]
         seen = self._ids[np.maximum(window, 0)]
-        shared = np.isin(seen, asked) & (window >= 0)
+        wanted = np.zeros(self.base, dtype=bool)  # the prompt's tokens, as a table to look up
+        wanted[asked[asked < self.base]] = True
+        shared = wanted[seen] & (window >= 0)
         score = (shared * self._weight[seen]).sum(axis=1)
         if len(score) > 1:
             runner_up, best = np.partition(score, -2)[-2:]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine import lightning, sparse
-from salabatch.engine.generate import Generator, Request, prefill
+from salabatch.engine.generate import Batch, Generator, Request, prefill
 from salabatch.engine.kernels import native, sparse_decode
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams, sample_tokens
@@ -263,6 +263,33 @@ def test_stop_tokens_and_max_tokens_end_speculating_rows_as_plain_ones(model):
         assert spec[r.id].tokens == plain[r.id].tokens
         assert spec[r.id].finish_reason == plain[r.id].finish_reason
     assert spec["short"].finish_reason == "length" and len(spec["short"].tokens) == 13
+
+
+def test_lookup_runs_plain_steps_while_it_finds_no_draft(model, monkeypatch):
+    """A step that found no draft read its token before building the next step (not
+    pipelined); after it, `lookup` runs plain (pipelined) steps, asking its drafter after each
+    token read, and verifies drafts again once it finds one. Tokens as plain decoding's."""
+    context, doc = document(model, 150)
+    req = Request("q", tuple(ids(9, 1)), max_tokens=60, context=context)
+    plain = generate(model, [req], doc, 1)["q"].tokens
+
+    def propose(self, row, limit):  # nothing for the answer's first 20 tokens, then a guess
+        return [] if len(row.own) - row.prompt < 20 else [7] * limit
+
+    monkeypatch.setattr(Lookup, "propose", propose)
+    passes = []  # the answer's length at each step that reads first (drafting or not)
+    step = Batch._speculative_step
+
+    def reading_first(self):
+        passes.append(len(self.rows[0].tokens))
+        return step(self)
+
+    monkeypatch.setattr(Batch, "_speculative_step", reading_first)
+    got = generate(model, [req], doc, 1, "lookup")["q"]
+    assert got.tokens == plain
+    assert passes[0] == 0  # the first step looked for a draft and found none
+    assert len(passes) > 1 and min(passes[1:]) >= 20  # plain steps until there was one
+    assert got.draft_tokens > 0
 
 
 def test_builtin_model_answers_the_demo_questions_identically():
