@@ -14,7 +14,7 @@ Drafters:
 * `lookup` — the row's document, prompt and answer so far: where the answer's last two tokens
   occurred before (the longest match backwards among their latest occurrences), what followed
   them there. Free to run; answers copied from a document (names, amounts, clauses) accept
-  long runs.
+  long runs. Where no row has a draft, plain (pipelined) steps until one has.
 * `layers` — the model's first N layers, its final norm and head, on the model's own cache for
   those layers (rolled back after drafting): k small passes per verify.
 * `auto` — `lookup`, used only while it pays: each row drafts while its drafts are accepted,
@@ -382,7 +382,8 @@ class Policy:
     failed probe backs off at once, so where nothing pays it costs one pass a back-off. (On
     the demo questions at batch 1 on the 2-core CPU the two probes were within the machine's
     noise: 1.28× and 1.29× plain decoding in one 12-round A/B.) A probe that finds nothing to
-    draft (`undrafted`) backs off the same way, until a row joins. Per row: a row drafts while
+    draft (`undrafted`) backs off the same way, until a row joins or the drafter finds a draft
+    after a token a plain step read (`draftable`). Per row: a row drafts while
     the share of its drafts accepted (a moving average) stays at least ROW_FLOOR, and on every
     PROBE-th pass otherwise."""
 
@@ -402,7 +403,7 @@ class Policy:
         self._passes = 0
         self._last_plain: float | None = None
         self._idle = False  # resting after a step that found nothing to draft (`undrafted`)
-        self.lookup = speculation.draft == "lookup"
+        self._lookup = speculation.draft == "lookup"
         self._awaiting = False  # `lookup`: plain steps until a draft is found (`undrafted`)
         self._probe = False  # the pass running is a probe
 
@@ -439,7 +440,7 @@ class Policy:
         if self.adaptive:
             self._idle = True
             self._back_off()
-        elif self.lookup:
+        elif self._lookup:
             self._awaiting = True
 
     @property
