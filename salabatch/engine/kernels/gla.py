@@ -1,5 +1,7 @@
 """Simple-GLA kernels for the lightning layers (SPEC §3.6): a token-loop reference, a chunked
-prefill form, a one-token decode step, and the one dispatcher the model calls.
+prefill form, a one-token decode step and its T-token twin for verify passes (on the CPU both one
+native primitive, `native.gla_steps`), a rollback's replay, and the one dispatcher the model
+calls.
 
 Layout, for every function here:
     q, k   [B, H, T, dk]   any float dtype; cast to float32 inside
