@@ -327,8 +327,7 @@ class Batch:
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
         counts = [] if self._counts is None else [self._counts]
         mx.async_eval(drawn, *self.cache.arrays(), *counts)
-        # the tokens the queued step is fed: all that is read per step
-        read = self._known if self._known is not None else self._feed.tolist()
+        read = self._fed()  # the tokens the queued step is fed: all that is read per step
         now = time.perf_counter()
         for g, token in zip(rows, read, strict=True):
             self._read(g, token, now)
@@ -348,7 +347,7 @@ class Batch:
         step. Not pipelined: the drafts need the tokens read."""
         began = time.perf_counter()
         rows = self.rows
-        newest = self._known if self._known is not None else self._feed.tolist()
+        newest = self._fed()
         read = time.perf_counter()  # (a row's first token is read here, as a plain step reads it)
         for g, token in zip(rows, newest, strict=True):
             self._read(g, token, read)
@@ -372,7 +371,7 @@ class Batch:
         ids = [[t, *d] + [t] * (T - 1 - len(d)) for t, d in zip(newest, drafts, strict=True)]
         point = self.cache.checkpoint()
         logits = self.model(mx.array(ids, dtype=mx.int32), self.cache, queue=True)  # [B, T, V]
-        plain = counts is None and all(p.plain_greedy for p in params)  # first: the argmax
+        plain = all(p.plain_greedy for p in params)  # position 0's token: its argmax
         first = None if plain else sample_tokens(logits[:, 0], params, steps, counts)
         verdicts = verify(logits, drafts, params, steps, first, q)
         self.cache.rollback(point, [v.accepted + 1 for v in verdicts])
@@ -392,6 +391,10 @@ class Batch:
         known = [v.next_token for v in verdicts]
         self._drawn(live, kept, mx.array(known, dtype=mx.int32), True, known)
         return rows
+
+    def _fed(self) -> list[int]:
+        """The rows' newest tokens, `_feed`: the host's copy where a pass read them."""
+        return self._known if self._known is not None else self._feed.tolist()
 
     def _drafts(self, rows: list[Generation]) -> tuple[list[list[int]], mx.array | None]:
         """Each row's drafts (`_draft_room`; none for a row that `auto` rests), with the `layers`

@@ -24,6 +24,7 @@ Drafters:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -404,13 +405,10 @@ class Policy:
         self._last_plain: float | None = None
         self._idle = False  # resting after a step that found nothing to draft (`undrafted`)
         self._lookup = speculation.draft == "lookup"
-        self._awaiting = False  # `lookup`: plain steps until a draft is found (`undrafted`)
         self._probe = False  # the pass running is a probe
 
     def speculate(self) -> bool:
         """Whether this step is a verify pass (else a plain step)."""
-        if self._awaiting:
-            return False
         if self.tokens:
             return True
         if self._wait > 0:
@@ -440,18 +438,18 @@ class Policy:
         if self.adaptive:
             self._idle = True
             self._back_off()
-        elif self._lookup:
-            self._awaiting = True
+        elif self._lookup:  # plain steps until `draftable`
+            self._idle = True
+            self._pause(sys.maxsize, self.most)
 
     @property
     def awaits_draft(self) -> bool:
         """Plain steps run because no row had a draft: the batch asks its drafter after each."""
-        return self._awaiting or (self._idle and not self.tokens)
+        return self._idle
 
     def draftable(self) -> None:
         """A row has a draft after its newest token: drafting resumes at the next step."""
-        self._awaiting = False
-        if self._idle and not self.tokens:
+        if self._idle:
             self._wait, self._idle = 0, False
 
     def joined(self) -> None:
