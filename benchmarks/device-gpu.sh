@@ -5,19 +5,23 @@
 #
 #     bash benchmarks/device-gpu.sh
 #
-# It runs `salabatch bench long` one context at a time (SALA then the peer, so each context's
-# ratio exists even if the device's time runs out before the next), then
-# benchmarks/device-profile.py (where a prefill chunk's and a decode step's time goes), and,
-# with TEST_S > 0 (a second call on the warm machine: TEST_S=300 CONTEXTS= PROFILE_S=0), the
+# It checks the custom CUDA kernels' parity (each kernel that passes is used by what follows),
+# runs benchmarks/device-profile.py (where a prefill chunk's and a decode step's time goes;
+# PROFILE_ARGS: its contexts), then `salabatch bench long` one context at a time (SALA then
+# the peer, so each context's ratio exists even if the device's time runs out before the next),
+# and, with TEST_S > 0 (a call on the warm machine: TEST_S=300 CONTEXTS= PROFILE_S=0), the
 # GPU-path parity tests (float32, TF32 off); the JSON files and the log land in $OUT. Every
-# step has its own time limit; the defaults fit a 10-minute call. A process that meets new
-# shapes spends most of its time compiling kernels (NVRTC; they are kept on the machine for
-# later processes): on a fresh H100 (2026-11-26) the first `bench long 32K` did not finish in
-# 230 s nor the first 128K in 150 s, while 256K and the profile then ran in 80 and 68 s; on
-# the warm machine 32K and 128K took 35 and 66 s. So the first call warms the machine (its
-# 256K and profile count), and a second call right after it times 32K and 128K:
+# step has its own time limit. A process that meets new shapes spends most of its time
+# compiling kernels (NVRTC; kept in MLX_PTX_CACHE_DIR for later processes, and brought back as
+# $OUT/ptx.tar.gz). On a fresh H100 (2026-11-26, third GPU session) the first call, with
+# CONTEXTS="32K:300" PROFILE_ARGS=32768 PROFILE_S=110 KERNEL_S=75, ran 421 s: the stage-1
+# parity 12 s, the profile cut at 110 s (its first lightning layer compiled for 33 s), the
+# first `bench long 32K` 199 s; on the warm machine then, 256K alone took 86 s and 32K + 128K
+# with the peer 94-106 s. So the first call warms the machine, and calls right after it time
+# the rest (the machine stays warm ~30 s between calls):
 #
-#     CONTEXTS="32K:140 128K:150" PROFILE_S=0 bash benchmarks/device-gpu.sh
+#     CONTEXTS="256K:120" PROFILE_S=0 KERNEL_S=40 bash benchmarks/device-gpu.sh
+#     CONTEXTS="32K:80 128K:80" PROFILE_S=0 KERNEL_S=40 bash benchmarks/device-gpu.sh
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #
@@ -25,7 +29,7 @@
 # 32K-token document, off / lookup / auto at batch 1 and 8, and a verify pass's time in plain
 # steps) runs after `bench long`; best on the warm machine, alone:
 #
-#     CONTEXTS= PROFILE_S=0 SPEC_S=240 bash benchmarks/device-gpu.sh
+#     CONTEXTS= PROFILE_S=0 KERNEL_S=40 SPEC_S=240 bash benchmarks/device-gpu.sh
 set -u
 # the first call on a machine installs MLX's CUDA wheels; a later call on the warm machine finds
 # them in /tmp/site (install.sh deletes the first part it joins) and only sets the environment
@@ -53,7 +57,27 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
     echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$log"
 }
 
-for spec in ${CONTEXTS-32K:230 128K:150 256K:80}; do
+# The custom CUDA kernels' parity first, each on its own (seconds once compiled): the benches
+# below run with those that pass (SALABATCH_CUDA_KERNELS), the others' dispatchers on their
+# MLX-op forms; timings through a kernel that disagrees with its reference would mean nothing.
+passed=()
+for kernel in stage1; do
+    klog="$out/parity-$kernel.txt"
+    MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE \
+        "tests/engine/kernels/test_${kernel}_cuda.py" > "$klog" 2>&1
+    rc=$?
+    tail -5 "$klog" | tee -a "$log"
+    [ $rc -eq 0 ] && passed+=("$kernel")
+    echo "== kernel $kernel: parity rc $rc" | tee -a "$log"
+done
+export SALABATCH_CUDA_KERNELS=$(IFS=,; echo "${passed[*]:-none}")
+echo "== SALABATCH_CUDA_KERNELS=$SALABATCH_CUDA_KERNELS" | tee -a "$log"
+# where a chunk's and a step's time goes first (PROFILE_ARGS: its contexts, default 32K 64K
+# 128K): it times each custom kernel beside its MLX-op form, and it warms the kernels the
+# benches then use
+[ "${PROFILE_S:-120}" -gt 0 ] && step "${PROFILE_S:-120}" "profile" \
+    python3 benchmarks/device-profile.py ${PROFILE_ARGS:-}
+for spec in ${CONTEXTS-32K:300}; do
     ctx=${spec%%:*} limit=${spec##*:}
     peer=--peer
     [ "$ctx" = 256K ] && peer=--no-peer  # the TTFT target; the dense peer's 256K prefill is long
@@ -63,7 +87,6 @@ done
 [ "${SPEC_S:-0}" -gt 0 ] && step "$SPEC_S" "bench spec cost" python3 -m salabatch.cli bench spec \
     --workloads cost --batches 1,8 --drafts off,lookup,auto --rounds 2 \
     --out "$out/spec-gpu.json" --chart /tmp/spec-gpu.png
-[ "${PROFILE_S:-120}" -gt 0 ] && step "${PROFILE_S:-120}" "profile" python3 benchmarks/device-profile.py
 [ "${TEST_S:-0}" -gt 0 ] && MLX_ENABLE_TF32=0 step "$TEST_S" "GPU-path parity tests" python3 -m pytest -q -p no:cacheprovider \
     --timeout 150 -rfE -k "not 9b_layout" \
     tests/engine/test_decode.py tests/engine/test_gpu_prefill_model.py \

@@ -29,7 +29,7 @@ from salabatch.bench.long import random_init
 from salabatch.demo.checkpoint import sala_config
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels import sparse_attention
+from salabatch.engine.kernels import sparse_attention, stage1_cuda
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.gla import gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
@@ -193,7 +193,12 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
         s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))
         return _pooled(s1, s2, *seen, sparse.scale, n_blocks, sc.block_size // sc.compression[0][1])
 
-    timed(f"{n}: stage 1 scores and pooling, no top-k", scores_only)
+    kernels = stage1_cuda.available
+    if kernels():
+        timed(f"{n}: stage 1 scores and pooling, no top-k (CUDA kernels)", scores_only)
+    stage1_cuda.available = lambda: False
+    timed(f"{n}: stage 1 scores and pooling, no top-k (MLX ops)", scores_only)
+    stage1_cuda.available = kernels
     pooled = scores_only()
     mx.eval(pooled)
     top = min(96, pooled.shape[-1])  # the 9B's K, or every block of a small context

@@ -62,6 +62,16 @@ def on_gpu() -> bool:
     )
 
 
+def cuda_kernel(name: str) -> bool:
+    """Whether the engine's custom CUDA kernel `name` (today "stage1") runs: the default
+    device is a CUDA GPU and `SALABATCH_CUDA_KERNELS` (a comma-separated list, or "none";
+    default: all) names it. Where it does not, its dispatcher runs the MLX-op form."""
+    if mx.default_device().type != mx.DeviceType.gpu or not hasattr(mx, "cuda"):
+        return False
+    chosen = os.environ.get("SALABATCH_CUDA_KERNELS", "stage1").split(",")
+    return name in chosen and mx.cuda.is_available()
+
+
 def device_memory() -> int:
     """Bytes the default device can work in: Metal's recommended working set, CUDA's total
     memory, the host's RAM for the CPU (and under MLX < 0.30.4, which has no `device_info`)."""

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from salabatch.engine.kernels import stage1_cuda
 from salabatch.engine.kernels.attention import (
     LOG2E,
     exp2,
@@ -303,7 +304,10 @@ def _pooled(s1, s2, seen1, seen2, scale: float, n_blocks: int, r: int) -> mx.arr
     """A tile's block scores from its raw scores s1 [B, Hk, G, t, N1], s2 [.., N2] (q's dtype,
     unscaled) and the chunks each query sees (seen1, seen2 [B, t]) → [B, Hk, t, n_blocks]
     float32: each level-1 chunk's probability under the level-2 normaliser, summed over the G
-    heads, maxed over the chunks overlapping each block."""
+    heads, maxed over the chunks overlapping each block. The dispatcher: on CUDA, two kernels
+    reading each score once (`stage1_cuda`); else these MLX ops, their reference."""
+    if stage1_cuda.available():
+        return stage1_cuda.pooled_scores(s1, s2, seen1, seen2, scale, n_blocks, r)
     B, Hk, _, t, N1 = s1.shape
     N2 = s2.shape[-1]
     v1, v2 = (v[:, None, None, :, None] for v in (seen1, seen2))  # [B, 1, 1, t, 1]

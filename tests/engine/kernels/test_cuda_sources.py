@@ -1,0 +1,97 @@
+"""The CUDA kernels' sources compile, on any machine: NVRTC (the compiler MLX's CUDA backend
+runs on first use, from the nvidia-cuda-nvrtc wheel) builds each one as `mx.fast.cuda_kernel`
+wraps it — the signature from its inputs' dtypes, its template arguments as constants — for an
+H100 (sm_90a, MLX's flags), in every dtype the engine gives it, with no register spills. Their
+results are tested where a GPU is (`test_stage1_cuda.py`); this catches a
+source that would not build before a GPU is lent. Skipped where the wheels are not installed
+(they exist for Linux x86_64)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from salabatch.engine.kernels import stage1_cuda
+
+
+def _cuda_dir() -> Path | None:
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        if (Path(root) / "cu13" / "lib" / "libnvrtc.so.13").exists():
+            return Path(root) / "cu13"
+    return None
+
+
+CUDA = _cuda_dir()
+pytestmark = pytest.mark.skipif(
+    CUDA is None or not (CUDA / "include" / "cuda_bf16.h").exists(),
+    reason="needs the nvidia-cuda-nvrtc, -runtime and -crt 13 wheels (Linux x86_64)",
+)
+# what MLX's default header brings in, short of its own utils.cuh
+PRELUDE = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\ntypedef int int32_t;\n"
+TYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int32_t"}
+
+
+def _build(name, source, inputs, outputs) -> str:
+    """The translation unit MLX's `cuda_kernel` makes (mlx/backend/cuda/custom_kernel.cpp)."""
+    params = [f"const {TYPES[t]}* {n}" for n, t in inputs]
+    params += [f"{TYPES[t]}* {n}" for n, t in outputs]
+    body = f"__global__ void {name}({', '.join(params)}) {{\n{source}\n}}\n"
+    return f"{PRELUDE}namespace mlx::core::cu {{\n{body}}}\n"
+
+
+def _compile(unit: str) -> tuple[int, str]:
+    lib = ctypes.CDLL(str(CUDA / "lib" / "libnvrtc.so.13"))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), unit.encode(), b"k.cu", 0, None, None) == 0
+    options = [
+        b"--device-as-default-execution-space",
+        b"--gpu-architecture=sm_90a",
+        f"--include-path={CUDA / 'include'}".encode(),
+        b"--ptxas-options=-v",
+    ]
+    rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc, log.value.decode()
+
+
+def _assert_builds(unit: str) -> None:
+    rc, log = _compile(unit)
+    assert rc == 0, log
+    assert "0 bytes spill stores" in log, log
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_stage1_kernels_compile(dtype):
+    _assert_builds(
+        _build(
+            "lse", stage1_cuda._LSE,
+            [("s2", dtype), ("seen2", "i32"), ("dims", "i32"), ("scale", "f32")],
+            [("lse", "f32")],
+        )
+    )  # fmt: skip
+    _assert_builds(
+        _build(
+            "pool", stage1_cuda._POOL,
+            [("s1", dtype), ("lse", "f32"), ("seen1", "i32"), ("seen2", "i32"), ("dims", "i32"),
+             ("scale", "f32")],
+            [("pooled", "f32")],
+        )
+    )  # fmt: skip
+
+
+def test_a_broken_source_fails_to_build():
+    """The check itself: a kernel that reads an input it does not have does not build."""
+    broken = stage1_cuda._LSE.replace("seen2[b * t + query]", "seen3[b * t + query]")
+    rc, log = _compile(
+        _build("lse", broken, [("s2", "bf16"), ("seen2", "i32"), ("dims", "i32"),
+                                   ("scale", "f32")], [("lse", "f32")])
+    )  # fmt: skip
+    assert rc != 0 and "seen3" in log
