@@ -5,9 +5,10 @@ timed alone: the median of 3 runs after one that compiles its kernels. Stage 1 i
 without its sort (scores and pooling only), and stage 2 in both its GPU forms whatever the
 context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
 as an additive mask, and the gathers of each query's blocks, checked against each other.
-Then decode: the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width
-with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and
-one layer), from which a layer of each kind costs what it adds. The lightning recurrence is
+Then decode: the output projections with their residual add (`addmm`, or a product and an
+add), and the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width with
+8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and one
+layer), from which a layer of each kind costs what it adds. The lightning recurrence is
 also timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
@@ -40,8 +41,9 @@ from salabatch.engine.sparse import SparseAttention
 CHUNK = 8192
 
 
-def timed(name: str, fn, flops: float | None = None) -> None:
-    """Print the median seconds of `fn` (evaluated) over 3 runs after a first that compiles."""
+def timed(name: str, fn, flops: float | None = None, nbytes: float | None = None) -> None:
+    """Print the median seconds of `fn` (evaluated) over 3 runs after a first that compiles,
+    with the rate of `flops` or of `nbytes` read where given."""
     start = time.perf_counter()
     mx.eval(fn())
     first = time.perf_counter() - start
@@ -52,7 +54,8 @@ def timed(name: str, fn, flops: float | None = None) -> None:
         runs.append(time.perf_counter() - start)
     s = sorted(runs)[1]
     rate = f"  {flops / s / 1e12:6.1f} TFLOP/s" if flops else ""
-    print(f"{name:<44} {s * 1e3:9.2f} ms  (first {first:6.2f} s){rate}", flush=True)
+    rate += f"  {nbytes / s / 1e9:6.0f} GB/s" if nbytes else ""
+    print(f"{name:<44} {s * 1e3:9.3f} ms  (first {first:6.2f} s){rate}", flush=True)
 
 
 def main(contexts: list[int]) -> None:
@@ -75,6 +78,7 @@ def main(contexts: list[int]) -> None:
     mx.eval(x, w)
     timed(f"matmul [{chunk}, {hidden}] x [{hidden}, {3 * hidden}]", lambda: x @ w,
           2 * chunk * hidden * 3 * hidden)  # fmt: skip
+    profile_residual_products(hidden, dt)
 
     state = mx.zeros((1, 32, 128, 128), mx.float32)
     mx.eval(state)
@@ -139,6 +143,27 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
     print(f"decode, per layer: lightning {light * 1e3:.3f} ms, sparse {sparse * 1e3:.3f} ms; "
           f"embedding + head {head * 1e3:.3f} ms; the 9B (24 + 8 layers) "
           f"{(24 * light + 8 * sparse + head) * 1e3:.2f} ms", flush=True)  # fmt: skip
+
+
+def profile_residual_products(hidden: int, dt) -> None:
+    """A decode step's output projections with their residual add (1 and 8 rows, the
+    attention's [hidden, hidden] and the MLP's [hidden, 4 hidden] weights): MLX's `addmm`
+    (what `add_product` runs) against a plain product and a compiled multiply-add (what the
+    step runs for the MLP's), as the weight's bytes a second."""
+    split = mx.compile(lambda h, y, w: h + 1.4 * (y @ w.T))
+    for name, inner in (("attention out", hidden), ("MLP down", 4 * hidden)):
+        w = (mx.random.normal((hidden, inner), key=mx.random.key(3)) * 0.02).astype(dt)
+        mx.eval(w)
+        for rows in (1, 8):
+            h = mx.random.normal((rows, hidden), key=mx.random.key(4)).astype(dt)
+            y = mx.random.normal((rows, inner), key=mx.random.key(5)).astype(dt)
+            mx.eval(h, y)
+            forms = (
+                ("addmm", lambda h=h, y=y, w=w: mx.addmm(h, y, w.T, alpha=1.4)),
+                ("product, then add", lambda h=h, y=y, w=w: split(h, y, w)),
+            )
+            for form, fn in forms:
+                timed(f"{rows} row(s), {name}: {form}", fn, nbytes=w.nbytes)
 
 
 def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:

@@ -22,7 +22,6 @@ from salabatch.engine.kernels import native
 from salabatch.engine.kernels.attention import (
     LOG2E,
     attention,
-    exp2,
     exp2_poly,
     lanes,
     on_gpu,
@@ -347,12 +346,11 @@ def _select_step(
         seen = tables[f"numbers{level}"] < info[:, None, None, 3 + level : 4 + level]
         scores.append((mx.concatenate(s, axis=-1), seen))  # [B, Hk, G, E], [B, 1, 1, E]
     (s1, seen1), (s2, seen2) = scores
-    a = scale * LOG2E  # base 2, in float32
     any2 = info[:, None, None, 4:5] > 0  # a level-2 chunk is visible
-    s2 = mx.where(seen2, s2.astype(mx.float32) * a, -mx.inf)
-    m2 = mx.where(any2, s2.max(axis=-1, keepdims=True), 0.0)
-    lse2 = m2 + mx.log2(exp2(s2 - m2).sum(axis=-1, keepdims=True))
-    p = mx.where(seen1 & any2, exp2(s1.astype(mx.float32) * a - lse2), 0.0).sum(axis=2)
+    # the level-2 normaliser in one kernel (where no chunk is visible it is not finite, and
+    # unused: p is 0 there)
+    lse2 = mx.logsumexp(mx.where(seen2, s2.astype(mx.float32) * scale, -mx.inf), -1, True)
+    p = mx.where(seen1 & any2, mx.exp(s1.astype(mx.float32) * scale - lse2), 0.0).sum(axis=2)
     # block b: the max over the level-1 chunks r·b − 1 … r·b + r − 1, by their entries
     pool = tables["pool"]
     pooled = mx.take(p, pool.reshape(-1), axis=-1).reshape(B, Hk, *pool.shape).max(axis=-1)
