@@ -69,7 +69,8 @@ def test_lightning_prefill_is_one_graph_whatever_the_length(layers):
 
     count = lightning_kernels(CHUNK)
     assert count <= MAX_LIGHTNING_KERNELS
-    assert lightning_kernels(CHUNK // 8 + 1) == count
+    # a length that is not whole 64-token chunks pads q, k and v (three copies), no more
+    assert lightning_kernels(CHUNK // 8 + 1) == count + 3
 
 
 def test_no_float32_matmul_over_the_keys(layers, monkeypatch):

@@ -4,8 +4,9 @@
 MLX's CPU backend takes ~12 ns an element for the exp inside σ: at a decode batch of 8 the
 MLP's silu alone was ~0.8 ms of a step, and ~5 % of a long prefill. On the CPU, for float32,
 both run as one native primitive (salabatch/engine/native/gates.cpp, σ from a vectorised 2^x,
-relative error ~3e-7); the MLX-op forms below are its reference in the tests and what a GPU,
-other dtypes and an unbuilt module run. Both are differentiable either way."""
+relative error ~3e-7); the MLX-op forms below are its reference in the tests and, compiled
+into one kernel each, what a GPU, other dtypes and an unbuilt module run. Both are
+differentiable either way."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from salabatch.engine.kernels.attention import on_gpu
 def silu_mul(g: mx.array, u: mx.array) -> mx.array:
     if _runs_native(g, u):
         return native.gate(g, u, silu=True)
-    return silu_mul_ref(g, u)
+    return _silu_mul(g, u)
 
 
 def sigmoid_mul(x: mx.array, z: mx.array) -> mx.array:
     if _runs_native(z, x):
         return native.gate(z, x, silu=False)
-    return sigmoid_mul_ref(x, z)
+    return _sigmoid_mul(x, z)
 
 
 def silu_mul_ref(g: mx.array, u: mx.array) -> mx.array:
@@ -34,6 +35,12 @@ def silu_mul_ref(g: mx.array, u: mx.array) -> mx.array:
 
 def sigmoid_mul_ref(x: mx.array, z: mx.array) -> mx.array:
     return x * mx.sigmoid(z)
+
+
+# Elsewhere the MLX-op forms run compiled, one kernel each (a GPU's prefill ran σ and the
+# product as two passes over [chunk, hidden]); inside the compiled decode step they fuse anyway.
+_silu_mul = mx.compile(silu_mul_ref, shapeless=True)
+_sigmoid_mul = mx.compile(sigmoid_mul_ref, shapeless=True)
 
 
 def _runs_native(z: mx.array, x: mx.array) -> bool:

@@ -172,11 +172,15 @@ def _parallel(q, k, v, g, S, settings):
     dv = v.shape[-1]
     N = -(-T // C)
     # Padding after the last token changes no output before it; the final state is taken from
-    # the real tokens only (below), so it decays by gamma^T, never by the padded length.
-    pad = [(0, 0), (0, 0), (0, N * C - T), (0, 0)]
-    qc = mx.pad(q * scale, pad).reshape(B, H, N, C, dk)
-    kc = mx.pad(k, pad).reshape(B, H, N, C, dk)
-    vc = mx.pad(v, pad).reshape(B, H, N, C, dv)
+    # the real tokens only (below), so it decays by gamma^T, never by the padded length. Whole
+    # chunks (every segment but a prefill's last) are not padded: a pad is a copy.
+    qc, kc, vc = q, k, v
+    if N * C != T:
+        pad = [(0, 0), (0, 0), (0, N * C - T), (0, 0)]
+        qc, kc, vc = (mx.pad(t, pad) for t in (q, k, v))
+    qc = (qc * scale).reshape(B, H, N, C, dk)
+    kc = kc.reshape(B, H, N, C, dk)
+    vc = vc.reshape(B, H, N, C, dv)
     q_decay, k_decay, intra, chunk_decay = _chunk_decays(g, C)
     o = ((qc @ kc.swapaxes(-1, -2)) * intra[:, None]) @ vc  # [B, H, N, C, dv]
     U = (kc * k_decay[:, None, :, None]).swapaxes(-1, -2) @ vc  # [B, H, N, dk, dv]
