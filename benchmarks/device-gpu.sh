@@ -60,6 +60,11 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
 # The custom CUDA kernels' parity first, each on its own (seconds once compiled): the benches
 # below run with those that pass (SALABATCH_CUDA_KERNELS), the others' dispatchers on their
 # MLX-op forms; timings through a kernel that disagrees with its reference would mean nothing.
+# What the GPU path takes from MLX's own kernels without a reference beside it: a bf16 rope
+# rounds once (the lightning prefill's one-kernel rope). Logged; a failure means the lightning
+# prefill must upcast again (`attention.rotates_in_float32`).
+MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/engine/test_lightning_gpu.py 2>&1 | tail -5 | tee -a "$log"
 passed=()
 for kernel in stage1; do
     klog="$out/parity-$kernel.txt"

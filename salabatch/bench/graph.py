@@ -71,17 +71,18 @@ def gpu_graph(device_memory: int | None = None) -> Iterator[None]:
     from salabatch.engine.kernels import attention
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
-    memory = attention.device_memory
+    memory, rotates = attention.device_memory, attention.rotates_in_float32
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:
         setattr(mx.fast, name, _one_node(name))
+    attention.rotates_in_float32 = lambda: True  # as a GPU's rope kernel does
     if device_memory is not None:
         attention.device_memory = lambda: device_memory
     try:
         yield
     finally:
-        attention.device_memory = memory
+        attention.device_memory, attention.rotates_in_float32 = memory, rotates
         for name, op in saved.items():
             setattr(mx.fast, name, op)
         if env is None:

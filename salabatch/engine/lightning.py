@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels import attention
 from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed, gla_stepwise
 from salabatch.engine.linear import Linear, fuse
@@ -87,8 +88,7 @@ class LightningAttention(nn.Module):
                 cache.record.append((k, v, self._log_decay))
             return y
         if cache.record is not None:  # a call that may be partly taken back: recorded
-            o = self.core(x, cache, offset).astype(x.dtype)
-            return self._out(o, x)
+            return self._out(self.core(x, cache, offset), x)
         if x.shape[1] == 1 and cache.state is not None:
             positions = mx.broadcast_to(mx.array(offset, dtype=mx.int32), (x.shape[0],))
             y, cache.state = self._step(x, cache.state, positions)
@@ -140,8 +140,7 @@ class LightningAttention(nn.Module):
         self, x: mx.array, state: mx.array | None, offset: int | mx.array
     ) -> tuple[mx.array, mx.array]:
         cache = LightningCache(state)
-        o = self.core(x, cache, offset).astype(x.dtype)
-        return self._out(o, x), cache.state
+        return self._out(self.core(x, cache, offset), x), cache.state
 
     def _recorded(
         self, x: mx.array, state: mx.array, offset: mx.array
@@ -150,7 +149,7 @@ class LightningAttention(nn.Module):
         and the k, v [B, H, T, d] float32 it fed the recurrence, for a rollback to replay)."""
         cache = LightningCache(state)
         cache.record, cache.stepwise = [], True
-        o = self.core(x, cache, offset).astype(x.dtype)
+        o = self.core(x, cache, offset)
         ((k, v, _),) = cache.record
         return self._out(o, x), cache.state, k, v
 
@@ -161,8 +160,7 @@ class LightningAttention(nn.Module):
         v: a rollback takes the one it keeps (`LightningCache.rollback`)."""
         cache = LightningCache(state)
         cache.record, cache.stepwise = [], True
-        o = self.core(x, cache, offset).astype(x.dtype)
-        return self._out(o, x), cache.states
+        return self._out(self.core(x, cache, offset), x), cache.states
 
     def _out(self, o: mx.array, x: mx.array) -> mx.array:
         """The recurrence's output o [B, T, H*dv] → o_norm → × sigmoid(z_proj(x)) → o_proj."""
@@ -173,7 +171,8 @@ class LightningAttention(nn.Module):
         return self.o_proj(o)
 
     def core(self, x: mx.array, cache: LightningCache, offset: int | mx.array) -> mx.array:
-        """The recurrence's output [B, T, H*dv] in float32, before o_norm and the gate."""
+        """The recurrence's output [B, T, H*dv] cast to x's dtype (SPEC §3.6 step 7), before
+        o_norm and the gate."""
         B, T, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).reshape(B, T, self.n_heads, d)
@@ -196,17 +195,14 @@ class LightningAttention(nn.Module):
             cache.state = cache.states[:, -1]
         else:
             o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
-        return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # [B, T, H*dv]
+        # cast as it is transposed, one copy (a reshape of the transposed float32 is a copy too)
+        return o.transpose(0, 2, 1, 3).astype(x.dtype).reshape(B, T, -1)  # [B, T, H*dv]
 
 
 def _rope(x: mx.array, offset: int | mx.array, base: float) -> mx.array:
-    """NeoX-style RoPE over the full head dim, computed in float32 like HF, cast back."""
-    y = mx.fast.rope(
-        x.astype(mx.float32),
-        x.shape[-1],
-        traditional=False,
-        base=base,
-        scale=1.0,
-        offset=offset,
-    )
-    return y.astype(x.dtype)
+    """NeoX-style RoPE over the full head dim, computed in float32 like HF, cast back: on a
+    GPU one kernel of x as it is (`attention.rotates_in_float32`), on the CPU upcast."""
+    rope = dict(traditional=False, base=base, scale=1.0, offset=offset)
+    if attention.rotates_in_float32():
+        return mx.fast.rope(x, x.shape[-1], **rope)
+    return mx.fast.rope(x.astype(mx.float32), x.shape[-1], **rope).astype(x.dtype)

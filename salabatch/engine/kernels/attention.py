@@ -72,6 +72,14 @@ def cuda_kernel(name: str) -> bool:
     return name in chosen and mx.cuda.is_available()
 
 
+def rotates_in_float32() -> bool:
+    """Whether `mx.fast.rope` of a bf16 or fp16 array rotates it in float32 and rounds the
+    result once, the bits of an upcast rotation cast back: MLX's Metal and CUDA kernels do (one
+    kernel instead of three); its CPU rope computes in the input's dtype. `bench.graph` counts
+    the GPU's graph with it on."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def device_memory() -> int:
     """Bytes the default device can work in: Metal's recommended working set, CUDA's total
     memory, the host's RAM for the CPU (and under MLX < 0.30.4, which has no `device_info`)."""

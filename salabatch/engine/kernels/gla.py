@@ -53,6 +53,13 @@ def decay_slopes(n_heads: int) -> list[float]:
 
 def _prepare(q, k, v, g, state):
     """Check shapes against the layout above and cast everything to float32."""
+    state = _state(q, k, v, g, state)
+    f32 = mx.float32
+    return q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), state
+
+
+def _state(q, k, v, g, state):
+    """Check shapes against the layout above → the state in float32 (zeros for None)."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != (B, H, T) or g.shape != (H,):
@@ -64,8 +71,7 @@ def _prepare(q, k, v, g, state):
         state = mx.zeros((B, H, dk, dv), dtype=mx.float32)
     elif state.shape != (B, H, dk, dv):
         raise ValueError(f"gla: expected state {(B, H, dk, dv)}, got {state.shape}")
-    f32 = mx.float32
-    return q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), state.astype(f32)
+    return state.astype(mx.float32)
 
 
 def gla_recurrent_ref(q, k, v, g, scale, state=None):
@@ -152,10 +158,10 @@ def gla_parallel(q, k, v, g, scale, state=None, chunk=64):
     """GPU form of `gla_chunked`: one compiled graph per GPU_SEGMENT tokens, the tokens padded
     with zeros to whole chunks, the state carried across chunks by one matmul with an [N, N]
     decay matrix (N²·dk·dv flops: nothing for a GPU at N = 128, an 8K segment) instead of N
-    steps."""
+    steps. q, k, v are cast to float32 inside the graph, q's cast and scale one kernel."""
     if chunk < 1:
         raise ValueError(f"gla_parallel: expected chunk >= 1, got {chunk}")
-    q, k, v, g, S = _prepare(q, k, v, g, state)
+    S, g = _state(q, k, v, g, state), g.astype(mx.float32)
     T = q.shape[2]
     outs = []
     for s in range(0, T, GPU_SEGMENT):
@@ -173,14 +179,16 @@ def _parallel(q, k, v, g, S, settings):
     N = -(-T // C)
     # Padding after the last token changes no output before it; the final state is taken from
     # the real tokens only (below), so it decays by gamma^T, never by the padded length. Whole
-    # chunks (every segment but a prefill's last) are not padded: a pad is a copy.
-    qc, kc, vc = q, k, v
+    # chunks (every segment but a prefill's last) are not padded: a pad is a copy. Padded in
+    # the inputs' dtype, then cast to float32 (q's cast and scale one kernel).
     if N * C != T:
         pad = [(0, 0), (0, 0), (0, N * C - T), (0, 0)]
-        qc, kc, vc = (mx.pad(t, pad) for t in (q, k, v))
-    qc = (qc * scale).reshape(B, H, N, C, dk)
-    kc = kc.reshape(B, H, N, C, dk)
-    vc = vc.reshape(B, H, N, C, dv)
+        q, k, v = (mx.pad(t, pad) for t in (q, k, v))
+    k, v = k.astype(mx.float32), v.astype(mx.float32)
+    qc = (q.astype(mx.float32) * scale).reshape(B, H, N, C, dk)
+    kc = k.reshape(B, H, N, C, dk)
+    vc = v.reshape(B, H, N, C, dv)
+    k, v = k[:, :, :T], v[:, :, :T]  # the real tokens
     q_decay, k_decay, intra, chunk_decay = _chunk_decays(g, C)
     o = ((qc @ kc.swapaxes(-1, -2)) * intra[:, None]) @ vc  # [B, H, N, C, dv]
     U = (kc * k_decay[:, None, :, None]).swapaxes(-1, -2) @ vc  # [B, H, N, dk, dv]
