@@ -8,7 +8,8 @@ as an additive mask, and the gathers of each query's blocks, checked against eac
 Then decode: the output projections with their residual add (`addmm`, or a product and an
 add), and the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width with
 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and one
-layer), from which a layer of each kind costs what it adds. The lightning recurrence is
+layer), from which a layer of each kind costs what it adds, and a sparse layer's decode
+attention split into stage 1 (with its top-k) and stage 2 (`profile_decode_attention`). The lightning recurrence is
 also timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
@@ -136,6 +137,8 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         steps[name] = sorted(times)[16]
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
+        if name == "8 sparse":
+            profile_decode_attention(model, cache)
         del model, cache
     light = (steps["8 lightning"] - steps["1 lightning"]) / 7
     sparse = light + (steps["8 sparse"] - steps["8 lightning"]) / 8
@@ -143,6 +146,81 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
     print(f"decode, per layer: lightning {light * 1e3:.3f} ms, sparse {sparse * 1e3:.3f} ms; "
           f"embedding + head {head * 1e3:.3f} ms; the 9B (24 + 8 layers) "
           f"{(24 * light + 8 * sparse + head) * 1e3:.2f} ms", flush=True)  # fmt: skip
+
+
+def profile_decode_attention(model, cache) -> None:
+    """A sparse layer's decode attention (`sparse_decode.decode_attention`, batch 1, the row
+    forked from the document) and its two parts, stage 1 with its top-k and stage 2, each as one
+    compiled graph over the 8 layers' caches (the device runs them back to back, as in a step),
+    per layer; stage 2 also with the G query heads as heads (q [n, G, 1, d]: one query a head,
+    which MLX's CUDA SDPA runs unfused where a mask is given) instead of as one head's rows."""
+    from salabatch.engine.kernels import sparse_decode as sd
+    from salabatch.engine.kernels.attention import attention
+
+    sc, cfg = model.config.sparse, model.config
+    cache.reserve(cache.own_length() + 1)
+    shared, layers = cache.step_inputs()
+    start = 0 if shared is None else shared.start
+    info = sd.step_rows(cache.positions, start, sc.block_size, [s for _, s in sc.compression])
+    tables = model.decoder._step_tables(shared, cache)
+    layers = [a for a in layers if isinstance(a, tuple)]
+    H, d = cfg.num_attention_heads, cfg.head_dim
+    dt = layers[0][0][0].dtype
+    qs = [mx.random.normal((1, H, 1, d), key=mx.random.key(30 + i)).astype(dt)
+          for i in range(len(layers))]  # fmt: skip
+    rows0 = layers[0][0][0]
+    n_blocks = (rows0.shape[2] + (shared.keys.shape[2] if shared else 0)) // sc.block_size
+    k = min(sc.topk_eff, n_blocks)
+    common = dict(scale=model.layers[0].self_attn.scale, block=sc.block_size)
+    select = dict(init=sc.init_blocks, local=sc.local_blocks, compression=sc.compression)
+
+    def whole(qs):
+        return [sd.decode_attention(q, rows, sh, info, tables, mode=sd.SPARSE, k=sc.topk_eff,
+                                    dense_len=sc.dense_len, init_blocks=sc.init_blocks,
+                                    local_blocks=sc.local_blocks, compression=sc.compression,
+                                    **common)[0]
+                for q, (rows, sh) in zip(qs, layers, strict=True)]  # fmt: skip
+
+    def stage1(qs):
+        return [sd._select_step(q, rows[0], sh[2:], info, tables, n_blocks, k, common["scale"],
+                                select["init"], select["local"], common["block"],
+                                select["compression"])
+                for q, (rows, sh) in zip(qs, layers, strict=True)]  # fmt: skip
+
+    idx = stage1(qs)
+    mx.eval(idx)
+
+    def stage2(qs):
+        return [sd._attend_step(q, i, info, rows, sh[:2], tables["first"], common["scale"],
+                                common["block"], padded=False)
+                for q, i, (rows, sh) in zip(qs, idx, layers, strict=True)]  # fmt: skip
+
+    def heads_as_heads(q, keys, values, scale, mask):  # q [n, 1, G, d] → [n, G, 1, d] and back
+        n, _, G, _ = q.shape
+        return attention(q.reshape(n, G, 1, d), keys, values, scale, mask).reshape(q.shape)
+
+    def stage2_heads(qs):  # `_attend_step` as it is, its SDPA given the heads as heads
+        sd.attention = heads_as_heads
+        try:
+            return stage2(qs)
+        finally:
+            sd.attention = attention
+
+    n = len(layers)
+    for name, fn in (("whole", whole), ("stage 1 + top-k", stage1), ("stage 2", stage2),
+                     ("stage 2, G heads as heads", stage2_heads)):  # fmt: skip
+        graph = mx.compile(fn)
+        start = time.perf_counter()
+        mx.eval(graph(qs))
+        first = time.perf_counter() - start
+        runs = []
+        for _ in range(9):
+            start = time.perf_counter()
+            mx.eval(graph(qs))
+            runs.append(time.perf_counter() - start)
+        s = sorted(runs)[4] / n
+        print(f"decode attention, {name}, per layer {s * 1e3:9.3f} ms  (first {first:6.2f} s)",
+              flush=True)  # fmt: skip
 
 
 def profile_residual_products(hidden: int, dt) -> None:
