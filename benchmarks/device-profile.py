@@ -9,8 +9,9 @@ Then decode: the output projections with their residual add (`addmm`, or a produ
 add), and the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width with
 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and one
 layer), from which a layer of each kind costs what it adds, and a sparse layer's decode
-attention split into stage 1 (with its top-k) and stage 2 (`profile_decode_attention`). The lightning recurrence is
-also timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
+attention split into stage 1 (with its top-k) and stage 2 (`profile_decode_attention`). The
+lightning recurrence is also timed alone at 64-, 128- and 256-token chunks (the GPU path's
+`gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
@@ -158,21 +159,16 @@ def profile_decode_attention(model, cache) -> None:
     from salabatch.engine.kernels.attention import attention
 
     sc, cfg = model.config.sparse, model.config
-    cache.reserve(cache.own_length() + 1)
-    shared, layers = cache.step_inputs()
-    start = 0 if shared is None else shared.start
-    info = sd.step_rows(cache.positions, start, sc.block_size, [s for _, s in sc.compression])
-    tables = model.decoder._step_tables(shared, cache)
-    layers = [a for a in layers if isinstance(a, tuple)]
+    info, tables, layers, _ = model.decoder.inputs(cache)
+    layers = [arrays for arrays, _ in layers if isinstance(arrays, tuple)]  # the sparse ones
     H, d = cfg.num_attention_heads, cfg.head_dim
     dt = layers[0][0][0].dtype
     qs = [mx.random.normal((1, H, 1, d), key=mx.random.key(30 + i)).astype(dt)
           for i in range(len(layers))]  # fmt: skip
-    rows0 = layers[0][0][0]
-    n_blocks = (rows0.shape[2] + (shared.keys.shape[2] if shared else 0)) // sc.block_size
+    rows, shared = layers[0]
+    n_blocks = (rows[0].shape[2] + (shared[0].shape[2] if shared else 0)) // sc.block_size
     k = min(sc.topk_eff, n_blocks)
     common = dict(scale=model.layers[0].self_attn.scale, block=sc.block_size)
-    select = dict(init=sc.init_blocks, local=sc.local_blocks, compression=sc.compression)
 
     def whole(qs):
         return [sd.decode_attention(q, rows, sh, info, tables, mode=sd.SPARSE, k=sc.topk_eff,
@@ -183,8 +179,7 @@ def profile_decode_attention(model, cache) -> None:
 
     def stage1(qs):
         return [sd._select_step(q, rows[0], sh[2:], info, tables, n_blocks, k, common["scale"],
-                                select["init"], select["local"], common["block"],
-                                select["compression"])
+                                sc.init_blocks, sc.local_blocks, sc.block_size, sc.compression)
                 for q, (rows, sh) in zip(qs, layers, strict=True)]  # fmt: skip
 
     idx = stage1(qs)

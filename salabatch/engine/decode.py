@@ -38,6 +38,16 @@ class DecodeStep:
 
     def __call__(self, tokens: mx.array, cache) -> mx.array:
         """tokens [B] int32, one per row of `cache`, which it advances → logits [B, vocab]."""
+        info, tables, layers, mode = self.inputs(cache)
+        logits, layers, selected = self._compiled(tokens, info, tables, layers, mode)
+        cache.stepped(layers, selected, sparse=mode != DENSE)
+        return logits
+
+    def inputs(self, cache) -> tuple[mx.array, dict, list, str]:
+        """What the step takes for `cache`, with room reserved for one more position: the rows'
+        `step_rows`, the batch's `step_tables`, each layer's (cache arrays, step weights) and
+        the mode. The caller must hold the cache's buffers only through these, so that the step
+        writes them in place."""
         sc = self.model.config.sparse
         cache.reserve(cache.own_length() + 1)
         shared, arrays = cache.step_inputs()
@@ -45,12 +55,8 @@ class DecodeStep:
         info = step_rows(cache.positions, start, sc.block_size, [s for _, s in sc.compression])
         tables = self._step_tables(shared, cache)
         weights = [layer.step_weights() for layer in self.model.layers]
-        layers = list(zip(arrays, weights, strict=True))
-        del arrays  # the cache's buffers must be the step's alone, to be written in place
         mode = step_mode(cache.positions, sc.dense_len)
-        logits, layers, selected = self._compiled(tokens, info, tables, layers, mode)
-        cache.stepped(layers, selected, sparse=mode != DENSE)
-        return logits
+        return info, tables, list(zip(arrays, weights, strict=True)), mode
 
     def _step_tables(self, shared, cache) -> dict:
         """`step_tables` of this batch's shared keys and buffer shapes (made once per batch)."""
