@@ -6,8 +6,9 @@ n − T … n − 1 of an n-token context (costs taken at its middle query); a d
 queries at position n. Parts:
 
 * `weights`: every linear layer and the head, 2 FLOPs per weight and token; read once per call.
-* SALA's lightning layers: the simple-GLA recurrence (chunked form in prefill, 64-token chunks;
-  the state read and written per row in decode; float32 state).
+* SALA's lightning layers: the simple-GLA recurrence (chunked form in prefill, 64-token chunks,
+  with the passes over its activations and float32 intermediates; the state read and written
+  per row in decode; float32 state).
 * SALA's sparse layers below dense_len: dense attention. From it: stage 1 (every query scores
   the level-1 and level-2 compressed keys, float32 keys as the cache stores them), stage 2 (the
   K = topk + window blocks of 64 keys each query attends).
@@ -51,7 +52,8 @@ def sala(cfg: ModelConfig, n: int, *, queries: int, decode: bool, itemsize: int)
         parts["lightning"] = _times(per_row, queries * n_light)
     else:
         flops = Hl * (4 * GLA_CHUNK * dl + 4 * dl * dl)  # intra-chunk, state in and out
-        parts["lightning"] = Cost(flops * queries * n_light, 0.0)
+        per_token = Cost(flops, _gla_bytes(Hl, dl, itemsize))
+        parts["lightning"] = _times(per_token, queries * n_light)
     if at + 1 < sc.dense_len:
         parts["dense attention"] = _times(
             _attention(H, Hk, d, at, queries, decode, itemsize), n_sparse
@@ -91,6 +93,17 @@ def _attention(H, Hk, d, keys, queries, decode, itemsize, softmax_only=False) ->
     reads = (1 if softmax_only else 2) * Hk * keys * d * itemsize
     tiles = queries if decode else -(-queries // TILE_QUERIES)
     return Cost(flops, reads * tiles)
+
+
+def _gla_bytes(heads: int, d: int, itemsize: int) -> float:
+    """Bytes a lightning layer's prefill moves per token besides its projections (the GPU's
+    form, `kernels.gla.gla_parallel`, one read or write per kernel's operand): 17 passes over
+    an activation (q, k norms and ropes, casts, o_norm, the gate, o), 18 over a float32 one
+    (casts, the chunks' products, the read-out), 4 over the chunk scores and 4 over the chunk
+    states (each chunk's own part, then the carried states)."""
+    activation, wide = heads * d * itemsize, heads * d * 4
+    scores, states = GLA_CHUNK * heads * 4, heads * d * d * 4 / GLA_CHUNK
+    return 17 * activation + 18 * wide + 4 * scores + 4 * states
 
 
 def _weights(params: int, queries: int, itemsize: int) -> Cost:

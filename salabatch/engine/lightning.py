@@ -193,10 +193,11 @@ class LightningAttention(nn.Module):
         if cache.stepwise:  # decode's arithmetic, token by token
             o, cache.states = gla_stepwise(q, k, v, self._log_decay, self.scale, cache.state)
             cache.state = cache.states[:, -1]
-        else:
-            o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state)
-        # cast as it is transposed, one copy (a reshape of the transposed float32 is a copy too)
-        return o.transpose(0, 2, 1, 3).astype(x.dtype).reshape(B, T, -1)  # [B, T, H*dv]
+            o = o.transpose(0, 2, 1, 3).astype(x.dtype)  # cast as transposed: one copy
+        else:  # o rounded by the dispatcher, in the order read here
+            o, cache.state = gla(q, k, v, self._log_decay, self.scale, cache.state, x.dtype)
+            o = o.transpose(0, 2, 1, 3)
+        return o.reshape(B, T, -1)  # [B, T, H*dv]
 
 
 def _rope(x: mx.array, offset: int | mx.array, base: float) -> mx.array:

@@ -9,7 +9,8 @@ Layout, for every function here:
     g      [H]             log-decay per head, negative: g_h = -slope_h, gamma_h = exp(g_h)
     state  [B, H, dk, dv]  float32, or None for zeros
     scale  float
-    returns (o [B, H, T, dv] float32, final_state [B, H, dk, dv] float32)
+    returns (o [B, H, T, dv] float32 (`gla` and `gla_parallel`: out_dtype), final_state
+             [B, H, dk, dv] float32)
 
 Recurrence for token t (the current token is included in its own output):
     S_t = gamma * S_{t-1} + k_t ⊗ v_t,    o_t = scale * q_t^T S_t
@@ -154,57 +155,83 @@ def gla_chunked(q, k, v, g, scale, state=None, chunk=64):
     return o, S
 
 
-def gla_parallel(q, k, v, g, scale, state=None, chunk=64):
+def gla_parallel(q, k, v, g, scale, state=None, chunk=64, out_dtype=mx.float32):
     """GPU form of `gla_chunked`: one compiled graph per GPU_SEGMENT tokens, the tokens padded
     with zeros to whole chunks, the state carried across chunks by one matmul with an [N, N]
     decay matrix (N²·dk·dv flops: nothing for a GPU at N = 128, an 8K segment) instead of N
-    steps. q, k, v are cast to float32 inside the graph, q's cast and scale one kernel."""
+    steps. q, k, v are cast to float32 inside the graph, q's cast and scale one kernel. o is
+    rounded once to `out_dtype` (default float32) as its last sum is written, in the layout
+    [B, T, H, dv] (returned as its [B, H, T, dv] view): what the layer takes next (SPEC §3.6
+    step 7), with no float32 copy between."""
     if chunk < 1:
         raise ValueError(f"gla_parallel: expected chunk >= 1, got {chunk}")
     S, g = _state(q, k, v, g, state), g.astype(mx.float32)
+    fresh = state is None  # the zero state, which the first graph need not read
+    dtype = str(out_dtype).rsplit(".", 1)[-1]  # a compile constant: the dtype's name
     T = q.shape[2]
     outs = []
     for s in range(0, T, GPU_SEGMENT):
         sl = slice(s, s + GPU_SEGMENT)
-        o, S = _parallel(q[:, :, sl], k[:, :, sl], v[:, :, sl], g, S, (scale, chunk))
+        settings = (scale, chunk, fresh and s == 0, dtype)
+        o, S = _parallel(q[:, :, sl], k[:, :, sl], v[:, :, sl], g, S, settings)
         outs.append(o)
-    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), S
+    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+    return o.transpose(0, 2, 1, 3), S
 
 
 @mx.compile
 def _parallel(q, k, v, g, S, settings):
-    scale, C = settings
+    """One segment → (o [B, T, H, dv] in the settings' dtype, the final state)."""
+    scale, C, fresh, dtype = settings
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     N = -(-T // C)
+    whole = N * C == T
     # Padding after the last token changes no output before it; the final state is taken from
     # the real tokens only (below), so it decays by gamma^T, never by the padded length. Whole
     # chunks (every segment but a prefill's last) are not padded: a pad is a copy. Padded in
     # the inputs' dtype, then cast to float32 (q's cast and scale one kernel).
-    if N * C != T:
+    if not whole:
         pad = [(0, 0), (0, 0), (0, N * C - T), (0, 0)]
         q, k, v = (mx.pad(t, pad) for t in (q, k, v))
     k, v = k.astype(mx.float32), v.astype(mx.float32)
     qc = (q.astype(mx.float32) * scale).reshape(B, H, N, C, dk)
     kc = k.reshape(B, H, N, C, dk)
     vc = v.reshape(B, H, N, C, dv)
-    k, v = k[:, :, :T], v[:, :, :T]  # the real tokens
-    q_decay, k_decay, intra, chunk_decay = _chunk_decays(g, C)
+    _, k_decay, intra, _ = _chunk_decays(g, C)
     o = ((qc @ kc.swapaxes(-1, -2)) * intra[:, None]) @ vc  # [B, H, N, C, dv]
     U = (kc * k_decay[:, None, :, None]).swapaxes(-1, -2) @ vc  # [B, H, N, dk, dv]
-    # State before chunk n: gamma^(nC) S + Σ_{m<n} gamma^((n-1-m)C) U_m (exponents ≤ 0).
+    # The chunks' part of the state before chunk n: Σ_{m<n} gamma^((n-1-m)C) U_m (exponents
+    # ≤ 0; S's part is read separately below).
     n = mx.arange(N, dtype=mx.float32)
     lag = n[:, None] - 1 - n[None, :]  # [N, N]
     carry = mx.where(lag >= 0, mx.exp(g[:, None, None] * C * mx.maximum(lag, 0)), 0.0)
-    starts = (carry @ U.reshape(B, H, N, dk * dv)).reshape(B, H, N, dk, dv)
-    starts = starts + mx.exp(g[:, None] * C * n)[:, :, None, None] * S[:, :, None]
-    o = o + (qc * q_decay[:, None, :, None]) @ starts  # [B, H, N, C, dv]
-    o = o.reshape(B, H, N * C, dv)[:, :, :T]
-    # Final state over the real tokens: gamma^T S + Σ_j gamma^(T-1-j) k_j ⊗ v_j. (T enters
-    # through `arange` only: a scalar constant would make a new fused kernel for every length.)
-    last = mx.exp(g[:, None] * mx.arange(T - 1, -1, -1, dtype=mx.float32))  # [H, T]
-    S = (last[:, :1] * mx.exp(g)[:, None])[..., None] * S + (k * last[..., None]).mT @ v
-    return o, S
+    states = (carry @ U.reshape(B, H, N, dk * dv)).reshape(B, H, N, dk, dv)
+
+    # Token t (chunk t // C) reads that state decayed by gamma^(t mod C + 1), and S decayed by
+    # gamma^(t + 1): the decays scale the products inside the one kernel that sums o and
+    # rounds it, which reads its parts transposed and so writes o as [B, T, H, dv].
+    def tokens(x):  # [B, H, N, C, ·] or [B, H, N·C, ·] → the real tokens' [B, T, H, ·] view
+        return x.reshape(B, H, N * C, -1)[:, :, :T].transpose(0, 2, 1, 3)
+
+    t = mx.arange(T, dtype=mx.float32)[:, None, None]  # [T, 1, 1], against g [H, 1]
+    o = tokens(o) + mx.exp(g[:, None] * (t % C + 1)) * tokens(qc @ states)
+    if not fresh:
+        o = o + mx.exp(g[:, None] * (t + 1)) * tokens(qc.reshape(B, H, N * C, dk) @ S)  # q_t · S
+    o = o.astype(getattr(mx, dtype))
+    # The final state: the last chunk's start state carried over its C' real tokens, their own
+    # part, and gamma^T S (C' and T enter through `arange` only, as above). Whole chunks have
+    # that part already (U's last); a padded one sums its real tokens, its pads being zeros.
+    left = mx.arange(T - (N - 1) * C - 1, T - N * C - 1, -1, dtype=mx.float32)  # C' - 1 - σ
+    if whole:
+        own = U[:, :, -1]
+    else:
+        decayed = kc[:, :, -1] * mx.exp(g[:, None] * mx.maximum(left, 0))[..., None]
+        own = decayed.swapaxes(-1, -2) @ vc[:, :, -1]  # [B, H, dk, dv]
+    end = mx.exp(g * (left[0] + 1))[:, None, None] * states[:, :, -1] + own
+    if fresh:
+        return o, end
+    return o, end + mx.exp(g * (t[-1, 0, 0] + 1))[:, None, None] * S
 
 
 # Compiled so the decay, the outer product and the add make one pass over the state (decode is
@@ -286,11 +313,13 @@ def gla_step_decayed(q, k, v, decay, state):
     return q.astype(mx.float32) @ S, S  # [B, H, 1, dv]
 
 
-def gla(q, k, v, g, scale, state=None):
+def gla(q, k, v, g, scale, state=None, out_dtype=mx.float32):
     """The dispatcher the model calls: decode step for T == 1; otherwise the one-graph parallel
-    form on the GPU path, the chunked form on the CPU."""
-    if q.shape[2] == 1:
-        return gla_step(q, k, v, g, scale, state)
-    if on_gpu():
-        return gla_parallel(q, k, v, g, scale, state)
-    return gla_chunked(q, k, v, g, scale, state)
+    form on the GPU path, the chunked form on the CPU. o is rounded once to `out_dtype`, and
+    where that is a cast it is written in the order [B, T, H, dv] that the layer reads next
+    (returned as its [B, H, T, dv] view): the GPU form as it sums o, the others after."""
+    if q.shape[2] != 1 and on_gpu():
+        return gla_parallel(q, k, v, g, scale, state, out_dtype=out_dtype)
+    form = gla_step if q.shape[2] == 1 else gla_chunked
+    o, state = form(q, k, v, g, scale, state)
+    return o.swapaxes(1, 2).astype(out_dtype).swapaxes(1, 2), state

@@ -239,10 +239,10 @@ def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: in
     _, H, t, d = q.shape
     Hk = idx.shape[0]
     keys = _masked_keys(kv, first + t)
-    allowed = _selected_keys(idx, mx.array(first, dtype=mx.int32), (keys, block))
     # Additive, made here: the dispatcher's boolean mask would reach CUDA's SDPA converted at
     # the full [Hk, G, t, keys] (G times this)
-    mask = mx.where(allowed, 0.0, -mx.inf).astype(q.dtype)  # [Hk, 1, t, keys]
+    dtype = str(q.dtype).rsplit(".", 1)[-1]  # a compile constant: the dtype's name
+    mask = _additive_mask(idx, mx.array(first, dtype=mx.int32), (keys, block, dtype))
     k = kv.rows_k[b : b + 1, :, :keys].transpose(1, 0, 2, 3)  # [Hk, 1, keys, d]: a view
     v = kv.rows_v[b : b + 1, :, :keys].transpose(1, 0, 2, 3)
     o = mx.fast.scaled_dot_product_attention(
@@ -258,20 +258,21 @@ def _masked_keys(kv: KVView, end: int) -> int:
 
 
 @mx.compile
-def _selected_keys(idx: mx.array, first: mx.array, settings) -> mx.array:
-    """idx [Hk, t, K] (-1: none) of queries at first + 0..t-1 → [Hk, 1, t, keys] bool: the key's
-    block is selected and the key is not after the query. `first` is data: one trace per
-    shape, not per chunk."""
-    keys, block = settings
+def _additive_mask(idx: mx.array, first: mx.array, settings) -> mx.array:
+    """idx [Hk, t, K] (-1: none) of queries at first + 0..t-1 → [Hk, 1, t, keys] in the dtype
+    named: 0 where the key's block is selected and the key is not after the query, -inf
+    elsewhere. One kernel writes it, block by block (then viewed key by key), from the
+    selection as [Hk, t, blocks] flags. `first` is data: one trace per shape, not per chunk."""
+    keys, block, dtype = settings
     Hk, t, _ = idx.shape
     blocks = -(-keys // block)
     spare = mx.where(idx < 0, blocks, idx)  # -1 slots mark a spare column, dropped
     chosen = mx.zeros((Hk, t, blocks + 1), dtype=mx.bool_)
-    chosen = mx.put_along_axis(chosen, spare, mx.array(True), axis=-1)[..., :blocks]
-    per_key = mx.broadcast_to(chosen[..., None], (Hk, t, blocks, block)).reshape(Hk, t, -1)
-    q_pos = first + mx.arange(t, dtype=mx.int32)
-    allowed = per_key[..., :keys] & (mx.arange(keys, dtype=mx.int32) <= q_pos[:, None])
-    return allowed[:, None]
+    chosen = mx.put_along_axis(chosen, spare, mx.array(True), axis=-1)[..., :blocks, None]
+    q_pos = (first + mx.arange(t, dtype=mx.int32))[:, None, None]  # [t, 1, 1]
+    key = mx.arange(blocks * block, dtype=mx.int32).reshape(blocks, block)
+    mask = mx.where(chosen & (key <= q_pos), 0.0, -mx.inf).astype(getattr(mx, dtype))
+    return mask.reshape(Hk, 1, t, blocks * block)[..., :keys]
 
 
 def _block_tables(kv: KVView, block: int) -> list[tuple[mx.array, ...]]:

@@ -368,6 +368,22 @@ def test_gla_parallel_in_segments(monkeypatch):
     assert rel_rms(o, o_ref) <= F32_RTOL and rel_rms(s, s_ref) <= F32_STATE_RTOL
 
 
+@pytest.mark.parametrize("T", [1, 64, 65, 300])
+def test_gla_parallel_rounds_o_once_to_the_dtype_asked(T, monkeypatch):
+    """o in bf16 is the float32 o rounded, to the bit, whole chunks and a padded last one, in
+    segments too; a fresh sequence (no state read) gives what an explicit zero state gives."""
+    monkeypatch.setattr(gla_module, "GPU_SEGMENT", 128)
+    q, k, v, state = make_inputs(T, 16, 24, with_state=True, seed=40 + T)
+    q, k, v = (x.astype(mx.bfloat16) for x in (q, k, v))
+    o32, s32 = gla_parallel(q, k, v, G4, 0.25, state)
+    o16, s16 = gla_parallel(q, k, v, G4, 0.25, state, out_dtype=mx.bfloat16)
+    assert o16.dtype == mx.bfloat16 and o16.shape == o32.shape
+    assert mx.array_equal(o16, o32.astype(mx.bfloat16)).item() and mx.array_equal(s16, s32).item()
+    zero = mx.zeros_like(state)
+    fresh, zeroed = gla_parallel(q, k, v, G4, 0.25), gla_parallel(q, k, v, G4, 0.25, zero)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(fresh, zeroed, strict=True))
+
+
 def test_gla_parallel_every_9b_decay_and_bf16_inputs():
     q, k, v, state = make_inputs(200, dk=8, dv=8, heads=32, seed=1)
     g = -mx.array(SLOPES_32, dtype=mx.float32)
