@@ -10,8 +10,8 @@ add), and the compiled step (batch 1, a 32K context of zeros) of models at the 9
 8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and one
 layer), from which a layer of each kind costs what it adds, and a sparse layer's decode
 attention split into stage 1 (with its top-k) and stage 2 (`profile_decode_attention`). The
-lightning recurrence is also timed alone at 64-, 128- and 256-token chunks (the GPU path's
-`gla_parallel` uses 64).
+lightning layer is also cut short stage by stage (`profile_lightning`), and its recurrence
+timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
@@ -34,7 +34,7 @@ from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels import sparse_attention, stage1_cuda
 from salabatch.engine.kernels.attention import on_gpu
-from salabatch.engine.kernels.gla import gla_parallel
+from salabatch.engine.kernels.gla import gla, gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
 from salabatch.engine.kernels.sparse_select import _k_smallest, _pooled, select_blocks
 from salabatch.engine.lightning import LightningAttention
@@ -85,6 +85,7 @@ def main(contexts: list[int]) -> None:
     state = mx.zeros((1, 32, 128, 128), mx.float32)
     mx.eval(state)
     timed("lightning layer, whole (8K chunk)", lambda: lightning(x, LightningCache(state), 0))
+    profile_lightning(lightning, x, state)
 
     # the lightning recurrence alone (float32, as the layer runs it), by chunk length
     shape = (1, 32, chunk, 128)
@@ -98,6 +99,35 @@ def main(contexts: list[int]) -> None:
     for n in contexts:
         profile_context(sparse, cfg, x, n, chunk, dt)
     profile_decode(hidden, dt)
+
+
+def profile_lightning(layer, x, state) -> None:
+    """The lightning layer's chunk cut short at each stage, each line including the ones
+    before: its q, k and v projections; then their norms and ropes (`core` with the recurrence
+    replaced by a cast of q); then the recurrence (`core`: o rounded to the layer's dtype);
+    the whole layer adds o_norm, the gate and o_proj. Also the recurrence alone on the q, k, v
+    the layer feeds it (bf16 strided views: what its casts read), against the float32
+    contiguous ones of the line after."""
+    from salabatch.engine import lightning as module
+
+    timed("lightning: q, k, v projections", lambda: [p(x) for p in (layer.q_proj, layer.k_proj,
+                                                                    layer.v_proj)])  # fmt: skip
+    fed = []
+
+    def no_recurrence(q, k, v, g, scale, S, out_dtype):
+        fed[:] = [q, k, v, g, scale, S, out_dtype]
+        return q.astype(out_dtype), S
+
+    module.gla = no_recurrence
+    try:
+        timed("lightning: + norms and ropes", lambda: layer.core(x, LightningCache(state), 0))
+    finally:
+        module.gla = gla
+    timed("lightning: + the recurrence (core)", lambda: layer.core(x, LightningCache(state), 0))
+    mx.eval(fed[:3])
+    q, k, v, g, scale, S, out_dtype = fed
+    timed("lightning recurrence alone, the layer's q, k, v",
+          lambda: gla_parallel(q, k, v, g, scale, S, out_dtype=out_dtype))  # fmt: skip
 
 
 def profile_decode(hidden: int, dt, context: int = 32768) -> None:
