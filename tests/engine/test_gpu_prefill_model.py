@@ -32,3 +32,20 @@ def test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk):
 
 def test_shared_prefix_batch_equals_each_alone(model):
     batching.test_shared_prefix_batch_equals_each_alone(model, 700, "sparse")
+
+
+def test_prefill_queues_each_layer_and_gives_the_same_logits(sparse_model, monkeypatch):
+    """On the GPU path `prefill` queues every layer of a chunk as it is built (the device runs
+    it while the host builds the next), and the queued chunks give one call's logits."""
+    import mlx.core as mx
+
+    from salabatch.engine.generate import prefill
+
+    ids = test_model.prompt(700, seed=8)
+    whole = sparse_model(ids)[0, -1]
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(len(a)) or real(*a))
+    logits = prefill(sparse_model, ids[0].tolist(), sparse_model.make_cache(), chunk=256)
+    assert len(queued) == 3 * len(sparse_model.layers)  # three chunks, every layer
+    assert mx.abs(logits - whole).max().item() < test_model.TOL_CHUNKED
