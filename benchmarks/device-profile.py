@@ -5,13 +5,14 @@ timed alone: the median of 3 runs after one that compiles its kernels. Stage 1 i
 without its sort (scores and pooling only), and stage 2 in both its GPU forms whatever the
 context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
 as an additive mask, and the gathers of each query's blocks, checked against each other.
-Then decode: the output projections with their residual add (`addmm`, or a product and an
-add), and the compiled step (batch 1, a 32K context of zeros) of models at the 9B's width with
-8 lightning layers, 8 sparse layers, and 1 lightning layer (the embedding, the head and one
-layer), from which a layer of each kind costs what it adds, and a sparse layer's decode
-attention split into stage 1 (with its top-k) and stage 2 (`profile_decode_attention`). The
-lightning layer is also cut short stage by stage (`profile_lightning`), and its recurrence
-timed alone at 64-, 128- and 256-token chunks (the GPU path's `gla_parallel` uses 64).
+Decode, timed before the contexts: the output projections with their residual add
+(`addmm`, or a product and an add), and the compiled step (batch 1, a 32K context of zeros) of
+models at the 9B's width with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the
+embedding, the head and one layer), from which a layer of each kind costs what it adds, and a
+sparse layer's decode attention split into stage 1 (with its top-k) and stage 2
+(`profile_decode_attention`). The lightning layer is also cut short stage by stage
+(`profile_lightning`), and its recurrence timed alone at 64-, 128- and 256-token chunks (the
+GPU path's `gla_parallel` uses 64).
 
     python3 benchmarks/device-profile.py [CONTEXT ...]     (default: 32768 65536 131072)
 
@@ -96,9 +97,9 @@ def main(contexts: list[int]) -> None:
         timed(f"lightning recurrence alone, {c}-token chunks",
               lambda c=c: gla_parallel(*qkv, g, 0.1, state, chunk=c))  # fmt: skip
 
-    for n in contexts:
+    profile_decode(hidden, dt)  # before the contexts: the decode split is newer, and a call
+    for n in contexts:  # cut short keeps what it measured
         profile_context(sparse, cfg, x, n, chunk, dt)
-    profile_decode(hidden, dt)
 
 
 def profile_lightning(layer, x, state) -> None:
