@@ -5,8 +5,10 @@ test_batching; the golden vectors and the no-host-sync tests run on both paths t
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
+from salabatch.engine.generate import prefill
 from tests.engine import test_batching as batching
 from tests.engine import test_model
 from tests.engine import test_no_host_sync as host_sync
@@ -37,10 +39,6 @@ def test_shared_prefix_batch_equals_each_alone(model):
 def test_prefill_queues_each_layer_and_gives_the_same_logits(sparse_model, monkeypatch):
     """On the GPU path `prefill` queues every layer of a chunk as it is built (the device runs
     it while the host builds the next), and the queued chunks give one call's logits."""
-    import mlx.core as mx
-
-    from salabatch.engine.generate import prefill
-
     ids = test_model.prompt(700, seed=8)
     whole = sparse_model(ids)[0, -1]
     queued = []

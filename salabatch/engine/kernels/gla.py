@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from salabatch.engine.kernels import native
 from salabatch.engine.kernels.attention import on_gpu
+from salabatch.engine.runtime import dtype_name
 
 # Full chunks are processed this many at a time: the per-chunk start states of a segment,
 # [B, H, n, dk, dv], are the largest intermediate (64 MiB for the 9B at n = 32, B = 1).
@@ -167,7 +168,7 @@ def gla_parallel(q, k, v, g, scale, state=None, chunk=64, out_dtype=mx.float32):
         raise ValueError(f"gla_parallel: expected chunk >= 1, got {chunk}")
     S, g = _state(q, k, v, g, state), g.astype(mx.float32)
     fresh = state is None  # the zero state, which the first graph need not read
-    dtype = str(out_dtype).rsplit(".", 1)[-1]  # a compile constant: the dtype's name
+    dtype = dtype_name(out_dtype)  # a compile constant: the dtype's name
     T = q.shape[2]
     outs = []
     for s in range(0, T, GPU_SEGMENT):

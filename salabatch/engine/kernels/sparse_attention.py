@@ -39,6 +39,7 @@ from salabatch.engine.kernels.attention import (
     on_gpu,
     tile_rows,
 )
+from salabatch.engine.runtime import dtype_name
 
 # Bound on the keys + values one query tile gathers (bytes). MLX keeps about ten tiles in
 # flight, so this sets the transient memory of a sparse layer (~0.7 GB at 32K).
@@ -241,7 +242,7 @@ def _masked_tile(q, kv: KVView, b: int, idx, first: int, scale: float, block: in
     keys = _masked_keys(kv, first + t)
     # Additive, made here: the dispatcher's boolean mask would reach CUDA's SDPA converted at
     # the full [Hk, G, t, keys] (G times this)
-    dtype = str(q.dtype).rsplit(".", 1)[-1]  # a compile constant: the dtype's name
+    dtype = dtype_name(q.dtype)  # a compile constant: the dtype's name
     mask = _additive_mask(idx, mx.array(first, dtype=mx.int32), (keys, block, dtype))
     k = kv.rows_k[b : b + 1, :, :keys].transpose(1, 0, 2, 3)  # [Hk, 1, keys, d]: a view
     v = kv.rows_v[b : b + 1, :, :keys].transpose(1, 0, 2, 3)
