@@ -33,7 +33,7 @@ from salabatch.bench.long import random_init
 from salabatch.demo.checkpoint import sala_config
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels import sparse_attention, stage1_cuda
+from salabatch.engine.kernels import sparse_attention, stage1_cuda, stage2_cuda
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.gla import gla, gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
@@ -300,6 +300,8 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     # stage 2's useful work: K·block keys for each query and head, QK and PV
     useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
     outs = {}
+    kernel = stage2_cuda.available  # the MLX-op forms first, the kernel off
+    stage2_cuda.available = lambda: False
     for form, limit in (("masked", 1 << 62), ("gathered", 0)):
         sparse_attention.MASKED_KEYS = limit
 
@@ -309,8 +311,24 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
         outs[form] = stage2()
         timed(f"{n}: stage 2, {form} form", stage2, useful)
     sparse_attention.MASKED_KEYS = MASKED_KEYS
-    a, b = (outs[f].astype(mx.float32) for f in ("masked", "gathered"))
-    print(f"{n}: stage 2's forms differ by {(a - b).abs().max().item():.3g} at most", flush=True)
+    stage2_cuda.available = kernel
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    if kernel() and stage2_cuda.supports(q, G, sc.block_size):  # its parity passed on this GPU
+        for tile in (2, 4, 8):
+
+            def tiled(tile=tile):
+                o = stage2_cuda.attend(
+                    q.transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx,
+                    mx.array(starts, dtype=mx.int32), sparse.scale, sc.block_size, tile,
+                )  # fmt: skip
+                return o.transpose(0, 2, 1, 3)
+
+            outs[f"kernel, {tile} queries a thread block"] = tiled()
+            timed(f"{n}: stage 2, CUDA kernel, {tile} queries a thread block", tiled, useful)
+    a = outs["masked"].astype(mx.float32)
+    for form, o in outs.items():
+        diff = (o.astype(mx.float32) - a).abs().max().item()
+        print(f"{n}: stage 2, {form}: {diff:.3g} at most from the masked form", flush=True)
     # stage 1 without its top-k: raw scores, softmax, head sum and pooling (the engine's
     # `_pooled`, every chunk seen)
     c1 = parts[0][0].astype(q.dtype)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from salabatch.engine.kernels import stage2_cuda
 from salabatch.engine.kernels.attention import (
     LOG2E,
     attention,
@@ -191,7 +192,9 @@ def block_sparse_attention_gpu(
     SDPA over every key with the selection as an additive mask (`_masked_tile`); else
     `mx.gather_mm` reads each query's selected blocks in place from the cache (no copy of keys
     or values), the G heads of a kv head as the rows of one small matmul per block, scores in
-    q's dtype, softmax in float32, tiles the same at every context (`_sparse_tile`)."""
+    q's dtype, softmax in float32, tiles the same at every context (`_sparse_tile`). On CUDA
+    with the stage-2 kernel switched on (`stage2_cuda`: off by default until its parity test
+    has run on a GPU), rows with their own keys only send all their queries to it, one call."""
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     G = H // Hk
@@ -200,7 +203,15 @@ def block_sparse_attention_gpu(
     if dense:
         outs.append(_causal(q[:, :, :dense], kv, starts, 0, scale).transpose(0, 2, 1, 3))
     keys = _masked_keys(kv, max(starts) + T)
-    if dense < T and kv.start == 0 and keys <= MASKED_KEYS:
+    own = dense < T and kv.start == 0  # rows with their own keys only
+    if own and stage2_cuda.available() and stage2_cuda.supports(q, G, block):
+        first = mx.array([s + dense for s in starts], dtype=mx.int32)
+        o = stage2_cuda.attend(
+            q[:, :, dense:].transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx[:, :, dense:], first,
+            scale, block,
+        )  # fmt: skip
+        outs.append(o)
+    elif own and keys <= MASKED_KEYS:
         # per query: its row of the mask (bool, then q's dtype), the scores of the SDPA's tiles
         step = tile_rows(Hk * keys * (1 + 2 * q.dtype.size), T - dense)
         for s in range(dense, T, step):

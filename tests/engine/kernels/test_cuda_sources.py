@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.engine.kernels import stage1_cuda
+from salabatch.engine.kernels import stage1_cuda, stage2_cuda
 
 
 def _cuda_dir() -> Path | None:
@@ -35,12 +35,17 @@ PRELUDE = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\ntypedef int int32_t;\
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int32_t"}
 
 
-def _build(name, source, inputs, outputs) -> str:
-    """The translation unit MLX's `cuda_kernel` makes (mlx/backend/cuda/custom_kernel.cpp)."""
+def _build(name, source, inputs, outputs, header="", template=()) -> str:
+    """The translation unit MLX's `cuda_kernel` makes (mlx/backend/cuda/custom_kernel.cpp):
+    its header, then the signature, each template argument a constant, the body."""
     params = [f"const {TYPES[t]}* {n}" for n, t in inputs]
     params += [f"{TYPES[t]}* {n}" for n, t in outputs]
-    body = f"__global__ void {name}({', '.join(params)}) {{\n{source}\n}}\n"
-    return f"{PRELUDE}namespace mlx::core::cu {{\n{body}}}\n"
+    constants = "".join(
+        f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
+        for k, v in template
+    )
+    body = f"__global__ void {name}({', '.join(params)}) {{\n{constants}{source}\n}}\n"
+    return f"{PRELUDE}{header}namespace mlx::core::cu {{\n{body}}}\n"
 
 
 def _compile(unit: str) -> tuple[int, str]:
@@ -85,6 +90,21 @@ def test_stage1_kernels_compile(dtype):
             [("pooled", "f32")],
         )
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize(("d", "tile"), [(128, 2), (128, 4), (128, 8), (64, 4)])
+def test_stage2_kernel_compiles(dtype, d, tile):
+    """Every variant the dispatcher or the profile launches: q's dtype, head dim, queries a
+    thread block (the 9B's G = 16 heads a kv group, 64-key blocks)."""
+    inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("idx", "i32"),
+              ("first", "i32"), ("dims", "i32"), ("scale", "f32")]  # fmt: skip
+    assert tuple(n for n, _ in inputs) == stage2_cuda.INPUTS
+    template = [("T", dtype), ("D", d), ("G", 16), ("QT", tile), ("BLOCK", 64)]
+    unit = _build("stage2", stage2_cuda._SOURCE, inputs, [("out", dtype)],
+                  stage2_cuda._HEADER, template)  # fmt: skip
+    _assert_builds(unit)
+    assert stage2_cuda.shared_bytes(d, 64, tile, 2) <= stage2_cuda.MAX_SHARED
 
 
 def test_a_broken_source_fails_to_build():

@@ -1,0 +1,260 @@
+"""Stage 2 as one CUDA kernel (`mx.fast.cuda_kernel`) for a prefill's queries on the GPU path:
+each thread block takes QT neighbouring queries of one kv head and walks the union of their
+selected blocks in ascending order, loading each block's keys and values into shared memory
+once for its QT warps. A warp is one query: its G heads are the rows of 16×16 tensor-core tiles
+(WMMA), the scores of a block are Q·Kᵀ in float32, the softmax runs online in float32 (the
+output accumulated in shared memory, rescaled row by row), the weights are rounded to q's dtype
+for P·V as the MLX-op forms round them, and each head's output is written once, in q's dtype.
+
+The MLX-op forms (`sparse_attention._masked_tile`, `_sparse_tile`) either attend every key
+with the selection as a mask (19 ms a 8K chunk and layer at 32K on an H100) or gather each
+query's 96 blocks apart (38 ms at any context), where neighbouring queries choose mostly the
+same blocks: here a block is read once a tile of queries.
+
+Layout:
+  q       [B, T, H, d]   the chunk's queries (q's dtype: bfloat16 or float16)
+  keys, values [B, Hk, R, d]  the rows' own buffers, whole (no shared part: kv.start == 0)
+  idx     [B, Hk, T, K]  int32, each query's blocks in ascending order, -1 (first) for none
+  first   [B]            int32, the position of each row's query 0
+  →       [B, T, H, d]   in q's dtype
+
+Off by default until its parity test (`tests/engine/kernels/test_stage2_cuda.py`, marked
+`gpu`) has passed on a GPU: `SALABATCH_CUDA_KERNELS=stage1,stage2` switches it on; the
+dispatcher (`sparse_attention.block_sparse_attention_gpu`) then takes it where `supports` says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from salabatch.engine.kernels.attention import cuda_kernel
+
+_HEADER = "#include <mma.h>\n"
+
+# One warp a query: stage its G heads (zero rows up to 16) as tensor-core fragments, then walk
+# the tile's union of blocks. Constants: T (q's dtype), D (head dim), G, QT (queries a thread
+# block), BLOCK (keys a block); per warp in shared memory: S (16 × SP floats), O (16 × OP
+# floats), P (16 × PP of T), strides padded so that the softmax's lanes read distinct banks.
+_SOURCE = """
+    using namespace nvcuda;
+    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+    constexpr int NONE = 0x7fffffff;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int n = dims[0], H = dims[1], Hk = dims[2], R = dims[3], K = dims[4];
+    const int tiles = (n + QT - 1) / QT;
+    const int tile = blockIdx.x % tiles;
+    const int h = (blockIdx.x / tiles) % Hk;
+    const int b = blockIdx.x / (tiles * Hk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = tile * QT + warp;
+    const bool active = t < n;
+    const long long qpos = (long long)first[b] + t;
+    const float a = scale[0] * 1.4426950408889634f;  // exp(x·scale) = 2^(x·a)
+
+    extern __shared__ __align__(32) unsigned char smem[];
+    constexpr int KV_BYTES = 2 * BLOCK * D * (int)sizeof(T);
+    constexpr int WARP_FLOATS = 16 * SP + 16 * OP;
+    T* Ks = reinterpret_cast<T*>(smem);
+    T* Vs = Ks + BLOCK * D;
+    float* Sw = reinterpret_cast<float*>(smem + KV_BYTES) + warp * WARP_FLOATS;
+    float* Ow = Sw + 16 * SP;
+    unsigned char* rest = smem + KV_BYTES + QT * WARP_FLOATS * 4;
+    T* Pw = reinterpret_cast<T*>(rest) + warp * 16 * PP;
+    int* nxt = reinterpret_cast<int*>(rest + QT * 16 * PP * (int)sizeof(T));
+
+    // the query's heads, staged in O's room, then held as fragments
+    T* Qs = reinterpret_cast<T*>(Ow);
+    const T* qrow = q + (((long long)b * n + t) * H + (long long)h * G) * D;
+    for (int i = lane; i < 16 * D; i += 32) {
+        const int r = i / D;
+        Qs[i] = (active && r < G) ? qrow[i] : static_cast<T>(0.0f);
+    }
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[D / 16];
+    for (int kt = 0; kt < D / 16; ++kt) {
+        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * OP; i += 32) {
+        Ow[i] = 0.0f;
+    }
+    __syncwarp();
+
+    // lane → row r of the 16, columns half, half + 2, ... (two lanes a row)
+    const int r = lane >> 1, half = lane & 1;
+    float m = NEG_INF, l = 0.0f;
+    const int* list = idx + (((long long)b * Hk + h) * n + (active ? t : 0)) * K;
+    int cur = 0;
+    while (active && cur < K && list[cur] < 0) {
+        ++cur;
+    }
+    const T* kbase = keys + ((long long)b * Hk + h) * R * D;
+    const T* vbase = values + ((long long)b * Hk + h) * R * D;
+
+    while (true) {
+        int mine = NONE;
+        if (active && cur < K && (long long)list[cur] * BLOCK <= qpos) {
+            mine = list[cur];
+        }
+        if (lane == 0) {
+            nxt[warp] = mine;
+        }
+        __syncthreads();
+        int blk = NONE;
+        for (int w = 0; w < QT; ++w) {
+            blk = min(blk, nxt[w]);
+        }
+        if (blk == NONE) {
+            break;
+        }
+        // the block's keys and values, 16 bytes a thread at a time
+        constexpr int VEC = BLOCK * D * (int)sizeof(T) / 16;
+        const uint4* ksrc = reinterpret_cast<const uint4*>(kbase + (long long)blk * BLOCK * D);
+        const uint4* vsrc = reinterpret_cast<const uint4*>(vbase + (long long)blk * BLOCK * D);
+        for (int i = threadIdx.x; i < VEC; i += blockDim.x) {
+            reinterpret_cast<uint4*>(Ks)[i] = ksrc[i];
+            reinterpret_cast<uint4*>(Vs)[i] = vsrc[i];
+        }
+        __syncthreads();
+        if (mine == blk) {
+            // S = Q·Kᵀ, 16 × BLOCK, float32
+            for (int nt = 0; nt < BLOCK / 16; ++nt) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::fill_fragment(acc, 0.0f);
+                for (int kt = 0; kt < D / 16; ++kt) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                    wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
+                    wmma::mma_sync(acc, qf[kt], kf, acc);
+                }
+                wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
+            }
+            __syncwarp();
+            // online softmax of row r: keys after the query masked (its own block)
+            const long long base = (long long)blk * BLOCK;
+            float mb = NEG_INF;
+            for (int c = half; c < BLOCK; c += 2) {
+                if (base + c <= qpos) {
+                    mb = fmaxf(mb, Sw[r * SP + c] * a);
+                }
+            }
+            mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+            const float mn = fmaxf(m, mb);  // finite: the block's first key is not after the query
+            const float alpha = exp2f(m - mn);
+            float sum = 0.0f;
+            for (int c = half; c < BLOCK; c += 2) {
+                const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
+                const T pt = static_cast<T>(p);
+                Pw[r * PP + c] = pt;
+                sum += static_cast<float>(pt);
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            l = l * alpha + sum;
+            m = mn;
+            for (int c = half; c < D; c += 2) {
+                Ow[r * OP + c] *= alpha;
+            }
+            __syncwarp();
+            // O += P·V
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
+            for (int kt = 0; kt < BLOCK / 16; ++kt) {
+                wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
+            }
+            for (int nt = 0; nt < D / 16; ++nt) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::load_matrix_sync(acc, Ow + nt * 16, OP, wmma::mem_row_major);
+                for (int kt = 0; kt < BLOCK / 16; ++kt) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                    wmma::load_matrix_sync(vf, Vs + kt * 16 * D + nt * 16, D);
+                    wmma::mma_sync(acc, pf[kt], vf, acc);
+                }
+                wmma::store_matrix_sync(Ow + nt * 16, acc, OP, wmma::mem_row_major);
+            }
+            __syncwarp();
+            ++cur;
+        }
+        __syncthreads();
+    }
+
+    if (active && r < G) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        T* orow = out + (((long long)b * n + t) * H + (long long)h * G + r) * D;
+        for (int c = half; c < D; c += 2) {
+            orow[c] = static_cast<T>(Ow[r * OP + c] * inv);
+        }
+    }
+"""
+
+INPUTS = ("q", "keys", "values", "idx", "first", "dims", "scale")
+QUERIES_PER_TILE = 4  # warps a thread block (the profile times 2, 4 and 8)
+MAX_SHARED = 227 * 1024  # an H100's shared memory a thread block can have
+
+
+def available() -> bool:
+    """Whether the kernel may run: CUDA, and `SALABATCH_CUDA_KERNELS` names "stage2"."""
+    return cuda_kernel("stage2")
+
+
+def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
+    """The shapes the kernel takes: q in bfloat16 or float16, a head dim of 16·k up to 128,
+    at most 16 heads a kv group (the rows of a tensor-core tile), blocks of 16·k keys."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (mx.bfloat16, mx.float16)
+        and d % 16 == 0
+        and d <= 128
+        and 0 < heads_per_group <= 16
+        and block % 16 == 0
+        and shared_bytes(d, block, QUERIES_PER_TILE, q.dtype.size) <= MAX_SHARED
+    )
+
+
+def shared_bytes(d: int, block: int, tile: int, itemsize: int) -> int:
+    """Dynamic shared memory of a thread block: one block's keys and values, and per warp
+    its scores, output (float32) and weights (q's dtype), strides padded as the source."""
+    per_warp = 16 * (block + 4) * 4 + 16 * (d + 4) * 4 + 16 * (block + 8) * itemsize
+    return 2 * block * d * itemsize + tile * per_warp + 4 * tile
+
+
+def attend(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    idx: mx.array,
+    first: mx.array,
+    scale: float,
+    block: int,
+    tile: int = QUERIES_PER_TILE,
+) -> mx.array:
+    """q [B, T, H, d]; keys, values [B, Hk, R, d]; idx [B, Hk, T, K] (any order, -1: none);
+    first [B] → [B, T, H, d] in q's dtype (layout above)."""
+    B, T, H, d = q.shape
+    Hk, R = keys.shape[1], keys.shape[2]
+    K = idx.shape[-1]
+    dims = mx.array([T, H, Hk, R, K], dtype=mx.int32)
+    ordered = mx.sort(idx.astype(mx.int32), axis=-1)  # -1 first, then ascending
+    (out,) = _kernel(shared_bytes(d, block, tile, q.dtype.size))(
+        inputs=[q, keys, values, ordered, first.astype(mx.int32), dims,
+                mx.array([scale], dtype=mx.float32)],
+        template=[("T", q.dtype), ("D", d), ("G", H // Hk), ("QT", tile), ("BLOCK", block)],
+        grid=(B * Hk * -(-T // tile) * 32 * tile, 1, 1),
+        threadgroup=(32 * tile, 1, 1),
+        output_shapes=[(B, T, H, d)],
+        output_dtypes=[q.dtype],
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _kernel(shared: int):
+    """The kernel object for a thread block of `shared` bytes of dynamic shared memory, made on
+    first use (there is none without a CUDA backend); MLX compiles it once per template."""
+    return mx.fast.cuda_kernel(
+        name="salabatch_stage2_tiles",
+        input_names=list(INPUTS),
+        output_names=["out"],
+        source=_SOURCE,
+        header=_HEADER,
+        shared_memory=shared,
+    )

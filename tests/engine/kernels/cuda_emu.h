@@ -1,0 +1,200 @@
+// Just enough of CUDA to run a kernel's source on the CPU, one std::thread a CUDA thread, for
+// tests on machines without a GPU (`cuda_emu.py` builds and launches it). Semantics kept:
+// __syncthreads and __syncwarp are barriers of the thread block and of the warp, shuffles
+// exchange through the warp, WMMA fragments are whole 16×16 matrices every lane holds (the
+// collective's result; lane 0 stores), bfloat16 rounds to nearest even. Not kept: timing,
+// memory ordering beyond the barriers, anything the kernels here do not use.
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+
+struct __nv_bfloat16 {
+    uint16_t bits = 0;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) {
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            bits = 0x7fc0;  // NaN
+        } else {
+            bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+    operator float() const {
+        uint32_t u = static_cast<uint32_t>(bits) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+};
+
+namespace emu {
+
+struct Block {
+    std::unique_ptr<std::barrier<>> all;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<float> exchange;  // a float a thread, for shuffles
+    std::vector<unsigned char> shared;
+};
+
+inline thread_local dim3 thread_idx, block_idx, block_dim;
+inline thread_local Block* block = nullptr;
+
+inline int lane() { return thread_idx.x % 32; }
+inline int warp() { return thread_idx.x / 32; }
+
+}  // namespace emu
+
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define __global__
+#define __device__
+#define __align__(n)
+
+inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    emu::block->warps[emu::warp()]->arrive_and_wait();
+}
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    auto& x = emu::block->exchange;
+    const int me = threadIdx.x, partner = (me & ~31) | ((me & 31) ^ mask);
+    x[me] = v;
+    __syncwarp();
+    const float got = x[partner];
+    __syncwarp();
+    return got;
+}
+inline float __int_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+using std::exp2f;
+using std::fmaxf;
+using std::max;
+using std::min;
+
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+    float x[16][16];  // [row][col] of the fragment's matrix
+};
+
+template <class Use, class T, class Layout, class P>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const P* p, unsigned ldm) {
+    constexpr bool rows = std::is_same_v<Layout, row_major>;
+    for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 16; ++j) {
+            f.x[i][j] = static_cast<float>(rows ? p[i * ldm + j] : p[j * ldm + i]);
+        }
+    }
+}
+
+template <class T>
+void load_matrix_sync(
+    fragment<accumulator, 16, 16, 16, T>& f, const float* p, unsigned ldm, layout_t layout) {
+    for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 16; ++j) {
+            f.x[i][j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
+        }
+    }
+}
+
+template <class T>
+void store_matrix_sync(
+    float* p, const fragment<accumulator, 16, 16, 16, T>& f, unsigned ldm, layout_t layout) {
+    __syncwarp();  // every lane has computed f
+    if (emu::lane() == 0) {
+        for (int i = 0; i < 16; ++i) {
+            for (int j = 0; j < 16; ++j) {
+                (layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i][j];
+            }
+        }
+    }
+    __syncwarp();  // and the stores are done before any lane goes on, as a collective's are
+}
+
+template <class Use, class T, class Layout>
+void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
+    for (auto& row : f.x) {
+        std::fill(std::begin(row), std::end(row), v);
+    }
+}
+
+template <class TA, class LA, class TB, class LB, class TC>
+void mma_sync(
+    fragment<accumulator, 16, 16, 16, TC>& d,
+    const fragment<matrix_a, 16, 16, 16, TA, LA>& a,
+    const fragment<matrix_b, 16, 16, 16, TB, LB>& b,
+    const fragment<accumulator, 16, 16, 16, TC>& c) {
+    float out[16][16];
+    for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 16; ++j) {
+            float s = c.x[i][j];
+            for (int k = 0; k < 16; ++k) {
+                s += a.x[i][k] * b.x[k][j];
+            }
+            out[i][j] = s;
+        }
+    }
+    std::memcpy(d.x, out, sizeof(out));
+}
+
+}  // namespace nvcuda::wmma
+
+namespace emu {
+
+// Runs `kernel` over a grid of `blocks` thread blocks of `threads` threads (x only), each block
+// with `shared_bytes` of dynamic shared memory, one block at a time.
+template <class F>
+void launch(int blocks, int threads, int shared_bytes, F kernel) {
+    for (int bx = 0; bx < blocks; ++bx) {
+        Block b;
+        b.all = std::make_unique<std::barrier<>>(threads);
+        for (int w = 0; w < (threads + 31) / 32; ++w) {
+            b.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
+        }
+        b.exchange.assign(threads, 0.0f);
+        b.shared.assign(shared_bytes, 0xAB);  // garbage, as a GPU's is
+        std::vector<std::thread> pool;
+        for (int tx = 0; tx < threads; ++tx) {
+            pool.emplace_back([&, tx] {
+                thread_idx = {static_cast<unsigned>(tx), 0, 0};
+                block_idx = {static_cast<unsigned>(bx), 0, 0};
+                block_dim = {static_cast<unsigned>(threads), 1, 1};
+                block = &b;
+                kernel();
+            });
+        }
+        for (auto& t : pool) {
+            t.join();
+        }
+    }
+}
+
+inline unsigned char* shared() { return block->shared.data(); }
+
+}  // namespace emu

@@ -1,0 +1,95 @@
+"""A CUDA kernel's source, as `mx.fast.cuda_kernel` would compile it, built for the CPU against
+`cuda_emu.h` (a CUDA thread a std::thread, barriers and shuffles kept, WMMA as whole matrices)
+and run on numpy arrays: the kernel's own indexing, synchronisation and arithmetic checked on a
+machine without a GPU. Slow (a thread block at a time); for small shapes only."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).parent
+CXX = shutil.which("g++")
+TYPES = {"bf16": "__nv_bfloat16", "f32": "float", "i32": "int32_t"}
+NUMPY = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32}
+_BUILT: dict[str, ctypes.CDLL] = {}
+
+
+def available() -> bool:
+    """Whether this machine builds the emulator: g++ with C++20's <barrier>."""
+    if CXX is None:
+        return False
+    try:
+        _build(f'#include "{HERE / "cuda_emu.h"}"\nextern "C" int probe() {{ return 1; }}\n')
+    except RuntimeError:
+        return False
+    return True
+
+
+def to_numpy(a: mx.array, kind: str) -> np.ndarray:
+    """An MLX array as the kernel reads it (bfloat16 as its bits)."""
+    if kind == "bf16":
+        return np.ascontiguousarray(np.array(a.astype(mx.bfloat16).view(mx.uint16)))
+    return np.ascontiguousarray(np.array(a), dtype=NUMPY[kind])
+
+
+def from_numpy(a: np.ndarray, kind: str) -> mx.array:
+    return mx.array(a).view(mx.bfloat16) if kind == "bf16" else mx.array(a)
+
+
+def run(source, inputs, output, template, *, blocks, threads, shared_bytes):
+    """inputs: [(name, kind, numpy array)]; output: (name, kind, shape) → the output array.
+    template: [(name, kind or int)] as `cuda_kernel` takes them (dtype names as in TYPES)."""
+    params = [f"const {TYPES[k]}* {n}" for n, k, _ in inputs]
+    oname, okind, oshape = output
+    params.append(f"{TYPES[okind]}* {oname}")
+    constants = "".join(
+        f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
+        for k, v in template
+    )
+    body = source.replace(
+        "extern __shared__ __align__(32) unsigned char smem[];",
+        "unsigned char* smem = emu::shared();",
+    )
+    casts = [f"(const {TYPES[k]}*)args[{i}]" for i, (_, k, _) in enumerate(inputs)]
+    casts.append(f"({TYPES[okind]}*)args[{len(inputs)}]")
+    unit = (
+        f'#include "{HERE / "cuda_emu.h"}"\n'
+        "namespace mlx::core::cu {\n"
+        f"void kernel({', '.join(params)}) {{\n{constants}{body}\n}}\n"
+        "}\n"
+        'extern "C" void run(void** args, int blocks, int threads, int shared) {\n'
+        "  emu::launch(blocks, threads, shared, [&] {\n"
+        f"    mlx::core::cu::kernel({', '.join(casts)});\n"
+        "  });\n}\n"
+    )
+    lib = _build(unit)
+    arrays = [np.ascontiguousarray(a, dtype=NUMPY[k]) for _, k, a in inputs]
+    out = np.zeros(oshape, dtype=NUMPY[okind])
+    ptrs = (ctypes.c_void_p * (len(arrays) + 1))(*[a.ctypes.data for a in arrays], out.ctypes.data)
+    lib.run(ptrs, blocks, threads, shared_bytes)
+    return out
+
+
+def _build(unit: str) -> ctypes.CDLL:
+    key = hashlib.sha256(unit.encode()).hexdigest()[:16]
+    if key not in _BUILT:
+        folder = Path(tempfile.mkdtemp(prefix="cuda-emu-"))
+        (folder / "k.cpp").write_text(unit)
+        lib = folder / "k.so"
+        done = subprocess.run(
+            [CXX, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(lib),
+             str(folder / "k.cpp")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"the emulated kernel did not build:\n{done.stderr[-4000:]}")
+        _BUILT[key] = ctypes.CDLL(str(lib))
+    return _BUILT[key]

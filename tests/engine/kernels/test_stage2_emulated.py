@@ -1,0 +1,55 @@
+"""The stage-2 CUDA kernel's own source (`kernels/stage2_cuda.py`), run on the CPU through
+`cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices), against the float32
+reference `block_sparse_attention_ref`: its indexing, tile union walk, causal mask, online
+softmax and synchronisation, checked without a GPU. Its speed, and the real tensor cores and
+NVRTC build, are a GPU's to test (`test_stage2_cuda.py`, marked `gpu`; `test_cuda_sources.py`
+builds it for an H100)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.kernels import stage2_cuda
+from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention_ref
+from tests.engine.kernels import cuda_emu
+from tests.engine.kernels.test_stage2_cuda import BLOCK, _case, _relative
+
+pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
+
+
+@pytest.mark.parametrize(
+    ("G", "d", "tile", "start", "T"),
+    [(16, 128, 4, 300, 37), (4, 64, 2, 700, 21)],
+    ids=["9b-heads", "small"],
+)
+def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
+    """Two rows at their own starts, 6 slots a query (its own block, the first, random others,
+    in any order), a last tile with fewer queries than warps."""
+    q, kv, idx, starts = _case(G, d, 6, start, T, mx.bfloat16, seed=G + d, B=2)
+    B, Hk, R, _ = kv.rows_k.shape
+    scale = d**-0.5
+    got = cuda_emu.run(
+        stage2_cuda._SOURCE,
+        [
+            ("q", "bf16", cuda_emu.to_numpy(q.transpose(0, 2, 1, 3), "bf16")),
+            ("keys", "bf16", cuda_emu.to_numpy(kv.rows_k, "bf16")),
+            ("values", "bf16", cuda_emu.to_numpy(kv.rows_v, "bf16")),
+            ("idx", "i32", np.sort(np.array(idx), axis=-1)),  # as `attend` orders them
+            ("first", "i32", np.array(starts)),
+            ("dims", "i32", np.array([T, Hk * G, Hk, R, 6])),
+            ("scale", "f32", np.array([scale])),
+        ],
+        ("out", "bf16", (B, T, Hk * G, d)),
+        [("T", "bf16"), ("D", d), ("G", G), ("QT", tile), ("BLOCK", BLOCK)],
+        blocks=B * Hk * -(-T // tile),
+        threads=32 * tile,
+        shared_bytes=stage2_cuda.shared_bytes(d, BLOCK, tile, 2),
+    )
+    got = cuda_emu.from_numpy(got, "bf16").transpose(0, 2, 1, 3)
+    f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
+                 kv.lengths)  # fmt: skip
+    want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, scale, BLOCK)
+    assert _relative(got, want) < 6e-3  # bf16 weights and output: ~2e-3
+    assert mx.abs(got.astype(mx.float32) - want).max().item() < 0.05
