@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -70,14 +71,32 @@ inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     emu::block->warps[emu::warp()]->arrive_and_wait();
 }
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
+// a lane's value from lane `from(me)` of its warp (every lane of the warp calls it)
+template <class V, class F>
+V shuffle(V v, F from) {
+    static_assert(sizeof(V) == 4);
     auto& x = emu::block->exchange;
-    const int me = threadIdx.x, partner = (me & ~31) | ((me & 31) ^ mask);
-    x[me] = v;
+    const int me = threadIdx.x;
+    std::memcpy(&x[me], &v, 4);
     __syncwarp();
-    const float got = x[partner];
+    V got;
+    std::memcpy(&got, &x[(me & ~31) | from(me & 31)], 4);
     __syncwarp();
     return got;
+}
+template <class V>
+V __shfl_xor_sync(unsigned, V v, int mask) {
+    return shuffle(v, [mask](int lane) { return lane ^ mask; });
+}
+template <class V>
+V __shfl_up_sync(unsigned, V v, int delta) {
+    return shuffle(v, [delta](int lane) { return lane >= delta ? lane - delta : lane; });
+}
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
 }
 inline float __int_as_float(unsigned u) {
     float f;
@@ -85,6 +104,7 @@ inline float __int_as_float(unsigned u) {
     return f;
 }
 using std::exp2f;
+using std::log2f;
 using std::fmaxf;
 using std::max;
 using std::min;

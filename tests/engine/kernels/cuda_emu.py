@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -54,9 +55,10 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes):
         f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
         for k, v in template
     )
-    body = source.replace(
-        "extern __shared__ __align__(32) unsigned char smem[];",
+    body = re.sub(
+        r"extern __shared__ (__align__\(\d+\) )?unsigned char smem\[\];",
         "unsigned char* smem = emu::shared();",
+        source,
     )
     casts = [f"(const {TYPES[k]}*)args[{i}]" for i, (_, k, _) in enumerate(inputs)]
     casts.append(f"({TYPES[okind]}*)args[{len(inputs)}]")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 
-from salabatch.engine.kernels import stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import decode_cuda, stage1_cuda, stage2_cuda
 
 
 def _cuda_dir() -> Path | None:
@@ -67,10 +68,14 @@ def _compile(unit: str) -> tuple[int, str]:
     return rc, log.value.decode()
 
 
-def _assert_builds(unit: str) -> None:
+def _assert_builds(unit: str, threads: int = 256) -> None:
+    """Builds, with no spills, within the registers a thread block of `threads` can have (an
+    SM's 65,536: at 1,024 threads, 64 a thread, or the launch fails)."""
     rc, log = _compile(unit)
     assert rc == 0, log
     assert "0 bytes spill stores" in log, log
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert registers * threads <= 65536, log
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
@@ -103,8 +108,21 @@ def test_stage2_kernel_compiles(dtype, d, tile):
     template = [("T", dtype), ("D", d), ("G", 16), ("QT", tile), ("BLOCK", 64)]
     unit = _build("stage2", stage2_cuda._SOURCE, inputs, [("out", dtype)],
                   stage2_cuda._HEADER, template)  # fmt: skip
-    _assert_builds(unit)
+    _assert_builds(unit, 32 * tile)
     assert stage2_cuda.shared_bytes(d, 64, tile, 2) <= stage2_cuda.MAX_SHARED
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_decode_selection_kernel_compiles(dtype):
+    """The decode step's selection in every dtype the step's scores come in (the 9B's 16 heads
+    a kv group, 5 entries a block's pool)."""
+    inputs = [(n, dtype) for n in decode_cuda.INPUTS[:4]]
+    inputs += [(n, "i32") for n in decode_cuda.INPUTS[4:9]] + [("scale", "f32")]
+    assert tuple(n for n, _ in inputs) == decode_cuda.INPUTS
+    template = [("T", dtype), ("G", 16), ("R1", 5)]
+    unit = _build("top_k", decode_cuda._SOURCE, inputs, [("top", "i32")], "", template)
+    _assert_builds(unit, decode_cuda.THREADS)
+    assert decode_cuda.shared_bytes() <= decode_cuda.MAX_SHARED
 
 
 def test_a_broken_source_fails_to_build():

@@ -1,0 +1,54 @@
+"""The decode step's selection kernel's own source (`kernels/decode_cuda.py`), run on the CPU
+through `cuda_emu` (a CUDA thread a std::thread), against its MLX-op reference
+`select_from_scores_ref`: the same blocks, in ascending order. Its speed and NVRTC build are a
+GPU's and `test_cuda_sources.py`'s to check; its parity on a GPU, `test_decode_cuda.py`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.kernels import decode_cuda
+from salabatch.engine.kernels.sparse_decode import select_from_scores_ref
+from tests.engine.kernels import cuda_emu
+from tests.engine.kernels.test_decode_cuda import step_case
+
+pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
+
+
+@pytest.mark.parametrize(
+    ("document", "own", "lengths", "k", "local"),
+    [
+        (5_000, 192, [17, 40, 150], 20, 4),
+        (5_000, 192, [1, 3, 40], 20, 0),
+        (40_000, 128, [3], 96, 32),
+    ],
+    ids=["three-rows", "no-window", "9b-selection"],
+)
+def test_the_kernel_source_matches_the_reference(document, own, lengths, k, local):
+    s1, s2, tables, info = step_case(document, own, lengths, seed=k)
+    B, Hk, G, _ = s1[0].shape
+    pool = tables["pool"]
+    n_blocks, r1 = pool.shape
+    scale = 128**-0.5
+    dims = [s1[0].shape[-1], s1[1].shape[-1], s2[0].shape[-1], s2[1].shape[-1], n_blocks, k,
+            Hk, 1, local, info.shape[1]]  # fmt: skip
+    bf16 = [("s1s", s1[0]), ("s1o", s1[1]), ("s2s", s2[0]), ("s2o", s2[1])]
+    ints = [("numbers0", tables["numbers0"]), ("numbers1", tables["numbers1"]),
+            ("pool", pool), ("info", info)]  # fmt: skip
+    got = cuda_emu.run(
+        decode_cuda._SOURCE,
+        [(n, "bf16", cuda_emu.to_numpy(a, "bf16")) for n, a in bf16]
+        + [(n, "i32", np.array(a)) for n, a in ints]
+        + [("dims", "i32", np.array(dims)), ("scale", "f32", np.array([scale]))],
+        ("top", "i32", (B, Hk, k)),
+        [("T", "bf16"), ("G", G), ("R1", r1)],
+        blocks=B * Hk,
+        threads=decode_cuda.THREADS,
+        shared_bytes=decode_cuda.shared_bytes(),
+    )
+    kw = dict(k=k, scale=scale, init=1, local=local)
+    want = np.array(mx.sort(select_from_scores_ref(s1, s2, tables, info, **kw), axis=-1))
+    assert (got == want).all(), f"{(got != want).sum()} of {got.size} ids differ"
+    assert (np.diff(got, axis=-1) > 0).all()  # ascending, distinct
