@@ -33,7 +33,7 @@ from salabatch.bench.long import random_init
 from salabatch.demo.checkpoint import sala_config
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels import sparse_attention, stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import decode_cuda, sparse_attention, stage1_cuda, stage2_cuda
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.gla import gla, gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
@@ -137,7 +137,7 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
     lightning layer(s)."""
     from salabatch.bench.graph import filled_model_cache
     from salabatch.bench.long import SHAPES
-    from salabatch.engine.decode import decode
+    from salabatch.engine.decode import DecodeStep
     from salabatch.engine.model import Model
 
     nine = SHAPES["9b"].sala
@@ -159,18 +159,21 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         cache = filled_model_cache(model, context).fork(1)
         cache.reserve(256)  # the row's own keys (< 128) and the 35 steps: one buffer shape
         ids = mx.zeros((1,), dtype=mx.int32)
-        for _ in range(3):  # trace, then buffers settle
-            mx.eval(decode(model, ids, cache), cache.arrays())
-        times = []
-        for _ in range(32):
-            start = time.perf_counter()
-            mx.eval(decode(model, ids, cache), cache.arrays())
-            times.append(time.perf_counter() - start)
-        steps[name] = sorted(times)[16]
+
+        steps[name] = median_step(model, ids, cache)
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
         if name == "8 sparse":
             profile_decode_attention(model, cache)
+            if decode_cuda.available():  # its parity passed: the same step with the MLX ops
+                kernel = decode_cuda.available
+                decode_cuda.available = lambda: False
+                model.decoder = DecodeStep(model)  # traced again, without the kernel
+                s = median_step(model, ids, cache)
+                print(f"decode step, {name} layer(s), selection as MLX ops: {s * 1e3:8.2f} ms",
+                      flush=True)  # fmt: skip
+                decode_cuda.available = kernel
+                model.decoder = DecodeStep(model)
         del model, cache
     light = (steps["8 lightning"] - steps["1 lightning"]) / 7
     sparse = light + (steps["8 sparse"] - steps["8 lightning"]) / 8
@@ -178,6 +181,21 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
     print(f"decode, per layer: lightning {light * 1e3:.3f} ms, sparse {sparse * 1e3:.3f} ms; "
           f"embedding + head {head * 1e3:.3f} ms; the 9B (24 + 8 layers) "
           f"{(24 * light + 8 * sparse + head) * 1e3:.2f} ms", flush=True)  # fmt: skip
+
+
+def median_step(model, ids, cache) -> float:
+    """The median of 32 decode steps of `cache`'s rows (seconds), after 3 that trace and settle
+    the buffers."""
+    from salabatch.engine.decode import decode
+
+    for _ in range(3):
+        mx.eval(decode(model, ids, cache), cache.arrays())
+    times = []
+    for _ in range(32):
+        start = time.perf_counter()
+        mx.eval(decode(model, ids, cache), cache.arrays())
+        times.append(time.perf_counter() - start)
+    return sorted(times)[16]
 
 
 def profile_decode_attention(model, cache) -> None:
@@ -232,9 +250,20 @@ def profile_decode_attention(model, cache) -> None:
         finally:
             sd.attention = attention
 
+    def stage1_ops(qs):  # the selection as MLX ops where its CUDA kernel is on
+        kernel = decode_cuda.available
+        decode_cuda.available = lambda: False
+        try:
+            return stage1(qs)
+        finally:
+            decode_cuda.available = kernel
+
     n = len(layers)
-    for name, fn in (("whole", whole), ("stage 1 + top-k", stage1), ("stage 2", stage2),
-                     ("stage 2, G heads as heads", stage2_heads)):  # fmt: skip
+    forms = [("whole", whole), ("stage 1 + top-k", stage1), ("stage 2", stage2),
+             ("stage 2, G heads as heads", stage2_heads)]  # fmt: skip
+    if decode_cuda.available():
+        forms.insert(2, ("stage 1 + top-k, MLX ops (the above: the CUDA kernel)", stage1_ops))
+    for name, fn in forms:
         graph = mx.compile(fn)
         start = time.perf_counter()
         mx.eval(graph(qs))

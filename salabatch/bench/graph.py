@@ -63,15 +63,32 @@ def _one_node(name: str):
     return stand_in
 
 
+def _stand_in_kernel(*_, **__):
+    """What a custom CUDA kernel's `_kernel(...)` returns under `gpu_graph(cuda=True)`: a
+    callable taking the kernel's launch arguments and giving, for each output, one node that
+    depends on every input (its value: zeros)."""
+
+    def launch(*, inputs, output_shapes, output_dtypes, **_):
+        deps = [a for a in inputs if isinstance(a, mx.array)]
+        return [
+            mx.depends([mx.broadcast_to(mx.array(0, dtype=dtype), shape)], deps)[0]
+            for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
+        ]
+
+    return launch
+
+
 @contextmanager
-def gpu_graph(device_memory: int | None = None) -> Iterator[None]:
+def gpu_graph(device_memory: int | None = None, cuda: bool = False) -> Iterator[None]:
     """The GPU branches forced and each fused op one node, restored after the block; with
-    `device_memory` (bytes), the GPU path sizes its tiles for a device of that much memory. For
-    counting graphs only: the fused ops' stand-ins do not compute their result."""
-    from salabatch.engine.kernels import attention
+    `device_memory` (bytes), the GPU path sizes its tiles for a device of that much memory;
+    with `cuda`, as on CUDA with every custom kernel switched on (`kernels/*_cuda.py`), each
+    launch one node. For counting graphs only: the stand-ins do not compute their result."""
+    from salabatch.engine.kernels import attention, decode_cuda, stage1_cuda, stage2_cuda
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
     memory, rotates = attention.device_memory, attention.rotates_in_float32
+    custom = [(m, m.available, m._kernel) for m in (decode_cuda, stage1_cuda, stage2_cuda)]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:
@@ -79,12 +96,17 @@ def gpu_graph(device_memory: int | None = None) -> Iterator[None]:
     attention.rotates_in_float32 = lambda: True  # as a GPU's rope kernel does
     if device_memory is not None:
         attention.device_memory = lambda: device_memory
+    for module, _, _ in custom:
+        module.available = (lambda: True) if cuda else (lambda: False)
+        module._kernel = _stand_in_kernel
     try:
         yield
     finally:
         attention.device_memory, attention.rotates_in_float32 = memory, rotates
         for name, op in saved.items():
             setattr(mx.fast, name, op)
+        for module, available, kernel in custom:
+            module.available, module._kernel = available, kernel
         if env is None:
             del os.environ["SALABATCH_GPU_PATH"]
         else:
@@ -152,15 +174,17 @@ def filled_sparse_cache(layer, tokens: int, prefill_len: int, dtype: mx.Dtype = 
     return cache
 
 
-def prefill_chunk(layer, cache, chunk: int, device_memory: int | None = H100_MEMORY):
+def prefill_chunk(
+    layer, cache, chunk: int, device_memory: int | None = H100_MEMORY, cuda: bool = False
+):
     """One prefill chunk of `chunk` tokens through `layer` onto `cache` (a SparseKVCache, or a
-    LightningCache) as the GPU runs it: (its kernels by name, the host seconds building the graph
-    took, compiled traces included)."""
+    LightningCache) as the GPU runs it (`cuda`: with the custom CUDA kernels): (its kernels by
+    name, the host seconds building the graph took, compiled traces included)."""
     x = mx.random.normal((1, chunk, layer.q_proj.weight.shape[1]), key=mx.random.key(0))
     x = x.astype(layer.q_proj.weight.dtype)
     offset = cache.length if hasattr(cache, "length") else 0
     mx.eval(x)
-    with gpu_graph(device_memory):
+    with gpu_graph(device_memory, cuda):
         start = time.perf_counter()
         y = layer(x, cache, offset)
         seconds = time.perf_counter() - start
@@ -222,13 +246,15 @@ def filled_model_cache(model, tokens: int):
     return cache
 
 
-def decode_step(model, cache, device_memory: int | None = H100_MEMORY):
-    """One decode step of every row of `cache` as the GPU runs it: (its kernels by name, the
-    host seconds building it). The step is traced first, then counted and timed as replayed."""
-    from salabatch.engine.decode import decode
+def decode_step(model, cache, device_memory: int | None = H100_MEMORY, cuda: bool = False):
+    """One decode step of every row of `cache` as the GPU runs it (`cuda`: with the custom CUDA
+    kernels): (its kernels by name, the host seconds building it). The step is traced first,
+    then counted and timed as replayed."""
+    from salabatch.engine.decode import DecodeStep, decode
 
     ids = mx.zeros((cache.rows,), dtype=mx.int32)
-    with gpu_graph(device_memory):
+    model.decoder = DecodeStep(model)  # traced afresh: the kernels taken depend on `cuda`
+    with gpu_graph(device_memory, cuda):
         mx.eval(decode(model, ids, cache), cache.arrays())
         start = time.perf_counter()
         logits = decode(model, ids, cache)
@@ -308,10 +334,16 @@ def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
                 counts, seconds = verify_pass(model, cache)
                 row["verify5_b1_kernels"] = kernels(counts)
                 row["verify5_b1_host_s"] = round(seconds, 4)
+                # on CUDA with every custom kernel on (some are off by default: kernels/*_cuda.py)
+                row["decode_b1_kernels_cuda"] = kernels(decode_step(model, cache, cuda=True)[0])
         row["peer_decode_b1_kernels"] = peer
         counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - chunk, n), chunk)
         row["prefill_sparse_layer_kernels"] = kernels(counts)
         row["prefill_sparse_layer_host_s"] = round(seconds, 3)
+        cache = filled_sparse_cache(sparse, n - chunk, n)
+        row["prefill_sparse_layer_kernels_cuda"] = kernels(
+            prefill_chunk(sparse, cache, chunk, cuda=True)[0]
+        )
         state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
         row["prefill_lightning_layer_kernels"] = kernels(prefill_chunk(lightning, state, chunk)[0])
         for name, step, q in (("prefill", False, chunk), ("decode_b1", True, 1)):
@@ -331,16 +363,17 @@ def report_table(result: dict) -> str:
     """The terminal table of `report`: kernels, then estimated TFLOPs and GB per context."""
     batch = result["batch"]
     lines = [
-        f"{'context':>8} | decode kernels: SALA b1 {f'b{batch}':>5} peer verify5 | prefill 8K "
-        "kernels: sparse layer, lightning layer | est. prefill chunk TFLOP SALA/peer, GB "
-        "SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
+        f"{'context':>8} | decode kernels: SALA b1 (CUDA kernels) {f'b{batch}':>5} peer verify5 "
+        "| prefill 8K kernels: sparse layer (CUDA kernels), lightning layer | est. prefill chunk "
+        "TFLOP SALA/peer, GB SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
     ]
     for r in result["rows"]:
         pre, dec = r["prefill_costs"], r["decode_b1_costs"]
         lines.append(
-            f"{r['context']:>8} | {r['decode_b1_kernels']:>24} {r[f'decode_b{batch}_kernels']:>5} "
+            f"{r['context']:>8} | {r['decode_b1_kernels']:>31} ({r['decode_b1_kernels_cuda']}) "
+            f"{r[f'decode_b{batch}_kernels']:>5} "
             f"{r['peer_decode_b1_kernels'] or '–':>4} {r['verify5_b1_kernels']:>7} | "
-            f"{r['prefill_sparse_layer_kernels']:>31},"
+            f"{r['prefill_sparse_layer_kernels']:>37} ({r['prefill_sparse_layer_kernels_cuda']}),"
             f" {r['prefill_lightning_layer_kernels']:>14} | "
             f"{pre['sala_total'][0] / 1e12:>7.1f} / {pre['peer_total'][0] / 1e12:.1f}, "
             f"{pre['sala_total'][1] / 1e9:.1f} / {pre['peer_total'][1] / 1e9:.1f} | "

@@ -50,6 +50,18 @@ def test_sparse_prefill_chunk_is_under_a_thousand_kernels_at_every_context(layer
         assert max(form) <= (1 + SAME_AT_EVERY_CONTEXT) * min(form), counts
 
 
+def test_with_the_cuda_kernels_a_sparse_chunk_is_the_same_at_every_context(layers):
+    """On CUDA with the custom kernels (each launch one node), stage 1's softmax and pooling
+    and all of stage 2 are kernels: one graph at every context, fewer kernels than either
+    MLX-op form."""
+    counts = {}
+    for ctx in (CONTEXTS[0], CONTEXTS[-1]):
+        cache = filled_sparse_cache(layers[0], ctx - CHUNK, ctx)
+        counts[ctx] = kernels(prefill_chunk(layers[0], cache, CHUNK, cuda=True)[0])
+    assert counts[CONTEXTS[0]] == counts[CONTEXTS[-1]], counts
+    assert counts[CONTEXTS[-1]] < min(sparse_kernels(layers[0], ctx) for ctx in CONTEXTS[::3])
+
+
 def test_tiles_follow_the_device_memory():
     """Queries per tile: a power of two within the tile budget, at most TILE_ROWS."""
     budget = int(H100_MEMORY * attention.TILE_MEMORY_SHARE)

@@ -62,13 +62,19 @@ def on_gpu() -> bool:
     )
 
 
+# The custom CUDA kernels on by default: those whose parity tests (marked `gpu`) have passed
+# on a GPU. `stage2_cuda` and `decode_cuda` have not been run on one yet.
+DEFAULT_CUDA_KERNELS = "stage1"
+
+
 def cuda_kernel(name: str) -> bool:
-    """Whether the engine's custom CUDA kernel `name` (today "stage1") runs: the default
-    device is a CUDA GPU and `SALABATCH_CUDA_KERNELS` (a comma-separated list, or "none";
-    default: all) names it. Where it does not, its dispatcher runs the MLX-op form."""
+    """Whether the engine's custom CUDA kernel `name` ("stage1", "stage2", "decode") runs: the
+    default device is a CUDA GPU and `SALABATCH_CUDA_KERNELS` (a comma-separated list, or
+    "none") names it. Default: the kernels whose parity tests have passed on a GPU (DEFAULT).
+    Where it does not run, its dispatcher runs the MLX-op form."""
     if mx.default_device().type != mx.DeviceType.gpu or not hasattr(mx, "cuda"):
         return False
-    chosen = os.environ.get("SALABATCH_CUDA_KERNELS", "stage1").split(",")
+    chosen = os.environ.get("SALABATCH_CUDA_KERNELS", DEFAULT_CUDA_KERNELS).split(",")
     return name in chosen and mx.cuda.is_available()
 
 

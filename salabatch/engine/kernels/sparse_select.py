@@ -247,7 +247,9 @@ def select_blocks_gpu(
     # (each query adds Hk rows per batch row to the block sort)
     rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T, batched=B * Hk)
     qg = q.reshape(B, Hk, H // Hk, T, d)
-    settings = (n_blocks, k, scale, init_blocks, local_blocks, block // compression[0][1])
+    # whether `_pooled` takes the CUDA kernels is a constant of the trace, as the rest
+    r = block // compression[0][1]
+    settings = (n_blocks, k, scale, init_blocks, local_blocks, r, stage1_cuda.available())
     out = [
         _select_tile(
             qg[:, :, :, s : s + rows], c1, c2, [x[:, s : s + rows] for x in seen], settings
@@ -283,7 +285,7 @@ def _seen(starts: mx.array, plan: mx.array, settings) -> list[mx.array]:
 def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx.array:
     """qg [B, Hk, G, t, d]; c1, c2 [b, Hk, N, d]; seen: [B, t] each, the chunks each query
     sees at levels 1 and 2 and its block; r: level-1 strides per block → [B, Hk, t, K]."""
-    n_blocks, k, scale, init_blocks, local_blocks, r = settings
+    n_blocks, k, scale, init_blocks, local_blocks, r, _ = settings
     B, Hk, G, t, _ = qg.shape
     if c1.shape[2] and c2.shape[2]:
         s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))  # [B, Hk, G, t, N]
