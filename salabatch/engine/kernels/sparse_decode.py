@@ -329,57 +329,40 @@ def decode_attention(
 def _select_step(
     q, keys, shared_c, info, tables, n_blocks, k, scale, init, local, block, compression
 ):
-    """Stage 1, pooling and top-k of one query per row → block ids [B, Hk, k]."""
+    """Stage 1, pooling and top-k of one query per row → block ids [B, Hk, k]. The dispatcher:
+    for rows forked from shared keys, on CUDA with its kernel switched on, the shared chunks'
+    scores as two matmuls and the rest in one launch (`decode_cuda`: the rows' own chunks and
+    their scores, the normaliser, the head sum, the pooling, the top-k; ids ascending); else
+    `select_step_ref`'s MLX ops (ids unordered)."""
     B, H, _, d = q.shape
     Hk, R = keys.shape[1], keys.shape[2]
     G = H // Hk
     qg = q.reshape(B, Hk, G, d)
-    scores = []
+    kw = dict(k=k, scale=scale, init=init, local=local)
+    strides = [stride for _, stride in compression]
+    fits = decode_cuda.supports(n_blocks, G, k, R, d, keys.dtype.size, strides)
+    if shared_c and decode_cuda.available() and fits:
+        shared = [qg @ c.swapaxes(-1, -2) for c in shared_c]  # [B, Hk, G, S_l]
+        return decode_cuda.top_k(qg, keys, shared, tables, info, compression, **kw)
+    return select_step_ref(qg, keys, shared_c, tables, info, compression, **kw)
+
+
+def select_step_ref(qg, keys, shared_c, tables, info, compression, *, k, scale, init, local):
+    """`_select_step` as MLX ops, for qg [B, Hk, G, d]: the rows' chunks from their own keys
+    (summed as the cache sums them, the same bits), every entry's score (the shared chunks',
+    then the rows' own, at level 1 one more entry scoring 0: where pooling finds no chunk),
+    the level-2 normaliser, each level-1 entry's probability summed over the heads, pooled by
+    `tables["pool"]`, then `_top_k`."""
+    B, Hk, G, d = qg.shape
+    R = keys.shape[2]
     wide = keys.astype(mx.float32)
+    levels = []
     for level, (size, stride) in enumerate(compression):
-        # the rows' chunks from their own keys, summed as the cache sums them (same bits)
         groups = wide.reshape(B, Hk, R // stride, stride, d).sum(axis=3)
         own = ((groups[:, :, :-1] + groups[:, :, 1:]) / size).astype(keys.dtype)
-        scores.append(tuple(qg @ p.swapaxes(-1, -2) for p in (*shared_c[level : level + 1], own)))
-    return select_from_scores(*scores, tables, info, k=k, scale=scale, init=init, local=local)
-
-
-def select_from_scores(
-    scores1: tuple[mx.array, ...],
-    scores2: tuple[mx.array, ...],
-    tables: dict[str, mx.array],
-    info: mx.array,
-    *,
-    k: int,
-    scale: float,
-    init: int,
-    local: int,
-) -> mx.array:
-    """A decode step's blocks from its raw chunk scores, q's dtype, unscaled: scores_l (the
-    shared entries' [B, Hk, G, S_l], where rows share keys, then the rows' own [B, Hk, G, O_l]),
-    the batch's `step_tables`, the rows' `step_rows` → [B, Hk, k] block ids. The dispatcher:
-    on CUDA with its kernel switched on, one launch (`decode_cuda`, ids ascending); else
-    `select_from_scores_ref`'s MLX ops (ids unordered)."""
-    n_blocks = tables["pool"].shape[0]
-    G = scores1[0].shape[2]
-    if decode_cuda.available() and decode_cuda.supports(n_blocks, G, k):
-        return decode_cuda.top_k(scores1, scores2, tables, info, k=k, scale=scale, init=init,
-                                 local=local)  # fmt: skip
-    return select_from_scores_ref(
-        scores1, scores2, tables, info, k=k, scale=scale, init=init, local=local
-    )
-
-
-def select_from_scores_ref(scores1, scores2, tables, info, *, k, scale, init, local):
-    """`select_from_scores` as MLX ops: the level-2 normaliser, each level-1 entry's
-    probability summed over the heads, pooled by `tables["pool"]`, then `_top_k`."""
-    B, Hk, G, _ = scores1[-1].shape
-    levels = []
-    for level, parts in enumerate((scores1, scores2)):
-        s = list(parts)
-        if level == 0:  # one more entry, scoring 0 once masked: where pooling finds no chunk
-            zero = mx.array(np.zeros((1, 1, 1, 1)), s[0].dtype)
-            s.append(mx.broadcast_to(zero, (B, Hk, G, 1)))
+        s = [qg @ p.swapaxes(-1, -2) for p in (*shared_c[level : level + 1], own)]
+        if level == 0:
+            s.append(mx.broadcast_to(mx.array(np.zeros((1, 1, 1, 1)), qg.dtype), (B, Hk, G, 1)))
         seen = tables[f"numbers{level}"] < info[:, None, None, 3 + level : 4 + level]
         levels.append((mx.concatenate(s, axis=-1), seen))  # [B, Hk, G, E], [B, 1, 1, E]
     (s1, seen1), (s2, seen2) = levels

@@ -1,5 +1,5 @@
 """The decode step's selection kernel (`kernels/decode_cuda.py`) on a GPU, against its MLX-op
-reference (`sparse_decode.select_from_scores_ref`) and, through `decode_attention`, the
+reference (`sparse_decode.select_step_ref`) and, through `decode_attention`, the
 float32 InfLLM-v2 references: run where MLX's CUDA backend has a GPU (`-m gpu`), skipped
 elsewhere (its source runs on the CPU in `test_decode_emulated.py`). Off by default until
 these pass on a GPU; `benchmarks/device-gpu.sh` runs them and switches it on for the timings
@@ -12,11 +12,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import decode_cuda
-from salabatch.engine.kernels.sparse_decode import (
-    select_from_scores_ref,
-    step_rows,
-    step_tables,
-)
+from salabatch.engine.kernels.sparse_decode import select_step_ref, step_rows, step_tables
 
 ON_CUDA = (
     mx.default_device().type == mx.DeviceType.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -25,11 +21,13 @@ COMPRESSION = ((32, 16), (128, 64))  # the 9B's levels
 BLOCK = 64
 
 
-def step_case(document: int, own: int, lengths, G=16, Hk=2, dtype=mx.bfloat16, seed=0):
-    """A decode step's inputs for rows forked from a `document`-token prefix, each `own`
-    positions of room and at the given lengths past it: random raw scores for the shared and
-    own entries of both levels, the batch's tables and the rows' info, laid out as the
-    compiled step makes them (`DecodeStep.inputs`)."""
+def step_case(document: int, own: int, lengths, G=16, Hk=2, d=128, dtype=mx.bfloat16, seed=0):
+    """A decode step's inputs for rows forked from a `document`-token prefix, each with `own`
+    positions of room, at the given lengths past it, laid out as the compiled step makes them
+    (`DecodeStep.inputs`): queries qg [B, Hk, G, d], the rows' own keys [B, Hk, own, d], the
+    shared chunk buffers of both levels, the batch's tables and the rows' info. What a row
+    does not see holds garbage that would win if counted (keys along the row's first query
+    head): the chunk buffers past their counts, the own keys past each row's length."""
     rng = np.random.default_rng(seed)
     counts = tuple((document - size) // stride + 1 for size, stride in COMPRESSION)
     start = COMPRESSION[1][1] * counts[1]
@@ -40,19 +38,21 @@ def step_case(document: int, own: int, lengths, G=16, Hk=2, dtype=mx.bfloat16, s
     positions = [document + n - 1 for n in lengths]
     info = step_rows(positions, start, BLOCK, [s for _, s in COMPRESSION])
     B = len(lengths)
+    qg = rng.normal(size=(B, Hk, G, d))
+    chunks = []
+    for level, (size, _) in enumerate(COMPRESSION):  # means of `size` keys, as own chunks are
+        c = rng.normal(size=(1, Hk, entries[level], d)) / np.sqrt(size)
+        c[0, :, counts[level] :] = 8 * qg[0, :, :1]
+        chunks.append(mx.array(c).astype(dtype))
+    keys = rng.normal(size=(B, Hk, own, d))
+    for b, n in enumerate(lengths):
+        keys[b, :, document - start + n :] = 8 * qg[b, :, :1]
+    return mx.array(qg).astype(dtype), mx.array(keys).astype(dtype), chunks, tables, info
 
-    def scores(level, first, n):
-        """Entries first.. of the level; those a row does not see (the buffers' spare room,
-        chunks not complete yet) hold garbage that would win if counted, in half the heads."""
-        x = rng.normal(size=(B, Hk, G, n)) * 3
-        numbers = np.array(tables[f"numbers{level}"])[first : first + n]
-        unseen = numbers[None, :] >= np.array(info)[:, 3 + level, None]  # [B, n]
-        x += 40 * unseen[:, None, None, :] * (np.arange(G) % 2 == 0)[:, None]
-        return mx.array(x).astype(dtype)
 
-    scores1 = (scores(0, 0, entries[0]), scores(0, entries[0], own // 16 - 1))
-    scores2 = (scores(1, 0, entries[1]), scores(1, entries[1], own // 64 - 1))
-    return scores1, scores2, tables, info
+def shared_scores(qg, chunks):
+    """The shared chunks' scores, as `sparse_decode._select_step` makes them for the kernel."""
+    return [qg @ c.swapaxes(-1, -2) for c in chunks]
 
 
 @pytest.mark.gpu
@@ -62,10 +62,10 @@ def step_case(document: int, own: int, lengths, G=16, Hk=2, dtype=mx.bfloat16, s
     ("document", "k", "local"), [(5_000, 20, 4), (40_000, 96, 32), (250_000, 96, 32)]
 )
 def test_the_kernel_matches_its_reference(dtype, document, k, local):
-    s1, s2, tables, info = step_case(document, 192, [17, 40, 150], dtype=dtype, seed=k)
+    qg, keys, chunks, tables, info = step_case(document, 192, [17, 40, 150], dtype=dtype, seed=k)
     kw = dict(k=k, scale=128**-0.5, init=1, local=local)
-    got = decode_cuda.top_k(s1, s2, tables, info, **kw)
-    want = mx.sort(select_from_scores_ref(s1, s2, tables, info, **kw), axis=-1)
+    got = decode_cuda.top_k(qg, keys, shared_scores(qg, chunks), tables, info, COMPRESSION, **kw)
+    want = mx.sort(select_step_ref(qg, keys, chunks, tables, info, COMPRESSION, **kw), axis=-1)
     assert mx.array_equal(got, want)
 
 

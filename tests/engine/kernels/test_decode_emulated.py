@@ -1,6 +1,6 @@
 """The decode step's selection kernel's own source (`kernels/decode_cuda.py`), run on the CPU
 through `cuda_emu` (a CUDA thread a std::thread), against its MLX-op reference
-`select_from_scores_ref`: the same blocks, in ascending order. Its speed and NVRTC build are a
+`select_step_ref`: the same blocks, in ascending order. Its speed and NVRTC build are a
 GPU's and `test_cuda_sources.py`'s to check; its parity on a GPU, `test_decode_cuda.py`."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import decode_cuda
-from salabatch.engine.kernels.sparse_decode import select_from_scores_ref
+from salabatch.engine.kernels.sparse_decode import select_step_ref
 from tests.engine.kernels import cuda_emu
-from tests.engine.kernels.test_decode_cuda import step_case
+from tests.engine.kernels.test_decode_cuda import COMPRESSION, shared_scores, step_case
 
 pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
 
@@ -22,33 +22,37 @@ pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with
     [
         (5_000, 192, [17, 40, 150], 20, 4),
         (5_000, 192, [1, 3, 40], 20, 0),
+        (5_000, 1024, [300, 700, 1000], 24, 2),
         (40_000, 128, [3], 96, 32),
     ],
-    ids=["three-rows", "no-window", "9b-selection"],
+    ids=["three-rows", "no-window", "long-answers", "9b-selection"],
 )
 def test_the_kernel_source_matches_the_reference(document, own, lengths, k, local):
-    s1, s2, tables, info = step_case(document, own, lengths, seed=k)
-    B, Hk, G, _ = s1[0].shape
+    qg, keys, chunks, tables, info = step_case(document, own, lengths, seed=k)
+    B, Hk, G, d = qg.shape
+    s1, s2 = shared_scores(qg, chunks)
     pool = tables["pool"]
     n_blocks, r1 = pool.shape
     scale = 128**-0.5
-    dims = [s1[0].shape[-1], s1[1].shape[-1], s2[0].shape[-1], s2[1].shape[-1], n_blocks, k,
-            Hk, 1, local, info.shape[1]]  # fmt: skip
-    bf16 = [("s1s", s1[0]), ("s1o", s1[1]), ("s2s", s2[0]), ("s2o", s2[1])]
+    dims = [s1.shape[-1], s2.shape[-1], own, n_blocks, k, Hk, 1, local, info.shape[1],
+            COMPRESSION[0][1], COMPRESSION[1][1]]  # fmt: skip
+    bf16 = [("q", qg), ("keys", keys), ("s1s", s1), ("s2s", s2)]
     ints = [("numbers0", tables["numbers0"]), ("numbers1", tables["numbers1"]),
             ("pool", pool), ("info", info)]  # fmt: skip
+    needed = decode_cuda.needed_bytes(n_blocks, G, own, d, 2, [s for _, s in COMPRESSION])
     got = cuda_emu.run(
         decode_cuda._SOURCE,
         [(n, "bf16", cuda_emu.to_numpy(a, "bf16")) for n, a in bf16]
         + [(n, "i32", np.array(a)) for n, a in ints]
         + [("dims", "i32", np.array(dims)), ("scale", "f32", np.array([scale]))],
         ("top", "i32", (B, Hk, k)),
-        [("T", "bf16"), ("G", G), ("R1", r1)],
+        [("T", "bf16"), ("G", G), ("D", d), ("R1", r1)],
         blocks=B * Hk,
         threads=decode_cuda.THREADS,
-        shared_bytes=decode_cuda.shared_bytes(),
+        shared_bytes=decode_cuda.shared_bytes(needed),
     )
     kw = dict(k=k, scale=scale, init=1, local=local)
-    want = np.array(mx.sort(select_from_scores_ref(s1, s2, tables, info, **kw), axis=-1))
+    want = select_step_ref(qg, keys, chunks, tables, info, COMPRESSION, **kw)
+    want = np.array(mx.sort(want, axis=-1))
     assert (got == want).all(), f"{(got != want).sum()} of {got.size} ids differ"
     assert (np.diff(got, axis=-1) > 0).all()  # ascending, distinct
