@@ -250,19 +250,23 @@ def profile_decode_attention(model, cache) -> None:
         finally:
             sd.attention = attention
 
-    def stage1_ops(qs):  # the selection as MLX ops where its CUDA kernel is on
-        kernel = decode_cuda.available
-        decode_cuda.available = lambda: False
-        try:
-            return stage1(qs)
-        finally:
-            decode_cuda.available = kernel
+    def mlx_ops(fn):  # a part as MLX ops where the decode step's CUDA kernels are on
+        def run(qs):
+            kernel = decode_cuda.available
+            decode_cuda.available = lambda: False
+            try:
+                return fn(qs)
+            finally:
+                decode_cuda.available = kernel
+
+        return run
 
     n = len(layers)
     forms = [("whole", whole), ("stage 1 + top-k", stage1), ("stage 2", stage2),
-             ("stage 2, G heads as heads", stage2_heads)]  # fmt: skip
-    if decode_cuda.available():
-        forms.insert(2, ("stage 1 + top-k, MLX ops (the above: the CUDA kernel)", stage1_ops))
+             ("stage 2, G heads as heads", mlx_ops(stage2_heads))]  # fmt: skip
+    if decode_cuda.available():  # the above through the CUDA kernels, these without
+        forms += [("whole, MLX ops", mlx_ops(whole)), ("stage 1 + top-k, MLX ops",
+                  mlx_ops(stage1)), ("stage 2, MLX ops", mlx_ops(stage2))]  # fmt: skip
     for name, fn in forms:
         graph = mx.compile(fn)
         start = time.perf_counter()

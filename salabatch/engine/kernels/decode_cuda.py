@@ -43,7 +43,7 @@ import mlx.core as mx
 
 from salabatch.engine.kernels.attention import cuda_kernel
 
-_SOURCE = """
+_SELECT = """
     const int S1 = dims[0], S2 = dims[1], R = dims[2], nb = dims[3], k = dims[4];
     const int Hk = dims[5], init = dims[6], local = dims[7], width = dims[8];
     const int stride1 = dims[9], stride2 = dims[10];
@@ -219,7 +219,153 @@ _SOURCE = """
     }
 """
 
-INPUTS = ("q", "keys", "s1s", "s2s", "numbers0", "numbers1", "pool", "info", "dims", "scale")
+# Stage 2, a warp a thread block: split sp of a (row, kv head)'s slots (every splits-th), each
+# block read from the shared keys (ids before `first`) or the row's own, its G heads the rows
+# of 16×16 tensor-core tiles, the softmax online in float32 (the stage-2 prefill kernel's
+# arithmetic, `stage2_cuda`); the split's unnormalised output, max and sum → `part`.
+_ATTEND = """
+    using namespace nvcuda;
+    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int K = dims[0], R = dims[1], S = dims[2], Hk = dims[3], splits = dims[4];
+    const int width = dims[5];
+    const int sp = blockIdx.x % splits, bh = blockIdx.x / splits, b = bh / Hk, h = bh % Hk;
+    const int lane = threadIdx.x;
+    const long long qpos = info[b * width];
+    const int own0 = first[0];
+    const float a = scale[0] * 1.4426950408889634f;  // exp(x·scale) = 2^(x·a)
+
+    extern __shared__ __align__(32) unsigned char smem[];
+    T* Ks = reinterpret_cast<T*>(smem);
+    T* Vs = Ks + BLOCK * D;
+    float* Sw = reinterpret_cast<float*>(Vs + BLOCK * D);
+    float* Ow = Sw + 16 * SP;
+    T* Pw = reinterpret_cast<T*>(Ow + 16 * OP);
+
+    T* Qs = reinterpret_cast<T*>(Ow);  // the G heads, staged in O's room
+    for (int i = lane; i < 16 * D; i += 32) {
+        Qs[i] = i / D < G ? q[(long long)bh * G * D + i] : static_cast<T>(0.0f);
+    }
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[D / 16];
+    for (int kt = 0; kt < D / 16; ++kt) {
+        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * OP; i += 32) {
+        Ow[i] = 0.0f;
+    }
+    __syncwarp();
+
+    const int r = lane >> 1, half = lane & 1;
+    float m = NEG_INF, l = 0.0f;
+    for (int j = sp; j < K; j += splits) {
+        const int id = idx[(long long)bh * K + j];
+        if (id < 0 || (long long)id * BLOCK > qpos) {
+            continue;  // no block, or one after the query (a padded slot)
+        }
+        const long long at = id < own0
+            ? ((long long)h * S + (long long)id * BLOCK) * D
+            : (((long long)b * Hk + h) * R + (long long)(id - own0) * BLOCK) * D;
+        const uint4* ksrc = reinterpret_cast<const uint4*>((id < own0 ? shared_k : rows_k) + at);
+        const uint4* vsrc = reinterpret_cast<const uint4*>((id < own0 ? shared_v : rows_v) + at);
+        constexpr int VEC = BLOCK * D * (int)sizeof(T) / 16;
+        for (int i = lane; i < VEC; i += 32) {
+            reinterpret_cast<uint4*>(Ks)[i] = ksrc[i];
+            reinterpret_cast<uint4*>(Vs)[i] = vsrc[i];
+        }
+        __syncwarp();
+        for (int nt = 0; nt < BLOCK / 16; ++nt) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::fill_fragment(acc, 0.0f);
+            for (int kt = 0; kt < D / 16; ++kt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
+                wmma::mma_sync(acc, qf[kt], kf, acc);
+            }
+            wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
+        }
+        __syncwarp();
+        const long long base = (long long)id * BLOCK;
+        float mb = NEG_INF;
+        for (int c = half; c < BLOCK; c += 2) {
+            if (base + c <= qpos) {
+                mb = fmaxf(mb, Sw[r * SP + c] * a);
+            }
+        }
+        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+        const float mn = fmaxf(m, mb);
+        const float alpha = exp2f(m - mn);
+        float sum = 0.0f;
+        for (int c = half; c < BLOCK; c += 2) {
+            const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
+            const T pt = static_cast<T>(p);
+            Pw[r * PP + c] = pt;
+            sum += static_cast<float>(pt);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = mn;
+        for (int c = half; c < D; c += 2) {
+            Ow[r * OP + c] *= alpha;
+        }
+        __syncwarp();
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
+        for (int kt = 0; kt < BLOCK / 16; ++kt) {
+            wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
+        }
+        for (int nt = 0; nt < D / 16; ++nt) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, Ow + nt * 16, OP, wmma::mem_row_major);
+            for (int kt = 0; kt < BLOCK / 16; ++kt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, Vs + kt * 16 * D + nt * 16, D);
+                wmma::mma_sync(acc, pf[kt], vf, acc);
+            }
+            wmma::store_matrix_sync(Ow + nt * 16, acc, OP, wmma::mem_row_major);
+        }
+        __syncwarp();
+    }
+    if (r < G) {
+        float* out = part + (((long long)bh * splits + sp) * G + r) * (D + 2);
+        for (int c = half; c < D; c += 2) {
+            out[c] = Ow[r * OP + c];
+        }
+        if (half == 0) {
+            out[D] = m;
+            out[D + 1] = l;
+        }
+    }
+"""
+
+# The splits of each (row, head) combined: a thread an output element.
+_COMBINE = """
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int splits = dims[0], rows = dims[1];  // rows: B · Hk · G
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * D) {
+        return;
+    }
+    const int row = i / D, c = i % D, bh = row / G, g = row % G;
+    float M = NEG_INF;
+    for (int s = 0; s < splits; ++s) {
+        M = fmaxf(M, part[(((long long)bh * splits + s) * G + g) * (D + 2) + D]);
+    }
+    float L = 0.0f, o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float* p = part + (((long long)bh * splits + s) * G + g) * (D + 2);
+        if (p[D] != NEG_INF) {
+            const float w = exp2f(p[D] - M);
+            L += p[D + 1] * w;
+            o += p[c] * w;
+        }
+    }
+    out[i] = static_cast<T>(L > 0.0f ? o / L : 0.0f);
+"""
+
+ATTEND_INPUTS = ("q", "idx", "info", "rows_k", "rows_v", "shared_k", "shared_v", "first",
+                 "dims", "scale")  # fmt: skip
+SELECT_INPUTS = ("q", "keys", "s1s", "s2s", "numbers0", "numbers1", "pool", "info", "dims", "scale")
 THREADS = 512  # 1,024 would leave 64 registers a thread: the float32 build needs 66
 MAX_SHARED = 227 * 1024  # an H100's shared memory a thread block can have
 
@@ -273,7 +419,7 @@ def top_k(
     dims = [s1s.shape[-1], s2s.shape[-1], R, n_blocks, k, Hk, init, local, info.shape[1],
             stride1, stride2]  # fmt: skip
     needed = needed_bytes(n_blocks, G, R, d, keys.dtype.size, (stride1, stride2))
-    (top,) = _kernel(shared_bytes(needed))(
+    (top,) = _kernel("select", shared_bytes(needed))(
         inputs=[qg, keys, s1s, s2s, tables["numbers0"], tables["numbers1"], pool, info,
                 mx.array(dims, dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", keys.dtype), ("G", G), ("D", d), ("R1", r1)],
@@ -285,14 +431,85 @@ def top_k(
     return top
 
 
+def attends(q: mx.array, heads: int, block: int) -> bool:
+    """The shapes the stage-2 kernels take: bf16 or fp16, head dim 16·k up to 128, at most 16
+    query heads a kv head, blocks of 16·k keys."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (mx.bfloat16, mx.float16)
+        and d % 16 == 0
+        and d <= 128
+        and 0 < heads <= 16
+        and block % 16 == 0
+    )
+
+
+def attend_bytes(d: int, block: int, itemsize: int) -> int:
+    """The attention kernel's dynamic shared memory: a block's keys and values, the scores and
+    output (float32) and weights of 16 rows, strides padded as the source (under 48 KB at
+    head dim 128 and 64-key blocks)."""
+    return (
+        2 * block * d * itemsize
+        + 16 * (block + 4) * 4
+        + 16 * (d + 4) * 4
+        + 16 * (block + 8) * itemsize
+    )
+
+
+def splits_for(rows: int, slots: int) -> int:
+    """Splits of each (row, kv head)'s slots: ~128 thread blocks in all, at most 16."""
+    return max(1, min(16, slots, -(-128 // rows)))
+
+
+def attend(q, idx, info, rows_kv, shared_kv, first, scale: float, block: int) -> mx.array:
+    """Stage 2 of `sparse_decode._attend_step`: q [B, H, 1, d] against the blocks idx [B, Hk,
+    slots] (-1: none), each from the shared keys (ids before first [1]) or the row's own,
+    causal by position → [B, H, 1, d] in q's dtype. Two launches: the splits, their sum."""
+    B, H, _, d = q.shape
+    rows_k, rows_v = rows_kv
+    Hk, R = rows_k.shape[1], rows_k.shape[2]
+    G, slots = H // Hk, idx.shape[-1]
+    shared_k, shared_v = shared_kv if shared_kv else rows_kv  # not read without shared keys
+    S = shared_k.shape[2] if shared_kv else 0
+    splits = splits_for(B * Hk, slots)
+    dims = mx.array([slots, R, S, Hk, splits, info.shape[1]], dtype=mx.int32)
+    template = [("T", q.dtype), ("D", d), ("G", G), ("BLOCK", block)]
+    (part,) = _kernel("attend", attend_bytes(d, block, q.dtype.size))(
+        inputs=[q.reshape(B, Hk, G, d), idx.astype(mx.int32), info, rows_k, rows_v, shared_k,
+                shared_v, first, dims, mx.array([scale], dtype=mx.float32)],
+        template=template,
+        grid=(B * Hk * splits * 32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(B, Hk, splits, G, d + 2)],
+        output_dtypes=[mx.float32],
+    )  # fmt: skip
+    n = B * H * d
+    (out,) = _kernel("combine", 0)(
+        inputs=[part, mx.array([splits, B * H], dtype=mx.int32)],
+        template=[("T", q.dtype), ("D", d), ("G", G)],
+        grid=(-(-n // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(B, H, 1, d)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
 @functools.cache
-def _kernel(shared: int):
-    """The kernel object for `shared` bytes of dynamic shared memory, made on first use (there
-    is none without a CUDA backend); MLX compiles it once per template and size."""
+def _kernel(name: str, shared: int):
+    """The kernel `name` ("select", "attend", "combine") for `shared` bytes of dynamic shared
+    memory, made on first use (there is none without a CUDA backend); MLX compiles it once
+    per template (and size: it sets a kernel's shared memory limit when it first loads it)."""
+    inputs, outputs, source = {
+        "select": (SELECT_INPUTS, ["top"], _SELECT),
+        "attend": (ATTEND_INPUTS, ["part"], _ATTEND),
+        "combine": (("part", "dims"), ["out"], _COMBINE),
+    }[name]
     return mx.fast.cuda_kernel(
-        name=f"salabatch_decode_top_k_{shared}",
-        input_names=list(INPUTS),
-        output_names=["top"],
-        source=_SOURCE,
+        name=f"salabatch_decode_{name}_{shared}",
+        input_names=list(inputs),
+        output_names=outputs,
+        source=source,
+        header="#include <mma.h>\n" if name == "attend" else "",
         shared_memory=shared,
     )

@@ -399,9 +399,13 @@ def _top_k(scores: mx.array, k: int, q_blk: mx.array, init: int, local: int) -> 
 def _attend_step(q, idx, info, rows_kv, shared_kv, first, scale, block, padded):
     """Stage 2: q [B, H, 1, d] against the blocks idx [B, Hk, slots] (-1: none, where
     `padded`), each read from the shared keys (blocks before `first`) or the row's own;
-    causal by position."""
+    causal by position. The dispatcher: on CUDA with its kernels switched on, two launches
+    (`decode_cuda.attend`: each block read in place, the slots in splits, then their sum);
+    else these MLX ops (the blocks gathered, one SDPA with a mask)."""
     B, H, _, d = q.shape
     Hk, R = rows_kv[0].shape[1], rows_kv[0].shape[2] // block
+    if decode_cuda.available() and decode_cuda.attends(q, H // Hk, block):
+        return decode_cuda.attend(q, idx, info, rows_kv, shared_kv, first, scale, block)
     slots = idx.shape[-1]
     safe = mx.maximum(idx, 0) if padded else idx
     pairs = mx.array((np.arange(B)[:, None] * Hk + np.arange(Hk))[..., None] * R)  # [B, Hk, 1]

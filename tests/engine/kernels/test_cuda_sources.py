@@ -116,12 +116,29 @@ def test_stage2_kernel_compiles(dtype, d, tile):
 def test_decode_selection_kernel_compiles(dtype):
     """The decode step's selection in every dtype the step's keys come in (the 9B's 16 heads a
     kv group, head dim 128, 5 entries a block's pool)."""
-    inputs = [(n, dtype) for n in decode_cuda.INPUTS[:4]]
-    inputs += [(n, "i32") for n in decode_cuda.INPUTS[4:9]] + [("scale", "f32")]
-    assert tuple(n for n, _ in inputs) == decode_cuda.INPUTS
+    inputs = [(n, dtype) for n in decode_cuda.SELECT_INPUTS[:4]]
+    inputs += [(n, "i32") for n in decode_cuda.SELECT_INPUTS[4:9]] + [("scale", "f32")]
+    assert tuple(n for n, _ in inputs) == decode_cuda.SELECT_INPUTS
     template = [("T", dtype), ("G", 16), ("D", 128), ("R1", 5)]
-    unit = _build("top_k", decode_cuda._SOURCE, inputs, [("top", "i32")], "", template)
+    unit = _build("top_k", decode_cuda._SELECT, inputs, [("top", "i32")], "", template)
     _assert_builds(unit, decode_cuda.THREADS)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_decode_attention_kernels_compile(dtype, d):
+    """The decode step's stage 2 (a warp a thread block) and the sum of its splits."""
+    names = decode_cuda.ATTEND_INPUTS
+    kinds = dict(q=dtype, rows_k=dtype, rows_v=dtype, shared_k=dtype, shared_v=dtype, scale="f32")
+    inputs = [(n, kinds.get(n, "i32")) for n in names]
+    template = [("T", dtype), ("D", d), ("G", 16), ("BLOCK", 64)]
+    unit = _build("attend", decode_cuda._ATTEND, inputs, [("part", "f32")], "#include <mma.h>\n",
+                  template)  # fmt: skip
+    _assert_builds(unit, 32)
+    assert decode_cuda.attend_bytes(d, 64, 2) <= 48000  # no opt-in to more shared memory
+    unit = _build("combine", decode_cuda._COMBINE, [("part", "f32"), ("dims", "i32")],
+                  [("out", dtype)], "", template[:3])  # fmt: skip
+    _assert_builds(unit)
 
 
 def test_a_broken_source_fails_to_build():

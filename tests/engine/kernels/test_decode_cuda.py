@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import decode_cuda
+from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention_ref
 from salabatch.engine.kernels.sparse_decode import select_step_ref, step_rows, step_tables
 
 ON_CUDA = (
@@ -55,6 +56,43 @@ def shared_scores(qg, chunks):
     return [qg @ c.swapaxes(-1, -2) for c in chunks]
 
 
+def attend_case(start, lengths, K=8, G=16, Hk=2, d=128, dtype=mx.bfloat16, seed=0):
+    """Rows forked at `start` (a multiple of the block) from shared keys [1, Hk, S, d], each
+    with its own keys [B, Hk, R, d] after it, at the given lengths past `start`; each row's
+    slots: its own block, blocks from the shared part and its own, -1 for the rest, in any
+    order."""
+    rng = np.random.default_rng(seed)
+    S, R = max(start, BLOCK) + 4 * BLOCK, 4 * BLOCK * (1 + max(lengths) // (4 * BLOCK))
+    B = len(lengths)
+    shared = [mx.array(rng.normal(size=(1, Hk, S, d))).astype(dtype) for _ in range(2)]
+    rows = [mx.array(rng.normal(size=(B, Hk, R, d))).astype(dtype) for _ in range(2)]
+    q = mx.array(rng.normal(size=(B, Hk * G, 1, d)) * 2).astype(dtype)
+    positions = [start + n - 1 for n in lengths]
+    idx = np.full((B, Hk, K), -1, dtype=np.int32)
+    for b, pos in enumerate(positions):
+        for h in range(Hk):
+            own = pos // BLOCK
+            others = rng.choice(own, size=min(K - 2, own), replace=False)
+            chosen = np.array([own, *others], dtype=np.int32)
+            idx[b, h, : len(chosen)] = rng.permutation(chosen)
+    return q, rows, shared, positions, mx.array(idx)
+
+
+def attend_reference(q, rows, shared, positions, idx, start):
+    """The float32 InfLLM-v2 stage 2 of `attend_case`'s rows (shared keys only where forked)."""
+    f32 = [a.astype(mx.float32) for a in (*shared, *rows)]
+    lengths = tuple(p + 1 for p in positions)
+    kv = (
+        KVView(*f32[:2], start, *f32[2:], lengths)
+        if start
+        else KVView(None, None, 0, *f32[2:], lengths)
+    )
+    d = q.shape[-1]
+    return block_sparse_attention_ref(
+        q.astype(mx.float32), kv, idx[:, :, None], positions, d**-0.5, BLOCK
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
@@ -79,3 +117,23 @@ def test_the_decode_step_with_it_matches_the_references(monkeypatch, shared, den
     monkeypatch.setenv("SALABATCH_CUDA_KERNELS", "stage1,decode")
     assert decode_cuda.available()
     test_sparse_kernels.test_gpu_decode_step_matches_the_references(shared, dense_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    ("start", "lengths", "K"),
+    [(1_024, [1, 70, 200], 8), (0, [300, 90], 6), (4_096, [17], 96), (8_192, [5] * 8, 96)],
+    ids=["forked", "own-keys-only", "9b-slots", "batch-8"],
+)
+def test_the_attention_kernels_match_the_reference(dtype, start, lengths, K):
+    q, rows, shared, positions, idx = attend_case(start, lengths, K=K, dtype=dtype, seed=K)
+    info = mx.array([[p, p - start] for p in positions], dtype=mx.int32)
+    first = mx.array([start // BLOCK], dtype=mx.int32)
+    got = decode_cuda.attend(q, idx, info, rows, shared if start else (), first,
+                             q.shape[-1] ** -0.5, BLOCK)  # fmt: skip
+    want = attend_reference(q, rows, shared, positions, idx, start)
+    assert got.dtype == dtype
+    got = got.astype(mx.float32)
+    assert mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)).item() < 6e-3

@@ -12,7 +12,14 @@ import pytest
 from salabatch.engine.kernels import decode_cuda
 from salabatch.engine.kernels.sparse_decode import select_step_ref
 from tests.engine.kernels import cuda_emu
-from tests.engine.kernels.test_decode_cuda import COMPRESSION, shared_scores, step_case
+from tests.engine.kernels.test_decode_cuda import (
+    BLOCK,
+    COMPRESSION,
+    attend_case,
+    attend_reference,
+    shared_scores,
+    step_case,
+)
 
 pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
 
@@ -41,7 +48,7 @@ def test_the_kernel_source_matches_the_reference(document, own, lengths, k, loca
             ("pool", pool), ("info", info)]  # fmt: skip
     needed = decode_cuda.needed_bytes(n_blocks, G, own, d, 2, [s for _, s in COMPRESSION])
     got = cuda_emu.run(
-        decode_cuda._SOURCE,
+        decode_cuda._SELECT,
         [(n, "bf16", cuda_emu.to_numpy(a, "bf16")) for n, a in bf16]
         + [(n, "i32", np.array(a)) for n, a in ints]
         + [("dims", "i32", np.array(dims)), ("scale", "f32", np.array([scale]))],
@@ -56,3 +63,47 @@ def test_the_kernel_source_matches_the_reference(document, own, lengths, k, loca
     want = np.array(mx.sort(want, axis=-1))
     assert (got == want).all(), f"{(got != want).sum()} of {got.size} ids differ"
     assert (np.diff(got, axis=-1) > 0).all()  # ascending, distinct
+
+
+@pytest.mark.parametrize(
+    ("start", "lengths", "K"),
+    [(1_024, [1, 70, 200], 8), (0, [300, 90], 6), (4_096, [17], 96)],
+    ids=["forked", "own-keys-only", "9b-slots"],
+)
+def test_the_attention_kernels_source_matches_the_reference(start, lengths, K):
+    """Stage 2's two launches (the splits, their sum) against the float32 reference: blocks
+    from the shared keys and the rows' own, -1 slots, the query's own block cut at the query."""
+    q, rows, shared, positions, idx = attend_case(start, lengths, K=K, seed=K)
+    S, R = shared[0].shape[2], rows[0].shape[2]
+    B, H, _, d = q.shape
+    Hk, G = rows[0].shape[1], H // rows[0].shape[1]
+    splits = decode_cuda.splits_for(B * Hk, K)
+    info = np.array([[p, p - start] for p in positions], dtype=np.int32)
+    kinds = [("q", "bf16", q.reshape(B, Hk, G, d)), ("idx", "i32", idx), ("info", "i32", info),
+             ("rows_k", "bf16", rows[0]), ("rows_v", "bf16", rows[1]),
+             ("shared_k", "bf16", shared[0]), ("shared_v", "bf16", shared[1]),
+             ("first", "i32", np.array([start // BLOCK])),
+             ("dims", "i32", np.array([K, R, S, Hk, splits, 2])),
+             ("scale", "f32", np.array([d**-0.5]))]  # fmt: skip
+    part = cuda_emu.run(
+        decode_cuda._ATTEND,
+        [(n, k, cuda_emu.to_numpy(a, k) if isinstance(a, mx.array) else a) for n, k, a in kinds],
+        ("part", "f32", (B, Hk, splits, G, d + 2)),
+        [("T", "bf16"), ("D", d), ("G", G), ("BLOCK", BLOCK)],
+        blocks=B * Hk * splits,
+        threads=32,
+        shared_bytes=decode_cuda.attend_bytes(d, BLOCK, 2),
+    )
+    out = cuda_emu.run(
+        decode_cuda._COMBINE,
+        [("part", "f32", part), ("dims", "i32", np.array([splits, B * H]))],
+        ("out", "bf16", (B, H, 1, d)),
+        [("T", "bf16"), ("D", d), ("G", G)],
+        blocks=-(-B * H * d // 256),
+        threads=256,
+        shared_bytes=0,
+    )
+    got = cuda_emu.from_numpy(out, "bf16").astype(mx.float32)
+    want = attend_reference(q, rows, shared, positions, idx, start)
+    err = mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)).item()
+    assert err < 6e-3, f"relative RMS error {err:.2e}"
