@@ -306,7 +306,7 @@ _ATTEND = """
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * alpha + sum;
         m = mn;
-        for (int c = half; c < D; c += 2) {
+        for (int c = half; alpha != 1.0f && c < D; c += 2) {  // a row whose max held: as is
             Ow[r * OP + c] *= alpha;
         }
         __syncwarp();
