@@ -10,8 +10,11 @@ import mlx.core as mx
 
 
 def environment() -> dict:
+    """Where a benchmark ran: versions, the device, the BLAS, and the custom CUDA kernels that
+    were on (none off CUDA)."""
     from salabatch._version import __version__
     from salabatch.engine.blas import active
+    from salabatch.engine.kernels.attention import CUDA_KERNELS, cuda_kernel
     from salabatch.engine.runtime import device_name
 
     return {
@@ -19,6 +22,7 @@ def environment() -> dict:
         "mlx": mx.__version__,
         "device": device_name(),
         "blas": active().kind,
+        "cuda_kernels": [name for name in CUDA_KERNELS if cuda_kernel(name)],
     }
 
 

@@ -62,13 +62,15 @@ def on_gpu() -> bool:
     )
 
 
-# The custom CUDA kernels on by default: those whose parity tests (marked `gpu`) have passed
-# on a GPU. `stage2_cuda` and `decode_cuda` have not been run on one yet.
+# The custom CUDA kernels (`kernels/stage1_cuda.py`, `stage2_cuda.py`, `decode_cuda.py`), and
+# those on by default: the ones whose parity tests (marked `gpu`) have passed on a GPU.
+# `stage2` and `decode` have not been run on one yet.
+CUDA_KERNELS = ("stage1", "stage2", "decode")
 DEFAULT_CUDA_KERNELS = "stage1"
 
 
 def cuda_kernel(name: str) -> bool:
-    """Whether the engine's custom CUDA kernel `name` ("stage1", "stage2", "decode") runs: the
+    """Whether the engine's custom CUDA kernel `name` (one of CUDA_KERNELS) runs: the
     default device is a CUDA GPU and `SALABATCH_CUDA_KERNELS` (a comma-separated list, or
     "none") names it. Default: the kernels whose parity tests have passed on a GPU (DEFAULT).
     Where it does not run, its dispatcher runs the MLX-op form."""
