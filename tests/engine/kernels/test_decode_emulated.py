@@ -66,14 +66,19 @@ def test_the_kernel_source_matches_the_reference(document, own, lengths, k, loca
 
 
 @pytest.mark.parametrize(
-    ("start", "lengths", "K"),
-    [(1_024, [1, 70, 200], 8), (0, [300, 90], 6), (4_096, [17], 96)],
-    ids=["forked", "own-keys-only", "9b-slots"],
+    ("start", "lengths", "K", "G", "d"),
+    [
+        (1_024, [1, 70, 200], 8, 16, 128),
+        (0, [300, 90], 6, 16, 128),
+        (4_096, [17], 96, 16, 128),
+        (512, [40, 3], 6, 4, 64),
+    ],
+    ids=["forked", "own-keys-only", "9b-slots", "small-heads"],
 )
-def test_the_attention_kernels_source_matches_the_reference(start, lengths, K):
+def test_the_attention_kernels_source_matches_the_reference(start, lengths, K, G, d):
     """Stage 2's two launches (the splits, their sum) against the float32 reference: blocks
     from the shared keys and the rows' own, -1 slots, the query's own block cut at the query."""
-    q, rows, shared, positions, idx = attend_case(start, lengths, K=K, seed=K)
+    q, rows, shared, positions, idx = attend_case(start, lengths, K=K, G=G, d=d, seed=K)
     S, R = shared[0].shape[2], rows[0].shape[2]
     B, H, _, d = q.shape
     Hk, G = rows[0].shape[1], H // rows[0].shape[1]

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with
 
 @pytest.mark.parametrize(
     ("G", "d", "tile", "start", "T"),
-    [(16, 128, 4, 300, 37), (4, 64, 2, 700, 21)],
-    ids=["9b-heads", "small"],
+    [(16, 128, 4, 300, 37), (4, 64, 2, 700, 21), (8, 128, 8, 500, 19)],
+    ids=["9b-heads", "small", "eight-warps"],
 )
 def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
     """Two rows at their own starts, 6 slots a query (its own block, the first, random others,
