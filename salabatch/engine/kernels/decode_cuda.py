@@ -42,6 +42,7 @@ import functools
 import mlx.core as mx
 
 from salabatch.engine.kernels.attention import cuda_kernel
+from salabatch.engine.kernels.stage2_cuda import BLOCK_ATTENTION
 
 _SELECT = """
     const int S1 = dims[0], S2 = dims[1], R = dims[2], nb = dims[3], k = dims[4];
@@ -220,12 +221,11 @@ _SELECT = """
 """
 
 # Stage 2, a warp a thread block: split sp of a (row, kv head)'s slots (every splits-th), each
-# block read from the shared keys (ids before `first`) or the row's own, its G heads the rows
-# of 16×16 tensor-core tiles, the softmax online in float32 (the stage-2 prefill kernel's
-# arithmetic, `stage2_cuda`); the split's unnormalised output, max and sum → `part`.
+# block read from the shared keys (ids before `first`) or the row's own and attended as the
+# prefill kernel attends one (`stage2_cuda.BLOCK_ATTENTION`); the split's unnormalised output,
+# max and sum → `part`.
 _ATTEND = """
-    using namespace nvcuda;
-    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+    constexpr int SP = BLOCK + 4, OP = D + 4;
     const float NEG_INF = __int_as_float(0xff800000);
     const int K = dims[0], R = dims[1], S = dims[2], Hk = dims[3], splits = dims[4];
     const int width = dims[5];
@@ -242,22 +242,9 @@ _ATTEND = """
     float* Ow = Sw + 16 * SP;
     T* Pw = reinterpret_cast<T*>(Ow + 16 * OP);
 
-    T* Qs = reinterpret_cast<T*>(Ow);  // the G heads, staged in O's room
-    for (int i = lane; i < 16 * D; i += 32) {
-        Qs[i] = i / D < G ? q[(long long)bh * G * D + i] : static_cast<T>(0.0f);
-    }
-    __syncwarp();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[D / 16];
-    for (int kt = 0; kt < D / 16; ++kt) {
-        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
-    }
-    __syncwarp();
-    for (int i = lane; i < 16 * OP; i += 32) {
-        Ow[i] = 0.0f;
-    }
-    __syncwarp();
-
-    const int r = lane >> 1, half = lane & 1;
+    salabatch::QueryFragments<T, D> qf;
+    salabatch::load_query<T, D>(qf, q + (long long)bh * G * D, G, reinterpret_cast<T*>(Ow), Ow,
+                                lane);
     float m = NEG_INF, l = 0.0f;
     for (int j = sp; j < K; j += splits) {
         const int id = idx[(long long)bh * K + j];
@@ -275,57 +262,11 @@ _ATTEND = """
             reinterpret_cast<uint4*>(Vs)[i] = vsrc[i];
         }
         __syncwarp();
-        for (int nt = 0; nt < BLOCK / 16; ++nt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-            for (int kt = 0; kt < D / 16; ++kt) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
-                wmma::mma_sync(acc, qf[kt], kf, acc);
-            }
-            wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
-        }
-        __syncwarp();
-        const long long base = (long long)id * BLOCK;
-        float mb = NEG_INF;
-        for (int c = half; c < BLOCK; c += 2) {
-            if (base + c <= qpos) {
-                mb = fmaxf(mb, Sw[r * SP + c] * a);
-            }
-        }
-        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-        const float mn = fmaxf(m, mb);
-        const float alpha = exp2f(m - mn);
-        float sum = 0.0f;
-        for (int c = half; c < BLOCK; c += 2) {
-            const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
-            const T pt = static_cast<T>(p);
-            Pw[r * PP + c] = pt;
-            sum += static_cast<float>(pt);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = mn;
-        for (int c = half; alpha != 1.0f && c < D; c += 2) {  // a row whose max held: as is
-            Ow[r * OP + c] *= alpha;
-        }
-        __syncwarp();
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
-        for (int kt = 0; kt < BLOCK / 16; ++kt) {
-            wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
-        }
-        for (int nt = 0; nt < D / 16; ++nt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::load_matrix_sync(acc, Ow + nt * 16, OP, wmma::mem_row_major);
-            for (int kt = 0; kt < BLOCK / 16; ++kt) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, Vs + kt * 16 * D + nt * 16, D);
-                wmma::mma_sync(acc, pf[kt], vf, acc);
-            }
-            wmma::store_matrix_sync(Ow + nt * 16, acc, OP, wmma::mem_row_major);
-        }
-        __syncwarp();
+        salabatch::attend_block<T, D, BLOCK>(qf, Ks, Vs, Sw, Ow, Pw, (long long)id * BLOCK, qpos,
+                                             a, lane, m, l);
     }
+    // the split's unnormalised rows, then each row's max and sum
+    const int r = lane >> 1, half = lane & 1;
     if (r < G) {
         float* out = part + (((long long)bh * splits + sp) * G + r) * (D + 2);
         for (int c = half; c < D; c += 2) {
@@ -510,6 +451,6 @@ def _kernel(name: str, shared: int):
         input_names=list(inputs),
         output_names=outputs,
         source=source,
-        header="#include <mma.h>\n" if name == "attend" else "",
+        header=BLOCK_ATTENTION if name == "attend" else "",
         shared_memory=shared,
     )

@@ -31,14 +31,119 @@ import mlx.core as mx
 
 from salabatch.engine.kernels.attention import cuda_kernel
 
-_HEADER = "#include <mma.h>\n"
+# What both stage-2 kernels (this prefill one and the decode step's, `decode_cuda`) do with one
+# query's G heads, a warp: stage them as 16 rows of tensor-core fragments (rows past G zero),
+# and attend one block of keys and values in shared memory. Per warp in shared memory: S (16 ×
+# SP floats), O (16 × OP floats), P (16 × PP of T), strides padded so that the softmax's
+# lanes read distinct banks; lane → row r = lane / 2 of the 16, columns lane % 2, + 2, ...
+BLOCK_ATTENTION = """
+#include <mma.h>
+namespace salabatch {
+using namespace nvcuda;
 
-# One warp a query: stage its G heads (zero rows up to 16) as tensor-core fragments, then walk
-# the tile's union of blocks. Constants: T (q's dtype), D (head dim), G, QT (queries a thread
-# block), BLOCK (keys a block); per warp in shared memory: S (16 × SP floats), O (16 × OP
-# floats), P (16 × PP of T), strides padded so that the softmax's lanes read distinct banks.
+template <typename T, int D>
+using QueryFragments = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>[D / 16];
+
+// rows [16, D] (the first `heads` of them read, the rest zero) as fragments; O zeroed. Qs is
+// scratch of 16 × D of T (O's room serves).
+template <typename T, int D>
+__device__ void load_query(QueryFragments<T, D>& qf, const T* rows, int heads, T* Qs, float* Ow,
+                           int lane) {
+    constexpr int OP = D + 4;
+    for (int i = lane; i < 16 * D; i += 32) {
+        Qs[i] = i / D < heads ? rows[i] : static_cast<T>(0.0f);
+    }
+    __syncwarp();
+    for (int kt = 0; kt < D / 16; ++kt) {
+        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * OP; i += 32) {
+        Ow[i] = 0.0f;
+    }
+    __syncwarp();
+}
+
+// One block of BLOCK keys at positions base.. (Ks, Vs [BLOCK, D]): S = Q·Kᵀ in float32, the
+// online softmax of each row in the log2 domain (a: scale·log2 e; keys after qpos masked; m, l
+// the lane's row's running max and sum), the weights rounded to T, O rescaled where its max
+// moved, O += P·V.
+template <typename T, int D, int BLOCK>
+__device__ void attend_block(const QueryFragments<T, D>& qf, const T* Ks, const T* Vs, float* Sw,
+                             float* Ow, T* Pw, long long base, long long qpos, float a, int lane,
+                             float& m, float& l) {
+    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int r = lane >> 1, half = lane & 1;
+    for (int nt = 0; nt < BLOCK / 16; ++nt) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kt = 0; kt < D / 16; ++kt) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+            wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
+            wmma::mma_sync(acc, qf[kt], kf, acc);
+        }
+        wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
+    }
+    __syncwarp();
+    float mb = NEG_INF;
+    for (int c = half; c < BLOCK; c += 2) {
+        if (base + c <= qpos) {
+            mb = fmaxf(mb, Sw[r * SP + c] * a);
+        }
+    }
+    mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+    const float mn = fmaxf(m, mb);  // finite: the block's first key is not after the query
+    const float alpha = exp2f(m - mn);
+    float sum = 0.0f;
+    for (int c = half; c < BLOCK; c += 2) {
+        const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
+        const T pt = static_cast<T>(p);
+        Pw[r * PP + c] = pt;
+        sum += static_cast<float>(pt);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * alpha + sum;
+    m = mn;
+    for (int c = half; alpha != 1.0f && c < D; c += 2) {  // a row whose max held: as is
+        Ow[r * OP + c] *= alpha;
+    }
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
+    for (int kt = 0; kt < BLOCK / 16; ++kt) {
+        wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
+    }
+    for (int nt = 0; nt < D / 16; ++nt) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::load_matrix_sync(acc, Ow + nt * 16, OP, wmma::mem_row_major);
+        for (int kt = 0; kt < BLOCK / 16; ++kt) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+            wmma::load_matrix_sync(vf, Vs + kt * 16 * D + nt * 16, D);
+            wmma::mma_sync(acc, pf[kt], vf, acc);
+        }
+        wmma::store_matrix_sync(Ow + nt * 16, acc, OP, wmma::mem_row_major);
+    }
+    __syncwarp();
+}
+
+// Each of the first `heads` rows of O divided by its sum, in T (rows: [heads, D]).
+template <typename T, int D>
+__device__ void write_rows(T* rows, int heads, const float* Ow, float l, int lane) {
+    constexpr int OP = D + 4;
+    const int r = lane >> 1, half = lane & 1;
+    if (r < heads) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int c = half; c < D; c += 2) {
+            rows[r * D + c] = static_cast<T>(Ow[r * OP + c] * inv);
+        }
+    }
+}
+}  // namespace salabatch
+"""
+
+# One warp a query (BLOCK_ATTENTION's functions), QT warps a thread block walking the union of
+# their blocks. Constants: T (q's dtype), D (head dim), G, QT, BLOCK (keys a block).
 _SOURCE = """
-    using namespace nvcuda;
     constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
     constexpr int NONE = 0x7fffffff;
     const float NEG_INF = __int_as_float(0xff800000);
@@ -64,26 +169,10 @@ _SOURCE = """
     T* Pw = reinterpret_cast<T*>(rest) + warp * 16 * PP;
     int* nxt = reinterpret_cast<int*>(rest + QT * 16 * PP * (int)sizeof(T));
 
-    // the query's heads, staged in O's room, then held as fragments
-    T* Qs = reinterpret_cast<T*>(Ow);
-    const T* qrow = q + (((long long)b * n + t) * H + (long long)h * G) * D;
-    for (int i = lane; i < 16 * D; i += 32) {
-        const int r = i / D;
-        Qs[i] = (active && r < G) ? qrow[i] : static_cast<T>(0.0f);
-    }
-    __syncwarp();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[D / 16];
-    for (int kt = 0; kt < D / 16; ++kt) {
-        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
-    }
-    __syncwarp();
-    for (int i = lane; i < 16 * OP; i += 32) {
-        Ow[i] = 0.0f;
-    }
-    __syncwarp();
-
-    // lane → row r of the 16, columns half, half + 2, ... (two lanes a row)
-    const int r = lane >> 1, half = lane & 1;
+    const long long head0 = ((long long)b * n + t) * H + (long long)h * G;  // this query's
+    salabatch::QueryFragments<T, D> qf;
+    salabatch::load_query<T, D>(qf, q + head0 * D, active ? G : 0, reinterpret_cast<T*>(Ow), Ow,
+                                lane);
     float m = NEG_INF, l = 0.0f;
     const int* list = idx + (((long long)b * Hk + h) * n + (active ? t : 0)) * K;
     int cur = 0;
@@ -93,6 +182,7 @@ _SOURCE = """
     const T* kbase = keys + ((long long)b * Hk + h) * R * D;
     const T* vbase = values + ((long long)b * Hk + h) * R * D;
 
+    // the tile's union of blocks, ascending: each loaded once, attended by the warps that chose it
     while (true) {
         int mine = NONE;
         if (active && cur < K && (long long)list[cur] * BLOCK <= qpos) {
@@ -119,70 +209,14 @@ _SOURCE = """
         }
         __syncthreads();
         if (mine == blk) {
-            // S = Q·Kᵀ, 16 × BLOCK, float32
-            for (int nt = 0; nt < BLOCK / 16; ++nt) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::fill_fragment(acc, 0.0f);
-                for (int kt = 0; kt < D / 16; ++kt) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                    wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
-                    wmma::mma_sync(acc, qf[kt], kf, acc);
-                }
-                wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
-            }
-            __syncwarp();
-            // online softmax of row r: keys after the query masked (its own block)
-            const long long base = (long long)blk * BLOCK;
-            float mb = NEG_INF;
-            for (int c = half; c < BLOCK; c += 2) {
-                if (base + c <= qpos) {
-                    mb = fmaxf(mb, Sw[r * SP + c] * a);
-                }
-            }
-            mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-            const float mn = fmaxf(m, mb);  // finite: the block's first key is not after the query
-            const float alpha = exp2f(m - mn);
-            float sum = 0.0f;
-            for (int c = half; c < BLOCK; c += 2) {
-                const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
-                const T pt = static_cast<T>(p);
-                Pw[r * PP + c] = pt;
-                sum += static_cast<float>(pt);
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            l = l * alpha + sum;
-            m = mn;
-            for (int c = half; alpha != 1.0f && c < D; c += 2) {  // a row whose max held: as is
-                Ow[r * OP + c] *= alpha;
-            }
-            __syncwarp();
-            // O += P·V
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
-            for (int kt = 0; kt < BLOCK / 16; ++kt) {
-                wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
-            }
-            for (int nt = 0; nt < D / 16; ++nt) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::load_matrix_sync(acc, Ow + nt * 16, OP, wmma::mem_row_major);
-                for (int kt = 0; kt < BLOCK / 16; ++kt) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                    wmma::load_matrix_sync(vf, Vs + kt * 16 * D + nt * 16, D);
-                    wmma::mma_sync(acc, pf[kt], vf, acc);
-                }
-                wmma::store_matrix_sync(Ow + nt * 16, acc, OP, wmma::mem_row_major);
-            }
-            __syncwarp();
+            salabatch::attend_block<T, D, BLOCK>(qf, Ks, Vs, Sw, Ow, Pw, (long long)blk * BLOCK,
+                                                 qpos, a, lane, m, l);
             ++cur;
         }
         __syncthreads();
     }
-
-    if (active && r < G) {
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        T* orow = out + (((long long)b * n + t) * H + (long long)h * G + r) * D;
-        for (int c = half; c < D; c += 2) {
-            orow[c] = static_cast<T>(Ow[r * OP + c] * inv);
-        }
+    if (active) {
+        salabatch::write_rows<T, D>(out + head0 * D, G, Ow, l, lane);
     }
 """
 
@@ -255,6 +289,6 @@ def _kernel(shared: int):
         input_names=list(INPUTS),
         output_names=["out"],
         source=_SOURCE,
-        header=_HEADER,
+        header=BLOCK_ATTENTION,
         shared_memory=shared,
     )

@@ -46,9 +46,10 @@ def from_numpy(a: np.ndarray, kind: str) -> mx.array:
     return mx.array(a).view(mx.bfloat16) if kind == "bf16" else mx.array(a)
 
 
-def run(source, inputs, output, template, *, blocks, threads, shared_bytes):
+def run(source, inputs, output, template, *, blocks, threads, shared_bytes, header=""):
     """inputs: [(name, kind, numpy array)]; output: (name, kind, shape) → the output array.
-    template: [(name, kind or int)] as `cuda_kernel` takes them (dtype names as in TYPES)."""
+    template: [(name, kind or int)] as `cuda_kernel` takes them (dtype names as in TYPES);
+    header: `cuda_kernel`'s (its CUDA includes left out: the emulator stands in for them)."""
     params = [f"const {TYPES[k]}* {n}" for n, k, _ in inputs]
     oname, okind, oshape = output
     params.append(f"{TYPES[okind]}* {oname}")
@@ -64,7 +65,7 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes):
     casts = [f"(const {TYPES[k]}*)args[{i}]" for i, (_, k, _) in enumerate(inputs)]
     casts.append(f"({TYPES[okind]}*)args[{len(inputs)}]")
     unit = (
-        f'#include "{HERE / "cuda_emu.h"}"\n'
+        f'#include "{HERE / "cuda_emu.h"}"\n' + re.sub(r"#include <[^>]+>", "", header) + "\n"
         "namespace mlx::core::cu {\n"
         f"void kernel({', '.join(params)}) {{\n{constants}{body}\n}}\n"
         "}\n"

@@ -107,7 +107,7 @@ def test_stage2_kernel_compiles(dtype, d, tile):
     assert tuple(n for n, _ in inputs) == stage2_cuda.INPUTS
     template = [("T", dtype), ("D", d), ("G", 16), ("QT", tile), ("BLOCK", 64)]
     unit = _build("stage2", stage2_cuda._SOURCE, inputs, [("out", dtype)],
-                  stage2_cuda._HEADER, template)  # fmt: skip
+                  stage2_cuda.BLOCK_ATTENTION, template)  # fmt: skip
     _assert_builds(unit, 32 * tile)
     assert stage2_cuda.shared_bytes(d, 64, tile, 2) <= stage2_cuda.MAX_SHARED
 
@@ -132,8 +132,8 @@ def test_decode_attention_kernels_compile(dtype, d):
     kinds = dict(q=dtype, rows_k=dtype, rows_v=dtype, shared_k=dtype, shared_v=dtype, scale="f32")
     inputs = [(n, kinds.get(n, "i32")) for n in names]
     template = [("T", dtype), ("D", d), ("G", 16), ("BLOCK", 64)]
-    unit = _build("attend", decode_cuda._ATTEND, inputs, [("part", "f32")], "#include <mma.h>\n",
-                  template)  # fmt: skip
+    unit = _build("attend", decode_cuda._ATTEND, inputs, [("part", "f32")],
+                  stage2_cuda.BLOCK_ATTENTION, template)  # fmt: skip
     _assert_builds(unit, 32)
     assert decode_cuda.attend_bytes(d, 64, 2) <= 48000  # no opt-in to more shared memory
     unit = _build("combine", decode_cuda._COMBINE, [("part", "f32"), ("dims", "i32")],

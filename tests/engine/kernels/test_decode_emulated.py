@@ -11,6 +11,7 @@ import pytest
 
 from salabatch.engine.kernels import decode_cuda
 from salabatch.engine.kernels.sparse_decode import select_step_ref
+from salabatch.engine.kernels.stage2_cuda import BLOCK_ATTENTION
 from tests.engine.kernels import cuda_emu
 from tests.engine.kernels.test_decode_cuda import (
     BLOCK,
@@ -98,6 +99,7 @@ def test_the_attention_kernels_source_matches_the_reference(start, lengths, K, G
         blocks=B * Hk * splits,
         threads=32,
         shared_bytes=decode_cuda.attend_bytes(d, BLOCK, 2),
+        header=BLOCK_ATTENTION,
     )
     out = cuda_emu.run(
         decode_cuda._COMBINE,

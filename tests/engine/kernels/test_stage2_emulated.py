@@ -46,6 +46,7 @@ def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
         blocks=B * Hk * -(-T // tile),
         threads=32 * tile,
         shared_bytes=stage2_cuda.shared_bytes(d, BLOCK, tile, 2),
+        header=stage2_cuda.BLOCK_ATTENTION,
     )
     got = cuda_emu.from_numpy(got, "bf16").transpose(0, 2, 1, 3)
     f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
