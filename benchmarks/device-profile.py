@@ -373,9 +373,18 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
         s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))
         return _pooled(s1, s2, *seen, sparse.scale, n_blocks, sc.block_size // sc.compression[0][1])
 
+    def score_matmuls():
+        return [qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2)]
+
+    timed(f"{n}: stage 1's two score matmuls alone", score_matmuls)
+    s1, s2 = score_matmuls()
+    mx.eval(s1, s2)
+    r = sc.block_size // sc.compression[0][1]
     kernels = stage1_cuda.available
     if kernels():
         timed(f"{n}: stage 1 scores and pooling, no top-k (CUDA kernels)", scores_only)
+        timed(f"{n}: stage 1 pooling alone, of the scores (CUDA kernels)",
+              lambda: _pooled(s1, s2, *seen, sparse.scale, n_blocks, r))  # fmt: skip
     stage1_cuda.available = lambda: False
     timed(f"{n}: stage 1 scores and pooling, no top-k (MLX ops)", scores_only)
     stage1_cuda.available = kernels
