@@ -1,24 +1,28 @@
-"""A decode step's block selection (stage 1) as one CUDA kernel (`mx.fast.cuda_kernel`) for
-the GPU path's compiled step, for rows forked from shared keys: what
-`sparse_decode.select_step_ref` computes with MLX ops after the shared chunks' scores (two
-matmuls, kept): the rows' own chunks from their keys and their scores, the level-2
-normaliser, each level-1 entry's probability summed over the G heads, the pooling into
-blocks, the forced and excluded blocks and the top-k, in one launch instead of eighteen (the
-own chunks' cast, sums and means, their two matmuls, two concatenations, the normaliser, the
-probabilities, their head sum, the pooling's gather and max, the top-k's key, partition and
-decode). A decode step's selection works on a few thousand numbers a (row, kv head): on a
-GPU its time is the launches of a chain of small kernels, not their bytes (a sparse layer's
-decode attention, ~31 kernels, took ~0.39 ms on an H100, where a lightning layer's 16
-kernels stream 570 MB in ~0.33).
+"""The decode step's InfLLM-v2 attention as three CUDA kernels (`mx.fast.cuda_kernel`) for the
+GPU path's compiled step. A decode step's sparse layer works on a few thousand numbers a (row,
+kv head): on a GPU its time is the launches of a chain of small kernels, not their bytes (its
+~31 kernels of attention took ~0.39 ms on an H100, where a lightning layer's 16 kernels
+stream 570 MB in ~0.33).
 
-One thread block a (row, kv head), 512 threads: the own chunks (float32 sums of each half,
-the mean rounded to the keys' dtype, as the cache makes them) and their scores, rounded to
-q's dtype as a matmul's are; each head's level-2 log-sum-exp (a warp a head); each block's
-pooled score and its top-k key, in shared memory (4 bytes a block); an exact radix select of
-the k largest (key, complement of the id) pairs, eight passes of 8 bits; the chosen ids
-written in ascending order (a block-wide scan), the order `decode_attention` sorts them into.
+* `top_k`, the block selection (stage 1), for rows forked from shared keys: what
+  `sparse_decode.select_step_ref` computes with MLX ops after the shared chunks' scores (two
+  matmuls, kept): the rows' own chunks from their keys and their scores, the level-2
+  normaliser, each level-1 entry's probability summed over the G heads, the pooling into
+  blocks, the forced and excluded blocks and the top-k, in one launch instead of eighteen.
+* `attend`, stage 2 (what `sparse_decode._attend_step` does with MLX ops: index arithmetic,
+  four gathers, a mask and an SDPA, eleven kernels), in two launches: a warp a (row, kv head,
+  split of the slots) reads each selected block in place from the shared keys or the row's
+  own (`stage2_cuda.BLOCK_ATTENTION`), then the splits' sum.
 
-Layout (the step's, `sparse_decode._select_step`):
+The selection, a thread block of 512 threads a (row, kv head): the own chunks (float32 sums
+of each half, the mean rounded to the keys' dtype, as the cache makes them) and their scores,
+rounded to q's dtype as a matmul's are; each head's level-2 log-sum-exp (a warp a head); each
+block's pooled score and its top-k key, in shared memory (4 bytes a block); an exact radix
+select of the k largest (key, complement of the id) pairs, eight passes of 8 bits; the chosen
+ids written in ascending order (a block-wide scan), the order `decode_attention` sorts them
+into.
+
+The selection's layout (the step's, `sparse_decode._select_step`):
   q          [B, Hk, G, d]   the rows' queries (the keys' dtype)
   keys       [B, Hk, R, d]   the rows' own keys, whole buffers (positions past a row's hold
              anything: their chunks are unseen)
@@ -31,8 +35,8 @@ Layout (the step's, `sparse_decode._select_step`):
   info       [B, w] int32: `step_rows` (position, own offset, block, chunks seen per level)
   →          [B, Hk, k] int32, ascending: the k blocks `_top_k` picks
 
-Off by default until its parity test (`tests/engine/kernels/test_decode_cuda.py`, marked
-`gpu`) has passed on a GPU: `SALABATCH_CUDA_KERNELS=stage1,decode` switches it on.
+Off by default until their parity tests (`tests/engine/kernels/test_decode_cuda.py`, marked
+`gpu`) have passed on a GPU: `SALABATCH_CUDA_KERNELS=stage1,decode` switches them on.
 """
 
 from __future__ import annotations
