@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,3 +98,57 @@ def _build(unit: str) -> ctypes.CDLL:
             raise RuntimeError(f"the emulated kernel did not build:\n{done.stderr[-4000:]}")
         _BUILT[key] = ctypes.CDLL(str(lib))
     return _BUILT[key]
+
+
+KINDS = {mx.bfloat16: "bf16", mx.float32: "f32", mx.int32: "i32"}
+
+
+@contextmanager
+def emulated_kernels(monkeypatch, *modules):
+    """Within the block, `modules`' kernels (stage2_cuda, decode_cuda, ...) are switched on and
+    run here through `cuda_kernel`, the GPU path's branches taken: the engine's dispatchers and
+    wrappers run as on CUDA. Yields the names of the kernels launched, in order."""
+    launched: list[str] = []
+
+    def made(name, *args, **kwargs):
+        kernel = cuda_kernel(name, *args, **kwargs)
+
+        def launch(**options):
+            launched.append(name)
+            return kernel(**options)
+
+        return launch
+
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", made, raising=False)
+    for module in modules:
+        monkeypatch.setattr(module, "available", lambda: True)
+        module._kernel.cache_clear()
+    try:
+        yield launched
+    finally:
+        for module in modules:
+            module._kernel.cache_clear()  # no emulated kernel object outlives the block
+
+
+def cuda_kernel(name, input_names, output_names, source, header="", **options):
+    """Stands in for `mx.fast.cuda_kernel` off CUDA: the kernel object it returns runs the
+    source here (`run`) on its inputs, evaluated, as MLX would launch it (grid in threads,
+    template arguments as constants, the shared memory asked for): what the engine's Python
+    wrappers pass their kernels is then tested end to end. bfloat16, float32 and int32 only;
+    one output."""
+    (output,) = output_names
+
+    def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(), **_):
+        args = [(n, KINDS[a.dtype], to_numpy(a, KINDS[a.dtype]))
+                for n, a in zip(input_names, inputs, strict=True)]  # fmt: skip
+        constants = [(k, KINDS[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
+        kind = KINDS[output_dtypes[0]]
+        out = run(
+            source, args, (output, kind, tuple(output_shapes[0])), constants,
+            blocks=grid[0] // threadgroup[0], threads=threadgroup[0],
+            shared_bytes=options.get("shared_memory", 0), header=header,
+        )  # fmt: skip
+        return [from_numpy(out, kind)]
+
+    return launch

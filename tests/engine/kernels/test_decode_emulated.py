@@ -114,3 +114,27 @@ def test_the_attention_kernels_source_matches_the_reference(start, lengths, K, G
     want = attend_reference(q, rows, shared, positions, idx, start)
     err = mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)).item()
     assert err < 6e-3, f"relative RMS error {err:.2e}"
+
+
+@pytest.mark.parametrize("dense_len", [0, 1150], ids=["sparse", "mixed"])
+def test_the_decode_step_runs_the_selection_kernel_as_on_cuda(monkeypatch, dense_len):
+    """`decode_attention` for rows forked from a document (float32: stage 2 stays MLX ops),
+    the selection's launch emulated: exactly the reference's blocks, attended as it attends."""
+    from tests.engine.kernels import test_sparse_kernels
+
+    with cuda_emu.emulated_kernels(monkeypatch, decode_cuda) as launched:
+        test_sparse_kernels.test_gpu_decode_step_matches_the_references(True, dense_len)
+    assert launched and set(launched) == {"salabatch_decode_select_16384"}, launched
+
+
+def test_the_attention_wrapper_runs_its_kernels_as_on_cuda(monkeypatch):
+    """`decode_cuda.attend` (two launches, emulated) for forked rows, bf16."""
+    q, rows, shared, positions, idx = attend_case(1_024, [1, 70, 200], K=8, seed=5)
+    info = mx.array([[p, p - 1_024] for p in positions], dtype=mx.int32)
+    with cuda_emu.emulated_kernels(monkeypatch, decode_cuda) as launched:
+        got = decode_cuda.attend(q, idx, info, rows, shared, mx.array([1_024 // BLOCK]),
+                                 128**-0.5, BLOCK).astype(mx.float32)  # fmt: skip
+    assert [n.rsplit("_", 1)[0] for n in launched] == ["salabatch_decode_attend",
+                                                       "salabatch_decode_combine"]  # fmt: skip
+    want = attend_reference(q, rows, shared, positions, idx, 1_024)
+    assert mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)).item() < 6e-3
