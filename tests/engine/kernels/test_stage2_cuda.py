@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs MLX
 BLOCK = 64
 
 
-def _case(G, d, K, start, T, dtype, seed, B=1, Hk=2):
+def prefill_case(G, d, K, start, T, dtype, seed, B=1, Hk=2):
     """Random keys and queries of B rows at start, start + 37, ...; each query's own block,
     the first, and random earlier ones (as stage 1 picks: distinct, any order, -1 for none)."""
     rng = np.random.default_rng(seed)
@@ -41,7 +41,8 @@ def _case(G, d, K, start, T, dtype, seed, B=1, Hk=2):
     return q, KVView(None, None, 0, keys, values, lengths), mx.array(idx), starts
 
 
-def _relative(got, want):
+def relative_error(got, want) -> float:
+    """RMS of got - want over the RMS of want, in float32."""
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     return mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)).item()
 
@@ -54,7 +55,7 @@ def _relative(got, want):
     ids=["9b", "9b-few-slots", "small"],
 )
 def test_the_kernel_matches_the_reference(dtype, tile, G, d, K, start, T):
-    q, kv, idx, starts = _case(G, d, K, start, T, dtype, seed=G + K + tile)
+    q, kv, idx, starts = prefill_case(G, d, K, start, T, dtype, seed=G + K + tile)
     scale = d**-0.5
     got = stage2_cuda.attend(
         q.transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx, mx.array(starts), scale, BLOCK, tile
@@ -63,13 +64,13 @@ def test_the_kernel_matches_the_reference(dtype, tile, G, d, K, start, T):
                  kv.lengths)  # fmt: skip
     want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, scale, BLOCK)
     assert got.dtype == dtype
-    assert _relative(got, want) < 6e-3
+    assert relative_error(got, want) < 6e-3
 
 
 def test_the_dispatcher_takes_it_when_switched_on(monkeypatch):
     """Two rows at their own starts, past their first K blocks: the kernel's output is what
     the MLX-op form (the masked SDPA here) gives, to bf16 precision."""
-    q, kv, idx, starts = _case(16, 128, 12, 2_000, 64, mx.bfloat16, seed=3, B=2)
+    q, kv, idx, starts = prefill_case(16, 128, 12, 2_000, 64, mx.bfloat16, seed=3, B=2)
     args = (q, kv, idx, starts, 128**-0.5, BLOCK)
     monkeypatch.setenv("SALABATCH_CUDA_KERNELS", "stage1")
     mlx_ops = sparse_attention.block_sparse_attention_gpu(*args)
@@ -80,4 +81,4 @@ def test_the_dispatcher_takes_it_when_switched_on(monkeypatch):
         q.transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx, mx.array(starts), *args[-2:]
     ).transpose(0, 2, 1, 3)
     assert mx.array_equal(kernel, direct)
-    assert _relative(kernel, mlx_ops) < 6e-3
+    assert relative_error(kernel, mlx_ops) < 6e-3

@@ -14,7 +14,7 @@ import pytest
 from salabatch.engine.kernels import sparse_attention, stage2_cuda
 from salabatch.engine.kernels.sparse_attention import KVView, block_sparse_attention_ref
 from tests.engine.kernels import cuda_emu
-from tests.engine.kernels.test_stage2_cuda import BLOCK, _case, _relative
+from tests.engine.kernels.test_stage2_cuda import BLOCK, prefill_case, relative_error
 
 pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with
 def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
     """Two rows at their own starts, 6 slots a query (its own block, the first, random others,
     in any order), a last tile with fewer queries than warps."""
-    q, kv, idx, starts = _case(G, d, 6, start, T, mx.bfloat16, seed=G + d, B=2)
+    q, kv, idx, starts = prefill_case(G, d, 6, start, T, mx.bfloat16, seed=G + d, B=2)
     B, Hk, R, _ = kv.rows_k.shape
     scale = d**-0.5
     got = cuda_emu.run(
@@ -52,14 +52,14 @@ def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
     f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
                  kv.lengths)  # fmt: skip
     want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, scale, BLOCK)
-    assert _relative(got, want) < 6e-3  # bf16 weights and output: ~2e-3
+    assert relative_error(got, want) < 6e-3  # bf16 weights and output: ~2e-3
     assert mx.abs(got.astype(mx.float32) - want).max().item() < 0.05
 
 
 def test_the_dispatcher_and_wrapper_run_it_as_on_cuda(monkeypatch):
     """`block_sparse_attention_gpu` with the kernel on, its launch emulated: the wrapper's
     layout, sort, grid and shared memory as MLX would get them, two rows at their own starts."""
-    q, kv, idx, starts = _case(16, 128, 12, 2_000, 23, mx.bfloat16, seed=3, B=2)
+    q, kv, idx, starts = prefill_case(16, 128, 12, 2_000, 23, mx.bfloat16, seed=3, B=2)
     with cuda_emu.emulated_kernels(monkeypatch, stage2_cuda) as launched:
         got = sparse_attention.block_sparse_attention_gpu(q, kv, idx, starts, 128**-0.5, BLOCK)
         got = got.astype(mx.float32)
@@ -67,4 +67,4 @@ def test_the_dispatcher_and_wrapper_run_it_as_on_cuda(monkeypatch):
     f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
                  kv.lengths)  # fmt: skip
     want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, 128**-0.5, BLOCK)
-    assert _relative(got, want) < 6e-3
+    assert relative_error(got, want) < 6e-3
