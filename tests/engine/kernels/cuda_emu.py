@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -84,13 +85,18 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
 
 
 def _build(unit: str) -> ctypes.CDLL:
-    key = hashlib.sha256(unit.encode()).hexdigest()[:16]
+    key = hashlib.sha256((unit + os.environ.get("CUDA_EMU_SANITIZE", "")).encode()).hexdigest()[:16]
     if key not in _BUILT:
         folder = Path(tempfile.mkdtemp(prefix="cuda-emu-"))
         (folder / "k.cpp").write_text(unit)
         lib = folder / "k.so"
+        # CUDA_EMU_SANITIZE=thread: built with ThreadSanitizer, which reports a kernel's data
+        # races (a barrier missing) as races between the emulated threads (run python with
+        # LD_PRELOAD of libtsan; slow, by hand, not in `make test`)
+        sanitize = os.environ.get("CUDA_EMU_SANITIZE")
+        flags = [f"-fsanitize={sanitize}", "-g"] if sanitize else []
         done = subprocess.run(
-            [CXX, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(lib),
+            [CXX, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", *flags, "-o", str(lib),
              str(folder / "k.cpp")],
             capture_output=True, text=True,
         )  # fmt: skip
