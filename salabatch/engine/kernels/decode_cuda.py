@@ -376,19 +376,6 @@ def top_k(
     return top
 
 
-def attends(q: mx.array, heads: int, block: int) -> bool:
-    """The shapes the stage-2 kernels take: bf16 or fp16, head dim 16·k up to 128, at most 16
-    query heads a kv head, blocks of 16·k keys."""
-    d = q.shape[-1]
-    return (
-        q.dtype in (mx.bfloat16, mx.float16)
-        and d % 16 == 0
-        and d <= 128
-        and 0 < heads <= 16
-        and block % 16 == 0
-    )
-
-
 def attend_bytes(d: int, block: int, itemsize: int) -> int:
     """The attention kernel's dynamic shared memory: a block's keys and values, the scores and
     output (float32) and weights of 16 rows, strides padded as the source (under 48 KB at

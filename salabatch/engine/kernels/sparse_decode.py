@@ -34,6 +34,7 @@ from salabatch.engine.kernels.sparse_select import (
     top_k_lowest_index,
     visible_chunks,
 )
+from salabatch.engine.kernels.stage2_cuda import block_attention_takes
 
 BLOCK_BUCKET = 64  # blocks: the step's shapes change once per 4096 tokens
 LANE_ROWS = 4  # rows from which a step is split between the lanes
@@ -340,8 +341,11 @@ def _select_step(
     qg = q.reshape(B, Hk, G, d)
     kw = dict(k=k, scale=scale, init=init, local=local)
     strides = [stride for _, stride in compression]
-    fits = decode_cuda.supports(n_blocks, G, k, R, d, keys.dtype.size, strides)
-    if shared_c and decode_cuda.available() and fits:
+    if (
+        shared_c
+        and decode_cuda.available()
+        and decode_cuda.supports(n_blocks, G, k, R, d, keys.dtype.size, strides)
+    ):
         shared = [qg @ c.swapaxes(-1, -2) for c in shared_c]  # [B, Hk, G, S_l]
         return decode_cuda.top_k(qg, keys, shared, tables, info, compression, **kw)
     return select_step_ref(qg, keys, shared_c, tables, info, compression, **kw)
@@ -404,7 +408,7 @@ def _attend_step(q, idx, info, rows_kv, shared_kv, first, scale, block, padded):
     else these MLX ops (the blocks gathered, one SDPA with a mask)."""
     B, H, _, d = q.shape
     Hk, R = rows_kv[0].shape[1], rows_kv[0].shape[2] // block
-    if decode_cuda.available() and decode_cuda.attends(q, H // Hk, block):
+    if decode_cuda.available() and block_attention_takes(q, H // Hk, block):
         return decode_cuda.attend(q, idx, info, rows_kv, shared_kv, first, scale, block)
     slots = idx.shape[-1]
     safe = mx.maximum(idx, 0) if padded else idx

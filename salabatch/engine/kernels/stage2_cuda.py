@@ -230,9 +230,10 @@ def available() -> bool:
     return cuda_kernel("stage2")
 
 
-def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
-    """The shapes the kernel takes: q in bfloat16 or float16, a head dim of 16·k up to 128,
-    at most 16 heads a kv group (the rows of a tensor-core tile), blocks of 16·k keys."""
+def block_attention_takes(q: mx.array, heads_per_group: int, block: int) -> bool:
+    """The shapes BLOCK_ATTENTION (both stage-2 kernels) takes: q in bfloat16 or float16, a head
+    dim of 16·k up to 128, at most 16 heads a kv group (the rows of a tensor-core tile), blocks
+    of 16·k keys."""
     d = q.shape[-1]
     return (
         q.dtype in (mx.bfloat16, mx.float16)
@@ -240,7 +241,15 @@ def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
         and d <= 128
         and 0 < heads_per_group <= 16
         and block % 16 == 0
-        and shared_bytes(d, block, QUERIES_PER_TILE, q.dtype.size) <= MAX_SHARED
+    )
+
+
+def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
+    """The shapes this kernel takes: BLOCK_ATTENTION's, within a thread block's shared memory."""
+    d, itemsize = q.shape[-1], q.dtype.size
+    return (
+        block_attention_takes(q, heads_per_group, block)
+        and shared_bytes(d, block, QUERIES_PER_TILE, itemsize) <= MAX_SHARED
     )
 
 
