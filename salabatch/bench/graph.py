@@ -79,33 +79,44 @@ def _stand_in_kernel(*_, **__):
 
 
 @contextmanager
-def gpu_graph(device_memory: int | None = None, cuda: bool = False) -> Iterator[None]:
+def gpu_graph(
+    device_memory: int | None = None, cuda: bool = False, custom_kernels: bool | None = None
+) -> Iterator[None]:
     """The GPU branches forced and each fused op one node, restored after the block; with
     `device_memory` (bytes), the GPU path sizes its tiles for a device of that much memory;
-    with `cuda`, as on CUDA with every custom kernel switched on (`kernels/*_cuda.py`), each
-    launch one node. For counting graphs only: the stand-ins do not compute their result."""
+    with `cuda`, MLX's ops chosen as on CUDA (`attention.on_cuda`), else as on Metal;
+    `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
+    (`kernels/*_cuda.py`), each launch one node. For counting graphs only: the stand-ins do
+    not compute their result."""
     from salabatch.engine.kernels import attention, decode_cuda, stage1_cuda, stage2_cuda
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
-    memory, rotates = attention.device_memory, attention.rotates_in_float32
-    custom = [(m, m.available, m._kernel) for m in (decode_cuda, stage1_cuda, stage2_cuda)]
+    memory, rotates, cuda_device = (
+        attention.device_memory,
+        attention.rotates_in_float32,
+        attention.on_cuda,
+    )
+    custom = cuda if custom_kernels is None else custom_kernels
+    saved_kernels = [(m, m.available, m._kernel) for m in (decode_cuda, stage1_cuda, stage2_cuda)]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:
         setattr(mx.fast, name, _one_node(name))
     attention.rotates_in_float32 = lambda: True  # as a GPU's rope kernel does
+    attention.on_cuda = lambda: cuda
     if device_memory is not None:
         attention.device_memory = lambda: device_memory
-    for module, _, _ in custom:
-        module.available = (lambda: True) if cuda else (lambda: False)
+    for module, _, _ in saved_kernels:
+        module.available = (lambda: True) if custom else (lambda: False)
         module._kernel = _stand_in_kernel
     try:
         yield
     finally:
         attention.device_memory, attention.rotates_in_float32 = memory, rotates
+        attention.on_cuda = cuda_device
         for name, op in saved.items():
             setattr(mx.fast, name, op)
-        for module, available, kernel in custom:
+        for module, available, kernel in saved_kernels:
             module.available, module._kernel = available, kernel
         if env is None:
             del os.environ["SALABATCH_GPU_PATH"]
@@ -246,20 +257,29 @@ def filled_model_cache(model, tokens: int):
     return cache
 
 
-def decode_step(model, cache, device_memory: int | None = H100_MEMORY, cuda: bool = False):
-    """One decode step of every row of `cache` as the GPU runs it (`cuda`: with the custom CUDA
-    kernels): (its kernels by name, the host seconds building it). The step is traced first,
-    then counted and timed as replayed."""
+def decode_step(
+    model,
+    cache,
+    device_memory: int | None = H100_MEMORY,
+    cuda: bool = False,
+    custom_kernels: bool | None = None,
+):
+    """One decode step of every row of `cache` as the GPU runs it (`cuda`, `custom_kernels`: as
+    `gpu_graph` takes them): (its kernels by name, the host seconds building it). The step is
+    traced first, then counted and timed as replayed; `cache` is left evaluated, two steps on
+    (the values are the stand-ins', so only the shapes mean anything), for the next count."""
     from salabatch.engine.decode import DecodeStep, decode
 
     ids = mx.zeros((cache.rows,), dtype=mx.int32)
     model.decoder = DecodeStep(model)  # traced afresh: the kernels taken depend on `cuda`
-    with gpu_graph(device_memory, cuda):
+    with gpu_graph(device_memory, cuda, custom_kernels):
         mx.eval(decode(model, ids, cache), cache.arrays())
         start = time.perf_counter()
         logits = decode(model, ids, cache)
         seconds = time.perf_counter() - start
-        return nodes(logits, *cache.arrays()), seconds
+        counts = nodes(logits, *cache.arrays())
+        mx.eval(logits, cache.arrays())  # else the next count would take this step in
+        return counts, seconds
 
 
 def verify_pass(model, cache, tokens: int = 5, device_memory: int | None = H100_MEMORY):
@@ -305,8 +325,9 @@ def peer_decode_step(tokens: int, dtype: mx.Dtype = mx.bfloat16, hidden: int = 2
 
 
 def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
-    """`bench long --graph`: per context, kernels of SALA's decode step (batch 1 and `batch`)
-    and of a speculative verify pass of 5 positions (batch 1), the peer's decode step
+    """`bench long --graph`: per context, kernels of SALA's decode step (batch 1 and `batch`,
+    MLX's ops as Metal runs them; batch 1 also on CUDA, with its MLX ops and with every custom
+    kernel) and of a speculative verify pass of 5 positions (batch 1), the peer's decode step
     (counted at 4K: the same at every context), of an 8K prefill chunk in a
     sparse and in a lightning layer, the host seconds building them, and the estimated FLOPs
     and bytes of each part of a prefill chunk and a decode step, SALA (9B) and the peer
@@ -335,7 +356,9 @@ def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
                 row["verify5_b1_kernels"] = kernels(counts)
                 row["verify5_b1_host_s"] = round(seconds, 4)
                 # on CUDA with every custom kernel on (some are off by default: kernels/*_cuda.py)
-                row["decode_b1_kernels_cuda"] = kernels(decode_step(model, cache, cuda=True)[0])
+                for key, custom in (("cuda_ops", False), ("cuda", True)):
+                    counts = decode_step(model, cache, cuda=True, custom_kernels=custom)[0]
+                    row[f"decode_b1_kernels_{key}"] = kernels(counts)
         row["peer_decode_b1_kernels"] = peer
         counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - chunk, n), chunk)
         row["prefill_sparse_layer_kernels"] = kernels(counts)
@@ -363,14 +386,16 @@ def report_table(result: dict) -> str:
     """The terminal table of `report`: kernels, then estimated TFLOPs and GB per context."""
     batch = result["batch"]
     lines = [
-        f"{'context':>8} | decode kernels: SALA b1 (CUDA kernels) {f'b{batch}':>5} peer verify5 "
+        f"{'context':>8} | decode kernels: SALA b1 Metal (CUDA: ops, kernels) {f'b{batch}':>5} "
+        "peer verify5 "
         "| prefill 8K kernels: sparse layer (CUDA kernels), lightning layer | est. prefill chunk "
         "TFLOP SALA/peer, GB SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
     ]
     for r in result["rows"]:
         pre, dec = r["prefill_costs"], r["decode_b1_costs"]
         lines.append(
-            f"{r['context']:>8} | {r['decode_b1_kernels']:>31} ({r['decode_b1_kernels_cuda']}) "
+            f"{r['context']:>8} | {r['decode_b1_kernels']:>33} "
+            f"({r.get('decode_b1_kernels_cuda_ops', '–')}, {r['decode_b1_kernels_cuda']}) "
             f"{r[f'decode_b{batch}_kernels']:>5} "
             f"{r['peer_decode_b1_kernels'] or '–':>4} {r['verify5_b1_kernels']:>7} | "
             f"{r['prefill_sparse_layer_kernels']:>37} ({r['prefill_sparse_layer_kernels_cuda']}),"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.kernels import native
+from salabatch.engine.kernels import attention, native
 from salabatch.engine.kernels.attention import on_gpu
 
 # rows of x (all leading axes together) for which the native product is used: a decode batch,
@@ -118,9 +118,16 @@ def fuse(layers: Sequence[nn.Module]) -> Fused | None:
     return Fused(layers) if Fused.fusable(layers) else None
 
 
-def add_product(h: mx.array, layer: nn.Module, x: mx.array, scale: float) -> mx.array:
-    """h + scale · layer(x): one `addmm` for a float layer without bias (a GPU step pays per
-    kernel), the product then the sum otherwise."""
-    if isinstance(layer, nn.QuantizedLinear) or "bias" in layer:
+def add_product(
+    h: mx.array, layer: nn.Module, x: mx.array, scale: float, split_on_cuda: bool = False
+) -> mx.array:
+    """h + scale · layer(x) for a decode step's few rows x: one `addmm` for a float layer
+    without bias (a GPU step pays per kernel; Metal runs an addmm of a few rows as its
+    matrix-vector product with the add in the epilogue), the product then the sum otherwise.
+    `split_on_cuda`: on CUDA the product then the sum too. MLX's CUDA backend runs an addmm of
+    a few rows as a cuBLAS GEMM: for the MLP's down projection on an H100, 0.35-0.6x as fast as
+    its own product of the same rows, where one add costs a kernel (benchmarks/README.md)."""
+    plain = isinstance(layer, nn.QuantizedLinear) or "bias" in layer
+    if plain or (split_on_cuda and attention.on_cuda()):
         return h + scale * layer(x)
     return mx.addmm(h, x, layer.weight.T, alpha=scale)

@@ -69,12 +69,11 @@ class Block(nn.Module):
 
     def step(self, h: mx.array, arrays, info: mx.array, tables: dict, mode: str):
         """A decode step (see `Model.step`); arrays: (the layer's cache arrays, `step_weights`)
-        → (h, the rewritten cache arrays, the blocks a sparse layer attended or None). The
-        attention's residual add rides on its output projection (`add_product`: one addmm);
-        the MLP's follows a plain product of its down projection, the step's largest (a
-        fused multiply-add kernel more): MLX's CUDA backend runs an addmm of a few rows as a
-        cuBLAS GEMM, 0.35-0.6x as fast as its matrix-vector product on an H100
-        (benchmarks/README.md), and the step's kernel budget has room for one add a layer."""
+        → (h, the rewritten cache arrays, the blocks a sparse layer attended or None). Both
+        residual adds ride on the output projections (`add_product`: one addmm each), but on
+        CUDA the MLP's follows a plain product of its down projection, the step's largest,
+        which an addmm would run as a slower GEMM (an H100's measure: `add_product`); the
+        attention's output projection is yet to be timed both ways there."""
         arrays, (mixer_w, mlp_w) = arrays
         x = self.input_layernorm(h)
         attn = self.self_attn
@@ -85,7 +84,8 @@ class Block(nn.Module):
             o, arrays, selected = attn.step(x, arrays, info, tables, mode, mixer_w)
         h = add_product(h, attn.o_proj, o, self.residual_scale)
         y = self.mlp.hidden(self.post_attention_layernorm(h), mlp_w)
-        return h + self.residual_scale * self.mlp.down_proj(y), arrays, selected
+        h = add_product(h, self.mlp.down_proj, y, self.residual_scale, split_on_cuda=True)
+        return h, arrays, selected
 
 
 class SALAModel(nn.Module):

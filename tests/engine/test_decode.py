@@ -133,18 +133,18 @@ def test_one_trace_per_shape_not_per_document_or_step(nine_b_layout, monkeypatch
         traced = step.traces
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_decode_step_kernels_at_the_9b_layout(rows):
+@pytest.mark.parametrize(("rows", "dtype"), [(1, mx.bfloat16), (8, mx.bfloat16), (1, mx.float32)])
+def test_decode_step_kernels_at_the_9b_layout(rows, dtype):
     """≤ 700 kernels per step at 32K tokens (InfLLM-v2 in every sparse layer), batch 1 and 8,
-    float32; the dense peer (mlx-lm's llama at Qwen3-8B's 36 layers) counted the same way
-    builds ~615, the issue's count. A model of its own: a step traced under `gpu_graph` keeps
-    its stand-in ops."""
-    model = sala_model(mx.float32)
+    in bf16 as a GPU runs the 9B, and in float32, with MLX's ops (what Metal runs); the dense
+    peer (mlx-lm's llama at Qwen3-8B's 36 layers) counted the same way builds ~615, the issue's
+    count. A model of its own: a step traced under `gpu_graph` keeps its stand-in ops."""
+    model = sala_model(dtype)
     batch = filled_model_cache(model, 32_768).fork(rows)
     batch.reserve(128 + 64)
     sala = kernels(decode_step(model, batch)[0])
     assert sala <= KERNELS_PER_STEP, f"{sala} kernels per step"
-    peer = peer_decode_step(4096, mx.float32)
+    peer = peer_decode_step(4096, dtype)
     if peer is not None:
         assert 550 <= kernels(peer) <= 680, f"the peer counted {kernels(peer)}, not as the issue"
 
@@ -153,12 +153,15 @@ def test_the_decode_kernels_take_a_chain_of_kernels_out_of_a_step():
     """On CUDA with the custom kernels (each launch one node), a sparse layer's selection
     after its shared chunks' scores is one launch instead of eighteen MLX ops, and its stage 2
     two instead of eleven: at the 9B's layout and 32K, bf16 (as a GPU runs it), 26 kernels
-    fewer a sparse layer, and under the budget."""
+    fewer a sparse layer than CUDA's MLX ops, and under the budget. On CUDA the MLP's residual
+    add is a kernel of its own (`linear.add_product`): one a layer more than on Metal."""
     model = sala_model(mx.bfloat16)
     batch = filled_model_cache(model, 32_768).fork(1)
     batch.reserve(128 + 64)
-    mlx_ops = kernels(decode_step(model, batch)[0])
+    metal = kernels(decode_step(model, batch)[0])
+    mlx_ops = kernels(decode_step(model, batch, cuda=True, custom_kernels=False)[0])
     cuda = kernels(decode_step(model, batch, cuda=True)[0])
+    assert mlx_ops == metal + len(model.layers)
     assert cuda <= mlx_ops - 26 * len(model.config.sparse_layers)
     assert cuda <= KERNELS_PER_STEP
 

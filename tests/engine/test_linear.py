@@ -1,5 +1,5 @@
 """The model's Linear: the native product of a few rows against mx.matmul (values and
-gradients), and which inputs take it."""
+gradients), and which inputs take it; a decode step's residual products (`add_product`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from salabatch.engine.kernels import native
-from salabatch.engine.linear import Linear
+from salabatch.bench.graph import nodes
+from salabatch.engine.kernels import attention, native
+from salabatch.engine.linear import Linear, add_product
 
-pytestmark = pytest.mark.skipif(native.missing() is not None, reason=str(native.missing()))
+needs_native = pytest.mark.skipif(native.missing() is not None, reason=str(native.missing()))
 
 
 def arrays(*shapes, seed=0):
@@ -19,6 +20,7 @@ def arrays(*shapes, seed=0):
     return [mx.array(rng.standard_normal(s).astype(np.float32)) for s in shapes]
 
 
+@needs_native
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
 @pytest.mark.parametrize("out_dim", [1, 4, 37])
 @pytest.mark.parametrize("in_dim", [8, 264])
@@ -31,6 +33,7 @@ def test_rows_matmul_matches_matmul(rows, out_dim, in_dim):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
 
 
+@needs_native
 @pytest.mark.parametrize("rows", [1, 8])
 def test_rows_matmul_split_over_threads_gives_the_same_bits(rows):
     """A weight large enough to be split between threads (131072+ floats), split unevenly."""
@@ -42,6 +45,7 @@ def test_rows_matmul_split_over_threads_gives_the_same_bits(rows):
             assert mx.array_equal(native.rows_matmul(x, w, n_threads=n), one).item()
 
 
+@needs_native
 def test_rows_matmul_reads_strided_inputs():
     x, w = arrays((16, 64), (24, 32), seed=3)
     with mx.stream(mx.cpu):
@@ -50,6 +54,7 @@ def test_rows_matmul_reads_strided_inputs():
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
 
 
+@needs_native
 def test_gradients_match_nn_linear():
     """Training through a layer that took the native path: the same gradients as nn.Linear."""
     x, w, g = arrays((4, 1, 32), (24, 32), (4, 1, 24), seed=5)
@@ -81,6 +86,7 @@ BIG = 1 << 17  # the split size of the real module: this test's weight (24 x 32)
         ((8, 1, 32), mx.bfloat16, BIG, False),
     ],
 )
+@needs_native
 def test_which_inputs_take_the_native_product(shape, dtype, split, native_path, monkeypatch):
     calls = []
     real = native.rows_matmul
@@ -97,3 +103,25 @@ def test_which_inputs_take_the_native_product(shape, dtype, split, native_path, 
     assert got.shape == (*shape[:-1], 24)
     atol = 1e-4 if dtype == mx.float32 else 3e-2  # bf16: its rounding of sums near 1-2
     assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=atol).item()
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("kind", ["plain", "bias", "quantized"])
+def test_add_product_is_the_residual_add_of_a_product(kind, cuda, monkeypatch):
+    """h + scale · layer(x) whichever way it runs: one addmm (a float layer without bias, but
+    on CUDA where `split_on_cuda` asks), or the product then the add."""
+    monkeypatch.setattr(attention, "on_cuda", lambda: cuda)
+    mx.random.seed(5)
+    layer = nn.Linear(64, 32, bias=kind == "bias")
+    if kind == "quantized":
+        layer = nn.QuantizedLinear.from_linear(layer, group_size=32, bits=8)
+    mx.eval(layer.parameters())
+    h, x = arrays((3, 1, 32), (3, 1, 64), seed=2)
+    with mx.stream(mx.cpu):
+        want = h + 0.7 * layer(x)
+        for split in (False, True):
+            got = add_product(h, layer, x, 0.7, split_on_cuda=split)
+            ops = nodes(got)  # before it is evaluated
+            assert mx.allclose(got, want, atol=1e-5).item(), (kind, cuda, split)
+            one_addmm = kind == "plain" and not (split and cuda)
+            assert ("Add" not in ops) == one_addmm, ops

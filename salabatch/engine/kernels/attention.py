@@ -69,15 +69,20 @@ CUDA_KERNELS = ("stage1", "stage2", "decode")
 DEFAULT_CUDA_KERNELS = "stage1"
 
 
+def on_cuda() -> bool:
+    """Whether the default device is a CUDA GPU: where MLX's ops differ from Metal's in what
+    a dispatcher must know (`linear.add_product`), and custom CUDA kernels may run."""
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    return gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def cuda_kernel(name: str) -> bool:
     """Whether the engine's custom CUDA kernel `name` (one of CUDA_KERNELS) runs: the
     default device is a CUDA GPU and `SALABATCH_CUDA_KERNELS` (a comma-separated list, or
     "none") names it. Default: the kernels whose parity tests have passed on a GPU (DEFAULT).
     Where it does not run, its dispatcher runs the MLX-op form."""
-    if mx.default_device().type != mx.DeviceType.gpu or not hasattr(mx, "cuda"):
-        return False
     chosen = os.environ.get("SALABATCH_CUDA_KERNELS", DEFAULT_CUDA_KERNELS).split(",")
-    return name in chosen and mx.cuda.is_available()
+    return name in chosen and on_cuda()
 
 
 def rotates_in_float32() -> bool:
