@@ -66,7 +66,7 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
 MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
     tests/engine/test_lightning_gpu.py 2>&1 | tail -5 | tee -a "$log"
 passed=()
-for kernel in stage1 stage2 decode; do
+for kernel in stage1 stage2 decode gla; do
     klog="$out/parity-$kernel.txt"
     MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE \
         "tests/engine/kernels/test_${kernel}_cuda.py" > "$klog" 2>&1

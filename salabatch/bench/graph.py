@@ -88,7 +88,7 @@ def gpu_graph(
     `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
     (`kernels/*_cuda.py`), each launch one node. For counting graphs only: the stand-ins do
     not compute their result."""
-    from salabatch.engine.kernels import attention, decode_cuda, stage1_cuda, stage2_cuda
+    from salabatch.engine.kernels import attention, decode_cuda, gla_cuda, stage1_cuda, stage2_cuda
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
     memory, rotates, cuda_device = (
@@ -97,7 +97,9 @@ def gpu_graph(
         attention.on_cuda,
     )
     custom = cuda if custom_kernels is None else custom_kernels
-    saved_kernels = [(m, m.available, m._kernel) for m in (decode_cuda, stage1_cuda, stage2_cuda)]
+    saved_kernels = [
+        (m, m.available, m._kernel) for m in (decode_cuda, gla_cuda, stage1_cuda, stage2_cuda)
+    ]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:
@@ -367,8 +369,11 @@ def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
         row["prefill_sparse_layer_kernels_cuda"] = kernels(
             prefill_chunk(sparse, cache, chunk, cuda=True)[0]
         )
-        state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
-        row["prefill_lightning_layer_kernels"] = kernels(prefill_chunk(lightning, state, chunk)[0])
+        for key, cuda in (("", False), ("_cuda", True)):
+            state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
+            mx.eval(state.state)  # a cache's state is evaluated: not a kernel of the chunk
+            counts = prefill_chunk(lightning, state, chunk, cuda=cuda)[0]
+            row[f"prefill_lightning_layer_kernels{key}"] = kernels(counts)
         for name, step, q in (("prefill", False, chunk), ("decode_b1", True, 1)):
             s = costs.sala(cfg9, n, queries=q, decode=step, itemsize=2)
             p = costs.peer(peer_args, n, queries=q, decode=step, itemsize=2)
@@ -388,7 +393,8 @@ def report_table(result: dict) -> str:
     lines = [
         f"{'context':>8} | decode kernels: SALA b1 Metal (CUDA: ops, kernels) {f'b{batch}':>5} "
         "peer verify5 "
-        "| prefill 8K kernels: sparse layer (CUDA kernels), lightning layer | est. prefill chunk "
+        "| prefill 8K kernels: sparse layer (CUDA kernels), lightning layer (CUDA kernels) | "
+        "est. prefill chunk "
         "TFLOP SALA/peer, GB SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
     ]
     for r in result["rows"]:
@@ -399,7 +405,8 @@ def report_table(result: dict) -> str:
             f"{r[f'decode_b{batch}_kernels']:>5} "
             f"{r['peer_decode_b1_kernels'] or '–':>4} {r['verify5_b1_kernels']:>7} | "
             f"{r['prefill_sparse_layer_kernels']:>37} ({r['prefill_sparse_layer_kernels_cuda']}),"
-            f" {r['prefill_lightning_layer_kernels']:>14} | "
+            f" {r['prefill_lightning_layer_kernels']:>14} "
+            f"({r.get('prefill_lightning_layer_kernels_cuda', '–')}) | "
             f"{pre['sala_total'][0] / 1e12:>7.1f} / {pre['peer_total'][0] / 1e12:.1f}, "
             f"{pre['sala_total'][1] / 1e9:.1f} / {pre['peer_total'][1] / 1e9:.1f} | "
             f"{dec['sala_total'][0] / 1e9:>6.1f} / {dec['peer_total'][0] / 1e9:.1f}, "

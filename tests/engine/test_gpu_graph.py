@@ -85,6 +85,16 @@ def test_lightning_prefill_is_one_graph_whatever_the_length(layers):
     assert lightning_kernels(CHUNK // 8 + 1) == count + 3
 
 
+def test_with_the_cuda_kernel_a_lightning_chunk_is_its_projections_and_norms(layers):
+    """On CUDA with the recurrence's kernel (one launch), an 8K lightning chunk is its five
+    projections, its q, k and output norms, its ropes, the gate and that launch: 12 kernels."""
+    state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
+    mx.eval(state.state)
+    counts = prefill_chunk(layers[1], state, CHUNK, cuda=True)[0]
+    assert kernels(counts) == 12, counts
+    assert counts["Matmul"] == 5
+
+
 def test_no_float32_matmul_over_the_keys(layers, monkeypatch):
     """In bf16, every matmul of a sparse layer's prefill chunk has bf16 operands, and none
     multiplies by a matrix as long as the cached keys (stage 2 reads K blocks per query, stage 1

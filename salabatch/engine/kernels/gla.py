@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from salabatch.engine.kernels import native
+from salabatch.engine.kernels import gla_cuda, native
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.runtime import dtype_name
 
@@ -315,11 +315,15 @@ def gla_step_decayed(q, k, v, decay, state):
 
 
 def gla(q, k, v, g, scale, state=None, out_dtype=mx.float32):
-    """The dispatcher the model calls: decode step for T == 1; otherwise the one-graph parallel
-    form on the GPU path, the chunked form on the CPU. o is rounded once to `out_dtype`, and
-    where that is a cast it is written in the order [B, T, H, dv] that the layer reads next
-    (returned as its [B, H, T, dv] view): the GPU form as it sums o, the others after."""
+    """The dispatcher the model calls: decode step for T == 1; otherwise on the GPU path the
+    CUDA kernel where it is on and takes the shapes (`gla_cuda`: the chunks in sequence, the
+    state in tensor-core accumulators), else the one-graph parallel form; the chunked form on
+    the CPU. o is rounded once to `out_dtype`, and where that is a cast it is written in the
+    order [B, T, H, dv] that the layer reads next (returned as its [B, H, T, dv] view): the GPU
+    forms as they sum o, the others after."""
     if q.shape[2] != 1 and on_gpu():
+        if gla_cuda.available() and gla_cuda.supports(q, k, v):
+            return gla_cuda.gla(q, k, v, g, scale, state, out_dtype)
         return gla_parallel(q, k, v, g, scale, state, out_dtype=out_dtype)
     form = gla_step if q.shape[2] == 1 else gla_chunked
     o, state = form(q, k, v, g, scale, state)

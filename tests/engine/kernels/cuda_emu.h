@@ -2,8 +2,9 @@
 // tests on machines without a GPU (`cuda_emu.py` builds and launches it). Semantics kept:
 // __syncthreads and __syncwarp are barriers of the thread block and of the warp, shuffles
 // exchange through the warp, WMMA fragments are whole 16×16 matrices every lane holds (the
-// collective's result; lane 0 stores), bfloat16 rounds to nearest even. Not kept: timing,
-// memory ordering beyond the barriers, anything the kernels here do not use.
+// collective's result; lane 0 stores; TF32 operands cut to 19 bits), bfloat16 rounds to nearest
+// even. Not kept: timing, memory ordering beyond the barriers, anything the kernels here do not
+// use.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 struct dim3 {
@@ -104,6 +106,7 @@ inline float __int_as_float(unsigned u) {
     return f;
 }
 using std::exp2f;
+inline float expf(float x) { return std::exp(x); }
 using std::log2f;
 using std::fmaxf;
 using std::max;
@@ -116,68 +119,95 @@ struct matrix_b {};
 struct accumulator {};
 struct row_major {};
 struct col_major {};
+namespace precision {
+struct tf32 {};
+}
 enum layout_t { mem_row_major, mem_col_major };
 
+// TF32 as the tensor cores read it: a float's top 19 bits; __float_to_tf32 rounds to them
+// (nearest, ties away from zero), a float not rounded is cut
+inline float __float_to_tf32(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u = (u + 0x1000u) & 0xffffe000u;
+    }
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float tf32_cut(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u &= 0xffffe000u;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// a fragment: the whole matrix, x[row * 16 + col]; matrix_a is M × K, matrix_b K × N, the
+// accumulator M × N (every lane holds all of it: `num_elements` covers it)
 template <class Use, int M, int N, int K, class T, class Layout = void>
 struct fragment {
-    float x[16][16];  // [row][col] of the fragment's matrix
+    static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+    static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+    static constexpr int num_elements = 256;
+    float x[256];
 };
 
-template <class Use, class T, class Layout, class P>
-void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const P* p, unsigned ldm) {
+template <class Use, int M, int N, int K, class T, class Layout, class P>
+void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const P* p, unsigned ldm) {
     constexpr bool rows = std::is_same_v<Layout, row_major>;
-    for (int i = 0; i < 16; ++i) {
-        for (int j = 0; j < 16; ++j) {
-            f.x[i][j] = static_cast<float>(rows ? p[i * ldm + j] : p[j * ldm + i]);
+    for (int i = 0; i < f.rows; ++i) {
+        for (int j = 0; j < f.cols; ++j) {
+            f.x[i * 16 + j] = static_cast<float>(rows ? p[i * ldm + j] : p[j * ldm + i]);
         }
     }
 }
 
-template <class T>
+template <int M, int N, int K, class T>
 void load_matrix_sync(
-    fragment<accumulator, 16, 16, 16, T>& f, const float* p, unsigned ldm, layout_t layout) {
+    fragment<accumulator, M, N, K, T>& f, const float* p, unsigned ldm, layout_t layout) {
     for (int i = 0; i < 16; ++i) {
         for (int j = 0; j < 16; ++j) {
-            f.x[i][j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
+            f.x[i * 16 + j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
         }
     }
 }
 
-template <class T>
+template <int M, int N, int K, class T>
 void store_matrix_sync(
-    float* p, const fragment<accumulator, 16, 16, 16, T>& f, unsigned ldm, layout_t layout) {
+    float* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
     __syncwarp();  // every lane has computed f
     if (emu::lane() == 0) {
         for (int i = 0; i < 16; ++i) {
             for (int j = 0; j < 16; ++j) {
-                (layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i][j];
+                (layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i * 16 + j];
             }
         }
     }
     __syncwarp();  // and the stores are done before any lane goes on, as a collective's are
 }
 
-template <class Use, class T, class Layout>
-void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
-    for (auto& row : f.x) {
-        std::fill(std::begin(row), std::end(row), v);
-    }
+template <class Use, int M, int N, int K, class T, class Layout>
+void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, float v) {
+    std::fill(std::begin(f.x), std::end(f.x), v);
 }
 
-template <class TA, class LA, class TB, class LB, class TC>
+template <int M, int N, int K, class TA, class LA, class TB, class LB, class TC>
 void mma_sync(
-    fragment<accumulator, 16, 16, 16, TC>& d,
-    const fragment<matrix_a, 16, 16, 16, TA, LA>& a,
-    const fragment<matrix_b, 16, 16, 16, TB, LB>& b,
-    const fragment<accumulator, 16, 16, 16, TC>& c) {
-    float out[16][16];
+    fragment<accumulator, M, N, K, TC>& d,
+    const fragment<matrix_a, M, N, K, TA, LA>& a,
+    const fragment<matrix_b, M, N, K, TB, LB>& b,
+    const fragment<accumulator, M, N, K, TC>& c) {
+    constexpr bool tf32 = std::is_same_v<TA, precision::tf32>;
+    float out[256];
     for (int i = 0; i < 16; ++i) {
         for (int j = 0; j < 16; ++j) {
-            float s = c.x[i][j];
-            for (int k = 0; k < 16; ++k) {
-                s += a.x[i][k] * b.x[k][j];
+            float s = c.x[i * 16 + j];
+            for (int k = 0; k < K; ++k) {
+                const float x = a.x[i * 16 + k], y = b.x[k * 16 + j];
+                s += tf32 ? tf32_cut(x) * tf32_cut(y) : x * y;
             }
-            out[i][j] = s;
+            out[i * 16 + j] = s;
         }
     }
     std::memcpy(d.x, out, sizeof(out));

@@ -49,12 +49,13 @@ def from_numpy(a: np.ndarray, kind: str) -> mx.array:
 
 
 def run(source, inputs, output, template, *, blocks, threads, shared_bytes, header=""):
-    """inputs: [(name, kind, numpy array)]; output: (name, kind, shape) → the output array.
-    template: [(name, kind or int)] as `cuda_kernel` takes them (dtype names as in TYPES);
-    header: `cuda_kernel`'s (its CUDA includes left out: the emulator stands in for them)."""
+    """inputs: [(name, kind, numpy array)]; output: (name, kind, shape) → the output array, or
+    a list of them → the output arrays. template: [(name, kind or int)] as `cuda_kernel` takes
+    them (dtype names as in TYPES); header: `cuda_kernel`'s (its CUDA includes left out: the
+    emulator stands in for them)."""
+    outputs = output if isinstance(output, list) else [output]
     params = [f"const {TYPES[k]}* {n}" for n, k, _ in inputs]
-    oname, okind, oshape = output
-    params.append(f"{TYPES[okind]}* {oname}")
+    params += [f"{TYPES[k]}* {n}" for n, k, _ in outputs]
     constants = "".join(
         f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
         for k, v in template
@@ -65,7 +66,7 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
         source,
     )
     casts = [f"(const {TYPES[k]}*)args[{i}]" for i, (_, k, _) in enumerate(inputs)]
-    casts.append(f"({TYPES[okind]}*)args[{len(inputs)}]")
+    casts += [f"({TYPES[k]}*)args[{len(inputs) + i}]" for i, (_, k, _) in enumerate(outputs)]
     unit = (
         f'#include "{HERE / "cuda_emu.h"}"\n' + re.sub(r"#include <[^>]+>", "", header) + "\n"
         "namespace mlx::core::cu {\n"
@@ -78,10 +79,10 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
     )
     lib = _build(unit)
     arrays = [np.ascontiguousarray(a, dtype=NUMPY[k]) for _, k, a in inputs]
-    out = np.zeros(oshape, dtype=NUMPY[okind])
-    ptrs = (ctypes.c_void_p * (len(arrays) + 1))(*[a.ctypes.data for a in arrays], out.ctypes.data)
+    outs = [np.zeros(shape, dtype=NUMPY[k]) for _, k, shape in outputs]
+    ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
     lib.run(ptrs, blocks, threads, shared_bytes)
-    return out
+    return outs if isinstance(output, list) else outs[0]
 
 
 def _build(unit: str) -> ctypes.CDLL:
@@ -141,20 +142,20 @@ def cuda_kernel(name, input_names, output_names, source, header="", **options):
     """Stands in for `mx.fast.cuda_kernel` off CUDA: the kernel object it returns runs the
     source here (`run`) on its inputs, evaluated, as MLX would launch it (grid in threads,
     template arguments as constants, the shared memory asked for): what the engine's Python
-    wrappers pass their kernels is then tested end to end. bfloat16, float32 and int32 only;
-    one output."""
-    (output,) = output_names
+    wrappers pass their kernels is then tested end to end. bfloat16, float32 and int32 only."""
 
     def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(), **_):
         args = [(n, KINDS[a.dtype], to_numpy(a, KINDS[a.dtype]))
                 for n, a in zip(input_names, inputs, strict=True)]  # fmt: skip
         constants = [(k, KINDS[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
-        kind = KINDS[output_dtypes[0]]
-        out = run(
-            source, args, (output, kind, tuple(output_shapes[0])), constants,
+        outputs = [(n, KINDS[dtype], tuple(shape))
+                   for n, shape, dtype in zip(output_names, output_shapes, output_dtypes,
+                                              strict=True)]  # fmt: skip
+        outs = run(
+            source, args, outputs, constants,
             blocks=grid[0] // threadgroup[0], threads=threadgroup[0],
             shared_bytes=options.get("shared_memory", 0), header=header,
         )  # fmt: skip
-        return [from_numpy(out, kind)]
+        return [from_numpy(out, kind) for out, (_, kind, _) in zip(outs, outputs, strict=True)]
 
     return launch

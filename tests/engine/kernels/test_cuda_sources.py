@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.engine.kernels import decode_cuda, stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import decode_cuda, gla_cuda, stage1_cuda, stage2_cuda
 
 
 def _cuda_dir() -> Path | None:
@@ -139,6 +139,23 @@ def test_decode_attention_kernels_compile(dtype, d):
     unit = _build("combine", decode_cuda._COMBINE, [("part", "f32"), ("dims", "i32")],
                   [("out", dtype)], "", template[:3])  # fmt: skip
     _assert_builds(unit)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("d", "out", "fresh"), [(128, "bf16", 1), (128, "f32", 0), (64, "bf16", 0)]
+)
+def test_lightning_kernel_compiles(dtype, d, out, fresh):
+    """The lightning prefill's recurrence: q's dtype, the 9B's head dim and a smaller, the
+    output's dtype (the layer's, or float32), from a zero state or a given one."""
+    inputs = [("q", dtype), ("k", dtype), ("v", dtype), ("g", "f32"), ("state", "f32"),
+              ("dims", "i32"), ("scale", "f32")]  # fmt: skip
+    assert tuple(n for n, _ in inputs) == gla_cuda.INPUTS
+    template = [("InT", dtype), ("OutT", out), ("D", d), ("FRESH", fresh)]
+    unit = _build("gla", gla_cuda._SOURCE, inputs, [("out", out), ("final_state", "f32")],
+                  gla_cuda.HEADER, template)  # fmt: skip
+    _assert_builds(unit, gla_cuda.THREADS)
+    assert gla_cuda.shared_bytes(d) <= stage2_cuda.MAX_SHARED
 
 
 def test_a_broken_source_fails_to_build():

@@ -1,0 +1,105 @@
+"""The lightning prefill's CUDA kernel (`kernels/gla_cuda.py`), its own source run on the CPU
+through `cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices, TF32 operands cut to
+their 19 bits), against the float32 chunked form `gla_chunked`: its chunk walk, decays, causal
+mask, partial last chunk, state in and out and synchronisation, checked without a GPU; and the
+dispatcher `gla.gla` taking it as on CUDA. Its speed, the real tensor cores and NVRTC's build
+are a GPU's to test (`test_gla_cuda.py`, marked `gpu`; `test_cuda_sources.py` builds it)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.kernels import gla_cuda
+from salabatch.engine.kernels.gla import gla, gla_chunked
+from tests.engine.kernels import cuda_emu
+from tests.engine.kernels.test_stage2_cuda import relative_error
+
+pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
+
+
+def lightning_case(B, H, T, d, seed, state=True, dtype=mx.bfloat16):
+    """q, k, v [B, H, T, d] in `dtype`, log-decays from slow to fast, a random state or None."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (mx.array(rng.normal(size=(B, H, T, d)) * 0.5).astype(dtype) for _ in range(3))
+    g = mx.array(-np.geomspace(0.002, 0.7, H), dtype=mx.float32)
+    S = mx.array(rng.normal(size=(B, H, d, d)), dtype=mx.float32) if state else None
+    return q, k, v, g, S
+
+
+def reference(q, k, v, g, scale, S):
+    """The float32 chunked form on the same (rounded) inputs."""
+    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    return gla_chunked(*f32, g, scale, S)
+
+
+@pytest.mark.parametrize(
+    ("B", "H", "T", "d", "state", "out"),
+    [
+        (2, 2, 150, 64, False, mx.bfloat16),  # two whole chunks and 22 tokens, from zeros
+        (1, 3, 64, 32, True, mx.float32),  # one whole chunk, a state given, float32 out
+        (1, 1, 5, 128, True, mx.bfloat16),  # fewer tokens than a chunk, the 9B's head dim
+    ],
+    ids=["partial-last", "one-chunk", "short"],
+)
+def test_the_kernel_matches_the_float32_chunked_form(monkeypatch, B, H, T, d, state, out):
+    q, k, v, g, S = lightning_case(B, H, T, d, seed=T + d, state=state)
+    scale = d**-0.5
+    with cuda_emu.emulated_kernels(monkeypatch, gla_cuda) as launched:
+        o, final = gla_cuda.gla(q, k, v, g, scale, S, out)
+        mx.eval(o, final)
+    assert launched == ["salabatch_gla_chunks"]
+    want_o, want_S = reference(q, k, v, g, scale, S)
+    assert o.shape == (B, H, T, d) and o.dtype == out and final.dtype == mx.float32
+    # TF32 operands (~5e-4 each), and o rounded once to bf16 (~2e-3)
+    assert relative_error(o, want_o) < (4e-3 if out == mx.bfloat16 else 2e-3)
+    assert relative_error(final, want_S) < 2e-3
+
+
+def test_the_dispatcher_takes_it_on_cuda_and_chains_calls(monkeypatch):
+    """`gla.gla` on the GPU path with the kernel on: two calls (a prefill's chunks), the second
+    from the first's state, as one call over both; float32 inputs stay on the MLX-op form."""
+    q, k, v, g, _ = lightning_case(1, 2, 200, 32, seed=7, state=False)
+    scale = 32**-0.5
+    with cuda_emu.emulated_kernels(monkeypatch, gla_cuda) as launched:
+        o1, S1 = gla(q[:, :, :70], k[:, :, :70], v[:, :, :70], g, scale, None, mx.bfloat16)
+        o2, S2 = gla(q[:, :, 70:], k[:, :, 70:], v[:, :, 70:], g, scale, S1, mx.bfloat16)
+        mx.eval(o1, o2, S2)
+        assert launched == ["salabatch_gla_chunks"] * 2
+        f32 = [a.astype(mx.float32) for a in (q, k, v)]
+        gla(*f32, g, scale, None, mx.float32)
+        assert launched == ["salabatch_gla_chunks"] * 2
+    want_o, want_S = reference(q, k, v, g, scale, None)
+    assert relative_error(mx.concatenate([o1, o2], axis=2), want_o) < 4e-3
+    assert relative_error(S2, want_S) < 2e-3
+
+
+def test_a_lightning_layer_prefills_through_it_as_through_the_mlx_ops(monkeypatch):
+    """A small lightning layer (bf16, 2 heads of dim 32 sharing one kv head) over 150 tokens
+    then 50 more on the GPU path: with the kernel (emulated) as with `gla_parallel`, its
+    output to bf16's rounding and its state closer."""
+    from salabatch.bench.long import random_init
+    from salabatch.demo.checkpoint import sala_config
+    from salabatch.engine.cache import LightningCache
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.lightning import LightningAttention
+
+    raw = sala_config(vocab=64, hidden=64, intermediate=64, layers=2, sparse_layers=(0,),
+                      heads=2, kv_heads=1, head_dim=32)  # fmt: skip
+    layer = random_init(LightningAttention(ModelConfig.from_dict(raw)), mx.bfloat16, seed=1)
+    x = (mx.random.normal((1, 200, 64), key=mx.random.key(4)) * 0.5).astype(mx.bfloat16)
+
+    def prefill():
+        cache = LightningCache(None)
+        y = mx.concatenate([layer(x[:, :150], cache, 0), layer(x[:, 150:], cache, 150)], axis=1)
+        mx.eval(y, cache.state)
+        return y, cache.state
+
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    y_ops, s_ops = prefill()
+    with cuda_emu.emulated_kernels(monkeypatch, gla_cuda) as launched:
+        y, s = prefill()
+    assert launched == ["salabatch_gla_chunks"] * 2
+    assert relative_error(y, y_ops) < 1e-2
+    assert relative_error(s, s_ops) < 2e-3
