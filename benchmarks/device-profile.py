@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -33,7 +34,13 @@ from salabatch.bench.long import random_init
 from salabatch.demo.checkpoint import sala_config
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels import decode_cuda, sparse_attention, stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import (
+    decode_cuda,
+    gla_cuda,
+    sparse_attention,
+    stage1_cuda,
+    stage2_cuda,
+)
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.kernels.gla import gla, gla_parallel
 from salabatch.engine.kernels.sparse_attention import MASKED_KEYS, block_sparse_attention
@@ -61,6 +68,17 @@ def timed(name: str, fn, flops: float | None = None, nbytes: float | None = None
     print(f"{name:<44} {s * 1e3:9.3f} ms  (first {first:6.2f} s){rate}", flush=True)
 
 
+@contextmanager
+def kernel_off(module):
+    """Within the block, the custom kernel of `module` (`kernels/*_cuda.py`) is off."""
+    kernel = module.available
+    module.available = lambda: False
+    try:
+        yield
+    finally:
+        module.available = kernel
+
+
 def main(contexts: list[int]) -> None:
     gpu = mx.default_device().type == mx.DeviceType.gpu
     hidden = 4096 if gpu else 256
@@ -85,8 +103,13 @@ def main(contexts: list[int]) -> None:
 
     state = mx.zeros((1, 32, 128, 128), mx.float32)
     mx.eval(state)
-    timed("lightning layer, whole (8K chunk)", lambda: lightning(x, LightningCache(state), 0))
-    profile_lightning(lightning, x, state)
+    whole = "lightning layer, whole (8K chunk)"
+    kernel = gla_cuda.available()  # its parity passed: the layer through it, then without it
+    if kernel:
+        timed(f"{whole}, recurrence CUDA kernel", lambda: lightning(x, LightningCache(state), 0))
+    with kernel_off(gla_cuda):
+        timed(whole, lambda: lightning(x, LightningCache(state), 0))
+        profile_lightning(lightning, x, state, kernel)
 
     # the lightning recurrence alone (float32, as the layer runs it), by chunk length
     shape = (1, 32, chunk, 128)
@@ -102,7 +125,7 @@ def main(contexts: list[int]) -> None:
         profile_context(sparse, cfg, x, n, chunk, dt)
 
 
-def profile_lightning(layer, x, state) -> None:
+def profile_lightning(layer, x, state, kernel: bool) -> None:
     """The lightning layer's chunk cut short at each stage, each line including the ones
     before: its q, k and v projections; then their norms and ropes (`core` with the recurrence
     replaced by a cast of q); then the recurrence (`core`: o rounded to the layer's dtype);
@@ -129,6 +152,14 @@ def profile_lightning(layer, x, state) -> None:
     q, k, v, g, scale, S, out_dtype = fed
     timed("lightning recurrence alone, the layer's q, k, v",
           lambda: gla_parallel(q, k, v, g, scale, S, out_dtype=out_dtype))  # fmt: skip
+    if kernel and gla_cuda.supports(q, k, v):
+        timed("lightning recurrence alone, CUDA kernel",
+              lambda: gla_cuda.gla(q, k, v, g, scale, S, out_dtype))  # fmt: skip
+        o, _ = gla_cuda.gla(q, k, v, g, scale, S, out_dtype)
+        want, _ = gla_parallel(q, k, v, g, scale, S, out_dtype=out_dtype)
+        diff = (o.astype(mx.float32) - want.astype(mx.float32)).abs().max().item()
+        print(f"lightning recurrence, CUDA kernel: {diff:.3g} at most from the MLX ops",
+              flush=True)  # fmt: skip
 
 
 def profile_decode(hidden: int, dt, context: int = 32768) -> None:
