@@ -18,10 +18,11 @@
 # parity 12 s, the profile cut at 110 s (its first lightning layer compiled for 33 s), the
 # first `bench long 32K` 199 s; on the warm machine then, 256K alone took 86 s and 32K + 128K
 # with the peer 94-106 s. So the first call warms the machine, and calls right after it time
-# the rest (the machine stays warm ~30 s between calls):
+# the rest (the machine stays warm ~30 s between calls), with KERNELS set to the list the
+# first call logged as SALABATCH_CUDA_KERNELS (the kernels' parity then runs no more):
 #
-#     CONTEXTS="256K:120" PROFILE_S=0 KERNEL_S=40 bash benchmarks/device-gpu.sh
-#     CONTEXTS="32K:80 128K:80" PROFILE_S=0 KERNEL_S=40 bash benchmarks/device-gpu.sh
+#     CONTEXTS="32K:200" PROFILE_S=0 KERNEL_S=90 bash benchmarks/device-gpu.sh     (first)
+#     KERNELS=stage1,gla CONTEXTS="128K:150 256K:120" PROFILE_S=0 bash benchmarks/device-gpu.sh
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #
@@ -63,10 +64,14 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
 # What the GPU path takes from MLX's own kernels without a reference beside it: a bf16 rope
 # rounds once (the lightning prefill's one-kernel rope). Logged; a failure means the lightning
 # prefill must upcast again (`attention.rotates_in_float32`).
-MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
-    tests/engine/test_lightning_gpu.py 2>&1 | tail -5 | tee -a "$log"
+[ -z "${KERNELS:-}" ] && MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q \
+    -p no:cacheprovider -rfE -m gpu tests/engine/test_lightning_gpu.py 2>&1 | tail -5 | tee -a "$log"
+# KERNELS=stage1,gla (say): the kernels an earlier call on this machine found passing, used
+# as they are, their parity not run again.
 passed=()
+[ -n "${KERNELS:-}" ] && passed=("$KERNELS")
 for kernel in stage1 stage2 decode gla; do
+    [ -n "${KERNELS:-}" ] && break
     klog="$out/parity-$kernel.txt"
     MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE \
         "tests/engine/kernels/test_${kernel}_cuda.py" > "$klog" 2>&1
