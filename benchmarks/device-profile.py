@@ -194,6 +194,13 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         steps[name] = median_step(model, ids, cache)
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
+        if name == "8 lightning" and gla_cuda.available():  # the same step, its MLX ops
+            with kernel_off(gla_cuda):
+                model.decoder = DecodeStep(model)  # traced again, without the kernel
+                s = median_step(model, ids, cache)
+            print(f"decode step, {name} layer(s), recurrence as MLX ops: {s * 1e3:8.2f} ms",
+                  flush=True)  # fmt: skip
+            model.decoder = DecodeStep(model)
         if name == "8 sparse":
             profile_decode_attention(model, cache)
             if decode_cuda.available():  # its parity passed: the same step with the MLX ops

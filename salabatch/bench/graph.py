@@ -65,15 +65,16 @@ def _one_node(name: str):
 
 def _stand_in_kernel(*_, **__):
     """What a custom CUDA kernel's `_kernel(...)` returns under `gpu_graph(cuda=True)`: a
-    callable taking the kernel's launch arguments and giving, for each output, one node that
-    depends on every input (its value: zeros)."""
+    callable taking the kernel's launch arguments and giving its outputs as one node (a
+    launch) that depends on every input (their values: zeros)."""
 
     def launch(*, inputs, output_shapes, output_dtypes, **_):
         deps = [a for a in inputs if isinstance(a, mx.array)]
-        return [
-            mx.depends([mx.broadcast_to(mx.array(0, dtype=dtype), shape)], deps)[0]
+        zeros = [
+            mx.broadcast_to(mx.array(0, dtype=dtype), shape)
             for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
         ]
+        return mx.depends(zeros, deps)
 
     return launch
 

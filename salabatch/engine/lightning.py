@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from salabatch.engine.cache import LightningCache
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.kernels import attention
+from salabatch.engine.kernels import attention, gla_cuda
 from salabatch.engine.kernels.gates import sigmoid_mul
 from salabatch.engine.kernels.gla import decay_slopes, gla, gla_step_decayed, gla_stepwise
 from salabatch.engine.linear import Linear, fuse
@@ -105,22 +105,47 @@ class LightningAttention(nn.Module):
     ) -> tuple[mx.array, mx.array]:
         """One decode step inside the compiled model step: x [B, 1, hidden] at positions
         pos [B], the state [B, H, dk, dv], the fused projections' `weights` or () → (the
-        gated output before o_proj [B, 1, H·dv], the new state). q and k go through one norm
-        and one rope together, q pre-scaled (the rotation is linear)."""
-        B, d, H, Hk = x.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
+        gated output before o_proj [B, 1, H·dv], the new state). The dispatcher: on CUDA with
+        its kernel on, the fused product's q, k, v go through one launch (`gla_cuda.step`:
+        norms, rope, the state's update and read-out); else `_step_ops`."""
+        d, H, Hk = self.head_dim, self.n_heads, self.n_kv_heads
         if weights:  # q and k are neighbours in the fused product: one view of both
             y = self.fused.product(x, weights)
-            qk, v, z = y[..., : (H + Hk) * d], y[..., (H + Hk) * d : (H + 2 * Hk) * d], y
-            z = [z[..., (H + 2 * Hk) * d :]] if "z_proj" in self else []
+            z = [y[..., (H + 2 * Hk) * d :]] if "z_proj" in self else []
+            if gla_cuda.available() and gla_cuda.step_supports(y, H, Hk, d):
+                norms = (self.q_norm.weight, self.k_norm.weight) if "q_norm" in self else None
+                o, state = gla_cuda.step(
+                    y, norms, pos, self._decay, state, heads=H, kv_heads=Hk, d=d,
+                    scale=self.scale, eps=self.eps,
+                    rope_base=self.rope_theta if self.use_rope else None,
+                )  # fmt: skip
+            else:
+                qk, v = y[..., : (H + Hk) * d], y[..., (H + Hk) * d : (H + 2 * Hk) * d]
+                o, state = self._step_ops(qk, v, pos, state)
         else:
             qk = mx.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1)
-            v = self.v_proj(x)
             z = [self.z_proj(x)] if "z_proj" in self else []
+            o, state = self._step_ops(qk, self.v_proj(x), pos, state)
+        if "o_norm" in self:
+            o = self.o_norm(o)
+        if z:
+            o = sigmoid_mul(o, z[0])
+        return o, state
+
+    def _step_ops(
+        self, qk: mx.array, v: mx.array, pos: mx.array, state: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """The step's recurrence as MLX ops, from the projections' q and k side by side
+        [B, 1, (H + Hk)·d] and v [B, 1, Hk·d] → (o [B, 1, H·dv] in their dtype, the new
+        state). q and k go through one norm and one rope together, q pre-scaled (the rotation
+        is linear)."""
+        B, d, H, Hk = qk.shape[0], self.head_dim, self.n_heads, self.n_kv_heads
         qk = qk.reshape(B, 1, H + Hk, d).transpose(0, 2, 1, 3)  # [B, H + Hk, 1, d]
         if "q_norm" in self:
             qk = mx.fast.rms_norm(qk, None, self.eps)
             w = mx.where(self._is_q, self.q_norm.weight, self.k_norm.weight)
             qk = qk * w
+        dtype = qk.dtype
         qk = (qk * self._qk_scale).astype(mx.float32)  # q pre-scaled: the rotation is linear
         if self.use_rope:
             qk = mx.fast.rope(qk, d, traditional=False, base=self.rope_theta, scale=1.0, offset=pos)
@@ -129,12 +154,7 @@ class LightningAttention(nn.Module):
         if Hk != H:
             k, v = mx.repeat(k, H // Hk, axis=1), mx.repeat(v, H // Hk, axis=1)
         o, state = gla_step_decayed(q, k, v, self._decay, state)
-        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1).astype(x.dtype)
-        if "o_norm" in self:
-            o = self.o_norm(o)
-        if z:
-            o = sigmoid_mul(o, z[0])
-        return o, state
+        return o.transpose(0, 2, 1, 3).reshape(B, 1, -1).astype(dtype), state
 
     def _forward(
         self, x: mx.array, state: mx.array | None, offset: int | mx.array

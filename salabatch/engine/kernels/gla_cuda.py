@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from salabatch.engine.kernels.attention import cuda_kernel
 
@@ -39,6 +40,7 @@ CHUNK = 64  # tokens a chunk: 16 rows of a tensor-core tile per warp, 4 warps
 COLUMNS = 32  # dv columns a thread block
 THREADS = 128
 INPUTS = ("q", "k", "v", "g", "state", "dims", "scale")
+STEP_INPUTS = ("y", "wq", "wk", "pos", "decay", "state", "params")
 
 # One thread block: (row b, head h, columns j·COLUMNS …). Shared memory, float32, strides
 # padded by 8 (rows stay 32-byte aligned for WMMA, and neighbouring rows start in other
@@ -206,6 +208,81 @@ _SOURCE = """
 
 HEADER = "#include <mma.h>\n"
 
+# The decode step's token, a thread block a (row b, head h, 32 columns of the state): q and k
+# from the fused projection's output y [B, 1, N] (q's H heads, then k's HK, v's HK), normed
+# (float32 sums, the result rounded to the input's dtype, times the norm's weight, rounded
+# again: `mx.fast.rms_norm` then a product, as the MLX-op step), q scaled, both rotated at the
+# row's position in float32 (MLX's rope: θ = pos · 2^(−(i / (D/2)) · log2(base))), then each
+# of the 32 columns: S[i] ← decay · S[i] + k[i] · v, o = Σ_i q[i] · S[i] over the rows, 4 warps
+# a quarter of the rows each, summed in shared memory. params: scale, eps, log2(base).
+_STEP = """
+    constexpr int DV = 32, NS = D / DV, G = H / HK, HALF = D / 2;
+    const int b = blockIdx.x / (H * NS), h = (blockIdx.x / NS) % H, j = blockIdx.x % NS;
+    const int kh = h / G, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float scale = params[0], eps = params[1], log2_base = params[2];
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* qs = reinterpret_cast<float*>(smem);  // [D]
+    float* ks = qs + D;                           // [D]
+    float* sums = ks + D;                         // [2][4]: the warps' sums of squares
+    float* part = sums + 8;                       // [4][DV]: the warps' parts of o
+    const InT* row = y + (long long)b * N;
+    float qx = 0.0f, kx = 0.0f;
+    if (threadIdx.x < D) {
+        qx = (float)row[h * D + threadIdx.x];
+        kx = (float)row[(H + kh) * D + threadIdx.x];
+    }
+    if (QKNORM) {
+        float sq = qx * qx, sk = kx * kx;
+        for (int m = 16; m > 0; m /= 2) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, m);
+            sk += __shfl_xor_sync(0xffffffffu, sk, m);
+        }
+        if (lane == 0) {
+            sums[warp] = sq;
+            sums[4 + warp] = sk;
+        }
+        __syncthreads();
+        sq = sums[0] + sums[1] + sums[2] + sums[3];
+        sk = sums[4] + sums[5] + sums[6] + sums[7];
+        if (threadIdx.x < D) {
+            const float rq = rsqrtf(sq / D + eps), rk = rsqrtf(sk / D + eps);
+            qx = (float)(InT)((float)(InT)(qx * rq) * (float)wq[threadIdx.x]);
+            kx = (float)(InT)((float)(InT)(kx * rk) * (float)wk[threadIdx.x]);
+        }
+    }
+    if (threadIdx.x < D) {
+        qs[threadIdx.x] = qx * scale;
+        ks[threadIdx.x] = kx;
+    }
+    __syncthreads();
+    if (ROPE && threadIdx.x < HALF) {
+        const int i = threadIdx.x;
+        const float inv_freq = exp2f(-((float)i / (float)HALF) * log2_base);
+        const float theta = (float)pos[b] * inv_freq, c = cosf(theta), s = sinf(theta);
+        const float q1 = qs[i], q2 = qs[i + HALF], k1 = ks[i], k2 = ks[i + HALF];
+        qs[i] = q1 * c - q2 * s;
+        qs[i + HALF] = q1 * s + q2 * c;
+        ks[i] = k1 * c - k2 * s;
+        ks[i + HALF] = k1 * s + k2 * c;
+    }
+    __syncthreads();
+    const int col = j * DV + lane;
+    const float vc = (float)row[(H + HK + kh) * D + col], dec = decay[h];
+    const long long at = ((long long)b * H + h) * D * D + col;
+    float acc = 0.0f;
+    for (int i = warp * (D / 4); i < (warp + 1) * (D / 4); ++i) {
+        const float s_new = dec * state[at + (long long)i * D] + ks[i] * vc;
+        new_state[at + (long long)i * D] = s_new;
+        acc += qs[i] * s_new;
+    }
+    part[warp * DV + lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        const float o = part[lane] + part[DV + lane] + part[2 * DV + lane] + part[3 * DV + lane];
+        out[((long long)b * H + h) * D + col] = (InT)o;
+    }
+"""
+
 
 def available() -> bool:
     """Whether the kernel may run: CUDA, and `SALABATCH_CUDA_KERNELS` names "gla"."""
@@ -247,7 +324,7 @@ def gla(
     dims = mx.array([T, H], dtype=mx.int32)
     g = g.astype(mx.float32)
     start = g if fresh else state.astype(mx.float32)  # a zero state is not read
-    o, final = _kernel(shared_bytes(d))(
+    o, final = _kernel("chunks", shared_bytes(d))(
         inputs=[q, k, v, g, start, dims, mx.array([scale], dtype=mx.float32)],
         template=[("InT", q.dtype), ("OutT", out_dtype), ("D", d), ("FRESH", int(fresh))],
         grid=(B * H * (d // COLUMNS) * THREADS, 1, 1),
@@ -258,15 +335,73 @@ def gla(
     return o.transpose(0, 2, 1, 3), final
 
 
+def step_supports(y: mx.array, heads: int, kv_heads: int, d: int) -> bool:
+    """The shapes the decode step's kernel takes: one token a row of a fused projection's
+    output in bfloat16 or float16, a head dim of 32·k up to 128 (a thread a dimension), heads
+    a multiple of the kv heads."""
+    return (
+        y.dtype in (mx.bfloat16, mx.float16)
+        and y.ndim == 3
+        and y.shape[1] == 1
+        and d % 32 == 0
+        and d <= 128
+        and heads % kv_heads == 0
+    )
+
+
+def step(
+    y: mx.array,
+    norms: tuple[mx.array, mx.array] | None,
+    pos: mx.array,
+    decay: mx.array,
+    state: mx.array,
+    *,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    scale: float,
+    eps: float,
+    rope_base: float | None,
+) -> tuple[mx.array, mx.array]:
+    """A decode step's recurrence from the fused projection's output y [B, 1, N] (q, k, v
+    heads side by side at its start): q and k normed (`norms`: their weights, or None),
+    scaled, rotated (`rope_base`, or None), then the state's update and read-out →
+    (o [B, 1, heads · d] in y's dtype, the new state [B, heads, d, d] float32)."""
+    B, _, N = y.shape
+    log2_base = float(np.log2(np.float32(rope_base))) if rope_base else 0.0
+    params = mx.array([scale, eps, log2_base], dtype=mx.float32)
+    wq, wk = norms if norms else (y, y)  # not read without norms
+    o, new_state = _kernel("step", step_shared_bytes(d))(
+        inputs=[y, wq, wk, pos.astype(mx.int32), decay, state, params],
+        template=[("InT", y.dtype), ("D", d), ("H", heads), ("HK", kv_heads), ("N", N),
+                  ("QKNORM", int(norms is not None)), ("ROPE", int(rope_base is not None))],
+        grid=(B * heads * (d // 32) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, 1, heads * d), state.shape],
+        output_dtypes=[y.dtype, mx.float32],
+    )  # fmt: skip
+    return o, new_state
+
+
+def step_shared_bytes(d: int) -> int:
+    """The decode step kernel's shared memory: q and k, the warps' sums and parts of o."""
+    return 4 * (2 * d + 8 + 4 * 32)
+
+
 @functools.cache
-def _kernel(shared: int):
-    """The kernel object for `shared` bytes of dynamic shared memory, made on first use (there
-    is none without a CUDA backend); MLX compiles it once per template."""
+def _kernel(name: str, shared: int):
+    """The kernel `name` ("chunks": the prefill's, "step": the decode step's) for `shared`
+    bytes of dynamic shared memory, made on first use (there is none without a CUDA backend);
+    MLX compiles it once per template."""
+    inputs, outputs, source, header = {
+        "chunks": (INPUTS, ["out", "final_state"], _SOURCE, HEADER),
+        "step": (STEP_INPUTS, ["out", "new_state"], _STEP, ""),
+    }[name]
     return mx.fast.cuda_kernel(
-        name="salabatch_gla_chunks",
-        input_names=list(INPUTS),
-        output_names=["out", "final_state"],
-        source=_SOURCE,
-        header=HEADER,
+        name=f"salabatch_gla_{name}",
+        input_names=list(inputs),
+        output_names=outputs,
+        source=source,
+        header=header,
         shared_memory=shared,
     )

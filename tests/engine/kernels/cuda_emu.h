@@ -107,6 +107,7 @@ inline float __int_as_float(unsigned u) {
 }
 using std::exp2f;
 inline float expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::log2f;
 using std::fmaxf;
 using std::max;

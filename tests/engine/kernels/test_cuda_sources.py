@@ -158,6 +158,23 @@ def test_lightning_kernel_compiles(dtype, d, out, fresh):
     assert gla_cuda.shared_bytes(d) <= stage2_cuda.MAX_SHARED
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("d", "heads", "kv", "norm", "rope"), [(128, 32, 32, 1, 1), (64, 8, 2, 0, 1)]
+)
+def test_lightning_step_kernel_compiles(dtype, d, heads, kv, norm, rope):
+    """The decode step's lightning kernel: the 9B's 32 heads of 128 (norms and rope), and a
+    smaller layer of shared kv heads without norms."""
+    inputs = [("y", dtype), ("wq", dtype), ("wk", dtype), ("pos", "i32"), ("decay", "f32"),
+              ("state", "f32"), ("params", "f32")]  # fmt: skip
+    assert tuple(n for n, _ in inputs) == gla_cuda.STEP_INPUTS
+    template = [("InT", dtype), ("D", d), ("H", heads), ("HK", kv), ("N", (2 * heads + 2 * kv) * d),
+                ("QKNORM", norm), ("ROPE", rope)]  # fmt: skip
+    unit = _build("step", gla_cuda._STEP, inputs, [("out", dtype), ("new_state", "f32")], "",
+                  template)  # fmt: skip
+    _assert_builds(unit, gla_cuda.THREADS)
+
+
 def test_a_broken_source_fails_to_build():
     """The check itself: a kernel that reads an input it does not have does not build."""
     broken = stage1_cuda._LSE.replace("seen2[b * t + query]", "seen3[b * t + query]")

@@ -63,3 +63,25 @@ def test_a_lightning_layer_prefills_alike_with_and_without_it(monkeypatch):
     y_kernel, s_kernel = prefill("gla")
     assert relative_error(y_kernel, y_ops) < 1e-2
     assert relative_error(s_kernel, s_ops) < 2e-3
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_decode_step_kernel_matches_its_mlx_ops_at_the_9b_shapes(rows):
+    """The 9B's lightning layer (32 heads of 128, bf16) one decode step from a random state,
+    rows up to ~175K tokens in: the kernel against `_step_ops` (both before o_norm). The
+    kernel follows MLX's CUDA rope formula; that far in, a float32 angle's last bits (~0.01
+    radian) may still differ with the math library's cos and sin: the state to ~1e-4."""
+    from tests.engine.kernels.test_gla_emulated import small_layer
+
+    layer = small_layer(32, 32, 128, seed=3)
+    x = mx.random.normal((rows, 1, 64), key=mx.random.key(5)).astype(mx.bfloat16)
+    state = mx.random.normal((rows, 32, 128, 128), key=mx.random.key(6))
+    pos = mx.array([7 + 25_000 * i for i in range(rows)], dtype=mx.int32)
+    y = layer.fused.product(x, layer.fused.arrays())
+    want_o, want_s = layer._step_ops(y[..., : 64 * 128], y[..., 64 * 128 : 96 * 128], pos, state)
+    o, s = gla_cuda.step(
+        y, (layer.q_norm.weight, layer.k_norm.weight), pos, layer._decay, state, heads=32,
+        kv_heads=32, d=128, scale=layer.scale, eps=layer.eps, rope_base=layer.rope_theta,
+    )  # fmt: skip
+    assert relative_error(o, want_o) < 1e-2
+    assert relative_error(s, want_s) < 1e-3

@@ -103,3 +103,67 @@ def test_a_lightning_layer_prefills_through_it_as_through_the_mlx_ops(monkeypatc
     assert launched == ["salabatch_gla_chunks"] * 2
     assert relative_error(y, y_ops) < 1e-2
     assert relative_error(s, s_ops) < 2e-3
+
+
+def small_layer(heads: int, kv_heads: int, d: int, seed: int):
+    """A lightning layer of `kv_heads` shared by its heads (bf16, random weights and norms, its
+    projections fused as for the decode step)."""
+    from salabatch.bench.long import random_init
+    from salabatch.demo.checkpoint import sala_config
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.lightning import LightningAttention
+
+    raw = sala_config(vocab=64, hidden=64, intermediate=64, layers=2, sparse_layers=(0,),
+                      heads=heads, kv_heads=kv_heads, head_dim=d)  # fmt: skip
+    raw["lightning_nkv"] = kv_heads
+    layer = random_init(LightningAttention(ModelConfig.from_dict(raw)), mx.bfloat16, seed=seed)
+    for i, norm in enumerate((layer.q_norm, layer.k_norm)):
+        norm.weight = mx.random.uniform(0.5, 1.5, (d,), key=mx.random.key(seed + i))
+        norm.weight = norm.weight.astype(mx.bfloat16)
+    layer.fuse()
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("positions", "state_error"),
+    [([5, 10, 20], 1e-5), ([5, 1000, 70_001], 1e-3)],
+    ids=["near", "far"],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 4, 32), (4, 2, 128)])
+def test_the_decode_step_kernel_matches_its_mlx_ops(
+    monkeypatch, heads, kv_heads, d, positions, state_error
+):
+    """A lightning layer's decode step for 3 rows, from a random state: the kernel (emulated)
+    on the fused projection's output against `_step_ops` on its q, k, v (both before o_norm,
+    which would hide a scale), the output to bf16's rounding and the state to float32's. Far
+    from the start the rotation angles (~70K radians) differ in their float32 rounding
+    between MLX's CPU rope and the CUDA formula the kernel follows (MLX's: θ = pos ·
+    2^(−(i / (d/2)) · log2 base)): there the state agrees to ~1e-4. Then the layer's step
+    (the dispatcher) launches it."""
+    layer = small_layer(heads, kv_heads, d, seed=heads + d)
+    rng = np.random.default_rng(d)
+    x = mx.array(rng.normal(size=(3, 1, 64))).astype(mx.bfloat16)
+    state = mx.array(rng.normal(size=(3, heads, d, d)), dtype=mx.float32)
+    pos = mx.array(positions, dtype=mx.int32)
+    weights = layer.fused.arrays()
+    y = layer.fused.product(x, weights)
+    qk, v = (
+        y[..., : (heads + kv_heads) * d],
+        y[..., (heads + kv_heads) * d : (heads + 2 * kv_heads) * d],
+    )
+    want_o, want_s = layer._step_ops(qk, v, pos, state)
+    mx.eval(want_o, want_s)
+    with cuda_emu.emulated_kernels(monkeypatch, gla_cuda) as launched:
+        o, s = gla_cuda.step(
+            y, (layer.q_norm.weight, layer.k_norm.weight), pos, layer._decay, state,
+            heads=heads, kv_heads=kv_heads, d=d, scale=layer.scale, eps=layer.eps,
+            rope_base=layer.rope_theta,
+        )  # fmt: skip
+        mx.eval(o, s)
+        assert o.shape == want_o.shape and o.dtype == want_o.dtype and s.shape == want_s.shape
+        assert relative_error(o, want_o) < 1e-2
+        assert relative_error(s, want_s) < state_error
+        gated, s2 = layer.step(x, state, pos, weights)
+        mx.eval(gated, s2)
+    assert launched == ["salabatch_gla_step"] * 2
+    assert mx.array_equal(s2, s).item()
