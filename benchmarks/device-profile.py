@@ -37,6 +37,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels import (
     decode_cuda,
     gla_cuda,
+    scores_cuda,
     sparse_attention,
     stage1_cuda,
     stage2_cuda,
@@ -364,10 +365,18 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
         scale=sparse.scale, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
         block=sc.block_size, compression=sc.compression,
     )  # fmt: skip
-    timed(f"{n}: stage 1 (select_blocks)",
-          lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
-    idx = select_blocks(q, parts[0], parts[1], starts, **settings)
+    if scores_cuda.available():  # its parity passed: stage 1 through it, then without it
+        timed(f"{n}: stage 1 (select_blocks), block scores CUDA kernel",
+              lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
+        fused = select_blocks(q, parts[0], parts[1], starts, **settings)
+    with kernel_off(scores_cuda):
+        timed(f"{n}: stage 1 (select_blocks)",
+              lambda: select_blocks(q, parts[0], parts[1], starts, **settings))  # fmt: skip
+        idx = select_blocks(q, parts[0], parts[1], starts, **settings)
     mx.eval(idx)
+    if scores_cuda.available():
+        same = mx.mean(mx.sort(fused, axis=-1) == mx.sort(idx, axis=-1)).item()
+        print(f"{n}: stage 1, block scores kernel: {same:.4f} of the blocks the same", flush=True)
     # stage 2's useful work: K·block keys for each query and head, QK and PV
     useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
     outs = {}

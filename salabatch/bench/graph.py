@@ -89,7 +89,14 @@ def gpu_graph(
     `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
     (`kernels/*_cuda.py`), each launch one node. For counting graphs only: the stand-ins do
     not compute their result."""
-    from salabatch.engine.kernels import attention, decode_cuda, gla_cuda, stage1_cuda, stage2_cuda
+    from salabatch.engine.kernels import (
+        attention,
+        decode_cuda,
+        gla_cuda,
+        scores_cuda,
+        stage1_cuda,
+        stage2_cuda,
+    )
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
     memory, rotates, cuda_device = (
@@ -99,7 +106,8 @@ def gpu_graph(
     )
     custom = cuda if custom_kernels is None else custom_kernels
     saved_kernels = [
-        (m, m.available, m._kernel) for m in (decode_cuda, gla_cuda, stage1_cuda, stage2_cuda)
+        (m, m.available, m._kernel)
+        for m in (decode_cuda, gla_cuda, scores_cuda, stage1_cuda, stage2_cuda)
     ]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"

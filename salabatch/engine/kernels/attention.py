@@ -62,10 +62,11 @@ def on_gpu() -> bool:
     )
 
 
-# The custom CUDA kernels (`kernels/stage1_cuda.py`, `stage2_cuda.py`, `decode_cuda.py`,
-# `gla_cuda.py`), and those on by default: the ones whose parity tests (marked `gpu`) have
-# passed on a GPU. `stage2`, `decode` and `gla` have not been run on one yet.
-CUDA_KERNELS = ("stage1", "stage2", "decode", "gla")
+# The custom CUDA kernels (`kernels/stage1_cuda.py`, `scores_cuda.py`, `stage2_cuda.py`,
+# `decode_cuda.py`, `gla_cuda.py`), and those on by default: the ones whose parity tests
+# (marked `gpu`) have passed on a GPU. `scores`, `stage2`, `decode` and `gla` have not been run
+# on one yet.
+CUDA_KERNELS = ("stage1", "scores", "stage2", "decode", "gla")
 DEFAULT_CUDA_KERNELS = "stage1"
 
 

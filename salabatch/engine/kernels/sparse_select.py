@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from salabatch.engine.kernels import stage1_cuda
+from salabatch.engine.kernels import scores_cuda, stage1_cuda
 from salabatch.engine.kernels.attention import (
     LOG2E,
     exp2,
@@ -39,6 +39,7 @@ from salabatch.engine.kernels.attention import (
     on_gpu,
     tile_rows,
 )
+from salabatch.engine.runtime import dtype_name
 
 # Bound on the [B, Hk, G, rows, N1] score tile of one query tile (float32 elements).
 MAX_SCORE_ELEMENTS = 1 << 24
@@ -243,13 +244,24 @@ def select_blocks_gpu(
     strides = tuple(stride for _, stride in compression)
     plan = mx.array([prefill_len] + [_quirk(prefill_len, s) for s in strides], dtype=mx.int32)
     seen = _seen(mx.array(list(starts), dtype=mx.int32), plan, (T, strides, block))
+    qg = q.reshape(B, Hk, H // Hk, T, d)
+    r = block // compression[0][1]
+    choose = (n_blocks, k, init_blocks, local_blocks)
+    if scores_cuda.available() and scores_cuda.supports(qg, c1, r):
+        # the whole chunk's block scores in one launch (no raw scores kept), then the top-k in
+        # tiles of its keys and sort (each query adds Hk rows per batch row to the sort)
+        pooled = scores_cuda.pooled_scores(qg, c1, c2, seen[0], seen[1], scale, n_blocks, r)
+        rows, dtype = tile_rows(Hk * n_blocks * 16, T, batched=B * Hk), dtype_name(q.dtype)
+        out = [
+            _choose_tile(pooled[:, :, s : s + rows], seen[2][:, s : s + rows], dtype, choose)
+            for s in range(0, T, rows)
+        ]
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
     # per query, H heads' scores: level 1 in q's dtype and float32, level 2 once more in float32
     # (each query adds Hk rows per batch row to the block sort)
     rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T, batched=B * Hk)
-    qg = q.reshape(B, Hk, H // Hk, T, d)
     # whether `_pooled` takes the CUDA kernels is a constant of the trace, as the rest
-    r = block // compression[0][1]
-    settings = (n_blocks, k, scale, init_blocks, local_blocks, r, stage1_cuda.available())
+    settings = (*choose, scale, r, stage1_cuda.available())
     out = [
         _select_tile(
             qg[:, :, :, s : s + rows], c1, c2, [x[:, s : s + rows] for x in seen], settings
@@ -285,21 +297,31 @@ def _seen(starts: mx.array, plan: mx.array, settings) -> list[mx.array]:
 def _select_tile(qg: mx.array, c1: mx.array, c2: mx.array, seen, settings) -> mx.array:
     """qg [B, Hk, G, t, d]; c1, c2 [b, Hk, N, d]; seen: [B, t] each, the chunks each query
     sees at levels 1 and 2 and its block; r: level-1 strides per block → [B, Hk, t, K]."""
-    n_blocks, k, scale, init_blocks, local_blocks, r, _ = settings
+    n_blocks, k, init_blocks, local_blocks, scale, r, _ = settings
     B, Hk, G, t, _ = qg.shape
     if c1.shape[2] and c2.shape[2]:
         s1, s2 = (qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2))  # [B, Hk, G, t, N]
         pooled = _pooled(s1, s2, seen[0], seen[1], scale, n_blocks, r)
     else:  # no complete chunk: every query scores 0
         pooled = mx.zeros((B, Hk, t, n_blocks), dtype=mx.float32)
-    # Ascending keys, best first: forced blocks, then scores high to low (in q's dtype, as the
-    # CUDA kernel stores them), blocks after the query last.
+    return _choose(pooled, seen[2], dtype_name(qg.dtype), settings[:4])
+
+
+def _choose(pooled: mx.array, q_blk: mx.array, dtype: str, settings) -> mx.array:
+    """The k blocks of pooled [B, Hk, t, n_blocks] (queries in blocks q_blk [B, t]): ascending
+    keys, best first: forced blocks, then scores high to low (in q's dtype, named: as the CUDA
+    kernel stores them), blocks after the query last → [B, Hk, t, k], -1 past the query's
+    block."""
+    n_blocks, k, init_blocks, local_blocks = settings
     b = mx.arange(n_blocks)
-    qb = seen[2][:, None, :, None]  # [B, 1, t, 1]
+    qb = q_blk[:, None, :, None]  # [B, 1, t, 1]
     forced = (b < init_blocks) | ((b >= qb - local_blocks) & (b <= qb))
-    key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(qg.dtype)))
+    key = mx.where(forced, -mx.inf, mx.where(b > qb, mx.inf, -pooled.astype(getattr(mx, dtype))))
     idx = _k_smallest(key, k).astype(mx.int32)
     return mx.where(idx > qb, -1, idx)
+
+
+_choose_tile = mx.compile(_choose)
 
 
 def _pooled(s1, s2, seen1, seen2, scale: float, n_blocks: int, r: int) -> mx.array:

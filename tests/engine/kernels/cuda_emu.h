@@ -24,6 +24,7 @@ struct dim3 {
 struct uint4 {
     unsigned x, y, z, w;
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 struct __nv_bfloat16 {
     uint16_t bits = 0;

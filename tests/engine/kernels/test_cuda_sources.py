@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.engine.kernels import decode_cuda, gla_cuda, stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import decode_cuda, gla_cuda, scores_cuda, stage1_cuda, stage2_cuda
 
 
 def _cuda_dir() -> Path | None:
@@ -173,6 +173,20 @@ def test_lightning_step_kernel_compiles(dtype, d, heads, kv, norm, rope):
     unit = _build("step", gla_cuda._STEP, inputs, [("out", dtype), ("new_state", "f32")], "",
                   template)  # fmt: skip
     _assert_builds(unit, gla_cuda.THREADS)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_stage1_scores_kernel_compiles(dtype, d):
+    """Stage 1's block scores straight from the queries (8 queries a thread block)."""
+    inputs = [("q", dtype), ("c1", dtype), ("c2", dtype), ("seen1", "i32"), ("seen2", "i32"),
+              ("dims", "i32"), ("scale", "f32")]  # fmt: skip
+    assert tuple(n for n, _ in inputs) == scores_cuda.INPUTS
+    template = [("T", dtype), ("D", d), ("QT", scores_cuda.QUERIES)]
+    unit = _build("scores", scores_cuda._SOURCE, inputs, [("pooled", "f32")], scores_cuda.HEADER,
+                  template)  # fmt: skip
+    _assert_builds(unit, 32 * scores_cuda.QUERIES)
+    assert scores_cuda.shared_bytes(d, 2) <= stage2_cuda.MAX_SHARED
 
 
 def test_a_broken_source_fails_to_build():
