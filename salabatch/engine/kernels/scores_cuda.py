@@ -32,6 +32,7 @@ import functools
 import mlx.core as mx
 
 from salabatch.engine.kernels.attention import cuda_kernel
+from salabatch.engine.kernels.stage2_cuda import BLOCK_ATTENTION
 
 CHUNKS = 64  # chunks a tile of compressed keys
 QUERIES = 8  # warps (queries) a thread block
@@ -79,7 +80,7 @@ _SOURCE = """
         L1 = max(L1, seen[2 * w]);
         L2 = max(L2, seen[2 * w + 1]);
     }
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[D / 16];
+    salabatch::QueryFragments<T, D> qf;
     for (int kt = 0; kt < D / 16; ++kt) {
         wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
     }
@@ -100,17 +101,7 @@ _SOURCE = """
             reinterpret_cast<uint4*>(Cs)[i] = v;
         }
         __syncthreads();
-        for (int ct = 0; ct < CT / 16; ++ct) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-            for (int kt = 0; kt < D / 16; ++kt) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, Cs + ct * 16 * D + kt * 16, D);
-                wmma::mma_sync(acc, qf[kt], kf, acc);
-            }
-            wmma::store_matrix_sync(Sw + ct * 16, acc, SP, wmma::mem_row_major);
-        }
-        __syncwarp();
+        salabatch::score_tiles<T, D, CT, SP>(qf, Cs, Sw);
     };
 
     // pass 1: each head's log-sum-exp over the level-2 chunks it sees (two lanes a row)
@@ -174,7 +165,7 @@ _SOURCE = """
     }
 """
 
-HEADER = "#include <mma.h>\n"
+HEADER = BLOCK_ATTENTION  # its tensor-core tiles: QueryFragments, score_tiles
 
 
 def available() -> bool:

@@ -64,6 +64,23 @@ __device__ void load_query(QueryFragments<T, D>& qf, const T* rows, int heads, T
     __syncwarp();
 }
 
+// S = Q·Kᵀ in float32 for N keys (Ks [N, D]): the warp's 16 rows × N columns into Sw (stride
+// SP floats)
+template <typename T, int D, int N, int SP>
+__device__ void score_tiles(const QueryFragments<T, D>& qf, const T* Ks, float* Sw) {
+    for (int nt = 0; nt < N / 16; ++nt) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kt = 0; kt < D / 16; ++kt) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+            wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
+            wmma::mma_sync(acc, qf[kt], kf, acc);
+        }
+        wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
+    }
+    __syncwarp();
+}
+
 // One block of BLOCK keys at positions base.. (Ks, Vs [BLOCK, D]): S = Q·Kᵀ in float32, the
 // online softmax of each row in the log2 domain (a: scale·log2 e; keys after qpos masked; m, l
 // the lane's row's running max and sum), the weights rounded to T, O rescaled where its max
@@ -75,17 +92,7 @@ __device__ void attend_block(const QueryFragments<T, D>& qf, const T* Ks, const 
     constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
     const float NEG_INF = __int_as_float(0xff800000);
     const int r = lane >> 1, half = lane & 1;
-    for (int nt = 0; nt < BLOCK / 16; ++nt) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.0f);
-        for (int kt = 0; kt < D / 16; ++kt) {
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-            wmma::load_matrix_sync(kf, Ks + nt * 16 * D + kt * 16, D);
-            wmma::mma_sync(acc, qf[kt], kf, acc);
-        }
-        wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
-    }
-    __syncwarp();
+    score_tiles<T, D, BLOCK, SP>(qf, Ks, Sw);
     float mb = NEG_INF;
     for (int c = half; c < BLOCK; c += 2) {
         if (base + c <= qpos) {

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine.kernels import scores_cuda
-from tests.engine.kernels.test_scores_emulated import reference, scores_case
+from tests.engine.kernels.test_scores_emulated import reference, scores_case, selection_case
 from tests.engine.kernels.test_stage2_cuda import ON_CUDA, relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")]
@@ -41,26 +41,13 @@ def test_the_kernel_matches_the_matmuls_and_the_pooling_at_the_9b_shapes(B, T, N
 def test_a_sparse_layer_selects_the_same_blocks_with_it(monkeypatch):
     """`select_blocks_gpu` at the 9B's settings, 2 rows of 512 queries 30K tokens in, the kernel
     on and off: the same blocks but for near ties."""
-    from salabatch.engine.config import SparseConfig
     from salabatch.engine.kernels import sparse_select
 
-    sc = SparseConfig()
-    rng = np.random.default_rng(4)
-    B, Hk, G, T, d, start = 2, 2, 16, 512, 128, 30_000
-    q = mx.array(rng.normal(size=(B, Hk * G, T, d))).astype(mx.bfloat16)
-    parts = []
-    for size, stride in sc.compression:
-        n = (start + T - size) // stride + 1
-        parts.append((mx.array(rng.normal(size=(1, Hk, n, d)) * 0.3).astype(mx.bfloat16),))
-    n_blocks = -(-(start + T) // sc.block_size)
-    kw = dict(prefill_len=start + T, n_blocks=n_blocks, k=min(sc.topk_eff, n_blocks),
-              scale=d**-0.5, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
-              block=sc.block_size, compression=sc.compression)  # fmt: skip
+    q, c1, c2, starts, kw = selection_case(2, 2, 16, 512, 128, 30_000, seed=4)
     picked = {}
     for kernels in ("stage1", "stage1,scores"):
         monkeypatch.setenv("SALABATCH_CUDA_KERNELS", kernels)
         assert scores_cuda.available() == ("scores" in kernels)
-        picked[kernels] = np.sort(
-            np.array(sparse_select.select_blocks_gpu(q, *parts, [start, start - 99], **kw)), -1
-        )
+        idx = sparse_select.select_blocks_gpu(q, c1, c2, starts, **kw)
+        picked[kernels] = np.sort(np.array(idx), -1)
     assert np.mean(picked["stage1"] == picked["stage1,scores"]) > 0.99

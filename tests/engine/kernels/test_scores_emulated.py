@@ -63,14 +63,14 @@ def test_the_kernel_matches_the_matmuls_and_the_pooling(monkeypatch, B, Hk, G, T
     assert mx.all((got == 0) == (want == 0)).item()  # the same blocks seen and unseen
 
 
-def test_the_dispatcher_selects_the_same_blocks(monkeypatch):
-    """`select_blocks_gpu` with the kernel on (emulated) picks the blocks the MLX-op form
-    picks: 2 rows of 40 queries at 3,000 tokens, the 9B's settings at a small head count."""
+def selection_case(B, Hk, G, T, d, start, seed):
+    """`select_blocks_gpu`'s arguments at the 9B's InfLLM-v2 settings: B rows of T queries, the
+    first at `start`, the next 37 before, over one shared copy of both levels' compressed keys
+    (random) → (q, c1, c2, starts, keywords)."""
     from salabatch.engine.config import SparseConfig
 
     sc = SparseConfig()
-    rng = np.random.default_rng(3)
-    B, Hk, G, T, d, start = 2, 1, 4, 40, 64, 3000
+    rng = np.random.default_rng(seed)
     q = mx.array(rng.normal(size=(B, Hk * G, T, d))).astype(mx.bfloat16)
     parts = []
     for size, stride in sc.compression:
@@ -80,11 +80,17 @@ def test_the_dispatcher_selects_the_same_blocks(monkeypatch):
     kw = dict(prefill_len=start + T, n_blocks=n_blocks, k=min(sc.topk_eff, n_blocks),
               scale=d**-0.5, init_blocks=sc.init_blocks, local_blocks=sc.local_blocks,
               block=sc.block_size, compression=sc.compression)  # fmt: skip
-    starts = [start, start - 37]
+    return q, *parts, [start - 37 * b for b in range(B)], kw
+
+
+def test_the_dispatcher_selects_the_same_blocks(monkeypatch):
+    """`select_blocks_gpu` with the kernel on (emulated) picks the blocks the MLX-op form
+    picks: 2 rows of 40 queries at 3,000 tokens, the 9B's settings at a small head count."""
+    q, c1, c2, starts, kw = selection_case(2, 1, 4, 40, 64, 3000, seed=3)
     monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
-    want = sparse_select.select_blocks_gpu(q, *parts, starts, **kw)
+    want = sparse_select.select_blocks_gpu(q, c1, c2, starts, **kw)
     with cuda_emu.emulated_kernels(monkeypatch, scores_cuda) as launched:
-        got = sparse_select.select_blocks_gpu(q, *parts, starts, **kw)
+        got = sparse_select.select_blocks_gpu(q, c1, c2, starts, **kw)
         mx.eval(got)
     assert launched == ["salabatch_stage1_scores"]
     same = np.mean(np.sort(np.array(got), -1) == np.sort(np.array(want), -1))
