@@ -21,7 +21,7 @@
 # the rest (the machine stays warm ~30 s between calls), with KERNELS set to the list the
 # first call logged as SALABATCH_CUDA_KERNELS (the kernels' parity then runs no more):
 #
-#     CONTEXTS= PROFILE_S=0 KERNEL_S=90 bash benchmarks/device-gpu.sh     (first: parity only)
+#     CONTEXTS= PROFILE_S=0 KERNEL_S=80 bash benchmarks/device-gpu.sh     (first: parity only)
 #     KERNELS=stage1,gla CONTEXTS="32K:150 128K:150" PROFILE_S=0 bash benchmarks/device-gpu.sh
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
@@ -70,7 +70,7 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
 # as they are, their parity not run again.
 passed=()
 [ -n "${KERNELS:-}" ] && passed=("$KERNELS")
-for kernel in stage1 scores stage2 decode gla; do
+for kernel in stage1 scores stage2 decode gla norm; do
     [ -n "${KERNELS:-}" ] && break
     klog="$out/parity-$kernel.txt"
     MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE \

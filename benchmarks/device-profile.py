@@ -37,6 +37,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.kernels import (
     decode_cuda,
     gla_cuda,
+    norm_cuda,
     scores_cuda,
     sparse_attention,
     stage1_cuda,
@@ -195,13 +196,14 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         steps[name] = median_step(model, ids, cache)
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
-        if name == "8 lightning" and gla_cuda.available():  # the same step, its MLX ops
-            with kernel_off(gla_cuda):
-                model.decoder = DecodeStep(model)  # traced again, without the kernel
-                s = median_step(model, ids, cache)
-            print(f"decode step, {name} layer(s), recurrence as MLX ops: {s * 1e3:8.2f} ms",
-                  flush=True)  # fmt: skip
-            model.decoder = DecodeStep(model)
+        for module, part in ((gla_cuda, "recurrence"), (norm_cuda, "residual adds and norms")):
+            if name == "8 lightning" and module.available():  # the same step, its MLX ops
+                with kernel_off(module):
+                    model.decoder = DecodeStep(model)  # traced again, without the kernel
+                    s = median_step(model, ids, cache)
+                print(f"decode step, {name} layer(s), {part} as MLX ops: {s * 1e3:8.2f} ms",
+                      flush=True)  # fmt: skip
+                model.decoder = DecodeStep(model)
         if name == "8 sparse":
             profile_decode_attention(model, cache)
             if decode_cuda.available():  # its parity passed: the same step with the MLX ops

@@ -93,6 +93,7 @@ def gpu_graph(
         attention,
         decode_cuda,
         gla_cuda,
+        norm_cuda,
         scores_cuda,
         stage1_cuda,
         stage2_cuda,
@@ -107,7 +108,7 @@ def gpu_graph(
     custom = cuda if custom_kernels is None else custom_kernels
     saved_kernels = [
         (m, m.available, m._kernel)
-        for m in (decode_cuda, gla_cuda, scores_cuda, stage1_cuda, stage2_cuda)
+        for m in (decode_cuda, gla_cuda, norm_cuda, scores_cuda, stage1_cuda, stage2_cuda)
     ]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"

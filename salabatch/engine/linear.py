@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.kernels import attention, native
+from salabatch.engine.kernels import attention, native, norm_cuda
 from salabatch.engine.kernels.attention import on_gpu
 
 # rows of x (all leading axes together) for which the native product is used: a decode batch,
@@ -131,3 +131,21 @@ def add_product(
     if plain or (split_on_cuda and attention.on_cuda()):
         return h + scale * layer(x)
     return mx.addmm(h, x, layer.weight.T, alpha=scale)
+
+
+def add_product_norm(
+    h: mx.array,
+    layer: nn.Module,
+    x: mx.array,
+    scale: float,
+    norm: nn.RMSNorm,
+    split_on_cuda: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """(h + scale · layer(x), `norm` of it): a decode step's residual add and the norm that
+    reads it next. On CUDA with its kernel on (`norm_cuda`), the plain product (an `addmm` of
+    a few rows is a slower GEMM there) then one launch for the add and the norm; else
+    `add_product` (`split_on_cuda` as it takes it), then the norm."""
+    if norm_cuda.available() and norm_cuda.supports(h):
+        return tuple(norm_cuda.add_rms_norm(h, layer(x), scale, norm.weight, norm.eps))
+    h = add_product(h, layer, x, scale, split_on_cuda)
+    return h, norm(h)

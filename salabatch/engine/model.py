@@ -16,7 +16,7 @@ from salabatch.engine.config import LIGHTNING, ModelConfig
 from salabatch.engine.decode import DecodeStep
 from salabatch.engine.kernels.gates import silu_mul
 from salabatch.engine.lightning import LightningAttention
-from salabatch.engine.linear import Linear, add_product, fuse
+from salabatch.engine.linear import Linear, add_product_norm, fuse
 from salabatch.engine.sparse import SparseAttention
 
 
@@ -67,25 +67,26 @@ class Block(nn.Module):
         parts = (self.self_attn.fused, self.mlp.fused)
         return tuple(() if f is None else f.arrays() for f in parts)
 
-    def step(self, h: mx.array, arrays, info: mx.array, tables: dict, mode: str):
-        """A decode step (see `Model.step`); arrays: (the layer's cache arrays, `step_weights`)
-        → (h, the rewritten cache arrays, the blocks a sparse layer attended or None). Both
-        residual adds ride on the output projections (`add_product`: one addmm each), but on
-        CUDA the MLP's follows a plain product of its down projection, the step's largest,
-        which an addmm would run as a slower GEMM (an H100's measure: `add_product`); the
-        attention's output projection is yet to be timed both ways there."""
+    def step(self, h: mx.array, x: mx.array, arrays, info: mx.array, tables: dict, mode: str, norm):
+        """A decode step (see `Model.step`): h, and x = this layer's input norm of h; arrays:
+        (the layer's cache arrays, `step_weights`); norm: what reads h next (the next layer's
+        input norm, or the model's final norm) → (h, norm(h), the rewritten cache arrays, the
+        blocks a sparse layer attended or None). Each residual add comes with the norm after it
+        (`add_product_norm`): on Metal an addmm then the norm; on CUDA the MLP's follows a
+        plain product of its down projection, the step's largest, which an addmm would run as
+        a slower GEMM (an H100's measure: `add_product`), and with the norm kernel on both
+        products are plain and each add is one launch with its norm."""
         arrays, (mixer_w, mlp_w) = arrays
-        x = self.input_layernorm(h)
-        attn = self.self_attn
+        attn, s = self.self_attn, self.residual_scale
         if self.kind == LIGHTNING:
             o, arrays = attn.step(x, arrays, info[:, 0], mixer_w)
             selected = None
         else:
             o, arrays, selected = attn.step(x, arrays, info, tables, mode, mixer_w)
-        h = add_product(h, attn.o_proj, o, self.residual_scale)
-        y = self.mlp.hidden(self.post_attention_layernorm(h), mlp_w)
-        h = add_product(h, self.mlp.down_proj, y, self.residual_scale, split_on_cuda=True)
-        return h, arrays, selected
+        h, x = add_product_norm(h, attn.o_proj, o, s, self.post_attention_layernorm)
+        y = self.mlp.hidden(x, mlp_w)
+        h, x = add_product_norm(h, self.mlp.down_proj, y, s, norm, split_on_cuda=True)
+        return h, x, arrays, selected
 
 
 class SALAModel(nn.Module):
@@ -150,13 +151,15 @@ class Model(nn.Module):
         .decode_attention` takes them. → (logits [B, vocab], each layer's rewritten cache
         arrays, each sparse layer's blocks)."""
         h = self.model.embed_tokens(tokens[:, None]) * self.model.scale_emb  # [B, 1, hidden]
+        x = self.layers[0].input_layernorm(h)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.norm]
         out, selected = [], []
-        for layer, arrays in zip(self.layers, layers, strict=True):
-            h, arrays, blocks = layer.step(h, arrays, info, tables, mode)
+        for layer, arrays, norm in zip(self.layers, layers, norms, strict=True):
+            h, x, arrays, blocks = layer.step(h, x, arrays, info, tables, mode, norm)
             out.append(arrays)
             if blocks is not None:
                 selected.append(blocks)
-        return self.logits(self.model.norm(h))[:, 0], out, selected
+        return self.logits(x)[:, 0], out, selected
 
     def fuse(self) -> None:
         """Projections of one input as one matmul each (`linear.Fused`): their weights become

@@ -63,10 +63,10 @@ def on_gpu() -> bool:
 
 
 # The custom CUDA kernels (`kernels/stage1_cuda.py`, `scores_cuda.py`, `stage2_cuda.py`,
-# `decode_cuda.py`, `gla_cuda.py`), and those on by default: the ones whose parity tests
-# (marked `gpu`) have passed on a GPU. `scores`, `stage2`, `decode` and `gla` have not been run
-# on one yet.
-CUDA_KERNELS = ("stage1", "scores", "stage2", "decode", "gla")
+# `decode_cuda.py`, `gla_cuda.py`, `norm_cuda.py`), and those on by default: the ones whose
+# parity tests (marked `gpu`) have passed on a GPU. `scores`, `stage2`, `decode`, `gla` and
+# `norm` have not been run on one yet.
+CUDA_KERNELS = ("stage1", "scores", "stage2", "decode", "gla", "norm")
 DEFAULT_CUDA_KERNELS = "stage1"
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from salabatch.engine.kernels import decode_cuda, gla_cuda, scores_cuda, stage1_cuda, stage2_cuda
+from salabatch.engine.kernels import (
+    decode_cuda,
+    gla_cuda,
+    norm_cuda,
+    scores_cuda,
+    stage1_cuda,
+    stage2_cuda,
+)
 
 
 def _cuda_dir() -> Path | None:
@@ -187,6 +194,17 @@ def test_stage1_scores_kernel_compiles(dtype, d):
                   template)  # fmt: skip
     _assert_builds(unit, 32 * scores_cuda.QUERIES)
     assert scores_cuda.shared_bytes(d, 2) <= stage2_cuda.MAX_SHARED
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("n", [4096, 256, 300])
+def test_add_rms_norm_kernel_compiles(dtype, n):
+    """The residual add and norm: the 9B's width, a small one, one not a multiple of 256."""
+    inputs = [("h", dtype), ("y", dtype), ("weight", dtype), ("params", "f32")]
+    assert tuple(name for name, _ in inputs) == norm_cuda.INPUTS
+    unit = _build("add_norm", norm_cuda._SOURCE, inputs, [("h_out", dtype), ("normed", dtype)],
+                  "", [("T", dtype), ("N", n)])  # fmt: skip
+    _assert_builds(unit, norm_cuda.THREADS)
 
 
 def test_a_broken_source_fails_to_build():

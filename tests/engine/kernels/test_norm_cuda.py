@@ -1,0 +1,49 @@
+"""The decode step's residual add and norm kernel (`kernels/norm_cuda.py`) on a GPU, against the
+MLX ops it replaces: run where MLX's CUDA backend has a GPU (`-m gpu`), skipped elsewhere (its
+source runs on the CPU in `test_norm_emulated.py`). It is off by default until these pass on a
+GPU; `benchmarks/device-gpu.sh` runs them and switches it on for the timings that follow when
+they do."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from salabatch.engine.kernels import norm_cuda
+from tests.engine.kernels.test_norm_emulated import add_norm_case
+from tests.engine.kernels.test_stage2_cuda import ON_CUDA, relative_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")]
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_kernel_matches_the_add_and_the_norm_at_the_9b_width(rows):
+    h, y, norm = add_norm_case(rows, 4096, seed=rows)
+    want_h = h + 1.4 * y
+    want = norm(want_h)
+    got_h, got = norm_cuda.add_rms_norm(h, y, 1.4, norm.weight, norm.eps)
+    assert mx.array_equal(got_h, want_h).item()
+    assert relative_error(got, want) < 4e-3
+
+
+def test_a_decode_step_gives_the_same_tokens_with_it(monkeypatch):
+    """The compiled decode step of a model at the 9B's layout (small width, bf16), 4 rows
+    forked from a 4K document of zeros, the kernel on and off: logits to bf16's rounding, the
+    same greedy tokens but for near ties."""
+    from salabatch.bench.graph import filled_model_cache, sala_model
+    from salabatch.engine.decode import DecodeStep, decode
+
+    model = sala_model(mx.bfloat16)
+    ids = mx.array([3, 77, 1000, 5], dtype=mx.int32)
+    logits = {}
+    for kernels in ("stage1", "stage1,norm"):
+        monkeypatch.setenv("SALABATCH_CUDA_KERNELS", kernels)
+        model.decoder = DecodeStep(model)
+        cache = filled_model_cache(model, 4096).fork(4)
+        logits[kernels] = decode(model, ids, cache)
+        mx.eval(logits[kernels])
+    got, want = logits["stage1,norm"], logits["stage1"].astype(mx.float32)
+    assert relative_error(got, want) < 2e-2
+    # the greedy token the same, or one whose logit ties the best's to bf16's rounding
+    chosen = mx.take_along_axis(want, got.argmax(-1)[:, None], axis=-1)[:, 0]
+    assert mx.all(want.max(-1) - chosen <= 1e-2 * mx.abs(want).max(-1)).item()
