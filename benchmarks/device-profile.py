@@ -207,13 +207,11 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         if name == "8 sparse":
             profile_decode_attention(model, cache)
             if decode_cuda.available():  # its parity passed: the same step with the MLX ops
-                kernel = decode_cuda.available
-                decode_cuda.available = lambda: False
-                model.decoder = DecodeStep(model)  # traced again, without the kernel
-                s = median_step(model, ids, cache)
+                with kernel_off(decode_cuda):
+                    model.decoder = DecodeStep(model)  # traced again, without the kernel
+                    s = median_step(model, ids, cache)
                 print(f"decode step, {name} layer(s), selection as MLX ops: {s * 1e3:8.2f} ms",
                       flush=True)  # fmt: skip
-                decode_cuda.available = kernel
                 model.decoder = DecodeStep(model)
         del model, cache
     light = (steps["8 lightning"] - steps["1 lightning"]) / 7
@@ -293,12 +291,8 @@ def profile_decode_attention(model, cache) -> None:
 
     def mlx_ops(fn):  # a part as MLX ops where the decode step's CUDA kernels are on
         def run(qs):
-            kernel = decode_cuda.available
-            decode_cuda.available = lambda: False
-            try:
+            with kernel_off(decode_cuda):
                 return fn(qs)
-            finally:
-                decode_cuda.available = kernel
 
         return run
 
@@ -382,20 +376,19 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     # stage 2's useful work: K·block keys for each query and head, QK and PV
     useful = 2 * 2 * chunk * cfg.num_attention_heads * settings["k"] * sc.block_size * 128
     outs = {}
-    kernel = stage2_cuda.available  # the MLX-op forms first, the kernel off
-    stage2_cuda.available = lambda: False
-    for form, limit in (("masked", 1 << 62), ("gathered", 0)):
-        sparse_attention.MASKED_KEYS = limit
+    with kernel_off(stage2_cuda):  # the MLX-op forms first
+        for form, limit in (("masked", 1 << 62), ("gathered", 0)):
+            sparse_attention.MASKED_KEYS = limit
 
-        def stage2():
-            return block_sparse_attention(q, kv, idx, starts, sparse.scale, sc.block_size)
+            def stage2():
+                return block_sparse_attention(q, kv, idx, starts, sparse.scale, sc.block_size)
 
-        outs[form] = stage2()
-        timed(f"{n}: stage 2, {form} form", stage2, useful)
+            outs[form] = stage2()
+            timed(f"{n}: stage 2, {form} form", stage2, useful)
     sparse_attention.MASKED_KEYS = MASKED_KEYS
-    stage2_cuda.available = kernel
     G = cfg.num_attention_heads // cfg.num_key_value_heads
-    if kernel() and stage2_cuda.supports(q, G, sc.block_size):  # its parity passed on this GPU
+    # where its parity passed on this GPU
+    if stage2_cuda.available() and stage2_cuda.supports(q, G, sc.block_size):
         for tile in (2, 4, 8):
 
             def tiled(tile=tile):

@@ -79,6 +79,21 @@ def _stand_in_kernel(*_, **__):
     return launch
 
 
+def custom_kernel_modules() -> tuple:
+    """The engine's custom CUDA kernels' modules (`kernels/*_cuda.py`), each with its switch
+    `available()` and its kernel factory `_kernel`."""
+    from salabatch.engine.kernels import (
+        decode_cuda,
+        gla_cuda,
+        norm_cuda,
+        scores_cuda,
+        stage1_cuda,
+        stage2_cuda,
+    )
+
+    return decode_cuda, gla_cuda, norm_cuda, scores_cuda, stage1_cuda, stage2_cuda
+
+
 @contextmanager
 def gpu_graph(
     device_memory: int | None = None, cuda: bool = False, custom_kernels: bool | None = None
@@ -89,15 +104,7 @@ def gpu_graph(
     `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
     (`kernels/*_cuda.py`), each launch one node. For counting graphs only: the stand-ins do
     not compute their result."""
-    from salabatch.engine.kernels import (
-        attention,
-        decode_cuda,
-        gla_cuda,
-        norm_cuda,
-        scores_cuda,
-        stage1_cuda,
-        stage2_cuda,
-    )
+    from salabatch.engine.kernels import attention
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
     memory, rotates, cuda_device = (
@@ -106,10 +113,7 @@ def gpu_graph(
         attention.on_cuda,
     )
     custom = cuda if custom_kernels is None else custom_kernels
-    saved_kernels = [
-        (m, m.available, m._kernel)
-        for m in (decode_cuda, gla_cuda, norm_cuda, scores_cuda, stage1_cuda, stage2_cuda)
-    ]
+    saved_kernels = [(m, m.available, m._kernel) for m in custom_kernel_modules()]
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:

@@ -12,16 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.bench.graph import custom_kernel_modules
 from salabatch.engine.decode import DecodeStep
 from salabatch.engine.generate import prefill
-from salabatch.engine.kernels import (
-    decode_cuda,
-    gla_cuda,
-    norm_cuda,
-    scores_cuda,
-    stage1_cuda,
-    stage2_cuda,
-)
 from salabatch.engine.kernels.sparse_decode import DENSE
 from salabatch.engine.load import load_model
 from tests.engine.kernels import cuda_emu
@@ -29,8 +22,6 @@ from tests.engine.kernels.test_stage2_cuda import relative_error
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with C++20")
-
-MODULES = (scores_cuda, stage1_cuda, stage2_cuda, gla_cuda, decode_cuda, norm_cuda)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +62,7 @@ def run(model) -> list[mx.array]:
 def test_every_kernel_together_as_the_mlx_ops(model, monkeypatch):
     monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
     want = run(model)
-    with cuda_emu.emulated_kernels(monkeypatch, *MODULES) as launched:
+    with cuda_emu.emulated_kernels(monkeypatch, *custom_kernel_modules()) as launched:
         got = run(model)
     names = set(launched)
     assert {"salabatch_stage1_scores", "salabatch_stage2_tiles", "salabatch_gla_chunks",
