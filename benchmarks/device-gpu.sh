@@ -58,28 +58,38 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
     echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$log"
 }
 
-# The custom CUDA kernels' parity first, each on its own (seconds once compiled): the benches
+# The custom CUDA kernels' parity first, each in its own process (seconds once compiled): the benches
 # below run with those that pass (SALABATCH_CUDA_KERNELS), the others' dispatchers on their
 # MLX-op forms; timings through a kernel that disagrees with its reference would mean nothing.
 # What the GPU path takes from MLX's own kernels without a reference beside it: a bf16 rope
 # rounds once (the lightning prefill's one-kernel rope). Logged; a failure means the lightning
 # prefill must upcast again (`attention.rotates_in_float32`).
-[ -z "${KERNELS:-}" ] && MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q \
-    -p no:cacheprovider -rfE -m gpu tests/engine/test_lightning_gpu.py 2>&1 | tail -5 | tee -a "$log"
+[ -z "${KERNELS:-}" ] && MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-rope MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" \
+    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/engine/test_lightning_gpu.py \
+    > "$out/parity-rope.txt" 2>&1 &
 # KERNELS=stage1,gla (say): the kernels an earlier call on this machine found passing, used
 # as they are, their parity not run again.
 passed=()
 [ -n "${KERNELS:-}" ] && passed=("$KERNELS")
-for kernel in stage1 scores stage2 decode gla norm; do
-    [ -n "${KERNELS:-}" ] && break
-    klog="$out/parity-$kernel.txt"
-    MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rfE \
-        "tests/engine/kernels/test_${kernel}_cuda.py" > "$klog" 2>&1
-    rc=$?
-    tail -5 "$klog" | tee -a "$log"
+# each kernel's parity in its own process, all at once (NVRTC compiles on the CPU's cores), each
+# with its own compiled-kernel folder: two processes writing one cache file would race
+kernels=(stage1 scores stage2 decode gla norm) pids=()
+[ -n "${KERNELS:-}" ] && kernels=()
+for kernel in "${kernels[@]}"; do
+    MLX_PTX_CACHE_DIR="/tmp/mlx-ptx-$kernel" MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" \
+        python3 -m pytest -q -p no:cacheprovider -rfE "tests/engine/kernels/test_${kernel}_cuda.py" \
+        > "$out/parity-$kernel.txt" 2>&1 &
+    pids+=($!)
+done
+for i in "${!kernels[@]}"; do
+    wait "${pids[$i]}"
+    rc=$? kernel=${kernels[$i]}
+    tail -5 "$out/parity-$kernel.txt" | tee -a "$log"
     [ $rc -eq 0 ] && passed+=("$kernel")
     echo "== kernel $kernel: parity rc $rc" | tee -a "$log"
 done
+wait  # the rope check
+[ -f "$out/parity-rope.txt" ] && tail -3 "$out/parity-rope.txt" | tee -a "$log"
 export SALABATCH_CUDA_KERNELS=$(IFS=,; echo "${passed[*]:-none}")
 echo "== SALABATCH_CUDA_KERNELS=$SALABATCH_CUDA_KERNELS" | tee -a "$log"
 # where a chunk's and a step's time goes first (PROFILE_ARGS: its contexts, default 32K 64K

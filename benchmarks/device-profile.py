@@ -5,8 +5,9 @@ timed alone: the median of 3 runs after one that compiles its kernels. Stage 1 i
 without its sort (scores and pooling only), and stage 2 in both its GPU forms whatever the
 context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
 as an additive mask, and the gathers of each query's blocks, checked against each other.
-Decode, timed before the contexts: the output projections with their residual add
-(`addmm`, or a product and an add), and the compiled step (batch 1, a 32K context of zeros) of
+The sparse layer at each context comes first (a call cut short keeps what it measured), then
+decode's output projections with their residual add (`addmm`, or a product and an add), the
+lightning layer, and decode's compiled step (batch 1, a 32K context of zeros) of
 models at the 9B's width with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the
 embedding, the head and one layer), from which a layer of each kind costs what it adds, and a
 sparse layer's decode attention split into stage 1 (with its top-k) and stage 2
@@ -99,6 +100,11 @@ def main(contexts: list[int]) -> None:
     x = (mx.random.normal((1, chunk, hidden), key=mx.random.key(0)) * 0.5).astype(dt)
     w = (mx.random.normal((hidden, 3 * hidden), key=mx.random.key(1)) * 0.02).astype(dt)
     mx.eval(x, w)
+    # The sparse layer's parts first: where the prefill's time goes at each context, and each
+    # stage's CUDA kernel beside its MLX-op form (a call cut short keeps what it measured; on
+    # the H100 of 2026-11-27 a 100 s profile ended in the lightning layer, before these)
+    for n in contexts:
+        profile_context(sparse, cfg, x, n, chunk, dt)
     timed(f"matmul [{chunk}, {hidden}] x [{hidden}, {3 * hidden}]", lambda: x @ w,
           2 * chunk * hidden * 3 * hidden)  # fmt: skip
     profile_residual_products(hidden, dt)
@@ -122,9 +128,7 @@ def main(contexts: list[int]) -> None:
         timed(f"lightning recurrence alone, {c}-token chunks",
               lambda c=c: gla_parallel(*qkv, g, 0.1, state, chunk=c))  # fmt: skip
 
-    profile_decode(hidden, dt)  # before the contexts: the decode split is newer, and a call
-    for n in contexts:  # cut short keeps what it measured
-        profile_context(sparse, cfg, x, n, chunk, dt)
+    profile_decode(hidden, dt)
 
 
 def profile_lightning(layer, x, state, kernel: bool) -> None:

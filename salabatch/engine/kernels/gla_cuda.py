@@ -1,20 +1,27 @@
-"""A lightning layer's prefill recurrence as one CUDA kernel (`mx.fast.cuda_kernel`): simple
-GLA over whole 64-token chunks in sequence, the state kept in tensor-core accumulators.
+"""A lightning layer's recurrence as CUDA kernels (`mx.fast.cuda_kernel`): the prefill's simple
+GLA over 64-token chunks in three launches, each parallel over (row, head, chunk) or over the
+state's elements, and the decode step's token in one.
 
-The MLX-op form on the GPU path (`gla.gla_parallel`) casts q, k and v to float32 copies,
-materialises every chunk's start state ([B, H, N, dk, dv] float32, 268 MB an 8K chunk of the
-9B) and reads them back: 2.5 ms a layer and 8K chunk on an H100, about three times its bytes'
-time. Here a thread block takes one (row, head, 32 columns of dv) and walks the chunks in
-order: each chunk's q, k and v come into shared memory once (as float32), and
+The MLX-op form on the GPU path (`gla.gla_parallel`) casts q, k and v to float32 copies, writes
+the chunks' scores, their decayed keys, every chunk's start state and the outputs' parts as
+float32 arrays and reads them back: 2.4-2.8 ms a layer and 8K chunk on an H100, where its bytes
+need ~0.5. A first kernel here walked the chunks in order, a thread block a (row, head, 32
+columns of the state): 128 thread blocks for the 9B at batch 1, one an SM, each chunk's loads
+and products in a chain, 3.4 ms (H100, 2026-11-27): latency, not bytes. Now the chain is only
+the state's sum, element by element:
 
-    P   = (q kᵀ) · scale · γ^(τ−σ)  for σ ≤ τ, else 0          (the chunk's own tokens)
-    o_τ = (q_τ · scale · γ^(τ+1)) S + Σ_σ P[τ, σ] v_σ          (S: the state at the chunk's start)
-    S  ← γ^C' S + Σ_σ (k_σ γ^(C'−1−σ)) v_σᵀ                    (C': the chunk's tokens)
+    1. `states`:  U_c = Σ_σ (k_σ γ^(C_c−1−σ)) v_σᵀ             a thread block a (row, head, chunk)
+    2. `scan`:    S_0 = the given state (or zeros), S_c+1 = γ^C_c S_c + U_c, each S_c written
+                  (the last is the final state)                  a thread a state element
+    3. `out`:     P = (q kᵀ) · scale · γ^(τ−σ) for σ ≤ τ, else 0;
+                  o_τ = (q_τ · scale · γ^(τ+1)) S_c + Σ_σ P[τ, σ] v_σ   a thread block a chunk
 
-with γ = exp(g_h), the products on tensor cores in TF32 (m16n16k8) with float32 accumulation,
-as MLX's own float32 matmuls run on CUDA by default (TF32 on): q, k and v come from bf16 or
-fp16, which TF32 holds exactly; the decayed operands and S are rounded to TF32 as they enter a
-product. o is written once, in the layout [B, T, H, dv] the layer reads next, in `out_dtype`.
+with γ = exp(g_h) and C_c the chunk's tokens (64, or fewer in the last). The products run on
+tensor cores in TF32 (m16n16k8) with float32 accumulation, as MLX's own float32 matmuls run on
+CUDA by default (TF32 on): q, k and v come from bf16 or fp16, which TF32 holds exactly; the
+decayed operands and S are rounded to TF32 as they enter a product; the scan adds in float32.
+o is written once, in the layout [B, T, H, dv] the layer reads next, in `out_dtype`. Bytes a
+layer and 8K chunk of the 9B: ~1.5 GB (the chunks' U and S, 268 MB each, written and read once).
 
 Layout:
   q, k, v  [B, H, T, d]    bfloat16 or float16 (row-contiguous; d a multiple of 32, ≤ 128)
@@ -23,8 +30,8 @@ Layout:
   →        o [B, T, H, d] in out_dtype, the final state [B, H, d, d] float32
 
 Off by default until its parity test (`tests/engine/kernels/test_gla_cuda.py`, marked `gpu`)
-has passed on a GPU: `SALABATCH_CUDA_KERNELS=stage1,gla` switches it on; the dispatcher
-(`gla.gla`) then takes it where `supports` says.
+has passed on a GPU and it has won there: `SALABATCH_CUDA_KERNELS=stage1,gla` switches it on;
+the dispatchers (`gla.gla`, `LightningAttention.step`) then take it where `supports` says.
 """
 
 from __future__ import annotations
@@ -37,176 +44,214 @@ import numpy as np
 from salabatch.engine.kernels.attention import cuda_kernel
 
 CHUNK = 64  # tokens a chunk: 16 rows of a tensor-core tile per warp, 4 warps
-COLUMNS = 32  # dv columns a thread block
-THREADS = 128
-INPUTS = ("q", "k", "v", "g", "state", "dims", "scale")
+THREADS = 128  # a thread block of `states` and `out`
+SCAN_THREADS = 256
+STATES_INPUTS = ("k", "v", "g", "dims")
+SCAN_INPUTS = ("chunk_states", "g", "state", "dims")
+OUT_INPUTS = ("q", "k", "v", "g", "starts", "dims", "scale")
 STEP_INPUTS = ("y", "wq", "wk", "pos", "decay", "state", "params")
 
-# One thread block: (row b, head h, columns j·COLUMNS …). Shared memory, float32, strides
-# padded by 8 (rows stay 32-byte aligned for WMMA, and neighbouring rows start in other
-# banks): Qs, Ks [CHUNK][D + 8], Vs [CHUNK][COLUMNS + 8], Ps [CHUNK][CHUNK + 8], Ss [D][COLUMNS
-# + 8], the decays γ^0 … γ^CHUNK. Warp w owns the chunk's rows 16w … 16w + 15 of Qs, Ps (and
-# the output), and S's tiles w, w + 4, ... (row tile t / NC, column tile t % NC) in registers.
-_SOURCE = """
-    using namespace nvcuda;
-    constexpr int C = 64, DV = 32, QL = D + 8, VL = DV + 8, PL = C + 8, NC = DV / 16;
-    constexpr int TILES = (D / 16) * NC / 4;  // S's tiles a warp
-    using A8 = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-    using AT8 = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
-    using B8 = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-    using BT8 = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
-    using Acc = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+# What the three prefill kernels share: tile types, the chunk and its tokens, the (row, head,
+# chunk) of a thread block, and the rows of q, k or v as float32 in shared memory (stride D + 8:
+# rows stay 32-byte aligned for WMMA and neighbouring rows start in other banks), zeros past the
+# chunk's tokens, each scaled by f(row) (the decays) and rounded to TF32 where asked.
+CHUNKS = """
+#include <mma.h>
+namespace salabatch_gla {
+using namespace nvcuda;
+constexpr int C = 64;
+using A8 = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using AT8 = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+using B8 = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using BT8 = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
 
-    const int T = dims[0], H = dims[1];
-    const int NT = D / DV;
-    const int bh = blockIdx.x / NT, j = blockIdx.x % NT, h = bh % H, b = bh / H;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const float sc = scale[0];
+// rows t0 .. t0 + n − 1 of x [T, D] (a (row, head)'s) into dst [C][D + 8]
+template <typename InT, int D, typename F>
+__device__ void load_rows(float* dst, const InT* x, int t0, int n, F scale, bool tf32) {
+    constexpr int VE = 16 / sizeof(InT), L = D + 8;  // elements a 16-byte load
+    for (int i = threadIdx.x; i < C * D / VE; i += blockDim.x) {
+        const int r = i / (D / VE), c = (i % (D / VE)) * VE;
+        alignas(16) InT e[VE];
+        if (r < n) {
+            *reinterpret_cast<uint4*>(e) =
+                *reinterpret_cast<const uint4*>(x + (long long)(t0 + r) * D + c);
+        }
+        const float f = r < n ? scale(r) : 0.0f;
+        for (int j = 0; j < VE; ++j) {
+            const float y = r < n ? (float)e[j] * f : 0.0f;
+            dst[r * L + c + j] = tf32 ? wmma::__float_to_tf32(y) : y;
+        }
+    }
+}
+}  // namespace salabatch_gla
+"""
 
+# 1. A thread block (row, head, chunk c): U_c = (k γ^(n−1−σ))ᵀ v, n the chunk's tokens, [D, D]
+# float32 into chunk_states [B, H, N, D, D]; warp w the tiles w, w + 4, ...
+_STATES = """
+    using namespace salabatch_gla;
+    constexpr int L = D + 8, NT = D / 16;
+    const int T = dims[0], H = dims[1], N = (T + C - 1) / C;
+    const int bh = blockIdx.x / N, c = blockIdx.x % N, h = bh % H;
+    const int t0 = c * C, n = min(C, T - t0), warp = threadIdx.x / 32;
     extern __shared__ __align__(32) unsigned char smem[];
-    float* Qs = reinterpret_cast<float*>(smem);
-    float* Ks = Qs + C * QL;
-    float* Vs = Ks + C * QL;
-    float* Ps = Vs + C * VL;
-    float* Ss = Ps + C * PL;
-    float* dec = Ss + D * VL;  // γ^x, x = 0 … C
-    for (int x = threadIdx.x; x <= C; x += blockDim.x) {
-        dec[x] = expf(g[h] * (float)x);
-    }
-
-    Acc S[TILES];
-    for (int i = 0; i < TILES; ++i) {
-        const int t = warp + 4 * i, r0 = (t / NC) * 16, c0 = (t % NC) * 16;
-        if (FRESH) {
-            wmma::fill_fragment(S[i], 0.0f);
-        } else {
-            const float* s0 = state + ((long long)bh * D + r0) * D + j * DV + c0;
-            wmma::load_matrix_sync(S[i], s0, D, wmma::mem_row_major);
+    float* Ks = reinterpret_cast<float*>(smem);
+    float* Vs = Ks + C * L;
+    const float gh = g[h];
+    const long long base = (long long)bh * T * D;  // k, v [b, h, 0, 0]
+    load_rows<InT, D>(Ks, k + base, t0, n, [&](int r) { return expf(gh * (float)(n - 1 - r)); },
+                      true);
+    load_rows<InT, D>(Vs, v + base, t0, n, [](int) { return 1.0f; }, false);
+    __syncthreads();
+    float* U = chunk_states + ((long long)bh * N + c) * D * D;
+    for (int t = warp; t < NT * NT; t += 4) {
+        const int rt = (t / NT) * 16, ct = (t % NT) * 16;
+        Acc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kk = 0; kk < C; kk += 8) {
+            AT8 kt;
+            B8 vb;
+            wmma::load_matrix_sync(kt, Ks + kk * L + rt, L);
+            wmma::load_matrix_sync(vb, Vs + kk * L + ct, L);
+            wmma::mma_sync(acc, kt, vb, acc);
         }
-    }
-    const long long base = (long long)bh * T * D;  // q, k, v [b, h, 0, 0]
-    constexpr int VE = 16 / sizeof(InT);            // elements a 16-byte load
-    for (int t0 = 0; t0 < T; t0 += C) {
-        const int n = min(C, T - t0);
-        // A: the chunk's q, k (all D columns) and v (this block's DV) as float32, zeros past n;
-        // S as it stands, the state at the chunk's start
-        for (int i = threadIdx.x; i < C * D / VE; i += blockDim.x) {
-            const int r = i / (D / VE), c = (i % (D / VE)) * VE;
-            alignas(16) InT qv[VE];
-            alignas(16) InT kv[VE];
-            if (r < n) {
-                *reinterpret_cast<uint4*>(qv) =
-                    *reinterpret_cast<const uint4*>(q + base + (long long)(t0 + r) * D + c);
-                *reinterpret_cast<uint4*>(kv) =
-                    *reinterpret_cast<const uint4*>(k + base + (long long)(t0 + r) * D + c);
-            }
-            for (int e = 0; e < VE; ++e) {
-                Qs[r * QL + c + e] = r < n ? (float)qv[e] : 0.0f;
-                Ks[r * QL + c + e] = r < n ? (float)kv[e] : 0.0f;
-            }
-        }
-        for (int i = threadIdx.x; i < C * DV / VE; i += blockDim.x) {
-            const int r = i / (DV / VE), c = (i % (DV / VE)) * VE;
-            alignas(16) InT vv[VE];
-            if (r < n) {
-                *reinterpret_cast<uint4*>(vv) = *reinterpret_cast<const uint4*>(
-                    v + base + (long long)(t0 + r) * D + j * DV + c);
-            }
-            for (int e = 0; e < VE; ++e) {
-                Vs[r * VL + c + e] = r < n ? (float)vv[e] : 0.0f;
-            }
-        }
-        for (int i = 0; i < TILES; ++i) {
-            const int t = warp + 4 * i;
-            wmma::store_matrix_sync(Ss + (t / NC) * 16 * VL + (t % NC) * 16, S[i], VL,
-                                    wmma::mem_row_major);
-        }
-        __syncthreads();
-        // B: the warp's 16 rows of q kᵀ, the tiles on and below the diagonal
-        const int r0 = warp * 16;
-        for (int ct = 0; ct <= warp; ++ct) {
-            Acc acc;
-            wmma::fill_fragment(acc, 0.0f);
-            for (int kk = 0; kk < D; kk += 8) {
-                A8 a;
-                BT8 bt;
-                wmma::load_matrix_sync(a, Qs + r0 * QL + kk, QL);
-                wmma::load_matrix_sync(bt, Ks + ct * 16 * QL + kk, QL);
-                wmma::mma_sync(acc, a, bt, acc);  // q, k: bf16 or fp16 values, exact in TF32
-            }
-            wmma::store_matrix_sync(Ps + r0 * PL + ct * 16, acc, PL, wmma::mem_row_major);
-        }
-        __syncthreads();  // every warp has read the raw keys
-        // C: the warp's rows: P causal and decayed, q scaled for S; its 16 keys decayed to the
-        // chunk's end
-        for (int i = lane; i < 16 * C; i += 32) {
-            const int r = r0 + i / C, c = i % C;
-            const float p = c <= r ? Ps[r * PL + c] * sc * dec[r - c] : 0.0f;
-            Ps[r * PL + c] = wmma::__float_to_tf32(p);
-        }
-        for (int i = lane; i < 16 * D; i += 32) {
-            const int r = r0 + i / D, c = i % D;
-            Qs[r * QL + c] = wmma::__float_to_tf32(Qs[r * QL + c] * sc * dec[r + 1]);
-            Ks[r * QL + c] = r < n ? wmma::__float_to_tf32(Ks[r * QL + c] * dec[n - 1 - r]) : 0.0f;
-        }
-        __syncthreads();
-        // D: the warp's rows of o = (q·scale·γ^(τ+1)) S + P v, written once
-        Acc o[NC];
-        for (int ct = 0; ct < NC; ++ct) {
-            wmma::fill_fragment(o[ct], 0.0f);
-            for (int kk = 0; kk < D; kk += 8) {
-                A8 a;
-                B8 s;
-                wmma::load_matrix_sync(a, Qs + r0 * QL + kk, QL);
-                wmma::load_matrix_sync(s, Ss + kk * VL + ct * 16, VL);
-                for (int e = 0; e < s.num_elements; ++e) {
-                    s.x[e] = wmma::__float_to_tf32(s.x[e]);
-                }
-                wmma::mma_sync(o[ct], a, s, o[ct]);
-            }
-            for (int kk = 0; kk < r0 + 16; kk += 8) {
-                A8 p;
-                B8 vb;
-                wmma::load_matrix_sync(p, Ps + r0 * PL + kk, PL);
-                wmma::load_matrix_sync(vb, Vs + kk * VL + ct * 16, VL);
-                wmma::mma_sync(o[ct], p, vb, o[ct]);
-            }
-        }
-        __syncwarp();  // the warp's rows of P are read: they take its output
-        for (int ct = 0; ct < NC; ++ct) {
-            wmma::store_matrix_sync(Ps + r0 * PL + ct * 16, o[ct], PL, wmma::mem_row_major);
-        }
-        __syncwarp();
-        for (int i = lane; i < 16 * DV; i += 32) {
-            const int r = r0 + i / DV, c = i % DV;
-            if (r < n) {
-                out[(((long long)b * T + t0 + r) * H + h) * D + j * DV + c] = (OutT)Ps[r * PL + c];
-            }
-        }
-        // E: S ← γ^n S + (k γ^(n−1−σ))ᵀ v, the warp's tiles
-        for (int i = 0; i < TILES; ++i) {
-            const int t = warp + 4 * i, rt = (t / NC) * 16, ct = (t % NC) * 16;
-            for (int e = 0; e < S[i].num_elements; ++e) {
-                S[i].x[e] *= dec[n];
-            }
-            for (int kk = 0; kk < C; kk += 8) {
-                AT8 kt;
-                B8 vb;
-                wmma::load_matrix_sync(kt, Ks + kk * QL + rt, QL);
-                wmma::load_matrix_sync(vb, Vs + kk * VL + ct, VL);
-                wmma::mma_sync(S[i], kt, vb, S[i]);
-            }
-        }
-        __syncthreads();  // before the next chunk overwrites what this one read
-    }
-    for (int i = 0; i < TILES; ++i) {
-        const int t = warp + 4 * i, r = (t / NC) * 16, c = (t % NC) * 16;
-        float* dst = final_state + ((long long)bh * D + r) * D + j * DV + c;
-        wmma::store_matrix_sync(dst, S[i], D, wmma::mem_row_major);
+        wmma::store_matrix_sync(U + rt * D + ct, acc, D, wmma::mem_row_major);
     }
 """
 
-HEADER = "#include <mma.h>\n"
+# 2. A thread an element e of [B, H, D, D]: the state before each chunk into starts [B, H, N,
+# D, D] (S_0 the given state, or zeros), S ← γ^n S + U_c after it (n the chunk's tokens), the
+# last into final_state. Loads of U do not wait on the sum: the chain is one multiply-add a
+# chunk.
+_SCAN = """
+    constexpr int C = 64;
+    const int T = dims[0], H = dims[1], B = dims[2], N = (T + C - 1) / C;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < (long long)B * H * D * D) {
+        const long long bh = e / (D * D), at = e % (D * D);
+        const float gh = g[bh % H];
+        const float full = expf(gh * (float)C), last = expf(gh * (float)(T - (N - 1) * C));
+        float S = FRESH ? 0.0f : state[e];
+        const float* u = chunk_states + bh * N * D * D + at;
+        float* s = starts + bh * N * D * D + at;
+#pragma unroll 8
+        for (int c = 0; c < N; ++c) {
+            s[(long long)c * D * D] = S;
+            S = (c + 1 < N ? full : last) * S + u[(long long)c * D * D];
+        }
+        final_state[e] = S;
+    }
+"""
+
+# 3. A thread block (row, head, chunk c): P = the chunk's causal decayed scores (warp w its rows
+# 16w …), then o = (q · scale · γ^(τ+1)) S_c + P v, warp w the column tiles w, w + 4, ... of all
+# 64 rows (S_c's fragments read once a block, straight from `starts`), written once as [B, T, H,
+# D] in OutT. Shared memory: Qs, KVs (k, then v) [C][D + 8], Ps [C][C + 8], γ^0 … γ^C.
+_OUT = """
+    using namespace salabatch_gla;
+    constexpr int L = D + 8, PL = C + 8, NT = D / 16;
+    constexpr int OWN = (NT + 3) / 4;  // column tiles a warp, at most
+    const int T = dims[0], H = dims[1], N = (T + C - 1) / C;
+    const int bh = blockIdx.x / N, c = blockIdx.x % N, h = bh % H, b = bh / H;
+    const int t0 = c * C, n = min(C, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float sc = scale[0];
+    extern __shared__ __align__(32) unsigned char smem[];
+    float* Qs = reinterpret_cast<float*>(smem);
+    float* KVs = Qs + C * L;
+    float* Ps = KVs + C * L;
+    float* dec = Ps + C * PL;
+    const float gh = g[h];
+    for (int x = threadIdx.x; x <= C; x += blockDim.x) {
+        dec[x] = expf(gh * (float)x);
+    }
+    const long long base = (long long)bh * T * D;  // q, k, v [b, h, 0, 0]
+    load_rows<InT, D>(Qs, q + base, t0, n, [](int) { return 1.0f; }, false);
+    load_rows<InT, D>(KVs, k + base, t0, n, [](int) { return 1.0f; }, false);
+    __syncthreads();
+    // the warp's 16 rows of q kᵀ, the tiles on and below the diagonal (q, k exact in TF32)
+    const int r0 = warp * 16;
+    for (int ct = 0; ct <= warp; ++ct) {
+        Acc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kk = 0; kk < D; kk += 8) {
+            A8 a;
+            BT8 bt;
+            wmma::load_matrix_sync(a, Qs + r0 * L + kk, L);
+            wmma::load_matrix_sync(bt, KVs + ct * 16 * L + kk, L);
+            wmma::mma_sync(acc, a, bt, acc);
+        }
+        wmma::store_matrix_sync(Ps + r0 * PL + ct * 16, acc, PL, wmma::mem_row_major);
+    }
+    __syncthreads();  // every warp has read the keys: v takes their place
+    load_rows<InT, D>(KVs, v + base, t0, n, [](int) { return 1.0f; }, false);
+    // the warp's rows: P causal, decayed and scaled; q scaled and decayed for S_c
+    for (int i = lane; i < 16 * C; i += 32) {
+        const int r = r0 + i / C, col = i % C;
+        const float p = col <= r ? Ps[r * PL + col] * sc * dec[r - col] : 0.0f;
+        Ps[r * PL + col] = wmma::__float_to_tf32(p);
+    }
+    for (int i = lane; i < 16 * D; i += 32) {
+        const int r = r0 + i / D, col = i % D;
+        Qs[r * L + col] = wmma::__float_to_tf32(Qs[r * L + col] * sc * dec[r + 1]);
+    }
+    __syncthreads();
+    Acc o[OWN][4];
+    const float* S = starts + ((long long)bh * N + c) * D * D;
+#pragma unroll
+    for (int j = 0; j < OWN; ++j) {
+        const int ct = (warp + 4 * j) * 16;
+        if (ct < D) {
+#pragma unroll
+            for (int rt = 0; rt < 4; ++rt) {
+                wmma::fill_fragment(o[j][rt], 0.0f);
+            }
+            for (int kk = 0; kk < D; kk += 8) {
+                B8 s;
+                wmma::load_matrix_sync(s, S + kk * D + ct, D);
+                for (int e = 0; e < s.num_elements; ++e) {
+                    s.x[e] = wmma::__float_to_tf32(s.x[e]);
+                }
+#pragma unroll
+                for (int rt = 0; rt < 4; ++rt) {
+                    A8 a;
+                    wmma::load_matrix_sync(a, Qs + rt * 16 * L + kk, L);
+                    wmma::mma_sync(o[j][rt], a, s, o[j][rt]);
+                }
+            }
+            for (int kk = 0; kk < C; kk += 8) {
+                B8 vb;
+                wmma::load_matrix_sync(vb, KVs + kk * L + ct, L);
+#pragma unroll
+                for (int rt = 0; rt < 4; ++rt) {  // P's tiles on and below the diagonal
+                    if (rt < kk / 16) {
+                        continue;
+                    }
+                    A8 p;
+                    wmma::load_matrix_sync(p, Ps + rt * 16 * PL + kk, PL);
+                    wmma::mma_sync(o[j][rt], p, vb, o[j][rt]);
+                }
+            }
+        }
+    }
+    __syncthreads();  // every warp has read Qs: it takes the output
+#pragma unroll
+    for (int j = 0; j < OWN; ++j) {
+        const int ct = (warp + 4 * j) * 16;
+        if (ct < D) {
+#pragma unroll
+            for (int rt = 0; rt < 4; ++rt) {
+                wmma::store_matrix_sync(Qs + rt * 16 * L + ct, o[j][rt], L, wmma::mem_row_major);
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        const int r = i / D, col = i % D;
+        out[(((long long)b * T + t0 + r) * H + h) * D + col] = (OutT)Qs[r * L + col];
+    }
+"""
+
 
 # The decode step's token, a thread block a (row b, head h, 32 columns of the state): q and k
 # from the fused projection's output y [B, 1, N] (q's H heads, then k's HK, v's HK), normed
@@ -290,22 +335,25 @@ def available() -> bool:
 
 
 def supports(q: mx.array, k: mx.array, v: mx.array) -> bool:
-    """The shapes the kernel takes: q, k, v of one shape [B, H, T, d] in bfloat16 or float16
+    """The shapes the kernels take: q, k, v of one shape [B, H, T, d] in bfloat16 or float16
     (exact in TF32), d a multiple of 32 up to 128."""
     d = q.shape[-1]
     return (
         q.dtype in (mx.bfloat16, mx.float16)
         and k.dtype == v.dtype == q.dtype
         and q.shape == k.shape == v.shape
-        and d % COLUMNS == 0
+        and d % 32 == 0
         and d <= 128
     )
 
 
-def shared_bytes(d: int) -> int:
-    """Dynamic shared memory of a thread block (the layout above)."""
-    floats = 2 * CHUNK * (d + 8) + CHUNK * (COLUMNS + 8) + CHUNK * (CHUNK + 8)
-    return 4 * (floats + d * (COLUMNS + 8) + CHUNK + 1)
+def shared_bytes(name: str, d: int) -> int:
+    """Dynamic shared memory of a thread block of the prefill's kernel `name` ("states" or
+    "out"; the layouts above)."""
+    rows = 2 * CHUNK * (d + 8)  # k and v, or q and k-then-v
+    if name == "states":
+        return 4 * rows
+    return 4 * (rows + CHUNK * (CHUNK + 8) + CHUNK + 1)
 
 
 def gla(
@@ -320,18 +368,36 @@ def gla(
     """The recurrence over q, k, v [B, H, T, d] from `state` (None: zeros) → (o [B, H, T, d] in
     out_dtype, a view of its [B, T, H, d] layout; the final state [B, H, d, d] float32)."""
     B, H, T, d = q.shape
+    N = -(-T // CHUNK)
     fresh = state is None
-    dims = mx.array([T, H], dtype=mx.int32)
+    dims = mx.array([T, H, B], dtype=mx.int32)
     g = g.astype(mx.float32)
-    start = g if fresh else state.astype(mx.float32)  # a zero state is not read
-    o, final = _kernel("chunks", shared_bytes(d))(
-        inputs=[q, k, v, g, start, dims, mx.array([scale], dtype=mx.float32)],
-        template=[("InT", q.dtype), ("OutT", out_dtype), ("D", d), ("FRESH", int(fresh))],
-        grid=(B * H * (d // COLUMNS) * THREADS, 1, 1),
+    blocks = (B * H * N * THREADS, 1, 1)
+    (chunk_states,) = _kernel("states", shared_bytes("states", d))(
+        inputs=[k, v, g, dims],
+        template=[("InT", q.dtype), ("D", d)],
+        grid=blocks,
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, T, H, d), (B, H, d, d)],
-        output_dtypes=[out_dtype, mx.float32],
-    )  # fmt: skip
+        output_shapes=[(B, H, N, d, d)],
+        output_dtypes=[mx.float32],
+    )
+    start = g if fresh else state.astype(mx.float32)  # a zero state is not read
+    starts, final = _kernel("scan", 0)(
+        inputs=[chunk_states, g, start, dims],
+        template=[("D", d), ("FRESH", int(fresh))],
+        grid=(B * H * d * d, 1, 1),  # a multiple of SCAN_THREADS: d is of 32
+        threadgroup=(SCAN_THREADS, 1, 1),
+        output_shapes=[(B, H, N, d, d), (B, H, d, d)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (o,) = _kernel("out", shared_bytes("out", d))(
+        inputs=[q, k, v, g, starts, dims, mx.array([scale], dtype=mx.float32)],
+        template=[("InT", q.dtype), ("OutT", out_dtype), ("D", d)],
+        grid=blocks,
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, T, H, d)],
+        output_dtypes=[out_dtype],
+    )
     return o.transpose(0, 2, 1, 3), final
 
 
@@ -390,11 +456,13 @@ def step_shared_bytes(d: int) -> int:
 
 @functools.cache
 def _kernel(name: str, shared: int):
-    """The kernel `name` ("chunks": the prefill's, "step": the decode step's) for `shared`
-    bytes of dynamic shared memory, made on first use (there is none without a CUDA backend);
-    MLX compiles it once per template."""
+    """The kernel `name` (the prefill's "states", "scan" and "out", the decode step's "step")
+    for `shared` bytes of dynamic shared memory, made on first use (there is none without a
+    CUDA backend); MLX compiles it once per template."""
     inputs, outputs, source, header = {
-        "chunks": (INPUTS, ["out", "final_state"], _SOURCE, HEADER),
+        "states": (STATES_INPUTS, ["chunk_states"], _STATES, CHUNKS),
+        "scan": (SCAN_INPUTS, ["starts", "final_state"], _SCAN, ""),
+        "out": (OUT_INPUTS, ["out"], _OUT, CHUNKS),
         "step": (STEP_INPUTS, ["out", "new_state"], _STEP, ""),
     }[name]
     return mx.fast.cuda_kernel(

@@ -76,11 +76,13 @@ def _compile(unit: str) -> tuple[int, str]:
 
 
 def _assert_builds(unit: str, threads: int = 256) -> None:
-    """Builds, with no spills, within the registers a thread block of `threads` can have (an
-    SM's 65,536: at 1,024 threads, 64 a thread, or the launch fails)."""
+    """Builds, with no spills and no stack frame (an array indexed at run time, tensor-core
+    accumulators say, lives in local memory then), within the registers a thread block of
+    `threads` can have (an SM's 65,536: at 1,024 threads, 64 a thread, or the launch fails)."""
     rc, log = _compile(unit)
     assert rc == 0, log
     assert "0 bytes spill stores" in log, log
+    assert " 0 bytes stack frame" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     assert registers * threads <= 65536, log
 
@@ -152,17 +154,24 @@ def test_decode_attention_kernels_compile(dtype, d):
 @pytest.mark.parametrize(
     ("d", "out", "fresh"), [(128, "bf16", 1), (128, "f32", 0), (64, "bf16", 0)]
 )
-def test_lightning_kernel_compiles(dtype, d, out, fresh):
-    """The lightning prefill's recurrence: q's dtype, the 9B's head dim and a smaller, the
-    output's dtype (the layer's, or float32), from a zero state or a given one."""
-    inputs = [("q", dtype), ("k", dtype), ("v", dtype), ("g", "f32"), ("state", "f32"),
-              ("dims", "i32"), ("scale", "f32")]  # fmt: skip
-    assert tuple(n for n, _ in inputs) == gla_cuda.INPUTS
-    template = [("InT", dtype), ("OutT", out), ("D", d), ("FRESH", fresh)]
-    unit = _build("gla", gla_cuda._SOURCE, inputs, [("out", out), ("final_state", "f32")],
-                  gla_cuda.HEADER, template)  # fmt: skip
-    _assert_builds(unit, gla_cuda.THREADS)
-    assert gla_cuda.shared_bytes(d) <= stage2_cuda.MAX_SHARED
+def test_lightning_kernels_compile(dtype, d, out, fresh):
+    """The lightning prefill's three kernels (the chunks' states, the scan, the outputs): q's
+    dtype, the 9B's head dim and a smaller, the output's dtype (the layer's, or float32), from
+    a zero state or a given one."""
+    kinds = {"g": "f32", "dims": "i32", "scale": "f32", "chunk_states": "f32", "state": "f32",
+             "starts": "f32"}  # fmt: skip
+    for name, source, names, outputs, header, template, threads in (
+        ("states", gla_cuda._STATES, gla_cuda.STATES_INPUTS, [("chunk_states", "f32")],
+         gla_cuda.CHUNKS, [("InT", dtype), ("D", d)], gla_cuda.THREADS),
+        ("scan", gla_cuda._SCAN, gla_cuda.SCAN_INPUTS, [("starts", "f32"), ("final_state", "f32")],
+         "", [("D", d), ("FRESH", fresh)], gla_cuda.SCAN_THREADS),
+        ("out", gla_cuda._OUT, gla_cuda.OUT_INPUTS, [("out", out)], gla_cuda.CHUNKS,
+         [("InT", dtype), ("OutT", out), ("D", d)], gla_cuda.THREADS),
+    ):  # fmt: skip
+        inputs = [(n, kinds.get(n, dtype)) for n in names]
+        _assert_builds(_build(name, source, inputs, outputs, header, template), threads)
+        if name != "scan":
+            assert gla_cuda.shared_bytes(name, d) <= stage2_cuda.MAX_SHARED
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])

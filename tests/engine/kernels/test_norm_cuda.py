@@ -28,22 +28,31 @@ def test_the_kernel_matches_the_add_and_the_norm_at_the_9b_width(rows):
 
 def test_a_decode_step_gives_the_same_tokens_with_it(monkeypatch):
     """The compiled decode step of a model at the 9B's layout (small width, bf16), 4 rows
-    forked from a 4K document of zeros, the kernel on and off: logits to bf16's rounding, the
-    same greedy tokens but for near ties."""
+    forked from a 4K document of zeros, the kernel on and off, against the float32 model of the
+    same weights: as close to it with the kernel as without (on an H100 the two bf16 steps were
+    2.7e-2 apart, where the CPU shows 2.5e-2 between the attention's output projection as an
+    `addmm` and as a product then an add, the rounding the kernel changes, and 2.1e-2 between
+    either and float32: 32 bf16 layers of random weights), and the same greedy tokens but for
+    near ties."""
     from salabatch.bench.graph import filled_model_cache, sala_model
     from salabatch.engine.decode import DecodeStep, decode
 
-    model = sala_model(mx.bfloat16)
     ids = mx.array([3, 77, 1000, 5], dtype=mx.int32)
     logits = {}
-    for kernels in ("stage1", "stage1,norm"):
+    for name, dtype, kernels in (
+        ("ops", mx.bfloat16, "stage1"),
+        ("kernel", mx.bfloat16, "stage1,norm"),
+        ("float32", mx.float32, "stage1"),
+    ):
         monkeypatch.setenv("SALABATCH_CUDA_KERNELS", kernels)
+        model = sala_model(dtype)
         model.decoder = DecodeStep(model)
         cache = filled_model_cache(model, 4096).fork(4)
-        logits[kernels] = decode(model, ids, cache)
-        mx.eval(logits[kernels])
-    got, want = logits["stage1,norm"], logits["stage1"].astype(mx.float32)
-    assert relative_error(got, want) < 2e-2
+        logits[name] = decode(model, ids, cache).astype(mx.float32)
+        mx.eval(logits[name])
+    exact = logits["float32"]
+    assert relative_error(logits["kernel"], exact) < 1.25 * relative_error(logits["ops"], exact)
     # the greedy token the same, or one whose logit ties the best's to bf16's rounding
+    got, want = logits["kernel"], logits["ops"]
     chosen = mx.take_along_axis(want, got.argmax(-1)[:, None], axis=-1)[:, 0]
     assert mx.all(want.max(-1) - chosen <= 1e-2 * mx.abs(want).max(-1)).item()
