@@ -193,8 +193,8 @@ def block_sparse_attention_gpu(
     `mx.gather_mm` reads each query's selected blocks in place from the cache (no copy of keys
     or values), the G heads of a kv head as the rows of one small matmul per block, scores in
     q's dtype, softmax in float32, tiles the same at every context (`_sparse_tile`). On CUDA
-    with the stage-2 kernel switched on (`stage2_cuda`: off by default, it lost to the masked
-    form on an H100), rows with their own keys only send all their queries to it, one call."""
+    with the stage-2 kernel switched on (`stage2_cuda`: off by default, untested on a GPU in
+    its current form), rows with their own keys only send all their queries to it, one call."""
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     G = H // Hk

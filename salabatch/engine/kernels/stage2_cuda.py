@@ -1,29 +1,34 @@
 """Stage 2 as one CUDA kernel (`mx.fast.cuda_kernel`) for a prefill's queries on the GPU path:
-each thread block takes QT neighbouring queries of one kv head and walks the union of their
-selected blocks in ascending order, loading each block's keys and values into shared memory
-once for its QT warps. A warp is one query: its G heads are the rows of 16×16 tensor-core tiles
-(WMMA), the scores of a block are Q·Kᵀ in float32, the softmax runs online in float32 (the
-output accumulated in shared memory, rescaled row by row), the weights are rounded to q's dtype
-for P·V as the MLX-op forms round them, and each head's output is written once, in q's dtype.
+a warp takes one query of one kv head and walks the blocks it selected on its own, with no
+barrier shared with other warps. Its G heads are the rows of 16×16 tensor-core tiles (WMMA);
+each block's keys and values go from the cache (L2) straight into tensor-core fragments, the
+scores Q·Kᵀ in float32 pass through the warp's shared memory for the online softmax (float32,
+two lanes a row), the weights are rounded to q's dtype for P·V as the MLX-op forms round them,
+and the output stays in accumulator fragments for the whole walk: rescaled element by element
+where its row's max moved (each element's row read once from a fragment loaded with row
+numbers, the layout of a fragment being the same for every fragment of its type), divided by
+its row's sum at the end and written once, in q's dtype.
 
-The MLX-op forms (`sparse_attention._masked_tile`, `_sparse_tile`) either attend every key
-with the selection as a mask (19 ms a 8K chunk and layer at 32K on an H100) or gather each
-query's 96 blocks apart (38 ms at any context), where neighbouring queries choose mostly the
-same blocks: here a block is read once a tile of queries.
+The MLX-op forms (`sparse_attention._masked_tile`, `_sparse_tile`) either attend every key with
+the selection as a mask (19 ms a 8K chunk and layer at 32K on an H100) or gather each query's
+96 blocks apart (38 ms at any context). A first kernel here had a thread block of 4 queries
+walk the union of their blocks, each loaded into shared memory between two barriers: with
+random keys each query's 63 top-k blocks are its own, the union ~280 blocks for ~96 each, and
+it lost (~39 ms at 32K, the prefill 2.28 s against 1.81; H100, 2026-11-27). By its bytes (the
+selected blocks' keys and values, ~50 GB a chunk and layer read from L2 at 32K) this form
+should take ~6-9 ms there, and ~17 ms at 128K, where the keys no longer fit in L2.
 
 Layout:
   q       [B, T, H, d]   the chunk's queries (q's dtype: bfloat16 or float16)
   keys, values [B, Hk, R, d]  the rows' own buffers, whole (no shared part: kv.start == 0)
-  idx     [B, Hk, T, K]  int32, each query's blocks in ascending order, -1 (first) for none
+  idx     [B, Hk, T, K]  int32, each query's blocks in any order, -1 for none
   first   [B]            int32, the position of each row's query 0
   →       [B, T, H, d]   in q's dtype
 
-Off by default: its parity test (`tests/engine/kernels/test_stage2_cuda.py`, marked `gpu`)
-passed on an H100 (2026-11-27), where it lost to the masked SDPA (the 32K prefill 2.28 s with
-it, 1.81 without: with random keys a tile of 4 queries walks ~280 blocks for the ~96 each
-chose, each loaded between two barriers with nothing in flight). `SALABATCH_CUDA_KERNELS=
-stage1,stage2` switches it on; the dispatcher (`sparse_attention.block_sparse_attention_gpu`)
-then takes it where `supports` says.
+Off by default until its parity test (`tests/engine/kernels/test_stage2_cuda.py`, marked `gpu`)
+has passed on a GPU and it has won there: `SALABATCH_CUDA_KERNELS=stage1,stage2` switches it
+on; the dispatcher (`sparse_attention.block_sparse_attention_gpu`) then takes it where
+`supports` says.
 """
 
 from __future__ import annotations
@@ -151,87 +156,158 @@ __device__ void write_rows(T* rows, int heads, const float* Ow, float l, int lan
 }  // namespace salabatch
 """
 
-# One warp a query (BLOCK_ATTENTION's functions), QT warps a thread block walking the union of
-# their blocks. Constants: T (q's dtype), D (head dim), G, QT, BLOCK (keys a block).
+# A warp a (row, kv head, query), QT warps a thread block (neighbouring queries: their windows'
+# blocks are the same, read from L1 or L2 by each). Constants: T (q's dtype), D (head dim), G,
+# QT, BLOCK (keys a block). Per warp in shared memory: Sw [16][SP] float (scores, then the
+# output staged for its write; at the start the query's rows and the row numbers), Pw [16][PP]
+# of T (weights), Aw [16] float (each row's rescale, then 1 / its sum).
 _SOURCE = """
-    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
-    constexpr int NONE = 0x7fffffff;
+    using namespace nvcuda;
+    using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+    constexpr int SP = (BLOCK > D ? BLOCK : D) + 4, PP = BLOCK + 8;
+    constexpr int WARP_BYTES = 16 * SP * 4 + 16 * PP * (int)sizeof(T) + 16 * 4;
     const float NEG_INF = __int_as_float(0xff800000);
-    const int n = dims[0], H = dims[1], Hk = dims[2], R = dims[3], K = dims[4];
-    const int tiles = (n + QT - 1) / QT;
-    const int tile = blockIdx.x % tiles;
-    const int h = (blockIdx.x / tiles) % Hk;
-    const int b = blockIdx.x / (tiles * Hk);
+    const int n = dims[0], H = dims[1], Hk = dims[2], R = dims[3], K = dims[4], B = dims[5];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = tile * QT + warp;
-    const bool active = t < n;
+    const long long w = (long long)blockIdx.x * QT + warp;  // (b, h, t), t fastest
+    if (w >= (long long)B * Hk * n) {
+        return;  // a last thread block's spare warps (no barrier is shared across warps)
+    }
+    const int t = w % n, h = (w / n) % Hk, b = w / ((long long)n * Hk);
     const long long qpos = (long long)first[b] + t;
     const float a = scale[0] * 1.4426950408889634f;  // exp(x·scale) = 2^(x·a)
 
     extern __shared__ __align__(32) unsigned char smem[];
-    constexpr int KV_BYTES = 2 * BLOCK * D * (int)sizeof(T);
-    constexpr int WARP_FLOATS = 16 * SP + 16 * OP;
-    T* Ks = reinterpret_cast<T*>(smem);
-    T* Vs = Ks + BLOCK * D;
-    float* Sw = reinterpret_cast<float*>(smem + KV_BYTES) + warp * WARP_FLOATS;
-    float* Ow = Sw + 16 * SP;
-    unsigned char* rest = smem + KV_BYTES + QT * WARP_FLOATS * 4;
-    T* Pw = reinterpret_cast<T*>(rest) + warp * 16 * PP;
-    int* nxt = reinterpret_cast<int*>(rest + QT * 16 * PP * (int)sizeof(T));
+    float* Sw = reinterpret_cast<float*>(smem + warp * WARP_BYTES);
+    T* Pw = reinterpret_cast<T*>(smem + warp * WARP_BYTES + 16 * SP * 4);
+    float* Aw = reinterpret_cast<float*>(smem + warp * WARP_BYTES + 16 * SP * 4 +
+                                         16 * PP * (int)sizeof(T));
+    const int r = lane >> 1, half = lane & 1;  // the lane's row of the softmax, its columns
 
-    const long long head0 = ((long long)b * n + t) * H + (long long)h * G;  // this query's
-    salabatch::QueryFragments<T, D> qf;
-    salabatch::load_query<T, D>(qf, q + head0 * D, active ? G : 0, reinterpret_cast<T*>(Ow), Ow,
-                                lane);
-    float m = NEG_INF, l = 0.0f;
-    const int* list = idx + (((long long)b * Hk + h) * n + (active ? t : 0)) * K;
-    int cur = 0;
-    while (active && cur < K && list[cur] < 0) {
-        ++cur;
+    // each accumulator element's row: a fragment loaded from a matrix of row numbers
+    for (int i = lane; i < 256; i += 32) {
+        Sw[(i / 16) * SP + i % 16] = (float)(i / 16);
     }
+    __syncwarp();
+    Acc rows;
+    wmma::load_matrix_sync(rows, Sw, SP, wmma::mem_row_major);
+    __syncwarp();
+    // the query's G heads as the rows of fragments (the rest zero)
+    const long long head0 = ((long long)b * n + t) * H + (long long)h * G;
+    T* Qs = reinterpret_cast<T*>(Sw);
+    for (int i = lane; i < 16 * D; i += 32) {
+        Qs[i] = i / D < G ? q[head0 * D + i] : static_cast<T>(0.0f);
+    }
+    __syncwarp();
+    salabatch::QueryFragments<T, D> qf;
+#pragma unroll
+    for (int kt = 0; kt < D / 16; ++kt) {
+        wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
+    }
+    __syncwarp();
+    Acc o[D / 16];
+#pragma unroll
+    for (int nt = 0; nt < D / 16; ++nt) {
+        wmma::fill_fragment(o[nt], 0.0f);
+    }
+    float m = NEG_INF, l = 0.0f;  // the lane's row's running max (log2 domain) and sum
+
+    const int* list = idx + (((long long)b * Hk + h) * n + t) * K;
     const T* kbase = keys + ((long long)b * Hk + h) * R * D;
     const T* vbase = values + ((long long)b * Hk + h) * R * D;
-
-    // the tile's union of blocks, ascending: each loaded once, attended by the warps that chose it
-    while (true) {
-        int mine = NONE;
-        if (active && cur < K && (long long)list[cur] * BLOCK <= qpos) {
-            mine = list[cur];
+    for (int slot = 0; slot < K; ++slot) {
+        const int blk = list[slot];
+        const long long base = (long long)blk * BLOCK;
+        if (blk < 0 || base > qpos) {
+            continue;  // no block, or one after the query: the same for every lane
         }
-        if (lane == 0) {
-            nxt[warp] = mine;
+        // S = Q·Kᵀ, float32, tile by tile into Sw
+        const T* kb = kbase + base * D;
+#pragma unroll
+        for (int nt = 0; nt < BLOCK / 16; ++nt) {
+            Acc acc;
+            wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+            for (int kt = 0; kt < D / 16; ++kt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, kb + nt * 16 * D + kt * 16, D);
+                wmma::mma_sync(acc, qf[kt], kf, acc);
+            }
+            wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
         }
-        __syncthreads();
-        int blk = NONE;
-        for (int w = 0; w < QT; ++w) {
-            blk = min(blk, nxt[w]);
+        __syncwarp();
+        // the online softmax of each row (keys after the query masked), weights rounded to T
+        float mb = NEG_INF;
+        for (int c = half; c < BLOCK; c += 2) {
+            if (base + c <= qpos) {
+                mb = fmaxf(mb, Sw[r * SP + c] * a);
+            }
         }
-        if (blk == NONE) {
-            break;
+        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+        const float mn = fmaxf(m, mb);  // finite: the block's first key is not after the query
+        const float alpha = exp2f(m - mn);
+        float sum = 0.0f;
+        for (int c = half; c < BLOCK; c += 2) {
+            const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
+            const T pt = static_cast<T>(p);
+            Pw[r * PP + c] = pt;
+            sum += static_cast<float>(pt);
         }
-        // the block's keys and values, 16 bytes a thread at a time
-        constexpr int VEC = BLOCK * D * (int)sizeof(T) / 16;
-        const uint4* ksrc = reinterpret_cast<const uint4*>(kbase + (long long)blk * BLOCK * D);
-        const uint4* vsrc = reinterpret_cast<const uint4*>(vbase + (long long)blk * BLOCK * D);
-        for (int i = threadIdx.x; i < VEC; i += blockDim.x) {
-            reinterpret_cast<uint4*>(Ks)[i] = ksrc[i];
-            reinterpret_cast<uint4*>(Vs)[i] = vsrc[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = mn;
+        if (half == 0) {
+            Aw[r] = alpha;
         }
-        __syncthreads();
-        if (mine == blk) {
-            salabatch::attend_block<T, D, BLOCK>(qf, Ks, Vs, Sw, Ow, Pw, (long long)blk * BLOCK,
-                                                 qpos, a, lane, m, l);
-            ++cur;
+        __syncwarp();
+        // O rescaled where its row's max moved, then O += P·V
+        float scale_e[Acc::num_elements];
+#pragma unroll
+        for (int e = 0; e < Acc::num_elements; ++e) {
+            scale_e[e] = Aw[(int)rows.x[e]];
         }
-        __syncthreads();
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK / 16];
+#pragma unroll
+        for (int kt = 0; kt < BLOCK / 16; ++kt) {
+            wmma::load_matrix_sync(pf[kt], Pw + kt * 16, PP);
+        }
+        const T* vb = vbase + base * D;
+#pragma unroll
+        for (int nt = 0; nt < D / 16; ++nt) {
+#pragma unroll
+            for (int e = 0; e < Acc::num_elements; ++e) {
+                o[nt].x[e] *= scale_e[e];
+            }
+#pragma unroll
+            for (int kt = 0; kt < BLOCK / 16; ++kt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, vb + kt * 16 * D + nt * 16, D);
+                wmma::mma_sync(o[nt], pf[kt], vf, o[nt]);
+            }
+        }
+        __syncwarp();  // every lane has read Sw, Pw and Aw before the next block writes them
     }
-    if (active) {
-        salabatch::write_rows<T, D>(out + head0 * D, G, Ow, l, lane);
+    // each row divided by its sum, staged in Sw, the first G rows written in T
+    if (half == 0) {
+        Aw[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int nt = 0; nt < D / 16; ++nt) {
+#pragma unroll
+        for (int e = 0; e < Acc::num_elements; ++e) {
+            o[nt].x[e] *= Aw[(int)rows.x[e]];
+        }
+        wmma::store_matrix_sync(Sw + nt * 16, o[nt], SP, wmma::mem_row_major);
+    }
+    __syncwarp();
+    for (int i = lane; i < G * D; i += 32) {
+        out[head0 * D + i] = static_cast<T>(Sw[(i / D) * SP + i % D]);
     }
 """
 
 INPUTS = ("q", "keys", "values", "idx", "first", "dims", "scale")
-QUERIES_PER_TILE = 4  # warps a thread block (the profile times 2, 4 and 8)
+QUERIES_PER_TILE = 4  # warps (queries) a thread block (the profile times 2, 4 and 8)
 MAX_SHARED = 227 * 1024  # an H100's shared memory a thread block can have
 
 
@@ -264,10 +340,15 @@ def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
 
 
 def shared_bytes(d: int, block: int, tile: int, itemsize: int) -> int:
-    """Dynamic shared memory of a thread block: one block's keys and values, and per warp
-    its scores, output (float32) and weights (q's dtype), strides padded as the source."""
-    per_warp = 16 * (block + 4) * 4 + 16 * (d + 4) * 4 + 16 * (block + 8) * itemsize
-    return 2 * block * d * itemsize + tile * per_warp + 4 * tile
+    """Dynamic shared memory of a thread block: per warp its scores (or output) in float32,
+    its weights in q's dtype and its rows' factors, strides padded as the source."""
+    per_warp = 16 * (max(block, d) + 4) * 4 + 16 * (block + 8) * itemsize + 16 * 4
+    return tile * per_warp
+
+
+def thread_blocks(rows: int, kv_heads: int, queries: int, tile: int) -> int:
+    """Thread blocks of `tile` warps for a warp each (row, kv head, query)."""
+    return -(-rows * kv_heads * queries // tile)
 
 
 def attend(
@@ -285,13 +366,12 @@ def attend(
     B, T, H, d = q.shape
     Hk, R = keys.shape[1], keys.shape[2]
     K = idx.shape[-1]
-    dims = mx.array([T, H, Hk, R, K], dtype=mx.int32)
-    ordered = mx.sort(idx.astype(mx.int32), axis=-1)  # -1 first, then ascending
+    dims = mx.array([T, H, Hk, R, K, B], dtype=mx.int32)
     (out,) = _kernel(shared_bytes(d, block, tile, q.dtype.size))(
-        inputs=[q, keys, values, ordered, first.astype(mx.int32), dims,
+        inputs=[q, keys, values, idx.astype(mx.int32), first.astype(mx.int32), dims,
                 mx.array([scale], dtype=mx.float32)],
         template=[("T", q.dtype), ("D", d), ("G", H // Hk), ("QT", tile), ("BLOCK", block)],
-        grid=(B * Hk * -(-T // tile) * 32 * tile, 1, 1),
+        grid=(thread_blocks(B, Hk, T, tile) * 32 * tile, 1, 1),
         threadgroup=(32 * tile, 1, 1),
         output_shapes=[(B, T, H, d)],
         output_dtypes=[q.dtype],
@@ -304,7 +384,7 @@ def _kernel(shared: int):
     """The kernel object for a thread block of `shared` bytes of dynamic shared memory, made on
     first use (there is none without a CUDA backend); MLX compiles it once per template."""
     return mx.fast.cuda_kernel(
-        name="salabatch_stage2_tiles",
+        name="salabatch_stage2_queries",
         input_names=list(INPUTS),
         output_names=["out"],
         source=_SOURCE,

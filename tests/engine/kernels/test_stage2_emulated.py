@@ -1,7 +1,7 @@
 """The stage-2 CUDA kernel's own source (`kernels/stage2_cuda.py`), run on the CPU through
 `cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices), against the float32
-reference `block_sparse_attention_ref`: its indexing, tile union walk, causal mask, online
-softmax and synchronisation, checked without a GPU. Its speed, and the real tensor cores and
+reference `block_sparse_attention_ref`: its indexing, its walk of each query's blocks, causal
+mask, online softmax, rescaling by rows and synchronisation, checked without a GPU. Its speed, and the real tensor cores and
 NVRTC build, are a GPU's to test (`test_stage2_cuda.py`, marked `gpu`; `test_cuda_sources.py`
 builds it for an H100)."""
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with
 )
 def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
     """Two rows at their own starts, 6 slots a query (its own block, the first, random others,
-    in any order), a last tile with fewer queries than warps."""
+    in any order), a last thread block with fewer queries than warps."""
     q, kv, idx, starts = prefill_case(G, d, 6, start, T, mx.bfloat16, seed=G + d, B=2)
     B, Hk, R, _ = kv.rows_k.shape
     scale = d**-0.5
@@ -36,14 +36,14 @@ def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
             ("q", "bf16", cuda_emu.to_numpy(q.transpose(0, 2, 1, 3), "bf16")),
             ("keys", "bf16", cuda_emu.to_numpy(kv.rows_k, "bf16")),
             ("values", "bf16", cuda_emu.to_numpy(kv.rows_v, "bf16")),
-            ("idx", "i32", np.sort(np.array(idx), axis=-1)),  # as `attend` orders them
+            ("idx", "i32", np.array(idx)),
             ("first", "i32", np.array(starts)),
-            ("dims", "i32", np.array([T, Hk * G, Hk, R, 6])),
+            ("dims", "i32", np.array([T, Hk * G, Hk, R, 6, B])),
             ("scale", "f32", np.array([scale])),
         ],
         ("out", "bf16", (B, T, Hk * G, d)),
         [("T", "bf16"), ("D", d), ("G", G), ("QT", tile), ("BLOCK", BLOCK)],
-        blocks=B * Hk * -(-T // tile),
+        blocks=stage2_cuda.thread_blocks(B, Hk, T, tile),
         threads=32 * tile,
         shared_bytes=stage2_cuda.shared_bytes(d, BLOCK, tile, 2),
         header=stage2_cuda.BLOCK_ATTENTION,
@@ -63,7 +63,7 @@ def test_the_dispatcher_and_wrapper_run_it_as_on_cuda(monkeypatch):
     with cuda_emu.emulated_kernels(monkeypatch, stage2_cuda) as launched:
         got = sparse_attention.block_sparse_attention_gpu(q, kv, idx, starts, 128**-0.5, BLOCK)
         got = got.astype(mx.float32)
-    assert launched == ["salabatch_stage2_tiles"]
+    assert launched == ["salabatch_stage2_queries"]
     f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
                  kv.lengths)  # fmt: skip
     want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, 128**-0.5, BLOCK)
