@@ -7,7 +7,10 @@ they stay in shared memory.
 
 A thread block takes QT neighbouring queries of one (row, kv head); a warp is one query, its G
 heads the rows of 16×16 tensor-core tiles (WMMA, q's dtype, float32 sums), the chunks the
-columns, CT chunks' keys loaded into shared memory once for the QT warps. Pass 1 runs over the
+columns, CT chunks' keys loaded into shared memory once for the QT warps, the next tile's loads
+in flight while the warps score this one (two buffers, one barrier a tile: on an H100 the first
+form, a tile loaded between two barriers with nothing in flight, was about even with the MLX
+ops at 32K, 2026-11-27). Pass 1 runs over the
 level-2 chunks for each head's log-sum-exp (online, in float32); pass 2 over the level-1
 chunks: each score rounded to q's dtype (as the matmul's output is), scaled, exp(· − lse2)
 summed over the G heads, then maxed over the r + 1 chunks overlapping each block (r·b − 1 …
@@ -40,7 +43,7 @@ INPUTS = ("q", "c1", "c2", "seen1", "seen2", "dims", "scale")
 
 # Shared memory: Cs [CT][D] (a tile of compressed keys), Qs [QT][16][D] (each warp's query
 # rows), Sw [QT][16][CT + 4] float (its scores), Lw [QT][16] (its rows' lse), Pw [QT][CT]
-# (its chunks' head sums), seen [QT][2] int.
+# (its chunks' head sums), seen [QT][2] int, then (32-byte aligned) a second tile of keys.
 _SOURCE = """
     using namespace nvcuda;
     constexpr int CT = 64, SP = CT + 4;
@@ -86,77 +89,113 @@ _SOURCE = """
     }
     const long long cbase = (long long)min(b, cb - 1) * Hk + h;
 
-    // the block's tile of chunks j0 … j0 + CT − 1 of c (N of them) into Cs, zeros past N; then
-    // each warp's scores against it in Sw
-    auto score_tile = [&](const T* c, int N, int j0) {
-        __syncthreads();  // every warp is done with the last tile
-        constexpr int VEC = 16 / sizeof(T);
-        const T* src = c + (cbase * N + j0) * D;
-        for (int i = threadIdx.x; i < CT * D / VEC; i += blockDim.x) {
-            const int row = i * VEC / D;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (j0 + row < N) {
-                v = reinterpret_cast<const uint4*>(src)[i];
+    // The tiles of CT chunks, pass 1's (level 2) then pass 2's (level 1), in two buffers: while
+    // the warps score tile i, the block's loads of tile i + 1 are in flight (16 bytes a thread
+    // at a time, in registers), stored into the other buffer after; one barrier a tile.
+    constexpr int BASE = (CT + QT * 16) * D * (int)sizeof(T) + 4 * QT * (16 * SP + 16 + CT + 2);
+    T* const alt = reinterpret_cast<T*>(smem + (BASE + 31) / 32 * 32);
+    auto buffer = [&](int i) { return i % 2 ? alt : Cs; };  // tile i's (no array: no stack)
+    constexpr int VEC = 16 / sizeof(T), PER = CT * D / VEC, MINE = (PER + 32 * QT - 1) / (32 * QT);
+    const int n2 = (L2 + CT - 1) / CT, n1 = (L1 + CT - 1) / CT;
+    uint4 next[MINE];
+    auto fetch = [&](int i) {  // tile i's chunks into `next`, zeros past the level's N
+        const bool two = i < n2;
+        const int N = two ? N2 : N1, j0 = (two ? i : i - n2) * CT;
+        const T* src = (two ? c2 : c1) + (cbase * N + j0) * D;
+#pragma unroll
+        for (int u = 0; u < MINE; ++u) {
+            const int v = threadIdx.x + u * 32 * QT;
+            next[u] = make_uint4(0, 0, 0, 0);
+            if (v < PER && j0 + v * VEC / D < N) {
+                next[u] = reinterpret_cast<const uint4*>(src)[v];
             }
-            reinterpret_cast<uint4*>(Cs)[i] = v;
         }
-        __syncthreads();
-        salabatch::score_tiles<T, D, CT, SP>(qf, Cs, Sw);
+    };
+    auto stash = [&](T* buffer) {
+#pragma unroll
+        for (int u = 0; u < MINE; ++u) {
+            const int v = threadIdx.x + u * 32 * QT;
+            if (v < PER) {
+                reinterpret_cast<uint4*>(buffer)[v] = next[u];
+            }
+        }
     };
 
-    // pass 1: each head's log-sum-exp over the level-2 chunks it sees (two lanes a row)
     const int row = lane / 2;
-    float m = __int_as_float(0xff800000), l = 0.0f;  // -inf, 0
-    for (int j0 = 0; j0 < L2; j0 += CT) {
-        score_tile(c2, N2, j0);
-        for (int c = lane % 2; c < CT; c += 2) {
-            if (j0 + c < s2) {
-                const float x = static_cast<float>(static_cast<T>(Sw[row * SP + c])) * a;
-                const float top = fmaxf(m, x);
-                l = l * expf(m - top) + expf(x - top);
-                m = top;
-            }
+    float m = __int_as_float(0xff800000), l = 0.0f;  // -inf, 0: the lane's row's lse so far
+    // each head's log-sum-exp over the level-2 chunks (two lanes a row), into Lw
+    auto finish_lse = [&]() {
+        const float m_o = __shfl_xor_sync(0xffffffffu, m, 1);
+        const float l_o = __shfl_xor_sync(0xffffffffu, l, 1);
+        const float top = fmaxf(m, m_o);
+        float sum = l > 0.0f ? l * expf(m - top) : 0.0f;
+        sum += l_o > 0.0f ? l_o * expf(m_o - top) : 0.0f;
+        if (lane % 2 == 0) {
+            Lw[row] = top + logf(sum);
         }
         __syncwarp();
-    }
-    const float m_o = __shfl_xor_sync(0xffffffffu, m, 1);
-    const float l_o = __shfl_xor_sync(0xffffffffu, l, 1);
-    const float top = fmaxf(m, m_o);
-    float sum = l > 0.0f ? l * expf(m - top) : 0.0f;
-    sum += l_o > 0.0f ? l_o * expf(m_o - top) : 0.0f;
-    if (lane % 2 == 0) {
-        Lw[row] = top + logf(sum);
-    }
-    __syncwarp();
-
-    // pass 2: each level-1 chunk's head sum, then each block's max over its r + 1 chunks
+    };
     const long long out0 = (((long long)b * Hk + h) * Tq + t) * n_blocks;
-    float carry = 0.0f;  // chunk j0 − 1's sum
-    for (int j0 = 0; j0 < L1; j0 += CT) {
-        score_tile(c1, N1, j0);
-        for (int c = lane; c < CT; c += 32) {
-            float p = 0.0f;
-            if (j0 + c < s1 && s2 > 0) {
-                for (int g = 0; g < G; ++g) {
-                    const float x = static_cast<float>(static_cast<T>(Sw[g * SP + c])) * a;
-                    p += expf(x - Lw[g]);
+    float carry = 0.0f;  // pass 2: chunk j0 − 1's sum
+    if (n2 == 0) {
+        finish_lse();
+    }
+    if (n2 + n1 > 0) {
+        fetch(0);
+        stash(buffer(0));
+    }
+    __syncthreads();
+    for (int i = 0; i < n2 + n1; ++i) {
+        if (i + 1 < n2 + n1) {
+            fetch(i + 1);
+        }
+        salabatch::score_tiles<T, D, CT, SP>(qf, buffer(i), Sw);
+        if (i < n2) {
+            // pass 1: the online log-sum-exp of each head over the level-2 chunks it sees
+            const int j0 = i * CT;
+            for (int c = lane % 2; c < CT; c += 2) {
+                if (j0 + c < s2) {
+                    const float x = static_cast<float>(static_cast<T>(Sw[row * SP + c])) * a;
+                    const float top = fmaxf(m, x);
+                    l = l * expf(m - top) + expf(x - top);
+                    m = top;
                 }
             }
-            Pw[c] = p;
-        }
-        __syncwarp();
-        for (int i = lane; i < CT / r; i += 32) {
-            const int blk = j0 / r + i;
-            float best = i == 0 ? carry : Pw[r * i - 1];
-            for (int x = 0; x < r; ++x) {
-                best = fmaxf(best, Pw[r * i + x]);
+            __syncwarp();
+            if (i == n2 - 1) {
+                finish_lse();
             }
-            if (active && blk < n_blocks) {
-                pooled[out0 + blk] = best;
+        } else {
+            // pass 2: each level-1 chunk's head sum, then each block's max over its r + 1
+            const int j0 = (i - n2) * CT;
+            for (int c = lane; c < CT; c += 32) {
+                float p = 0.0f;
+                if (j0 + c < s1 && s2 > 0) {
+                    for (int g = 0; g < G; ++g) {
+                        const float x = static_cast<float>(static_cast<T>(Sw[g * SP + c])) * a;
+                        p += expf(x - Lw[g]);
+                    }
+                }
+                Pw[c] = p;
             }
+            __syncwarp();
+            for (int k = lane; k < CT / r; k += 32) {
+                const int blk = j0 / r + k;
+                float best = k == 0 ? carry : Pw[r * k - 1];
+                for (int x = 0; x < r; ++x) {
+                    best = fmaxf(best, Pw[r * k + x]);
+                }
+                if (active && blk < n_blocks) {
+                    pooled[out0 + blk] = best;
+                }
+            }
+            carry = Pw[CT - 1];
+            __syncwarp();
         }
-        carry = Pw[CT - 1];
-        __syncwarp();
+        if (i + 1 < n2 + n1) {
+            stash(buffer(i + 1));  // its last readers were done at the last barrier
+        }
+        __syncthreads();
     }
     // the blocks past the last tile: the first holds its last chunk, the rest see none
     const int done = (L1 + CT - 1) / CT * CT / r;
@@ -190,7 +229,8 @@ def supports(q: mx.array, c1: mx.array, r: int) -> bool:
 def shared_bytes(d: int, itemsize: int, tile: int = QUERIES) -> int:
     """Dynamic shared memory of a thread block (the layout above)."""
     keys = (CHUNKS + tile * 16) * d * itemsize
-    return keys + 4 * tile * (16 * (CHUNKS + 4) + 16 + CHUNKS + 2)
+    base = keys + 4 * tile * (16 * (CHUNKS + 4) + 16 + CHUNKS + 2)
+    return -(-base // 32) * 32 + CHUNKS * d * itemsize  # the second tile of keys, 32-byte aligned
 
 
 def pooled_scores(

@@ -43,8 +43,9 @@ def reference(q, c1, c2, seen1, seen2, scale, n_blocks, r):
     [
         (2, 2, 4, 13, 64, 150, 37, True),  # a partial last tile of queries and of chunks
         (2, 1, 16, 9, 128, 256, 64, False),  # the 9B's 16 heads a kv group, whole tiles, keys a row
+        (1, 1, 16, 5, 64, 400, 130, True),  # passes of several tiles each, loaded while scored
     ],
-    ids=["small", "9b-heads"],
+    ids=["small", "9b-heads", "many-tiles"],
 )
 def test_the_kernel_matches_the_matmuls_and_the_pooling(monkeypatch, B, Hk, G, T, d, N1, N2,
                                                          shared):  # fmt: skip
