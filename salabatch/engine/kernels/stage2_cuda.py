@@ -215,8 +215,12 @@ _SOURCE = """
     const int* list = idx + (((long long)b * Hk + h) * n + t) * K;
     const T* kbase = keys + ((long long)b * Hk + h) * R * D;
     const T* vbase = values + ((long long)b * Hk + h) * R * D;
+    int upcoming = K > 0 ? list[0] : -1;  // the next slot's block, read a block ahead
     for (int slot = 0; slot < K; ++slot) {
-        const int blk = list[slot];
+        const int blk = upcoming;
+        if (slot + 1 < K) {
+            upcoming = list[slot + 1];
+        }
         const long long base = (long long)blk * BLOCK;
         if (blk < 0 || base > qpos) {
             continue;  // no block, or one after the query: the same for every lane
