@@ -24,6 +24,14 @@
 #     CONTEXTS= PROFILE_S=0 KERNEL_S=80 bash benchmarks/device-gpu.sh     (first: parity only)
 #     KERNELS=stage1,gla CONTEXTS="32K:150 128K:150" PROFILE_S=0 bash benchmarks/device-gpu.sh
 #
+# On 2026-11-27 (fourth GPU session, 15 minutes) the machine started in 31 s; the parity of the
+# six kernels, in parallel processes, took 93 s (the slowest, gla's); a first `bench long 32K`
+# with the peer did not finish in 170 s, then 128K took 98 s and, in a later process, 32K 55 s.
+# The plan for the next: call 2 `PROFILE_ARGS="32768 131072" PROFILE_S=240 CONTEXTS=
+# KERNEL_S=110` (parity, then each stage's kernel beside its MLX ops), call 3 `KERNELS=<passed
+# and won> CONTEXTS="32K:240 128K:150" PROFILE_S=0`. Keep $OUT's file names free of commas
+# (such files do not come back).
+#
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #
 # With SPEC_S > 0, `salabatch bench spec`'s cost workload (issue 38: the 9B in bf16 over a
