@@ -81,7 +81,7 @@ passed=()
 [ -n "${KERNELS:-}" ] && passed=("$KERNELS")
 # each kernel's parity in its own process, all at once (NVRTC compiles on the CPU's cores), each
 # with its own compiled-kernel folder: two processes writing one cache file would race
-kernels=(stage1 scores stage2 decode gla norm) pids=()
+kernels=(stage1 scores stage2 decode gla norm rows) pids=()
 [ -n "${KERNELS:-}" ] && kernels=()
 for kernel in "${kernels[@]}"; do
     MLX_PTX_CACHE_DIR="/tmp/mlx-ptx-$kernel" MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" \

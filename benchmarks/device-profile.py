@@ -39,6 +39,7 @@ from salabatch.engine.kernels import (
     decode_cuda,
     gla_cuda,
     norm_cuda,
+    rows_cuda,
     scores_cuda,
     sparse_attention,
     stage1_cuda,
@@ -107,6 +108,7 @@ def main(contexts: list[int]) -> None:
         profile_context(sparse, cfg, x, n, chunk, dt)
     timed(f"matmul [{chunk}, {hidden}] x [{hidden}, {3 * hidden}]", lambda: x @ w,
           2 * chunk * hidden * 3 * hidden)  # fmt: skip
+    profile_rows_products(hidden, dt)
     profile_residual_products(hidden, dt)
 
     state = mx.zeros((1, 32, 128, 128), mx.float32)
@@ -340,6 +342,33 @@ def profile_residual_products(hidden: int, dt) -> None:
             )
             for form, fn in forms:
                 timed(f"{rows} row(s), {name}: {form}", fn, nbytes=w.nbytes)
+
+
+def profile_rows_products(hidden: int, dt, repeats: int = 8) -> None:
+    """A decode step's products of 1 and 8 rows at the 9B's shapes, MLX's matmul (its
+    matrix-vector kernel for one row, cuBLAS for more) against the rows kernel where its parity
+    passed: `repeats` products a timing, so a call's launch and wait (~70 µs on an H100) spread
+    over them, as the weight's bytes a second."""
+    shapes = (("attention out", hidden, hidden), ("MLP down", hidden, 4 * hidden),
+              ("MLP gate+up", 8 * hidden, hidden), ("head", 73448, hidden))  # fmt: skip
+    for name, N, K in shapes:
+        w = (mx.random.normal((N, K), key=mx.random.key(N)) * 0.02).astype(dt)
+        mx.eval(w)
+        for rows in (1, 8):
+            x = mx.random.normal((rows, 1, K), key=mx.random.key(rows)).astype(dt)
+            mx.eval(x)
+            forms = [("MLX matmul", lambda x=x, w=w: [x @ w.T for _ in range(repeats)])]
+            if rows_cuda.available() and rows_cuda.supports(x, w):
+                forms.append(("rows kernel", lambda x=x, w=w: rows_products(x, w, repeats)))
+                diff = (rows_cuda.product(x, w).astype(mx.float32) - (x @ w.T)).abs().max()
+                print(f"{rows} row(s), {name}: the kernel {diff.item():.3g} at most from MLX's",
+                      flush=True)  # fmt: skip
+            for form, fn in forms:
+                timed(f"{rows} row(s), {name} x{repeats}: {form}", fn, nbytes=repeats * w.nbytes)
+
+
+def rows_products(x: mx.array, w: mx.array, repeats: int) -> list[mx.array]:
+    return [rows_cuda.product(x, w) for _ in range(repeats)]
 
 
 def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:

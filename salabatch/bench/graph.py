@@ -86,12 +86,13 @@ def custom_kernel_modules() -> tuple:
         decode_cuda,
         gla_cuda,
         norm_cuda,
+        rows_cuda,
         scores_cuda,
         stage1_cuda,
         stage2_cuda,
     )
 
-    return decode_cuda, gla_cuda, norm_cuda, scores_cuda, stage1_cuda, stage2_cuda
+    return decode_cuda, gla_cuda, norm_cuda, rows_cuda, scores_cuda, stage1_cuda, stage2_cuda
 
 
 @contextmanager

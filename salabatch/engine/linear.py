@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from salabatch.engine.kernels import attention, native, norm_cuda
+from salabatch.engine.kernels import attention, native, norm_cuda, rows_cuda
 from salabatch.engine.kernels.attention import on_gpu
 
 # rows of x (all leading axes together) for which the native product is used: a decode batch,
@@ -27,10 +27,19 @@ from salabatch.engine.kernels.attention import on_gpu
 NATIVE_ROWS = range(1, 129)
 
 
+def product(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T, the one dispatcher of a float layer's product without bias: on CUDA with the
+    rows kernel on (`rows_cuda`), a decode step's few rows stream the weight through it; else
+    MLX's matmul (its matrix-vector kernel for one row on a GPU, BLAS on the CPU)."""
+    if rows_cuda.available() and rows_cuda.supports(x, w):
+        return rows_cuda.product(x, w)
+    return x @ w.T
+
+
 class Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if not self._native(x):
-            return super().__call__(x)
+            return super().__call__(x) if "bias" in self else product(x, self.weight)
         w = self.weight
         K = x.shape[-1]
         y = native.rows_matmul(x.reshape(-1, K), w).reshape(*x.shape[:-1], w.shape[0])
@@ -109,7 +118,7 @@ class Fused:
         elif "bias" in a:
             y = mx.addmm(a["bias"], x, a["weight"].T)
         else:
-            y = x @ a["weight"].T
+            y = product(x, a["weight"])
         return y
 
 
@@ -126,9 +135,10 @@ def add_product(
     matrix-vector product with the add in the epilogue), the product then the sum otherwise.
     `split_on_cuda`: on CUDA the product then the sum too. MLX's CUDA backend runs an addmm of
     a few rows as a cuBLAS GEMM: for the MLP's down projection on an H100, 0.35-0.6x as fast as
-    its own product of the same rows, where one add costs a kernel (benchmarks/README.md)."""
+    its own product of the same rows, where one add costs a kernel (benchmarks/README.md). With
+    the rows kernel on (`rows_cuda`), every product on CUDA is plain, through it."""
     plain = isinstance(layer, nn.QuantizedLinear) or "bias" in layer
-    if plain or (split_on_cuda and attention.on_cuda()):
+    if plain or (split_on_cuda and attention.on_cuda()) or rows_cuda.available():
         return h + scale * layer(x)
     return mx.addmm(h, x, layer.weight.T, alpha=scale)
 

@@ -16,7 +16,7 @@ from salabatch.engine.config import LIGHTNING, ModelConfig
 from salabatch.engine.decode import DecodeStep
 from salabatch.engine.kernels.gates import silu_mul
 from salabatch.engine.lightning import LightningAttention
-from salabatch.engine.linear import Linear, add_product_norm, fuse
+from salabatch.engine.linear import Linear, add_product_norm, fuse, product
 from salabatch.engine.sparse import SparseAttention
 
 
@@ -142,7 +142,7 @@ class Model(nn.Module):
         h = h / self.config.logit_divisor
         if "lm_head" in self:
             return self.lm_head(h)
-        return self.model.embed_tokens.as_linear(h)
+        return product(h, self.model.embed_tokens.weight)  # the tied head: the embedding's
 
     def step(self, tokens: mx.array, info: mx.array, tables: dict, layers: list, mode: str):
         """One decode step as a pure function, what `salabatch.engine.decode` compiles: tokens

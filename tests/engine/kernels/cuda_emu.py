@@ -97,8 +97,10 @@ def _build(unit: str) -> ctypes.CDLL:
         sanitize = os.environ.get("CUDA_EMU_SANITIZE")
         flags = [f"-fsanitize={sanitize}", "-g"] if sanitize else []
         done = subprocess.run(
-            [CXX, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", *flags, "-o", str(lib),
-             str(folder / "k.cpp")],
+            # -fno-strict-aliasing: kernels read a 16-byte load's elements through a pointer
+            # of their type, as CUDA code does (nvcc keeps it; g++ -O2 may not)
+            [CXX, "-std=c++20", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
+             *flags, "-o", str(lib), str(folder / "k.cpp")],
             capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode:

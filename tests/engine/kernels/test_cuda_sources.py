@@ -19,6 +19,7 @@ from salabatch.engine.kernels import (
     decode_cuda,
     gla_cuda,
     norm_cuda,
+    rows_cuda,
     scores_cuda,
     stage1_cuda,
     stage2_cuda,
@@ -224,3 +225,14 @@ def test_a_broken_source_fails_to_build():
                                    ("scale", "f32")], [("lse", "f32")])
     )  # fmt: skip
     assert rc != 0 and "seen3" in log
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_rows_kernel_compiles(dtype, rows):
+    """The decode step's product: one row and the most the dispatcher sends (8)."""
+    inputs = [("x", dtype), ("w", dtype), ("dims", "i32")]
+    assert tuple(n for n, _ in inputs) == rows_cuda.INPUTS
+    unit = _build("rows", rows_cuda._SOURCE, inputs, [("y", dtype)], "",
+                  [("T", dtype), ("M", rows)])  # fmt: skip
+    _assert_builds(unit, rows_cuda.THREADS)
