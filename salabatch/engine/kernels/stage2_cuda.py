@@ -371,8 +371,11 @@ def attend(
     Hk, R = keys.shape[1], keys.shape[2]
     K = idx.shape[-1]
     dims = mx.array([T, H, Hk, R, K, B], dtype=mx.int32)
+    # ascending: a thread block's warps (neighbouring queries) then reach the blocks their
+    # windows share at about the same time, the later ones from L1
+    ordered = mx.sort(idx.astype(mx.int32), axis=-1)
     (out,) = _kernel(shared_bytes(d, block, tile, q.dtype.size))(
-        inputs=[q, keys, values, idx.astype(mx.int32), first.astype(mx.int32), dims,
+        inputs=[q, keys, values, ordered, first.astype(mx.int32), dims,
                 mx.array([scale], dtype=mx.float32)],
         template=[("T", q.dtype), ("D", d), ("G", H // Hk), ("QT", tile), ("BLOCK", block)],
         grid=(thread_blocks(B, Hk, T, tile) * 32 * tile, 1, 1),
