@@ -24,6 +24,7 @@ per part as it goes, so a call cut short keeps what it measured. On the CPU it r
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ from salabatch.engine.lightning import LightningAttention
 from salabatch.engine.sparse import SparseAttention
 
 CHUNK = 8192
+REGISTERS = {True: "registers", False: "shared memory"}  # where stage 2's kernel keeps q
 
 
 def timed(name: str, fn, flops: float | None = None, nbytes: float | None = None) -> None:
@@ -422,17 +424,18 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     G = cfg.num_attention_heads // cfg.num_key_value_heads
     # where its parity passed on this GPU
     if stage2_cuda.available() and stage2_cuda.supports(q, G, sc.block_size):
-        for tile in (2, 4, 8):
+        for tile, qreg in itertools.product((2, 4, 8), (True, False)):
 
-            def tiled(tile=tile):
+            def tiled(tile=tile, qreg=qreg):
                 o = stage2_cuda.attend(
                     q.transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx,
-                    mx.array(starts, dtype=mx.int32), sparse.scale, sc.block_size, tile,
+                    mx.array(starts, dtype=mx.int32), sparse.scale, sc.block_size, tile, qreg,
                 )  # fmt: skip
                 return o.transpose(0, 2, 1, 3)
 
-            outs[f"kernel, {tile} queries a thread block"] = tiled()
-            timed(f"{n}: stage 2, CUDA kernel, {tile} queries a thread block", tiled, useful)
+            form = f"kernel, {tile} queries a thread block, query in {REGISTERS[qreg]}"
+            outs[form] = tiled()
+            timed(f"{n}: stage 2, CUDA {form}", tiled, useful)
     a = outs["masked"].astype(mx.float32)
     for form, o in outs.items():
         diff = (o.astype(mx.float32) - a).abs().max().item()

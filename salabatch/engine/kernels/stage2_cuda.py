@@ -158,14 +158,18 @@ __device__ void write_rows(T* rows, int heads, const float* Ow, float l, int lan
 
 # A warp a (row, kv head, query), QT warps a thread block (neighbouring queries: their windows'
 # blocks are the same, read from L1 or L2 by each). Constants: T (q's dtype), D (head dim), G,
-# QT, BLOCK (keys a block). Per warp in shared memory: Sw [16][SP] float (scores, then the
-# output staged for its write; at the start the query's rows and the row numbers), Pw [16][PP]
-# of T (weights), Aw [16] float (each row's rescale, then 1 / its sum).
+# QT, BLOCK (keys a block), QREG (the query's tiles in registers for the whole walk, or read
+# from shared memory for each product: ~180 or ~150 registers a thread, the occupancy the
+# profile weighs). Per warp in shared memory: Sw [16][SP] float (scores, then the output staged
+# for its write; at the start the row numbers, and with QREG the query's rows), Pw [16][PP] of
+# T (weights), Aw [16] float (each row's rescale, then 1 / its sum), without QREG the query's
+# rows [16][D] of T.
 _SOURCE = """
     using namespace nvcuda;
     using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
     constexpr int SP = (BLOCK > D ? BLOCK : D) + 4, PP = BLOCK + 8;
-    constexpr int WARP_BYTES = 16 * SP * 4 + 16 * PP * (int)sizeof(T) + 16 * 4;
+    constexpr int QBYTES = QREG ? 0 : 16 * D * (int)sizeof(T);  // the query's rows, kept
+    constexpr int WARP_BYTES = 16 * SP * 4 + 16 * PP * (int)sizeof(T) + 16 * 4 + QBYTES;
     const float NEG_INF = __int_as_float(0xff800000);
     const int n = dims[0], H = dims[1], Hk = dims[2], R = dims[3], K = dims[4], B = dims[5];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -194,14 +198,14 @@ _SOURCE = """
     __syncwarp();
     // the query's G heads as the rows of fragments (the rest zero)
     const long long head0 = ((long long)b * n + t) * H + (long long)h * G;
-    T* Qs = reinterpret_cast<T*>(Sw);
+    T* Qs = QREG ? reinterpret_cast<T*>(Sw) : reinterpret_cast<T*>(Aw + 16);
     for (int i = lane; i < 16 * D; i += 32) {
         Qs[i] = i / D < G ? q[head0 * D + i] : static_cast<T>(0.0f);
     }
     __syncwarp();
-    salabatch::QueryFragments<T, D> qf;
+    salabatch::QueryFragments<T, D> qf;  // QREG: in registers for the whole walk
 #pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {
+    for (int kt = 0; QREG && kt < D / 16; ++kt) {
         wmma::load_matrix_sync(qf[kt], Qs + kt * 16, D);
     }
     __syncwarp();
@@ -235,7 +239,13 @@ _SOURCE = """
             for (int kt = 0; kt < D / 16; ++kt) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
                 wmma::load_matrix_sync(kf, kb + nt * 16 * D + kt * 16, D);
-                wmma::mma_sync(acc, qf[kt], kf, acc);
+                if (QREG) {
+                    wmma::mma_sync(acc, qf[kt], kf, acc);
+                } else {  // 32 registers fewer a thread, a tile of the query from shared memory
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
+                    wmma::load_matrix_sync(qa, Qs + kt * 16, D);
+                    wmma::mma_sync(acc, qa, kf, acc);
+                }
             }
             wmma::store_matrix_sync(Sw + nt * 16, acc, SP, wmma::mem_row_major);
         }
@@ -312,6 +322,7 @@ _SOURCE = """
 
 INPUTS = ("q", "keys", "values", "idx", "first", "dims", "scale")
 QUERIES_PER_TILE = 4  # warps (queries) a thread block (the profile times 2, 4 and 8)
+QUERY_IN_REGISTERS = True  # QREG (the profile times both)
 MAX_SHARED = 227 * 1024  # an H100's shared memory a thread block can have
 
 
@@ -339,15 +350,16 @@ def supports(q: mx.array, heads_per_group: int, block: int) -> bool:
     d, itemsize = q.shape[-1], q.dtype.size
     return (
         block_attention_takes(q, heads_per_group, block)
-        and shared_bytes(d, block, QUERIES_PER_TILE, itemsize) <= MAX_SHARED
+        and shared_bytes(d, block, QUERIES_PER_TILE, itemsize, QUERY_IN_REGISTERS) <= MAX_SHARED
     )
 
 
-def shared_bytes(d: int, block: int, tile: int, itemsize: int) -> int:
+def shared_bytes(d: int, block: int, tile: int, itemsize: int, qreg: bool = True) -> int:
     """Dynamic shared memory of a thread block: per warp its scores (or output) in float32,
-    its weights in q's dtype and its rows' factors, strides padded as the source."""
+    its weights in q's dtype and its rows' factors, strides padded as the source, and without
+    `qreg` its query's rows."""
     per_warp = 16 * (max(block, d) + 4) * 4 + 16 * (block + 8) * itemsize + 16 * 4
-    return tile * per_warp
+    return tile * (per_warp + (0 if qreg else 16 * d * itemsize))
 
 
 def thread_blocks(rows: int, kv_heads: int, queries: int, tile: int) -> int:
@@ -364,6 +376,7 @@ def attend(
     scale: float,
     block: int,
     tile: int = QUERIES_PER_TILE,
+    qreg: bool = QUERY_IN_REGISTERS,
 ) -> mx.array:
     """q [B, T, H, d]; keys, values [B, Hk, R, d]; idx [B, Hk, T, K] (any order, -1: none);
     first [B] → [B, T, H, d] in q's dtype (layout above)."""
@@ -374,10 +387,11 @@ def attend(
     # ascending: a thread block's warps (neighbouring queries) then reach the blocks their
     # windows share at about the same time, the later ones from L1
     ordered = mx.sort(idx.astype(mx.int32), axis=-1)
-    (out,) = _kernel(shared_bytes(d, block, tile, q.dtype.size))(
+    (out,) = _kernel(shared_bytes(d, block, tile, q.dtype.size, qreg))(
         inputs=[q, keys, values, ordered, first.astype(mx.int32), dims,
                 mx.array([scale], dtype=mx.float32)],
-        template=[("T", q.dtype), ("D", d), ("G", H // Hk), ("QT", tile), ("BLOCK", block)],
+        template=[("T", q.dtype), ("D", d), ("G", H // Hk), ("QT", tile), ("BLOCK", block),
+                  ("QREG", int(qreg))],
         grid=(thread_blocks(B, Hk, T, tile) * 32 * tile, 1, 1),
         threadgroup=(32 * tile, 1, 1),
         output_shapes=[(B, T, H, d)],

@@ -108,18 +108,20 @@ def test_stage1_kernels_compile(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("qreg", [1, 0])
 @pytest.mark.parametrize(("d", "tile"), [(128, 2), (128, 4), (128, 8), (64, 4)])
-def test_stage2_kernel_compiles(dtype, d, tile):
+def test_stage2_kernel_compiles(dtype, d, tile, qreg):
     """Every variant the dispatcher or the profile launches: q's dtype, head dim, queries a
-    thread block (the 9B's G = 16 heads a kv group, 64-key blocks)."""
+    thread block (the 9B's G = 16 heads a kv group, 64-key blocks), the query in registers or
+    in shared memory."""
     inputs = [("q", dtype), ("keys", dtype), ("values", dtype), ("idx", "i32"),
               ("first", "i32"), ("dims", "i32"), ("scale", "f32")]  # fmt: skip
     assert tuple(n for n, _ in inputs) == stage2_cuda.INPUTS
-    template = [("T", dtype), ("D", d), ("G", 16), ("QT", tile), ("BLOCK", 64)]
+    template = [("T", dtype), ("D", d), ("G", 16), ("QT", tile), ("BLOCK", 64), ("QREG", qreg)]
     unit = _build("stage2", stage2_cuda._SOURCE, inputs, [("out", dtype)],
                   stage2_cuda.BLOCK_ATTENTION, template)  # fmt: skip
     _assert_builds(unit, 32 * tile)
-    assert stage2_cuda.shared_bytes(d, 64, tile, 2) <= stage2_cuda.MAX_SHARED
+    assert stage2_cuda.shared_bytes(d, 64, tile, 2, bool(qreg)) <= stage2_cuda.MAX_SHARED
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])

@@ -20,13 +20,14 @@ pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ with
 
 
 @pytest.mark.parametrize(
-    ("G", "d", "tile", "start", "T"),
-    [(16, 128, 4, 300, 37), (4, 64, 2, 700, 21), (8, 128, 8, 500, 19)],
-    ids=["9b-heads", "small", "eight-warps"],
+    ("G", "d", "tile", "start", "T", "qreg"),
+    [(16, 128, 4, 300, 37, 1), (4, 64, 2, 700, 21, 1), (8, 128, 8, 500, 19, 0)],
+    ids=["9b-heads", "small", "eight-warps-query-in-shared-memory"],
 )
-def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
+def test_the_kernel_source_matches_the_reference(G, d, tile, start, T, qreg):
     """Two rows at their own starts, 6 slots a query (its own block, the first, random others,
-    in any order), a last thread block with fewer queries than warps."""
+    in any order), a last thread block with fewer queries than warps; the query's tiles in
+    registers or read from shared memory."""
     q, kv, idx, starts = prefill_case(G, d, 6, start, T, mx.bfloat16, seed=G + d, B=2)
     B, Hk, R, _ = kv.rows_k.shape
     scale = d**-0.5
@@ -42,10 +43,10 @@ def test_the_kernel_source_matches_the_reference(G, d, tile, start, T):
             ("scale", "f32", np.array([scale])),
         ],
         ("out", "bf16", (B, T, Hk * G, d)),
-        [("T", "bf16"), ("D", d), ("G", G), ("QT", tile), ("BLOCK", BLOCK)],
+        [("T", "bf16"), ("D", d), ("G", G), ("QT", tile), ("BLOCK", BLOCK), ("QREG", qreg)],
         blocks=stage2_cuda.thread_blocks(B, Hk, T, tile),
         threads=32 * tile,
-        shared_bytes=stage2_cuda.shared_bytes(d, BLOCK, tile, 2),
+        shared_bytes=stage2_cuda.shared_bytes(d, BLOCK, tile, 2, bool(qreg)),
         header=stage2_cuda.BLOCK_ATTENTION,
     )
     got = cuda_emu.from_numpy(got, "bf16").transpose(0, 2, 1, 3)
