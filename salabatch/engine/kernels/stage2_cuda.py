@@ -89,18 +89,16 @@ __device__ void score_tiles(const QueryFragments<T, D>& qf, const T* Ks, float* 
     __syncwarp();
 }
 
-// One block of BLOCK keys at positions base.. (Ks, Vs [BLOCK, D]): S = Q·Kᵀ in float32, the
-// online softmax of each row in the log2 domain (a: scale·log2 e; keys after qpos masked; m, l
-// the lane's row's running max and sum), the weights rounded to T, O rescaled where its max
-// moved, O += P·V.
-template <typename T, int D, int BLOCK>
-__device__ void attend_block(const QueryFragments<T, D>& qf, const T* Ks, const T* Vs, float* Sw,
-                             float* Ow, T* Pw, long long base, long long qpos, float a, int lane,
-                             float& m, float& l) {
-    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+// The online softmax of one block's scores Sw (16 rows, stride SP): each row's weights in the
+// log2 domain (a: scale·log2 e; keys after qpos masked), rounded to T into Pw (stride BLOCK + 8),
+// two lanes a row (lane ℓ: row ℓ / 2, columns ℓ % 2, + 2, ...); m, l the lane's row's running
+// max and sum, updated → the factor by which that row's output so far is to be scaled.
+template <typename T, int BLOCK, int SP>
+__device__ float softmax_block(const float* Sw, T* Pw, long long base, long long qpos, float a,
+                               int lane, float& m, float& l) {
+    constexpr int PP = BLOCK + 8;
     const float NEG_INF = __int_as_float(0xff800000);
     const int r = lane >> 1, half = lane & 1;
-    score_tiles<T, D, BLOCK, SP>(qf, Ks, Sw);
     float mb = NEG_INF;
     for (int c = half; c < BLOCK; c += 2) {
         if (base + c <= qpos) {
@@ -120,6 +118,21 @@ __device__ void attend_block(const QueryFragments<T, D>& qf, const T* Ks, const 
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = l * alpha + sum;
     m = mn;
+    return alpha;
+}
+
+// One block of BLOCK keys at positions base.. (Ks, Vs [BLOCK, D]): S = Q·Kᵀ in float32, the
+// online softmax of each row in the log2 domain (a: scale·log2 e; keys after qpos masked; m, l
+// the lane's row's running max and sum), the weights rounded to T, O rescaled where its max
+// moved, O += P·V.
+template <typename T, int D, int BLOCK>
+__device__ void attend_block(const QueryFragments<T, D>& qf, const T* Ks, const T* Vs, float* Sw,
+                             float* Ow, T* Pw, long long base, long long qpos, float a, int lane,
+                             float& m, float& l) {
+    constexpr int SP = BLOCK + 4, OP = D + 4, PP = BLOCK + 8;
+    const int r = lane >> 1, half = lane & 1;
+    score_tiles<T, D, BLOCK, SP>(qf, Ks, Sw);
+    const float alpha = softmax_block<T, BLOCK, SP>(Sw, Pw, base, qpos, a, lane, m, l);
     for (int c = half; alpha != 1.0f && c < D; c += 2) {  // a row whose max held: as is
         Ow[r * OP + c] *= alpha;
     }
@@ -251,25 +264,8 @@ _SOURCE = """
         }
         __syncwarp();
         // the online softmax of each row (keys after the query masked), weights rounded to T
-        float mb = NEG_INF;
-        for (int c = half; c < BLOCK; c += 2) {
-            if (base + c <= qpos) {
-                mb = fmaxf(mb, Sw[r * SP + c] * a);
-            }
-        }
-        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-        const float mn = fmaxf(m, mb);  // finite: the block's first key is not after the query
-        const float alpha = exp2f(m - mn);
-        float sum = 0.0f;
-        for (int c = half; c < BLOCK; c += 2) {
-            const float p = base + c <= qpos ? exp2f(Sw[r * SP + c] * a - mn) : 0.0f;
-            const T pt = static_cast<T>(p);
-            Pw[r * PP + c] = pt;
-            sum += static_cast<float>(pt);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = mn;
+        const float alpha =
+            salabatch::softmax_block<T, BLOCK, SP>(Sw, Pw, base, qpos, a, lane, m, l);
         if (half == 0) {
             Aw[r] = alpha;
         }

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from salabatch.engine.kernels import rows_cuda
+from tests.engine.kernels.test_norm_cuda import assert_step_as_close_with
 from tests.engine.kernels.test_stage2_cuda import ON_CUDA, relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")]
@@ -32,28 +33,4 @@ def test_the_kernel_matches_the_matmul_at_the_9b_shapes(dtype, M, N, K):
 
 
 def test_a_decode_step_gives_the_same_tokens_with_it(monkeypatch):
-    """The compiled decode step of a model at the 9B's layout (small width, bf16), 4 rows forked
-    from a 4K document of zeros, the kernel on and off, against the float32 model of the same
-    weights: as close to it with the kernel as without, and the same greedy tokens but for near
-    ties."""
-    from salabatch.bench.graph import filled_model_cache, sala_model
-    from salabatch.engine.decode import DecodeStep, decode
-
-    ids = mx.array([3, 77, 1000, 5], dtype=mx.int32)
-    logits = {}
-    for name, dtype, kernels in (
-        ("ops", mx.bfloat16, "stage1,decode"),
-        ("kernel", mx.bfloat16, "stage1,decode,rows"),
-        ("float32", mx.float32, "stage1"),
-    ):
-        monkeypatch.setenv("SALABATCH_CUDA_KERNELS", kernels)
-        model = sala_model(dtype)
-        model.decoder = DecodeStep(model)
-        cache = filled_model_cache(model, 4096).fork(4)
-        logits[name] = decode(model, ids, cache).astype(mx.float32)
-        mx.eval(logits[name])
-    exact = logits["float32"]
-    assert relative_error(logits["kernel"], exact) < 1.25 * relative_error(logits["ops"], exact)
-    got, want = logits["kernel"], logits["ops"]
-    chosen = mx.take_along_axis(want, got.argmax(-1)[:, None], axis=-1)[:, 0]
-    assert mx.all(want.max(-1) - chosen <= 1e-2 * mx.abs(want).max(-1)).item()
+    assert_step_as_close_with(monkeypatch, "stage1,decode", "stage1,decode,rows")
