@@ -24,6 +24,7 @@ per part as it goes, so a call cut short keeps what it measured. On the CPU it r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import time
@@ -361,7 +362,9 @@ def profile_rows_products(hidden: int, dt, repeats: int = 8) -> None:
             mx.eval(x)
             forms = [("MLX matmul", lambda x=x, w=w: [x @ w.T for _ in range(repeats)])]
             if rows_cuda.available() and rows_cuda.supports(x, w):
-                forms.append(("rows kernel", lambda x=x, w=w: rows_products(x, w, repeats)))
+                for u in (2, 4, 8):
+                    fn = functools.partial(rows_products, x, w, repeats, u)
+                    forms.append((f"rows kernel, {u} loads in flight", fn))
                 diff = (rows_cuda.product(x, w).astype(mx.float32) - (x @ w.T)).abs().max()
                 print(f"{rows} row(s), {name}: the kernel {diff.item():.3g} at most from MLX's",
                       flush=True)  # fmt: skip
@@ -369,8 +372,8 @@ def profile_rows_products(hidden: int, dt, repeats: int = 8) -> None:
                 timed(f"{rows} row(s), {name} x{repeats}: {form}", fn, nbytes=repeats * w.nbytes)
 
 
-def rows_products(x: mx.array, w: mx.array, repeats: int) -> list[mx.array]:
-    return [rows_cuda.product(x, w) for _ in range(repeats)]
+def rows_products(x: mx.array, w: mx.array, repeats: int, in_flight: int) -> list[mx.array]:
+    return [rows_cuda.product(x, w, in_flight) for _ in range(repeats)]
 
 
 def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:

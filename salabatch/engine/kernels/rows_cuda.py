@@ -32,12 +32,14 @@ from salabatch.engine.kernels.attention import cuda_kernel
 
 MAX_ROWS = 8
 THREADS = 256  # 8 warps: 8 rows of w a thread block
+IN_FLIGHT = 4  # U: 16-byte loads of w a lane issues before it sums them (the profile: 2, 4, 8)
 INPUTS = ("x", "w", "dims")
 
-# A warp a row n of w; lane ℓ reads w[n, k] for k = 8ℓ + 256u + 1024i (u = 0..3: the loads in
-# flight), the same columns of each row of x, and sums in float32.
+# A warp a row n of w; lane ℓ reads w[n, k] for k = 8ℓ + 256u + 256·U·i (u < U: the loads in
+# flight), the same columns of each row of x, and sums in float32. Constants: T, M (rows of x),
+# U.
 _SOURCE = """
-    constexpr int VE = 8, U = 4, STEP = 32 * VE * U;
+    constexpr int VE = 8, STEP = 32 * VE * U;
     const int N = dims[0], K = dims[1];
     const long long n = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (n >= N) {
@@ -108,13 +110,13 @@ def supports(x: mx.array, w: mx.array) -> bool:
     )
 
 
-def product(x: mx.array, w: mx.array) -> mx.array:
+def product(x: mx.array, w: mx.array, in_flight: int = IN_FLIGHT) -> mx.array:
     """x [..., K] (at most MAX_ROWS rows in all) times w [N, K] transposed → [..., N]."""
     K, N = x.shape[-1], w.shape[0]
     M = x.size // K
     (y,) = _kernel()(
         inputs=[x.reshape(M, K), w, mx.array([N, K], dtype=mx.int32)],
-        template=[("T", w.dtype), ("M", M)],
+        template=[("T", w.dtype), ("M", M), ("U", in_flight)],
         grid=(-(-N // (THREADS // 32)) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(M, N)],

@@ -230,11 +230,12 @@ def test_a_broken_source_fails_to_build():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-@pytest.mark.parametrize("rows", [1, 8])
-def test_rows_kernel_compiles(dtype, rows):
-    """The decode step's product: one row and the most the dispatcher sends (8)."""
+@pytest.mark.parametrize(("rows", "in_flight"), [(1, 4), (8, 4), (1, 8), (8, 2)])
+def test_rows_kernel_compiles(dtype, rows, in_flight):
+    """The decode step's product: one row and the most the dispatcher sends (8), the loads in
+    flight the dispatcher's and the profile's."""
     inputs = [("x", dtype), ("w", dtype), ("dims", "i32")]
     assert tuple(n for n, _ in inputs) == rows_cuda.INPUTS
     unit = _build("rows", rows_cuda._SOURCE, inputs, [("y", dtype)], "",
-                  [("T", dtype), ("M", rows)])  # fmt: skip
+                  [("T", dtype), ("M", rows), ("U", in_flight)])  # fmt: skip
     _assert_builds(unit, rows_cuda.THREADS)

@@ -25,15 +25,15 @@ def rows_case(M: int, N: int, K: int, seed: int):
 
 
 @pytest.mark.parametrize(
-    ("M", "N", "K"),
-    [(1, 19, 2048), (3, 8, 1032), (8, 13, 264)],
-    ids=["one-row", "partial-stride", "eight-rows"],
+    ("M", "N", "K", "in_flight"),
+    [(1, 19, 2048, 4), (3, 8, 1032, 4), (8, 13, 264, 4), (2, 9, 3000, 8), (1, 9, 776, 2)],
+    ids=["one-row", "partial-stride", "eight-rows", "eight-in-flight", "two-in-flight"],
 )
-def test_the_kernel_matches_the_matmul(monkeypatch, M, N, K):
+def test_the_kernel_matches_the_matmul(monkeypatch, M, N, K, in_flight):
     x, w = rows_case(M, N, K, seed=M + K)
     want = (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(mx.bfloat16)
     with cuda_emu.emulated_kernels(monkeypatch, rows_cuda) as launched:
-        got = rows_cuda.product(x, w)
+        got = rows_cuda.product(x, w, in_flight)
         mx.eval(got)
     assert launched == ["salabatch_rows"]
     assert got.shape == (M, N) and got.dtype == mx.bfloat16
