@@ -6,8 +6,9 @@ without its sort (scores and pooling only), and stage 2 in both its GPU forms wh
 context (`sparse_attention.MASKED_KEYS` picks one in the engine): dense SDPA with the selection
 as an additive mask, and the gathers of each query's blocks, checked against each other.
 The sparse layer at each context comes first (a call cut short keeps what it measured), then
-decode's output projections with their residual add (`addmm`, or a product and an add), the
-lightning layer, and decode's compiled step (batch 1, a 32K context of zeros) of
+the lightning layer, decode's products (MLX's matmul and the rows kernel) and output
+projections with their residual add (`addmm`, or a product and an add), and decode's compiled
+step (batch 1, a 32K context of zeros) of
 models at the 9B's width with 8 lightning layers, 8 sparse layers, and 1 lightning layer (the
 embedding, the head and one layer), from which a layer of each kind costs what it adds, and a
 sparse layer's decode attention split into stage 1 (with its top-k) and stage 2
@@ -111,9 +112,8 @@ def main(contexts: list[int]) -> None:
         profile_context(sparse, cfg, x, n, chunk, dt)
     timed(f"matmul [{chunk}, {hidden}] x [{hidden}, {3 * hidden}]", lambda: x @ w,
           2 * chunk * hidden * 3 * hidden)  # fmt: skip
-    profile_rows_products(hidden, dt)
-    profile_residual_products(hidden, dt)
 
+    # then the lightning layer (its recurrence's kernel beside the MLX ops), decode's products
     state = mx.zeros((1, 32, 128, 128), mx.float32)
     mx.eval(state)
     whole = "lightning layer, whole (8K chunk)"
@@ -133,6 +133,8 @@ def main(contexts: list[int]) -> None:
         timed(f"lightning recurrence alone, {c}-token chunks",
               lambda c=c: gla_parallel(*qkv, g, 0.1, state, chunk=c))  # fmt: skip
 
+    profile_rows_products(hidden, dt)
+    profile_residual_products(hidden, dt)
     profile_decode(hidden, dt)
 
 
