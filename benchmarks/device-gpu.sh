@@ -28,9 +28,10 @@
 # six kernels, in parallel processes, took 93 s (the slowest, gla's); a first `bench long 32K`
 # with the peer did not finish in 170 s, then 128K took 98 s and, in a later process, 32K 55 s.
 # The plan for the next: call 2 `PROFILE_ARGS="32768 131072" PROFILE_S=240 CONTEXTS=
-# KERNEL_S=110` (parity, then each stage's kernel beside its MLX ops), call 3 `KERNELS=<passed
-# and won> CONTEXTS="32K:240 128K:150" PROFILE_S=0`. Keep $OUT's file names free of commas
-# (such files do not come back).
+# KERNEL_S=110` (parity, then each stage's kernel beside its MLX ops, then
+# benchmarks/choose-kernels.py's pick kept in /tmp), call 3 at once `KERNELS=auto
+# CONTEXTS="32K:240 128K:150" PROFILE_S=0`. Keep $OUT's file names free of commas (such files
+# do not come back).
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #
@@ -78,6 +79,9 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log its output 
 # KERNELS=stage1,gla (say): the kernels an earlier call on this machine found passing, used
 # as they are, their parity not run again.
 passed=()
+# KERNELS=auto: what choose-kernels.py picked from an earlier call's parity and profile on this
+# machine (kept in /tmp, which a warm machine keeps between calls)
+[ "${KERNELS:-}" = auto ] && KERNELS=$(cat /tmp/salabatch-kernels.txt 2>/dev/null || echo stage1,decode)
 [ -n "${KERNELS:-}" ] && passed=("$KERNELS")
 # each kernel's parity in its own process, all at once (NVRTC compiles on the CPU's cores), each
 # with its own compiled-kernel folder: two processes writing one cache file would race
@@ -105,6 +109,11 @@ echo "== SALABATCH_CUDA_KERNELS=$SALABATCH_CUDA_KERNELS" | tee -a "$log"
 # benches then use
 [ "${PROFILE_S:-120}" -gt 0 ] && step "${PROFILE_S:-120}" "profile" \
     python3 benchmarks/device-profile.py ${PROFILE_ARGS:-}
+# the kernels that passed and won in the profile, for a later call's KERNELS=auto
+if [ "${PROFILE_S:-120}" -gt 0 ]; then
+    python3 benchmarks/choose-kernels.py "$log" 2>&1 >/tmp/salabatch-kernels.txt | tee -a "$log"
+    echo "== chosen: $(cat /tmp/salabatch-kernels.txt)" | tee -a "$log"
+fi
 for spec in ${CONTEXTS-32K:300}; do
     ctx=${spec%%:*} limit=${spec##*:}
     peer=--peer

@@ -207,7 +207,8 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         steps[name] = median_step(model, ids, cache)
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
-        for module, part in ((gla_cuda, "recurrence"), (norm_cuda, "residual adds and norms")):
+        for module, part in ((gla_cuda, "recurrence"), (norm_cuda, "residual adds and norms"),
+                             (rows_cuda, "products")):  # fmt: skip
             if name == "8 lightning" and module.available():  # the same step, its MLX ops
                 with kernel_off(module):
                     model.decoder = DecodeStep(model)  # traced again, without the kernel
