@@ -38,6 +38,17 @@ def test_winners_in_losers_and_the_untimed_out():
     assert choose(LOG) == ["stage1", "scores", "stage2", "decode"]
 
 
+def test_the_rows_kernel_by_its_products_where_no_step_was_timed():
+    products = (
+        "1 row(s), MLP gate+up x8: MLX matmul      1.700 ms  (first   0.00 s)\n"
+        "1 row(s), MLP gate+up x8: rows kernel, 4 loads in flight      0.900 ms  (first   0.0 s)\n"
+    )
+    assert choose(LOG + products)[-1] == "rows"
+    step = "decode step, 8 lightning layer(s), 32768 context:     3.00 ms\n"
+    mlx = "decode step, 8 lightning layer(s), products as MLX ops:     2.90 ms\n"
+    assert "rows" not in choose(LOG + products + step + mlx)  # the step decides
+
+
 def test_a_kernel_that_failed_parity_is_never_in():
     log = LOG.replace("stage1,scores,stage2,decode,gla,rows", "stage1,decode")
     assert choose(log) == ["stage1", "decode"]
