@@ -1,4 +1,4 @@
-"""The lightning prefill's CUDA kernel (`kernels/gla_cuda.py`) on a GPU, against the float32
+"""The lightning layer's CUDA kernels (`kernels/gla_cuda.py`) on a GPU, against the float32
 chunked form and the MLX-op GPU form it would replace: run where MLX's CUDA backend has a GPU
 (`-m gpu`), skipped elsewhere (its source runs on the CPU in `test_gla_emulated.py`). It is off
 by default until these pass on a GPU; `benchmarks/device-gpu.sh` runs them and switches it on

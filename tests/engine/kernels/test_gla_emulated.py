@@ -1,9 +1,11 @@
-"""The lightning prefill's CUDA kernel (`kernels/gla_cuda.py`), its own source run on the CPU
+"""The lightning layer's CUDA kernels (`kernels/gla_cuda.py`), their own sources run on the CPU
 through `cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices, TF32 operands cut to
-their 19 bits), against the float32 chunked form `gla_chunked`: its chunk walk, decays, causal
-mask, partial last chunk, state in and out and synchronisation, checked without a GPU; and the
-dispatcher `gla.gla` taking it as on CUDA. Its speed, the real tensor cores and NVRTC's build
-are a GPU's to test (`test_gla_cuda.py`, marked `gpu`; `test_cuda_sources.py` builds it)."""
+their 19 bits): the prefill's three (each chunk's own state, the scan across the chunks, each
+chunk's outputs) against the float32 chunked form `gla_chunked` (decays, causal mask, partial
+last chunk, state in and out, synchronisation), and the dispatcher `gla.gla` taking them as on
+CUDA; the decode step's against its MLX ops. Their speed, the real tensor cores and NVRTC's
+build are a GPU's to test (`test_gla_cuda.py`, marked `gpu`; `test_cuda_sources.py` builds
+them)."""
 
 from __future__ import annotations
 
