@@ -318,9 +318,9 @@ def gla(q, k, v, g, scale, state=None, out_dtype=mx.float32):
     """The dispatcher the model calls: decode step for T == 1; otherwise on the GPU path the
     CUDA kernels where they are on and take the shapes (`gla_cuda`: each chunk's own state, a
     scan of the state across the chunks, each chunk's outputs), else the one-graph parallel
-    form; the chunked form on the CPU. o is rounded once to `out_dtype`, and where that is a cast it is written in the
-    order [B, T, H, dv] that the layer reads next (returned as its [B, H, T, dv] view): the GPU
-    forms as they sum o, the others after."""
+    form; the chunked form on the CPU. o is rounded once to `out_dtype`, and where that is a
+    cast it is written in the order [B, T, H, dv] that the layer reads next (returned as its
+    [B, H, T, dv] view): the GPU forms as they sum o, the others after."""
     if q.shape[2] != 1 and on_gpu():
         if gla_cuda.available() and gla_cuda.supports(q, k, v):
             return gla_cuda.gla(q, k, v, g, scale, state, out_dtype)
