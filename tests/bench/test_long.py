@@ -36,6 +36,16 @@ def test_rows_report_the_hosts_part_of_a_decode_step(result):
         assert 0 < r["decode_b1_host_ms"] <= 1e3 / r["decode_b1_tok_s"]
 
 
+def test_rows_report_decode_as_a_generation_loop_runs_it(result):
+    rows = {(r["model"], r["context"]): r for r in result["results"]}
+    for r in result["results"]:
+        assert r["decode_b1_pipelined_tok_s"] > 0
+    for ratio in result["ratios"]:
+        s, p = rows["sala", ratio["context"]], rows["peer", ratio["context"]]
+        want = s["decode_b1_pipelined_tok_s"] / p["decode_b1_pipelined_tok_s"]
+        assert ratio["decode_b1_pipelined_speedup"] == pytest.approx(want, 0.01)
+
+
 def test_sala_is_measured_fused_as_load_model_leaves_it():
     """The decode step takes the fused projections `load_model` makes; a model left unfused
     would run each projection on its own, as no user's does."""
