@@ -142,7 +142,10 @@ class Model(nn.Module):
         h = h / self.config.logit_divisor
         if "lm_head" in self:
             return self.lm_head(h)
-        return product(h, self.model.embed_tokens.weight)  # the tied head: the embedding's
+        embed = self.model.embed_tokens  # the tied head
+        if "scales" in embed:  # a quantized embedding: its own quantized product
+            return embed.as_linear(h)
+        return product(h, embed.weight)
 
     def step(self, tokens: mx.array, info: mx.array, tables: dict, layers: list, mode: str):
         """One decode step as a pure function, what `salabatch.engine.decode` compiles: tokens

@@ -125,3 +125,20 @@ def test_add_product_is_the_residual_add_of_a_product(kind, cuda, monkeypatch):
             assert mx.allclose(got, want, atol=1e-5).item(), (kind, cuda, split)
             one_addmm = kind == "plain" and not (split and cuda)
             assert ("Add" not in ops) == one_addmm, ops
+
+
+def test_a_tied_head_is_the_embeddings_product_plain_or_quantized():
+    """With tied embeddings the head is the embedding's product (`linear.product` for a float
+    one), and a quantized embedding keeps its own quantized product."""
+    from salabatch.engine.config import ModelConfig
+    from salabatch.engine.model import Model
+    from tests.tiny import tiny_config_dict
+
+    model = Model(ModelConfig.from_dict(tiny_config_dict(tie_word_embeddings=True)))
+    h = mx.random.normal((2, 3, 64), key=mx.random.key(0))
+    embed = model.model.embed_tokens
+    want = embed.as_linear(h / model.config.logit_divisor)
+    assert mx.array_equal(model.logits(h), want).item()
+    model.model.embed_tokens = nn.QuantizedEmbedding.from_embedding(embed, group_size=32, bits=8)
+    want = model.model.embed_tokens.as_linear(h / model.config.logit_divisor)
+    assert mx.array_equal(model.logits(h), want).item()
