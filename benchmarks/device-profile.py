@@ -186,6 +186,12 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
 
     nine = SHAPES["9b"].sala
     vocab, mlp = (nine["vocab_size"], nine["intermediate_size"]) if hidden == 4096 else (4096, 1024)
+    # the kernels each step is also timed without (what they replace, as the log names it)
+    without = {
+        "8 lightning": ((gla_cuda, "recurrence"), (norm_cuda, "residual adds and norms"),
+                        (rows_cuda, "products")),
+        "8 sparse": ((decode_cuda, "selection"),),
+    }  # fmt: skip
     steps = {}
     for name, layers, sparse_layers in (
         ("8 lightning", 8, ()),
@@ -207,22 +213,14 @@ def profile_decode(hidden: int, dt, context: int = 32768) -> None:
         steps[name] = median_step(model, ids, cache)
         print(f"decode step, {name} layer(s), {context} context: {steps[name] * 1e3:8.2f} ms",
               flush=True)  # fmt: skip
-        for module, part in ((gla_cuda, "recurrence"), (norm_cuda, "residual adds and norms"),
-                             (rows_cuda, "products")):  # fmt: skip
-            if name == "8 lightning" and module.available():  # the same step, its MLX ops
+        if name == "8 sparse":
+            profile_decode_attention(model, cache)
+        for module, part in without.get(name, ()):
+            if module.available():  # its parity passed: the same step with its MLX ops
                 with kernel_off(module):
                     model.decoder = DecodeStep(model)  # traced again, without the kernel
                     s = median_step(model, ids, cache)
                 print(f"decode step, {name} layer(s), {part} as MLX ops: {s * 1e3:8.2f} ms",
-                      flush=True)  # fmt: skip
-                model.decoder = DecodeStep(model)
-        if name == "8 sparse":
-            profile_decode_attention(model, cache)
-            if decode_cuda.available():  # its parity passed: the same step with the MLX ops
-                with kernel_off(decode_cuda):
-                    model.decoder = DecodeStep(model)  # traced again, without the kernel
-                    s = median_step(model, ids, cache)
-                print(f"decode step, {name} layer(s), selection as MLX ops: {s * 1e3:8.2f} ms",
                       flush=True)  # fmt: skip
                 model.decoder = DecodeStep(model)
         del model, cache

@@ -193,6 +193,11 @@ def _tokens(n: int, vocab: int, seed: int, rows: int = 1) -> mx.array:
     return mx.random.randint(3, vocab, (rows, n), key=mx.random.key(seed)).astype(mx.int32)
 
 
+def _greedy(engine, tok: mx.array, cache) -> mx.array:
+    """One greedy step of every row: tokens [B, 1] → the next [B, 1] (lazy)."""
+    return mx.argmax(engine.step(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
+
+
 def _decode(engine, cache, rows: int, vocab: int, steps: int) -> tuple[float, float]:
     """Median seconds of one greedy step of `rows` rows, and of the host's part of it: building
     the step's graph, before the device is waited on (unoverlapped here, so the device's part is
@@ -201,7 +206,7 @@ def _decode(engine, cache, rows: int, vocab: int, steps: int) -> tuple[float, fl
     times, builds = [], []
     for i in range(steps + 2):
         start = time.perf_counter()
-        tok = mx.argmax(engine.step(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
+        tok = _greedy(engine, tok, cache)
         built = time.perf_counter()
         mx.eval(tok)
         if i >= 2:  # warm-up steps: buffers, compiled graphs
@@ -217,11 +222,11 @@ def _pipelined(engine, cache, rows: int, vocab: int, steps: int) -> float:
     device's is longer. Mean over `steps` steps after two that warm up."""
     tok = _tokens(1, vocab, seed=8, rows=rows).reshape(rows, 1)
     for _ in range(2):
-        tok = mx.argmax(engine.step(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
+        tok = _greedy(engine, tok, cache)
         mx.eval(tok)
     start = time.perf_counter()
     for _ in range(steps):
-        tok = mx.argmax(engine.step(tok, cache)[:, -1:], axis=-1).astype(mx.int32)
+        tok = _greedy(engine, tok, cache)
         mx.async_eval(tok)
     mx.eval(tok)
     return (time.perf_counter() - start) / steps

@@ -55,7 +55,7 @@ STEP_INPUTS = ("y", "wq", "wk", "pos", "decay", "state", "params")
 # chunk) of a thread block, and the rows of q, k or v as float32 in shared memory (stride D + 8:
 # rows stay 32-byte aligned for WMMA and neighbouring rows start in other banks), zeros past the
 # chunk's tokens, each scaled by f(row) (the decays) and rounded to TF32 where asked.
-CHUNKS = """
+HEADER = """
 #include <mma.h>
 namespace salabatch_gla {
 using namespace nvcuda;
@@ -460,9 +460,9 @@ def _kernel(name: str, shared: int):
     for `shared` bytes of dynamic shared memory, made on first use (there is none without a
     CUDA backend); MLX compiles it once per template."""
     inputs, outputs, source, header = {
-        "states": (STATES_INPUTS, ["chunk_states"], _STATES, CHUNKS),
+        "states": (STATES_INPUTS, ["chunk_states"], _STATES, HEADER),
         "scan": (SCAN_INPUTS, ["starts", "final_state"], _SCAN, ""),
-        "out": (OUT_INPUTS, ["out"], _OUT, CHUNKS),
+        "out": (OUT_INPUTS, ["out"], _OUT, HEADER),
         "step": (STEP_INPUTS, ["out", "new_state"], _STEP, ""),
     }[name]
     return mx.fast.cuda_kernel(

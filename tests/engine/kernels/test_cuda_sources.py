@@ -165,10 +165,10 @@ def test_lightning_kernels_compile(dtype, d, out, fresh):
              "starts": "f32"}  # fmt: skip
     for name, source, names, outputs, header, template, threads in (
         ("states", gla_cuda._STATES, gla_cuda.STATES_INPUTS, [("chunk_states", "f32")],
-         gla_cuda.CHUNKS, [("InT", dtype), ("D", d)], gla_cuda.THREADS),
+         gla_cuda.HEADER, [("InT", dtype), ("D", d)], gla_cuda.THREADS),
         ("scan", gla_cuda._SCAN, gla_cuda.SCAN_INPUTS, [("starts", "f32"), ("final_state", "f32")],
          "", [("D", d), ("FRESH", fresh)], gla_cuda.SCAN_THREADS),
-        ("out", gla_cuda._OUT, gla_cuda.OUT_INPUTS, [("out", out)], gla_cuda.CHUNKS,
+        ("out", gla_cuda._OUT, gla_cuda.OUT_INPUTS, [("out", out)], gla_cuda.HEADER,
          [("InT", dtype), ("OutT", out), ("D", d)], gla_cuda.THREADS),
     ):  # fmt: skip
         inputs = [(n, kinds.get(n, dtype)) for n in names]
