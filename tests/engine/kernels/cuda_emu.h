@@ -3,8 +3,12 @@
 // __syncthreads and __syncwarp are barriers of the thread block and of the warp, shuffles
 // exchange through the warp, WMMA fragments are whole 16×16 matrices every lane holds (the
 // collective's result; lane 0 stores; TF32 operands cut to 19 bits), bfloat16 rounds to nearest
-// even. Not kept: timing, memory ordering beyond the barriers, anything the kernels here do not
-// use.
+// even. CUDA's alignment rules are checked where a GPU would fault or misread: a 16-byte vector
+// type is 16-byte aligned (UBSan's alignment check, `CUDA_EMU_SANITIZE=undefined`, sees its
+// loads), a WMMA load or store takes a 32-byte aligned pointer and a stride of a multiple of 16
+// bytes, and dynamic shared memory is aligned as the kernel declares it, no more; a broken rule is
+// reported (`emu::fail`) and the launch raises. Not kept: timing, memory ordering beyond the
+// barriers, anything the kernels here do not use.
 #pragma once
 
 #include <algorithm>
@@ -14,14 +18,22 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define EMU_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#else
+#define EMU_POISON(p, n) ((void)(p), (void)(n))
+#endif
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
-struct uint4 {
+struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
@@ -48,11 +60,21 @@ struct __nv_bfloat16 {
 
 namespace emu {
 
+// The first broken rule of a launch, for `cuda_emu.py` to raise (empty: none).
+inline std::mutex failed_lock;
+inline std::string failed;
+inline void fail(const std::string& what) {
+    std::lock_guard<std::mutex> hold(failed_lock);
+    if (failed.empty()) {
+        failed = what;
+    }
+}
+
 struct Block {
     std::unique_ptr<std::barrier<>> all;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<float> exchange;  // a float a thread, for shuffles
-    std::vector<unsigned char> shared;
+    unsigned char* shared = nullptr;  // `shared_bytes` aligned to the kernel's __align__
 };
 
 inline thread_local dim3 thread_idx, block_idx, block_dim;
@@ -155,8 +177,21 @@ struct fragment {
     float x[256];
 };
 
+// WMMA's rules for its memory: a 256-bit aligned pointer, a stride of a multiple of 16 bytes
+template <class P>
+void check_matrix(const P* p, unsigned ldm, const char* op) {
+    if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0) {
+        emu::fail(std::string(op) + ": pointer not 32-byte aligned");
+    }
+    if (ldm * sizeof(P) % 16 != 0) {
+        emu::fail(std::string(op) + ": ldm of " + std::to_string(ldm) + " elements of " +
+                  std::to_string(sizeof(P)) + " bytes, not a multiple of 16 bytes");
+    }
+}
+
 template <class Use, int M, int N, int K, class T, class Layout, class P>
 void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const P* p, unsigned ldm) {
+    check_matrix(p, ldm, "load_matrix_sync");
     constexpr bool rows = std::is_same_v<Layout, row_major>;
     for (int i = 0; i < f.rows; ++i) {
         for (int j = 0; j < f.cols; ++j) {
@@ -168,6 +203,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const P* p, unsigned
 template <int M, int N, int K, class T>
 void load_matrix_sync(
     fragment<accumulator, M, N, K, T>& f, const float* p, unsigned ldm, layout_t layout) {
+    check_matrix(p, ldm, "load_matrix_sync");
     for (int i = 0; i < 16; ++i) {
         for (int j = 0; j < 16; ++j) {
             f.x[i * 16 + j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
@@ -178,6 +214,7 @@ void load_matrix_sync(
 template <int M, int N, int K, class T>
 void store_matrix_sync(
     float* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
+    check_matrix(p, ldm, "store_matrix_sync");
     __syncwarp();  // every lane has computed f
     if (emu::lane() == 0) {
         for (int i = 0; i < 16; ++i) {
@@ -220,9 +257,19 @@ void mma_sync(
 namespace emu {
 
 // Runs `kernel` over a grid of `blocks` thread blocks of `threads` threads (x only), each block
-// with `shared_bytes` of dynamic shared memory, one block at a time.
+// with `shared_bytes` of dynamic shared memory aligned to `align` bytes, the kernel's __align__
+// (exactly: an address of `align` but not of twice it, so a kernel counting on more fails the
+// checks above), one block at a time.
 template <class F>
-void launch(int blocks, int threads, int shared_bytes, F kernel) {
+void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
+    std::vector<unsigned char> memory(shared_bytes + 3 * align);  // the base within 3·align
+    const auto start = reinterpret_cast<std::uintptr_t>(memory.data());
+    const std::uintptr_t twice = 2 * align;
+    const std::uintptr_t base = (start + twice - 1) / twice * twice + align;
+    unsigned char* shared = memory.data() + (base - start);
+    // the bytes around it poisoned, so that AddressSanitizer reports a read out of its bounds
+    EMU_POISON(memory.data(), base - start);
+    EMU_POISON(shared + shared_bytes, memory.size() - (base - start) - shared_bytes);
     for (int bx = 0; bx < blocks; ++bx) {
         Block b;
         b.all = std::make_unique<std::barrier<>>(threads);
@@ -230,7 +277,10 @@ void launch(int blocks, int threads, int shared_bytes, F kernel) {
             b.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
         }
         b.exchange.assign(threads, 0.0f);
-        b.shared.assign(shared_bytes, 0xAB);  // garbage, as a GPU's is
+        // garbage, as a GPU's is: NaN as a float or a bfloat16, so that a value read before
+        // it is written shows in the output, even times zero
+        std::fill(shared, shared + shared_bytes, 0xFF);
+        b.shared = shared;
         std::vector<std::thread> pool;
         for (int tx = 0; tx < threads; ++tx) {
             pool.emplace_back([&, tx] {
@@ -245,8 +295,24 @@ void launch(int blocks, int threads, int shared_bytes, F kernel) {
             t.join();
         }
     }
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(memory.data(), memory.size());
+#endif
 }
 
-inline unsigned char* shared() { return block->shared.data(); }
+inline unsigned char* shared() { return block->shared; }
+
+// Bytes out of bounds for AddressSanitizer (`on`), or back in bounds; nothing without it.
+inline void poison(unsigned char* p, long n, int on) {
+#if defined(__SANITIZE_ADDRESS__)
+    if (on) {
+        ASAN_POISON_MEMORY_REGION(p, n);
+    } else {
+        ASAN_UNPOISON_MEMORY_REGION(p, n);
+    }
+#else
+    (void)p, (void)n, (void)on;
+#endif
+}
 
 }  // namespace emu

@@ -1,7 +1,9 @@
 """A CUDA kernel's source, as `mx.fast.cuda_kernel` would compile it, built for the CPU against
 `cuda_emu.h` (a CUDA thread a std::thread, barriers and shuffles kept, WMMA as whole matrices)
 and run on numpy arrays: the kernel's own indexing, synchronisation and arithmetic checked on a
-machine without a GPU. Slow (a thread block at a time); for small shapes only."""
+machine without a GPU. Inputs and outputs start at 256-byte addresses, as MLX's CUDA allocations
+do: MLX passes a row-contiguous view with an offset as it is, so the engine's wrappers give the
+kernels whole buffers, or copies. Slow (a thread block at a time); for small shapes only."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ CXX = shutil.which("g++")
 TYPES = {"bf16": "__nv_bfloat16", "f32": "float", "i32": "int32_t"}
 NUMPY = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32}
 _BUILT: dict[str, ctypes.CDLL] = {}
+
+
+class EmulatedFault(AssertionError):
+    """A kernel did what a GPU would fault on or misread (`cuda_emu.h`'s checks)."""
 
 
 def available() -> bool:
@@ -60,6 +66,8 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
         f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
         for k, v in template
     )
+    declared = re.search(r"extern __shared__ __align__\((\d+)\) unsigned char smem\[\];", source)
+    align = int(declared.group(1)) if declared else 16  # what a GPU's base has at least
     body = re.sub(
         r"extern __shared__ (__align__\(\d+\) )?unsigned char smem\[\];",
         "unsigned char* smem = emu::shared();",
@@ -72,17 +80,58 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
         "namespace mlx::core::cu {\n"
         f"void kernel({', '.join(params)}) {{\n{constants}{body}\n}}\n"
         "}\n"
-        'extern "C" void run(void** args, int blocks, int threads, int shared) {\n'
-        "  emu::launch(blocks, threads, shared, [&] {\n"
+        'extern "C" const char* run(void** args, int blocks, int threads, int shared) {\n'
+        "  emu::failed.clear();\n"
+        f"  emu::launch(blocks, threads, shared, {align}, [&] {{\n"
         f"    mlx::core::cu::kernel({', '.join(casts)});\n"
-        "  });\n}\n"
+        "  });\n"
+        "  return emu::failed.c_str();\n}\n"
+        'extern "C" void poison(unsigned char* p, long n, int on) { emu::poison(p, n, on); }\n'
     )
     lib = _build(unit)
-    arrays = [np.ascontiguousarray(a, dtype=NUMPY[k]) for _, k, a in inputs]
-    outs = [np.zeros(shape, dtype=NUMPY[k]) for _, k, shape in outputs]
+    arrays = [_aligned(np.asarray(a, dtype=NUMPY[k])) for _, k, a in inputs]
+    outs = [_aligned(_garbage(shape, k)) for _, k, shape in outputs]
     ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
-    lib.run(ptrs, blocks, threads, shared_bytes)
+    lib.run.restype = ctypes.c_char_p
+    lib.poison.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    margins = [m for a in arrays + outs for m in _margins(a)]
+    for at, n in margins:  # the bytes around each array out of bounds for AddressSanitizer
+        lib.poison(at, n, 1)
+    try:
+        failed = lib.run(ptrs, blocks, threads, shared_bytes)
+    finally:
+        for at, n in margins:
+            lib.poison(at, n, 0)
+    if failed:
+        raise EmulatedFault(f"the kernel broke a CUDA rule a GPU enforces: {failed.decode()}")
     return outs if isinstance(output, list) else outs[0]
+
+
+def _aligned(a: np.ndarray, to: int = 256) -> np.ndarray:
+    """A contiguous copy of `a` starting at an address of `to` bytes, as a CUDA allocation
+    does (numpy's own start at 16); its `base` the whole buffer around it."""
+    raw = np.empty(a.nbytes + to, dtype=np.uint8)
+    skip = -raw.ctypes.data % to
+    out = raw[skip : skip + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _garbage(shape: tuple, kind: str) -> np.ndarray:
+    """An output as MLX's allocator hands it over, unwritten: NaN for floats (so that an
+    element the kernel leaves shows, even times zero), a huge number for int32 (no index)."""
+    fill = {"bf16": 0xFFFF, "f32": np.float32(np.nan), "i32": 0x5A5A5A5A}[kind]
+    return np.full(shape, fill, dtype=NUMPY[kind])
+
+
+def _margins(a: np.ndarray) -> list[tuple[int, int]]:
+    """(address, bytes) of the parts of an `_aligned` array's buffer before and after it."""
+    raw = a.base
+    while not (isinstance(raw, np.ndarray) and raw.base is None):
+        raw = raw.base
+    start, end = raw.ctypes.data, raw.ctypes.data + raw.nbytes
+    at = a.ctypes.data
+    return [(p, n) for p, n in ((start, at - start), (at + a.nbytes, end - at - a.nbytes)) if n]
 
 
 def _build(unit: str) -> ctypes.CDLL:
@@ -92,8 +141,10 @@ def _build(unit: str) -> ctypes.CDLL:
         (folder / "k.cpp").write_text(unit)
         lib = folder / "k.so"
         # CUDA_EMU_SANITIZE=thread: built with ThreadSanitizer, which reports a kernel's data
-        # races (a barrier missing) as races between the emulated threads (run python with
-        # LD_PRELOAD of libtsan; slow, by hand, not in `make test`)
+        # races (a barrier missing) as races between the emulated threads; =address,undefined:
+        # AddressSanitizer (a read or write past an input, an output or the shared memory) and
+        # UBSan (a misaligned 16-byte load among others). Run python with LD_PRELOAD of libtsan
+        # or libasan (and ASAN_OPTIONS=detect_leaks=0); slow, by hand, not in `make test`.
         sanitize = os.environ.get("CUDA_EMU_SANITIZE")
         flags = [f"-fsanitize={sanitize}", "-g"] if sanitize else []
         done = subprocess.run(
