@@ -7,8 +7,8 @@
 // type is 16-byte aligned (UBSan's alignment check, `CUDA_EMU_SANITIZE=undefined`, sees its
 // loads), a WMMA load or store takes a 32-byte aligned pointer and a stride of a multiple of 16
 // bytes, and dynamic shared memory is aligned as the kernel declares it, no more; a broken rule is
-// reported (`emu::fail`) and the launch raises. Not kept: timing, memory ordering beyond the
-// barriers, anything the kernels here do not use.
+// reported (`emu::fail`) and the launch raises; thread blocks run in a scrambled order. Not kept:
+// timing, memory ordering beyond the barriers, anything the kernels here do not use.
 #pragma once
 
 #include <algorithm>
@@ -259,7 +259,7 @@ namespace emu {
 // Runs `kernel` over a grid of `blocks` thread blocks of `threads` threads (x only), each block
 // with `shared_bytes` of dynamic shared memory aligned to `align` bytes, the kernel's __align__
 // (exactly: an address of `align` but not of twice it, so a kernel counting on more fails the
-// checks above), one block at a time.
+// checks above), one block at a time, in no order a kernel could count on.
 template <class F>
 void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
     std::vector<unsigned char> memory(shared_bytes + 3 * align);  // the base within 3·align
@@ -270,7 +270,17 @@ void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
     // the bytes around it poisoned, so that AddressSanitizer reports a read out of its bounds
     EMU_POISON(memory.data(), base - start);
     EMU_POISON(shared + shared_bytes, memory.size() - (base - start) - shared_bytes);
-    for (int bx = 0; bx < blocks; ++bx) {
+    // the thread blocks in a scrambled order (a GPU promises none): a block that reads what
+    // another of the same launch writes gets it wrong here as there
+    std::vector<int> order(blocks);
+    for (int i = 0; i < blocks; ++i) {
+        order[i] = i;
+    }
+    std::reverse(order.begin(), order.end());
+    for (int i = 1; i < blocks; i += 2) {
+        std::swap(order[i - 1], order[i]);
+    }
+    for (const int bx : order) {
         Block b;
         b.all = std::make_unique<std::barrier<>>(threads);
         for (int w = 0; w < (threads + 31) / 32; ++w) {
