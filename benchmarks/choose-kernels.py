@@ -47,7 +47,10 @@ def choose(log: str) -> list[str]:
     passed = re.findall(r"SALABATCH_CUDA_KERNELS=(\S+)", log)
     passed = passed[0].split(",") if passed else []
     ns = contexts(t)
-    step = "8 lightning layer(s), 32768 context"
+    # the decode steps' context, as the profile ran them (32768 on a GPU)
+    at = [m[1] for k in t if (m := re.match(r"8 lightning layer\(s\), (\d+ context)$", k))]
+    at = at[0] if at else "32768 context"
+    step = f"8 lightning layer(s), {at}"
     pairs = {
         "scores": [(f"{n}: stage 1 (select_blocks), block scores CUDA kernel",
                     f"{n}: stage 1 (select_blocks)") for n in ns],
@@ -55,7 +58,7 @@ def choose(log: str) -> list[str]:
                     f"{n}: stage 2, {'masked' if n <= 65536 else 'gathered'} form") for n in ns],
         "gla": [("lightning layer, whole (8K chunk), recurrence CUDA kernel",
                  "lightning layer, whole (8K chunk)")],
-        "decode": [("8 sparse layer(s), 32768 context", "8 sparse layer(s), selection as MLX ops")],
+        "decode": [(f"8 sparse layer(s), {at}", "8 sparse layer(s), selection as MLX ops")],
         "norm": [(step, "8 lightning layer(s), residual adds and norms as MLX ops")],
         "rows": [(step, "8 lightning layer(s), products as MLX ops")],
     }  # fmt: skip

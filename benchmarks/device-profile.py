@@ -87,11 +87,16 @@ def kernel_off(module):
         module.available = kernel
 
 
-def main(contexts: list[int]) -> None:
+def main(
+    contexts: list[int], hidden: int | None = None, chunk: int | None = None, dt=None,
+    decode_context: int = 32768,
+) -> None:
+    """The sizes default to the 9B's on a GPU, small ones on the CPU (where a test runs every
+    part, kernels included, with stand-ins: `tests/bench/test_device_profile.py`)."""
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    hidden = 4096 if gpu else 256
-    chunk = CHUNK if gpu else 1024
-    dt = mx.bfloat16 if gpu else mx.float32  # the CPU's gather_mm is float32 only
+    hidden = hidden or (4096 if gpu else 256)
+    chunk = chunk or (CHUNK if gpu else 1024)
+    dt = dt or (mx.bfloat16 if gpu else mx.float32)  # the CPU's gather_mm is float32 only
     raw = sala_config(
         vocab=256, hidden=hidden, intermediate=hidden, layers=2, sparse_layers=(0,),
         **SALA_9B_HEADS,
@@ -135,7 +140,7 @@ def main(contexts: list[int]) -> None:
 
     profile_rows_products(hidden, dt)
     profile_residual_products(hidden, dt)
-    profile_decode(hidden, dt)
+    profile_decode(hidden, dt, decode_context)
 
 
 def profile_lightning(layer, x, state, kernel: bool) -> None:
