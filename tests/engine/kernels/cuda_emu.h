@@ -25,9 +25,6 @@
 #include <vector>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
-#define EMU_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
-#else
-#define EMU_POISON(p, n) ((void)(p), (void)(n))
 #endif
 
 struct dim3 {
@@ -256,6 +253,19 @@ void mma_sync(
 
 namespace emu {
 
+// Bytes out of bounds for AddressSanitizer (`on`), or back in bounds; nothing without it.
+inline void poison(unsigned char* p, long n, int on) {
+#if defined(__SANITIZE_ADDRESS__)
+    if (on) {
+        ASAN_POISON_MEMORY_REGION(p, n);
+    } else {
+        ASAN_UNPOISON_MEMORY_REGION(p, n);
+    }
+#else
+    (void)p, (void)n, (void)on;
+#endif
+}
+
 // Runs `kernel` over a grid of `blocks` thread blocks of `threads` threads (x only), each block
 // with `shared_bytes` of dynamic shared memory aligned to `align` bytes, the kernel's __align__
 // (exactly: an address of `align` but not of twice it, so a kernel counting on more fails the
@@ -268,8 +278,8 @@ void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
     const std::uintptr_t base = (start + twice - 1) / twice * twice + align;
     unsigned char* shared = memory.data() + (base - start);
     // the bytes around it poisoned, so that AddressSanitizer reports a read out of its bounds
-    EMU_POISON(memory.data(), base - start);
-    EMU_POISON(shared + shared_bytes, memory.size() - (base - start) - shared_bytes);
+    poison(memory.data(), base - start, 1);
+    poison(shared + shared_bytes, memory.size() - (base - start) - shared_bytes, 1);
     // the thread blocks in a scrambled order (a GPU promises none): a block that reads what
     // another of the same launch writes gets it wrong here as there
     std::vector<int> order(blocks);
@@ -305,24 +315,9 @@ void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
             t.join();
         }
     }
-#if defined(__SANITIZE_ADDRESS__)
-    ASAN_UNPOISON_MEMORY_REGION(memory.data(), memory.size());
-#endif
+    poison(memory.data(), memory.size(), 0);
 }
 
 inline unsigned char* shared() { return block->shared; }
-
-// Bytes out of bounds for AddressSanitizer (`on`), or back in bounds; nothing without it.
-inline void poison(unsigned char* p, long n, int on) {
-#if defined(__SANITIZE_ADDRESS__)
-    if (on) {
-        ASAN_POISON_MEMORY_REGION(p, n);
-    } else {
-        ASAN_UNPOISON_MEMORY_REGION(p, n);
-    }
-#else
-    (void)p, (void)n, (void)on;
-#endif
-}
 
 }  // namespace emu

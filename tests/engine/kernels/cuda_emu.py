@@ -25,6 +25,8 @@ CXX = shutil.which("g++")
 TYPES = {"bf16": "__nv_bfloat16", "f32": "float", "i32": "int32_t"}
 NUMPY = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32}
 _BUILT: dict[str, ctypes.CDLL] = {}
+# a kernel's dynamic shared memory, and the alignment it declares
+SHARED = re.compile(r"extern __shared__ (?:__align__\((\d+)\) )?unsigned char smem\[\];")
 
 
 class EmulatedFault(AssertionError):
@@ -66,13 +68,9 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
         f"  using {k} = {TYPES[v]};\n" if v in TYPES else f"  constexpr int {k} = {v};\n"
         for k, v in template
     )
-    declared = re.search(r"extern __shared__ __align__\((\d+)\) unsigned char smem\[\];", source)
-    align = int(declared.group(1)) if declared else 16  # what a GPU's base has at least
-    body = re.sub(
-        r"extern __shared__ (__align__\(\d+\) )?unsigned char smem\[\];",
-        "unsigned char* smem = emu::shared();",
-        source,
-    )
+    declared = SHARED.search(source)
+    align = int(declared[1]) if declared and declared[1] else 16  # a GPU's base has at least
+    body = SHARED.sub("unsigned char* smem = emu::shared();", source)
     casts = [f"(const {TYPES[k]}*)args[{i}]" for i, (_, k, _) in enumerate(inputs)]
     casts += [f"({TYPES[k]}*)args[{len(inputs) + i}]" for i, (_, k, _) in enumerate(outputs)]
     unit = (
@@ -89,12 +87,12 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
         'extern "C" void poison(unsigned char* p, long n, int on) { emu::poison(p, n, on); }\n'
     )
     lib = _build(unit)
-    arrays = [_aligned(np.asarray(a, dtype=NUMPY[k])) for _, k, a in inputs]
-    outs = [_aligned(_garbage(shape, k)) for _, k, shape in outputs]
-    ptrs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in arrays + outs])
+    placed = [_aligned(np.asarray(a, dtype=NUMPY[k])) for _, k, a in inputs]
+    placed += [_aligned(_garbage(shape, k)) for _, k, shape in outputs]
+    ptrs = (ctypes.c_void_p * len(placed))(*[a.ctypes.data for a, _ in placed])
     lib.run.restype = ctypes.c_char_p
     lib.poison.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    margins = [m for a in arrays + outs for m in _margins(a)]
+    margins = [m for _, around in placed for m in around]
     for at, n in margins:  # the bytes around each array out of bounds for AddressSanitizer
         lib.poison(at, n, 1)
     try:
@@ -104,17 +102,20 @@ def run(source, inputs, output, template, *, blocks, threads, shared_bytes, head
             lib.poison(at, n, 0)
     if failed:
         raise EmulatedFault(f"the kernel broke a CUDA rule a GPU enforces: {failed.decode()}")
+    outs = [a for a, _ in placed[len(inputs) :]]
     return outs if isinstance(output, list) else outs[0]
 
 
-def _aligned(a: np.ndarray, to: int = 256) -> np.ndarray:
+def _aligned(a: np.ndarray, to: int = 256) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """A contiguous copy of `a` starting at an address of `to` bytes, as a CUDA allocation
-    does (numpy's own start at 16); its `base` the whole buffer around it."""
+    does (numpy's own start at 16), and the (address, bytes) of its buffer's parts before and
+    after it."""
     raw = np.empty(a.nbytes + to, dtype=np.uint8)
     skip = -raw.ctypes.data % to
     out = raw[skip : skip + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
-    return out
+    around = ((raw.ctypes.data, skip), (out.ctypes.data + a.nbytes, to - skip))
+    return out, [(at, n) for at, n in around if n]
 
 
 def _garbage(shape: tuple, kind: str) -> np.ndarray:
@@ -122,16 +123,6 @@ def _garbage(shape: tuple, kind: str) -> np.ndarray:
     element the kernel leaves shows, even times zero), a huge number for int32 (no index)."""
     fill = {"bf16": 0xFFFF, "f32": np.float32(np.nan), "i32": 0x5A5A5A5A}[kind]
     return np.full(shape, fill, dtype=NUMPY[kind])
-
-
-def _margins(a: np.ndarray) -> list[tuple[int, int]]:
-    """(address, bytes) of the parts of an `_aligned` array's buffer before and after it."""
-    raw = a.base
-    while not (isinstance(raw, np.ndarray) and raw.base is None):
-        raw = raw.base
-    start, end = raw.ctypes.data, raw.ctypes.data + raw.nbytes
-    at = a.ctypes.data
-    return [(p, n) for p, n in ((start, at - start), (at + a.nbytes, end - at - a.nbytes)) if n]
 
 
 def _build(unit: str) -> ctypes.CDLL:
