@@ -2,7 +2,7 @@
 decode step's batch, a verify pass) go to the native `rows_matmul` instead of BLAS.
 
 OpenBLAS packs the whole weight matrix for every float32 matmul of 2+ rows; at a decode batch
-of 8 that costs several times the arithmetic (benchmarks/README.md). The native product reads
+of 8 that costs several times the arithmetic (benchmarks/HISTORY.md). The native product reads
 the weights as they lie and splits a large one between the cores, which also makes it ~1.6×
 BLAS's matrix-vector product for one row; a small weight's one row stays on BLAS (as fast, no
 hand-off). Longer inputs (prefill, training), other dtypes, quantized layers (`QuantizedLinear`
@@ -23,7 +23,7 @@ from salabatch.engine.kernels.attention import on_gpu
 # rows of x (all leading axes together) for which the native product is used: a decode batch,
 # and a verify pass of drafted tokens (8 rows × 5 positions = 40; 8 × 9 at 8 drafts), where
 # OpenBLAS's packing of the whole weight costs several times the product (10-16x at 24-128 rows
-# on the 2-core VM, `bench spec`'s history in benchmarks/README.md)
+# on the 2-core VM, `bench spec`'s history in benchmarks/HISTORY.md)
 NATIVE_ROWS = range(1, 129)
 
 
@@ -135,7 +135,7 @@ def add_product(
     matrix-vector product with the add in the epilogue), the product then the sum otherwise.
     `split_on_cuda`: on CUDA the product then the sum too. MLX's CUDA backend runs an addmm of
     a few rows as a cuBLAS GEMM: for the MLP's down projection on an H100, 0.35-0.6x as fast as
-    its own product of the same rows, where one add costs a kernel (benchmarks/README.md). With
+    its own product of the same rows, where one add costs a kernel (benchmarks/HISTORY.md). With
     the rows kernel on (`rows_cuda`), every product on CUDA is plain, through it."""
     plain = isinstance(layer, nn.QuantizedLinear) or "bias" in layer
     if plain or (split_on_cuda and attention.on_cuda()) or rows_cuda.available():

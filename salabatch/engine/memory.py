@@ -10,7 +10,7 @@ buffers for reuse: `cache_limit` is what the chunks of a long document reuse fro
 (a tile of the sparse kernels per lane, the activations), so a long prefill does not pile up
 freed buffers of every size. A share of RAM let `salabatch run` on builtin:tiny hold 6.9 GB at
 100K tokens while MLX's own peak was 0.8 GB; measured there, limits from 128 MB to 6 GB
-prefill at the same speed (benchmarks/README.md, "Memory").
+prefill at the same speed (benchmarks/HISTORY.md, "Memory").
 
 Every figure is an estimate from the config and the plan, in bytes; `MemoryPlan.line` says it
 in one line, and `check` refuses what the device cannot hold.

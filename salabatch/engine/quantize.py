@@ -3,7 +3,7 @@
 Converting quantizes every `nn.Linear` whose input dim is a multiple of the group size, `lm_head`
 included; embeddings and norms stay in full precision (SPEC §7.3). `head_bits` gives `lm_head`
 its own width (a mixed checkpoint, as mlx-lm's recipes make them): on the trained tiny model most
-of 4-bit's logit error is the head's (benchmarks/README.md, "Stage 5").
+of 4-bit's logit error is the head's (benchmarks/HISTORY.md, "Stage 5").
 
 A quantized linear `p` is stored as `p.weight` (uint32, [out, in * bits / 32]), `p.scales` and
 `p.biases` ([out, in / group_size]), under the HF names, with `"quantization": {"group_size",

@@ -1,11 +1,11 @@
 """A deeper model that starts as the trained one: fresh layers added, each an identity at first.
 
 A small model's copy slips (a name cut after its first word, a month from another date) did not
-yield to more steps at its depth (benchmarks/README.md, "Stage 5"). Training a deeper model from
+yield to more steps at its depth (benchmarks/HISTORY.md, "Stage 5"). Training a deeper model from
 the start costs the whole chain again, so `deepen` adds layers in groups of four (three
 lightning, one sparse: the 9B's 1:3 mix and order) behind the trained ones, or in front of them
 (`front`): a softmax layer before the trained retrieval layer can let a fact's later words read
-its value, which a causal model's value tokens cannot (benchmarks/README.md, "Stage 7"):
+its value, which a causal model's value tokens cannot (benchmarks/HISTORY.md, "Stage 7"):
 
 - the new layers' residual branches end in zero (`o_proj` and `down_proj`), so each new layer
   adds nothing until training moves it; the rest of them is `random_weights`' init;

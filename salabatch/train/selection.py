@@ -4,7 +4,7 @@ The selection (SPEC 4.3) ranks a query's blocks by `q · mean(k over a 32-token 
 that no gradient passes through: the answer loss alone never tells the keys how to be found. A
 model trained in dense mode puts its attention on a needle's value, but the value's chunk mean
 is diluted by 31 other keys, and past `dense_len` the block it needs is chosen about as often
-as chance (benchmarks/README.md, "Stage 3").
+as chance (benchmarks/HISTORY.md, "Stage 3").
 
 This loss asks each query head's scores over the level-1 chunks (`q · c_j / √d`, c_j the mean
 of keys 16j … 16j+31, as stage 1 computes them) to put their softmax where the head's own dense

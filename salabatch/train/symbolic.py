@@ -8,7 +8,7 @@ it has to be found through language:
   (four digits), then follow-up chat turns each asking one key, answered with its value. The
   key sits before the chat's fixed turn tokens, as a question does, so the model must carry it
   to the answer and find the pair with that key: the step a needle question needs, and the one
-  the text kinds alone did not teach (benchmarks/README.md, "Stage 3").
+  the text kinds alone did not teach (benchmarks/HISTORY.md, "Stage 3").
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def model_config(
     The lightning layers have `heads` heads, and their decays follow the head count (SPEC,
     lightning 5): with 4 heads the fastest keeps 0.78 of its state per token, with 16 heads
     0.49. The copy the tasks need wants that fast head, to tell the last token from the ones
-    before it (benchmarks/README.md, "Stage 2"), so the default is 16 heads."""
+    before it (benchmarks/HISTORY.md, "Stage 2"), so the default is 16 heads."""
     if layers < 4 or layers % 4:
         raise ConfigError("layers must be a multiple of 4", field="layers", got=layers)
     # the sparse layer last in each group of 4: it reads keys the lightning layers before it
@@ -114,7 +114,7 @@ class TrainConfig:
     A length curriculum: with `grow_from` > 0 the longest sample starts there and doubles (up to
     `length`) after each evaluation whose held-out token accuracy, measured at the current
     longest, reaches `grow_at`. A circuit learned on short samples does not carry to longer
-    ones by itself (benchmarks/README.md, "Stage 1"), so each length is reached only once the
+    ones by itself (benchmarks/HISTORY.md, "Stage 1"), so each length is reached only once the
     one before it is solved."""
 
     out: str

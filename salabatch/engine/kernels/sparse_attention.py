@@ -58,7 +58,7 @@ KEY_BUCKET = 4096
 # 2 is one fused SDPA over all of them with the selection as an additive mask (`_masked_tile`);
 # beyond, each query's blocks are gathered (`_sparse_tile`). Measured on an H200 (9B shapes,
 # bf16, one 8K chunk): the gathers take 39 ms at any context, dense causal SDPA over the same
-# keys 6.2 ms at 32K and 28.9 ms at 128K (benchmarks/README.md); the mask's own reads and the
+# keys 6.2 ms at 32K and 28.9 ms at 128K (benchmarks/HISTORY.md); the mask's own reads and the
 # crossover are estimates until `benchmarks/device-profile.py` times the masked form.
 MASKED_KEYS = 64 * 1024
 # The masked form's keys are a multiple of this (the mask hides the rest): its SDPA and mask
