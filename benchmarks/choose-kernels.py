@@ -15,7 +15,9 @@ import re
 import sys
 from pathlib import Path
 
-DEFAULT = ("stage1", "decode")  # attention.DEFAULT_CUDA_KERNELS
+from salabatch.engine.kernels.attention import DEFAULT_CUDA_KERNELS
+
+DEFAULT = tuple(DEFAULT_CUDA_KERNELS.split(","))
 TIMED = re.compile(r"^(?P<name>.+?)\s+(?P<ms>[0-9.]+) ms")
 STEP = re.compile(r"^decode step, (?P<name>.+?): +(?P<ms>[0-9.]+) ms")
 

@@ -135,10 +135,11 @@ def add_product(
     matrix-vector product with the add in the epilogue), the product then the sum otherwise.
     `split_on_cuda`: on CUDA the product then the sum too. MLX's CUDA backend runs an addmm of
     a few rows as a cuBLAS GEMM: for the MLP's down projection on an H100, 0.35-0.6x as fast as
-    its own product of the same rows, where one add costs a kernel (benchmarks/HISTORY.md). With
-    the rows kernel on (`rows_cuda`), every product on CUDA is plain, through it."""
+    its own product of the same rows, where one add costs a kernel (benchmarks/HISTORY.md). Where
+    the rows kernel takes the product (`rows_cuda`), it is plain too, through that kernel."""
     plain = isinstance(layer, nn.QuantizedLinear) or "bias" in layer
-    if plain or (split_on_cuda and attention.on_cuda()) or rows_cuda.available():
+    through_rows = not plain and rows_cuda.available() and rows_cuda.supports(x, layer.weight)
+    if plain or (split_on_cuda and attention.on_cuda()) or through_rows:
         return h + scale * layer(x)
     return mx.addmm(h, x, layer.weight.T, alpha=scale)
 
