@@ -126,3 +126,16 @@ def error_text(e: BaseException) -> str:
     the error that quotes it names the path itself)."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return " ".join(text.split()) or type(e).__name__
+
+
+def not_utf8(text: str) -> str | None:
+    """What in `text` UTF-8 cannot hold, for an error message, or None: a byte that was not
+    UTF-8 (Python keeps such bytes of a file name, a command-line argument or a terminal's line
+    as surrogates U+DC80 to U+DCFF), or another lone surrogate (JSON allows `"\\ud800"`)."""
+    for i, ch in enumerate(text):
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:
+            return f"byte 0x{code - 0xDC00:02x} at character {i}"
+        if 0xD800 <= code <= 0xDFFF:
+            return f"lone surrogate U+{code:04X} at character {i}"
+    return None

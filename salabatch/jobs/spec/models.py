@@ -38,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from salabatch.errors import ConfigError
+from salabatch.errors import ConfigError, not_utf8
 from salabatch.files import cache_dir
 from salabatch.jobs.ingest.documents import DocumentSource
 from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
@@ -65,24 +65,13 @@ def _resolve(value: object, info: ValidationInfo) -> str:
         raise job_error("must not be empty")
     if "\0" in value:
         raise job_error(f"must not contain a NUL byte, got {show_value(value)}")
-    if bad := _not_utf8(value):
+    if bad := not_utf8(value):
         # the spec is stored as UTF-8 JSON in the results; a name from the command line may
         # hold any bytes
         raise job_error(f"is not valid UTF-8 ({bad}); rename it, or match it with a glob")
     base = (info.context or {}).get("base_dir") or os.getcwd()
     # A string, not a Path: JSON-mode validation (`model_validate_json`) takes only strings.
     return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
-
-
-def _not_utf8(text: str) -> str | None:
-    """What in `text` is not UTF-8, or None: Python keeps the bytes of a command-line argument
-    that are not as surrogates (U+DC80 to U+DCFF)."""
-    for ch in text:
-        if 0xDC80 <= ord(ch) <= 0xDCFF:
-            return f"byte 0x{ord(ch) - 0xDC00:02x}"
-        if 0xD800 <= ord(ch) <= 0xDFFF:
-            return f"lone surrogate U+{ord(ch):04X}"
-    return None
 
 
 class _Strict(BaseModel):
