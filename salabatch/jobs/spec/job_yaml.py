@@ -4,6 +4,7 @@
 message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, so
 `parse_yaml` reports them (`duplicate_keys`, on the tree as written: constructing the data
 merges `<<` keys into it); `apply_override` edits the parsed data before validation.
+`read_yaml`, the YAML part of `parse_yaml`, also reads the answer key of `inspect --expected`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,26 @@ def read_job_file(path: str | Path) -> str:
 def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, list[str]]:
     """(data, node tree, keys given twice) of a job file: the tree keeps line numbers for the
     error messages; each key given twice in one mapping is one `location: message` line."""
-    loader = yaml.SafeLoader(text)
+    data, root, duplicates = read_yaml(text, path)
+    if data is None or root is None:
+        raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
+    if not isinstance(data, dict):
+        got = "a list" if isinstance(data, list) else show_value(data)
+        raise JobSpecError(
+            f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
+        )
+    return data, root, duplicates
+
+
+def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[str]]:
+    """(data, node tree or None when empty, keys given twice) of one YAML document read by the
+    safe loader. Raises JobSpecError naming `path` and the line for text that is not YAML, a
+    control character included (the loader refuses those before it reads a line)."""
     duplicates: list[str] = []
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as e:
+        raise JobSpecError(_yaml_problem(e, text), path=path) from None
     try:
         root = loader.get_single_node()
         if root is not None:
@@ -46,23 +65,30 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
             duplicates = duplicate_keys(root)
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
-        if context and start and (not mark or start.line != mark.line):
-            problem += f" ({context} at line {start.line + 1})"
-        raise JobSpecError(f"invalid YAML{where}: {problem}", path=path) from None
+        raise JobSpecError(_yaml_problem(e, text), path=path) from None
     finally:
         loader.dispose()
-    if data is None:
-        raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
-    if not isinstance(data, dict):
-        got = "a list" if isinstance(data, list) else show_value(data)
-        raise JobSpecError(
-            f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
-        )
     return data, root, duplicates
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """A YAML error on one line, with its line and column."""
+    if isinstance(e, yaml.reader.ReaderError):
+        # The reader refuses control characters before it reads a line: it gives an offset.
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - text.rfind("\n", 0, e.position)
+        char = e.character if isinstance(e.character, int) else ord(e.character)
+        return (
+            f"invalid YAML at line {line}, column {column}: character U+{char:04X} is not "
+            f'allowed; in a double-quoted string write it as "\\u{char:04x}"'
+        )
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and start and (not mark or start.line != mark.line):
+        problem += f" ({context} at line {start.line + 1})"
+    return f"invalid YAML{where}: {problem}"
 
 
 def line_of(root: yaml.Node, loc: Loc) -> int | None:

@@ -36,6 +36,18 @@ def test_not_a_job_mapping(tmp_path, text, message):
     assert str(info.value).startswith(f"{job}: {message}")
 
 
+@pytest.mark.parametrize("char", ["\x01", "\x00", "\x7f", "\ufffe"])
+def test_a_control_character_is_a_job_file_error_with_its_line(tmp_path, char):
+    # The loader refuses these as it is made, before it reads a line.
+    job = write(tmp_path, f'name: x\nquestions: ["a{char}b"]\n')
+    with pytest.raises(JobSpecError) as info:
+        load_job(job)
+    assert info.value.exit_code == 2
+    assert str(info.value).startswith(
+        f"{job}: invalid YAML at line 2, column 15: character U+{ord(char):04X} is not allowed"
+    )
+
+
 def test_missing_and_unreadable_job_files(tmp_path):
     with pytest.raises(JobSpecError, match="job file not found"):
         load_job(tmp_path / "nope.yaml")
