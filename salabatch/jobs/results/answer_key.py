@@ -9,7 +9,8 @@ The key is a YAML mapping, document → question id → expected answer:
 A document is named by its file name, by the end of its path ("q3/contract-a.txt") when two
 folders hold the same name, or by its doc_id (a record of a .jsonl file). Every name must match
 exactly one document of the results, and every question id must be one the results hold, or
-the key is refused with the entry named. An answer is right when it equals the expected one up
+the key is refused with the entry named; so is a name given twice in one mapping (with its
+lines), which YAML would otherwise settle silently by keeping the last. An answer is right when it equals the expected one up
 to case, spacing and the punctuation around it ("harbor lane ltd." for "Harbor Lane Ltd"): what
 a model that answers with the value says.
 """
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import yaml
 
 from salabatch.errors import JobSpecError
+from salabatch.jobs.spec.job_yaml import read_yaml
 
 _EDGE_PUNCTUATION = " \t\n.,;:!?\"'`()[]"
 _ANSWER_CHARS = 60
@@ -53,11 +54,16 @@ def normalize(text: str) -> str:
 def read_answer_key(path: str | os.PathLike) -> dict[str, dict[str, str]]:
     """The key file as {document: {question_id: expected}}; JobSpecError naming the entry."""
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise JobSpecError(f"cannot read the answer key: {e.strerror or e}", path=path) from None
-    except yaml.YAMLError as e:
-        raise JobSpecError(f"not valid YAML: {' '.join(str(e).split())}", path=path) from None
+    except UnicodeDecodeError as e:
+        reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise JobSpecError(reason, path=path) from None
+    raw, _, duplicates = read_yaml(text, path)
+    if duplicates:
+        # safe_load would keep the last answer silently, as it would in a job file.
+        raise JobSpecError("; ".join(duplicates), path=path)
     if not isinstance(raw, dict) or not raw:
         raise JobSpecError(
             "must map documents to {question id: expected answer}",

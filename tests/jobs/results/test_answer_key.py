@@ -4,6 +4,8 @@ and keys refused with the entry named."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from click.testing import CliRunner
 
@@ -76,11 +78,14 @@ def test_a_document_is_named_by_doc_id_and_a_request_not_run_yet_is_wrong(tmp_pa
         ("- a\n- b\n", "must map documents to {question id: expected answer}"),
         ("a.pdf: 5\n", "a.pdf: must map question ids to expected answers"),
         ("a.pdf:\n  code: [1, 2]\n", "a.pdf.code: an expected answer must be text or a number"),
-        ("a.pdf:\n  code: [1\n", "not valid YAML"),
+        ("a.pdf:\n  code: [1\n", "invalid YAML at line 3, column 1"),
+        ("a.pdf:\n  code: 1\n  code: 2\n", "a.pdf.code: duplicate key (line 3; first at line 2)"),
+        ("a.pdf: {code: 1}\nb.pdf: {}\na.pdf: {x: 2}\n", "a.pdf: duplicate key (line 3; first"),
+        ('a.pdf: {code: "\x01"}\n', "invalid YAML at line 1, column 16: character U+0001"),
     ],
 )
 def test_a_malformed_key_is_refused_naming_the_entry(tmp_path, text, message):
-    with pytest.raises(JobSpecError, match="key.yaml: " + message.replace("[", r"\[")):
+    with pytest.raises(JobSpecError, match=re.escape("key.yaml: " + message)):
         read_answer_key(_key(tmp_path, text))
 
 
