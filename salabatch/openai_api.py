@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from salabatch.engine.sampling import SamplingParams
-from salabatch.errors import SalabatchError
+from salabatch.errors import SalabatchError, not_utf8
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SAMPLING = (
@@ -116,8 +116,16 @@ def messages(raw) -> list[dict]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise BodyError(f"{at}.content must be text", f"{at}.content")
-        out.append({"role": ROLES[m["role"]], "content": content})
+        out.append({"role": ROLES[m["role"]], "content": text(content, f"{at}.content")})
     return out
+
+
+def text(value: str, param: str) -> str:
+    """`value`, where UTF-8 can hold it (JSON can carry a lone surrogate, `"\\ud800"`, that no
+    tokenizer takes); else BodyError naming `param`."""
+    if bad := not_utf8(value, from_bytes=False):
+        raise BodyError(f"{param} is not text UTF-8 can hold ({bad})", param)
+    return value
 
 
 def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
@@ -165,7 +173,7 @@ def stop(raw) -> tuple[str, ...]:
         or not all(isinstance(s, str) and s for s in stops)
     ):
         raise BodyError(f"stop must be a non-empty string or a list of at most {MAX_STOP}", "stop")
-    return tuple(stops)
+    return tuple(text(s, "stop") for s in stops)
 
 
 def think(kwargs, default: bool) -> bool:

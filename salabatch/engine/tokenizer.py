@@ -36,7 +36,7 @@ from salabatch.engine.tokenizer_files import (
     parse_backend,
     read_files,
 )
-from salabatch.errors import TokenizerError
+from salabatch.errors import TokenizerError, not_utf8
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -115,7 +115,12 @@ class Tokenizer:
         encodes it as ordinary characters.
         """
         backend = self._native if special else self._plain
-        ids = backend.encode(text, add_special_tokens=False).ids
+        try:
+            ids = backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the backend takes only text UTF-8 can hold
+            if bad := not_utf8(text):
+                raise TokenizerError(f"the text is not UTF-8 ({bad})") from None
+            raise
         return self._with_bos(ids) if add_bos else ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:

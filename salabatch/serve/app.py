@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: a Starlette app over one ServeEngine (`create_app`).
 
     GET  /health                 {"status": "ok"}; never needs the API key
-    GET  /v1/models              the one model served
+    GET  /v1/models              the one model served (and /v1/models/{id}: it alone)
     POST /v1/chat/completions    messages → a chat.completion, or SSE chunks with `stream: true`
     POST /v1/completions         a text prompt → a text_completion, or SSE chunks
     GET  /metrics                Prometheus text: the engine's stats, requests by endpoint/status
@@ -10,9 +10,10 @@ Bodies are read by `salabatch.openai_api`, as the Batch path reads request lines
 fields honoured and refused, and here `stream`, `stream_options.include_usage` honoured too; `n`
 must be 1. Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`):
 400 a bad or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown
-model or route, 413 a body over `max_body` bytes, 429 the engine's queue is full, 503 the engine
-is closed. A client that goes away, mid-stream or while waiting for a whole answer, cancels its
-job: its row leaves the batch at the engine's next step.
+model or route, 405 a method the route does not take (with `Allow`), 413 a body over `max_body`
+bytes, 429 the engine's queue is full, 503 the engine is closed, 500 a fault of the server's own
+(its traceback in the log). A client that goes away, mid-stream or while waiting for a whole
+answer, cancels its job: its row leaves the batch at the engine's next step.
 
 The event loop never runs the model: the engine has its own thread, and rendering and tokenizing
 a prompt (a long document) run in a worker thread.
@@ -38,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from salabatch import openai_api
 from salabatch.engine.tokenizer import Tokenizer
@@ -119,6 +120,7 @@ def create_app(
         routes=[
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/metrics", server.metrics, methods=["GET"]),
@@ -128,11 +130,12 @@ def create_app(
             HTTPException: _http_error,
             APIError: _api_error,
             BodyError: _body_error,
+            Exception: _server_error,
         },
     )
     # The last added runs first: every response is counted, the key check's 401s too.
     app.add_middleware(_KeyCheck, api_key=api_key)
-    app.add_middleware(_Counting, counts=server.requests, paths={r.path for r in app.routes})
+    app.add_middleware(_Counting, counts=server.requests, routes=app.routes)
     return app
 
 
@@ -157,13 +160,19 @@ class _Server:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        model = {
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        check_model(request.path_params["model_id"], self.model_id)
+        return JSONResponse(self._model())
+
+    def _model(self) -> dict:
+        return {
             "id": self.model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "salabatch",
         }
-        return JSONResponse({"object": "list", "data": [model]})
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(
@@ -207,6 +216,8 @@ class _Server:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or _token_ids(prompt)):
             raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        if isinstance(prompt, str):
+            openai_api.text(prompt, "prompt")
         params, max_tokens = self._sampling(body)
         stops = openai_api.stop(body.get("stop"))
         job = await run_in_threadpool(
@@ -548,9 +559,11 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = exc.detail
-    return APIError(
+    response = APIError(
         exc.status_code, message, code="not_found" if exc.status_code == 404 else None
     ).response()
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -559,6 +572,13 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 
 async def _body_error(request: Request, exc: BodyError) -> Response:
     return APIError(400, str(exc), param=exc.param).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A fault of the server's own, as an OpenAI error object (Starlette logs the traceback
+    after this answer)."""
+    message = f"internal server error ({type(exc).__name__}); the server's log has the details"
+    return APIError(500, message, code="internal_error").response()
 
 
 class _KeyCheck:
@@ -581,15 +601,17 @@ class _KeyCheck:
 
 
 class _Counting:
-    """ASGI middleware: counts responses by endpoint (a route's path, else "other") and status."""
+    """ASGI middleware: counts responses by endpoint (the path of the route the request
+    matches, as `/v1/batches/{batch_id}`, else "other") and status."""
 
-    def __init__(self, app, counts: Counter, paths: set[str]) -> None:
-        self.app, self.counts, self.paths = app, counts, paths
+    def __init__(self, app, counts: Counter, routes: Sequence[Route]) -> None:
+        self.app, self.counts, self.routes = app, counts, routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.paths else "other"
+        routes = (r for r in self.routes if r.matches(scope)[0] != Match.NONE)
+        endpoint = next((r.path_format for r in routes), "other")
 
         started = False
 

@@ -421,10 +421,15 @@ class ServeEngine:
         with self._cv:
             if self._closing:
                 raise EngineClosed(self._stopped_why)
-            if len(self._queue) >= self.max_queue:
+            # the queued jobs that free rows take at the next step are not waiting (< 0: this
+            # job has a row too)
+            waiting = len(self._queue) - (
+                self.batch_size - len(self._admitting) - len(self._running)
+            )
+            if waiting >= self.max_queue:
                 self._stat("requests_rejected_total")
                 raise QueueFull(
-                    f"{len(self._queue)} requests are waiting, as many as the queue holds "
+                    f"{waiting} requests are waiting for a row, as many as the queue holds "
                     f"(max_queue {self.max_queue}); retry later"
                 )
             self._count += 1

@@ -127,6 +127,22 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         assert {batch.input_file_id, batch.output_file_id} <= ids
         assert s.api.files.retrieve(batch.output_file_id).purpose == "batch_output"
         assert s.api.batches.list(limit=5).data[0].id == batch.id
+        page = s.api.files.list(limit=1)
+        assert [f.id for f in page.data] == [batch.output_file_id] and page.has_more
+        oldest = s.api.files.list(order="asc", limit=1).data[0].id
+        assert oldest == batch.input_file_id
+        rest = s.api.files.list(order="asc", after=oldest).data
+        assert [f.id for f in rest] == [batch.output_file_id]
+        for fields, param in (
+            ({"input_file_id": batch.output_file_id}, "input_file_id"),  # not purpose batch
+            ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}}, None),
+        ):
+            fields = {"input_file_id": batch.input_file_id} | fields
+            with pytest.raises(openai.BadRequestError) as e:
+                s.api.batches.create(
+                    endpoint="/v1/chat/completions", completion_window="24h", **fields
+                )
+            assert e.value.body["param"] == (param or "output_expires_after"), e.value.body
         assert s.api.files.delete(batch.input_file_id).deleted
         with pytest.raises(openai.NotFoundError):
             s.api.files.retrieve(batch.input_file_id)
@@ -152,6 +168,65 @@ def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
         assert batch.output_file_id is None and batch.request_counts.completed == 0
         errors = {(e.line, e.code) for e in batch.errors.data}
         assert errors == {(2, "invalid_json_line"), (3, "duplicate_custom_id")}
+
+        # a repeat is named even after an earlier bad line
+        lines = ["not json", json.dumps(good), json.dumps(good)]
+        file_id = s.api.files.create(file=("b.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = s.api.batches.create(
+            input_file_id=file_id.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        errors = {(e.line, e.code) for e in s.done(batch.id).errors.data}
+        assert errors == {(1, "invalid_json_line"), (3, "duplicate_custom_id")}
+
+
+def test_a_line_that_is_not_text_is_refused_and_the_runner_goes_on(tiny, tmp_path):
+    """A lone surrogate (valid JSON, no text a tokenizer takes) in a message is that line's 400,
+    in one in a custom_id the line's output echoes it escaped; the runner takes the next
+    batch."""
+    bad_text = line("bad-text", "redwater-robotics.txt", "Who pays\ud800?")
+    bad_text["body"]["messages"][1]["content"] = "Who pays\ud800?"
+    bad_id = line("id-\ud800", "redwater-robotics.txt", QUESTIONS[0], max_tokens=4)
+    with Server(tiny, tmp_path) as s:
+        batch = s.done(s.start_batch([bad_text, bad_id]).id)
+        assert batch.status == "completed"
+        (err,) = s.output(batch.error_file_id)
+        assert err["custom_id"] == "bad-text" and err["response"]["status_code"] == 400
+        error = err["response"]["body"]["error"]
+        assert error["param"] == "messages[1].content" and "U+D800" in error["message"]
+        (out,) = s.output(batch.output_file_id)
+        assert out["custom_id"] == "id-\ud800" and out["response"]["status_code"] == 200
+        later = s.done(s.start_batch(many(1, max_tokens=4)).id)
+        assert later.status == "completed"
+
+
+def test_a_fault_of_the_server_fails_its_line_or_batch_not_the_runner(tiny, tmp_path, monkeypatch):
+    """A line the server itself fails on is a 500 in the error file; a fault outside any line
+    fails its batch (errors say so) and is not met again by a restart; the next batch runs."""
+    with Server(tiny, tmp_path) as s:
+        real = s.runner._submit
+
+        def submit(body):
+            if body["max_tokens"] == 5:
+                raise RuntimeError("a bug")
+            return real(body)
+
+        monkeypatch.setattr(s.runner, "_submit", submit)
+        lines = many(2, max_tokens=4)
+        lines[0]["body"]["max_tokens"] = 5
+        batch = s.done(s.start_batch(lines).id)
+        assert batch.status == "completed" and batch.request_counts.failed == 1
+        (err,) = s.output(batch.error_file_id)
+        assert err["response"]["status_code"] == 500
+        assert "RuntimeError: a bug" in err["response"]["body"]["error"]["message"]
+
+        monkeypatch.setattr(s.runner, "_write_files", lambda batch_id: 1 / 0)
+        broken = s.done(s.start_batch(many(1, max_tokens=4)).id)
+        monkeypatch.undo()
+        assert broken.status == "failed"
+        assert "ZeroDivisionError" in broken.errors.data[0].message
+        assert s.done(s.start_batch(many(1, max_tokens=4)).id).status == "completed"
+    with Server(tiny, tmp_path) as s:  # a restart finds nothing open
+        assert s.api.batches.retrieve(broken.id).status == "failed"
 
 
 def test_a_refused_field_goes_to_the_error_file_and_the_batch_completes(tiny, tmp_path):

@@ -157,3 +157,17 @@ def test_a_document_that_cannot_be_read_is_refused_before_the_model_loads(tmp_pa
     empty.write_text("")
     result = CliRunner().invoke(main, ["chat", "--model", MODEL, "--document", str(empty)])
     assert result.exit_code == 2 and "empty" in result.output and "--document" in result.output
+
+
+def test_a_line_that_is_not_utf8_is_an_error_not_the_end_of_the_session(tiny):
+    """A terminal that is not UTF-8 gives Python its bytes as surrogates (`Caf\\xe9`): the turn
+    is refused with the byte named, and the next question is answered."""
+    model, tok = tiny
+    lines = iter(["Caf\udce9?", "Who is the provider?"])
+    notes: list[str] = []
+    with ServeEngine(model, tok, batch_size=1, max_queue=2) as engine:
+        session = ChatSession(engine, tok, max_tokens=4)
+        run_chat(session, lambda: next(lines, None), lambda text: None, notes.append)
+    assert notes[0].startswith("error:") and "byte 0xe9" in notes[0], notes
+    assert len(turns("\n".join(notes))) == 1
+    assert [m["role"] for m in session.history] == ["user", "assistant"]

@@ -225,11 +225,12 @@ def test_leaving_the_loop_cancels(model):
 
 def test_queue_full(model):
     engine = ServeEngine(model, Tok(), batch_size=1, max_queue=2)
-    first, second = (engine.submit(job(f"j{i}", ids(8, i))) for i in range(2))
+    # not started: one job will take the free row, two wait, the next is refused
+    queued = [engine.submit(job(f"j{i}", ids(8, i))) for i in range(3)]
     with pytest.raises(QueueFull, match="max_queue 2"):
-        engine.submit(job("j2", ids(8, 2)))
+        engine.submit(job("j3", ids(8, 3)))
     with engine:
-        assert collect(first)[1].finish_reason == collect(second)[1].finish_reason == "length"
+        assert all(collect(t)[1].finish_reason == "length" for t in queued)
         # under load: one row decoding (batch_size 1), two waiting, the next refused
         busy = engine.submit(job("busy", ids(8, 3), max_tokens=10_000))
         assert isinstance(next(iter(busy)), Token)

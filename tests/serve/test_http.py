@@ -118,7 +118,10 @@ def served(tiny, tmp_path_factory):
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Sample name (labels included, as written) → value; every line must be valid."""
-    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (-?[0-9.e+-]+|\+Inf)$")
+    label = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'  # a quoted value holds any text
+    sample = re.compile(
+        rf"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{{{label}(?:,{label})*\}})?) (-?[0-9.e+-]+|\+Inf)$"
+    )
     out = {}
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -152,6 +155,9 @@ def user_turn(doc: str, question: str) -> list[dict]:
 def test_models_and_health(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert served.client().models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError):
+        served.client().models.retrieve("gpt-4o")
     status, _, body = served.raw("GET", "/health", key=None)
     assert (status, json.loads(body)) == (200, {"status": "ok"})
 
@@ -414,8 +420,8 @@ def test_unknown_model_or_route_is_a_404_body_too_large_a_413(served):
     assert (e.value.body["code"], e.value.body["param"]) == ("model_not_found", "model")
     status, _, data = served.raw("GET", "/v1/nowhere")
     assert status == 404 and json.loads(data)["error"]["code"] == "not_found"
-    status, _, data = served.raw("GET", "/v1/chat/completions")
-    assert status == 405 and "error" in json.loads(data)
+    status, headers, data = served.raw("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in json.loads(data) and headers["allow"] == "POST"
 
     big = json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode()
     status, _, data = served.raw("POST", "/v1/completions", big)  # Content-Length says so
@@ -429,6 +435,31 @@ def test_unknown_model_or_route_is_a_404_body_too_large_a_413(served):
     for bad in (b"{not json", b"[1, 2]"):
         status, _, data = served.raw("POST", "/v1/chat/completions", bad)
         assert status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
+
+
+def test_text_utf8_cannot_hold_is_a_400_naming_its_field(served):
+    """JSON can carry a lone surrogate (`"\\ud800"`); no tokenizer takes it."""
+    user = {"role": "user", "content": "a\ud800b"}
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": [user]}, "messages[0].content"),
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["\udc80"]}, "stop"),
+    ):
+        body = json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode()
+        status, _, data = served.raw("POST", path, body)
+        error = json.loads(data)["error"]
+        assert (status, error["param"]) == (400, param) and "surrogate" in error["message"], error
+
+
+def test_a_fault_of_the_server_is_a_500_error_object(served, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(served.engine, "stats", broken)
+    status, _, data = served.raw("GET", "/metrics")
+    error = json.loads(data)["error"]
+    assert (status, error["type"], error["code"]) == (500, "server_error", "internal_error")
+    assert "RuntimeError" in error["message"]
 
 
 def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream(served):
@@ -466,6 +497,15 @@ def test_a_full_queue_answers_429(tiny):
     assert metrics["salabatch_requests_rejected_total"] == outcomes.count("429")
 
 
+def test_max_queue_0_queues_no_request_beyond_the_batch_rows(tiny):
+    """Rows are free: a request takes one, whatever max_queue says."""
+    model, tok = tiny
+    engine = ServeEngine(model, tok, batch_size=2, max_queue=0)
+    with Served(engine, tok) as s:
+        answer = s.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(served):
     ok = 'salabatch_http_requests_total{endpoint="/v1/chat/completions",status="200"}'
     bad = 'salabatch_http_requests_total{endpoint="/v1/chat/completions",status="400"}'
@@ -479,8 +519,10 @@ def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(serve
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1
         )
+    served.client().models.retrieve(MODEL)
     after = served.metrics()
     assert after[ok] - before.get(ok, 0) == 2 and after[bad] - before.get(bad, 0) == 1
+    assert after['salabatch_http_requests_total{endpoint="/v1/models/{model_id}",status="200"}']
     assert after["salabatch_requests_total"] - before["salabatch_requests_total"] == 2
     assert (
         after['salabatch_ttft_seconds_bucket{le="+Inf"}'] == after["salabatch_ttft_seconds_count"]

@@ -2,11 +2,13 @@
 `create_app(..., routes=batch_routes(runner))`):
 
     POST   /v1/files                multipart `file` + `purpose` "batch"; 413 past `max_file`
-    GET    /v1/files                ?purpose=
+    GET    /v1/files                ?purpose=&after=&limit=&order= (newest first by default)
     GET    /v1/files/{id}           a FileObject
     GET    /v1/files/{id}/content   its bytes
     DELETE /v1/files/{id}
-    POST   /v1/batches              input_file_id, endpoint /v1/chat/completions, window 24h
+    POST   /v1/batches              input_file_id (a file of purpose batch), endpoint
+                                    /v1/chat/completions, window 24h, metadata; any other
+                                    field is refused
     GET    /v1/batches              ?after=&limit= (newest first)
     GET    /v1/batches/{id}
     POST   /v1/batches/{id}/cancel
@@ -27,6 +29,8 @@ from salabatch.serve.batches.runner import ENDPOINT, BatchRunner
 
 MAX_FILE = 200 << 20  # bytes of an uploaded input file (OpenAI allows 200 MB)
 READ = 1 << 20
+BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
+MAX_LIST = 10_000  # files a list returns at most (OpenAI's limit and default)
 
 
 def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
@@ -72,8 +76,30 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         return JSONResponse(added)
 
     async def list_files(request: Request) -> Response:
-        data = store.files(request.query_params.get("purpose"))
-        return JSONResponse({"object": "list", "data": data, "has_more": False})
+        query = request.query_params
+        limit = query.get("limit", str(MAX_LIST))
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
+            raise APIError(400, f"limit must be between 1 and {MAX_LIST}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        data = store.files(query.get("purpose"))  # newest first
+        data = data[::-1] if order == "asc" else data
+        if "after" in query:
+            ids = [f["id"] for f in data]
+            if query["after"] not in ids:
+                raise APIError(400, f"no file with id {query['after']!r}", param="after")
+            data = data[ids.index(query["after"]) + 1 :]
+        page = data[: int(limit)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(data) > len(page),
+            }
+        )
 
     async def get_file(request: Request) -> Response:
         return JSONResponse(file_or_404(request.path_params["file_id"]))
@@ -90,11 +116,18 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
 
     async def create_batch(request: Request) -> Response:
         body = await read_json(request, 1 << 20)
+        unknown = [k for k in body if k not in BATCH_FIELDS]
+        if unknown:
+            raise APIError(400, f"unsupported field: {unknown[0]}", param=unknown[0])
         file_id = body.get("input_file_id")
-        if not isinstance(file_id, str) or store.file(file_id) is None:
+        found = store.file(file_id) if isinstance(file_id, str) else None
+        if found is None:
             raise APIError(
                 400, f"no input file with id {file_id!r}", param="input_file_id", code="not_found"
             )
+        if found["purpose"] != "batch":
+            message = f"file {file_id} has purpose {found['purpose']!r}, not 'batch'"
+            raise APIError(400, message, param="input_file_id")
         if body.get("endpoint") != ENDPOINT:
             raise APIError(400, f"endpoint must be {ENDPOINT}", param="endpoint")
         if body.get("completion_window") != "24h":

@@ -11,11 +11,16 @@ requests arriving meanwhile join the next step rather than wait behind the batch
 
 `start()` resumes what a killed server left: validating, in_progress and finalizing batches go
 on from their recorded lines (none answered twice); cancelling ones end cancelled.
+
+A fault of the server's own ends a line as a 500 in the error file, or, outside any line, the
+batch as failed (`errors` saying so; its traceback in the log): the thread goes on with the next
+line and the next batch, and a restart does not meet the same fault again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -42,6 +47,7 @@ ENDPOINT = "/v1/chat/completions"
 WINDOW_S = 24 * 3600  # completion_window "24h"
 DEFAULTS = ServeDefaults()
 IN_FLIGHT = 2  # lines of a batch in the engine at once: chat requests keep the other rows
+log = logging.getLogger(__name__)
 
 
 class BatchRunner:
@@ -160,6 +166,9 @@ class BatchRunner:
                 self._run(batch_id)
             except EngineClosed:
                 return  # the server is stopping: a restart resumes the batch
+            except Exception as e:
+                log.exception("batch %s failed", batch_id)
+                self._fail(batch_id, e)
             finally:
                 self._current = None
 
@@ -211,6 +220,11 @@ class BatchRunner:
                 except (APIError, BodyError, TokenizerError) as e:
                     error = e if isinstance(e, APIError) else _refused(e)
                     self._record(batch_id, number, custom_id, None, error)
+                except EngineClosed:
+                    raise
+                except Exception as e:
+                    log.exception("batch %s: line %d failed", batch_id, number)
+                    self._record(batch_id, number, custom_id, None, _fault(e))
                 else:
                     running.append(((number, custom_id), ticket, (answer, think)))
                     with self._cv:
@@ -313,8 +327,9 @@ class BatchRunner:
                 error(number, "invalid_url", f"url must be {ENDPOINT}, the batch's endpoint", "url")
             if not isinstance(line.get("body"), dict):
                 error(number, "missing_required_parameter", "body must be an object", "body")
-            if not errors:
+            if isinstance(custom_id, str):
                 seen.add(custom_id)
+            if not errors:
                 lines.append((number, custom_id, line["body"]))
         if not lines and not errors:
             error(None, "empty_file", "the input file has no request lines")
@@ -345,6 +360,21 @@ class BatchRunner:
         `batch_expired` errors, its answered ones in its output file)."""
         return time.time() >= self.store.batch(batch_id)["expires_at"]
 
+    def _fail(self, batch_id: str, e: Exception) -> None:
+        """Ends a batch a fault of the server's stopped: failed, with the files of its answered
+        lines where they can be written (what cannot be recorded is in the log)."""
+        message = f"the server failed running this batch ({type(e).__name__}: {e})"
+        errors = {"object": "list", "data": [{"code": "server_error", "message": message}]}
+        try:
+            try:
+                files = self._write_files(batch_id)
+            except Exception:
+                log.exception("batch %s: cannot write its files", batch_id)
+                files = {}
+            self._set(batch_id, "failed", errors=errors, **files)
+        except Exception:
+            log.exception("batch %s: cannot record its failure", batch_id)
+
     def _end_cancelled(self, batch_id: str) -> None:
         self._set(batch_id, "cancelled", **self._write_files(batch_id))
 
@@ -364,6 +394,11 @@ def _expired_line(custom_id: str) -> dict:
             "message": "This request could not be executed before the completion window expired.",
         },
     }
+
+
+def _fault(e: Exception) -> APIError:
+    """The 500 of a line the server failed on (its traceback in the log)."""
+    return APIError(500, f"the server failed on this line ({type(e).__name__}: {e})")
 
 
 def _refused(e: SalabatchError) -> APIError:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from salabatch.errors import not_utf8
 from salabatch.files import fsync_dir, fsync_path, temp_path
 
 SCHEMA = """
@@ -197,9 +198,11 @@ class BatchStore:
     def add_line(self, batch_id: str, line: int, output: dict, failed: bool) -> None:
         """Records line `line`'s output line, durably; a line answered already keeps its
         first answer."""
+        text = json.dumps(output, ensure_ascii=False)
+        if not_utf8(text):  # a custom_id with a lone surrogate: escaped, as JSON can say it
+            text = json.dumps(output)
         self._run(
-            "INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?)",
-            (batch_id, line, int(failed), json.dumps(output, ensure_ascii=False)),
+            "INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?)", (batch_id, line, int(failed), text)
         )
 
     def done_lines(self, batch_id: str) -> set[int]:
