@@ -4,10 +4,12 @@
 files (sorted, de-duplicated), reads each and yields `Document`s: one per text or PDF file, one
 per non-empty line of a .jsonl file. A document that cannot be read (encrypted, corrupt or
 scanned PDF, empty or undecodable text, bad JSON line, a FIFO or a device, a file over the byte
-limit of the job's `max_context`) is still yielded, with `text == ""` and a one-line `error`:
-the runner turns it into an error row for each question and the job goes on. Only a mistake in
-the job file itself (a path that does not exist, a glob that matches nothing) raises, as
-`JobSpecError`, when `iter_documents` is called and before any document is read.
+limit of the job's `max_context`, a file of an unknown type named directly) is still yielded,
+with `text == ""` and a one-line `error`: the runner turns it into an error row for each
+question and the job goes on. So is a folder that cannot be listed (no permission), in place
+of the files it holds: a walk never leaves one out silently. Only a mistake in the job file
+itself (a path that does not exist, a glob that matches nothing) raises, as `JobSpecError`,
+when `iter_documents` is called and before any document is read.
 
 `identify_documents(sources)` is the cheap pass beside it: per file, the ids and sha256 of its
 documents exactly as `iter_documents` gives them, without extracting any text (a PDF is hashed,
@@ -23,6 +25,7 @@ it matches; with a format, every file it matches.
 from __future__ import annotations
 
 import codecs
+import errno
 import fnmatch
 import glob as globlib
 import hashlib
@@ -126,16 +129,32 @@ class DocumentSource:
 
 @dataclass(frozen=True)
 class SourceFile:
-    """A file a job will read: its path, its id (see `Document.doc_id`), the source naming it."""
+    """A file a job will read: its path, its id (see `Document.doc_id`), the source naming it.
+
+    error: why the path cannot be read at all (a folder that cannot be listed, a path that
+        cannot be looked at): it stands for what it holds as one error document.
+    """
 
     path: Path
     rel_id: str
     source: DocumentSource
+    error: str | None = None
 
     @property
     def format(self) -> str | None:
         """How the file is read: its entry's format, else by suffix; None: an unknown type."""
         return self.source.format or format_of(self.path)
+
+    @property
+    def unread(self) -> str | None:
+        """Why the file's one document is an error before anything is read (see `error`, or
+        an unknown type), or None."""
+        if self.error or self.format is not None:
+            return self.error
+        return (
+            f"unsupported file type {self.path.suffix or '(none)'}; supported: {_DEFAULT_TEXT}, "
+            "text files (.rst .html .py …), or any file with the entry's format:"
+        )
 
 
 def format_of(path: Path) -> str | None:
@@ -206,9 +225,20 @@ def expand_sources(sources: Iterable[DocumentSource]) -> list[SourceFile]:
 def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     raw = os.path.expanduser(str(source.path))
     path = Path(raw)
-    if path.is_dir():
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as e:
+        if e.errno != errno.ELOOP and not globlib.has_magic(raw):
+            # There, or maybe there, but not to be looked at (a folder on the way without
+            # permission): named directly, it is reported as an error document, never dropped.
+            reason = f"cannot read file: {e.strerror or one_line(e)}"
+            return [SourceFile(path, _sanitize(path.name), source, reason)]
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
         root, pattern, globbed = path, source.glob or "**/*", source.glob is not None
-    elif path.exists():
+    elif mode is not None:
         if source.glob:
             raise JobSpecError(
                 "glob applies to a folder, not a file", path=raw, field=f"{where}.glob"
@@ -221,15 +251,20 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     else:
         raise JobSpecError("document path does not exist", path=raw, field=f"{where}.path")
 
-    matches, others = walk(root, pattern, _wanted(source, globbed))
-    if not matches:
+    matches, others, unreadable = walk(root, pattern, _wanted(source, globbed))
+    if not matches and not unreadable:
         hint = f" ({others} of another type: give the entry a format:)" if others else ""
         raise JobSpecError(
             f"no {_DEFAULT_TEXT} files match {pattern!r} in {root}{hint}",
             path=raw,
             field=f"{where}.path",
         )
-    return [SourceFile(root / rel, _sanitize(rel), source) for rel in matches]
+    files = [(rel, SourceFile(root / rel, _sanitize(rel), source)) for rel in matches]
+    for rel, reason in unreadable:
+        # `root` itself (rel ""): its name, as a file named directly gets
+        name = _sanitize(rel) or _sanitize(os.path.basename(os.path.abspath(root))) or "."
+        files.append((rel, SourceFile(root / rel, name, source, reason)))
+    return [file for _, file in sorted(files, key=lambda item: item[0])]
 
 
 def _wanted(source: DocumentSource, globbed: bool) -> Callable[[str], bool]:
@@ -242,9 +277,13 @@ def _wanted(source: DocumentSource, globbed: bool) -> Callable[[str], bool]:
     return lambda rel: Path(rel).suffix.lower() in DEFAULT_SUFFIXES
 
 
-def walk(root: Path, pattern: str, wanted: Callable[[str], bool]) -> tuple[list[str], int]:
+def walk(
+    root: Path, pattern: str, wanted: Callable[[str], bool]
+) -> tuple[list[str], int, list[tuple[str, str]]]:
     """(the regular files under `root` that the glob `pattern` matches and `wanted` keeps, as
-    sorted relative paths with `/`; how many more it matches that `wanted` leaves out).
+    sorted relative paths with `/`; how many more it matches that `wanted` leaves out; the
+    folders it would have looked in but cannot list or search, as (relative path, `""` for
+    `root`, and the reason)).
 
     Glob syntax: `*`, `?`, `[...]` within a name, `**` for any number of folders; a name
     starting with `.` only where the pattern spells the dot (as `glob.glob`). Links are
@@ -254,6 +293,7 @@ def walk(root: Path, pattern: str, wanted: Callable[[str], bool]) -> tuple[list[
     end = len(parts)
     found: list[str] = []
     left_out = 0
+    unreadable: list[tuple[str, str]] = []
     walked: set[tuple[int, int]] = set()
 
     def closure(states: set[int]) -> frozenset[int]:
@@ -280,10 +320,18 @@ def walk(root: Path, pattern: str, wanted: Callable[[str], bool]) -> tuple[list[
     def visit(folder: Path, rel: str, states: frozenset[int]) -> None:
         nonlocal left_out
         try:
-            info = folder.stat()
+            # `folder/.` is reached through the folder: this needs the search (x) permission
+            # that reading any file in it needs, as listing needs the read (r) one.
+            info = os.stat(os.path.join(folder, "."))
             names = set(os.listdir(folder))
-        except OSError:
-            return  # unreadable, or gone: nothing in it matches
+        except (FileNotFoundError, NotADirectoryError):
+            return  # gone since its parent was listed (or a glob's root that is not there)
+        except OSError as e:
+            reason = f"cannot read folder: {e.strerror or one_line(e)}"
+            unreadable.append(
+                (rel.rstrip("/"), f"{reason}; the files in it are left out until it can be read")
+            )
+            return
         if (info.st_dev, info.st_ino) in walked:
             return
         walked.add((info.st_dev, info.st_ino))
@@ -300,11 +348,11 @@ def walk(root: Path, pattern: str, wanted: Callable[[str], bool]) -> tuple[list[
                     found.append(child)
                 else:
                     left_out += 1
-            if any(i < end for i in after) and path.is_dir():
+            if any(i < end for i in after) and _is_folder(path):
                 visit(path, child + "/", after)
 
     visit(root, "", closure({0}))
-    return sorted(found), left_out
+    return sorted(found), left_out, sorted(unreadable)
 
 
 def _name_matches(name: str, part: str) -> bool:
@@ -316,6 +364,14 @@ def _name_matches(name: str, part: str) -> bool:
 def _is_regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _is_folder(path: Path) -> bool:
+    # A name in a folder without search permission is never reached: `visit` reported that one.
+    try:
+        return stat.S_ISDIR(path.stat().st_mode)
     except OSError:
         return False
 
@@ -371,7 +427,7 @@ def _unique(doc_id: str, used: set[str]) -> str:
 def _identify_file(file: SourceFile) -> list[tuple[str, str]]:
     """(doc_id, sha256) of each document `_read_file(file)` yields, before de-duplication."""
     fmt = file.format
-    if fmt is None:
+    if file.unread is not None:  # also for every file without a format
         return [(file.rel_id, "")]
     try:
         with _RegularFile(file.path) as f:
@@ -392,11 +448,8 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
     def failed(reason: str, sha256: str = "", **kw: Any) -> Document:
         return Document(file.rel_id, str(file.path), "", sha256, error=reason, **kw)
 
-    if fmt is None:
-        yield failed(
-            f"unsupported file type {file.path.suffix or '(none)'}; supported: {_DEFAULT_TEXT}, "
-            "text files (.rst .html .py …), or any file with the entry's format:"
-        )
+    if (reason := file.unread) is not None:  # also for every file without a format
+        yield failed(reason)
         return
     try:
         with _RegularFile(file.path) as f:
@@ -427,7 +480,7 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
 def count_documents(file: SourceFile) -> int:
     """How many documents `iter_documents` gives for `file` (a progress bar's total): the lines
     of a jsonl file are counted; no other file is read."""
-    if file.format != "jsonl":
+    if file.format != "jsonl" or file.unread is not None:
         return 1
     try:
         with _RegularFile(file.path) as f:

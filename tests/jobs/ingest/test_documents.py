@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -369,6 +370,83 @@ def test_a_jsonl_line_over_the_byte_limit_is_an_error_record_and_the_others_go_o
     ]
     (found,) = identify_documents([source])
     assert found.ids == tuple((d.doc_id, d.sha256) for d in docs)
+
+
+# ---- folders that cannot be read ---------------------------------------------------------------
+
+
+@pytest.fixture
+def lock(monkeypatch):
+    """`lock(folder)` makes a folder unreadable as mode 000 makes it for a user other than root
+    (the tests run as root, whom permissions do not stop): the folder itself can be looked at,
+    nothing in it, and it cannot be listed; `listable=True`: mode 444, listed but nothing in it
+    reached."""
+    locked: dict[str, bool] = {}  # folder -> listable
+    real_stat, real_lstat, real_listdir = os.stat, os.lstat, os.listdir
+
+    def inside(path) -> bool:
+        # `folder/.` is inside the folder: reaching it needs the folder's search permission
+        raw = os.fsdecode(path)
+        full = os.path.join(os.path.abspath(os.path.dirname(raw)), os.path.basename(raw))
+        return any(full.startswith(folder + os.sep) for folder in locked)
+
+    def denied(path):
+        return PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+
+    def stat(path, *args, **kwargs):
+        if not isinstance(path, int) and inside(path):
+            raise denied(path)
+        return real_stat(path, *args, **kwargs)
+
+    def lstat(path, *args, **kwargs):
+        if inside(path):
+            raise denied(path)
+        return real_lstat(path, *args, **kwargs)
+
+    def listdir(path="."):
+        if inside(path) or locked.get(os.path.abspath(path)) is False:
+            raise denied(path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
+    monkeypatch.setattr(os, "listdir", listdir)
+    return lambda folder, listable=False: locked.__setitem__(str(folder), listable)
+
+
+def test_a_file_named_directly_in_an_unreadable_folder_is_an_error_document(tmp_path, lock):
+    path = write(tmp_path / "locked" / "a.txt", "out of reach")
+    lock(tmp_path / "locked")
+    (doc,) = read(path)
+    assert (doc.doc_id, doc.error) == ("a.txt", "cannot read file: Permission denied")
+    assert expand_sources([DocumentSource(path)])[0].unread == doc.error
+    (found,) = identify_documents([DocumentSource(path)])
+    assert found.ids == (("a.txt", ""),)
+
+
+@pytest.mark.parametrize("listable", [False, True])
+def test_an_unreadable_folder_in_a_walk_is_an_error_document_in_place_of_its_files(
+    tree, lock, listable
+):
+    lock(tree / "sub", listable)
+    docs = read(tree)
+    assert ids(docs) == ["a.md", "b.txt", "sub"]
+    assert docs[2].error == (
+        "cannot read folder: Permission denied; the files in it are left out until it can be read"
+    )
+    assert [i for f in identify_documents([DocumentSource(tree)]) for i, _ in f.ids] == ids(docs)
+    # a walk that would not look in it says nothing of it
+    assert ids(read(DocumentSource(tree, glob="*.txt"))) == ["b.txt"]
+
+
+def test_an_unreadable_folder_named_or_globbed_is_one_error_document(tmp_path, lock):
+    write(tmp_path / "locked" / "a.txt", "out of reach")
+    lock(tmp_path / "locked")
+    for source in (tmp_path / "locked", DocumentSource(tmp_path / "locked", glob="*.txt")):
+        (doc,) = read(source)
+        assert doc.doc_id == "locked" and doc.error.startswith("cannot read folder: Permission")
+    (doc,) = read(tmp_path / "locked" / "*.txt")  # a glob's fixed folder
+    assert doc.doc_id == "locked" and doc.error.startswith("cannot read folder: Permission")
 
 
 # ---- what a file is: format and suffixes -------------------------------------------------------
