@@ -5,6 +5,7 @@ when it runs, so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 import warnings
@@ -16,16 +17,20 @@ from salabatch.errors import SalabatchError
 
 # Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
 # an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
-# 3 the run finished but results of the job are error rows; 130 interrupted by Ctrl-C, 143
-# stopped by SIGTERM (128 + the signal, as a shell reports it; finished rows kept either way).
+# 3 the run finished but results of the job are error rows; 4 the run stopped at --limit with
+# rows of the job left; 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (128 + the signal, as
+# a shell reports it; finished rows kept either way); 141 its output's reader went away (SIGPIPE:
+# `salabatch export x.parquet | head -1`), quietly, as `cat` does.
 EXIT_ERROR_ROWS = 3
+EXIT_LIMITED = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 EXIT_TERMINATED = 143
 
 
 class _Group(click.Group):
     """Loads the BLAS first; prints warnings and errors as one line each (`--debug`: with their
-    traceback) and exits with the error's code."""
+    traceback) and exits with the error's code; ends quietly when standard output is closed."""
 
     def invoke(self, ctx: click.Context):
         # Before any command can import mlx.core: the BLAS swap only works before that import.
@@ -41,13 +46,22 @@ class _Group(click.Group):
             warnings.showwarning = show
             activate_blas()
             try:
-                return super().invoke(ctx)
+                result = super().invoke(ctx)
+                sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+                return result
+            except BrokenPipeError:
+                _quiet_stdout()
+                sys.exit(EXIT_BROKEN_PIPE)
             except SalabatchError as e:
                 if _debug(ctx):
                     traceback.print_exc()
                 click.echo(f"error: {e}", err=True)
                 sys.exit(e.exit_code)
             except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+                try:  # a command that exits with its own code after writing to a closed pipe
+                    sys.stdout.flush()
+                except BrokenPipeError:
+                    _quiet_stdout()
                 raise
             except Exception as e:  # a bug, or a failure nothing above foresaw
                 if _debug(ctx):
@@ -58,6 +72,18 @@ class _Group(click.Group):
                     err=True,
                 )
                 sys.exit(1)
+
+
+def _quiet_stdout() -> None:
+    """Standard output to /dev/null: Python flushes it once more at exit, which would fail on
+    the closed pipe again and print `Exception ignored ... BrokenPipeError`."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -1,0 +1,36 @@
+"""The root command: what every command shares (here, a reader of its output that goes away)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.cli.main import EXIT_BROKEN_PIPE
+from tests.jobs.results.test_results import make_row, writer
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
+    # Output well past a pipe's buffer, so the command is still writing when the reader goes.
+    path = tmp_path / "results.parquet"
+    with writer(path) as out:
+        out.write([make_row(f"d{i}.q", answer="x" * 4000) for i in range(500)])
+    command = [sys.executable, "-m", "salabatch.cli", "export", str(path), "--format", "jsonl"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout.readline().startswith(b'{"run_id": "run-1"')
+    child.stdout.close()  # as `| head -1` does
+    assert child.wait(timeout=60) == EXIT_BROKEN_PIPE == 141
+    assert child.stderr.read() == b""  # no `error: BrokenPipeError`, no `Exception ignored`
+
+
+def test_every_command_ends_quietly_on_a_closed_pipe(monkeypatch):
+    @click.command()
+    def talk() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(main.commands, "talk", talk)
+    result = CliRunner().invoke(main, ["talk"])
+    assert result.exit_code == EXIT_BROKEN_PIPE and result.output == ""
