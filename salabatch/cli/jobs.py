@@ -60,7 +60,12 @@ _overrides = click.option(
     help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file); without -o, "
     "its Batch output goes beside the results (x.parquet: x.jsonl).",
 )
-@click.option("--model", help="Model of a --requests run without a job file.")
+@click.option(
+    "--model",
+    help="The model (a folder, a Hub repo id or builtin:NAME), in place of the job's model: (a "
+    "folder is relative to the current directory); needed for --requests without a job file "
+    "when the requests name none or several.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option(
     "--executor",
@@ -98,20 +103,21 @@ def run(
     """Run a job: every document × question and request line, answers and timings to Parquet
     (and, for an output ending in .jsonl, OpenAI Batch output lines written when the run ends).
     Resumable: rerun the same command after a crash or Ctrl-C and finished rows are kept."""
-    from salabatch.jobs.spec.load import batch_output, check_paths, load_job, requests_job
+    from salabatch.jobs.spec.load import batch_output, check_paths, read_job, requests_job
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")
 
+    note = None
     if job:
-        spec = load_job(job, overrides, requests=requests, output=output)
+        spec, note = read_job(job, overrides, requests=requests, output=output, model=model)
     elif requests:
         spec = requests_job(requests, model, overrides, output=output)
     else:
         raise click.UsageError("give a JOB file, or --requests FILE")
     # `--requests` without `-o`: its OpenAI Batch output goes beside the results
     beside = requests is not None and output is None
-    if problems := check_paths(spec, batch_beside=beside):
+    if problems := check_paths(spec, batch_beside=beside, note=note):
         raise JobValidationError(job or requests, problems)
     spec, jsonl = batch_output(spec, beside)
     if dry_run:
@@ -196,16 +202,28 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
             raise click.UsageError("--set and --schema-only are for a job file, not a folder")
         _validate_checkpoint(job)
         return
-    from salabatch.jobs.spec.load import load_job, path_problems
+    from salabatch.jobs.spec.errors import render_loc
+    from salabatch.jobs.spec.load import path_problems, read_job
 
-    spec = load_job(job, overrides)
-    problems, n_files = ([], None) if schema_only else path_problems(spec)
+    spec, note = read_job(job, overrides)
+    problems, files = ([], None) if schema_only else path_problems(spec, note=note)
     if not schema_only and not any(p.startswith("model:") for p in problems):
-        problems = _model_problems(spec.model) + problems
+        where = note(("model",))
+        problems = [f"model: {p}{where}" for p in _model_problems(spec.model)] + problems
     if problems:
         raise JobValidationError(job, problems)
 
+    sources = spec.sources()
+    for file in files or []:  # not mistakes of the job: the run makes them error rows
+        if file.unread is not None:
+            loc = ("documents", sources.index(file.source), "path")
+            click.echo(
+                f"warning: {render_loc(loc)}: {file.path}: {file.unread}{note(loc)}; the run "
+                "makes it an error row",
+                err=True,
+            )
     entries = len(spec.documents)
+    n_files = None if files is None else len(files)
     found = f", {n_files} file{'s' * (n_files != 1)}" if n_files is not None and entries else ""
     ids = [q.id for q in spec.questions]
     shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
@@ -224,13 +242,14 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
 
 def _model_problems(model: str) -> list[str]:
     """`validate` of a job's model, when it is a checkpoint folder here (a builtin model is made
-    and a Hub id fetched when the job runs): its files, as `validate FOLDER` checks them."""
+    and a Hub id fetched when the job runs): the problems of its files, as `validate FOLDER`
+    checks them."""
     from salabatch.engine.load import check_checkpoint
     from salabatch.models import is_builtin
 
     if is_builtin(model) or not os.path.isdir(os.path.expanduser(model)):
         return []
-    return [f"model: {problem}" for problem in check_checkpoint(model).problems]
+    return check_checkpoint(model).problems
 
 
 def _validate_checkpoint(path: str) -> None:

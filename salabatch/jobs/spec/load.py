@@ -1,27 +1,29 @@
-"""Reading a job: a job file (YAML, with `--set`, `--requests` and `-o` from the command line) or a
-bare OpenAI Batch requests file becomes a `JobSpec`; then what the job names but the disk lacks.
+"""Reading a job: a job file (YAML, with `--set`, `--requests`, `-o` and `--model` from the command
+line) or a bare OpenAI Batch requests file becomes a `JobSpec`; then what the job names but the
+disk lacks.
 
 `load_job(path, overrides)` reads a job file with the safe YAML loader (`job_yaml`), applies the
 command line and validates it (`models`). Every mistake is reported at once, as one
 `JobValidationError` (exit code 2) with a `location: message` line each
 (`questions[2].text: field required (line 7)`): a job left running overnight should not stop at
 3 a.m. on a typo, nor on the second typo after the first is fixed. `check_paths` then reports the
-model folder, requests file, output path, documents and globs the disk lacks; `validate` and
-`run` ask it before anything loads.
+model folder, requests file, output path, documents and globs the disk lacks, located the same
+way (`read_job` gives the note that locates them); `validate` and `run` ask it before anything
+loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from salabatch.errors import JobSpecError, JobValidationError, OutputError
-from salabatch.jobs.ingest.documents import DEFAULT_SUFFIXES, DocumentSource, expand_sources
+from salabatch.jobs.ingest.documents import DocumentSource, SourceFile, expand_sources
 from salabatch.jobs.results.export import is_batch_output
 from salabatch.jobs.results.read import read_final
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
@@ -32,7 +34,10 @@ from salabatch.jobs.spec.job_yaml import (
     read_job_file,
 )
 from salabatch.jobs.spec.models import JobSpec, slug
-from salabatch.models import hub_repo
+from salabatch.models import hub_repo, is_builtin
+
+# What follows a location in an error line: " (line 7)", " (from the command line)" or "".
+Note = Callable[[Loc], str]
 
 
 def load_job(
@@ -41,6 +46,7 @@ def load_job(
     *,
     requests: str | Path | None = None,
     output: str | Path | None = None,
+    model: str | None = None,
     check_files: bool = False,
 ) -> JobSpec:
     """Read, override and validate a job file.
@@ -48,13 +54,31 @@ def load_job(
     overrides: `key.sub=value` strings (see `apply_override`), applied in order before validation.
     requests, output: paths given on the command line (`--requests`, `-o`): relative to the
         current directory, they replace `requests:` / `output.path`.
+    model: `--model`: a folder relative to the current directory, a Hub repo id or builtin:NAME
+        (see `command_line_model`), replacing `model:`.
     check_files: also run `check_paths` (documents, model and requests exist).
     Raises JobSpecError for a file that cannot be read or parsed, JobValidationError (listing
     every mistake, each with its YAML line or "(from the command line)") for one that does not
     validate.
     """
+    spec, note = read_job(path, overrides, requests=requests, output=output, model=model)
+    if check_files and (problems := check_paths(spec, note=note)):
+        raise JobValidationError(path, problems)
+    return spec
+
+
+def read_job(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    requests: str | Path | None = None,
+    output: str | Path | None = None,
+    model: str | None = None,
+) -> tuple[JobSpec, Note]:
+    """`load_job` without `check_files`, and the note that follows a location of the job in an
+    error line (its line in the file, or "(from the command line)"), for `check_paths`."""
     data, root, errors = parse_yaml(read_job_file(path), path)
-    set_paths, override_errors = _command_line(data, overrides, requests, output)
+    set_paths, override_errors = _command_line(data, overrides, requests, output, model)
     errors += override_errors
 
     def note(loc: Loc) -> str:
@@ -70,9 +94,7 @@ def load_job(
         raise JobValidationError(path, [*errors, *error_lines(e, JobSpec, note=note)]) from None
     if errors:
         raise JobValidationError(path, errors)
-    if check_files and (problems := check_paths(spec)):
-        raise JobValidationError(path, problems)
-    return spec
+    return spec, note
 
 
 def _command_line(
@@ -80,9 +102,10 @@ def _command_line(
     overrides: Sequence[str],
     requests: str | Path | None,
     output: str | Path | None,
+    model: str | None,
 ) -> tuple[list[tuple[str, ...]], list[str]]:
-    """Apply the command line's `--set`, `--requests` and `-o` to the job data in place: (the
-    key parts each one set, the overrides that could not be applied)."""
+    """Apply the command line's `--set`, `--requests`, `-o` and `--model` to the job data in
+    place: (the key parts each one set, the overrides that could not be applied)."""
     set_paths: list[tuple[str, ...]] = []
     errors: list[str] = []
     for override in overrides:
@@ -98,7 +121,18 @@ def _command_line(
         section = dict(section) if isinstance(section, dict) else {}
         data["output"] = {**section, "path": os.path.abspath(os.path.expanduser(output))}
         set_paths.append(("output", "path"))
+    if model is not None:
+        data["model"] = command_line_model(model)
+        set_paths.append(("model",))
     return set_paths, errors
+
+
+def command_line_model(model: str) -> str:
+    """`--model` as the job's `model:` takes it: a folder relative to the current directory
+    (not to the job file, as `model:` is), or a Hub repo id or builtin:NAME as given."""
+    if is_builtin(model) or (hub_repo(model) is not None and not os.path.lexists(model)):
+        return model
+    return os.path.abspath(os.path.expanduser(model))
 
 
 def requests_job(
@@ -184,36 +218,47 @@ def batch_output(spec: JobSpec, beside: bool = False) -> tuple[JobSpec, Path | N
 # ---- what the disk lacks -----------------------------------------------------------------------
 
 
-def check_paths(spec: JobSpec, *, batch_beside: bool = False) -> list[str]:
+def check_paths(
+    spec: JobSpec, *, batch_beside: bool = False, note: Note | None = None
+) -> list[str]:
     """`location: message` lines for what the job names but the disk lacks or holds in its
-    way: the model folder, the requests file, the output files (see `output_problems`;
+    way: the model folder, the requests file, the output files (see `_output_problems`;
     `batch_beside` as in `batch_output`), document paths and globs (as `iter_documents` would
-    report them, every entry). Empty when all is there."""
-    return path_problems(spec, batch_beside=batch_beside)[0]
+    report them, every entry). Empty when all is there. `note` (from `read_job`) follows each
+    location with its line in the job file."""
+    return path_problems(spec, batch_beside=batch_beside, note=note)[0]
 
 
-def path_problems(spec: JobSpec, *, batch_beside: bool = False) -> tuple[list[str], int | None]:
-    """(`check_paths(spec)`, number of distinct document files or None when the documents have
+def path_problems(
+    spec: JobSpec, *, batch_beside: bool = False, note: Note | None = None
+) -> tuple[list[str], list[SourceFile] | None]:
+    """(`check_paths(spec)`, the distinct document files or None when the documents have
     problems)."""
-    problems: list[str] = []
+    problems: list[tuple[Loc, str]] = []
     if not spec.model_is_builtin and hub_repo(spec.model) is None:  # a Hub id resolves at run
         model = Path(spec.model)
-        if not model.exists():
-            problems.append(f"model: no such folder: {model}")
-        elif not model.is_dir():
-            problems.append(f"model: not a folder: {model} (expected a checkpoint folder)")
-        elif not (model / "config.json").is_file():
-            problems.append(f"model: no config.json in {model} (expected a checkpoint folder)")
+        if not os.path.exists(model):
+            problems.append((("model",), f"no such folder: {model}"))
+        elif not os.path.isdir(model):
+            problems.append((("model",), f"not a folder: {model} (expected a checkpoint folder)"))
+        elif not os.path.isfile(model / "config.json"):
+            message = f"no config.json in {model} (expected a checkpoint folder)"
+            problems.append((("model",), message))
     if spec.requests is not None and (problem := _requests_problem(spec.requests)):
         problem = problem.replace(" (expected a .jsonl file)", "")
-        problems.append(f"requests: {problem}: {spec.requests} (expected a .jsonl file)")
+        problems.append((("requests",), f"{problem}: {spec.requests} (expected a .jsonl file)"))
     results, batch = batch_output(spec, batch_beside)
-    problems += output_problems(results.output.path, batch, spec.requests)
-    document_problems, n_files = _document_problems(spec.sources())
-    return problems + document_problems, n_files
+    for problem in _output_problems(results.output.path, batch, spec.requests):
+        problems.append((("output", "path"), problem))
+    document_problems, files = _document_problems(spec.sources())
+    problems += document_problems
+    lines = [
+        f"{render_loc(loc)}: {message}{note(loc) if note else ''}" for loc, message in problems
+    ]
+    return lines, files
 
 
-def output_problems(results: Path, batch: Path | None, requests: Path | None) -> list[str]:
+def _output_problems(results: Path, batch: Path | None, requests: Path | None) -> list[str]:
     """What stops a run from writing its results (Parquet) and Batch output (.jsonl) files,
     found before anything is loaded: a folder there, the requests file itself, a file that is
     not what salabatch wrote there earlier (a run replaces only its own results and Batch
@@ -222,29 +267,27 @@ def output_problems(results: Path, batch: Path | None, requests: Path | None) ->
     for path, kind in ((results, "results"), (batch, "batch")):
         if path is None:
             continue
-        if path.is_dir():
-            problems.append(f"output.path: is a folder: {path} (expected a file path)")
+        if os.path.isdir(path):
+            problems.append(f"is a folder: {path} (expected a file path)")
             continue
         if not os.path.lexists(path):
             continue
         if requests is not None and _same_file(path, requests):
-            problems.append(
-                f"output.path: {path} is the requests file; refusing to overwrite the input"
-            )
-        elif not path.is_file():
-            problems.append(f"output.path: {path} is not a regular file")
+            problems.append(f"{path} is the requests file; refusing to overwrite the input")
+        elif not os.path.isfile(path):
+            problems.append(f"{path} is not a regular file")
         elif kind == "batch" and not is_batch_output(path):
             problems.append(
-                f"output.path: {path} exists and is not salabatch's OpenAI Batch output; "
-                "refusing to overwrite it: choose another output path or move the file away"
+                f"{path} exists and is not salabatch's OpenAI Batch output; refusing to "
+                "overwrite it: choose another output path or move the file away"
             )
         elif kind == "results":
             try:
                 read_final(path, columns=[])
             except OutputError as e:
                 problems.append(
-                    f"output.path: {path}: {e.message}; refusing to overwrite it: choose "
-                    "another output path or move the file away"
+                    f"{path}: {e.message}; refusing to overwrite it: choose another output "
+                    "path or move the file away"
                 )
     return problems
 
@@ -256,29 +299,22 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _document_problems(sources: list[DocumentSource]) -> tuple[list[str], int | None]:
-    """Problems of the `documents:` entries, and their number of distinct files (None when an
-    entry names nothing)."""
+def _document_problems(
+    sources: list[DocumentSource],
+) -> tuple[list[tuple[Loc, str]], list[SourceFile] | None]:
+    """Problems of the `documents:` entries, and their distinct files (None when an entry
+    names nothing). A file that will be an error document (unknown type, unreadable folder)
+    is no problem of the job: the run reports it as error rows."""
     try:
         files = expand_sources(sources)
     except JobSpecError:
         # expand_sources stops at the first bad entry: expand each alone to report them all.
         problems = [_entry_problem(index, source) for index, source in enumerate(sources)]
         return [p for p in problems if p is not None], None
-    problems = []
-    for file in files:  # only a file named directly can have an unknown type
-        if file.format is None:
-            where = render_loc(("documents", sources.index(file.source), "path"))
-            kind = file.path.suffix or "(none)"
-            problems.append(
-                f"{where}: unsupported file type {kind} (supported: {' '.join(DEFAULT_SUFFIXES)}, "
-                "text files such as .rst .html .py; or give the entry a format: text, pdf or "
-                "jsonl)"
-            )
-    return problems, len(files)
+    return [], files
 
 
-def _entry_problem(index: int, source: DocumentSource) -> str | None:
+def _entry_problem(index: int, source: DocumentSource) -> tuple[Loc, str] | None:
     """What is wrong with `documents[index]` alone, or None."""
     try:
         expand_sources([source])
@@ -287,5 +323,5 @@ def _entry_problem(index: int, source: DocumentSource) -> str | None:
         # (path or glob), and locate it at the entry's real place.
         field = (e.field or "path").rpartition(".")[2]
         shown = "" if e.path is None or e.path in e.message else f": {e.path}"
-        return f"{render_loc(('documents', index, field))}: {e.message}{shown}"
+        return ("documents", index, field), f"{e.message}{shown}"
     return None

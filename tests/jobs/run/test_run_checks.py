@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 
@@ -310,3 +311,47 @@ def test_debug_works_after_the_command_name_too(tmp_path, tiny_model, monkeypatc
     result = run_cli("run", str(write_job(tmp_path, tiny_model)), "--debug")
     assert result.exit_code == 3 and "Traceback" in result.output
     assert run_cli("cache", "ls", "--dir", str(tmp_path / "c"), "--debug").exit_code == 0
+
+
+def test_run_model_replaces_the_jobs_model_and_is_checked_as_it(tmp_path, tiny_model, monkeypatch):
+    # Audit: `run JOB --model X` was ignored, `--model /nonexistent` accepted.
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tmp_path / "no-model-here"))
+    own = run_cli("run", job)
+    assert own.exit_code == 2
+    assert re.search(r"model: no such folder: .*no-model-here \(line \d+\)", own.output)
+    for args in (("run", job), ("run", job, "--dry-run")):
+        bad = run_cli(*args, "--model", str(tmp_path / "nowhere"))
+        assert bad.exit_code == 2 and "Traceback" not in bad.output
+        assert f"model: no such folder: {tmp_path / 'nowhere'} (from the command line)" in (
+            bad.output
+        )
+    monkeypatch.chdir(tiny_model.parent)  # a folder relative to the current directory
+    plan = run_cli("run", job, "--model", tiny_model.name, "--dry-run")
+    assert plan.exit_code == 0 and f"model {tiny_model}," in plan.output
+    result = run_cli("run", job, "--model", tiny_model.name, "--limit", "2")
+    assert result.exit_code == 0, result.output
+    assert {r["model"] for r in rows(tmp_path)} == {str(tiny_model)}
+
+
+def test_a_file_of_another_type_named_directly_is_an_error_row_not_a_job_error(
+    tmp_path, tiny_model
+):
+    # Audit: the README promised an error row; validate and run refused the whole job (exit 2).
+    docs = write_docs(tmp_path)
+    (docs / "data.xyz").write_text("x")
+    (docs / "NOTES").write_text("no suffix")
+    entries = [{"path": "docs/notes.txt"}, {"path": "docs/data.xyz"}, {"path": "docs/NOTES"}]
+    job = str(write_job(tmp_path, tiny_model, documents=entries))
+    checked = run_cli("validate", job)
+    assert checked.exit_code == 0, checked.output
+    warned = [line for line in checked.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 2
+    assert warned[0].startswith(f"warning: documents[1].path: {docs / 'data.xyz'}: unsupported")
+    assert re.search(r"format: \(line \d+\); the run makes it an error row$", warned[0])
+    result = run_cli("run", job)
+    assert result.exit_code == 3, result.output
+    failed = {r["doc_id"]: r["error"] for r in rows(tmp_path) if r["status"] == "error"}
+    assert sorted(failed) == ["NOTES", "data.xyz"]
+    assert failed["NOTES"].startswith("unsupported file type (none); supported: .txt .md")
+    assert failed["data.xyz"].endswith("or any file with the entry's format:")

@@ -403,17 +403,58 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
         f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'}",
         f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'}",
     ]
+    # load_job (as validate and run) gives each its line in the job file
+    assert errors_of_files(job) == [
+        f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder) (line 2)",
+        f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file) (line 3)",
+        f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'} (line 6)",
+        f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'} "
+        "(line 7)",
+    ]
     (tmp_path / "model" / "config.json").write_text("{}")
+    # a file of an unknown type named directly is no mistake of the job: it is an error row
     fixed = load_job(job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"])
-    (problem,) = check_paths(fixed)
-    assert problem.startswith(
-        "documents[1].path: unsupported file type .docx (supported: .txt .md .pdf .jsonl"
+    assert check_paths(fixed) == []
+
+
+def errors_of_files(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+    with pytest.raises(JobValidationError) as info:
+        load_job(path, overrides, check_files=True)
+    return info.value.errors
+
+
+def test_problems_on_disk_name_their_line_or_the_command_line(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    (tmp_path / "out.parquet").mkdir()
+    (tmp_path / "theirs.parquet").write_text("not parquet")
+    job = write(
+        tmp_path,
+        """\
+        name: lines
+        model: builtin:random
+        documents: [{path: docs}]
+        questions: [{text: q}]
+        output:
+          path: out.parquet
+        """,
     )
-    assert problem.endswith("or give the entry a format: text, pdf or jsonl)")
-    with pytest.raises(JobValidationError, match="documents\\[1\\].path: unsupported file type"):
-        load_job(
-            job, ["documents=[{path: docs}, {path: notes.docx}]", "requests=null"], check_files=True
-        )
+    (folder,) = errors_of_files(job)
+    assert (
+        folder
+        == f"output.path: is a folder: {tmp_path / 'out.parquet'} (expected a file path) (line 6)"
+    )
+    (theirs,) = errors_of_files(job, ("output.path=theirs.parquet",))
+    assert theirs.startswith(f"output.path: {tmp_path / 'theirs.parquet'}: ")
+    assert theirs.endswith("move the file away (from the command line)")
+    with pytest.raises(JobValidationError) as info:
+        load_job(job, output=tmp_path / "out.parquet", check_files=True)
+    assert info.value.errors[0].endswith("(expected a file path) (from the command line)")
+    with pytest.raises(JobValidationError) as info:
+        load_job(job, ["output.path=x.parquet"], model=str(tmp_path / "nowhere"), check_files=True)
+    assert info.value.errors == [
+        f"model: no such folder: {tmp_path / 'nowhere'} (from the command line)"
+    ]
 
 
 # ---- identities --------------------------------------------------------------------------------
