@@ -16,6 +16,7 @@ import click
 from salabatch.cli.main import (
     EXIT_ERROR_ROWS,
     EXIT_INTERRUPTED,
+    EXIT_LIMITED,
     EXIT_TERMINATED,
     debug_enabled,
     human_size,
@@ -52,7 +53,12 @@ _overrides = click.option(
     is_flag=True,
     help="Show documents, token counts, questions and the planned prefill; no weights.",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="Produce at most N new rows.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    help="Produce at most N new rows; the same command goes on with the next N (exit code 4 "
+    "while rows of the job are left).",
+)
 @_overrides
 @click.option(
     "--requests",
@@ -123,7 +129,7 @@ def run(
     if dry_run:
         from salabatch.jobs.run.dry_run import dry_run as show_plan
 
-        show_plan(spec, resume=resume, retry_errors=retry_errors, echo=click.echo)
+        show_plan(spec, resume=resume, retry_errors=retry_errors, limit=limit, echo=click.echo)
         return
     if executor == "ray":
         from salabatch.jobs.ray.executor import run_job_ray
@@ -160,6 +166,15 @@ def run(
             "--retry-errors to redo them",
             err=True,
         )
+    if summary.left:
+        # Before the error rows' code: the job is not finished yet.
+        click.echo(
+            f"--limit {limit}: {summary.left} row(s) of the job left; run the same command for "
+            "the next ones, or without --limit for all of them",
+            err=True,
+        )
+        sys.exit(EXIT_LIMITED)
+    if summary.failed:
         sys.exit(EXIT_ERROR_ROWS)
 
 

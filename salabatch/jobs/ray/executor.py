@@ -42,7 +42,7 @@ from salabatch.errors import SalabatchError, error_text
 from salabatch.jobs.ray.manifest import Unit, plan_manifest
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
-from salabatch.jobs.results.writer import ResultWriter
+from salabatch.jobs.results.writer import ResultWriter, stale_rows
 from salabatch.jobs.run.answerer import RunIdentity
 from salabatch.jobs.run.plan import Row
 from salabatch.jobs.run.prepare import prepared
@@ -123,7 +123,11 @@ def run_job_ray(
                 shown.close()
             if manifest.complete:
                 # Rows of earlier runs outside the job go when the writer closes.
-                writer.retain(manifest.job_keys)
+                summary.dropped = writer.retain(manifest.job_keys)
+                if summary.dropped:
+                    echo(f"warning: {stale_rows(summary.dropped)}")
+            else:  # --limit: counted as the local runner counts it
+                summary.left = setup.outstanding(writer.done_keys())[0]
             summary.failed = len(manifest.job_keys & writer.failed_keys())
         if jsonl is not None:  # from the merged results, earlier runs' rows included
             export_openai_jsonl(spec.output.path, jsonl, lines=manifest.request_lines)

@@ -35,7 +35,15 @@ import pyarrow.parquet as pq
 from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
 from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
-from salabatch.jobs.results.read import FRESH, dedupe, list_parts, parts_dir_of, read_final, read_part, warn_bad_part
+from salabatch.jobs.results.read import (
+    FRESH,
+    dedupe,
+    list_parts,
+    parts_dir_of,
+    read_final,
+    read_part,
+    warn_bad_part,
+)
 
 
 class ResultWriter:
@@ -140,12 +148,13 @@ class ResultWriter:
         """request_keys that have only error rows, from earlier runs or this writer."""
         return frozenset(k for k, ok in self._done.items() if not ok)
 
-    def retain(self, keys: Iterable[str]) -> None:
+    def retain(self, keys: Iterable[str]) -> int:
         """Declare the request_keys of the whole job (not just this run's --limit share): at
         close, rows of earlier runs with other keys (an edited question, a changed document or
         model) are dropped. Rows written by this writer are always kept. Without a call, all
-        rows are kept."""
+        rows are kept. Returns how many rows the close drops (`stale_rows` says so)."""
         self._retain = set(keys)
+        return len(self._done.keys() - self._retain - self._written)
 
     def write(self, rows: Iterable[ResultRow | Mapping[str, Any]]) -> None:
         """Persist finished rows (a dict is passed to ResultRow); durable when this returns."""
@@ -248,6 +257,15 @@ class ResultWriter:
 
 
 # ---- durable files, one writer -------------------------------------------------------------------
+
+
+def stale_rows(n: int) -> str:
+    """What a run says, before it drops them, of `n` rows of earlier runs that are no longer
+    in the job (and `--dry-run` of the rows the run would drop)."""
+    return (
+        f"{n} row(s) of earlier runs are no longer in the job (a document, question, request "
+        "or setting changed or was removed); the run drops them from the results"
+    )
 
 
 def _write_durably(table: pa.Table, dst: Path, *, tmp_dir: Path) -> None:

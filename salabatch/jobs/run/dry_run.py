@@ -13,8 +13,9 @@ from pathlib import Path
 
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.results.read import parts_dir_of, read_results
+from salabatch.jobs.results.writer import stale_rows
 from salabatch.jobs.run.openai_batch import plan_requests
-from salabatch.jobs.run.plan import Planner
+from salabatch.jobs.run.plan import Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
@@ -25,9 +26,11 @@ def dry_run(
     *,
     resume: bool = True,
     retry_errors: bool = False,
+    limit: int | None = None,
     echo: Callable[[str], None] = print,
 ) -> None:
-    """Prints the plan of `run_job(spec, resume=resume, retry_errors=retry_errors)`."""
+    """Prints the plan of `run_job(spec, resume=resume, retry_errors=retry_errors,
+    limit=limit)`: with a limit, only the documents and rows that run would do."""
     setup = JobSetup.of(spec)
     config = ModelConfig.from_file(setup.model_path)  # checked; no weights are read
     earlier = _earlier_rows(spec.output.path)
@@ -41,9 +44,10 @@ def dry_run(
     for q in spec.questions:
         echo(f"  {q.id}: {q.text}")
     echo("documents:")
-    rows, prefill, cached, longest = _show_documents(setup, planner, echo)
-    if spec.requests:
-        plans = list(plan_requests(spec, setup.tok, planner))
+    cut = Limit(limit)
+    rows, prefill, cached, longest = _show_documents(setup, planner, cut, echo)
+    if spec.requests and not cut.cut:
+        plans = list(cut.take(plan_requests(spec, setup.tok, planner)))
         todo = sum(len(p.rows) for p in plans)
         bad = sum(len(p.rows) for p in plans if p.error)
         shared = [p for p in plans if p.doc_prompt is not None]
@@ -52,25 +56,30 @@ def dry_run(
             f"requests {spec.requests}: {todo} to do ({bad} invalid; "
             f"{sum(len(p.rows) for p in shared)} in {len(shared)} group(s) sharing a prefix)"
         )
+    skipped, later = planner.skipped, ""
+    if cut.cut:  # the run plans no further: the rest of the job is counted as it would count it
+        todo, skipped = setup.outstanding(done)
+        later = f" (--limit {limit}; {todo - rows} more of the job left for later runs)"
     echo(
-        f"plan: {rows} row(s) to do, {planner.skipped} already done; prefill {prefill} document "
+        f"plan: {rows} row(s) to do{later}, {skipped} already done; prefill {prefill} document "
         f"tokens, {cached} from stored prefixes"
     )
     if longest[0]:
         echo(_memory_line(setup, config, *longest))
-    stale = len(earlier.keys() - planner.job_keys) if resume else 0
+    # a run cut by --limit drops nothing: it has not seen the whole job
+    stale = len(earlier.keys() - planner.job_keys) if resume and not cut.cut else 0
     if stale:
-        echo(f"{stale} row(s) of earlier runs are no longer in the job; the run drops them")
+        echo(stale_rows(stale))
 
 
 def _show_documents(
-    setup: JobSetup, planner: Planner, echo: Callable[[str], None]
+    setup: JobSetup, planner: Planner, cut: Limit, echo: Callable[[str], None]
 ) -> tuple[int, int, int, tuple[int, int]]:
-    """One line per document; returns (rows to do, tokens to prefill, tokens already stored,
-    (the longest document prompt answered from its own prefix, its longest row: question and
-    answer))."""
+    """One line per document the run would take (`cut`: its --limit); returns (rows to do,
+    tokens to prefill, tokens already stored, (the longest document prompt answered from its
+    own prefix, its longest row: question and answer))."""
     rows = prefill = cached = longest = row_tokens = 0
-    for plan in planner.documents():
+    for plan in cut.take(planner.documents()):
         rows += len(plan.rows)
         if plan.error:
             echo(f"  {plan.doc.doc_id}: error, {len(plan.rows)} error row(s): {plan.error}")

@@ -66,6 +66,25 @@ def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
     return plan.doc_prompt is None or short
 
 
+class Limit:
+    """`--limit N`: at most N rows in all, taken from the job's plans in order; `cut` once a
+    plan was left out (the rest of the job stays unplanned: nothing is known of it yet)."""
+
+    def __init__(self, rows: int | None) -> None:
+        self.left, self.cut = rows, False
+
+    def take(self, plans: Iterable[DocPlan]) -> Iterator[DocPlan]:
+        """`plans` until the limit is spent, the last one cut to what is left of it."""
+        for plan in plans:
+            if self.left == 0:
+                self.cut = True
+                return
+            if self.left is not None:
+                plan.rows = plan.rows[: self.left]
+                self.left -= len(plan.rows)
+            yield plan
+
+
 def request_key(**parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -17,6 +17,7 @@ from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.runtime import dtype_name, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import OutputError
+from salabatch.jobs.ingest.documents import Document, identify_documents
 from salabatch.jobs.results.schema import current_versions
 from salabatch.jobs.results.writer import ResultWriter
 from salabatch.jobs.run.openai_batch import plan_requests
@@ -62,6 +63,20 @@ class JobSetup:
         if not self.spec.requests:
             return planner.documents()
         return chain(planner.documents(), plan_requests(self.spec, self.tok, planner))
+
+    def outstanding(self, done: Iterable[str]) -> tuple[int, int]:
+        """(rows of the whole job still to do, rows already done), `done` the keys in the
+        results, without extracting any text: files are hashed (their rows' keys need no
+        more), request lines read. What a run cut by --limit leaves, and what it would do."""
+        planner = self.planner(done)
+        todo = 0
+        for found in identify_documents(self.spec.sources()):
+            for doc_id, sha256 in found.ids:
+                doc = Document(doc_id, str(found.file.path), "", sha256)
+                todo += len(planner.rows_of(doc))
+        if self.spec.requests:
+            todo += sum(len(p.rows) for p in plan_requests(self.spec, self.tok, planner))
+        return todo, planner.skipped
 
     def is_pooled(self, plan: DocPlan) -> bool:
         """Whether the rows of `plan` decode in batches across documents, each with its whole

@@ -7,10 +7,11 @@ that cannot be answered (unreadable document, overflow, a failure while generati
 error row and the run goes on; Ctrl-C stops after the rows already finished are written.
 
 Rows already in the results are skipped; once the whole job is planned, rows of earlier runs
-that are no longer in it are dropped when the results are merged. What happens before the model
-loads (`prepare`: results writer, tokenizer, weights digest, dtype, prefix store) is shared with
-`--dry-run` and the Ray executor; what turns plans into rows (`answerer.Answerer`) with the Ray
-executor's workers.
+that are no longer in it are dropped when the results are merged (the run says so first). A run
+that `--limit` cut plans no further, drops nothing, and counts the rows it leaves. What happens
+before the model loads (`prepare`: results writer, tokenizer, weights digest, dtype, prefix
+store) is shared with `--dry-run` and the Ray executor; what turns plans into rows
+(`answerer.Answerer`) with the Ray executor's workers.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from salabatch.engine.runtime import engine_runtime
 from salabatch.jobs.ingest.documents import count_documents, expand_sources
 from salabatch.jobs.results.export import export_openai_jsonl
 from salabatch.jobs.results.schema import ResultRow
-from salabatch.jobs.results.writer import ResultWriter
+from salabatch.jobs.results.writer import ResultWriter, stale_rows
 from salabatch.jobs.run.answerer import Answerer, RunIdentity
-from salabatch.jobs.run.plan import DocPlan, Planner
+from salabatch.jobs.run.plan import DocPlan, Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup, prepared
 from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec
@@ -44,6 +45,8 @@ class RunSummary:
     errors: int = 0
     skipped: int = 0  # rows already in the results file
     failed: int = 0  # error rows of the job in the results, this run's and earlier ones'
+    left: int = 0  # rows of the job --limit left for a later run
+    dropped: int = 0  # rows of earlier runs no longer in the job, dropped from the results
     documents: int = 0
     seconds: float = 0.0
     interrupted: bool = False
@@ -109,36 +112,35 @@ class _Runner:
             setup, model, identity, progress=self.progress, echo=self.progress.write, debug=debug
         )
         self.request_lines: dict[str, int] = {}  # request key -> its line, once planned
-        self.planned_all = False  # every plan of the job was drawn (no --limit cut)
 
     def run(self, limit: int | None) -> None:
         planner = self.setup.planner(self.writer.done_keys())
+        cut = Limit(limit)
         try:
-            for rows in self.answerer.answer(self._plans(planner, limit)):
+            for rows in self.answerer.answer(self._plans(planner, cut)):
                 self._write(rows)
-            if self.planned_all:
+            self._count_skipped(planner)
+            if cut.cut:
+                # The rest of the job is unplanned: nothing is dropped; what is left is
+                # counted without reading the documents' text.
+                self.summary.left = self.setup.outstanding(self.writer.done_keys())[0]
+            else:
                 # Rows of earlier runs outside the job go when the writer closes (a document or
                 # question removed from the job, a changed document).
-                self.writer.retain(planner.job_keys)
-            self._count_skipped(planner)
+                self.summary.dropped = self.writer.retain(planner.job_keys)
+                if self.summary.dropped:
+                    self.progress.write(f"warning: {stale_rows(self.summary.dropped)}")
             self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
             self.request_lines = planner.request_lines
         finally:
             self.progress.close()
 
-    def _plans(self, planner: Planner, limit: int | None) -> Iterator[DocPlan]:
-        """The job's plans in order, at most `limit` rows in all."""
-        budget = limit if limit is not None else -1
-        for plan in self.setup.plans(planner):
+    def _plans(self, planner: Planner, cut: Limit) -> Iterator[DocPlan]:
+        """The job's plans in order, as many as `cut` (--limit) takes."""
+        for plan in cut.take(self.setup.plans(planner)):
             self._count_skipped(planner)
-            if budget == 0:
-                return  # --limit: the rest of the job stays unplanned, so no row is dropped
-            if budget > 0:
-                plan.rows = plan.rows[:budget]
-                budget -= len(plan.rows)
             self.summary.documents += 1
             yield plan
-        self.planned_all = True
 
     def _count_skipped(self, planner: Planner) -> None:
         self.progress.found_done(planner.skipped)

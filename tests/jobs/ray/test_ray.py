@@ -18,12 +18,13 @@ ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "
 from salabatch.jobs.ingest import documents  # noqa: E402
 from salabatch.jobs.ray.executor import run_job_ray  # noqa: E402
 from salabatch.jobs.results.read import read_results  # noqa: E402
+from salabatch.jobs.results.writer import stale_rows  # noqa: E402
 from salabatch.jobs.run.answerer import RunIdentity  # noqa: E402
 from salabatch.jobs.run.plan import Planner  # noqa: E402
 from salabatch.jobs.spec.load import load_job  # noqa: E402
 from tests import REPO  # noqa: E402
 from tests.jobs.ray.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
-from tests.jobs.run.test_runner import run_cli, write_docs, write_job  # noqa: E402
+from tests.jobs.run.test_runner import QUESTIONS, run_cli, write_docs, write_job  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -122,6 +123,20 @@ def test_a_document_whose_worker_always_dies_becomes_error_rows(tmp_path, tiny_m
     failed = [r for r in results(tmp_path) if r["status"] == "error"]
     assert {r["doc_id"] for r in failed} == {"letter.pdf"}
     assert all(r["error"].startswith("worker failed 2 times: ") for r in failed)
+
+
+def test_a_limited_run_counts_what_is_left_and_a_whole_one_says_what_it_drops(
+    tmp_path, tiny_model, kills
+):
+    job = job_in(tmp_path, tiny_model)
+    summary = run_job_ray(load_job(job), workers=2, progress=False, limit=4)
+    assert (summary.written, summary.left, summary.dropped) == (4, 5, 0)
+    said: list[str] = []
+    fewer = write_job(tmp_path, tiny_model, questions=QUESTIONS[:2])  # "cost" is gone
+    summary = run_job_ray(load_job(fewer), workers=2, progress=False, echo=said.append)
+    assert (summary.left, summary.dropped) == (0, 1)  # letter.pdf's cost row
+    assert f"warning: {stale_rows(1)}" in said
+    assert len(results(tmp_path)) == 6
 
 
 def test_a_rerun_with_nothing_to_do_starts_no_ray_and_reads_no_pdf(

@@ -27,7 +27,7 @@ def test_an_edited_question_replaces_its_rows_even_in_a_limited_run(tmp_path, ti
     before = {r["custom_id"]: r for r in rows(tmp_path)}
     edited = [{**QUESTIONS[0], "text": "Summarize this in one line."}, *QUESTIONS[1:]]
     job = write_job(tmp_path, tiny_model, questions=edited)
-    assert run_cli("run", str(job), "--limit", "1").exit_code == 0
+    assert run_cli("run", str(job), "--limit", "1").exit_code == 4  # rows of the job are left
     ids = custom_ids(tmp_path)
     assert len(ids) == len(set(ids)) == 9  # the new row took its custom_id's place
     changed = [r for r in rows(tmp_path) if r["question"] == "Summarize this in one line."]
@@ -330,7 +330,7 @@ def test_run_model_replaces_the_jobs_model_and_is_checked_as_it(tmp_path, tiny_m
     plan = run_cli("run", job, "--model", tiny_model.name, "--dry-run")
     assert plan.exit_code == 0 and f"model {tiny_model}," in plan.output
     result = run_cli("run", job, "--model", tiny_model.name, "--limit", "2")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output
     assert {r["model"] for r in rows(tmp_path)} == {str(tiny_model)}
 
 

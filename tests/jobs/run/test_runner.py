@@ -130,15 +130,27 @@ def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
 
     questions = [q for q in QUESTIONS if q["id"] != "cost"] + [{"id": "when", "text": "When?"}]
     job = write_job(tmp_path, tiny_model, questions=questions)
-    # --limit leaves the rest of the job unplanned: nothing is dropped yet
-    assert run_cli("run", str(job), "--limit", "1").exit_code == 0
+    # --limit leaves the rest of the job unplanned: nothing is dropped yet; its dry run says so
+    plan = run_cli("run", str(job), "--dry-run", "--limit", "1").output
+    assert (
+        "plan: 1 row(s) to do (--limit 1; 2 more of the job left for later runs), 6 already" in plan
+    )
+    assert "\n  letter.pdf: " in plan and "\n  notes.txt: " not in plan  # only what it would do
+    assert "no longer in the job" not in plan
+    limited = run_cli("run", str(job), "--limit", "1")
+    assert limited.exit_code == 4  # the job is not finished: rows are left
+    assert "--limit 1: 2 row(s) of the job left; run the same command" in limited.output
+    assert "no longer in the job" not in limited.output
     assert len(pairs()) == 10 and ("notes.txt", "cost") in pairs()
     plan = run_cli("run", str(job), "--dry-run").output
     assert "plan: 2 row(s) to do, 7 already done" in plan
-    assert "3 row(s) of earlier runs are no longer in the job" in plan
+    stale = "3 row(s) of earlier runs are no longer in the job (a document, question, request or"
+    assert stale in plan
     assert len(pairs()) == 10  # a dry run writes nothing
 
-    assert run_cli("run", str(job)).exit_code == 0
+    finished = run_cli("run", str(job))
+    assert finished.exit_code == 0
+    assert f"warning: {stale}" in finished.output  # the run says so before it drops them
     docs_now = ["letter.pdf", "notes.txt", "report.md"]
     assert pairs() == {(d, q["id"]) for d in docs_now for q in questions}
     kept = [r for r in rows(tmp_path) if r["question_id"] != "when"]
