@@ -3,13 +3,9 @@ checked). Like every command group, nothing heavy is imported until a command ru
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 
 import click
 
@@ -20,6 +16,7 @@ from salabatch.cli.main import (
     EXIT_TERMINATED,
     debug_enabled,
     human_size,
+    sigterm_as_ctrl_c,
 )
 from salabatch.errors import JobValidationError
 
@@ -137,7 +134,7 @@ def run(
         execute = functools.partial(run_job_ray, address=address, workers=workers)
     else:
         from salabatch.jobs.run.runner import run_job as execute
-    with _sigterm_as_ctrl_c() as terminated:
+    with sigterm_as_ctrl_c() as terminated:
         summary = execute(
             spec,
             resume=resume,
@@ -176,28 +173,6 @@ def run(
         sys.exit(EXIT_LIMITED)
     if summary.failed:
         sys.exit(EXIT_ERROR_ROWS)
-
-
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c() -> Iterator[list[int]]:
-    """SIGTERM (`kill`, a scheduler's stop, a container's end) stops the run as Ctrl-C does:
-    finished rows are kept and merged, and the run says so. Yields a list that holds the
-    signal once it came; the handler before is put back after the block."""
-    received: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:
-        if not received:  # once: a second one must not break the merge that saves the rows
-            received.append(signum)
-            raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield received  # only the main thread may handle signals
-        return
-    before = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield received
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 @click.command()

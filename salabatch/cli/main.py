@@ -1,14 +1,18 @@
 """The root of the `salabatch` command: loads the BLAS first, prints warnings and errors as one
 line each and exits with their code; what every command group shares (`debug_enabled`,
-`human_size`, `speculation_options`). Thin: each command imports what it needs (MLX included)
-when it runs, so `salabatch --help` stays instant."""
+`human_size`, `speculation_options`, `sigterm_as_ctrl_c`). Thin: each command imports what it
+needs (MLX included) when it runs, so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
+from collections.abc import Iterator
 
 import click
 
@@ -184,3 +188,25 @@ def human_size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[list[int]]:
+    """SIGTERM (`kill`, a scheduler's stop, a container's end) stops a command as Ctrl-C does
+    (`run`: finished rows kept and merged; `serve`: prefixes written). Yields a list that holds
+    the signal once it came; the handler before is put back after the block."""
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not received:  # once: a second one must not break what saves the work
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may handle signals
+        return
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, before)

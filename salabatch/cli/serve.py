@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from salabatch.cli.main import speculation_options
+from salabatch.cli.main import sigterm_as_ctrl_c, speculation_options
 
 API_KEY_ENV = "SALABATCH_API_KEY"
 _MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
@@ -140,15 +140,19 @@ def serve(
         defaults=defaults,
         routes=batch_routes(runner),
     )
-    engine.start()
-    runner.start()  # batches a killed server left go on
-    try:
-        # A stream still running at Ctrl-C gets 5 s, then the engine stops it.
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
-    finally:
-        runner.close()
-        engine.close()
-        store.close()
+    # SIGTERM as Ctrl-C: uvicorn stops on either, then raises the signal again once it has; as
+    # a KeyboardInterrupt (which uvicorn.run ends on quietly) the closing below runs, where the
+    # default SIGTERM would end the process before it
+    with sigterm_as_ctrl_c():
+        engine.start()
+        runner.start()  # batches a killed server left go on
+        try:
+            # A stream still running at Ctrl-C gets 5 s, then the engine stops it.
+            uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+        finally:
+            runner.close()
+            engine.close()  # the prefixes it holds go to the prefix store
+            store.close()
 
 
 @click.command()

@@ -609,7 +609,8 @@ def get(port: int, path: str, key: str | None = None) -> int:
     return conn.getresponse().status
 
 
-def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path):
+def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigterm(tmp_path):
+    """Either stop is clean: exit 0, the prefixes held written to the prefix store."""
     first, second = free_ports(2)
     opened_at = {"port": first, "state": tmp_path / "open"}
     keyed_at = {"port": second, "state": tmp_path / "keyed", "env": {"SALABATCH_API_KEY": KEY}}
@@ -621,9 +622,18 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c(tmp_path)
         wait_healthy(port, keyed)
         assert get(open_port, "/v1/models") == 200  # no key set: open
         assert (get(port, "/v1/models"), get(port, "/v1/models", KEY)) == (401, 200)
-        for process in (opened, keyed):
-            process.send_signal(signal.SIGINT)
-            assert process.wait(30) == 0
+        for at in (open_port, port):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{at}/v1", api_key=KEY)
+            client.chat.completions.create(
+                model=MODEL,
+                messages=system_turn(document("redwater-robotics.txt"), QUESTIONS[0]),
+                max_tokens=2,
+            )
+        for process, stop in ((opened, signal.SIGINT), (keyed, signal.SIGTERM)):
+            process.send_signal(stop)
+            assert process.wait(30) == 0, stop
+    for state in (opened_at["state"], keyed_at["state"]):
+        assert any((state / "prefixes").iterdir()), state
     warnings = [line for line in open_log.read_text().splitlines() if "warning" in line]
     assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and "API key" in warnings[0]
     assert "warning" not in keyed_log.read_text()
