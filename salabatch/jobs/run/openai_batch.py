@@ -39,7 +39,7 @@ import numpy as np
 from salabatch import openai_api
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
-from salabatch.errors import JobSpecError, TokenizerError
+from salabatch.errors import JobSpecError, TokenizerError, not_utf8
 from salabatch.jobs.ingest.documents import Document
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
@@ -72,6 +72,8 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
             if body
             else raw.decode("utf-8", "replace")
         )
+        if not_utf8(canonical):  # a lone surrogate (JSON allows "\ud800"): escaped, as JSON says it
+            canonical = json.dumps(body, sort_keys=True)
         sha = hashlib.sha256(canonical.encode()).hexdigest()
         key = request_key(
             **planner.identity, custom_id=custom_id, request=canonical, generation=generation

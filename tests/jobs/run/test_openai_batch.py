@@ -276,6 +276,17 @@ def test_fields_that_cannot_be_honoured_give_an_error_row_naming_them(
     assert row.custom_id == "a" and row.request_line == 1
 
 
+def test_a_lone_surrogate_fails_its_line_in_a_message_and_is_kept_in_a_custom_id(
+    tmp_path, tiny_model
+):
+    """JSON allows "\\ud800", which no tokenizer takes: in a message the line is an error row
+    naming the field; in a custom_id the line is planned as any other."""
+    plans = plans_of(tmp_path, tiny_model, [line("a", "Hi\ud800"), line("b\ud800")])
+    assert [p.rows[0].custom_id for p in plans] == ["a", "b\ud800"]
+    assert "messages[0].content" in plans[0].error and "U+D800" in plans[0].error
+    assert plans[1].error is None
+
+
 def test_a_chat_template_refusing_the_messages_fails_that_line_only(
     tmp_path, tiny_model, monkeypatch
 ):
