@@ -1,8 +1,9 @@
 """The job file as text: YAML read with its line numbers, keys given twice, `--set` overrides.
 
 `load.load_job` reads a job with these: `parse_yaml` keeps the node tree so each validation
-message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, so
-`parse_yaml` reports them (`duplicate_keys`, on the tree as written: constructing the data
+message can name its line (`line_of`); safe_load silently keeps the last of two equal keys, and
+a double-quoted `"\ud800"` reads as a lone surrogate no tokenizer or Parquet file takes, so
+`parse_yaml` reports both (`tree_problems`, on the tree as written: constructing the data
 merges `<<` keys into it); `apply_override` edits the parsed data before validation.
 `read_yaml`, the YAML part of `parse_yaml`, also reads the answer key of `inspect --expected`.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from salabatch.errors import JobSpecError
+from salabatch.errors import JobSpecError, not_utf8
 from salabatch.jobs.spec.errors import Loc, render_loc, show_value
 
 
@@ -35,8 +36,9 @@ def read_job_file(path: str | Path) -> str:
 
 
 def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, list[str]]:
-    """(data, node tree, keys given twice) of a job file: the tree keeps line numbers for the
-    error messages; each key given twice in one mapping is one `location: message` line."""
+    """(data, node tree, problems) of a job file: the tree keeps line numbers for the error
+    messages; each key given twice in one mapping, and each text UTF-8 cannot hold, is one
+    `location: message` line."""
     data, root, duplicates = read_yaml(text, path)
     if data is None or root is None:
         raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
@@ -49,7 +51,7 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
 
 
 def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[str]]:
-    """(data, node tree or None when empty, keys given twice) of one YAML document read by the
+    """(data, node tree or None when empty, `tree_problems`) of one YAML document read by the
     safe loader. Raises JobSpecError naming `path` and the line for text that is not YAML, a
     control character included (the loader refuses those before it reads a line)."""
     duplicates: list[str] = []
@@ -62,7 +64,7 @@ def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[
         if root is not None:
             # Before constructing: that flattens merge keys (`<<: *q`) into the tree, where a
             # merged key and the mapping's own override of it would look like a duplicate.
-            duplicates = duplicate_keys(root)
+            duplicates = tree_problems(root)
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         raise JobSpecError(_yaml_problem(e, text), path=path) from None
@@ -111,14 +113,18 @@ def line_of(root: yaml.Node, loc: Loc) -> int | None:
     return line
 
 
-def duplicate_keys(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
-    """Keys given twice in one mapping: safe_load silently keeps the last one."""
+def tree_problems(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
+    """Keys given twice in one mapping (safe_load silently keeps the last one) and texts UTF-8
+    cannot hold, each with its line."""
     seen = set() if seen is None else seen
     if id(node) in seen:  # an alias: checked where its anchor is
         return []
     seen.add(id(node))
     errors: list[str] = []
-    if isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.ScalarNode) and (bad := not_utf8(node.value, from_bytes=False)):
+        line = node.start_mark.line + 1
+        errors.append(f"{render_loc(loc)}: not text UTF-8 can hold ({bad}) (line {line})")
+    elif isinstance(node, yaml.MappingNode):
         first: dict[str, int] = {}
         for key, value in node.value:
             name, line = key.value, key.start_mark.line + 1
@@ -130,10 +136,10 @@ def duplicate_keys(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None)
                     )
                 else:
                     first[name] = line
-            errors += duplicate_keys(value, (*loc, str(name)), seen)
+            errors += tree_problems(value, (*loc, str(name)), seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            errors += duplicate_keys(item, (*loc, index), seen)
+            errors += tree_problems(item, (*loc, index), seen)
     return errors
 
 

@@ -48,6 +48,15 @@ def test_a_control_character_is_a_job_file_error_with_its_line(tmp_path, char):
     )
 
 
+def test_a_lone_surrogate_is_a_job_file_error_with_its_line(tmp_path):
+    """YAML's double quotes read "\\ud800" as a lone surrogate, which no tokenizer and no
+    Parquet file takes: refused before anything runs, as a typo is."""
+    job = write(tmp_path, MINIMAL.replace("Summarize.", '"Who \\uD800 pays?"'))
+    assert error_of(job) == (
+        "questions[0].text: not text UTF-8 can hold (lone surrogate U+D800 at character 4) (line 4)"
+    )
+
+
 def test_missing_and_unreadable_job_files(tmp_path):
     with pytest.raises(JobSpecError, match="job file not found"):
         load_job(tmp_path / "nope.yaml")
