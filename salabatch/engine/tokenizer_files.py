@@ -82,6 +82,7 @@ def read_files(model_dir: Path) -> TokenizerFiles:
     cfgs = {name: _read_json(model_dir / name) for name in _JSON_FILES}
     tok_cfg = cfgs["tokenizer_config.json"]
     _reconcile_added_tokens(backend, tok_cfg, cfgs["added_tokens.json"], model_dir)
+    _check_fits_model(backend, cfgs["config.json"], model_dir)
     bos_id = _bos_id(backend, cfgs, model_dir)
     template, template_path = _read_chat_template(model_dir, tok_cfg)
     return TokenizerFiles(
@@ -94,6 +95,22 @@ def read_files(model_dir: Path) -> TokenizerFiles:
         chat_template_path=template_path,
         fingerprint=_fingerprint(model_dir, {name: cfgs[name] for name in _ID_CONFIGS}),
     )
+
+
+def _check_fits_model(backend: Backend, model_cfg: dict, model_dir: Path) -> None:
+    """Refuses a tokenizer with more tokens than the model beside it has embeddings: its ids
+    past `vocab_size` would index past the embedding table. The one place this is checked, so
+    loading a model with its tokenizer refuses what `salabatch validate` refuses."""
+    model_vocab = model_cfg.get("vocab_size")
+    if isinstance(model_vocab, bool) or not isinstance(model_vocab, int) or model_vocab <= 0:
+        return  # no model here, or a vocab_size config.py refuses with the reason
+    tokens = backend.get_vocab_size(with_added_tokens=True)
+    if tokens > model_vocab:
+        raise TokenizerError(
+            f"the tokenizer has {tokens} tokens, more than vocab_size {model_vocab} in "
+            "config.json (ids past it have no embedding)",
+            path=model_dir,
+        )
 
 
 def _bos_id(backend: Backend, cfgs: dict[str, dict], model_dir: Path) -> int | None:

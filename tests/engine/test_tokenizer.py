@@ -149,6 +149,19 @@ def test_added_token_disagreement_is_an_error(demo_copy):
         load_tokenizer(demo_copy)
 
 
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(demo_copy):
+    """Ids past config.json's vocab_size would index past the embedding: loading refuses such a
+    tokenizer (so `salabatch.load`, `generate` and `validate` all do); an equal or smaller
+    tokenizer (a padded embedding) loads."""
+    edit_json(demo_copy / "config.json", vocab_size=256)
+    with pytest.raises(TokenizerError, match="1024 tokens, more than vocab_size 256") as e:
+        load_tokenizer(demo_copy)
+    assert e.value.path == str(demo_copy)
+    for fits in (1024, 2048):
+        edit_json(demo_copy / "config.json", vocab_size=fits)
+        assert load_tokenizer(demo_copy).vocab_size == 1024
+
+
 def test_fingerprint_tracks_tokenizer_files_only(demo_copy, tok):
     assert load_tokenizer(demo_copy).fingerprint == tok.fingerprint
     edit_json(demo_copy / "config.json", hidden_size=64)  # not a tokenizer field
