@@ -108,8 +108,7 @@ def stream_generate(
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
@@ -212,6 +211,9 @@ def batch_generate(
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
+    _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk, batch_size=batch_size)
+    if isinstance(questions, str) or not all(isinstance(q, str) for q in questions):
+        raise ValueError("questions must be a list of strings (one question: [question])")
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     stop = frozenset(tokenizer.eos_ids)
@@ -271,13 +273,18 @@ def _prompt_ids(
     return ids
 
 
+def _counts(**counts: int) -> None:
+    """ValueError naming the first of `counts` that is not an integer ≥ 1."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+
+
 def _speculation(draft: str, tokens: int, layers: int) -> Speculation:
     """The engine's Speculation of the API's arguments (ValueError naming a bad one)."""
     from salabatch.engine.speculative import Speculation
 
-    for name, value in (("num_draft_tokens", tokens), ("draft_layers", layers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+    _counts(num_draft_tokens=tokens, draft_layers=layers)
     return Speculation(draft, tokens, layers)  # it names the drafts allowed
 
 

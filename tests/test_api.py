@@ -117,6 +117,38 @@ def test_batch_generate_answers_in_question_order(loaded):
     assert salabatch.batch_generate(model, tok, DOC, []) == []
 
 
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"prefill_chunk": 0}, "prefill_chunk"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+    ],
+)
+def test_bad_settings_are_refused_by_name_before_any_work(loaded, settings, named):
+    model, tok = loaded
+    for call in (
+        lambda: salabatch.generate(model, tok, "Hi.", **settings),
+        lambda: salabatch.batch_generate(model, tok, DOC, QUESTIONS[:1], **settings),
+    ):
+        with pytest.raises(ValueError, match=named):
+            call()
+
+
+def test_batch_generate_takes_a_list_of_questions_and_a_batch_size(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="questions must be a list"):
+        salabatch.batch_generate(model, tok, DOC, "When does it leave?")
+    with pytest.raises(ValueError, match="batch_size"):
+        salabatch.batch_generate(model, tok, DOC, QUESTIONS, batch_size=0)
+
+
 def test_speculation_reaches_the_generator_and_its_counts_come_back(loaded, monkeypatch):
     model, tok = loaded
     seen = record_generators(monkeypatch, generate_module)
@@ -174,3 +206,11 @@ def test_import_is_light_and_load_activates_the_blas_first(cache_dir):
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["light"]
     assert "imported before" not in out["blas"] and "not called" not in out["blas"]
+
+
+def test_the_model_refuses_a_call_without_tokens(loaded):
+    import mlx.core as mx
+
+    model, _ = loaded
+    with pytest.raises(ValueError, match=r"both ≥ 1, got shape \(1, 0\)"):
+        model(mx.zeros((1, 0), dtype=mx.int32))

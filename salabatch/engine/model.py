@@ -114,7 +114,13 @@ class SALAModel(nn.Module):
 
 
 class Model(nn.Module):
-    """`model(ids [B, T], cache) -> logits [B, T, vocab]`; later calls continue the sequence."""
+    """`model(ids [B, T], cache) -> logits [B, T, vocab]`; later calls continue the sequence.
+
+    A prompt fed in chunks equals one call over it when `cache.plan_prefill(total)` announced
+    it: sparse layers choose dense attention or InfLLM-v2 by the prompt's whole length, as one
+    call does. Without a plan each call chooses by the tokens seen so far, as a decode step
+    does, so a prompt that crosses `dense_len` in a later chunk differs from one call in the
+    queries of its earlier chunks that sit past the top-k's reach (`ModelCache.plan_prefill`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -134,8 +140,8 @@ class Model(nn.Module):
     ) -> mx.array:
         """Final-normed hidden states [B, T, hidden]; generation takes logits of the last only.
         `queue`: each layer evaluated asynchronously as soon as it is built (`SALAModel`)."""
-        if ids.ndim != 2:
-            raise ValueError(f"ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+        if ids.ndim != 2 or 0 in ids.shape:
+            raise ValueError(f"ids must be [batch, tokens], both ≥ 1, got shape {tuple(ids.shape)}")
         return self.model(ids, self.make_cache() if cache is None else cache, queue)
 
     def logits(self, h: mx.array) -> mx.array:

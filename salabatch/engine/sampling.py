@@ -9,6 +9,7 @@ prompt and seed give the same text whatever else is in the batch or when the row
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,10 +31,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # × how often it was generated, subtracted from its logit
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"invalid sampling settings: {self}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0: {self}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature must be finite and ≥ 0: {self}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]: {self}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be finite and > 0: {self}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer: {self}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0 (0: all tokens): {self}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1]: {self}")
         if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):
