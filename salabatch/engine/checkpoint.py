@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from salabatch.engine.runtime import dtype_name
 from salabatch.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -53,8 +54,10 @@ def read_weights(path: Path) -> dict[str, mx.array]:
 
 
 def check_weights(model: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
-    """Raises CheckpointError naming every missing, unexpected and mis-shaped tensor."""
-    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    """Raises CheckpointError naming every missing, unexpected and mis-shaped tensor, then
+    every tensor of the wrong dtype (see `_dtype_fits`)."""
+    params = dict(tree_flatten(model.parameters()))
+    expected = {name: tuple(p.shape) for name, p in params.items()}
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
     mismatched = sorted(
@@ -70,6 +73,33 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], path: Path) ->
             unexpected=unexpected,
             mismatched=mismatched,
         )
+    wrong = {n: w.dtype for n, w in weights.items() if not _dtype_fits(params[n].dtype, w.dtype)}
+    if wrong:
+        _raise_wrong_dtypes(wrong, params, path)
+
+
+def _dtype_fits(want: mx.Dtype, got: mx.Dtype) -> bool:
+    """A float parameter takes any float dtype (loading casts it to the activation dtype); any
+    other, such as a quantized layer's packed uint32 `.weight`, takes exactly its own."""
+    if mx.issubdtype(want, mx.floating):
+        return mx.issubdtype(got, mx.floating)
+    return got == want
+
+
+def _raise_wrong_dtypes(wrong: dict[str, mx.Dtype], params: dict, path: Path) -> None:
+    """A CheckpointError naming each wrongly typed tensor, the dtype it needs and the file that
+    holds it (an int32 norm would otherwise load as int32 and run silently)."""
+    # mx.load is lazy: this reads the headers only, and only on the way to an error.
+    held = {n: f for f in weight_files(path) for n in mx.load(str(f)) if n in wrong}
+    files = set(held.values())
+    items = []
+    for name in sorted(wrong):
+        want = params[name].dtype
+        kind = "a floating dtype" if mx.issubdtype(want, mx.floating) else dtype_name(want)
+        where = f" in {held[name].name}" if len(files) > 1 else ""
+        items.append(f"{name}{where} is {dtype_name(wrong[name])} (expected {kind})")
+    shown = next(iter(files)) if len(files) == 1 else path
+    raise CheckpointError("tensors of the wrong dtype: " + "; ".join(items), path=shown)
 
 
 def write_weights(

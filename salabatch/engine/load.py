@@ -2,7 +2,8 @@
 
 A directory holds `config.json` and safetensors with HF names: one `model.safetensors`, or shards
 listed in `model.safetensors.index.json`. Loading is strict: every tensor the config implies must be
-present with its shape, and nothing else may be. An MLX-quantized checkpoint (`"quantization"` in
+present with its shape and a dtype of its kind (any float for a float parameter, uint32 for a
+packed quantized weight), and nothing else may be. An MLX-quantized checkpoint (`"quantization"` in
 the config, `.weight` / `.scales` / `.biases` per quantized linear) first gets its quantized layers
 (see quantize.py), so the strict check expects their tensors. Float weights, and the scales and
 biases of quantized layers, take `dtype`, which is therefore the activation dtype whatever the

@@ -45,6 +45,31 @@ def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path, tiny_dir):
     assert "model.layers.1.self_attn.z_proj.weight" in str(e.value)
 
 
+def test_tensors_of_the_wrong_dtype_are_named_with_their_file(tmp_path, tiny_dir):
+    """A float parameter stored as int32 (or bool) would load as such and run silently: loading
+    and validate refuse it, naming the tensor, the dtype it needs and the file that holds it."""
+    weights = read_weights(tiny_dir)
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(mx.int32)
+    bad = write_tiny_checkpoint(tmp_path / "one")
+    write_weights(bad, weights)
+    with pytest.raises(CheckpointError) as e:
+        load_model(bad)
+    assert e.value.path == str(bad / "model.safetensors")
+    assert str(e.value).endswith("model.norm.weight is int32 (expected a floating dtype)")
+    assert check_checkpoint(bad).problems[0] == str(e.value)
+
+    first = "model.embed_tokens.weight"  # the first tensor of the first shard
+    weights[first] = mx.zeros(weights[first].shape, dtype=mx.bool_)
+    total = sum(w.nbytes for w in weights.values())
+    files = write_weights(tmp_path / "shards", weights, max_shard_bytes=total // 2 + 1)
+    (tmp_path / "shards" / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "shards")
+    assert e.value.path == str(tmp_path / "shards")
+    assert f"{first} in {files[0].name} is bool (expected a floating dtype)" in str(e.value)
+    assert f"model.norm.weight in {files[-1].name} is int32" in str(e.value)
+
+
 def test_missing_shard_and_bad_files(tmp_path, tiny_dir):
     weights = read_weights(tiny_dir)
     sharded = write_tiny_checkpoint(

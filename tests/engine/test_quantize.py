@@ -258,6 +258,24 @@ def test_missing_scales_and_wrong_shapes_are_named(converted, tmp_path):
     assert "model.layers.0.self_attn.q_proj.scales" in str(e.value)
 
 
+def test_packed_weights_and_scales_of_the_wrong_dtype_are_named(converted, tmp_path):
+    """A quantized layer keeps its packed uint32 `.weight` and float scales/biases; a packed
+    weight stored as int32, or scales stored as ints, are refused by name."""
+    dst = converted[8][0]
+    weights = read_weights(dst)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    weights[f"{q_proj}.weight"] = weights[f"{q_proj}.weight"].astype(mx.int32)
+    weights[f"{q_proj}.scales"] = weights[f"{q_proj}.scales"].astype(mx.uint32)
+    bad = tmp_path / "bad"
+    write_weights(bad, weights)
+    (bad / "config.json").write_text((dst / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_model(bad)
+    assert e.value.path == str(bad / "model.safetensors")
+    assert f"{q_proj}.weight is int32 (expected uint32)" in str(e.value)
+    assert f"{q_proj}.scales is uint32 (expected a floating dtype)" in str(e.value)
+
+
 def test_bf16_activations_keep_lightning_state_float32(converted):
     model = load_model(converted[8][0], dtype="bfloat16")
     assert model.lm_head.scales.dtype == mx.bfloat16
