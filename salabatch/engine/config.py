@@ -201,8 +201,9 @@ class _Reader:
             rms_norm_eps=g("rms_norm_eps", float, 1e-6, positive=True),
             rope_theta=g("rope_theta", float, 10000.0, positive=True),
             max_position_embeddings=g("max_position_embeddings", int, 524288, positive=True),
-            scale_emb=g("scale_emb", float, 1.0),
-            scale_depth=g("scale_depth", float, 1.0),
+            # muP multipliers: 0 erases the embeddings or every layer, < 0 flips their sign.
+            scale_emb=g("scale_emb", float, 1.0, positive=True),
+            scale_depth=g("scale_depth", float, 1.0, positive=True),
             dim_model_base=g("dim_model_base", int, hidden, positive=True),
             mup_denominator=g("mup_denominator", int, None),
             tie_word_embeddings=g("tie_word_embeddings", bool, False),
@@ -374,12 +375,18 @@ class _Reader:
 
 
 def _typed(value: Any, kind: type, path: str | Path, key: str, positive: bool) -> Any:
-    """Checks a JSON value against `kind` (ints are accepted as floats; bools are not ints)."""
+    """Checks a JSON value against `kind` (ints are accepted as floats; bools are not ints; floats
+    must be finite), and that it is > 0 when `positive`."""
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
         raise ConfigError("wrong type", path=path, field=key, expected=kind.__name__, got=value)
+    # Python's JSON reads NaN, Infinity and 1e999 as floats; any of them makes every logit NaN.
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(
+            "must be finite", path=path, field=key, expected="a finite number", got=value
+        )
     if positive and value <= 0:
-        raise ConfigError("must be positive", path=path, field=key, got=value)
+        raise ConfigError("must be positive", path=path, field=key, expected="> 0", got=value)
     return value

@@ -132,6 +132,32 @@ def test_errors_name_file_and_field(tmp_path, change, field):
     assert str(path) in str(e.value) and field in str(e.value)
 
 
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps", "scale_emb", "scale_depth"])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("NaN", "a finite number"),
+        ("Infinity", "a finite number"),
+        ("-Infinity", "a finite number"),
+        ("1e999", "a finite number"),
+        ("0", "> 0"),
+        ("-2.5", "> 0"),
+    ],
+)
+def test_float_fields_are_finite_and_positive(tmp_path, field, value, expected):
+    """Python's JSON reads NaN, Infinity and 1e999; a non-finite rope_theta made every logit NaN
+    and generate printed nothing. Each float field is refused by name, as is a zero or negative
+    one (no epsilon, RoPE base or muP multiplier is <= 0)."""
+    raw = config_9b()
+    raw[field] = "@"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw).replace('"@"', value))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_file(tmp_path)
+    assert (e.value.field, e.value.expected) == (field, expected)
+    assert str(e.value).startswith(f"{path}: {field}: must be")
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         ModelConfig.from_file(tmp_path)
