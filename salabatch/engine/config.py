@@ -2,7 +2,8 @@
 
 Field names follow the HF `config.json`. Values the model derives (residual scale, logit divisor,
 effective top-k, layer kinds) are computed here, so layers read them rather than recompute them.
-Keys we do not use are kept in `extra`, never dropped.
+Keys we do not use are kept in `extra`, never dropped: top-level ones by their name, those inside
+`sparse_config` as `extra["sparse_config"]` (a dict of just those keys).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class _Reader:
 
     def __init__(self, raw: dict[str, Any], path: str | Path) -> None:
         self.raw, self.path, self.used = raw, path, set()
+        self.nested_extra: dict[str, dict[str, Any]] = {}  # unused keys of the objects we read
 
     def get(self, key: str, kind: type, default: Any = ..., *, positive: bool = False) -> Any:
         self.used.add(key)
@@ -216,6 +218,7 @@ class _Reader:
         )
         self._check_supported(cfg)
         extra = {k: v for k, v in self.raw.items() if k not in self.used}
+        extra.update(self.nested_extra)
         object.__setattr__(cfg, "extra", extra)
         return cfg
 
@@ -291,6 +294,8 @@ class _Reader:
             key = f"sparse_config.{name}"
             value = raw.get(name, getattr(defaults, name))
             values[name] = _typed(value, kind, self.path, key, positive=kind is int)
+        if unused := {k: v for k, v in raw.items() if k not in SparseConfig.__dataclass_fields__}:
+            self.nested_extra["sparse_config"] = unused
         sc = SparseConfig(**values)
         for name, want in KERNEL_VALUES.items():
             if getattr(sc, name) != want:

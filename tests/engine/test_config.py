@@ -88,6 +88,17 @@ def test_9b_config_fields_and_derived_values():
     # keys the model does not use are kept, not dropped
     assert cfg.extra["initializer_range"] == 0.1
     assert cfg.extra["transformers_version"] == "4.57.1"
+    assert "sparse_config" not in cfg.extra  # every key of the released one is used
+
+
+def test_unused_sparse_config_keys_are_kept_nested():
+    """An unknown key inside sparse_config is kept under extra["sparse_config"], as top-level
+    ones are kept under their name (convert keeps both on disk)."""
+    raw = config_9b()
+    raw["sparse_config"] |= {"foo": 1, "nested": {"a": [2]}}
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.extra["sparse_config"] == {"foo": 1, "nested": {"a": [2]}}
+    assert cfg.sparse.topk == 64
 
 
 @pytest.mark.parametrize("spelling", ["lightning", "lightning_attn", "lightning-attn"])
