@@ -126,7 +126,12 @@ def generate(
     show_default=True,
     help="Of the scales/biases and of the tensors left unquantized.",
 )
-@click.option("--force", is_flag=True, help="Overwrite a non-empty DST.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Overwrite a non-empty DST: its checkpoint files (weights, config.json, tokenizer "
+    "files) are removed first; other files stay.",
+)
 @click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
 def convert_cmd(
     args: tuple[str, ...],

@@ -146,7 +146,9 @@ def convert(
 
     Linear weights get `bits` bits in groups of `group_size` (`lm_head` gets `head_bits` when
     given, listed per module in `quantization`), with scales and biases in `dtype`; every other
-    tensor is stored in `dtype`. Tokenizer and generation config files are copied, and
+    tensor is stored in `dtype`. Tokenizer and generation config files are copied (with `force`,
+    those and the weights and config of a checkpoint already in `dst` are removed first, so `dst`
+    holds exactly what this conversion writes, beside any other files it had), and
     `config.json` (written last, so an interrupted run does not leave a loadable directory) gains
     `"quantization"`. Returns a summary: tensors quantized / kept, bytes on disk before and after.
     Peak memory is about the output plus one source tensor: sources are read lazily, one at a time.
@@ -243,8 +245,8 @@ def _write_converted(
     dtype: mx.Dtype,
     max_shard_bytes: int | None,
 ) -> tuple[list[Path], list[str]]:
-    """(weight files, copied file names): writes `weights`, copies the tokenizer files of `src`,
-    and writes its config.json with `quantization` last."""
+    """(weight files, copied file names): clears the checkpoint files of `dst`, writes `weights`,
+    copies the tokenizer files of `src`, and writes its config.json with `quantization` last."""
     clear_destination(dst)
     files = write_weights(dst, weights, max_shard_bytes)
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
@@ -270,10 +272,14 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
 
 
 def clear_destination(dst: Path) -> None:
-    """Removes the weights and config a previous checkpoint left in `dst`: stale shards beside
-    new weights would be read as part of them."""
+    """Removes from `dst` every file a checkpoint is read from (config.json first, then the
+    weights, the shard index and the tokenizer files): a stale shard would be read as part of the
+    new weights, a stale generation_config.json or chat template as part of its tokenizer. Other
+    files (notes, a README) are not the checkpoint's, and stay."""
     if not dst.is_dir():
         return
-    for file in [*dst.glob("*.safetensors"), dst / INDEX, dst / "config.json"]:
-        if file.is_file():
+    weights = sorted(f.name for f in dst.glob("*.safetensors"))
+    owned = ["config.json", *weights, INDEX, *TOKENIZER_FILES]
+    for file in (dst / name for name in owned):
+        if file.is_file() or file.is_symlink():
             file.unlink()

@@ -4,6 +4,7 @@ layout, per-layer overrides, strict errors, and the activation dtype over quanti
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -193,6 +194,30 @@ def test_convert_refuses_to_overwrite(src, converted, tmp_path):
         convert(src, src, bits=8, force=True, progress=False)
     with pytest.raises(CheckpointError, match="already quantized"):
         convert(converted[8][0], tmp_path / "again", bits=4, progress=False)
+
+
+def test_force_leaves_exactly_the_new_checkpoint(src, tmp_path):
+    """--force over an older checkpoint removes its tokenizer-side files the source lacks (a
+    stale generation_config.json would add stop ids, a stale chat_template.jinja replace the
+    template) along with its weights; files that are no checkpoint's stay."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+    stale = ("generation_config.json", "chat_template.jinja", "special_tokens_map.json")
+    for name in (*stale, "model.safetensors.index.json", "model-00002-of-00002.safetensors"):
+        (dst / name).write_text("{}")
+    (dst / "NOTES.md").write_text("mine")
+    source = tmp_path / "src"
+    shutil.copytree(src, source)
+    (source / "generation_config.json").unlink()
+    summary = convert(source, dst, bits=8, force=True, progress=False)
+    assert summary["copied"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in dst.iterdir()) == [
+        "NOTES.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def published_layout(src, path, quantized_as=lambda name: (64, 8), overrides=None):
