@@ -6,9 +6,13 @@ the model's own token after them (so a pass always yields at least the token a p
 would). Everything the rejected tokens wrote is taken back exactly (`ModelCache.rollback`): the
 lightning states are replayed over the kept tokens with the decode step's own arithmetic, the
 sparse layers' keys, values and compressed chunks are cut, the positions set back. Greedy rows
-therefore get the tokens plain greedy decoding gives; rows with a temperature accept a draft d
-with probability min(1, p(d)/q(d)) and, at the first rejection, draw from the normalised
-residual max(0, p − q), which leaves the distribution of their text that of plain sampling.
+therefore get the tokens plain greedy decoding gives. Rows with a temperature and certain drafts
+(lookup's) draw at every position what plain sampling draws there, with its (seed, step) keys,
+and keep a draft while the draw is the draft: the same text as plain sampling, whatever the
+batch or the drafts. Rows drafted by `layers` with a temperature, whose drafts are draws from
+the draft model's q, accept a draft d with probability min(1, p(d)/q(d)) and, at the first
+rejection, draw from the normalised residual max(0, p − q): the distribution of their text is
+plain sampling's, its draws not.
 
 Drafters:
 * `lookup` — the row's document, prompt and answer so far: where the answer's last two tokens
@@ -332,34 +336,36 @@ def verify(
 
 def _rejection(logits, drafts, params, steps, hot: list[int], q):
     """For the rows `hot` (with drafts and a temperature), at every position i: whether draft
-    i + 1 is accepted (u < p(d)/q(d)), a draw from the residual max(0, p − q) normalised, and a
-    plain draw from p (the bonus token after all drafts) → three [len(hot), T] arrays."""
+    i + 1 is accepted, the token taken where it is not, and a plain draw from p (the bonus token
+    after all drafts) → three [len(hot), T] arrays. Certain drafts (q None): accepted while
+    plain sampling's own draw is the draft, that draw taken where it is not — for a draft of
+    q(d) = 1 the rule below accepts with p(d) and then draws from p without d, so this is the
+    same distribution, and moreover plain sampling's text. Else u < p(d)/q(d), and a draw from
+    the residual max(0, p − q) normalised."""
     B, T, V = logits.shape
+    shape = (len(hot), T)
     rows = mx.array(hot)
     p_params = [params[b] for b in hot for _ in range(T)]
     flat = truncated(logits[rows].reshape(-1, V).astype(mx.float32), p_params)  # [H·T, V]
-    p = mx.softmax(flat, axis=-1)
     padded = [list(drafts[b]) + [0] * (T - len(drafts[b])) for b in hot]
     d = mx.array(padded, dtype=mx.int32).reshape(-1, 1)  # [H·T, 1] draft i + 1 at position i
-    p_d = mx.take_along_axis(p, d, axis=-1)[:, 0]
-    if q is None:
-        q_full = mx.zeros_like(p).at[mx.arange(p.shape[0]), d[:, 0]].add(1.0)
-    else:
-        qh = mx.pad(
-            q[rows][:, : T - 1], [(0, 0), (0, 1), (0, 0)]
-        )  # [H, T, V]: no draft after the last
-        q_full = qh.reshape(-1, V)
-    q_d = mx.take_along_axis(q_full, d, axis=-1)[:, 0]
     seeds = [params[b].seed for b in hot for _ in range(T)]
     at = [steps[b] + i for b in hot for i in range(T)]
+    plain = draw(flat, step_keys(seeds, at))  # [H·T]: what plain sampling draws there
+    if q is None:
+        plain = plain.reshape(shape)
+        return plain == d.reshape(shape), plain, plain
+    p = mx.softmax(flat, axis=-1)
+    p_d = mx.take_along_axis(p, d, axis=-1)[:, 0]
+    qh = mx.pad(q[rows][:, : T - 1], [(0, 0), (0, 1), (0, 0)])  # [H, T, V]: none after the last
+    q_full = qh.reshape(-1, V)
+    q_d = mx.take_along_axis(q_full, d, axis=-1)[:, 0]
     u = mx.vmap(lambda key: mx.random.uniform(key=key))(
         step_keys([s ^ _ACCEPT_SEED for s in seeds], at)
     )
     accept = u < p_d / mx.maximum(q_d, 1e-30)
     left = mx.maximum(p - q_full, 0.0)
     residual = draw(mx.log(left), step_keys([s ^ _RESIDUAL_SEED for s in seeds], at))
-    plain = draw(flat, step_keys(seeds, at))
-    shape = (len(hot), T)
     return accept.reshape(shape), residual.reshape(shape), plain.reshape(shape)
 
 

@@ -237,6 +237,24 @@ def test_greedy_speculation_gives_plain_greedy_tokens(model, draft, doc_len):
             assert accepted > 0  # the passes ran and kept drafts
 
 
+@pytest.mark.parametrize("draft", ["lookup", "auto"])
+def test_sampled_speculation_with_certain_drafts_gives_plain_samplings_tokens(model, draft):
+    """Lookup's drafts are certain: a row keeps one while plain sampling's own draw (its seed,
+    its step) is that draft, so the text is plain sampling's, at any batch size."""
+    context, doc = document(model, 150)
+    hot = [SamplingParams(temperature=0.6, top_k=2, seed=i) for i in range(6)]
+    reqs = [
+        Request(f"q{i}", tuple(ids(5 + 3 * i, 60 + i)), p, max_tokens=120, context=context)
+        for i, p in enumerate(hot)
+    ]
+    for batch, rows in ((6, reqs), (1, reqs[:2])):
+        plain = generate(model, rows, doc, batch)
+        spec = generate(model, rows, doc, batch, draft)
+        assert {k: g.tokens for k, g in spec.items()} == {k: g.tokens for k, g in plain.items()}
+        if draft == "lookup":
+            assert sum(g.accepted_tokens for g in spec.values()) > 0, batch
+
+
 def test_greedy_speculation_on_the_gpu_path(model, monkeypatch):
     """The GPU path's compiled decode step beside the verify pass's graphs."""
     monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
