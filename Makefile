@@ -3,9 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# the native CPU kernels (salabatch/engine/native), rebuilt when their sources change
+# the native CPU kernels (salabatch/engine/native), rebuilt when their sources change or MLX
+# does (they are built against the installed MLX and not used under another: an upgrade writes
+# a new dist-info folder, newer than the stamp)
 NATIVE := $(VENV)/.native
 NATIVE_SRC := $(wildcard salabatch/engine/native/*.cpp salabatch/engine/native/*.h salabatch/engine/native/CMakeLists.txt)
+MLX_INSTALLED := $(wildcard $(VENV)/lib/python*/site-packages/mlx-*.dist-info/METADATA)
 
 .PHONY: install test lint demo clean
 
@@ -20,7 +23,7 @@ $(STAMP): pyproject.toml
 
 # A failed build is not fatal: salabatch then runs the same steps as MLX-op graphs (slower on
 # the CPU) and the native kernels' tests skip, saying why.
-$(NATIVE): $(STAMP) $(NATIVE_SRC) scripts/build-native.sh
+$(NATIVE): $(STAMP) $(NATIVE_SRC) $(MLX_INSTALLED) scripts/build-native.sh
 	@sh scripts/build-native.sh $(BIN)/python || echo "note: native CPU kernels not built; salabatch uses its MLX-op forms"
 	@touch $(NATIVE)
 

@@ -80,6 +80,7 @@ class Limit:
                 self.cut = True
                 return
             if self.left is not None:
+                self.cut = len(plan.rows) > self.left  # rows of this plan left out
                 plan.rows = plan.rows[: self.left]
                 self.left -= len(plan.rows)
             yield plan

@@ -120,6 +120,18 @@ def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
             assert r["cached_tokens"] == r["doc_tokens"]
 
 
+def test_a_limit_that_ends_inside_the_last_document_says_its_rows_are_left(tmp_path, tiny_model):
+    """9 rows, 3 a document: --limit 8 takes 2 of the last document's 3 rows."""
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    plan = run_cli("run", str(job), "--dry-run", "--limit", "8").output
+    assert "plan: 8 row(s) to do (--limit 8; 1 more of the job left for later runs)" in plan
+    limited = run_cli("run", str(job), "--limit", "8")
+    assert limited.exit_code == 4, limited.output
+    assert "--limit 8: 1 row(s) of the job left" in limited.output
+    assert run_cli("run", str(job), "--limit", "1").exit_code == 0  # the last row: done
+
+
 def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
     docs = write_docs(tmp_path)
     assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
