@@ -36,6 +36,7 @@ from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.speculative import Speculation
 
+WORKLOADS = ("extraction", "free-form", "cost")
 DRAFTS = ("off", "lookup", "layers", "auto")
 BATCHES = (1, 2, 8)
 DEMO = Path(__file__).resolve().parents[2] / "jobs"  # the repository's jobs/ (demo documents)
@@ -48,7 +49,7 @@ FREE_FORM = (
 
 
 def run(
-    workloads: tuple[str, ...] = ("extraction", "free-form", "cost"),
+    workloads: tuple[str, ...] = WORKLOADS,
     batches: tuple[int, ...] = BATCHES,
     drafts: tuple[str, ...] = DRAFTS,
     rounds: int = 5,
@@ -92,6 +93,10 @@ def cost_defaults() -> dict:
 
 def _workload(name: str, shapes: str = "small", context: int = 2048) -> tuple:
     """The model and [(document tokens, [Request])] of a workload."""
+    if name not in WORKLOADS:  # else it would run as free-form
+        from salabatch.errors import ConfigError
+
+        raise ConfigError("unknown workload", field="workloads", expected=WORKLOADS, got=name)
     if name == "cost":
         return _cost(shapes, context)
     from salabatch.api import load

@@ -9,6 +9,83 @@ from functools import partial
 import click
 
 
+class NumberList(click.ParamType):
+    """A comma-separated list of whole numbers, each at least `minimum` (empty entries are
+    skipped, one number is needed); with `tokens`, `32K` means 32 × 1024. A bad entry is a usage
+    error naming the option, before any model loads."""
+
+    def __init__(self, name: str, *, tokens: bool = False, minimum: int = 1) -> None:
+        self.name, self.tokens, self.minimum = name, tokens, minimum
+
+    def convert(self, value, param, ctx) -> list[int]:
+        if isinstance(value, list):  # a default already converted
+            return value
+        what = "token count" if self.tokens else "whole number"
+        hint = " (K = 1024: 32K)" if self.tokens else ""
+        numbers = []
+        for item in (x.strip() for x in str(value).split(",")):
+            if not item:
+                continue
+            number = _number(item.upper().removesuffix("K") if self.tokens else item)
+            if number is not None and self.tokens and item.upper().endswith("K"):
+                number *= 1024
+            if number is None or number < self.minimum:
+                self.fail(
+                    f"{item!r}: expected a {what} of at least {self.minimum}{hint}", param, ctx
+                )
+            numbers.append(number)
+        if not numbers:
+            self.fail(f"expected at least one {what}{hint}, got nothing", param, ctx)
+        return numbers
+
+
+def _number(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+class NameList(click.ParamType):
+    """A comma-separated list of names out of `choices` (empty entries skipped, one needed)."""
+
+    def __init__(self, name: str, choices: tuple[str, ...]) -> None:
+        self.name, self.choices = name, choices
+
+    def convert(self, value, param, ctx) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        names = tuple(x.strip() for x in str(value).split(",") if x.strip())
+        unknown = [n for n in names if n not in self.choices]
+        if unknown or not names:
+            got = f"{unknown[0]!r}" if unknown else "nothing"
+            self.fail(f"{got}: expected some of {', '.join(self.choices)}", param, ctx)
+        return names
+
+
+class Depths(click.ParamType):
+    """Needle depths in %: "10,50,90" or "A..B" (every 20 from A to B) → fractions."""
+
+    name = "depths"
+
+    def convert(self, value, param, ctx) -> list[float]:
+        if isinstance(value, list):
+            return value
+        try:
+            return _depths(value)
+        except click.BadParameter as e:
+            self.fail(e.message, param, ctx)
+
+
+TOKENS = NumberList("contexts", tokens=True)  # context lengths: 8192,32K
+COUNTS = NumberList("counts")  # batch sizes, actor counts
+# What `bench spec` runs (salabatch.bench.spec and engine.speculative; kept here so that
+# `--help` imports no MLX, and tests/cli/test_bench.py checks they agree).
+SPEC_WORKLOADS = ("extraction", "free-form", "cost")
+SPEC_DRAFTS = ("off", "lookup", "layers", "auto")
+POSITIVE = click.IntRange(min=1)
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool) -> None:
@@ -51,28 +128,29 @@ def _emit(name: str, result: dict, out: str | None) -> None:
     "--contexts",
     default="8192,32768,131072",
     show_default=True,
-    help="Context lengths for the decode timing, comma-separated.",
+    type=TOKENS,
+    help="Context lengths for the decode timing, comma-separated; K = 1024.",
 )
 @click.option(
     "--prefill-tokens",
     default=65536,
     show_default=True,
+    type=click.IntRange(min=0),
     help="Tokens of the chunked prefill whose peak memory is measured (0: skip).",
 )
-@click.option("--chunk", default=2048, show_default=True, help="Prefill chunk size.")
+@click.option("--chunk", default=2048, show_default=True, type=POSITIVE, help="Prefill chunk size.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-def bench_sparse(contexts: str, prefill_tokens: int, chunk: int, out: str | None) -> None:
+def bench_sparse(contexts: list[int], prefill_tokens: int, chunk: int, out: str | None) -> None:
     """InfLLM-v2: sparse-layer decode time vs context, and chunked-prefill peak memory."""
     from salabatch.bench import sparse
 
-    sizes = [int(c) for c in contexts.split(",") if c.strip()]
-    _emit("sparse", sparse.run(sizes, prefill_tokens, chunk), out)
+    _emit("sparse", sparse.run(contexts, prefill_tokens, chunk), out)
 
 
 @bench.command("prefix")
-@click.option("--doc-tokens", default=16384, show_default=True)
-@click.option("--questions", default=8, show_default=True)
-@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--doc-tokens", default=16384, show_default=True, type=POSITIVE)
+@click.option("--questions", default=8, show_default=True, type=POSITIVE)
+@click.option("--max-tokens", default=32, show_default=True, type=POSITIVE)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | None) -> None:
     """Prefix store on builtin:random: questions over one document, re-prefilled per question vs
@@ -97,14 +175,22 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
     "--soak",
     default=0,
     show_default=True,
+    type=click.IntRange(min=0),
     help="Then this many requests over --soak-documents documents, RSS sampled (0: none).",
 )
-@click.option("--soak-documents", default=20, show_default=True)
-@click.option("--soak-prefix-mb", default=16.0, show_default=True, help="The soak's prefix cap.")
+@click.option("--soak-documents", default=20, show_default=True, type=POSITIVE)
+@click.option(
+    "--soak-prefix-mb",
+    default=16.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="The soak's prefix cap.",
+)
 @click.option(
     "--turn-tokens",
     default=16384,
     show_default=True,
+    type=click.IntRange(min=0),
     help="Also two turns of a conversation over a document this long (0: not).",
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
@@ -178,7 +264,13 @@ def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out
     help="A trained checkpoint (or builtin:tiny): measure what 8-bit and 4-bit cost its "
     "answers (needle agreement and accuracy vs float32, logit RMS) instead of speed.",
 )
-@click.option("--contexts", default="4K", show_default=True, help="With --model: needle contexts.")
+@click.option(
+    "--contexts",
+    default="4K",
+    show_default=True,
+    type=TOKENS,
+    help="With --model: needle contexts, comma-separated; K = 1024.",
+)
 @click.option("--documents", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--logit-samples",
@@ -187,10 +279,17 @@ def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out
     type=click.IntRange(min=1),
     help="With --model: held-out samples (1024 tokens) whose answer logits are compared.",
 )
-@click.option("--hidden", default=1024, show_default=True)
-@click.option("--layers", default=8, show_default=True)
-@click.option("--prefill", default=32, show_default=True)
-@click.option("--steps", default=16, show_default=True)
+@click.option(
+    "--hidden",
+    default=1024,
+    show_default=True,
+    type=POSITIVE,
+    callback=lambda ctx, param, value: _multiple(value, 128, param),
+    help="Model width: a multiple of 128 (the 9B's head width).",
+)
+@click.option("--layers", default=8, show_default=True, type=POSITIVE)
+@click.option("--prefill", default=32, show_default=True, type=POSITIVE)
+@click.option("--steps", default=16, show_default=True, type=POSITIVE)
 @click.option(
     "--formats",
     help="Comma-separated. Speed: float32, bfloat16, 8bit, 4bit (all by default); with --model: "
@@ -205,7 +304,7 @@ def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_quant(
     model_ref: str | None,
-    contexts: str,
+    contexts: list[int],
     documents: int,
     logit_samples: int,
     hidden: int,
@@ -226,7 +325,7 @@ def bench_quant(
         result = quant_quality.run(
             model_ref,
             [f for f in chosen if f != "float32"],  # float32 is the reference, always run
-            [_tokens(c) for c in contexts.split(",") if c.strip()],
+            contexts,
             documents=documents,
             logit_samples=logit_samples,
             progress=lambda line: click.echo(line, err=True),
@@ -240,16 +339,26 @@ def bench_quant(
 @bench.command("spec")
 @click.option(
     "--workloads",
-    default="extraction,free-form,cost",
+    default=",".join(SPEC_WORKLOADS),
     show_default=True,
+    type=NameList("workloads", SPEC_WORKLOADS),
     help="Comma-separated: extraction (the demo job's questions), free-form, cost (the 9B's "
     "layer layout at 1/16 width, random weights).",
 )
-@click.option("--batches", default="1,2,8", show_default=True, help="Batch sizes.")
-@click.option("--drafts", default="off,lookup,layers,auto", show_default=True)
-@click.option("--rounds", default=5, show_default=True, help="Timed rounds (the median kept).")
-@click.option("--tokens", default=4, show_default=True, help="Drafts per pass.")
-@click.option("--layers", default=2, show_default=True, help="The layers drafter's layers.")
+@click.option("--batches", default="1,2,8", show_default=True, type=COUNTS, help="Batch sizes.")
+@click.option(
+    "--drafts",
+    default=",".join(SPEC_DRAFTS),
+    show_default=True,
+    type=NameList("drafts", SPEC_DRAFTS),
+)
+@click.option(
+    "--rounds", default=5, show_default=True, type=POSITIVE, help="Timed rounds (the median kept)."
+)
+@click.option("--tokens", default=4, show_default=True, type=POSITIVE, help="Drafts per pass.")
+@click.option(
+    "--layers", default=2, show_default=True, type=POSITIVE, help="The layers drafter's layers."
+)
 @click.option(
     "--shapes",
     type=click.Choice(["small", "9b"]),
@@ -268,9 +377,9 @@ def bench_quant(
     help="PNG chart here (default: beside --out, as .png).",
 )
 def bench_spec(
-    workloads: str,
-    batches: str,
-    drafts: str,
+    workloads: tuple[str, ...],
+    batches: list[int],
+    drafts: tuple[str, ...],
     rounds: int,
     tokens: int,
     layers: int,
@@ -285,9 +394,9 @@ def bench_spec(
     from salabatch.bench import environment, spec
 
     result = spec.run(
-        workloads=tuple(w.strip() for w in workloads.split(",") if w.strip()),
-        batches=tuple(int(b) for b in batches.split(",")),
-        drafts=tuple(d.strip() for d in drafts.split(",") if d.strip()),
+        workloads=workloads,
+        batches=tuple(batches),
+        drafts=drafts,
         rounds=rounds,
         tokens=tokens,
         layers=layers,
@@ -300,7 +409,7 @@ def bench_spec(
 
 
 @bench.command("gla")
-@click.option("--repeat", default=5, show_default=True)
+@click.option("--repeat", default=5, show_default=True, type=POSITIVE, help="Timed runs per op.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_gla(repeat: int, out: str | None) -> None:
     """Lightning kernels at the 9B's shape: 2048-token chunked prefill, decode steps."""
@@ -312,6 +421,7 @@ def bench_gla(repeat: int, out: str | None) -> None:
 @bench.command("long")
 @click.option(
     "--contexts",
+    type=TOKENS,
     help="Context lengths, comma-separated; K = 1024 [GPU: 8K,32K,128K; CPU: 4K,16K,32K].",
 )
 @click.option(
@@ -319,9 +429,13 @@ def bench_gla(repeat: int, out: str | None) -> None:
     type=click.Choice(["9b", "small"]),
     help="9b: the 9B vs Qwen3-8B shapes; small: both at 1/16 width [GPU: 9b; CPU: small].",
 )
-@click.option("--batch", default=8, show_default=True, help="Rows of SALA's batched decode.")
-@click.option("--steps", default=48, show_default=True, help="Decode steps timed (median).")
-@click.option("--chunk", type=int, help="Prefill chunk [GPU: 8192; CPU: 2048].")
+@click.option(
+    "--batch", default=8, show_default=True, type=POSITIVE, help="Rows of SALA's batched decode."
+)
+@click.option(
+    "--steps", default=48, show_default=True, type=POSITIVE, help="Decode steps timed (median)."
+)
+@click.option("--chunk", type=POSITIVE, help="Prefill chunk [GPU: 8192; CPU: 2048].")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -342,7 +456,7 @@ def bench_gla(repeat: int, out: str | None) -> None:
     help="PNG chart here (default: beside --out, as .png).",
 )
 def bench_long(
-    contexts: str | None,
+    contexts: list[int] | None,
     shapes: str | None,
     batch: int,
     steps: int,
@@ -359,18 +473,16 @@ def bench_long(
 
     from salabatch.bench import environment, long
 
-    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
-
     env = environment()
     if graph:
         from salabatch.bench import graph as graphs
 
-        report = graphs.report(sizes or graphs.CONTEXTS, chunk or 8192, batch)
+        report = graphs.report(contexts or graphs.CONTEXTS, chunk or 8192, batch)
         result = {"bench": "long-graph", **env, **report}
         _report(result, graphs.report_table(report), out, None, None)
         return
     result = long.run(
-        sizes,
+        contexts,
         shapes=shapes,
         batch=batch,
         steps=steps,
@@ -394,9 +506,15 @@ def bench_long(
     help="Checkpoint folder, builtin:tiny or a Hub id.",
 )
 @click.option(
-    "--contexts", help="Document lengths, comma-separated; K = 1024 [4K,16K,32K,64K,128K]."
+    "--contexts",
+    type=TOKENS,
+    help="Document lengths, comma-separated; K = 1024 [4K,16K,32K,64K,128K].",
 )
-@click.option("--depths", help="Needle depths in %: a list (10,50,90) or A..B, every 20 [10..90].")
+@click.option(
+    "--depths",
+    type=Depths(),
+    help="Needle depths in %: a list (10,50,90) or A..B, every 20 [10..90].",
+)
 @click.option(
     "--documents",
     default=1,
@@ -415,8 +533,8 @@ def bench_long(
 )
 def bench_needle(
     model_ref: str,
-    contexts: str | None,
-    depths: str | None,
+    contexts: list[int] | None,
+    depths: list[float] | None,
     documents: int,
     quick: bool,
     seed: int,
@@ -432,16 +550,14 @@ def bench_needle(
     from salabatch.bench import environment, needle
 
     preset = needle.QUICK if quick else {}
-    sizes = [_tokens(c) for c in contexts.split(",") if c.strip()] if contexts else None
-    chosen = _depths(depths) if depths else None
 
     env = {**environment(), "model": model_ref}
     model, tokenizer = load(model_ref)
     result = needle.run(
         model,
         tokenizer,
-        sizes or preset.get("contexts", needle.CONTEXTS),
-        chosen or preset.get("depths", needle.DEPTHS),
+        contexts or preset.get("contexts", needle.CONTEXTS),
+        depths or preset.get("depths", needle.DEPTHS),
         documents=documents if not quick else preset["documents"],
         seed=seed,
         chunk=chunk,
@@ -490,6 +606,12 @@ def _report(result: dict, table: str, out: str | None, chart: str | None, draw) 
             click.echo(f"wrote {chart}")
 
 
+def _multiple(value: int, of: int, param: click.Parameter) -> int:
+    if value % of:
+        raise click.BadParameter(f"{value} is not a multiple of {of}", param=param)
+    return value
+
+
 def _depths(text: str) -> list[float]:
     """Percent depths: "10,50,90" or "A..B" (every 20 from A to B) → fractions."""
     try:
@@ -506,19 +628,26 @@ def _depths(text: str) -> list[float]:
 
 
 @bench.command("scale")
-@click.option("--docs", default=16, show_default=True, help="Synthetic documents.")
-@click.option("--tokens", default=1000, show_default=True, help="Tokens per document, about.")
+@click.option("--docs", default=16, show_default=True, type=POSITIVE, help="Synthetic documents.")
+@click.option(
+    "--tokens", default=1000, show_default=True, type=POSITIVE, help="Tokens per document, about."
+)
 @click.option(
     "--actors",
     default="1,2,4",
     show_default=True,
+    type=COUNTS,
     help="Ray model actors of each Ray run, comma-separated.",
 )
-@click.option("--questions", default=4, show_default=True, help="Questions per document.")
-@click.option("--max-tokens", default=8, show_default=True, help="Tokens per answer.")
+@click.option(
+    "--questions", default=4, show_default=True, type=POSITIVE, help="Questions per document."
+)
+@click.option(
+    "--max-tokens", default=8, show_default=True, type=POSITIVE, help="Tokens per answer."
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 def bench_scale(
-    docs: int, tokens: int, actors: str, questions: int, max_tokens: int, out: str | None
+    docs: int, tokens: int, actors: list[int], questions: int, max_tokens: int, out: str | None
 ) -> None:
     """Documents/hour of the local executor and of the Ray executor on a local Ray cluster
     with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:random, a fresh prefix
@@ -527,9 +656,6 @@ def bench_scale(
 
     from salabatch.bench import environment, scale
 
-    counts = tuple(_count(a, "--actors") for a in actors.split(",") if a.strip())
-    if not counts:
-        raise click.BadParameter("give at least one actor count", param_hint="--actors")
     env = environment()
 
     def save(partial: dict) -> None:  # after every configuration: a run cut short keeps its rows
@@ -540,7 +666,7 @@ def bench_scale(
     result = scale.run(
         docs,
         tokens,
-        counts,
+        tuple(actors),
         questions,
         max_tokens,
         progress=lambda line: click.echo(line, err=True),
@@ -550,21 +676,3 @@ def bench_scale(
     if out:
         save(result)
         click.echo(f"wrote {out}", err=True)
-
-
-def _count(text: str, option: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise click.BadParameter(f"not a count of 1 or more: {text.strip()!r}", param_hint=option)
-    return n
-
-
-def _tokens(text: str) -> int:
-    text = text.strip().upper()
-    try:
-        return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
-    except ValueError:
-        raise click.BadParameter(f"not a token count: {text!r}", param_hint="--contexts") from None

@@ -1,0 +1,81 @@
+"""`salabatch bench …` options: every count, size and list is checked by click, a usage error
+(exit 2) naming the option, before any model loads or benchmark runs."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from salabatch.cli import main
+from salabatch.cli.bench import SPEC_DRAFTS, SPEC_WORKLOADS, TOKENS, bench
+
+BAD = [
+    ("gla", "--repeat", "0"),
+    ("sparse", "--contexts", "abc"),
+    ("sparse", "--contexts", "0"),
+    ("sparse", "--contexts", ","),
+    ("sparse", "--prefill-tokens", "-1"),
+    ("sparse", "--chunk", "0"),
+    ("prefix", "--doc-tokens", "0"),
+    ("prefix", "--questions", "0"),
+    ("prefix", "--max-tokens", "0"),
+    ("serve", "--soak", "-1"),
+    ("serve", "--soak-documents", "0"),
+    ("serve", "--soak-prefix-mb", "0"),
+    ("serve", "--turn-tokens", "-1"),
+    ("quant", "--contexts", "4K,x"),
+    ("quant", "--hidden", "100"),
+    ("quant", "--layers", "0"),
+    ("quant", "--prefill", "0"),
+    ("quant", "--steps", "0"),
+    ("spec", "--workloads", "extraction,foo"),
+    ("spec", "--batches", "1,0"),
+    ("spec", "--drafts", "bogus"),
+    ("spec", "--rounds", "0"),
+    ("spec", "--tokens", "0"),
+    ("spec", "--layers", "0"),
+    ("long", "--contexts", "1K,0K"),
+    ("long", "--batch", "0"),
+    ("long", "--steps", "0"),
+    ("long", "--chunk", "0"),
+    ("needle", "--contexts", "0K"),
+    ("needle", "--contexts", "4.5K"),
+    ("needle", "--depths", "90..10"),
+    ("scale", "--docs", "0"),
+    ("scale", "--tokens", "0"),
+    ("scale", "--actors", "1,-2"),
+    ("scale", "--questions", "0"),
+    ("scale", "--max-tokens", "0"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value"), BAD)
+def test_bad_options_are_usage_errors_naming_the_option(monkeypatch, command, option, value):
+    """Before, `bench gla --repeat 0` raised IndexError, `sparse --contexts abc` ValueError,
+    `needle --contexts 0K` ran on an empty context."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr("salabatch.api.load", never)  # needle would load its model first
+    got = CliRunner().invoke(main, ["bench", command, option, value])
+    assert got.exit_code == 2, got.output
+    assert f"Invalid value for '{option}'" in got.output
+    assert got.exception is None or isinstance(got.exception, SystemExit)
+
+
+def test_context_lists():
+    assert TOKENS.convert("8192, 32K,,4k", None, None) == [8192, 32768, 4096]
+
+
+def test_every_default_parses():
+    """Each subcommand's defaults go through the same types (parsed, not run)."""
+    for name, command in bench.commands.items():
+        assert command.make_context(name, []).params is not None
+
+
+def test_spec_choices_match_the_bench():
+    from salabatch.bench import spec
+    from salabatch.engine.speculative import DRAFTS
+
+    assert SPEC_WORKLOADS == spec.WORKLOADS and SPEC_DRAFTS == spec.DRAFTS == DRAFTS
