@@ -29,6 +29,12 @@ def _store(root: str | None):
     return PrefixStore(root or cache_dir())
 
 
+def _absent(store) -> bool:
+    """Whether the store's folder does not exist: then it is empty, and prune and clear say so
+    and leave it absent (a store makes its folder when it is first changed)."""
+    return not store.root.exists()
+
+
 @cache.command("ls")
 @_cache_dir
 def cache_ls(root: str | None) -> None:
@@ -79,6 +85,9 @@ def cache_prune(root: str | None, max_gb: float | None, older_than: float | None
     if max_gb is None and older_than is None:
         raise click.UsageError("give --max-gb and/or --older-than")
     store = _store(root)
+    if _absent(store):
+        click.echo(f"removed 0 entries, {human_size(0)} (no store at {store.root})")
+        return
     removed = store.prune(
         max_bytes=None if max_gb is None else int(max_gb * 2**30),
         older_than_s=None if older_than is None else older_than * 86400,
@@ -96,6 +105,9 @@ def cache_prune(root: str | None, max_gb: float | None, older_than: float | None
 def cache_clear(root: str | None, yes: bool) -> None:
     """Remove every stored prefix and snapshot."""
     store = _store(root)
+    if _absent(store):
+        click.echo(f"freed {human_size(0)} (no store at {store.root})")
+        return
     if not yes:
         click.confirm(f"remove every stored prefix in {store.root}?", abort=True)
     click.echo(f"freed {human_size(store.clear())}")
