@@ -8,6 +8,8 @@ from functools import partial
 
 import click
 
+from salabatch.cli.main import Finite
+
 
 class NumberList(click.ParamType):
     """A comma-separated list of whole numbers, each at least `minimum` (empty entries are
@@ -183,7 +185,7 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
     "--soak-prefix-mb",
     default=16.0,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=Finite(min=0, min_open=True),
     help="The soak's prefix cap.",
 )
 @click.option(

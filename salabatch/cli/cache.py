@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from salabatch.cli.main import human_size
+from salabatch.cli.main import Finite, human_size
 
 
 @click.group()
@@ -72,10 +72,10 @@ def cache_ls(root: str | None) -> None:
 
 @cache.command("prune")
 @_cache_dir
-@click.option("--max-gb", type=click.FloatRange(min=0), help="Keep at most this much (LRU).")
+@click.option("--max-gb", type=Finite(min=0), help="Keep at most this much (LRU).")
 @click.option(
     "--older-than",
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     metavar="DAYS",
     help="Remove entries unused for this many days.",
 )

@@ -1,11 +1,12 @@
 """The root of the `salabatch` command: loads the BLAS first, prints warnings and errors as one
 line each and exits with their code; what every command group shares (`debug_enabled`,
-`human_size`, `speculation_options`, `sigterm_as_ctrl_c`). Thin: each command imports what it
-needs (MLX included) when it runs, so `salabatch --help` stays instant."""
+`human_size`, `speculation_options`, `sigterm_as_ctrl_c`, `Finite`). Thin: each command imports
+what it needs (MLX included) when it runs, so `salabatch --help` stays instant."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -188,6 +189,17 @@ def human_size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+class Finite(click.FloatRange):
+    """click.FloatRange that also refuses NaN and infinities (`--temp nan` passes a range's
+    comparisons, and the model then answers nothing)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 @contextlib.contextmanager

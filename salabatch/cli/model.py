@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from salabatch.cli.main import human_size, speculation_options
+from salabatch.cli.main import Finite, human_size, speculation_options
 
 
 @click.command()
@@ -13,12 +13,10 @@ from salabatch.cli.main import human_size, speculation_options
 @click.option("--model", "model_opt", help="MODEL as an option (mlx-lm's spelling).")
 @click.option("-p", "--prompt", "prompt_opt", help="PROMPT as an option; - reads standard input.")
 @click.option("-m", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(min=0)
-)
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--temperature", "--temp", default=0.0, show_default=True, type=Finite(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--min-p", default=0.0, show_default=True, type=Finite(0, 1))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--system", "--system-prompt", default=None, help="System prompt.")
 @click.option(
@@ -132,7 +130,7 @@ def generate(
     help="Overwrite a non-empty DST: its checkpoint files (weights, config.json, tokenizer "
     "files) are removed first; other files stay.",
 )
-@click.option("--max-shard-gb", type=click.FloatRange(min=0.01), default=5.0, show_default=True)
+@click.option("--max-shard-gb", type=Finite(min=0.01), default=5.0, show_default=True)
 def convert_cmd(
     args: tuple[str, ...],
     src_opt: str | None,

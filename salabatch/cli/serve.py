@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from salabatch.cli.main import sigterm_as_ctrl_c, speculation_options
+from salabatch.cli.main import Finite, sigterm_as_ctrl_c, speculation_options
 
 API_KEY_ENV = "SALABATCH_API_KEY"
 _MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
@@ -46,7 +46,7 @@ _prefix_memory = click.option(
     "--prefix-memory",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     help="GB of memory for prefixes held between requests (the least recently used go to the "
     "prefix store on disk).",
 )
@@ -167,7 +167,7 @@ def serve(
 )
 @click.option("--system", "--system-prompt", help="System prompt (before the documents).")
 @click.option("--think/--no-think", default=False, show_default=True, help="Reason first.")
-@click.option("--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(0))
+@click.option("--temperature", "--temp", default=0.0, show_default=True, type=Finite(0))
 @click.option("--seed", default=0, show_default=True)
 @_max_tokens
 @_state_dir

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import click
 
+from salabatch.cli.main import Finite
+
 
 def _sizes(text: str) -> dict[str, int]:
     """`hidden=128,heads=4` → {"hidden": 128, "heads": 4} (names checked by the trainer)."""
@@ -28,7 +30,7 @@ def _sizes(text: str) -> dict[str, int]:
 @click.option("--min-length", default=512, show_default=True, type=click.IntRange(min=0),
               help="Shortest prompt; each step draws one in between (0: --length).")  # fmt: skip
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--lr", default=1e-3, show_default=True, type=Finite(min=0, min_open=True))
 @click.option("--warmup", default=100, show_default=True, type=click.IntRange(min=0))
 @click.option("--kinds", default="needle,multi,contract", show_default=True,
               help="Task kinds to draw from; the warm-ups before them: induction, lookup, recall, "
@@ -55,8 +57,8 @@ def _sizes(text: str) -> dict[str, int]:
               help="A length curriculum: the longest sample starts here and doubles, up "
               "to --length, at each evaluation whose held-out token accuracy reaches "
               "--grow-at.")  # fmt: skip
-@click.option("--grow-at", default=0.8, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--select-weight", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--grow-at", default=0.8, show_default=True, type=Finite(0, 1))
+@click.option("--select-weight", default=0.0, show_default=True, type=Finite(min=0),
               help="Weight of the selection loss: the sparse layers' compressed-key scores "
               "taught to point where their attention goes (0: none).")  # fmt: skip
 @click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1))

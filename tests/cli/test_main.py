@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from salabatch.cli import main
@@ -34,3 +35,19 @@ def test_every_command_ends_quietly_on_a_closed_pipe(monkeypatch):
     monkeypatch.setitem(main.commands, "talk", talk)
     result = CliRunner().invoke(main, ["talk"])
     assert result.exit_code == EXIT_BROKEN_PIPE and result.output == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "builtin:tiny", "hi", "--temp", "nan"],
+        ["generate", "builtin:tiny", "hi", "--top-p", "nan"],
+        ["generate", "builtin:tiny", "hi", "--temp", "inf"],
+        ["cache", "prune", "--max-gb", "nan"],
+        ["serve", "--model", "builtin:tiny", "--prefix-memory", "inf"],
+        ["chat", "--model", "builtin:tiny", "--temp", "nan"],
+    ],
+)
+def test_float_options_refuse_nan_and_infinity_before_anything_runs(args):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "is not a finite number" in result.output, result.output
