@@ -29,7 +29,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
+import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -56,6 +59,7 @@ INSTALL = 'pip install "salabatch[ray]"'
 # tasks and helper actors need some, and with too few (2) the pipeline was seen to deadlock.
 LOCAL_CPUS = 8
 RAY_DATA_ERRORS = "ray.data._internal.execution.streaming_executor_state"
+REACH_S = 10  # seconds to wait for a cluster's address to answer
 
 
 class RayNotInstalled(SalabatchError):
@@ -161,9 +165,13 @@ def _cluster(
     actors to run. The workers' own output stays in Ray's logs unless `debug` (the driver
     reports each failed document itself)."""
     started = not ray.is_initialized()
+    # ray.init puts in a SIGTERM handler of its own that exits at once (status 15, the rows
+    # finished not merged): the command's own (SIGTERM as Ctrl-C) goes back after it
+    terminate = signal.getsignal(signal.SIGTERM)
     if started and address is None:
         cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
         ray.init(
+            address="local",  # a new Ray here, even where another already runs
             num_cpus=cpus,
             resources={SLOT: workers or 1},
             include_dashboard=False,
@@ -171,10 +179,13 @@ def _cluster(
             log_to_driver=debug,
         )
     elif started:
+        _reachable(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=debug)
         except ConnectionError as e:
             raise RayClusterError(f"cannot connect to Ray at {address}: {error_text(e)}") from e
+    if started and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminate)
     try:
         slots = int(ray.cluster_resources().get(SLOT, 0))
         if slots == 0:
@@ -188,6 +199,26 @@ def _cluster(
     finally:
         if started:
             ray.shutdown()
+
+
+def _reachable(address: str) -> None:
+    """RayClusterError unless `address` ("auto", or [ray://]HOST:PORT) is well formed and, for a
+    host and port, something listens there: Ray itself retries an address nothing answers for
+    about a quarter of an hour before it gives up."""
+    if address == "auto":
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayClusterError(
+            f"--address {address!r} is not auto or HOST:PORT (as ray start prints it, "
+            "e.g. 10.0.0.5:6379, or ray://HOST:PORT for a Ray client server)"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_S).close()
+    except OSError as e:
+        raise RayClusterError(f"cannot reach Ray at {address}: {error_text(e)}") from None
 
 
 def _run(

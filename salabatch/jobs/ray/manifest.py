@@ -27,7 +27,7 @@ from salabatch.jobs.ingest.documents import (
 )
 from salabatch.jobs.run.answerer import POOL_FACTOR
 from salabatch.jobs.run.openai_batch import plan_requests
-from salabatch.jobs.run.plan import DocPlan, Row
+from salabatch.jobs.run.plan import DocPlan, Limit, Row
 from salabatch.jobs.run.prepare import JobSetup
 
 
@@ -61,8 +61,7 @@ def plan_manifest(setup: JobSetup, done: frozenset[str], limit: int | None = Non
     the job after that many rows, as `--limit` does in the local runner."""
     planner, every = setup.planner(done), setup.planner(())
     manifest = Manifest()
-    budget = limit if limit is not None else -1
-    cut = False  # --limit left part of the job unlisted
+    cut = Limit(limit)
     for found in identify_documents(setup.spec.sources()):
         path = str(found.file.path)
         docs = [Document(doc_id, path, "", sha256) for doc_id, sha256 in found.ids]
@@ -70,23 +69,16 @@ def plan_manifest(setup: JobSetup, done: frozenset[str], limit: int | None = Non
         rows = [row for doc_rows in todo for row in doc_rows]
         if not rows:
             continue
-        if cut := budget == 0:
+        if (rows := cut.trim(rows)) is None:
             break
-        if budget > 0:
-            rows = rows[:budget]
-            budget -= len(rows)
         keys = {row.key for doc in docs for row in every.rows_of(doc)}
         unit = Unit(tuple(rows), found, frozenset(keys & done), size=_size(found.file.path))
         manifest.units.append(unit)
-        manifest.documents += sum(bool(doc_rows) for doc_rows in todo)
-    if setup.spec.requests and not cut:
+        kept = {row.key for row in rows}
+        manifest.documents += sum(any(r.key in kept for r in doc_rows) for doc_rows in todo)
+    if setup.spec.requests and not cut.cut:
         pool: list[DocPlan] = []
-        for plan in plan_requests(setup.spec, setup.tok, planner):
-            if cut := budget == 0:
-                break
-            if budget > 0:
-                plan.rows = plan.rows[:budget]
-                budget -= len(plan.rows)
+        for plan in cut.take(plan_requests(setup.spec, setup.tok, planner)):
             manifest.documents += 1
             if plan.error:
                 manifest.errors.append(plan)
@@ -101,7 +93,7 @@ def plan_manifest(setup: JobSetup, done: frozenset[str], limit: int | None = Non
             manifest.units.append(_requests(pool))
     manifest.units.sort(key=lambda unit: -unit.size)  # stable: request lines keep their order
     manifest.skipped, manifest.job_keys = planner.skipped, planner.job_keys
-    manifest.request_lines, manifest.complete = planner.request_lines, not cut
+    manifest.request_lines, manifest.complete = planner.request_lines, not cut.cut
     return manifest
 
 

@@ -67,22 +67,31 @@ def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
 
 
 class Limit:
-    """`--limit N`: at most N rows in all, taken from the job's plans in order; `cut` once a
-    plan was left out (the rest of the job stays unplanned: nothing is known of it yet)."""
+    """`--limit N`: at most N rows in all, taken from the job's plans (or units) in order; `cut`
+    once rows of the job were left out (the rest stays unplanned: nothing is known of it yet)."""
 
     def __init__(self, rows: int | None) -> None:
         self.left, self.cut = rows, False
 
+    def trim(self, rows: list) -> list | None:
+        """The next rows of the job, cut to what is left of the limit; None once it is spent."""
+        if self.left is None:
+            return rows
+        if self.left == 0:
+            self.cut = True
+            return None
+        self.cut = len(rows) > self.left
+        rows = rows[: self.left]
+        self.left -= len(rows)
+        return rows
+
     def take(self, plans: Iterable[DocPlan]) -> Iterator[DocPlan]:
         """`plans` until the limit is spent, the last one cut to what is left of it."""
         for plan in plans:
-            if self.left == 0:
-                self.cut = True
+            rows = self.trim(plan.rows)
+            if rows is None:
                 return
-            if self.left is not None:
-                self.cut = len(plan.rows) > self.left  # rows of this plan left out
-                plan.rows = plan.rows[: self.left]
-                self.left -= len(plan.rows)
+            plan.rows = rows
             yield plan
 
 

@@ -128,3 +128,23 @@ def test_a_limit_cuts_the_job_and_leaves_it_incomplete(tmp_path, tiny_model):
     cut = min(manifest.units, key=lambda unit: len(unit.rows))
     (plan,) = unit_plans(setup, cut)
     assert [r.key for r in plan.rows] == [r.key for r in cut.rows]
+
+
+def test_a_limit_that_ends_inside_the_last_file_leaves_it_incomplete(tmp_path, tiny_model):
+    """9 rows in 3 files: --limit 8 keeps 2 of the last file's 3 rows, and the job is not
+    done; --limit 9 is all of it."""
+    setup = setup_of(tmp_path, tiny_model)
+    assert not plan_manifest(setup, frozenset(), limit=8).complete
+    assert plan_manifest(setup, frozenset(), limit=9).complete
+
+
+def test_a_limit_counts_only_the_documents_it_keeps(tmp_path, tiny_model):
+    """A .jsonl file's ten records travel as one unit: --limit 5 of one question each keeps
+    five documents, not the file's ten."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    records = [json.dumps({"id": f"r{i}", "text": f"Record {i}: the Test."}) for i in range(10)]
+    (docs / "records.jsonl").write_text("\n".join(records) + "\n")
+    job = write_job(tmp_path, tiny_model, questions=[{"id": "river", "text": "Which river?"}])
+    manifest = plan_manifest(JobSetup.of(load_job(job)), frozenset(), limit=5)
+    assert (manifest.documents, manifest.complete) == (5, False)

@@ -6,7 +6,9 @@ one-line error without Ray. Run them alone with `pytest -m ray`."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "salabatch[ray]"')
 
 from salabatch.jobs.ingest import documents  # noqa: E402
-from salabatch.jobs.ray.executor import run_job_ray  # noqa: E402
+from salabatch.jobs.ray.executor import SLOT, RayClusterError, _cluster, run_job_ray  # noqa: E402
 from salabatch.jobs.results.read import read_results  # noqa: E402
 from salabatch.jobs.results.writer import stale_rows  # noqa: E402
 from salabatch.jobs.run.answerer import RunIdentity  # noqa: E402
@@ -25,6 +27,7 @@ from salabatch.jobs.spec.load import load_job  # noqa: E402
 from tests import REPO  # noqa: E402
 from tests.jobs.ray.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
 from tests.jobs.run.test_runner import QUESTIONS, run_cli, write_docs, write_job  # noqa: E402
+from tests.serve.test_http import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -203,3 +206,52 @@ def test_ray_log_lines_go_above_the_bars_warnings_only():
         "error: ray: a block failed",
     ]
     assert data.handlers == before
+
+
+class _LikeRay:
+    """What `_cluster` asks of Ray, and what ray.init does to SIGTERM (a handler that exits at
+    once, status 15)."""
+
+    def __init__(self) -> None:
+        self.settings: dict = {}
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **settings) -> None:
+        self.settings = settings
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))
+
+    def cluster_resources(self) -> dict:
+        return {SLOT: 1}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_local_ray_is_a_new_one_and_sigterm_stays_the_commands():
+    def ours(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        like = _LikeRay()
+        with _cluster(like, None, None, print) as actors:
+            assert signal.getsignal(signal.SIGTERM) is ours and actors == 1
+        assert like.settings["address"] == "local"  # never another Ray running here
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("address", ["notahost", ":::", "host:0", "host:99999", "ray://h:x"])
+def test_a_malformed_address_is_refused_at_once(address):
+    with pytest.raises(RayClusterError, match="is not auto or HOST:PORT"):
+        _cluster(_LikeRay(), address, None, print).__enter__()
+
+
+def test_an_address_nothing_answers_is_refused_in_seconds_not_retried_for_minutes():
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(RayClusterError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
+        _cluster(_LikeRay(), f"127.0.0.1:{port}", None, print).__enter__()
+    assert time.monotonic() - start < 15
