@@ -50,6 +50,14 @@ _prefix_memory = click.option(
     help="GB of memory for prefixes held between requests (the least recently used go to the "
     "prefix store on disk).",
 )
+_store_gb = click.option(
+    "--store-gb",
+    default=50.0,
+    show_default=True,
+    type=Finite(min=0, min_open=True),
+    help="The prefix store's size budget on disk: past it, writing a prefix evicts the least "
+    "recently used entries, a run's too (as a job's cache.max_gb does).",
+)
 _max_tokens = click.option(
     "--max-tokens",
     default=512,
@@ -82,6 +90,7 @@ _max_tokens = click.option(
     help="Requests waiting beyond a full batch; past it a request gets 429.",
 )
 @_prefix_memory
+@_store_gb
 @_max_tokens
 @_dtype
 @speculation_options
@@ -95,6 +104,7 @@ def serve(
     batch_size: int,
     max_queue: int,
     prefix_memory: float,
+    store_gb: float,
     max_tokens: int,
     dtype: str,
     draft: str,
@@ -126,7 +136,7 @@ def serve(
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     engine, tok = _engine(
-        model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, speculation
+        model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
     )
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
@@ -172,6 +182,7 @@ def serve(
 @_max_tokens
 @_state_dir
 @_prefix_memory
+@_store_gb
 @_dtype
 @speculation_options
 def chat(
@@ -184,6 +195,7 @@ def chat(
     max_tokens: int,
     state_dir: str | None,
     prefix_memory: float,
+    store_gb: float,
     dtype: str,
     draft: str,
     num_draft_tokens: int,
@@ -199,7 +211,7 @@ def chat(
     texts = [_read_document(path) for path in documents]
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     # One conversation: one row at a time, room for an answer Ctrl-C is still stopping.
-    engine, tok = _engine(model_ref, dtype, state_dir, 1, 2, prefix_memory, speculation)
+    engine, tok = _engine(model_ref, dtype, state_dir, 1, 2, prefix_memory, store_gb, speculation)
     session = ChatSession(
         engine,
         tok,
@@ -235,7 +247,9 @@ def chat(
         engine.close()
 
 
-def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, speculation=None):
+def _engine(
+    model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation=None
+):
     """(started-to-be ServeEngine, tokenizer) of a model reference; `speculation`: the engine's
     Speculation (None: off)."""
     from salabatch.api import load
@@ -254,6 +268,7 @@ def _engine(model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, s
         max_queue=max_queue,
         prefix_bytes=int(prefix_memory * 2**30),
         store_dir=os.path.expanduser(state_dir) if state_dir else cache_dir(),
+        store_gb=store_gb,
         speculation=speculation or OFF,
     )
     return engine, tok

@@ -3,7 +3,8 @@ under a byte cap, the least recently used written to the prefix store on disk.
 
 A held prefix is a one-row cache without shared keys holding exactly the tokens it is keyed by:
 the sha256 of their ids, as `PrefixKey` hashes a stored prefix, so the disk tier is `salabatch
-run`'s store (a document a run prefilled is found by the server, and the other way round). It
+run`'s store (a document a run prefilled is found by the server: `match` tries the lengths of
+the store's entries; a run looks up its own boundaries only). It
 is never continued: a job forks it (`ModelCache.fork(1)`: the sparse layers' keys shared, not
 copied; the lightning states and a tail of under 128 keys copied, a constant size) and prefills
 the rest of its prompt on the fork. All forks of one held prefix share one `SharedKeys`, so
@@ -131,12 +132,14 @@ class HeldPrefixes:
     def match(self, ids: Sequence[int], boundaries: Iterable[int] = ()) -> tuple[Held | None, str]:
         """The longest held prefix of `ids` (acquired: `release` it when its job ends) and
         where it came from: "memory", "disk" or "none" (no prefix, None). Lengths tried: those
-        of the prefixes held or stored here, and `boundaries` (where another process's store
-        entries, a run's documents, end). A prefix as long as `ids` itself serves only with its
-        logits (held in memory since its prefill)."""
+        of the prefixes held, `boundaries` (the prompt's message ends) and those of the store's
+        entries (this engine's, and another process's: a run's documents, which end inside
+        their user message). A prefix as long as `ids` itself serves only with its logits (held
+        in memory since its prefill)."""
         n = len(ids)
         mine = {h.tokens for h in (*self.held.values(), *self.lent.values())}
-        on_disk = {b for b in boundaries if 0 < b < n} | self.stored_lengths
+        stored = self.stored_lengths | (self.store.prefix_lengths() if self.store else set())
+        on_disk = {t for t in (*boundaries, *stored) if 0 < t < n}
         lengths = {t for t in mine | on_disk | {n} if 0 < t <= n}
         digests = prefix_digests(ids, lengths)
         found = None

@@ -320,6 +320,11 @@ def test_prefix_memory_cap_and_disk(model, tmp_path):
     with ServeEngine(model, Tok(), store_dir=store) as restarted:
         again, fin = collect(restarted.submit(job("later", later, boundaries=(400,))))
         assert fin.cache_source == "disk" and again == tokens
+    # ... and with no boundary there, by the lengths of the store's entries: a run's document
+    # ends inside its user message, where no chat message ends
+    with ServeEngine(model, Tok(), store_dir=store) as another:
+        again, fin = collect(another.submit(job("later", later)))
+        assert (fin.cache_source, fin.cached_tokens) == ("disk", 400) and again == tokens
 
 
 def test_interactive_jobs_go_before_a_background_prefill(model):

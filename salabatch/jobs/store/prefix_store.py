@@ -10,13 +10,18 @@ The digest is a content address: sha256 of (model fingerprint, tokenizer fingerp
 sha256 of the document prompt's token ids). Writes go to a temporary file, are fsync'd and
 renamed; reads check size and sha256 and the manifest's identity fields; an entry that fails any
 check is reported (PrefixStoreWarning), deleted and rebuilt, never used. A size budget evicts the
-least recently used entries, counting the temporary files in the store too.
+least recently used entries, counting the temporary files in the store too. Each process that
+writes applies its own budget (a run its job's `cache.max_gb`, a server its `--store-gb`).
 
 The store is an optimisation and never costs an answer: a store that cannot be written
 (read-only, full, no permission, a folder that cannot be made) warns once and stores nothing
 more in this run; a file that cannot be read is a miss. When the store opens (its first locked
 use) it removes the temporaries of writers that died (killed mid-write): `files.temp_path` names
-carry their writer's PID, and a live writer's temporaries are left alone.
+carry their writer's PID, and a live writer's temporaries are left alone. What no entry accounts
+for counts as such a stale temporary (listed, in the budget, swept, a warning naming it): a data
+file whose manifest was never written (a writer killed between its two renames; under the
+exclusive lock, where the sweep runs, no write is between them) and a manifest that is not one
+(damaged). Sweeps and prunes also remove empty snapshot folders.
 """
 
 from __future__ import annotations
@@ -114,7 +119,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class Temp:
-    """A temporary file (or a builtin model's build folder) in the store."""
+    """A temporary file (or a builtin model's build folder) in the store; or, stale, what no
+    entry accounts for (`PrefixStore._unaccounted`)."""
 
     path: Path
     bytes: int
@@ -132,6 +138,7 @@ class PrefixStore:
         self._opened = False
         self._cannot_write: str | None = None  # why writes stopped, once one failed
         self._read_failed = False  # a read failure was reported
+        self._lengths: tuple[int, frozenset[int]] = (-1, frozenset())  # (folder mtime, lengths)
 
     # -- complete prefixes -----------------------------------------------------------------
     def load(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
@@ -194,7 +201,8 @@ class PrefixStore:
 
     def temps(self) -> list[Temp]:
         """The temporary files and build folders in the store: writes in progress, and stale
-        ones whose writer died (`cache ls` counts them, the budget includes them)."""
+        ones whose writer died, with what no entry accounts for (`cache ls` counts them, the
+        budget includes them)."""
         folders = [self.root, self.root / "prefixes", self.root / "models"]
         folders += _glob(self.root, "snapshots/*")
         out = []
@@ -203,12 +211,30 @@ class PrefixStore:
                 pid = temp_pid(path)
                 if pid is not None:
                     out.append(Temp(path, disk_bytes(path), stale=not pid_alive(pid)))
-        return out
+        return out + [Temp(p, disk_bytes(p), stale=True) for p in self._unaccounted()]
+
+    def prefix_lengths(self) -> frozenset[int]:
+        """The token counts of the complete prefixes stored, of any model: the lengths at which
+        a prompt may start with another process's entry (a run's document, for the server).
+        Read again only when the folder changed."""
+        folder = self.root / "prefixes"
+        try:
+            stamp = folder.stat().st_mtime_ns
+        except OSError:
+            return frozenset()
+        if stamp != self._lengths[0]:
+            tokens = (
+                e.total_tokens
+                for m in _manifests(folder, "*.json")
+                for e in self._entry(m, "prefix")
+            )
+            self._lengths = (stamp, frozenset(tokens))
+        return self._lengths[1]
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> list[Entry]:
         """Removes entries unused for `older_than_s`, then the least recently used over
-        `max_bytes` (default: the store's budget). Returns what was removed (the stale
-        temporaries removed on opening are in `swept`)."""
+        `max_bytes` (each only where given). Returns what was removed (the stale temporaries
+        and damaged files removed on opening are in `swept`)."""
 
         def change() -> list[Entry]:
             removed = []
@@ -217,7 +243,9 @@ class PrefixStore:
                 if older_than_s is not None and now - e.last_used > older_than_s:
                     self._remove(e.path)
                     removed.append(e)
-            return removed + self._evict(max_bytes=max_bytes)
+            removed += [] if max_bytes is None else self._evict(max_bytes=max_bytes)
+            self._drop_empty_snapshot_folders()
+            return removed
 
         return self._change(change) or []
 
@@ -244,9 +272,46 @@ class PrefixStore:
         except OSError as e:
             self._stop_writing(e)
             return
-        stale = [t for t in self.temps() if t.stale]
-        if stale:
-            self._change(lambda: self.swept.extend(t for t in stale if remove_path(t.path)))
+        if any(t.stale for t in self.temps()):
+            self._change(self._sweep)
+
+    def _sweep(self) -> None:
+        """(Under the exclusive lock) removes the stale temporaries, and what no entry accounts
+        for with a warning naming it."""
+        for t in self.temps():
+            if t.stale and temp_pid(t.path) is None:  # not a temporary: unaccounted
+                warnings.warn(
+                    f"{t.path}: left by a write that did not finish, or damaged; removed",
+                    PrefixStoreWarning,
+                    stacklevel=2,
+                )
+            if t.stale and remove_path(t.path):
+                self.swept.append(t)
+        self._drop_empty_snapshot_folders()
+
+    def _drop_empty_snapshot_folders(self) -> None:
+        for folder in _glob(self.root, "snapshots/*"):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only where empty
+
+    def _unaccounted(self) -> list[Path]:
+        """Data files without their manifest, and manifests that are not one (with their data,
+        on their own in `temps`)."""
+        out: list[Path] = []
+        for folder in (self.root / "prefixes", *_glob(self.root, "snapshots/*")):
+            for data in _manifests(folder, "*.safetensors"):
+                if not data.with_suffix(".json").exists():
+                    out.append(data)
+            for manifest in _manifests(folder, "*.json"):
+                try:
+                    _parse_entry(manifest, "prefix")
+                except OSError:
+                    continue  # cannot be read here: not this process's to judge
+                except ValueError:
+                    out += [
+                        p for p in (manifest, manifest.with_suffix(".safetensors")) if p.exists()
+                    ]
+        return out
 
     @contextlib.contextmanager
     def _lock(self, shared: bool = False) -> Iterator[None]:
@@ -336,7 +401,9 @@ class PrefixStore:
             if not manifest_path.exists():
                 return None
             manifest = json.loads(manifest_path.read_text())
-            if any(manifest.get(k) != v for k, v in key.identity().items()):
+            if not isinstance(manifest, dict):
+                problem = "its manifest is not a JSON object"
+            elif any(manifest.get(k) != v for k, v in key.identity().items()):
                 problem = "it belongs to another model, tokenizer, dtype or document prompt"
             elif manifest.get("position") != position:
                 problem = f"it holds {manifest.get('position')} tokens, expected {position}"
@@ -374,6 +441,9 @@ class PrefixStore:
         for suffix in (".json", ".safetensors"):
             with contextlib.suppress(OSError):
                 stem.with_suffix(suffix).unlink(missing_ok=True)
+        if stem.parent.parent.name == "snapshots":  # its prefix's last snapshot: the folder too
+            with contextlib.suppress(OSError):
+                stem.parent.rmdir()
 
     def _evict(self, keep: Path | None = None, max_bytes: int | None = None) -> list[Entry]:
         budget = self.max_bytes if max_bytes is None else max_bytes
@@ -391,26 +461,35 @@ class PrefixStore:
         return removed
 
     def _entry(self, manifest: Path, kind: str) -> list[Entry]:
+        """[its Entry], or [] for a manifest that cannot be read or is damaged (the store
+        removes those when it next opens: `_sweep`)."""
         try:
-            m = json.loads(manifest.read_text())
-            data = manifest.with_suffix(".safetensors")
-            return [
-                Entry(
-                    digest=manifest.parent.name if kind == "snapshot" else manifest.stem,
-                    kind=kind,
-                    path=manifest.with_suffix(""),
-                    bytes=data.stat().st_size if data.exists() else 0,
-                    tokens=int(m["position"]),
-                    total_tokens=int(m["tokens"]),
-                    model=m.get("model", "?"),
-                    dtype=m.get("dtype", "?"),
-                    created=float(m.get("created", 0)),
-                    last_used=manifest.stat().st_mtime,
-                    document=str(m.get("document", "")),
-                )
-            ]
-        except (OSError, ValueError, KeyError):
-            return []  # a half-written or foreign file: not an entry
+            return [_parse_entry(manifest, kind)]
+        except (OSError, ValueError):
+            return []
+
+
+def _parse_entry(manifest: Path, kind: str) -> Entry:
+    """The Entry of a manifest; ValueError for one that is not a manifest, OSError for one that
+    cannot be read."""
+    try:
+        m = json.loads(manifest.read_text())
+        data = manifest.with_suffix(".safetensors")
+        return Entry(
+            digest=manifest.parent.name if kind == "snapshot" else manifest.stem,
+            kind=kind,
+            path=manifest.with_suffix(""),
+            bytes=data.stat().st_size if data.exists() else 0,
+            tokens=int(m["position"]),
+            total_tokens=int(m["tokens"]),
+            model=str(m.get("model", "?")),
+            dtype=str(m.get("dtype", "?")),
+            created=float(m.get("created") or 0),
+            last_used=manifest.stat().st_mtime,
+            document=str(m.get("document", "")),
+        )
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, but no manifest
+        raise ValueError(f"not a manifest ({e})") from None
 
 
 def _save_safetensors(path: Path, arrays: dict[str, mx.array], meta: dict[str, str]) -> None:

@@ -317,3 +317,76 @@ def test_a_read_only_store_still_serves_its_prefixes(tmp_path, mount, private_tm
     new = [r for r in rows(tmp_path) if r["question_id"] == "when"]
     assert {r["status"] for r in new} == {"ok"}
     assert {r["cache_source"] for r in new if r["doc_id"] != "notes.txt"} == {"disk"}
+
+
+# ---- damage no entry accounts for ------------------------------------------------------------
+
+
+def stored(model, root: Path, n: int) -> PrefixKey:
+    ids = doc_ids(n)
+    cache = model.make_cache()
+    prefill(model, ids, cache)
+    PrefixStore(root).save(key_for(ids), cache)
+    return key_for(ids)
+
+
+@pytest.mark.parametrize("manifest", ["[]", '"text"', '{"position": null}', "{not json"])
+def test_a_manifest_that_is_not_one_is_a_miss_then_swept_and_breaks_nothing(
+    model, tmp_path, manifest
+):
+    """A store with such a manifest still lists, prunes, evicts and saves the others; the
+    entry itself is a miss (warned, removed), and a store opening later sweeps it."""
+    root = tmp_path / "store"
+    bad, good = stored(model, root, 300), stored(model, root, 310)
+    (root / "prefixes" / f"{bad.digest}.json").write_text(manifest)
+    store = PrefixStore(root)
+    assert [e.digest for e in store.entries()] == [good.digest]
+    damaged = {t.path.name for t in store.temps() if t.stale}  # listed by `cache ls`
+    assert damaged == {f"{bad.digest}.json", f"{bad.digest}.safetensors"}
+    with pytest.warns(CacheWarning, match="removed"):
+        assert store.load(good, model.config) is not None  # the store opens: swept
+    assert not (root / "prefixes" / f"{bad.digest}.safetensors").exists()
+    assert store.prune(older_than_s=3600) == [] and store.prune(max_bytes=1 << 40) == []
+    assert [e.digest for e in store.entries()] == [good.digest] and store.temps() == []
+
+
+def test_a_data_file_whose_manifest_was_never_written_is_swept_and_counted(model, tmp_path):
+    """A writer killed between its two renames leaves data and no manifest: nothing reads it,
+    and the store's next opening removes it (it holds the exclusive lock: no write is
+    between its renames then)."""
+    root = tmp_path / "store"
+    key = stored(model, root, 300)
+    data = root / "prefixes" / f"{key.digest}.safetensors"
+    data.with_suffix(".json").unlink()
+    size = data.stat().st_size
+    store = PrefixStore(root)
+    assert store.entries() == [] and [(t.bytes, t.stale) for t in store.temps()] == [(size, True)]
+    with pytest.warns(CacheWarning, match="did not finish"):
+        assert store.load(key, model.config) is None
+    assert not data.exists() and [t.bytes for t in store.swept] == [size]
+
+
+def test_the_last_snapshot_of_a_prefix_leaves_no_empty_folder(model, tmp_path):
+    root = tmp_path / "store"
+    ids = doc_ids(300)
+    cache = model.make_cache()
+    cache.plan_prefill(len(ids))
+    prefill(model, ids[:128], cache)
+    store = PrefixStore(root)
+    store.save_snapshot(key_for(ids), cache)
+    (snapshot,) = [e for e in store.entries() if e.kind == "snapshot"]
+    store.prune(older_than_s=0)
+    assert list((root / "snapshots").iterdir()) == []
+    (root / "snapshots" / ("0" * 64)).mkdir()  # one an older salabatch left
+    assert PrefixStore(root).prune(older_than_s=3600) == []
+    assert list((root / "snapshots").iterdir()) == []
+
+
+def test_pruning_by_age_alone_keeps_what_is_newer_whatever_the_budget(model, tmp_path):
+    """`cache prune --older-than` removes only what is that old: the store's own budget (a
+    writer's) is not applied by a prune that gave none."""
+    root = tmp_path / "store"
+    keys = [stored(model, root, n) for n in (300, 310)]
+    store = PrefixStore(root, max_gb=1e-9)
+    assert store.prune(older_than_s=3600) == []
+    assert all(store.has(k) for k in keys)
