@@ -62,6 +62,19 @@ def on_gpu() -> bool:
     )
 
 
+def gather_products(a: mx.array, b: mx.array, lhs: mx.array, rhs: mx.array) -> mx.array:
+    """`mx.gather_mm(a, b, lhs, rhs)`: the products a[lhs] @ b[rhs] over a's and b's matrices
+    (their batch axes flattened), lhs and rhs int index arrays of one shape → [*lhs.shape, M,
+    N]. MLX's CPU backend multiplies in place only in float32: off the GPU path, other dtypes
+    (a bf16 model on the CPU) take the matrices first, then multiply (copies of what is read);
+    the GPU path keeps its one kernel, also where `SALABATCH_GPU_PATH` counts it on the CPU."""
+    if a.dtype == mx.float32 or on_gpu():
+        return mx.gather_mm(a, b, lhs, rhs)
+    a = a.reshape(-1, *a.shape[-2:])
+    b = b.reshape(-1, *b.shape[-2:])
+    return a[lhs] @ b[rhs]
+
+
 # The custom CUDA kernels (`kernels/stage1_cuda.py`, `scores_cuda.py`, `stage2_cuda.py`,
 # `decode_cuda.py`, `gla_cuda.py`, `norm_cuda.py`, `rows_cuda.py`), and those on by default:
 # the ones whose parity tests (marked `gpu`) have passed on a GPU and that won there
@@ -227,8 +240,9 @@ def exp2_poly(x: mx.array) -> mx.array:
     """2^x for x ≤ 0 (−inf gives 0) as a polynomial times 2^round(x) built from its exponent
     bits: for graphs under `mx.compile`, where it fuses with its neighbours into one loop and
     costs about a third of `power` on the CPU (outside a compiled graph it is ~10 ops: use
-    `exp2`). Values below 2^-126 flush to 0."""
-    x = mx.maximum(x, -127.0)
+    `exp2`). Values below 2^-126 flush to 0. In float32 (its rounding trick and exponent bits
+    are float32's: a bf16 or f16 x is taken up first)."""
+    x = mx.maximum(x.astype(mx.float32), -127.0)
     i = (x + _ROUND) - _ROUND  # = mx.round(x), fused
     f = x - i
     c = _EXP2_POLY

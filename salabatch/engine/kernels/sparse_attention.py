@@ -35,6 +35,7 @@ from salabatch.engine.kernels.attention import (
     attention,
     attention_ref,
     exp2,
+    gather_products,
     grouped_scores,
     lanes,
     on_gpu,
@@ -325,7 +326,7 @@ def _sparse_tile(table, rows, parts, idx, q_pos, settings):
     def gathered(a, rows, pick):  # [B, t, Hk, K, G, ·]: slot by slot, from its part's table
         out = None
         for part, at, inside in zip(parts, ats, insides, strict=True):
-            x = mx.gather_mm(a, pick(part), rows, at)
+            x = gather_products(a, pick(part), rows, at)
             out = x if out is None else mx.where(inside, x, out)
         return out
 

@@ -23,6 +23,7 @@ from salabatch.engine.kernels.attention import (
     LOG2E,
     attention,
     exp2_poly,
+    gather_products,
     lanes,
     on_gpu,
 )
@@ -181,7 +182,7 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
     table_k, table_v = table_k.reshape(-1, block, d), table_v.reshape(-1, block, d)
     at = at.astype(mx.uint32)
     lhs = mx.broadcast_to(pairs[:, None], (n, k)).astype(mx.uint32)
-    s = mx.gather_mm(qs, table_k.swapaxes(-1, -2), lhs, at)  # [n, k, G, block]
+    s = gather_products(qs, table_k.swapaxes(-1, -2), lhs, at)  # [n, k, G, block]
     s = mx.where(allowed[:, :, None], s, -mx.inf)
     top = s.max(axis=(1, 3))  # [n, G]
     if start:
@@ -193,14 +194,14 @@ def _attend_blocks_graph(q, sel, pos, shared, rows_k, rows_v, start, scale, bloc
         own = mx.repeat(member, block, axis=-1) & (start + mx.arange(R) <= pos[:, None])
         s_own = mx.where(own[:, None], qs.reshape(n, G, d) @ own_k.swapaxes(-1, -2), -mx.inf)
         top = mx.maximum(top, s_own.max(axis=-1))
-    p = exp2_poly(s - top[:, None, :, None])
+    p = exp2_poly(s - top[:, None, :, None])  # float32, as its sums
     total = p.sum(axis=(1, 3))
     slots = mx.arange(n * k, dtype=mx.uint32).reshape(n, k)
-    o = mx.gather_mm(p, table_v, slots, at).sum(axis=1)  # [n, G, d]
+    o = gather_products(p.astype(q.dtype), table_v, slots, at).sum(axis=1)  # [n, G, d]
     if start:
         p_own = exp2_poly(s_own - top[..., None])
-        o, total = o + p_own @ own_v, total + p_own.sum(axis=-1)
-    return (o / total[..., None]).reshape(n, 1, G, d)
+        o, total = o + p_own.astype(q.dtype) @ own_v, total + p_own.sum(axis=-1)
+    return (o / total[..., None]).astype(q.dtype).reshape(n, 1, G, d)
 
 
 # The decode step on the CPU: "native" (the C++ primitive of native.py where it is built, for

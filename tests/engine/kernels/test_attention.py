@@ -140,3 +140,26 @@ def test_exp2_poly_matches_exp2_within_float32_rounding():
     halves = mx.arange(-126.5, 0.0, 0.5)  # ties of the rounding step, at both of its ends
     got = np.array(mx.compile(attn.exp2_poly)(halves), dtype=np.float64)
     np.testing.assert_allclose(got, np.exp2(np.array(halves, dtype=np.float64)), rtol=3e-7)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_gather_products_are_gather_mm_in_any_dtype_on_the_cpu(cpu_device, dtype):
+    """MLX's CPU gather_mm takes float32 only; the CPU's other dtypes take the matrices first.
+    Both patterns the kernels use: one query row against k blocks (decode), and k weighted
+    blocks summed (lhs its own slots); against float32 gather_mm of the same values."""
+    rng = np.random.default_rng(0)
+    n, k, G, d, block, table = 3, 4, 2, 8, 5, 11
+    q = mx.array(rng.normal(size=(n, 1, G, d)), dtype=dtype)
+    keys = mx.array(rng.normal(size=(table, d, block)), dtype=dtype)
+    p = mx.array(rng.normal(size=(n, k, G, block)), dtype=dtype)
+    values = mx.array(rng.normal(size=(table, block, d)), dtype=dtype)
+    at = mx.array(rng.integers(0, table, size=(n, k)), dtype=mx.uint32)
+    lhs = mx.broadcast_to(mx.arange(n, dtype=mx.uint32)[:, None], (n, k))
+    slots = mx.arange(n * k, dtype=mx.uint32).reshape(n, k)
+    for a, b, rows in ((q, keys, lhs), (p, values, slots)):
+        got = attn.gather_products(a, b, rows, at)
+        want = mx.gather_mm(a.astype(mx.float32), b.astype(mx.float32), rows, at)
+        assert got.dtype == dtype and got.shape == want.shape
+        tol = {mx.float32: 1e-6, mx.float16: 5e-3, mx.bfloat16: 3e-2}[dtype]
+        err = np.abs(np.array(got.astype(mx.float32)) - np.array(want)).max()
+        assert err <= tol * np.abs(np.array(want)).max(), err
