@@ -377,19 +377,20 @@ def report(contexts: list[int], chunk: int = 8192, batch: int = 8) -> dict:
                     counts = decode_step(model, cache, cuda=True, custom_kernels=custom)[0]
                     row[f"decode_b1_kernels_{key}"] = kernels(counts)
         row["peer_decode_b1_kernels"] = peer
-        counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - chunk, n), chunk)
+        row["prefill_chunk"] = tail = min(chunk, n)  # the prompt's last chunk: at most all of it
+        counts, seconds = prefill_chunk(sparse, filled_sparse_cache(sparse, n - tail, n), tail)
         row["prefill_sparse_layer_kernels"] = kernels(counts)
         row["prefill_sparse_layer_host_s"] = round(seconds, 3)
-        cache = filled_sparse_cache(sparse, n - chunk, n)
+        cache = filled_sparse_cache(sparse, n - tail, n)
         row["prefill_sparse_layer_kernels_cuda"] = kernels(
-            prefill_chunk(sparse, cache, chunk, cuda=True)[0]
+            prefill_chunk(sparse, cache, tail, cuda=True)[0]
         )
         for key, cuda in (("", False), ("_cuda", True)):
             state = LightningCache(mx.zeros((1, 32, 128, 128), dtype=mx.float32))
             mx.eval(state.state)  # a cache's state is evaluated: not a kernel of the chunk
-            counts = prefill_chunk(lightning, state, chunk, cuda=cuda)[0]
+            counts = prefill_chunk(lightning, state, tail, cuda=cuda)[0]
             row[f"prefill_lightning_layer_kernels{key}"] = kernels(counts)
-        for name, step, q in (("prefill", False, chunk), ("decode_b1", True, 1)):
+        for name, step, q in (("prefill", False, tail), ("decode_b1", True, 1)):
             s = costs.sala(cfg9, n, queries=q, decode=step, itemsize=2)
             p = costs.peer(peer_args, n, queries=q, decode=step, itemsize=2)
             row[f"{name}_costs"] = {
@@ -408,7 +409,8 @@ def report_table(result: dict) -> str:
     lines = [
         f"{'context':>8} | decode kernels: SALA b1 Metal (CUDA: ops, kernels) {f'b{batch}':>5} "
         "peer verify5 "
-        "| prefill 8K kernels: sparse layer (CUDA kernels), lightning layer (CUDA kernels) | "
+        f"| prefill chunk (≤ {result['chunk']} tokens) kernels: sparse layer (CUDA kernels), "
+        "lightning layer (CUDA kernels) | "
         "est. prefill chunk "
         "TFLOP SALA/peer, GB SALA/peer | est. decode step GFLOP SALA/peer, GB SALA/peer"
     ]

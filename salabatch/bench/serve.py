@@ -225,7 +225,7 @@ def _turns(model_ref, tok, text, tokens, max_tokens) -> dict:
 def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict:
     """Requests cycling through `documents` variants of the document (each its own prefix) on
     a server whose prefix memory (`cap_mb`) holds only some of them, the rest going to its
-    prefix store on disk: the server's RSS sampled every 50 requests."""
+    prefix store on disk: the server's RSS sampled every 50 requests and after the last."""
     variants = [f"Document {i}.\n{text}" for i in range(documents)]
     one = len(tok.encode(variants[0]))
     with _server(model_ref, batch_size=8, prefix_gb=cap_mb / 1024) as (url, pid):
@@ -237,7 +237,7 @@ def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict
                 {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
             ]
             _post(url, messages, max_tokens)
-            if (i + 1) % 50 == 0:
+            if (i + 1) % 50 == 0 or i + 1 == requests:  # and after the last: a short soak
                 rss.append(round(_rss_gb(pid), 3))
         seconds = time.perf_counter() - start
         metrics = _metrics(url)

@@ -76,7 +76,6 @@ def run(
             if progress:
                 progress(table({"rows": rows[-len(drafts) :], "pass_cost": costs[-1:]}))
     return {
-        "device": str(mx.default_device()),
         "settings": {"tokens": tokens, "layers": layers, "rounds": rounds, **chosen},
         "rows": rows,
         "pass_cost": costs,

@@ -4,11 +4,12 @@ heavy is imported until a command runs."""
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import click
 
-from salabatch.cli.main import Finite
+from salabatch.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Finite, sigterm_as_ctrl_c
 
 
 class NumberList(click.ParamType):
@@ -109,7 +110,21 @@ def doctor(as_json: bool) -> None:
     click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
 
 
-@click.group()
+class _Benchmarks(click.Group):
+    """Ctrl-C or SIGTERM stops a benchmark as it stops `salabatch run`: the servers it started
+    stop, what it measured so far stays written (the benchmarks that save as they go), and it
+    exits 130 or 143."""
+
+    def invoke(self, ctx: click.Context):
+        with sigterm_as_ctrl_c() as terminated:
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt:
+                click.echo("terminated (SIGTERM)" if terminated else "interrupted", err=True)
+                sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Benchmarks)
 def bench() -> None:
     """Benchmarks; each prints its results (and writes them as JSON with --out)."""
 
@@ -219,6 +234,7 @@ def bench_serve(
     from salabatch.bench import environment
     from salabatch.bench import serve as serving
 
+    chart = _chart_path(out, chart)
     result = serving.run(
         model_ref,
         clients=clients,
@@ -395,6 +411,7 @@ def bench_spec(
     jobs/ (the demo documents) for extraction and free-form."""
     from salabatch.bench import environment, spec
 
+    chart = _chart_path(out, chart)
     result = spec.run(
         workloads=workloads,
         batches=tuple(batches),
@@ -475,6 +492,7 @@ def bench_long(
 
     from salabatch.bench import environment, long
 
+    chart = _chart_path(out, chart)
     env = environment()
     if graph:
         from salabatch.bench import graph as graphs
@@ -551,6 +569,7 @@ def bench_needle(
     from salabatch.api import load
     from salabatch.bench import environment, needle
 
+    chart = _chart_path(out, chart)
     preset = needle.QUICK if quick else {}
 
     env = {**environment(), "model": model_ref}
@@ -583,20 +602,40 @@ def _saver(name: str, env: dict, out: str | None):
 
 
 def _write_json(result: dict, out: str) -> None:
+    """The JSON, whole or not at all (a benchmark stopped mid-write leaves the last one)."""
     import json
+    from pathlib import Path
 
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(json.dumps(result, indent=2) + "\n")
+    from salabatch.files import write_text_atomic
+
+    write_text_atomic(Path(out), json.dumps(result, indent=2) + "\n")
+
+
+def _chart_path(out: str | None, chart: str | None) -> str | None:
+    """Where a chart goes: --chart (with .png added where it has no suffix, as matplotlib
+    saves it), else --out with .png for its suffix; a usage error, before anything runs,
+    where that is --out itself."""
+    from pathlib import Path
+
+    if chart is not None:
+        path = Path(chart) if Path(chart).suffix else Path(f"{chart}.png")
+    elif out is not None:
+        path = Path(out).with_suffix(".png")
+    else:
+        return None
+    if out is not None and path.resolve() == Path(out).resolve():
+        message = f"{path} would be --out itself: name the JSON .json, or give --chart"
+        raise click.BadParameter(message, param_hint="--chart")
+    return str(path)
 
 
 def _report(result: dict, table: str, out: str | None, chart: str | None, draw) -> None:
     """Prints the table, writes the JSON to `out` and the chart with `draw(path)` to `chart`
-    (default: beside `out`, as .png; no chart when `draw` is None)."""
+    (`_chart_path`'s; no chart when `draw` is None)."""
     click.echo(table)
     if out:
         _write_json(result, out)
         click.echo(f"wrote {out}")
-    chart = chart or (out.rsplit(".", 1)[0] + ".png" if out else None)
     if chart and draw is not None:
         try:
             draw(chart)
@@ -654,16 +693,12 @@ def bench_scale(
     """Documents/hour of the local executor and of the Ray executor on a local Ray cluster
     with 1, 2, 4 actors: Ray's overhead, its speedup, its start-up. builtin:random, a fresh prefix
     store per run. Needs `salabatch[ray]`."""
-    import json
 
     from salabatch.bench import environment, scale
 
     env = environment()
-
-    def save(partial: dict) -> None:  # after every configuration: a run cut short keeps its rows
-        if out:
-            with open(out, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"bench": "scale", **env, **partial}, indent=2) + "\n")
+    # after every configuration: a run cut short keeps its rows
+    save = _saver("scale", env, out)
 
     result = scale.run(
         docs,

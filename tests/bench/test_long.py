@@ -65,6 +65,9 @@ def test_ratios_compare_like_with_like(result):
             s["decode_b3_tok_s"] / s["decode_b1_tok_s"], 0.01
         )
     assert result["ratios"][0]["decode_vs_shortest"] == 1.0
+    for ratio in result["ratios"]:  # > 1 favours SALA, as every ratio here
+        s, p = rows["sala", ratio["context"]], rows["peer", ratio["context"]]
+        assert ratio["peak_memory_saving"] == pytest.approx(p["peak_gb"] / s["peak_gb"], abs=0.006)
 
 
 def test_command_writes_table_json_and_chart(tmp_path, monkeypatch):

@@ -79,3 +79,46 @@ def test_spec_choices_match_the_bench():
     from salabatch.engine.speculative import DRAFTS
 
     assert SPEC_WORKLOADS == spec.WORKLOADS and SPEC_DRAFTS == spec.DRAFTS == DRAFTS
+
+
+@pytest.mark.parametrize(
+    ("out", "chart", "want"),
+    [
+        ("v1.2/result", None, "v1.2/result.png"),  # not v1.png, outside the folder asked for
+        ("result", None, "result.png"),
+        ("r.json", None, "r.png"),
+        ("r.json", "mychart", "mychart.png"),  # as matplotlib saves it: what is printed
+        ("r.json", "c.svg", "c.svg"),
+        (None, None, None),
+    ],
+)
+def test_a_chart_goes_where_it_is_said_to(out, chart, want):
+    from salabatch.cli.bench import _chart_path
+
+    assert _chart_path(out, chart) == want
+
+
+@pytest.mark.parametrize("args", [["--out", "x.png"], ["--out", "r.json", "--chart", "r.json"]])
+def test_a_chart_that_would_overwrite_the_json_is_refused_before_anything_runs(tmp_path, args):
+    result = CliRunner().invoke(main, ["bench", "long", "--contexts", "1K", *args])
+    assert result.exit_code == 2 and "would be --out itself" in result.output, result.output
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_a_stopped_benchmark_exits_as_a_stopped_run(monkeypatch, terminated):
+    """Ctrl-C, or SIGTERM (taken as Ctrl-C: the `_server` blocks of bench serve and batch then
+    stop their server), ends a benchmark with 130 or 143 and a line saying so."""
+    import os
+    import signal
+
+    from salabatch.bench import gla
+
+    def stopped(repeat):
+        if terminated:
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gla, "run", stopped)
+    result = CliRunner().invoke(main, ["bench", "gla"])
+    assert result.exit_code == (143 if terminated else 130), result.output
+    assert ("terminated (SIGTERM)" if terminated else "interrupted") in result.output
