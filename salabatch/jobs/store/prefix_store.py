@@ -139,6 +139,7 @@ class PrefixStore:
         self._cannot_write: str | None = None  # why writes stopped, once one failed
         self._read_failed = False  # a read failure was reported
         self._lengths: tuple[int, frozenset[int]] = (-1, frozenset())  # (folder mtime, lengths)
+        self._lengths_of: dict[str, int] = {}  # manifest name → its tokens, as last listed
 
     # -- complete prefixes -----------------------------------------------------------------
     def load(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
@@ -216,19 +217,23 @@ class PrefixStore:
     def prefix_lengths(self) -> frozenset[int]:
         """The token counts of the complete prefixes stored, of any model: the lengths at which
         a prompt may start with another process's entry (a run's document, for the server).
-        Read again only when the folder changed."""
+        The folder is listed again only when it changed, and only new manifests are read (a
+        server asks before every prompt, on its engine thread)."""
         folder = self.root / "prefixes"
         try:
             stamp = folder.stat().st_mtime_ns
         except OSError:
             return frozenset()
         if stamp != self._lengths[0]:
-            tokens = (
-                e.total_tokens
-                for m in _manifests(folder, "*.json")
-                for e in self._entry(m, "prefix")
-            )
-            self._lengths = (stamp, frozenset(tokens))
+            known = self._lengths_of
+            self._lengths_of = {}
+            for m in _manifests(folder, "*.json"):
+                if m.name in known:
+                    self._lengths_of[m.name] = known[m.name]
+                else:
+                    for e in self._entry(m, "prefix"):
+                        self._lengths_of[m.name] = e.total_tokens
+            self._lengths = (stamp, frozenset(self._lengths_of.values()))
         return self._lengths[1]
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> list[Entry]:

@@ -390,3 +390,16 @@ def test_pruning_by_age_alone_keeps_what_is_newer_whatever_the_budget(model, tmp
     store = PrefixStore(root, max_gb=1e-9)
     assert store.prune(older_than_s=3600) == []
     assert all(store.has(k) for k in keys)
+
+
+def test_the_lengths_of_the_stored_prefixes_follow_the_folder(model, tmp_path):
+    """What the server tries a prompt's prefixes at (another process's entries included)."""
+    root = tmp_path / "store"
+    store = PrefixStore(root)
+    assert store.prefix_lengths() == frozenset()
+    first = stored(model, root, 300)
+    assert store.prefix_lengths() == {300}
+    stored(model, root, 310)  # by another store object: another process
+    assert store.prefix_lengths() == {300, 310}
+    store.prune(older_than_s=-1)  # every entry
+    assert store.prefix_lengths() == frozenset() and not store.has(first)
