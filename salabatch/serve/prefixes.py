@@ -122,7 +122,6 @@ class HeldPrefixes:
         self.held: OrderedDict[str, Held] = OrderedDict()  # least recently used first
         self.lent: dict[str, Held] = {}  # evicted while rows read them
         self.held_bytes = 0
-        self.stored_lengths: set[int] = set()  # lengths of the prefixes this engine stored
         self.hits_memory = self.hits_disk = self.misses = self.evictions = 0
 
     @property
@@ -138,7 +137,7 @@ class HeldPrefixes:
         in memory since its prefill)."""
         n = len(ids)
         mine = {h.tokens for h in (*self.held.values(), *self.lent.values())}
-        stored = self.stored_lengths | (self.store.prefix_lengths() if self.store else set())
+        stored = self.store.prefix_lengths() if self.store else frozenset()  # its own too
         on_disk = {t for t in (*boundaries, *stored) if 0 < t < n}
         lengths = {t for t in mine | on_disk | {n} if 0 < t <= n}
         digests = prefix_digests(ids, lengths)
@@ -228,7 +227,5 @@ class HeldPrefixes:
                 key = self.key(sha, held.tokens)
                 self.store.save(key, held.cache)  # a store that cannot be written warns once
                 held.stored = self.store.has(key)
-            if held.stored:
-                self.stored_lengths.add(held.tokens)
             if held.users > 0:
                 self.lent[sha] = held
