@@ -60,10 +60,10 @@ def read_answer_key(path: str | os.PathLike) -> dict[str, dict[str, str]]:
     except UnicodeDecodeError as e:
         reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
         raise JobSpecError(reason, path=path) from None
-    raw, _, duplicates = read_yaml(text, path)
-    if duplicates:
-        # safe_load would keep the last answer silently, as it would in a job file.
-        raise JobSpecError("; ".join(duplicates), path=path)
+    raw, _, problems = read_yaml(text, path)
+    if problems:
+        # a key given twice: safe_load would keep the last answer silently, as in a job file
+        raise JobSpecError("; ".join(problems), path=path)
     if not isinstance(raw, dict) or not raw:
         raise JobSpecError(
             "must map documents to {question id: expected answer}",

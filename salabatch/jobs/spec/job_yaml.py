@@ -39,7 +39,7 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
     """(data, node tree, problems) of a job file: the tree keeps line numbers for the error
     messages; each key given twice in one mapping, and each text UTF-8 cannot hold, is one
     `location: message` line."""
-    data, root, duplicates = read_yaml(text, path)
+    data, root, problems = read_yaml(text, path)
     if data is None or root is None:
         raise JobSpecError("job file is empty (expected name:, model:, documents:, …)", path=path)
     if not isinstance(data, dict):
@@ -47,14 +47,14 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
         raise JobSpecError(
             f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
         )
-    return data, root, duplicates
+    return data, root, problems
 
 
 def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[str]]:
     """(data, node tree or None when empty, `tree_problems`) of one YAML document read by the
     safe loader. Raises JobSpecError naming `path` and the line for text that is not YAML, a
     control character included (the loader refuses those before it reads a line)."""
-    duplicates: list[str] = []
+    problems: list[str] = []
     try:
         loader = yaml.SafeLoader(text)
     except yaml.YAMLError as e:
@@ -64,13 +64,13 @@ def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[
         if root is not None:
             # Before constructing: that flattens merge keys (`<<: *q`) into the tree, where a
             # merged key and the mapping's own override of it would look like a duplicate.
-            duplicates = tree_problems(root)
+            problems = tree_problems(root)
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         raise JobSpecError(_yaml_problem(e, text), path=path) from None
     finally:
         loader.dispose()
-    return data, root, duplicates
+    return data, root, problems
 
 
 def _yaml_problem(e: yaml.YAMLError, text: str) -> str:

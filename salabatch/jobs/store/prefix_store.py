@@ -120,7 +120,7 @@ class Entry:
 @dataclass(frozen=True)
 class Temp:
     """A temporary file (or a builtin model's build folder) in the store; or, stale, what no
-    entry accounts for (`PrefixStore._unaccounted`)."""
+    entry accounts for (`PrefixStore._scan`)."""
 
     path: Path
     bytes: int
@@ -193,17 +193,15 @@ class PrefixStore:
     # -- housekeeping ----------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
         """Every stored cache, most recently used first."""
-        out = []
-        for manifest in _manifests(self.root, "prefixes/*.json"):
-            out += self._entry(manifest, "prefix")
-        for manifest in _manifests(self.root, "snapshots/*/*.json"):
-            out += self._entry(manifest, "snapshot")
-        return sorted(out, key=lambda e: -e.last_used)
+        return self._scan()[0]
 
     def temps(self) -> list[Temp]:
         """The temporary files and build folders in the store: writes in progress, and stale
         ones whose writer died, with what no entry accounts for (`cache ls` counts them, the
         budget includes them)."""
+        return self._temps(self._scan()[1])
+
+    def _temps(self, unaccounted: list[Path]) -> list[Temp]:
         folders = [self.root, self.root / "prefixes", self.root / "models"]
         folders += _glob(self.root, "snapshots/*")
         out = []
@@ -212,7 +210,7 @@ class PrefixStore:
                 pid = temp_pid(path)
                 if pid is not None:
                     out.append(Temp(path, disk_bytes(path), stale=not pid_alive(pid)))
-        return out + [Temp(p, disk_bytes(p), stale=True) for p in self._unaccounted()]
+        return out + [Temp(p, disk_bytes(p), stale=True) for p in unaccounted]
 
     def prefix_lengths(self) -> frozenset[int]:
         """The token counts of the complete prefixes stored, of any model: the lengths at which
@@ -282,7 +280,7 @@ class PrefixStore:
 
     def _sweep(self) -> None:
         """(Under the exclusive lock) removes the stale temporaries, and what no entry accounts
-        for with a warning naming it."""
+        for (`_scan`) with a warning naming it."""
         for t in self.temps():
             if t.stale and temp_pid(t.path) is None:  # not a temporary: unaccounted
                 warnings.warn(
@@ -299,24 +297,26 @@ class PrefixStore:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only where empty
 
-    def _unaccounted(self) -> list[Path]:
-        """Data files without their manifest, and manifests that are not one (with their data,
-        on their own in `temps`)."""
-        out: list[Path] = []
-        for folder in (self.root / "prefixes", *_glob(self.root, "snapshots/*")):
+    def _scan(self) -> tuple[list[Entry], list[Path]]:
+        """(every entry, most recently used first; what no entry accounts for: data files
+        without their manifest, and manifests that are not one, with their data), each
+        manifest read once."""
+        entries: list[Entry] = []
+        unaccounted: list[Path] = []
+        snapshots = [(folder, "snapshot") for folder in _glob(self.root, "snapshots/*")]
+        for folder, kind in [(self.root / "prefixes", "prefix"), *snapshots]:
             for data in _manifests(folder, "*.safetensors"):
                 if not data.with_suffix(".json").exists():
-                    out.append(data)
+                    unaccounted.append(data)
             for manifest in _manifests(folder, "*.json"):
                 try:
-                    _parse_entry(manifest, "prefix")
+                    entries.append(_parse_entry(manifest, kind))
                 except OSError:
                     continue  # cannot be read here: not this process's to judge
                 except ValueError:
-                    out += [
-                        p for p in (manifest, manifest.with_suffix(".safetensors")) if p.exists()
-                    ]
-        return out
+                    pair = (manifest, manifest.with_suffix(".safetensors"))
+                    unaccounted += [p for p in pair if p.exists()]
+        return sorted(entries, key=lambda e: -e.last_used), unaccounted
 
     @contextlib.contextmanager
     def _lock(self, shared: bool = False) -> Iterator[None]:
@@ -452,8 +452,8 @@ class PrefixStore:
 
     def _evict(self, keep: Path | None = None, max_bytes: int | None = None) -> list[Entry]:
         budget = self.max_bytes if max_bytes is None else max_bytes
-        entries = self.entries()
-        total = sum(e.bytes for e in entries) + sum(t.bytes for t in self.temps())
+        entries, unaccounted = self._scan()
+        total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps(unaccounted))
         removed = []
         for e in reversed(entries):  # least recently used first
             if total <= budget:
