@@ -39,9 +39,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from salabatch.errors import JobSpecError
+from salabatch.errors import JobSpecError, not_utf8
 from salabatch.jobs.ingest.pdf import read_pdf
-from salabatch.jobs.ingest.text import clean_text, decode_reason, decode_text, one_line, size_text
+from salabatch.jobs.ingest.text import (
+    bom_codec,
+    clean_text,
+    decode_reason,
+    decode_text,
+    one_line,
+    size_text,
+)
 
 FORMATS = ("text", "pdf", "jsonl")
 # What a folder walk without a glob takes.
@@ -66,7 +73,7 @@ _LINE_CHUNK = 2**20  # bytes read at a time past the end of a jsonl line over it
 class Document:
     """One document, ready for the model, or the reason it is not.
 
-    doc_id: readable id, unique within a job and stable across runs and machines. It comes from
+    doc_id: readable id, unique within a job and the same on every run and machine. It comes from
         where the document is, never from its content, so an edited or re-extracted file keeps
         its id (`sha256` tells the versions apart): the path relative to the source root with
         forward slashes (folder `docs/` holding `2023/a b.pdf` -> `2023/a_b.pdf`; a file named
@@ -74,13 +81,14 @@ class Document:
         Unicode NFC, every run of characters other than letters, digits and `_.+#@-` turned into
         one `_`. A jsonl record takes its id field, sanitized the same way, or else
         `<file id>#L<line>` (1-based line number). When two documents of a job would share an
-        id, the later one (in reading order) gets `~2`, `~3`, ...
+        id, the later one (in reading order) gets `~2`, `~3`, ...: so the ids stay while files
+        named alike are added after the others (one added before takes the earlier one's id).
     path: the source file; for a jsonl record, the .jsonl file.
     text: the text for the model (newlines are `\\n`, no NUL bytes; PDF pages joined by
         `pdf.PAGE_BREAK`); "" when `error` is set.
     sha256: hex digest of the file's bytes; for a jsonl record, of the record's canonical JSON
         (sorted keys, compact separators, UTF-8), or of the line's bytes when it is not a JSON
-        object; "" when the file was not read at all.
+        object or holds a lone surrogate; "" when the file was not read at all.
     n_pages: page count of a PDF that could be opened, else None.
     error: one-line reason the document has no text, or None.
     meta: JSON-compatible extras, e.g. PDF `title`, `encrypted`, `bad_pages` / `page_errors`
@@ -117,6 +125,9 @@ class DocumentSource:
         (none included); None: by suffix.
     max_tokens: the job's `engine.max_context`; a document over `BYTES_PER_TOKEN` times as
         many bytes is not read (an error document); None: no limit.
+    skip: the job's own files (its results and their parts folder, its Batch output, its
+        requests): a walk or a glob never takes them, so results written into a documents
+        folder are not read back as documents by the next run.
     """
 
     path: str | Path
@@ -125,6 +136,7 @@ class DocumentSource:
     id_field: str = "id"
     format: str | None = None
     max_tokens: int | None = None
+    skip: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,16 +208,24 @@ def read_documents(file: SourceFile, ids: Sequence[tuple[str, str]]) -> list[Doc
     """The documents of `file`, named as `identify_documents` named them (`ids`: its
     (doc_id, sha256) pairs for this file). Raises JobSpecError when the file no longer holds
     those documents: it changed since they were identified, or differs on this machine."""
-    docs = list(_read_file(file))
-    found = [doc.sha256 for doc in docs]
-    if found != [sha256 for _, sha256 in ids]:
+    docs = []
+    for n, doc in enumerate(_read_file(file)):
+        if n >= len(ids) or doc.sha256 != ids[n][1]:
+            raise JobSpecError(
+                "the file changed since the run listed its documents, or differs on this machine",
+                path=file.path,
+                expected=f"{len(ids)} document(s) with the listed sha256",
+                got=f"document {n + 1} with sha256 {doc.sha256[:12] or 'none'}",
+            )
+        docs.append(replace(doc, doc_id=ids[n][0]))
+    if len(docs) != len(ids):
         raise JobSpecError(
             "the file changed since the run listed its documents, or differs on this machine",
             path=file.path,
             expected=f"{len(ids)} document(s) with the listed sha256",
-            got=f"{len(docs)} document(s), sha256 {', '.join(s[:12] for s in found)}",
+            got=f"{len(docs)} document(s)",
         )
-    return [replace(doc, doc_id=doc_id) for doc, (doc_id, _) in zip(docs, ids, strict=True)]
+    return docs
 
 
 def expand_sources(sources: Iterable[DocumentSource]) -> list[SourceFile]:
@@ -230,11 +250,10 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     except (FileNotFoundError, NotADirectoryError):
         mode = None
     except OSError as e:
-        if e.errno != errno.ELOOP and not globlib.has_magic(raw):
+        if not globlib.has_magic(raw):
             # There, or maybe there, but not to be looked at (a folder on the way without
-            # permission): named directly, it is reported as an error document, never dropped.
-            reason = f"cannot read file: {e.strerror or one_line(e)}"
-            return [SourceFile(path, _sanitize(path.name), source, reason)]
+            # permission, a link loop): named directly, it is an error document, never dropped.
+            return [SourceFile(path, _sanitize(path.name), source, _stat_reason(e))]
         mode = None
     if mode is not None and stat.S_ISDIR(mode):
         root, pattern, globbed = path, source.glob or "**/*", source.glob is not None
@@ -248,16 +267,22 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
         if source.glob:
             raise JobSpecError("path is already a glob pattern", path=raw, field=f"{where}.glob")
         (root, pattern), globbed = _split_glob(path), True
+    elif os.path.islink(path):
+        target = os.readlink(path)
+        message = f"document path is a broken symbolic link (to {target}, which does not exist)"
+        raise JobSpecError(message, path=raw, field=f"{where}.path")
     else:
         raise JobSpecError("document path does not exist", path=raw, field=f"{where}.path")
 
-    matches, others, unreadable = walk(root, pattern, _wanted(source, globbed))
+    if _missing(root):  # a glob's fixed leading folders
+        raise JobSpecError(f"no such folder: {root}", path=raw, field=f"{where}.path")
+    skip = frozenset(key for p in source.skip if (key := _inode(p)) is not None)
+    matches, others, unreadable = walk(root, pattern, _wanted(source, globbed), skip)
     if not matches and not unreadable:
+        kinds = "files of a known type" if globbed else f"{_DEFAULT_TEXT} files"
         hint = f" ({others} of another type: give the entry a format:)" if others else ""
         raise JobSpecError(
-            f"no {_DEFAULT_TEXT} files match {pattern!r} in {root}{hint}",
-            path=raw,
-            field=f"{where}.path",
+            f"no {kinds} match {pattern!r} in {root}{hint}", path=raw, field=f"{where}.path"
         )
     files = [(rel, SourceFile(root / rel, _sanitize(rel), source)) for rel in matches]
     for rel, reason in unreadable:
@@ -278,17 +303,22 @@ def _wanted(source: DocumentSource, globbed: bool) -> Callable[[str], bool]:
 
 
 def walk(
-    root: Path, pattern: str, wanted: Callable[[str], bool]
+    root: Path,
+    pattern: str,
+    wanted: Callable[[str], bool],
+    skip: frozenset[tuple[int, int]] = frozenset(),
 ) -> tuple[list[str], int, list[tuple[str, str]]]:
     """(the regular files under `root` that the glob `pattern` matches and `wanted` keeps, as
-    sorted relative paths with `/`; how many more it matches that `wanted` leaves out; the
-    folders it would have looked in but cannot list or search, as (relative path, `""` for
-    `root`, and the reason)).
+    sorted relative paths with `/`; how many more it matches that `wanted` leaves out; what it
+    would have taken but cannot look at, as (relative path, `""` for `root`, and the reason):
+    folders it cannot list or search, links to nothing and link loops whose names it would
+    take). Files and folders whose (st_dev, st_ino) is in `skip` are passed over.
 
-    Glob syntax: `*`, `?`, `[...]` within a name, `**` for any number of folders; a name
-    starting with `.` only where the pattern spells the dot (as `glob.glob`). Links are
-    followed, but a folder is walked once: a link back up into a folder being walked, or to
-    one walked before, is not entered."""
+    Glob syntax: `*`, `?`, `[...]` within a name, `**` for any number of folders, letters of
+    either case (`*.pdf` takes `SCAN.PDF`, as the default walk does); a name starting with `.`
+    only where the pattern spells the dot (as `glob.glob`). Links are followed, but a folder
+    is walked once: a link back up into a folder being walked, or to one walked before, is not
+    entered."""
     parts = tuple(part for part in pattern.split("/") if part not in ("", "."))
     end = len(parts)
     found: list[str] = []
@@ -343,12 +373,23 @@ def walk(
             if not after:
                 continue
             path, child = folder / name, rel + name
-            if end in after and _is_regular(path):
+            try:
+                mode, key = _mode_and_key(path)
+            except OSError as e:
+                # A name the walk would take, but a link to nothing or a link loop: reported.
+                if end in after and wanted(child) and os.path.islink(path):
+                    unreadable.append((child, _stat_reason(e)))
+                continue
+            if key in skip:
+                continue
+            if end in after and stat.S_ISREG(mode):
                 if wanted(child):
                     found.append(child)
                 else:
                     left_out += 1
-            if any(i < end for i in after) and _is_folder(path):
+            # A name in a folder without search permission is never reached: `visit` reported
+            # that folder.
+            if any(i < end for i in after) and stat.S_ISDIR(mode):
                 visit(path, child + "/", after)
 
     visit(root, "", closure({0}))
@@ -358,22 +399,42 @@ def walk(
 def _name_matches(name: str, part: str) -> bool:
     if name.startswith(".") and not part.startswith("."):
         return False  # hidden names only where the pattern spells the dot
-    return fnmatch.fnmatchcase(name, part)
+    return fnmatch.fnmatchcase(name.casefold(), part.casefold())
 
 
-def _is_regular(path: Path) -> bool:
+def _mode_and_key(path: Path) -> tuple[int, tuple[int, int]]:
+    """The mode and (st_dev, st_ino) of what `path` names, links followed."""
+    info = path.stat()
+    return info.st_mode, (info.st_dev, info.st_ino)
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of what `path` names, or None when nothing is there to look at."""
     try:
-        return stat.S_ISREG(path.stat().st_mode)
+        return _mode_and_key(Path(path))[1]
+    except OSError:
+        return None
+
+
+def _missing(path: Path) -> bool:
+    """True when nothing is at `path` (False when something is there but cannot be looked at:
+    the walk reports that)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
     except OSError:
         return False
+    return False
 
 
-def _is_folder(path: Path) -> bool:
-    # A name in a folder without search permission is never reached: `visit` reported that one.
-    try:
-        return stat.S_ISDIR(path.stat().st_mode)
-    except OSError:
-        return False
+def _stat_reason(e: OSError) -> str:
+    """Why a path that is there cannot be looked at."""
+    if e.errno == errno.ELOOP:
+        return "cannot read file: a symbolic link loop (the link leads back to itself)"
+    if isinstance(e, FileNotFoundError):
+        return "cannot read file: a symbolic link to nothing (its target does not exist)"
+    return f"cannot read file: {e.strerror or one_line(e)}"
 
 
 def _split_glob(pattern: Path) -> tuple[Path, str]:
@@ -453,15 +514,12 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
         return
     try:
         with _RegularFile(file.path) as f:
-            if fmt == "jsonl":
-                docs = list(_read_jsonl(file, _Lines(f, _limit(file, fmt))))
-            else:
-                data = _read_whole(f, file, fmt)
+            if fmt == "jsonl":  # a record at a time, the file open in between
+                yield from _read_jsonl(file, _Lines(f, _limit(file, fmt)))
+                return
+            data = _read_whole(f, file, fmt)
     except _Unreadable as e:
         yield failed(str(e))
-        return
-    if fmt == "jsonl":
-        yield from docs
         return
     sha256 = hashlib.sha256(data).hexdigest()
     if not data:
@@ -594,15 +652,21 @@ class _Lines:
 
     def __iter__(self) -> Iterator[tuple[int, bytes | int]]:
         blank, digest, number = True, hashlib.sha256(), 0
-        while raw := self.f.readline(-1 if self.limit is None else self.limit + 1):
+        # a line of `limit` bytes fits with its "\r\n"; one byte more and it is over
+        while raw := self.f.readline(-1 if self.limit is None else self.limit + 2):
             number += 1
             if blank:
                 digest.update(raw)
+            if number == 1 and (codec := bom_codec(raw)[1]) != "utf-8":
+                raise _Unreadable(
+                    f"a jsonl file must be UTF-8 and this one is {codec}: convert it, e.g. "
+                    f"iconv -f {codec} -t utf-8"
+                )
             line = raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
             content = line.removesuffix(b"\n")
-            if self.limit is not None and len(content) > self.limit:
+            if self.limit is not None and len(content.removesuffix(b"\r")) > self.limit:
                 blank = False
-                yield number, self._skip(line)
+                yield number, len(content) if line.endswith(b"\n") else self._skip(line)
             elif content.strip():
                 blank = False
                 yield number, content
@@ -625,14 +689,20 @@ class _Lines:
 
 
 def _past_hole(f: BinaryIO) -> None:
-    """Seeks to the next data of a sparse file when a hole starts where `f` stands."""
+    """Seeks to the next data of a sparse file when a hole starts where `f` stands. The file
+    descriptor under `f`'s buffer is asked, then put back where the buffer left it: `f`
+    itself only moves forward, and only past a hole."""
     if not hasattr(os, "SEEK_DATA"):
         return
+    fd, here = f.fileno(), f.tell()
+    raw = os.lseek(fd, 0, os.SEEK_CUR)
     try:
-        data = os.lseek(f.fileno(), f.tell(), os.SEEK_DATA)
+        data = os.lseek(fd, here, os.SEEK_DATA)
     except OSError:  # no data after this: the rest is a hole
-        data = os.lseek(f.fileno(), 0, os.SEEK_END)
-    f.seek(data)
+        data = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, raw, os.SEEK_SET)
+    if data > here:
+        f.seek(data)
 
 
 def _parse_record(
@@ -655,16 +725,28 @@ def _parse_record(
     if not isinstance(record, dict):
         return doc_id, sha256, None, f"expected a JSON object, got {type(record).__name__}"
 
-    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-    raw_id = record.get(id_field)
-    if raw_id is not None:
-        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
-            kind = type(raw_id).__name__
-            problem = f"id field {id_field!r} must be a string or integer, got {kind}"
-            return doc_id, sha256, record, problem
+    canonical = _canonical(record)
+    if canonical is not None:  # else the line's hash stands
+        sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    raw_id, problem = record.get(id_field), None
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int, type(None))):
+        problem = f"id field {id_field!r} must be a string or integer, got {type(raw_id).__name__}"
+    elif raw_id is not None:
         doc_id = _sanitize(str(raw_id)) or doc_id
-    return doc_id, sha256, record, None
+    if canonical is None:
+        field = next(k for k, v in record.items() if _canonical({k: v}) is None)
+        surrogate = (
+            f"field {ascii(field)} holds a lone surrogate (a \\uD800-\\uDFFF escape without "
+            "its pair), which is not text"
+        )
+        return doc_id, sha256, None, problem or surrogate
+    return doc_id, sha256, record, problem
+
+
+def _canonical(record: dict[str, Any]) -> str | None:
+    """A record's canonical JSON (see `Document.sha256`), or None when UTF-8 cannot hold it."""
+    text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return None if not_utf8(text, from_bytes=False) else text
 
 
 def _read_record(file: SourceFile, number: int, raw: bytes | int) -> Document:
@@ -675,9 +757,8 @@ def _read_record(file: SourceFile, number: int, raw: bytes | int) -> Document:
     meta: dict[str, Any] = {"line": number}
 
     def failed(reason: str) -> Document:
-        return Document(
-            doc_id, str(file.path), "", sha256, error=f"line {number}: {reason}", meta=meta
-        )
+        error = f"line {number} of {file.rel_id}: {reason}"
+        return Document(doc_id, str(file.path), "", sha256, error=error, meta=meta)
 
     if record is not None:
         fields = {k: v for k, v in record.items() if k not in (text_field, id_field)}

@@ -52,6 +52,8 @@ def read_pdf(data: bytes) -> tuple[str, int | None, str | None, dict[str, Any]]:
             # pypdf's first complaint ("EOF marker not found") often says more than the exception.
             hint = f" ({warnings[0]})" if warnings else ""
             text, n_pages, error = "", None, one_line(f"corrupt PDF: {one_line(e)}{hint}")
+            if type(e).__name__ == "DependencyError":  # pypdf's: AES needs `cryptography`
+                error = f"encrypted PDF: reading it needs a package not installed ({one_line(e)})"
     if warnings:
         meta["warnings"] = warnings
     return text, n_pages, error, meta

@@ -10,6 +10,8 @@ import codecs
 import re
 from typing import Any
 
+from salabatch.errors import not_utf8
+
 _MAX_REASON_CHARS = 200
 
 # UTF-32 before UTF-16: the UTF-32-LE BOM starts with the UTF-16-LE one.
@@ -20,20 +22,36 @@ _BOMS = (
     (codecs.BOM_UTF16_LE, "utf-16-le"),
     (codecs.BOM_UTF16_BE, "utf-16-be"),
 )
+_NOT_UTF8_HINT = (
+    "text files are read as UTF-8, or UTF-16/32 with a BOM; convert this one, e.g. "
+    "iconv -f cp1252 -t utf-8"
+)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def decode_text(data: bytes) -> tuple[str, str | None, dict[str, Any]]:
     """(text, error, meta) of a text file: UTF-8 (BOM or not), or UTF-16/32 when a BOM says so."""
-    bom, codec = next(((b, c) for b, c in _BOMS if data.startswith(b)), (b"", "utf-8"))
+    bom, codec = bom_codec(data)
     try:
         text = data[len(bom) :].decode(codec)
     except UnicodeDecodeError as e:
-        return "", decode_reason(e, codec, offset=len(bom)), {}
+        reason = decode_reason(e, codec, offset=len(bom))
+        if data.startswith(b"%PDF-"):
+            return "", f"{reason}: it is a PDF; name it .pdf or give the entry format: pdf", {}
+        if codec == "utf-8":
+            reason += f" ({_NOT_UTF8_HINT})"
+        return "", reason, {}
     meta = {} if codec == "utf-8" else {"encoding": codec}
     text = clean_text(text)
     if not text.strip():
-        return "", "empty document (only whitespace)", meta
+        nul = " and NUL bytes" if b"\x00" in data else ""
+        return "", f"empty document (only whitespace{nul})", meta
     return text, None, meta
+
+
+def bom_codec(data: bytes) -> tuple[bytes, str]:
+    """(the BOM `data` starts with, or b""; the codec it names, UTF-8 without one)."""
+    return next(((b, c) for b, c in _BOMS if data.startswith(b)), (b"", "utf-8"))
 
 
 def decode_reason(e: UnicodeDecodeError, codec: str, offset: int = 0) -> str:
@@ -42,8 +60,13 @@ def decode_reason(e: UnicodeDecodeError, codec: str, offset: int = 0) -> str:
 
 
 def clean_text(text: str) -> str:
-    """Newlines as `\\n`, no NUL bytes (tokenizers and Parquet readers choke on them)."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    """Newlines as `\\n`, no NUL bytes (tokenizers and Parquet readers choke on them), a lone
+    surrogate (a PDF font's broken ToUnicode entry can map a glyph to one) as U+FFFD: UTF-8
+    cannot hold it."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    if not_utf8(text, from_bytes=False) is not None:
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def one_line(e: object) -> str:

@@ -41,6 +41,7 @@ from pydantic import (
 from salabatch.errors import ConfigError, not_utf8
 from salabatch.files import cache_dir
 from salabatch.jobs.ingest.documents import DocumentSource
+from salabatch.jobs.results.read import parts_dir_of
 from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
 from salabatch.models import builtin_name, hub_repo, is_builtin
 
@@ -113,11 +114,13 @@ class DocumentEntry(_Strict):
             raise job_error("path is already a glob pattern: put the whole pattern in path")
         return value
 
-    def to_source(self, max_tokens: int | None = None) -> DocumentSource:
+    def to_source(
+        self, max_tokens: int | None = None, skip: tuple[Path, ...] = ()
+    ) -> DocumentSource:
         """The entry as `salabatch.jobs.ingest.documents` reads it; `max_tokens`, the job's
-        max_context, limits the bytes of a document."""
+        max_context, limits the bytes of a document; `skip`: the job's own files."""
         return DocumentSource(
-            self.path, self.glob, self.text_field, self.id_field, self.format, max_tokens
+            self.path, self.glob, self.text_field, self.id_field, self.format, max_tokens, skip
         )
 
 
@@ -333,8 +336,13 @@ class JobSpec(_Strict):
 
     def sources(self) -> list[DocumentSource]:
         """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`, with
-        the byte limit of `engine.max_context`."""
-        return [entry.to_source(self.engine.max_context) for entry in self.documents]
+        the byte limit of `engine.max_context`, never taking the job's own files: its results
+        (.parquet and .jsonl, with or without Batch output) and their parts folder, its
+        requests."""
+        results = self.output.path.with_suffix(".parquet")
+        own = [results, parts_dir_of(results), results.with_suffix(".jsonl"), self.requests]
+        skip = tuple(path for path in own if path is not None)
+        return [entry.to_source(self.engine.max_context, skip) for entry in self.documents]
 
 
 def _with_defaults(data: Any) -> Any:

@@ -83,11 +83,18 @@ def write(path: Path, data: bytes | str) -> Path:
     [
         ("empty.txt", b"", "empty file (0 bytes)"),
         ("blank.md", b"  \n\t\r\n  \n", "empty document (only whitespace)"),
-        ("nuls.txt", b"\x00\x00\n", "empty document (only whitespace)"),
+        ("nuls.txt", b"\x00\x00\n", "empty document (only whitespace and NUL bytes)"),
         (
             "latin1.txt",
             "café au lait".encode("latin-1"),
-            "not valid UTF-8 text: byte 0xe9 at offset 3",
+            "not valid UTF-8 text: byte 0xe9 at offset 3 (text files are read as UTF-8, or "
+            "UTF-16/32 with a BOM; convert this one, e.g. iconv -f cp1252 -t utf-8)",
+        ),
+        (
+            "really-a-pdf.txt",
+            b"%PDF-1.7\n\xe2\xe3\xcf\xd3\n",
+            "not valid UTF-8 text: byte 0xe2 at offset 9: it is a PDF; name it .pdf or give "
+            "the entry format: pdf",
         ),
         ("bad16.txt", b"\xff\xfe\x00\xd8", "not valid utf-16-le text: byte 0x00 at offset 2"),
     ],
@@ -204,7 +211,9 @@ def test_missing_path_is_a_job_error_naming_it(tmp_path):
 )
 def test_source_matching_nothing_is_a_job_error(tree, source):
     (tree / "sub" / "deep" / "d.PDF").unlink()
-    with pytest.raises(JobSpecError, match="no .txt .md .pdf .jsonl files match"):
+    with pytest.raises(
+        JobSpecError, match=r"no (files of a known type|\.txt \.md \.pdf \.jsonl files) match"
+    ):
         expand_sources([source(tree)])
 
 
@@ -234,11 +243,14 @@ def test_jsonl_one_document_per_line_bad_lines_are_errors(tmp_path):
     assert got == [
         ("doc-1", None),
         ("batch.jsonl#L2", None),
-        ("batch.jsonl#L4", "line 4: invalid JSON: Expecting value at column 25"),
-        ("doc-4", "line 5: missing text field 'text' (fields: id, body)"),
-        ("batch.jsonl#L6", "line 6: expected a JSON object, got list"),
+        ("batch.jsonl#L4", "line 4 of batch.jsonl: invalid JSON: Expecting value at column 25"),
+        ("doc-4", "line 5 of batch.jsonl: missing text field 'text' (fields: id, body)"),
+        ("batch.jsonl#L6", "line 6 of batch.jsonl: expected a JSON object, got list"),
         ("7", None),
-        ("batch.jsonl#L8", "line 8: id field 'id' must be a string or integer, got dict"),
+        (
+            "batch.jsonl#L8",
+            "line 8 of batch.jsonl: id field 'id' must be a string or integer, got dict",
+        ),
     ]
     first = docs[0]
     assert first.text == "first text"
@@ -363,7 +375,7 @@ def test_a_jsonl_line_over_the_byte_limit_is_an_error_record_and_the_others_go_o
         ("a", None),
         (
             "r.jsonl#L2",
-            "line 2: too large: 923 B, over the 800 B that engine.max_context 50 "
+            "line 2 of r.jsonl: too large: 923 B, over the 800 B that engine.max_context 50 "
             "tokens allows (16 bytes a token); raise max_context or split the line",
         ),
         ("c", None),
@@ -494,5 +506,126 @@ def test_a_sparse_jsonl_line_is_stepped_over_and_the_next_record_read(tmp_path):
     source = DocumentSource(path, max_tokens=1024)
     docs = read(source)
     assert [(d.doc_id, d.ok) for d in docs] == [("a", True), ("holes.jsonl#L2", False), ("b", True)]
-    assert docs[1].error.startswith("line 2: too large: 64.0 MB, over the 16.0 KB")
+    assert docs[1].error.startswith("line 2 of holes.jsonl: too large: 64.0 MB, over the 16.0 KB")
     assert docs[2].text == "after the hole"
+
+
+def test_a_dense_jsonl_line_over_a_megabyte_and_the_limit_keeps_the_later_lines_right(tmp_path):
+    # The 1 MB reads past an over-long line must not lose their place (no hole to step over).
+    path = tmp_path / "long.jsonl"
+    long = json.dumps({"id": "h", "text": "x" * (3 * 2**20)}).encode()
+    path.write_bytes(b'{"id": "a", "text": "first"}\n' + long + b'\n{"text": "third"}\n')
+    docs = read(DocumentSource(path, max_tokens=64))
+    assert [(d.doc_id, d.ok) for d in docs] == [("a", True), ("long.jsonl#L2", False),
+                                                ("long.jsonl#L3", True)]  # fmt: skip
+    assert docs[1].error.startswith("line 2 of long.jsonl: too large: 3.0 MB, over the 1.0 KB")
+    assert docs[2].text == "third"
+
+
+def test_a_jsonl_record_with_a_lone_surrogate_is_an_error_naming_its_field(tmp_path):
+    path = write(
+        tmp_path / "s.jsonl",
+        '{"id": "a", "text": "fine"}\n'
+        '{"id": "b", "text": "lone \\ud800 here"}\n'
+        '{"id": "c", "text": "fine", "note": "bad \\udc80"}\n'
+        '{"id": "d", "text": "after"}\n',
+    )
+    docs = read(path)
+    assert [(d.doc_id, d.error) for d in docs] == [
+        ("a", None),
+        ("b", "line 2 of s.jsonl: field 'text' holds a lone surrogate (a \\uD800-\\uDFFF "
+              "escape without its pair), which is not text"),
+        ("c", "line 3 of s.jsonl: field 'note' holds a lone surrogate (a \\uD800-\\uDFFF "
+              "escape without its pair), which is not text"),
+        ("d", None),
+    ]  # fmt: skip
+    lines = path.read_bytes().splitlines()
+    assert docs[1].sha256 == hashlib.sha256(lines[1]).hexdigest()  # the line's bytes
+    assert docs[2].meta == {"line": 3}  # nothing UTF-8 cannot hold reaches the results
+    assert [f.ids for f in identify_documents([DocumentSource(path)])] == [
+        tuple((d.doc_id, d.sha256) for d in docs)
+    ]
+
+
+def test_a_utf16_jsonl_file_is_one_error_saying_to_convert_it(tmp_path):
+    data = '{"id": "a", "text": "hi"}\n'.encode("utf-16")
+    doc = read_one(write(tmp_path / "u16.jsonl", data))
+    assert doc.error == (
+        "a jsonl file must be UTF-8 and this one is utf-16-le: convert it, e.g. "
+        "iconv -f utf-16-le -t utf-8"
+    )
+
+
+def test_a_jsonl_line_of_exactly_the_limit_with_crlf_is_read(tmp_path):
+    record = json.dumps({"id": "a", "text": "y" * 100}).encode()
+    record += b" " * (-len(record) % 16)  # exactly max_tokens · 16 bytes, the limit
+    path = write(tmp_path / "crlf.jsonl", record + b"\r\n" + record + b" \r\n")
+    docs = read(DocumentSource(path, max_tokens=len(record) // 16))
+    assert [(d.doc_id, d.ok) for d in docs] == [("a", True), ("crlf.jsonl#L2", False)]
+
+
+def test_jsonl_records_are_read_one_at_a_time(tmp_path, monkeypatch):
+    from salabatch.jobs.ingest import documents
+
+    path = write(
+        tmp_path / "r.jsonl", "".join(f'{{"id": "{i}", "text": "t{i}"}}\n' for i in range(5))
+    )
+    parsed = []
+    parse = documents._parse_record
+    monkeypatch.setattr(documents, "_parse_record", lambda *a: parsed.append(a[1]) or parse(*a))
+    docs = iter_documents([DocumentSource(path)])
+    assert next(docs).doc_id == "0" and parsed == [1]  # the later lines not parsed yet
+    assert [d.doc_id for d in docs] == ["1", "2", "3", "4"]
+
+
+def test_a_glob_matches_names_in_either_case(tmp_path):
+    write(tmp_path / "docs" / "lower.pdf", make_pdf(["a lower case name here"]))
+    write(tmp_path / "docs" / "SCAN.PDF", make_pdf(["an upper case name here"]))
+    source = DocumentSource(tmp_path / "docs", glob="**/*.pdf")
+    assert [f.rel_id for f in expand_sources([source])] == ["SCAN.PDF", "lower.pdf"]
+
+
+def test_broken_links_and_link_loops_in_a_walk_are_error_documents(tmp_path):
+    docs = tmp_path / "docs"
+    write(docs / "a.txt", "a real document")
+    os.symlink("nowhere.txt", docs / "dangling.txt")
+    os.symlink("loopb.txt", docs / "loopa.txt")
+    os.symlink("loopa.txt", docs / "loopb.txt")
+    os.symlink("nowhere.bin", docs / "other.bin")  # a name the walk would not take anyway
+    got = [(d.doc_id, d.error) for d in read(docs)]
+    loop = "cannot read file: a symbolic link loop (the link leads back to itself)"
+    assert got == [
+        ("a.txt", None),
+        ("dangling.txt", "cannot read file: a symbolic link to nothing (its target does not "
+                         "exist)"),
+        ("loopa.txt", loop),
+        ("loopb.txt", loop),
+    ]  # fmt: skip
+    # named directly: a loop is an error document, a link to nothing a mistake in the job
+    assert read_one(docs / "loopa.txt").error == loop
+    with pytest.raises(JobSpecError, match=r"broken symbolic link \(to nowhere.txt"):
+        read(docs / "dangling.txt")
+
+
+def test_a_glob_under_a_missing_folder_says_the_folder_is_missing(tmp_path):
+    with pytest.raises(JobSpecError, match="no such folder: .*nothere"):
+        expand_sources([DocumentSource(tmp_path / "nothere" / "*.txt")])
+
+
+def test_the_jobs_own_files_in_a_documents_folder_are_never_documents(tmp_path):
+    from salabatch.jobs.spec.load import load_job
+
+    docs = tmp_path / "w"
+    write(docs / "a.txt", "The provider is Acme.")
+    for name in ("answers.jsonl", "answers.parquet", "answers.parquet.parts/0001.jsonl",
+                 "requests.jsonl"):  # fmt: skip
+        write(docs / name, '{"id": "x", "text": "not a document"}\n')
+    job = write(
+        tmp_path / "job.yaml",
+        "name: w\nmodel: builtin:tiny\ndocuments: [{path: ./w}]\nquestions: [q]\n"
+        "requests: ./w/requests.jsonl\noutput: {path: ./w/answers.jsonl}\n",
+    )
+    spec = load_job(job)
+    assert [f.rel_id for f in expand_sources(spec.sources())] == ["a.txt"]
+    # the same folder for another job: they are documents (.parquet is not a document type)
+    assert len(expand_sources([DocumentSource(docs)])) == 4

@@ -127,14 +127,55 @@ def test_encrypted_pdf_with_empty_user_password_opens(tmp_path):
     assert doc.text.split(PAGE_BREAK) == TWO_PAGES
 
 
-def test_encrypted_pdf_with_password_is_an_error_document(tmp_path):
+@pytest.mark.parametrize("algorithm", ["RC4-128", "AES-128", "AES-256"])
+def test_encrypted_pdf_with_password_is_an_error_document(tmp_path, algorithm):
     from pypdf import PdfReader, PdfWriter
 
     writer = PdfWriter(clone_from=PdfReader(write(tmp_path / "plain.pdf", make_pdf(TWO_PAGES))))
-    writer.encrypt(user_password="secret", algorithm="RC4-128")
+    writer.encrypt(user_password="secret", algorithm=algorithm)
     writer.write(tmp_path / "locked.pdf")
     doc = read_one(tmp_path / "locked.pdf")
     assert doc.error == "encrypted PDF (password required)"
+
+
+@pytest.mark.parametrize("algorithm", ["AES-128", "AES-256"])
+def test_an_aes_encrypted_pdf_with_an_empty_password_opens(tmp_path, algorithm):
+    # What current editors write for a "protected" PDF; pypdf needs `cryptography` for it.
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(write(tmp_path / "plain.pdf", make_pdf(TWO_PAGES))))
+    writer.encrypt(user_password="", owner_password="owner", algorithm=algorithm)
+    writer.write(tmp_path / "aes.pdf")
+    doc = read_one(tmp_path / "aes.pdf")
+    assert doc.ok and doc.meta["encrypted"] is True
+    assert doc.text.split(PAGE_BREAK) == TWO_PAGES
+
+
+def test_a_pdf_that_needs_a_missing_package_says_so_not_corrupt(tmp_path, monkeypatch):
+    from pypdf.errors import DependencyError
+
+    from salabatch.jobs.ingest import pdf
+
+    def missing(data, meta):
+        raise DependencyError("cryptography>=3.1 is required for AES algorithm")
+
+    monkeypatch.setattr(pdf, "_extract_pdf", missing)
+    doc = read_one(write(tmp_path / "aes.pdf", make_pdf(TWO_PAGES)))
+    assert doc.error == (
+        "encrypted PDF: reading it needs a package not installed (cryptography>=3.1 is "
+        "required for AES algorithm)"
+    )
+
+
+def test_a_lone_surrogate_in_a_pdf_text_becomes_a_replacement_character(tmp_path, monkeypatch):
+    # A font whose ToUnicode map gives U+D800 for a glyph: the rest of the text stands.
+    from salabatch.jobs.ingest import pdf
+
+    page = pdf._clean_page
+    monkeypatch.setattr(pdf, "_clean_page", lambda text: page(text.replace("hello", "h\ud800llo")))
+    doc = read_one(write(tmp_path / "sur.pdf", make_pdf(TWO_PAGES)))
+    assert doc.ok and doc.text.split(PAGE_BREAK)[0] == TWO_PAGES[0].replace("hello", "h\ufffdllo")
+    doc.text.encode("utf-8")
 
 
 def test_blank_pdf_is_no_extractable_text(tmp_path):

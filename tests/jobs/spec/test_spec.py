@@ -77,8 +77,14 @@ def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home)
     assert [q.id for q in spec.questions] == ["summary", "parties"]
     assert spec.cache.dir == home / ".cache" / "salabatch"
     assert spec.output.path == jobs / "results" / "contracts.parquet"
+    results = jobs / "results"
+    own = (
+        results / "contracts.parquet",
+        results / "contracts.parquet.parts",
+        results / "contracts.jsonl",
+    )  # the job's own files: never read as documents
     assert spec.sources() == [
-        DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id", max_tokens=1048576)
+        DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id", max_tokens=1048576, skip=own)
     ]
 
 
@@ -401,14 +407,14 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
         f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder)",
         f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file)",
         f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'}",
-        f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'}",
+        f"documents[2].path: no files of a known type match '*.pdf' in {tmp_path / 'docs'}",
     ]
     # load_job (as validate and run) gives each its line in the job file
     assert errors_of_files(job) == [
         f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder) (line 2)",
         f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file) (line 3)",
         f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'} (line 6)",
-        f"documents[2].path: no .txt .md .pdf .jsonl files match '*.pdf' in {tmp_path / 'docs'} "
+        f"documents[2].path: no files of a known type match '*.pdf' in {tmp_path / 'docs'} "
         "(line 7)",
     ]
     (tmp_path / "model" / "config.json").write_text("{}")
