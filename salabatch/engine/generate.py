@@ -150,6 +150,11 @@ class Generation:
         return self.finish_reason is not None
 
     @property
+    def first_token_at(self) -> float:
+        """When its first token was read (`time.perf_counter`); 0.0 before."""
+        return self._first_at
+
+    @property
     def prompt_tokens(self) -> int:
         return len(self.request.prompt)
 

@@ -5,6 +5,7 @@ field, cancel, a restart mid-batch on the same state dir, chat answered while a 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import openai
@@ -115,6 +116,7 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         cached = []
         for o in out:
             assert o["response"]["status_code"] == 200 and o["error"] is None
+            assert re.fullmatch("req_[0-9a-f]{32}", o["response"]["request_id"])
             body = ChatCompletion.model_validate(o["response"]["body"])
             assert body.model == MODEL and body.choices[0].finish_reason in ("stop", "length")
             cached.append(body.usage.prompt_tokens_details.cached_tokens)

@@ -60,7 +60,7 @@ def read_answer_key(path: str | os.PathLike) -> dict[str, dict[str, str]]:
     except UnicodeDecodeError as e:
         reason = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
         raise JobSpecError(reason, path=path) from None
-    raw, _, problems = read_yaml(text, path)
+    raw, _, problems = read_yaml(text, path, as_text=True)  # `010` is "010", not 10
     if problems:
         # a key given twice: safe_load would keep the last answer silently, as in a job file
         raise JobSpecError("; ".join(problems), path=path)

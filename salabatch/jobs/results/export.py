@@ -270,7 +270,7 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
         message["reasoning_content"] = r["reasoning"]
     line["response"] = {
         "status_code": 200,
-        "request_id": _stable_id("request", r),
+        "request_id": f"req_{_stable_id('request', r)}",
         "body": {
             "id": f"chatcmpl-{_stable_id('chatcmpl', r)}",
             "object": "chat.completion",

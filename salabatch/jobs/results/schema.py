@@ -103,7 +103,12 @@ RESULT_SCHEMA = pa.schema(
         # timings
         _col("doc_prefill_s", _F, "seconds prefilling the document; 0 when it came from a cache"),
         _col("prefill_tok_s", _F, "prefill throughput, tokens/s"),
-        _col("ttft_s", _F, "seconds from the start of the request to its first token"),
+        _col(
+            "ttft_s",
+            _F,
+            "seconds from the start of the request (started_at: its document's prefill or "
+            "load, or its batch) to its first token",
+        ),
         _col("decode_s", _F, "seconds decoding the answer"),
         _col("decode_tok_s", _F, "decode throughput of this sequence, tokens/s"),
         _col("batch_size", _I, "sequences decoded together"),

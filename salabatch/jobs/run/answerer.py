@@ -5,10 +5,11 @@ come; a Ray worker collects a unit's.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -135,7 +136,7 @@ class Answerer:
 
     # -- a long document: prefix once, questions together ------------------------------------
     def _document(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
-        started = _now()
+        started = _Start()
         mx.reset_peak_memory()
         key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
@@ -182,7 +183,8 @@ class Answerer:
     def _pool(self, pool: list[tuple[Row, DocPlan]]) -> Iterator[list[ResultRow]]:
         if not pool:
             return
-        started = _now()
+        started = _Start()
+        mx.reset_peak_memory()
         by_key = {r.key: (r, plan) for r, plan in pool}
         # no context: each prompt holds its document, and the drafter searches the prompt
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
@@ -242,7 +244,7 @@ class Answerer:
         return self.tok.detokenizer(skip_special=True)
 
     def _row(
-        self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: datetime
+        self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
         text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
         reasoning, answer = split_thinking(text)
@@ -253,19 +255,29 @@ class Answerer:
             finish_reason=g.finish_reason,
             **_prefill_columns(plan, g, prefix),
             completion_tokens=g.completion_tokens,
-            ttft_s=g.ttft_s,
+            # from the start of its document's prefix (or pool), waiting for a slot included
+            ttft_s=max(0.0, g.first_token_at - started.clock) if g.first_token_at else g.ttft_s,
             decode_s=g.decode_s,
             decode_tok_s=g.decode_tok_s,
             batch_size=g.batch_size,
             draft_tokens=g.draft_tokens,
             accepted_tokens=g.accepted_tokens,
             peak_mem_gb=mx.get_peak_memory() / 2**30,
-            started_at=started,
+            started_at=started.at,
             finished_at=_now(),
         )
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
         return self.identity.error_row(row, reason, plan.doc_tokens or None)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """When the work for some rows began: for `started_at`, and on the clock `ttft_s` is
+    read from (`Generation.first_token_at`)."""
+
+    at: datetime = field(default_factory=lambda: _now())
+    clock: float = field(default_factory=time.perf_counter)
 
 
 def _ignore(n: int) -> None:

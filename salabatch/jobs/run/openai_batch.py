@@ -49,9 +49,10 @@ PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (s
 
 
 def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[DocPlan]:
-    """The request lines not done yet (`planner` gives the model identity and the done keys,
-    and counts what it skips): error plans as they are read, then, once every line is read and
-    tokenized, one DocPlan per group of lines sharing a prefix and one per other line."""
+    """The request lines not done yet (`planner` gives the model identity, the done keys and
+    the document rows' custom_ids, which a line may not repeat, and counts what it skips):
+    error plans as they are read, then, once every line is read and tokenized, one DocPlan per
+    group of lines sharing a prefix and one per other line. Plan the documents first."""
     path = Path(spec.requests)
     try:
         raw_lines = path.read_bytes().splitlines()
@@ -64,8 +65,10 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         if not raw.strip():
             continue
         custom_id, body, problem = _parse(raw, number)
-        if custom_id in seen:
-            custom_id, problem = f"{custom_id}#line-{number}", f"duplicate custom_id {custom_id!r}"
+        if custom_id in seen or custom_id in planner.custom_ids:
+            whose = "an earlier line's" if custom_id in seen else "a document row's"
+            problem = f"duplicate custom_id {custom_id!r} ({whose})"
+            custom_id = f"{custom_id}#line-{number}"
         seen.add(custom_id)
         canonical = (
             json.dumps(body, sort_keys=True, ensure_ascii=False)

@@ -120,6 +120,7 @@ class Planner:
         self.skipped = 0  # rows found already done
         self.job_keys: set[str] = set()  # every row's key planned so far, done ones too
         self.request_lines: dict[str, int] = {}  # request line keys -> line, done ones too
+        self.custom_ids: set[str] = set()  # every document row's planned so far, done ones too
         self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
 
     def documents(self) -> Iterator[DocPlan]:
@@ -143,6 +144,8 @@ class Planner:
                 on_overflow=spec.engine.on_overflow,
             )
             self.job_keys.add(key)
+            custom_id = f"{doc.doc_id}/{q.id}"
+            self.custom_ids.add(custom_id)
             if key in self.done:
                 self.skipped += 1
             else:
@@ -152,7 +155,7 @@ class Planner:
                         doc,
                         q.id,
                         q.text,
-                        f"{doc.doc_id}/{q.id}",
+                        custom_id,
                         sampling(spec, gen),
                         gen.max_tokens,
                         gen.think,

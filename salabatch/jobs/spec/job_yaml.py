@@ -20,6 +20,48 @@ import yaml
 from salabatch.errors import JobSpecError, not_utf8
 from salabatch.jobs.spec.errors import Loc, render_loc, show_value
 
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader with YAML 1.2's numbers, as people write them: `1e-3` is a float, `010`
+    the integer 10 (`0o10` octal, `0x10` hex), `1_000` and `1:30` text. PyYAML's YAML 1.1
+    rules read `1e-3` as text and `010` as 8, silently."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    value = loader.construct_scalar(node)
+    return int(value, 0) if value.lstrip("+-")[:2] in ("0o", "0x") else int(value, 10)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Loader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+_Loader.add_constructor(_INT, _construct_int)
+
+
+class _TextLoader(yaml.SafeLoader):
+    """The safe loader with every plain scalar but null read as the text written: an answer
+    key's `010`, `1.50` or `yes` is that text, not 10, 1.5 or True."""
+
+
+_TextLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag == "tag:yaml.org,2002:null"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
 
 def read_job_file(path: str | Path) -> str:
     try:
@@ -50,13 +92,16 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
     return data, root, problems
 
 
-def read_yaml(text: str, path: str | Path) -> tuple[Any, yaml.Node | None, list[str]]:
+def read_yaml(
+    text: str, path: str | Path, *, as_text: bool = False
+) -> tuple[Any, yaml.Node | None, list[str]]:
     """(data, node tree or None when empty, `tree_problems`) of one YAML document read by the
-    safe loader. Raises JobSpecError naming `path` and the line for text that is not YAML, a
+    safe loader, numbers as YAML 1.2 reads them (`as_text`: every plain scalar but null as
+    text). Raises JobSpecError naming `path` and the line for text that is not YAML, a
     control character included (the loader refuses those before it reads a line)."""
     problems: list[str] = []
     try:
-        loader = yaml.SafeLoader(text)
+        loader = (_TextLoader if as_text else _Loader)(text)
     except yaml.YAMLError as e:
         raise JobSpecError(_yaml_problem(e, text), path=path) from None
     try:
@@ -196,7 +241,7 @@ def apply_override(data: dict[str, Any], override: str) -> tuple[str, ...]:
 def _override_value(raw: str, fail: Callable[[str], JobSpecError]) -> Any:
     structured = raw.lstrip()[:1] in ("[", "{")
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=_Loader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as e:
         if structured:
             raise fail(f"invalid YAML value: {getattr(e, 'problem', None) or e}") from None

@@ -276,15 +276,15 @@ class BatchRunner:
 
     def _record(self, batch_id, number, custom_id, answered, error: APIError | None) -> None:
         if error is not None:
-            request_id, status, body = new_id("batch_req"), error.status, error.body
+            status, body = error.status, error.body
         else:
-            request_id, answer, think, finished = answered
-            reply = Reply(request_id, "chat.completion", self.model_id, int(time.time()))
+            reply_id, answer, think, finished = answered
+            reply = Reply(reply_id, "chat.completion", self.model_id, int(time.time()))
             status, body = 200, chat_completion(reply, answer, think, finished)
         output = {
             "id": new_id("batch_req"),
             "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "response": {"status_code": status, "request_id": new_id("req"), "body": body},
             "error": None,
         }
         self.store.add_line(batch_id, number, output, failed=error is not None)

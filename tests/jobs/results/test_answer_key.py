@@ -63,6 +63,11 @@ def test_every_expected_answer_is_scored_beside_its_row(tmp_path, results):
     assert '✓ a.pdf       code    expected "harbor lane ltd"  got "Harbor lane Ltd."' in text
 
 
+def test_an_expected_answer_is_the_text_written_not_a_yaml_number(tmp_path):
+    key = read_answer_key(_key(tmp_path, "a.pdf: {code: 010, rate: 1.50, ok: yes, n: 1e3}\n"))
+    assert key == {"a.pdf": {"code": "010", "rate": "1.50", "ok": "yes", "n": "1e3"}}
+
+
 def test_a_document_is_named_by_doc_id_and_a_request_not_run_yet_is_wrong(tmp_path):
     path = tmp_path / "r.parquet"
     with writer(path) as out:  # two records of one .jsonl file: one path, two doc_ids

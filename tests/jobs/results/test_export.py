@@ -67,6 +67,7 @@ def test_export_openai_batch_output_lines(results, tmp_path):
     ok, error = lines[2], lines[3]
     assert set(ok) == {"id", "custom_id", "response", "error"} and ok["error"] is None
     assert ok["id"].startswith("batch_req_") and ok["response"]["status_code"] == 200
+    assert re.fullmatch("req_[0-9a-f]{32}", ok["response"]["request_id"])  # OpenAI's shape
     body = ok["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == "builtin:random"
     assert body["created"] == int(T0.timestamp())

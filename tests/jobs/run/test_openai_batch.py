@@ -153,6 +153,28 @@ def test_a_job_file_output_ending_in_jsonl_writes_batch_output(tmp_path, tiny_mo
     assert len(read_results(out.with_suffix(".parquet"))) == 2
 
 
+def test_a_request_line_repeating_a_document_rows_custom_id_is_an_error_row(tmp_path, tiny_model):
+    # Else the two rows would share a custom_id and every run keep only one of them.
+    (tmp_path / "a.txt").write_text("The ferry leaves at seven.")
+    write_requests(tmp_path / "batch.jsonl", [line("a.txt/q1"), line("other")])
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: j\nmodel: {tiny_model}\ndocuments: [{{path: a.txt}}]\nquestions: [when]\n"
+        f"requests: batch.jsonl\ncache: {{dir: {tmp_path / 'cache'}}}\n"
+        "output: {path: out/r.parquet}\n"
+    )
+    first = run_cli("run", str(job))
+    assert first.exit_code == 3, first.output
+    got = {r["custom_id"]: r for r in read_results(tmp_path / "out" / "r.parquet").to_pylist()}
+    assert sorted(got) == ["a.txt/q1", "a.txt/q1#line-1", "other"]
+    assert got["a.txt/q1"]["status"] == "ok" and got["a.txt/q1"]["question_id"] == "q1"
+    assert got["a.txt/q1#line-1"]["error"] == (
+        "line 1: duplicate custom_id 'a.txt/q1' (a document row's)"
+    )
+    again = run_cli("run", str(job))
+    assert "0 row(s) written (0 errors), 3 already done" in again.output, again.output
+
+
 def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_model):
     requests = write_requests(tmp_path / "batch.jsonl", [line("a"), "{oops", line("b")])
     result = run_cli("run", "--requests", str(requests))

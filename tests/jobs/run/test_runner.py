@@ -97,10 +97,26 @@ def test_three_documents_three_questions(tmp_path, tiny_model):
         assert r["quant_bits"] is None and r["cache_source"] == "none"
     shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over pool_max_tokens: one prefix
     assert all(1 <= r["batch_size"] <= 4 for r in shared)
+    # the time to first token counts from the request's start: its document's prefill too
+    assert all(r["ttft_s"] >= r["doc_prefill_s"] > 0 for r in shared)
     meta = read_metadata(tmp_path / "out" / "results.parquet")
     assert meta["job_spec"]["name"] == "t" and meta["versions"]["salabatch"]
     shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"))
     assert re.search(r"^rows\s+9$", shown.output, re.M)
+
+
+def test_each_document_and_each_pool_measures_its_own_peak_memory(
+    tmp_path, tiny_model, monkeypatch
+):
+    # peak_mem_gb of pooled rows must not carry the peak of a document answered before them
+    import mlx.core as mx
+
+    resets = []
+    reset = mx.reset_peak_memory
+    monkeypatch.setattr(mx, "reset_peak_memory", lambda: resets.append(1) or reset())
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    assert len(resets) == 3  # report.md and letter.pdf (a prefix each), the pool of notes.txt
 
 
 def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):

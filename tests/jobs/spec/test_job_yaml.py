@@ -95,6 +95,23 @@ def test_overrides_of_every_kind(tmp_path):
     assert spec.documents[0].path == tmp_path / "other" and spec.documents[0].glob == "*.md"
 
 
+def test_numbers_read_as_yaml_1_2_writes_them_in_the_file_and_in_overrides(tmp_path):
+    # YAML 1.1 (PyYAML's default) reads 1e-3 as text and 010 as octal 8, silently
+    text = MINIMAL + "generation: {temperature: 1e-3, seed: 0123}\nengine: {batch_size: 0x10}\n"
+    spec = load_job(write(tmp_path, text))
+    assert spec.generation.temperature == 0.001 and spec.generation.seed == 123
+    assert spec.engine.batch_size == 16
+    spec = load_job(
+        write(tmp_path, MINIMAL),
+        ["generation.temperature=5e-1", "generation.seed=010", "engine.prefill_chunk=0o100"],
+    )
+    assert spec.generation.temperature == 0.5 and spec.generation.seed == 10
+    assert spec.engine.prefill_chunk == 64
+    # neither sexagesimal nor underscores make numbers: text, refused where a number belongs
+    assert "generation.seed" in error_of(write(tmp_path, MINIMAL + "generation: {seed: '1:30'}\n"))
+    assert "generation.seed" in error_of(write(tmp_path, MINIMAL + "generation: {seed: 1:30}\n"))
+
+
 def test_override_errors_are_located(tmp_path):
     job = write(tmp_path, MINIMAL)
     assert error_of(job, ("engine.batch_size=four",)) == (
