@@ -26,6 +26,7 @@ runs on any thread (one call at a time); a thread that ran MLX work should call
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,11 @@ from typing import TYPE_CHECKING
 
 from salabatch.engine.blas import activate_blas
 from salabatch.errors import TokenizerError
+
+# positions reserved past a row's prompt when it joins (as the server's): its buffers grow with
+# the answer from there, where reserving max_tokens (up to the whole context) cost that memory
+# before the first token, even for an answer that stops at once
+RESERVE_AHEAD = 1024
 
 if TYPE_CHECKING:
     from salabatch.engine.model import Model
@@ -100,10 +106,12 @@ def stream_generate(
     draft_layers: int = 8,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
-    the tokenizer or `max_tokens`. Greedy unless `temperature` > 0; the same seed gives the same
-    text, as in `salabatch run`. `draft`, `num_draft_tokens`, `draft_layers`: speculative
-    decoding (see the module docstring)."""
-    from salabatch.engine.generate import Generator, Request
+    the tokenizer or `max_tokens` (cut where the model's context ends; a prompt that fills it
+    is a GenerationError). Greedy unless `temperature` > 0; the same seed gives the same text,
+    as in `salabatch run`. `repetition_penalty` counts the answer's tokens, not the prompt's
+    (HF and mlx-lm count both). `draft`, `num_draft_tokens`, `draft_layers`: speculative
+    decoding (see the module docstring). Bad arguments are GenerationErrors naming them."""
+    from salabatch.engine.generate import Generator, Request, answer_room
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
@@ -112,28 +120,42 @@ def stream_generate(
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    max_tokens = answer_room(model.config, len(ids), max_tokens)  # the server's rule
     request = Request("0", tuple(ids), params, max_tokens, frozenset(tokenizer.eos_ids))
     detok = tokenizer.detokenizer(skip_special=True)
     # no context: the prompt is all the row has, and the lookup drafter searches it
-    generator = Generator(model, batch_size=1, prefill_chunk=prefill_chunk, speculation=speculation)
-    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
-        first_at = None
-        for g in generator.stream([request]):
-            now = time.perf_counter()
-            first_at = first_at or now
-            # a step may read several tokens (accepted drafts): one response for each, and the
-            # stop token, when it ended the answer, one of its own (no text), the last
-            new = g.tokens[len(detok.tokens) :]
-            stopped = g.done and g.last_token in request.stop
-            for i, token in enumerate(new):
-                detok.add_token(token)
-                last = i == len(new) - 1 and not stopped
-                if last and g.done:
-                    detok.finalize()
-                yield _response(detok, token, ids, g, len(detok.tokens), now, first_at, last)
-            if stopped:
+    generator = Generator(
+        model,
+        batch_size=1,
+        prefill_chunk=prefill_chunk,
+        speculation=speculation,
+        reserve_ahead=RESERVE_AHEAD,
+    )
+    limit = cache_limit(model.config, prefill_chunk, on_gpu())
+    steps = generator.stream([request])
+    first_at = None
+    while True:
+        # The process settings are the engine's only while a step runs, the caller's between
+        # yields: held across them, two streams consumed in turn restored each other's.
+        with engine_runtime(limit):
+            g = next(steps, None)
+        if g is None:
+            return
+        now = time.perf_counter()
+        first_at = first_at or now
+        # a step may read several tokens (accepted drafts): one response for each, and the
+        # stop token, when it ended the answer, one of its own (no text), the last
+        new = g.tokens[len(detok.tokens) :]
+        stopped = g.done and g.last_token in request.stop
+        for i, token in enumerate(new):
+            detok.add_token(token)
+            last = i == len(new) - 1 and not stopped
+            if last and g.done:
                 detok.finalize()
-                yield _response(detok, g.last_token, ids, g, len(g.tokens), now, first_at, True)
+            yield _response(detok, token, ids, g, len(detok.tokens), now, first_at, last)
+        if stopped:
+            detok.finalize()
+            yield _response(detok, g.last_token, ids, g, len(g.tokens), now, first_at, True)
 
 
 def _response(detok, token, ids, g, n, now, first_at, last) -> GenerationResponse:
@@ -206,14 +228,23 @@ def batch_generate(
     each prompt is the one `salabatch run` builds (document, then question, one user message).
     `draft`, `num_draft_tokens`, `draft_layers`: speculative decoding (the module docstring);
     the lookup drafter searches the document."""
-    from salabatch.engine.generate import Generator, Request, prefill
+    from salabatch.engine.generate import GenerationError, Generator, Request, answer_room, prefill
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
 
     _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk, batch_size=batch_size)
-    if isinstance(questions, str) or not all(isinstance(q, str) for q in questions):
-        raise ValueError("questions must be a list of strings (one question: [question])")
+    if not isinstance(document, str):
+        raise GenerationError(f"must be a text, got {_shown(document)}", field="document")
+    if (
+        isinstance(questions, str)
+        or not isinstance(questions, Sequence)
+        or not all(isinstance(q, str) for q in questions)
+    ):
+        raise GenerationError(
+            "must be a list of strings (one question: [question])", field="questions"
+        )
+    _text_or_none(system=system)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     stop = frozenset(tokenizer.eos_ids)
@@ -221,22 +252,23 @@ def batch_generate(
         return []
     doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
     context = tuple(doc_prompt)  # one tuple for every row: what the lookup drafter searches
-    requests = [
-        Request(
-            str(i),
-            tuple(tokenizer.prompt_suffix(q, system=system, think=think)),
-            params,
-            max_tokens,
-            stop,
-            context=context,
-        )
-        for i, q in enumerate(questions)
-    ]
+    # the server's rule, before any prefill: each row's prompt is the document and its question
+    answer_room(model.config, len(doc_prompt), max_tokens, field="document")
+    requests = []
+    for i, q in enumerate(questions):
+        suffix = tuple(tokenizer.prompt_suffix(q, system=system, think=think))
+        n = len(doc_prompt) + len(suffix)
+        room = answer_room(model.config, n, max_tokens, field=f"questions[{i}]")
+        requests.append(Request(str(i), suffix, params, room, stop, context=context))
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
         prefix = model.make_cache()
         prefill(model, doc_prompt, prefix, prefill_chunk)
         generator = Generator(
-            model, batch_size=batch_size, prefill_chunk=prefill_chunk, speculation=speculation
+            model,
+            batch_size=batch_size,
+            prefill_chunk=prefill_chunk,
+            speculation=speculation,
+            reserve_ahead=RESERVE_AHEAD,
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
@@ -251,11 +283,29 @@ def _prompt_ids(
     think: bool = False,
 ) -> list[int]:
     """The token ids of a prompt: a text is one user message in the chat template (after
-    `system`, if given); token ids are checked against the model's vocabulary."""
+    `system`, if given); token ids (a list, or a 1-D array, of integers) are checked against
+    the model's vocabulary. GenerationError naming `prompt` for anything else (bytes, floats,
+    None, a 2-D array), where `int()` would have taken bytes and floats silently."""
+    from salabatch.engine.generate import GenerationError
+
+    _text_or_none(system=system)
     if isinstance(prompt, str):
         system_message = [{"role": "system", "content": system}] if system else []
         messages = [*system_message, {"role": "user", "content": prompt}]
         return tokenizer.chat_prompt_ids(messages, think=think)
+    expected = "a text or a list of token ids (integers)"
+    if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # an MLX or NumPy array
+        if prompt.ndim != 1:
+            shape = tuple(prompt.shape)
+            raise GenerationError(
+                f"must be {expected}, got an array of shape {shape}", field="prompt"
+            )
+        prompt = prompt.tolist()
+    if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+        raise GenerationError(f"must be {expected}, got {_shown(prompt)}", field="prompt")
+    odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if odd:
+        raise GenerationError(f"must be {expected}, got the item {odd[0]!r}", field="prompt")
     if system is not None:
         raise TokenizerError(
             "a system prompt needs a text prompt; token ids are used as they are", field="system"
@@ -274,10 +324,27 @@ def _prompt_ids(
 
 
 def _counts(**counts: int) -> None:
-    """ValueError naming the first of `counts` that is not an integer ≥ 1."""
+    """GenerationError naming the first of `counts` that is not an integer ≥ 1."""
+    from salabatch.engine.generate import GenerationError
+
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise GenerationError(f"must be an integer ≥ 1, got {value!r}", field=name)
+
+
+def _text_or_none(**texts: object) -> None:
+    """GenerationError naming the first of `texts` that is neither a string nor None."""
+    from salabatch.engine.generate import GenerationError
+
+    for name, value in texts.items():
+        if value is not None and not isinstance(value, str):
+            raise GenerationError(f"must be a text or None, got {_shown(value)}", field=name)
+
+
+def _shown(value: object) -> str:
+    """A wrong argument for an error message: its type, and its value when short."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
 
 
 def _speculation(draft: str, tokens: int, layers: int) -> Speculation:

@@ -14,7 +14,8 @@ import pytest
 
 import salabatch
 from salabatch.engine import generate as generate_module
-from salabatch.engine.generate import Generator, Request
+from salabatch.engine.cache import ModelCache
+from salabatch.engine.generate import GenerationError, Generator, Request
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import TokenizerError
@@ -143,7 +144,7 @@ def test_bad_settings_are_refused_by_name_before_any_work(loaded, settings, name
 
 def test_batch_generate_takes_a_list_of_questions_and_a_batch_size(loaded):
     model, tok = loaded
-    with pytest.raises(ValueError, match="questions must be a list"):
+    with pytest.raises(ValueError, match="questions: must be a list"):
         salabatch.batch_generate(model, tok, DOC, "When does it leave?")
     with pytest.raises(ValueError, match="batch_size"):
         salabatch.batch_generate(model, tok, DOC, QUESTIONS, batch_size=0)
@@ -173,8 +174,8 @@ def test_speculation_reaches_the_generator_and_its_counts_come_back(loaded, monk
 
     for bad, message in (
         ({"draft": "medusa"}, "draft must be one of off, lookup, layers, auto"),
-        ({"draft": "layers", "num_draft_tokens": 0}, "num_draft_tokens must be an integer ≥ 1"),
-        ({"draft": "layers", "draft_layers": 2.5}, "draft_layers must be an integer ≥ 1"),
+        ({"draft": "layers", "num_draft_tokens": 0}, "num_draft_tokens: must be an integer ≥ 1"),
+        ({"draft": "layers", "draft_layers": 2.5}, "draft_layers: must be an integer ≥ 1"),
     ):
         with pytest.raises(ValueError, match=message):
             salabatch.generate(model, tok, "Say hi.", max_tokens=2, **bad)
@@ -214,3 +215,141 @@ def test_the_model_refuses_a_call_without_tokens(loaded):
     model, _ = loaded
     with pytest.raises(ValueError, match=r"both ≥ 1, got shape \(1, 0\)"):
         model(mx.zeros((1, 0), dtype=mx.int32))
+
+
+@pytest.mark.parametrize(
+    ("call", "named", "shown"),
+    [
+        ({"temperature": "0.5"}, "temperature", "'0.5'"),
+        ({"top_p": None}, "top_p", "None"),
+        ({"temperature": -1}, "temperature", "-1"),
+        ({"max_tokens": 2.0}, "max_tokens", "2.0"),
+        ({"prompt": None}, "prompt", "None"),
+        ({"prompt": ["a"]}, "prompt", "'a'"),
+        ({"prompt": [1.5, 2.7]}, "prompt", "1.5"),  # int() made it [1, 2]
+        ({"prompt": b"hi"}, "prompt", "b'hi'"),  # taken as the ids 104, 105
+        ({"prompt": "2-D"}, "prompt", "shape (1, 3)"),
+        ({"system": 5}, "system", "5"),
+    ],
+)
+def test_bad_arguments_are_typed_errors_naming_them(loaded, call, named, shown):
+    """Raw TypeErrors, AttributeErrors and MLX errors that named nothing, or a prompt of bytes
+    or floats taken as other token ids, before: a GenerationError (a ValueError too) naming the
+    argument and showing its value."""
+    import mlx.core as mx
+
+    model, tok = loaded
+    settings = {"prompt": "Say hi.", "max_tokens": 2, **call}
+    if settings["prompt"] == "2-D":
+        settings["prompt"] = mx.array([[5, 6, 7]])
+    with pytest.raises(GenerationError) as e:
+        salabatch.generate(model, tok, **settings)
+    assert e.value.field == named and shown in str(e.value) and isinstance(e.value, ValueError)
+    assert "SamplingParams(" not in str(e.value)  # the value, not the whole settings
+
+
+def test_batch_generate_names_a_document_that_is_not_a_text(loaded):
+    model, tok = loaded
+    for document in (None, [[5, 6, 7]]):  # the second: mlx-lm's batch_generate(prompts)
+        with pytest.raises(GenerationError) as e:
+            salabatch.batch_generate(model, tok, document, QUESTIONS[:1], 2)
+        assert e.value.field == "document"
+    with pytest.raises(GenerationError, match="questions"):
+        salabatch.batch_generate(model, tok, DOC, None)
+
+
+def test_token_ids_may_be_a_1d_array(loaded):
+    import mlx.core as mx
+    import numpy as np
+
+    model, tok = loaded
+    ids = user_ids(tok, "Say hi.")
+    text = salabatch.generate(model, tok, ids, max_tokens=4)
+    assert salabatch.generate(model, tok, mx.array(ids), max_tokens=4) == text
+    assert salabatch.generate(model, tok, np.array(ids), max_tokens=4) == text
+
+
+@pytest.fixture
+def context_64(loaded, monkeypatch):
+    """builtin:random with a 64-token context, and a tokenizer without stop tokens."""
+    import dataclasses
+
+    model, tok = loaded
+    config = dataclasses.replace(model.config, max_position_embeddings=64)
+    monkeypatch.setattr(model, "config", config)
+    endless = copy.copy(tok)
+    endless.eos_ids = frozenset()
+    return model, endless
+
+
+def test_the_api_keeps_to_the_models_context_as_the_server_does(context_64, monkeypatch):
+    """A prompt the context cannot hold is refused, naming it; max_tokens is cut where the
+    context ends (the API decoded past it before: a 112-token prompt on a 64-token model
+    answered 100 tokens)."""
+    model, tok = context_64
+    with pytest.raises(GenerationError, match="the model's context holds 64") as e:
+        list(salabatch.stream_generate(model, tok, [5] * 64, max_tokens=4))
+    assert e.value.field == "prompt"
+    responses = list(salabatch.stream_generate(model, tok, [5] * 40, max_tokens=100))
+    assert responses[-1].generation_tokens == 24 and responses[-1].finish_reason == "length"
+    with pytest.raises(GenerationError, match="context") as e:
+        salabatch.batch_generate(model, tok, "word " * 80, QUESTIONS[:1], 2)
+    assert e.value.field == "document"
+    doc_prompt = tok.document_prompt("Ferry.", system=None, think=False)
+    question = tok.prompt_suffix("Why?", system=None, think=False)
+    room = 64 - len(doc_prompt) - len(question)
+    assert 0 < room < 100
+    seen = record_generators(monkeypatch, generate_module)
+    salabatch.batch_generate(model, tok, "Ferry.", ["Why?"], 100)
+    assert [r.max_tokens for r in seen.requests] == [room]
+
+
+def test_a_long_max_tokens_reserves_memory_as_the_answer_grows(loaded, monkeypatch):
+    """A row's buffers were reserved for its prompt and whole max_tokens when it joined: with
+    max_tokens 10**7, 2.8 GB on this toy for an answer that stopped at its first token."""
+    model, tok = loaded
+    reserved = []
+    reserve = ModelCache.reserve
+
+    def recording(self, tokens):
+        reserved.append(tokens)
+        return reserve(self, tokens)
+
+    monkeypatch.setattr(ModelCache, "reserve", recording)
+    prompt = user_ids(tok, "Say hi.")
+    salabatch.generate(model, tok, prompt, max_tokens=6000)
+    assert max(reserved) <= len(prompt) + salabatch.api.RESERVE_AHEAD + 64
+    reserved.clear()
+    salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 6000)
+    assert max(reserved) <= 2 * len(user_ids(tok, DOC)) + salabatch.api.RESERVE_AHEAD
+
+
+def test_interleaved_streams_leave_the_process_settings_as_they_were(loaded):
+    """Each stream held the engine's settings across its yields: two consumed in turn, the one
+    finishing second put back the first's (the MLX cache limit and BLAS threads stayed changed)."""
+    import mlx.core as mx
+    from threadpoolctl import threadpool_info
+
+    def threads() -> list[int]:
+        return sorted({i["num_threads"] for i in threadpool_info()})
+
+    model, tok = loaded
+    alone = [
+        [r.token for r in salabatch.stream_generate(model, tok, p, max_tokens=8)]
+        for p in ("Say hi.", "Say bye.")
+    ]
+    previous = mx.set_cache_limit(12345)
+    before = threads()
+    try:
+        a = salabatch.stream_generate(model, tok, "Say hi.", max_tokens=8)
+        b = salabatch.stream_generate(model, tok, "Say bye.", max_tokens=8)
+        together = [[], []]
+        for x, y in zip(a, b, strict=False):
+            together[0].append(x.token)
+            together[1].append(y.token)
+        together[0] += [r.token for r in a]
+        together[1] += [r.token for r in b]
+        assert together == alone
+        assert mx.set_cache_limit(12345) == 12345 and threads() == before
+    finally:
+        mx.set_cache_limit(previous)

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from salabatch.engine.cache import ModelCache
+from salabatch.engine.config import ModelConfig
 from salabatch.engine.decode import decode
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
-from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
+from salabatch.engine.sampling import GenerationError, SamplingParams, penalized, sample_tokens
 from salabatch.engine.speculative import (
     OFF,
     Layers,
@@ -43,6 +44,22 @@ from salabatch.engine.speculative import (
 
 if TYPE_CHECKING:
     from salabatch.engine.detokenizer import StreamingDetokenizer
+
+
+def answer_room(
+    config: ModelConfig, prompt_tokens: int, max_tokens: int, *, field: str = "prompt"
+) -> int:
+    """The tokens a row may generate after a prompt of `prompt_tokens`: `max_tokens`, cut where
+    the model's context (max_position_embeddings) ends. GenerationError naming `field` if the
+    prompt leaves no room for one token. The rule every surface applies (API, CLI, server)."""
+    context = config.max_position_embeddings
+    if prompt_tokens >= context:
+        raise GenerationError(
+            f"the prompt has {prompt_tokens} tokens, the model's context holds {context} "
+            "(with room for one generated token)",
+            field=field,
+        )
+    return min(max_tokens, context - prompt_tokens)
 
 
 def prefill(
@@ -171,7 +188,8 @@ class Generation:
 class Generator:
     """Continuous batching of requests, optionally over one shared prefix. `detokenizer` makes
     a fresh streaming decoder (e.g. `Tokenizer.detokenizer`): requests with stop strings need
-    one, and only they use it.
+    one, and only they use it. `reserve_ahead`: as `Batch`'s (None: each row's whole answer
+    is reserved when it joins).
 
     Each request is prefilled on its own row, then joins a `Batch` (the decoding loop, one step
     at a time), which keeps up to `batch_size` rows; a finished row leaves and a waiting request
@@ -186,10 +204,12 @@ class Generator:
         on_token: Callable[[Request, int], None] | None = None,
         detokenizer: Callable[[], StreamingDetokenizer] | None = None,
         speculation: Speculation = OFF,
+        reserve_ahead: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be ≥ 1")
         self.model = model
+        self.reserve_ahead = reserve_ahead
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.on_token = on_token
@@ -213,6 +233,7 @@ class Generator:
             forked=prefix is not None,
             on_token=self.on_token,
             detokenizer=self.detokenizer,
+            reserve_ahead=self.reserve_ahead,
             speculation=self.speculation,
         )
         while waiting or batch:
@@ -495,7 +516,13 @@ class Batch:
         self.cache.reserve(room)
 
     def _keep(self, keep: list[int]) -> None:
-        """Keeps only these rows (their cache, newest tokens and counts)."""
+        """Keeps only these rows (their cache, newest tokens and counts); the others' documents
+        leave the lookup drafter with their last row."""
+        if self._lookup is not None:
+            kept = set(keep)
+            for b, g in enumerate(self.rows):
+                if b not in kept:
+                    self._lookup.release(g.request.context)
         self.rows = [self.rows[b] for b in keep]
         if not keep:
             self.cache = self._feed = self._counts = self._known = None

@@ -1,6 +1,7 @@
 """Choosing the next token: greedy, or temperature with top-k / top-p / min-p, and penalties on
-tokens the answer already holds (repetition: HF's, scaling; presence and frequency: OpenAI's,
-subtracting).
+tokens the answer already holds (repetition: HF's scaling; presence and frequency: OpenAI's,
+subtracting). All three count the answer's tokens only: HF's and mlx-lm's repetition penalty
+counts the prompt's too, which would put each row's prompt (a whole document) in its counts.
 
 Every row has its own settings and its own random stream, keyed by (seed, step) only: the same
 prompt and seed give the same text whatever else is in the batch or when the row joined it.
@@ -16,7 +17,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from salabatch.errors import SalabatchError
+
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads seeds so (seed, step) keys differ
+# The smallest temperature divided by: float32's smallest normal number. A smaller one (valid:
+# any finite temperature ≥ 0 is) would round to 0, or to a denormal a GPU flushes to 0.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+class GenerationError(SalabatchError, ValueError):
+    """A generation setting the engine cannot run with: a sampling value of the wrong type or
+    range, a prompt the model's context cannot hold (`generate.answer_room`). `field` names
+    it. A ValueError too: the server refuses a request for that."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -24,29 +38,33 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (top_k / top_p / min_p are then irrelevant)
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability ≥ top_p
     top_k: int = 0  # keep the k most likely tokens; 0: all
-    repetition_penalty: float = 1.0  # > 1 discourages tokens the answer already contains
+    repetition_penalty: float = 1.0  # > 1 discourages tokens the answer (not the prompt) holds
     seed: int = 0
     min_p: float = 0.0  # keep tokens at least min_p × the most likely one's probability; 0: all
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # × how often it was generated, subtracted from its logit
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf:  # NaN fails too
-            raise ValueError(f"temperature must be finite and ≥ 0: {self}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]: {self}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be finite and > 0: {self}")
+        """GenerationError naming the first setting of the wrong type or out of range (the
+        type first: a comparison with a string or None would raise a bare TypeError)."""
+
+        def real(name: str, ok, expected: str) -> None:
+            value = getattr(self, name)
+            numeric = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            if not (numeric and ok(value)):  # NaN fails every `ok`
+                raise GenerationError(f"must be {expected}, got {value!r}", field=name)
+
+        real("temperature", lambda t: 0 <= t < math.inf, "a finite number ≥ 0")
+        real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+        real("repetition_penalty", lambda r: 0 < r < math.inf, "a finite number > 0")
         for name in ("top_k", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{name} must be an integer: {self}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be ≥ 0 (0: all tokens): {self}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1]: {self}")
-        if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):
-            raise ValueError(f"presence_penalty and frequency_penalty must be finite: {self}")
+                raise GenerationError(f"must be an integer, got {value!r}", field=name)
+        real("top_k", lambda k: k >= 0, "an integer ≥ 0 (0: all tokens)")
+        real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
+        real("presence_penalty", math.isfinite, "a finite number")
+        real("frequency_penalty", math.isfinite, "a finite number")
 
     @property
     def plain_greedy(self) -> bool:
@@ -104,14 +122,21 @@ def sample_tokens(
 
 
 def truncated(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
-    """The logits [B, V] (float32, penalties applied) a row with temperature draws from: divided
-    by its temperature, -inf outside its top-k, top-p and min-p (what `sample_tokens` draws
-    from; a row at temperature 0 gets its logits as they are)."""
+    """The logits [B, V] (float32, penalties applied) a row with temperature draws from: less
+    the row's largest, divided by its temperature, -inf outside its top-k, top-p and min-p
+    (what `sample_tokens` draws from; a row at temperature 0 is divided by 1).
+
+    The largest logit is taken off first so it stays 0 however small the temperature: the
+    others then fall to -inf at worst, where dividing first overflows to inf (and the softmax
+    to NaN) once logit / temperature passes float32's range (temperature ≲ 1e-38)."""
 
     def column(values, dtype=mx.float32) -> mx.array:
         return mx.array(list(values), dtype=dtype)[:, None]  # [B, 1]
 
-    logits = logits / column(p.temperature or 1.0 for p in params)
+    temperature = column(
+        max(p.temperature, MIN_TEMPERATURE) if p.temperature else 1.0 for p in params
+    )
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / temperature
     V = logits.shape[-1]
     ranked = -mx.sort(-logits, axis=-1)  # [B, V] descending
     top_k = column((p.top_k if 0 < p.top_k < V else V for p in params), mx.int32)
@@ -120,6 +145,9 @@ def truncated(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
     probs = mx.softmax(mx.where(in_k, ranked, -mx.inf), axis=-1)
     before = mx.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
     kept = (in_k & (before < column(p.top_p for p in params))).sum(axis=-1, keepdims=True)
+    kept = mx.maximum(
+        kept, 1
+    )  # a top_p under float32's smallest denormal rounds to 0: keep the top
     edge = mx.take_along_axis(ranked, kept - 1, axis=-1)  # the last token kept, [B, 1]
     floor = column(math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params)
     edge = mx.maximum(edge, ranked[:, :1] + floor)

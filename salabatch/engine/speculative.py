@@ -72,10 +72,13 @@ WINDOW = 32  # tokens before a place compared with the prompt
 
 class Lookup:
     """Prompt-lookup drafting over a row's context (its document: indexed once per document,
-    shared by its rows) followed by its prompt and answer (indexed as they grow)."""
+    shared by its rows) followed by its prompt and answer (indexed as they grow). A document's
+    index lives from its first row's `prepare` to its last row's `release`: a long-lived batch
+    (the server's) sees a new context with every request."""
 
     def __init__(self) -> None:
         self._contexts: dict[int, ContextIndex] = {}  # by the context tuple's id
+        self._rows: dict[int, int] = {}  # rows prepared and not released, by the same id
 
     def propose(self, row: RowText, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the row's last tokens where they occurred before:
@@ -116,9 +119,18 @@ class Lookup:
 
     def prepare(self, row: RowText) -> None:
         """Indexes a row's document (once per document) and prompt: when it joins, with its
-        prefill, rather than in its first step."""
+        prefill, rather than in its first step. `release` it when it leaves."""
         self._context(row.context)
+        key = id(row.context)
+        self._rows[key] = self._rows.get(key, 0) + 1
         row.extend_index()
+
+    def release(self, context: tuple[int, ...]) -> None:
+        """A prepared row of `context` left: the index goes with the last such row."""
+        key = id(context)
+        self._rows[key] -= 1
+        if not self._rows[key]:
+            del self._rows[key], self._contexts[key]
 
     def _context(self, context: tuple[int, ...]) -> ContextIndex:
         """The context's index, made once per context object (it keeps the tuple alive, so

@@ -744,8 +744,10 @@ class ServeEngine:
         """JobFailed's causes before any work: an empty prompt, ids outside the vocabulary, a
         prompt that fills the model's context, max_tokens < 1, an empty stop string. → the
         tokens the job may generate (max_tokens, cut at the context)."""
+        from salabatch.engine.generate import answer_room
+
         cfg = self.model.config
-        n, context = len(job.prompt), cfg.max_position_embeddings
+        n = len(job.prompt)
         if n == 0:
             raise ValueError("the prompt has no tokens")
         if job.max_tokens < 1:
@@ -753,14 +755,10 @@ class ServeEngine:
         bad = [t for t in job.prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        if n >= context:
-            raise ValueError(
-                f"the prompt has {n} tokens, the model's context holds {context} "
-                "(with room for one generated token)"
-            )
+        max_tokens = answer_room(cfg, n, job.max_tokens)  # the API's rule too
         if not all(job.stop_strings):
             raise ValueError("a stop string must not be empty")
-        return min(job.max_tokens, context - n)
+        return max_tokens
 
     def _check_memory(self, job: Job, resumed: int, points: list[int], max_tokens: int) -> None:
         """OutOfMemoryError unless what the job adds fits in the memory free: its new keys,

@@ -135,3 +135,29 @@ def test_stop_strings_need_a_detokenizer(model):
         run(model, [Request("a", ids(5, 1), stop_strings=("x",))])
     with pytest.raises(ValueError, match="empty"):
         Request("a", ids(5, 1), stop_strings=("",))
+
+
+def test_answer_room_is_max_tokens_cut_at_the_context(model):
+    """The rule the API, the CLI and the server share: a prompt leaving no room for one token
+    is refused, naming the field; max_tokens stops where the context ends."""
+    from salabatch.engine.generate import GenerationError, answer_room
+
+    context = model.config.max_position_embeddings
+    assert answer_room(model.config, 10, 5) == 5
+    assert answer_room(model.config, context - 7, 100) == 7
+    assert answer_room(model.config, context - 1, 100) == 1
+    for n in (context, context + 50):
+        with pytest.raises(GenerationError, match=f"the prompt has {n} tokens") as e:
+            answer_room(model.config, n, 1, field="questions[2]")
+        assert e.value.field == "questions[2]" and isinstance(e.value, ValueError)
+
+
+def test_the_repetition_penalty_counts_the_answer_only(model):
+    """As documented (README, `sampling`): unlike HF's and mlx-lm's, the prompt's tokens are not
+    counted, so the first token is the plain one however strong the penalty."""
+    prompt = ids(12, 3)
+    plain = run(model, [Request("p", prompt, GREEDY, 4)])["p"].tokens
+    strong = SamplingParams(repetition_penalty=1e30)
+    penalised = run(model, [Request("p", prompt, strong, 4)])["p"].tokens
+    assert penalised[0] == plain[0]
+    assert len(set(penalised)) == len(penalised)  # later tokens: no answer token twice

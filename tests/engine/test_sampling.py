@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from salabatch.engine.sampling import SamplingParams, sample
+from salabatch.engine.sampling import SamplingParams, sample, truncated
 
 LOGITS = mx.array([[0.0, 5.0, 4.0, -1.0, 4.5]])
 
@@ -100,3 +100,23 @@ def test_only_plain_greedy_takes_the_batch_argmax():
     assert SamplingParams().plain_greedy and SamplingParams(min_p=0.5, top_k=3).plain_greedy
     for changed in ({"temperature": 0.1}, {"presence_penalty": 0.1}, {"frequency_penalty": -1}):
         assert not SamplingParams(**changed).plain_greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-46, 5e-324])
+def test_a_temperature_near_zero_is_greedy_not_nan(temperature):
+    # logit / temperature overflowed float32 (or the temperature rounded to 0): the softmax was
+    # NaN and every draw token 0
+    logits = mx.array([[1.0, 3.0, 12.0, -2.0]])
+    hot = SamplingParams(temperature=temperature)
+    assert draws(hot, logits, seeds=range(20)) == {2}
+    kept = mx.softmax(truncated(logits, [hot]), axis=-1)[0].tolist()
+    assert kept == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("top_p", [1e-44, 1e-46, 5e-324])
+def test_a_top_p_under_float32s_range_keeps_the_top_token(top_p):
+    # rounded to 0, it kept nothing, and the edge read index -1 (the smallest logit): all kept
+    flat = mx.array([[1.0, 1.2, 1.5, 0.9]])
+    hot = SamplingParams(temperature=1.0, top_p=top_p)
+    assert draws(hot, flat, seeds=range(20)) == {2}
+    assert mx.isinf(truncated(flat, [hot])).tolist() == [[True, True, False, True]]

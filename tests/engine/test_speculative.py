@@ -529,3 +529,33 @@ def test_no_divergence_on_the_golden_configs(golden_dir):
             spec = generate(model, reqs, doc, 1, draft, tokens=4, layers=2)[name]
             assert spec.tokens == plain.tokens, (draft, name)
             assert spec.draft_tokens > 0
+
+
+def test_a_long_lived_batch_drops_each_documents_index_with_its_last_row(model):
+    """The server's decoding group lives while rows overlap and makes a new context tuple for
+    every request: each document's index must leave with its last row (it kept them all, a
+    document's tuple and n-gram arrays a request, until the group emptied)."""
+    import time
+
+    batch = Batch(model, forked=False, speculation=Speculation("lookup", 3))
+
+    def join(rid: str, context: tuple[int, ...], max_tokens: int):
+        req = Request(rid, tuple(ids(5, len(rid))), max_tokens=max_tokens, context=context)
+        cache = model.make_cache()
+        logits = prefill(model, req.prompt, cache)
+        return batch.add(req, cache, logits, admitted=time.perf_counter())
+
+    long = join("long", tuple(ids(50, 7)), 60)
+    shared = tuple(ids(40, 8))  # two rows of one document: it stays until both have left
+    for i in range(6):
+        rows = [join(f"s{i}", tuple(ids(40, 100 + i)), 2)]
+        rows += [join(f"t{i}a", shared, 1 + i % 2), join(f"t{i}b", shared, 2)]
+        while not all(g.done for g in rows):
+            batch.step()
+        batch.step()  # the finished rows leave
+        assert not long.done
+        assert set(batch._lookup._contexts) == {id(long.request.context)}
+    while not long.done:
+        batch.step()
+    batch.step()
+    assert not batch._lookup._contexts and not batch._lookup._rows
