@@ -29,6 +29,15 @@ class AnswerStream:
             return ""  # maybe, or surely, inside a think block: wait
         return self._emit(split_thinking(self.text)[1] if head.startswith(THINK_OPEN) else head)
 
+    def finish(self) -> str:
+        """What is left to show once the stream has ended: text held back because it might
+        have started <think> ("<", "<th"; an answer that only began like one), or the answer
+        after a think block that never closed (`split_thinking`'s reading of it)."""
+        if self.think:
+            return ""
+        head = self.text.lstrip()
+        return self._emit(split_thinking(self.text)[1] if head.startswith(THINK_OPEN) else head)
+
     def _emit(self, visible: str) -> str:
         new, self.shown = visible[self.shown :], len(visible)
         return new
@@ -52,6 +61,8 @@ def stream_answer(
         first_at = first_at or time.perf_counter()
         if piece := shown.feed(r.text):
             write(piece)
+    if rest := shown.finish():
+        write(rest)
     return {
         "prompt_tokens": r.prompt_tokens,
         "prefill_tok_s": r.prompt_tps,

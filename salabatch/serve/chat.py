@@ -40,9 +40,17 @@ class Turn:
     draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
     accepted_tokens: int = 0
 
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first, as the engine counts (`Generation.decode_tok_s`,
+        what `salabatch generate` shows): decode_s starts at the first token, so it spans
+        n − 1 of them (counting all n showed a short answer up to twice as fast)."""
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
     def summary(self) -> str:
         """The line shown after an answer."""
-        rate = self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        rate = self.decode_tok_s
         if self.finish_reason == "cancelled":  # the engine's counts never came
             return f"[stopped after {self.completion_tokens} tokens, {rate:.1f} tok/s]"
         drafts = (

@@ -113,3 +113,30 @@ def test_generate_draft_flags_reach_the_generator(tiny, monkeypatch):
         assert refused.exit_code == 2 and message in refused.output, refused.output
     # The CLI lists the engine's drafts (it cannot import speculative.py before the BLAS loads).
     assert CLI_DRAFTS == DRAFTS
+
+
+def test_generate_prints_an_answer_that_only_began_like_a_think_block(tiny, monkeypatch):
+    """Text that might open <think> ("<", "<th") is held back until it is clear; an answer
+    that ended there was never printed (the API gave '<', the CLI an empty line)."""
+    from salabatch.api import GenerationResponse
+    from salabatch.engine import session
+
+    def answering(*pieces: str):
+        def stream(*args, **kwargs):
+            for n, piece in enumerate(pieces, 1):
+                last = n == len(pieces)
+                yield GenerationResponse(piece, 5, 3, 1.0, n, 1.0, 0.0, "length" if last else None)
+
+        return stream
+
+    for pieces, shown in (
+        (["<"], "<"),
+        (["<", "th"], "<th"),
+        ([" <th", "ink"], "<think"),
+        (["<think>", "why", "</think>", " Yes."], "Yes."),
+        (["<think>", "cut short"], ""),  # a think block that never closed: no answer
+    ):
+        monkeypatch.setattr(session, "stream_generate", answering(*pieces))
+        result = CliRunner().invoke(main, ["generate", "builtin:random", "Say hi.", "-m", "4"])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == shown + "\n", pieces

@@ -171,3 +171,15 @@ def test_a_line_that_is_not_utf8_is_an_error_not_the_end_of_the_session(tiny):
     assert notes[0].startswith("error:") and "byte 0xe9" in notes[0], notes
     assert len(turns("\n".join(notes))) == 1
     assert [m["role"] for m in session.history] == ["user", "assistant"]
+
+
+def test_the_summary_rate_is_the_engines_decode_rate():
+    """decode_s runs from the first token to the last: n − 1 tokens after the first, as
+    `salabatch generate` counts them (n / decode_s showed 2 tokens at twice their rate)."""
+    from salabatch.serve.chat import Turn
+
+    turn = Turn(48, 0, 2, 0.05, 0.01, "length")
+    assert "[2 tokens, 100.0 tok/s;" in turn.summary()
+    assert Turn(48, 0, 201, 0.05, 0.5, "length").decode_tok_s == 400.0
+    assert Turn(48, 0, 1, 0.05, 0.0, "stop").decode_tok_s == 0.0
+    assert Turn(0, 0, 5, 0.1, 2.0, "cancelled").summary() == "[stopped after 5 tokens, 2.0 tok/s]"
