@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from salabatch.engine.blas import activate_blas
-from salabatch.errors import TokenizerError
+from salabatch.errors import GenerationError, TokenizerError
 
 # positions reserved past a row's prompt when it joins (as the server's): its buffers grow with
 # the answer from there, where reserving max_tokens (up to the whole context) cost that memory
@@ -228,7 +228,7 @@ def batch_generate(
     each prompt is the one `salabatch run` builds (document, then question, one user message).
     `draft`, `num_draft_tokens`, `draft_layers`: speculative decoding (the module docstring);
     the lookup drafter searches the document."""
-    from salabatch.engine.generate import GenerationError, Generator, Request, answer_room, prefill
+    from salabatch.engine.generate import Generator, Request, answer_room, prefill
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
@@ -286,7 +286,6 @@ def _prompt_ids(
     `system`, if given); token ids (a list, or a 1-D array, of integers) are checked against
     the model's vocabulary. GenerationError naming `prompt` for anything else (bytes, floats,
     None, a 2-D array), where `int()` would have taken bytes and floats silently."""
-    from salabatch.engine.generate import GenerationError
 
     _text_or_none(system=system)
     if isinstance(prompt, str):
@@ -325,7 +324,6 @@ def _prompt_ids(
 
 def _counts(**counts: int) -> None:
     """GenerationError naming the first of `counts` that is not an integer ≥ 1."""
-    from salabatch.engine.generate import GenerationError
 
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -334,7 +332,6 @@ def _counts(**counts: int) -> None:
 
 def _text_or_none(**texts: object) -> None:
     """GenerationError naming the first of `texts` that is neither a string nor None."""
-    from salabatch.engine.generate import GenerationError
 
     for name, value in texts.items():
         if value is not None and not isinstance(value, str):

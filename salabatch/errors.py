@@ -111,6 +111,14 @@ class OutputError(SalabatchError):
     exit_code = 2
 
 
+class GenerationError(SalabatchError, ValueError):
+    """A generation setting the engine cannot run with: a sampling value of the wrong type or
+    range, a prompt the model's context cannot hold (`engine.generate.answer_room`). `field` names
+    it. A ValueError too: the server refuses a request for that."""
+
+    exit_code = 2
+
+
 class OutOfMemoryError(SalabatchError):
     """A document or a run that needs more memory than the device has free (refused before
     it starts, never discovered by the kernel's OOM killer)."""

@@ -15,10 +15,10 @@ import pytest
 import salabatch
 from salabatch.engine import generate as generate_module
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.generate import GenerationError, Generator, Request
+from salabatch.engine.generate import Generator, Request
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.speculative import OFF, Speculation
-from salabatch.errors import TokenizerError
+from salabatch.errors import GenerationError, TokenizerError
 from tests.drafts import record_generators
 from tests.engine.test_threads import on_thread
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
 import importlib.util
 import os
@@ -276,9 +277,12 @@ def _user_chose_threads() -> bool:
     return any(v in os.environ for v in _THREAD_VARIABLES)
 
 
+@functools.cache
 def _controller(path: str) -> ThreadpoolController:
     """threadpoolctl's handle on the loaded library at `path`; empty for a library it does not
-    know (MLX's reference BLAS). It lists loaded libraries by resolved path, ctypes-loaded too."""
+    know (MLX's reference BLAS). It lists loaded libraries by resolved path, ctypes-loaded too.
+    Made once a path: a loaded library stays, and listing them all costs ~1 ms, which
+    `stream_generate` would pay every token (it sets the threads around each step)."""
     return ThreadpoolController().select(filepath=os.path.realpath(path))
 
 

@@ -30,7 +30,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.decode import decode
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
-from salabatch.engine.sampling import GenerationError, SamplingParams, penalized, sample_tokens
+from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
 from salabatch.engine.speculative import (
     OFF,
     Layers,
@@ -41,6 +41,7 @@ from salabatch.engine.speculative import (
     Speculation,
     verify,
 )
+from salabatch.errors import GenerationError
 
 if TYPE_CHECKING:
     from salabatch.engine.detokenizer import StreamingDetokenizer

@@ -17,20 +17,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from salabatch.errors import SalabatchError
+from salabatch.errors import GenerationError
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads seeds so (seed, step) keys differ
 # The smallest temperature divided by: float32's smallest normal number. A smaller one (valid:
 # any finite temperature ≥ 0 is) would round to 0, or to a denormal a GPU flushes to 0.
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
-
-
-class GenerationError(SalabatchError, ValueError):
-    """A generation setting the engine cannot run with: a sampling value of the wrong type or
-    range, a prompt the model's context cannot hold (`generate.answer_room`). `field` names
-    it. A ValueError too: the server refuses a request for that."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ def test_stop_strings_need_a_detokenizer(model):
 def test_answer_room_is_max_tokens_cut_at_the_context(model):
     """The rule the API, the CLI and the server share: a prompt leaving no room for one token
     is refused, naming the field; max_tokens stops where the context ends."""
-    from salabatch.engine.generate import GenerationError, answer_room
+    from salabatch.engine.generate import answer_room
+    from salabatch.errors import GenerationError
 
     context = model.config.max_position_embeddings
     assert answer_room(model.config, 10, 5) == 5
