@@ -71,7 +71,13 @@ def test_context_lists():
 def test_every_default_parses():
     """Each subcommand's defaults go through the same types (parsed, not run)."""
     for name, command in bench.commands.items():
-        assert command.make_context(name, []).params is not None
+        ctx = command.make_context(name, [])
+        exposed = [p for p in command.params if p.expose_value]
+        assert set(ctx.params) == {p.name for p in exposed}, name
+        # an option given a default (a number, a list, a path) parses it to a value
+        given = [p for p in exposed if isinstance(p.default, (int, float, str, list, tuple))]
+        lost = [p.name for p in given if ctx.params[p.name] is None]
+        assert given and not lost, f"{name}: defaults lost in parsing: {lost}"
 
 
 def test_spec_choices_match_the_bench():

@@ -247,8 +247,8 @@ def test_openblas_threads_sleep_once_idle_instead_of_polling(tmp_path):
     out = probe(tmp_path, {}, code=IDLE)
     if not out["kind"].endswith("openblas") or not out["threads"] or out["threads"] < 2:
         pytest.skip(f"needs a threaded OpenBLAS: {out['kind']} on {out['threads']} threads")
+    # What it spares (~0.1 s of CPU a threaded call, measured) is a benchmark's figure
+    # (benchmarks/HISTORY.md, "OpenBLAS's idle threads sleep at once"), not a test's.
     assert out["timeout"] == blas.SPIN[1]
-    assert out["idle_cpu"] < 0.03, f"{out['idle_cpu']:.3f} s of CPU while idle"
     chosen = probe(tmp_path, {"OPENBLAS_THREAD_TIMEOUT": "28"}, code=IDLE)
     assert chosen["timeout"] == "28"
-    assert chosen["idle_cpu"] > out["idle_cpu"]  # (~0.1 s measured: the polling it spares)

@@ -138,7 +138,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(tmp_path, tiny):
         session = ChatSession(engine, tok, documents=[("a.txt", document)], max_tokens=400)
         run_chat(session, lambda: next(lines, None), write, notes.append)
         stats = engine.stats()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a loaded machine: the engine thread may lag
         while stats["requests_cancelled_total"] < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
             stats = engine.stats()
