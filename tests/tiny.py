@@ -72,6 +72,12 @@ SPARSE_AT_256 = {
     }
 }
 
+# The same 4-block selection, sparse from 512 tokens. In SPARSE_AT_256 a query below dense_len
+# sees at most 4 blocks, so sparse attention there equals dense and no test can tell whether a
+# chunk below dense_len ran the right mode; here a query at 256-511 sees 5-8 blocks and attends
+# 4, as the 9B's (96 of up to 128 below its dense_len 8192).
+SPARSE_AT_512 = {"sparse_config": {**SPARSE_AT_256["sparse_config"], "dense_len": 512}}
+
 
 def write_tiny_checkpoint(
     path: Path, raw: dict | None = None, seed: int = 0, max_shard_bytes: int | None = None

@@ -134,8 +134,9 @@ def test_rows_over_different_shared_keys_do_not_join(model):
             ModelCache.concat([early, other])
 
 
-def test_rows_leave_and_join(model):
-    """A finished row leaves (select) and a waiting one joins (concat) without disturbing others."""
+def test_rows_leave_and_join(model, engine_path):
+    """A finished row leaves (select) and a waiting one joins (concat) without disturbing others,
+    on either path."""
     doc = tokens(500, seed=3)
     suffixes = [tokens(n, seed=200 + n) for n in (4, 9, 2)]
     steps = [np.random.default_rng(30 + i).integers(3, 256, size=6).tolist() for i in range(3)]
@@ -163,8 +164,10 @@ def test_rows_leave_and_join(model):
     assert mx.abs(last[1] - want2[0]).max().item() < TOL
 
 
-def test_unrelated_prompts_of_different_lengths(model):
-    """Many short documents: separate prompts, one batch; rows on both sides of dense_len."""
+def test_unrelated_prompts_of_different_lengths(model, engine_path):
+    """Many short documents: separate prompts, one batch; rows on both sides of dense_len, on
+    either path (on the GPU path rows with no shared keys that end at different lengths are
+    each masked as their own, not with the fused causal mask of rows that end together)."""
     prompts = [tokens(n, seed=n) for n in (40, 250, 300, 7)]
     steps = [np.random.default_rng(50 + i).integers(3, 256, size=10).tolist() for i in range(4)]
     caches = []

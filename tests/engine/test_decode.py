@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_unflatten
 
 from salabatch.bench.graph import (
     decode_step,
@@ -21,7 +22,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.decode import decode
 from salabatch.engine.generate import Generator, Request, prefill
 from salabatch.engine.load import load_model
-from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, SPARSE_AT_512, tiny_config_dict, write_tiny_checkpoint
 
 TOL = 1e-5  # float32: the two steps differ by summation order only
 KERNELS_PER_STEP = 700  # the issue's budget for one decode step at the 9B's layout
@@ -30,6 +31,13 @@ KERNELS_PER_STEP = 700  # the issue's budget for one decode step at the 9B's lay
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("d"), tiny_config_dict(**SPARSE_AT_256))
+    return load_model(path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model_512(tmp_path_factory):
+    """Sparse from 512 tokens: a query at 256-511 sees more blocks than the 4 it attends."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("d512"), tiny_config_dict(**SPARSE_AT_512))
     return load_model(path, dtype="float32")
 
 
@@ -56,9 +64,19 @@ def rows_over(model, doc_len: int | None, suffixes=(5, 17, 2)) -> ModelCache:
 
 @pytest.mark.parametrize(
     "doc_len, label",
-    [(100, "dense"), (230, "crosses dense_len"), (700, "sparse"), (None, "own prompts")],
+    [
+        (100, "dense"),
+        (230, "crosses dense_len"),
+        (700, "sparse"),
+        (None, "own prompts"),
+        (490, "crosses dense_len 512"),  # rows at 492-507, each sparse from its token 512 on
+    ],
 )
-def test_compiled_step_equals_the_per_layer_step(model, doc_len, label, monkeypatch):
+def test_compiled_step_equals_the_per_layer_step(request, doc_len, label, monkeypatch):
+    """The rows of `crosses dense_len 512` turn sparse at different steps, where sparse is not
+    dense (`SPARSE_AT_512`); at dense_len 256 the query that turns sparse sees just the 4 blocks
+    it selects, so a step that turned one token late would give the same logits."""
+    model = request.getfixturevalue("model_512" if "512" in label else "model")
     per_layer, compiled = rows_over(model, doc_len), rows_over(model, doc_len)
     steps = np.random.default_rng(3).integers(3, 256, size=(40, 3))
     for t in range(40):
@@ -82,19 +100,27 @@ def test_compiled_step_equals_the_per_layer_step(model, doc_len, label, monkeypa
 
 def test_weights_loaded_after_fusing_are_used(model, monkeypatch):
     """Loading weights drops the fused projections (they would be stale): the step then runs
-    each projection on its own, with the new weights."""
+    each projection on its own, with the new weights; fused again, it runs the new weights
+    fused, and gives the same logits."""
     monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
     other = load_model(model.path, dtype="float32")
-    other.update(
-        {"model": {"norm": {"weight": other.model.norm.weight * 0.5}}}
-    )  # a change the fused buffers do not hold, and the fusion dropped with it
+    up = other.layers[1].mlp.up_proj.weight
+    other.update(  # a weight the fused buffers hold, and one they do not
+        tree_unflatten(
+            [
+                ("model.layers.1.mlp.up_proj.weight", up * 0.5),
+                ("model.norm.weight", other.model.norm.weight * 0.5),
+            ]
+        )
+    )
     assert all(layer.step_weights() == ((), ()) for layer in other.layers)
     ids = mx.array([7, 9, 11], dtype=mx.int32)
-    a, b = rows_over(model, 300), rows_over(other, 300)
-    assert not mx.allclose(decode(model, ids, a), decode(other, ids, b))
-    other.fuse()
-    c = rows_over(other, 300)
-    assert mx.allclose(decode(other, ids, c), decode(other, ids, rows_over(other, 300)))
+    unfused = decode(other, ids, rows_over(other, 300))
+    assert not mx.allclose(decode(model, ids, rows_over(model, 300)), unfused)
+    other.fuse()  # fused again, from the new weights: the same step as the unfused one
+    fused = decode(other, ids, rows_over(other, 300))
+    assert all(layer.step_weights() != ((), ()) for layer in other.layers)
+    assert mx.abs(fused - unfused).max().item() < TOL
 
 
 @pytest.fixture(scope="module")

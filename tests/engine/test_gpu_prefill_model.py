@@ -1,7 +1,8 @@
 """The model's invariants on the GPU path, run on any device (`SALABATCH_GPU_PATH=1`): chunked
-sparse prefill equal to one call (the stage-1 quirk lengths too) and questions prefilled on
-forks of a sparse document equal to each alone. Their CPU path twins are in test_model and
-test_batching; the golden vectors and the no-host-sync tests run on both paths themselves."""
+sparse prefill equal to one call (the stage-1 quirk lengths too, and chunks below a dense_len
+where sparse is not dense) and questions prefilled on forks of a sparse document equal to each
+alone. Their CPU path twins are in test_model and test_batching; the golden vectors and the
+no-host-sync tests run on both paths themselves."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def gpu_path(monkeypatch):
 
 
 sparse_model = test_model.sparse_model
+sparse_from_512 = test_model.sparse_from_512
 model = host_sync.model  # the same tiny sparse-from-256 checkpoint as test_batching's
 
 
@@ -30,6 +32,13 @@ model = host_sync.model  # the same tiny sparse-from-256 checkpoint as test_batc
 )
 def test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk):
     test_model.test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk)
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(700, 100), (1000, 128)], ids=["odd", "store"])
+def test_sparse_chunks_below_dense_len_run_sparse_as_one_call(sparse_from_512, length, chunk):
+    test_model.test_sparse_chunks_below_dense_len_run_sparse_as_one_call(
+        sparse_from_512, length, chunk
+    )
 
 
 def test_shared_prefix_batch_equals_each_alone(model):

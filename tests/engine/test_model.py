@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from salabatch.engine.load import load_model
-from tests.tiny import SPARSE_AT_256, L, S, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, SPARSE_AT_512, L, S, tiny_config_dict, write_tiny_checkpoint
 
 TOL_CHUNKED = 1e-4  # issue 2: chunked prefill equals one call within 1e-4 (fp32)
+TOL_DENSE_VS_SPARSE = 1e-3  # at least this apart: dense and 4-block attention (2-4e-2 measured)
 
 
 def prompt(n: int, seed: int = 0, vocab: int = 256) -> mx.array:
@@ -92,6 +93,15 @@ def sparse_model(tmp_path_factory):
     return load_model(path, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def sparse_from_512(tmp_path_factory):
+    """Sparse from 512 tokens, 4 blocks a query: below dense_len InfLLM-v2 is not dense."""
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("sparse512"), tiny_config_dict(**SPARSE_AT_512)
+    )
+    return load_model(path, dtype="float32")
+
+
 def planned_chunks(model, ids, chunk, trace=False):
     cache = model.make_cache()
     cache.plan_prefill(ids.shape[1])
@@ -113,6 +123,21 @@ def test_sparse_chunked_prefill_equals_one_call(sparse_model, length, chunk):
     whole = sparse_model(ids)
     chunked, _ = planned_chunks(sparse_model, ids, chunk)
     assert mx.abs(chunked - whole).max().item() < TOL_CHUNKED
+
+
+@pytest.mark.parametrize(
+    ("length", "chunk"), [(700, 100), (1000, 128), (600, 1)], ids=["odd", "store", "tokenwise"]
+)
+def test_sparse_chunks_below_dense_len_run_sparse_as_one_call(sparse_from_512, length, chunk):
+    """A prompt of ≥ dense_len tokens runs InfLLM-v2 from its first token on (SPEC P7), in
+    chunks too: its planned chunks below dense_len (512) run sparse, where a query at 256-511
+    attends 4 of its 5-8 blocks; a prompt under dense_len runs dense, and that differs."""
+    ids = prompt(length, seed=length)
+    whole = sparse_from_512(ids)
+    chunked, _ = planned_chunks(sparse_from_512, ids, chunk)
+    assert mx.abs(chunked - whole).max().item() < TOL_CHUNKED
+    dense = sparse_from_512(ids[:, :511])  # the same tokens as a prompt under dense_len
+    assert mx.abs(dense - whole[:, :511]).max().item() > TOL_DENSE_VS_SPARSE
 
 
 def test_sparse_mode_really_selects(sparse_model):

@@ -59,26 +59,29 @@ def lightning_kept(request, monkeypatch):
 
 @pytest.mark.parametrize("doc_len", [150, 600], ids=["dense", "sparse"])
 def test_rollback_keeps_exactly_the_tokens_kept(model, doc_len, engine_path, lightning_kept):
-    """Rows fed 7 tokens in one recorded pass, then rolled back to 1, 4 and 7 of them, continue
-    as rows that decoded just those tokens one by one (states, keys, chunks, positions); also
-    with 4 tokens kept by every row, and 0."""
+    """Rows fed 7 tokens in one recorded pass, then rolled back to 1, 4 and 7 of them (or 0, 3
+    and 7: a row keeping none beside rows keeping some), continue as rows that decoded just
+    those tokens one by one (states, keys, chunks, positions); also with 4 tokens kept by every
+    row, and 0."""
     _, doc = document(model, doc_len)
     fed = [ids(7, 20 + b) for b in range(3)]
-    keep = [1, 4, 7]
-    cache = doc.fork(3)
-    point = cache.checkpoint()
-    model(mx.array(fed), cache)
-    cache.rollback(point, keep)
-    after = model(mx.array([[9], [9], [9]]), cache)[:, -1]
-    for b in range(3):
-        alone = doc.fork(1)
-        for token in fed[b][: keep[b]]:
-            model(mx.array([[token]]), alone)
-        want = model(mx.array([[9]]), alone)[:, -1]
-        assert cache.positions[b] == alone.positions[0]
-        np.testing.assert_allclose(np.array(after[b]), np.array(want[0]), atol=ATOL)
-    sparse = next(c for c in cache if isinstance(c, SparseKVCache))
-    assert sparse.keys.lengths == [n - sparse.start + 1 for n in (doc_len + k for k in keep)]
+    for keep in ([1, 4, 7], [0, 3, 7]):
+        cache = doc.fork(3)
+        point = cache.checkpoint()
+        model(mx.array(fed), cache)
+        cache.rollback(point, keep)
+        after = model(mx.array([[9], [9], [9]]), cache)[:, -1]
+        for b in range(3):
+            alone = doc.fork(1)
+            for token in fed[b][: keep[b]]:
+                model(mx.array([[token]]), alone)
+            want = model(mx.array([[9]]), alone)[:, -1]
+            assert cache.positions[b] == alone.positions[0]
+            np.testing.assert_allclose(
+                np.array(after[b]), np.array(want[0]), atol=ATOL, err_msg=f"keep {keep}, row {b}"
+            )
+        sparse = next(c for c in cache if isinstance(c, SparseKVCache))
+        assert sparse.keys.lengths == [n - sparse.start + 1 for n in (doc_len + k for k in keep)]
     for same in (4, 0):  # every row alike
         cache = doc.fork(3)
         point = cache.checkpoint()
@@ -264,6 +267,19 @@ def test_greedy_speculation_on_the_gpu_path(model, monkeypatch):
     for draft in ("lookup", "layers"):
         spec = generate(model, reqs, doc, 4, draft, tokens=6)
         assert {k: g.tokens for k, g in spec.items()} == {k: g.tokens for k, g in plain.items()}
+
+
+def test_greedy_speculation_on_the_gpu_path_over_unrelated_prompts(model, monkeypatch):
+    """Pooled short documents, no shared prefix: a verify pass's rows end at different lengths
+    over their own keys only, and each is masked as its own (on the GPU path)."""
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    lengths = (5, 40, 17, 90)
+    reqs = [Request(f"q{i}", tuple(ids(n, i)), max_tokens=60) for i, n in enumerate(lengths)]
+    plain = generate(model, reqs, None, 4)
+    for draft in ("lookup", "layers"):
+        spec = generate(model, reqs, None, 4, draft, tokens=4)
+        assert {k: g.tokens for k, g in spec.items()} == {k: g.tokens for k, g in plain.items()}
+        assert sum(g.accepted_tokens for g in spec.values()) > 0, draft
 
 
 def test_stop_tokens_and_max_tokens_end_speculating_rows_as_plain_ones(model):

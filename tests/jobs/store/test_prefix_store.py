@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.generate import prefill
+from salabatch.engine.generate import Prefill, prefill
 from salabatch.engine.load import load_model
+from salabatch.engine.sparse_cache import SparseKVCache
 from salabatch.errors import CacheFormatError
 from salabatch.jobs.store.document_cache import DocumentCaches
 from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore, PrefixStoreWarning
-from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, SPARSE_AT_512, tiny_config_dict, write_tiny_checkpoint
 
 NEXT = [[7, 8, 9, 10, 11]]  # the continuation both caches are fed
 
@@ -32,6 +33,17 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(ckpt):
     return load_model(ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ckpt_512(tmp_path_factory):
+    """Sparse from 512 tokens: a chunk at 256-511 runs differently dense and sparse."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m512"), tiny_config_dict(**SPARSE_AT_512))
+
+
+@pytest.fixture(scope="module")
+def model_512(ckpt_512):
+    return load_model(ckpt_512, dtype="float32")
 
 
 def doc_ids(n: int) -> list[int]:
@@ -94,6 +106,21 @@ def test_saved_cache_keeps_format_1(model):
     want = {f"layers.{i}.{name}": n for i in (0, 3) for name, n in sparse.items()}
     assert {name: a.shape[2] for name, a in arrays.items() if "state" not in name} == want
     assert {name for name in arrays if "state" in name} == {"layers.1.state", "layers.2.state"}
+
+
+def test_a_snapshot_keeps_the_length_of_the_prompt_it_is_part_of(model):
+    """A mid-prefill snapshot saves the whole prompt's length beside its position, and loads
+    with it planned: its remaining chunks choose dense or sparse as one call over the prompt."""
+    cache = model.make_cache()
+    feed = Prefill(model, doc_ids(1000), cache, 128)
+    while feed.done < 512:
+        feed.step()
+    arrays, meta = cache.to_state()
+    assert (meta["position"], meta["prefill_len"]) == ("512", "1000")
+    loaded = ModelCache.from_state(arrays, meta, model.config)
+    assert loaded.positions == [512] and loaded.prefill_len == 1000
+    sparse = [c.prefill_len for c in loaded if isinstance(c, SparseKVCache)]
+    assert sparse == [1000] * len(model.config.sparse_layers)
 
 
 def test_inconsistent_states_are_refused(model):
@@ -186,7 +213,17 @@ def test_documents_are_prefilled_once_then_served_from_memory_and_disk(model, tm
     assert mx.array_equal(a, b)
 
 
-def test_killed_prefill_resumes_from_its_last_snapshot(model, ckpt, tmp_path):
+@pytest.mark.parametrize(
+    ("dense_len", "snapshot"),
+    [(256, 512), (512, 256)],
+    ids=["snapshot-above-dense_len", "snapshot-below-dense_len"],
+)
+def test_killed_prefill_resumes_from_its_last_snapshot(request, tmp_path, dense_len, snapshot):
+    """Killed between two snapshots, the prefill resumes from the last one and ends as one
+    uninterrupted prefill. From a snapshot below dense_len (512, where a chunk's mode shows) its
+    remaining chunks run sparse, as the whole 1000-token prompt's do in one call."""
+    at = "" if dense_len == 256 else "_512"
+    ckpt, model = (request.getfixturevalue(name + at) for name in ("ckpt", "model"))
     ids = doc_ids(1000)
     root = tmp_path / "store"
     result = run_in_new_process(
@@ -199,7 +236,7 @@ def test_killed_prefill_resumes_from_its_last_snapshot(model, ckpt, tmp_path):
         model = load_model({str(ckpt)!r}, dtype="float32")
         key = PrefixKey.of("tiny", "m" * 64, "t" * 64, "float32", {ids!r})
         def progress(done, total):
-            if done >= 640:  # after the snapshot at 512, before the next at 768
+            if done >= {snapshot + 128}:  # after the snapshot, before the next one
                 os.kill(os.getpid(), signal.SIGKILL)
         caches = DocumentCaches(model, PrefixStore({str(root)!r}), chunk=128, snapshot_every=256)
         caches.get(key, {ids!r}, progress)
@@ -207,9 +244,9 @@ def test_killed_prefill_resumes_from_its_last_snapshot(model, ckpt, tmp_path):
     )
     assert result.returncode == -9, result.stderr
     store = PrefixStore(root)
-    assert [(e.kind, e.tokens) for e in store.entries()] == [("snapshot", 512)]
+    assert [(e.kind, e.tokens) for e in store.entries()] == [("snapshot", snapshot)]
     resumed = DocumentCaches(model, store, chunk=128, snapshot_every=256).get(key_for(ids), ids)
-    assert resumed.source == "none" and resumed.resumed_from == 512
+    assert resumed.source == "none" and resumed.resumed_from == snapshot
     assert [e.kind for e in store.entries()] == ["prefix"]  # snapshots dropped once complete
     fresh = model.make_cache()
     prefill(model, ids, fresh)
