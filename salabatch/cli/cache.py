@@ -43,7 +43,7 @@ def cache_ls(root: str | None) -> None:
     import time
 
     store = _store(root)
-    entries = store.entries()
+    entries, temps = store.listing()
     if not entries:
         click.echo("no stored prefixes")
     else:
@@ -62,7 +62,7 @@ def cache_ls(root: str | None) -> None:
             )
         total = sum(e.bytes for e in entries)
         click.echo(f"{len(entries)} entries, {human_size(total)}")
-    stale = [t for t in store.temps() if t.stale]
+    stale = [t for t in temps if t.stale]
     if stale:
         click.echo(
             f"{len(stale)} stale temporary files, {human_size(sum(t.bytes for t in stale))} "

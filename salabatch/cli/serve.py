@@ -135,12 +135,17 @@ def serve(
     from salabatch.serve.batches.store import BatchStore
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
-    engine, tok = _engine(
-        model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
-    )
+    # first: a second server on this state dir is refused before a model loads
+    store = BatchStore(os.path.join(os.path.expanduser(state_dir or cache_dir()), "batches"))
+    try:
+        engine, tok = _engine(
+            model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
+        )
+    except BaseException:
+        store.close()
+        raise
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
-    store = BatchStore(os.path.join(os.path.expanduser(state_dir or cache_dir()), "batches"))
     runner = BatchRunner(engine, tok, store, model_id=model_id, defaults=defaults)
     app = create_app(
         engine,

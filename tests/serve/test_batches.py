@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletion
 
 from salabatch.serve.batches.routes import batch_routes
 from salabatch.serve.batches.runner import BatchRunner
-from salabatch.serve.batches.store import BatchStore
+from salabatch.serve.batches.store import BatchStore, StateDirBusy
 from salabatch.serve.engine import ServeEngine
 from tests.serve.test_http import DOCS, MODEL, Served
 from tests.serve.test_http import QUESTIONS as ASKED
@@ -288,6 +288,14 @@ def test_a_restart_mid_batch_answers_every_line_once(tiny, tmp_path):
         out = s.output(batch.output_file_id)
         assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
         assert len({o["id"] for o in out}) == 16
+
+
+def test_a_second_server_on_the_same_state_dir_is_refused(tiny, tmp_path):
+    # Both would run its open batches: lines answered twice, a batch finalized twice.
+    busy = pytest.raises(StateDirBusy, match="another salabatch serve holds this state dir")
+    with Server(tiny, tmp_path), busy:
+        BatchStore(tmp_path / "batches")
+    BatchStore(tmp_path / "batches").close()  # free once the first one closed
 
 
 def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):

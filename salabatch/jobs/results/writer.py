@@ -96,12 +96,6 @@ class ResultWriter:
                     expected=e.expected,
                     got=e.got,
                 ) from None
-        try:
-            self.parts_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OutputError(
-                f"cannot create the parts folder ({error_text(e)})", path=self.parts_dir
-            ) from e
         self._lock_fd = _lock(self.parts_dir / "LOCK", self.path)
         try:
             self._open()
@@ -287,26 +281,45 @@ def _touch_durably(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+_LOCK_TRIES = 100  # another writer ending idle removes the parts folder: rare, and quick
+
+
 def _lock(lock_path: Path, results: Path) -> int:
-    """An exclusive flock on `lock_path`; the kernel drops it when the process dies."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise OutputError(f"cannot create the lock file ({error_text(e)})", path=lock_path) from e
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): one writer per file is then up to the user
-        return fd
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise OutputError(
-            "another salabatch run is writing this results file (it holds "
-            f"{lock_path.name} in {lock_path.parent.name}/)",
-            path=results,
-        ) from None
-    return fd
+    """An exclusive flock on `lock_path` in the parts folder (made if missing); the kernel drops
+    it when the process dies. A writer that ends idle removes the lock file and the folder while
+    it holds the lock (`_unlock`): a lock taken on the file it removed guards nothing, so it is
+    taken again on the file there now, the folder made again."""
+    folder = lock_path.parent
+    for _ in range(_LOCK_TRIES):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except (FileExistsError, FileNotFoundError) as e:
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                raise OutputError(f"cannot create the parts folder ({error_text(e)})", path=folder)
+            continue  # the folder removed while it was made or opened, by a writer ending
+        except OSError as e:
+            raise OutputError(f"cannot create the parts folder ({error_text(e)})", path=folder) from e
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): one writer per file is then up to the user
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise OutputError(
+                "another salabatch run is writing this results file (it holds "
+                f"{lock_path.name} in {folder.name}/)",
+                path=results,
+            ) from None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed (or replaced) before we had it: try the one there now
+    raise OutputError("the parts folder kept being removed and made again; try again", path=folder)
 
 
 def _now_iso() -> str:

@@ -201,6 +201,16 @@ class PrefixStore:
         budget includes them)."""
         return self._temps(self._scan()[1])
 
+    def listing(self) -> tuple[list[Entry], list[Temp]]:
+        """`entries()` and `temps()` read together under the shared lock, as `cache ls` shows
+        them: a write in progress (its data file before its manifest) is not taken for one a
+        killed writer left."""
+        if not self.root.is_dir():
+            return [], []  # nothing stored, and looking makes nothing
+        with self._flock(shared=True):  # not opened: what killed writers left is listed, kept
+            entries, unaccounted = self._scan()
+            return entries, self._temps(unaccounted)
+
     def _temps(self, unaccounted: list[Path]) -> list[Temp]:
         folders = [self.root, self.root / "prefixes", self.root / "models"]
         folders += _glob(self.root, "snapshots/*")
@@ -320,10 +330,16 @@ class PrefixStore:
 
     @contextlib.contextmanager
     def _lock(self, shared: bool = False) -> Iterator[None]:
+        """The store opened (`_open`), then `_flock`."""
+        self._open()
+        with self._flock(shared):
+            yield
+
+    @contextlib.contextmanager
+    def _flock(self, shared: bool = False) -> Iterator[None]:
         """flock on the store: many readers, one writer, across processes. A reader that
         cannot make the lock file (a read-only or foreign store) reads unlocked: each entry
         is verified as it is read anyway."""
-        self._open()
         with contextlib.ExitStack() as stack:
             try:
                 f = stack.enter_context(open(self.root / ".lock", "a+"))

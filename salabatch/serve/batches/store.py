@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from salabatch.errors import not_utf8
+from salabatch.errors import SalabatchError, not_utf8
 from salabatch.files import fsync_dir, fsync_path, temp_path
 
 SCHEMA = """
@@ -61,13 +61,41 @@ def _setup(db: sqlite3.Connection) -> None:
             time.sleep(0.05)
 
 
+class StateDirBusy(SalabatchError):
+    """Another server's batches live in this state dir: a second one would run them too."""
+
+    exit_code = 2
+
+
+def _own(root: Path) -> BinaryIO:
+    """`root/.lock`, flocked exclusively (kept open while the store is), or StateDirBusy."""
+    owner = open(root / ".lock", "a+b")  # noqa: SIM115 (held until the store closes)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one server per state dir is up to the user
+        return owner
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner.close()
+        raise StateDirBusy(
+            "another salabatch serve holds this state dir (its .lock): its batches would run "
+            "twice; give this server its own --state-dir",
+            path=root,
+        ) from None
+    return owner
+
+
 class BatchStore:
-    """Files and batches under `root` (made if missing)."""
+    """Files and batches under `root` (made if missing), one server's at a time: it holds an
+    exclusive flock on `root/.lock` until closed (the kernel drops it when the process dies);
+    StateDirBusy while another holds it."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        self._owner = _own(self.root)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.root / "batches.sqlite",
@@ -80,6 +108,7 @@ class BatchStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._owner.close()
 
     def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:

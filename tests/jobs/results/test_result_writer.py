@@ -252,3 +252,32 @@ def test_sigkill_loses_no_finished_row_and_resume_completes(tmp_path, resume, mo
     assert sorted(keys) == sorted(batch_keys(range(N_BATCHES)) | (old if resume else set()))
     assert len(keys) == len(set(keys))
     assert not (tmp_path / "r.parquet.parts").exists()  # temp files and parts cleaned up
+
+
+def test_a_lock_taken_on_the_lock_file_an_ending_writer_removed_is_taken_again(
+    tmp_path, monkeypatch
+):
+    # A writer ending idle removes LOCK and the parts folder while it holds the lock; a run that
+    # opened that LOCK just before gets its flock once it is released, on a file no longer there:
+    # a third run would then lock a new LOCK, and two writers hold one results file.
+    from salabatch.jobs.results import writer as module
+
+    path = tmp_path / "r.parquet"
+    opened = []
+    real_open = os.open
+
+    def open_then_the_other_ends(name, *args):
+        fd = real_open(name, *args)
+        if str(name).endswith("LOCK") and not opened:  # the other writer ends just now
+            os.unlink(name)
+            os.rmdir(os.path.dirname(name))
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(module.os, "open", open_then_the_other_ends)
+    with writer(path) as out:
+        lock = out.parts_dir / "LOCK"
+        assert len(opened) == 2  # the removed file, then the one there now
+        assert os.path.samestat(os.fstat(out._lock_fd), os.stat(lock))
+        with pytest.raises(OutputError, match="another salabatch run is writing"):
+            writer(path).__enter__()

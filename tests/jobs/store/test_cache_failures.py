@@ -403,3 +403,28 @@ def test_the_lengths_of_the_stored_prefixes_follow_the_folder(model, tmp_path):
     assert store.prefix_lengths() == {300, 310}
     store.prune(older_than_s=-1)  # every entry
     assert store.prefix_lengths() == frozenset() and not store.has(first)
+
+
+def test_cache_ls_waits_for_a_write_in_progress_instead_of_calling_it_stale(model, tmp_path):
+    """A writer holds the exclusive lock from its data file to its manifest: `cache ls`
+    (`listing`) reads under the shared lock, so it never sees the one without the other."""
+    import fcntl
+    import threading
+
+    root = tmp_path / "store"
+    key = stored(model, root, 300)
+    manifest = root / "prefixes" / f"{key.digest}.json"
+    held = manifest.read_bytes()
+    manifest.unlink()  # between the writer's two renames...
+    listed = []
+    with open(root / ".lock", "a+") as lock:  # ...which it does under the exclusive lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reader = threading.Thread(target=lambda: listed.append(PrefixStore(root).listing()))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not listed  # waits for the write
+        manifest.write_bytes(held)  # the write ends
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    reader.join(60)
+    ((entries, temps),) = listed
+    assert [e.digest for e in entries] == [key.digest] and temps == []
