@@ -137,3 +137,18 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def lock_now(fd: int) -> bool:
+    """An exclusive flock on the open file `fd`, without waiting: True when taken (or where
+    there is no flock, Windows: one writer is then up to the user), False while another
+    process holds it. The kernel drops it when the file closes or the process dies."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
-from salabatch.files import fsync, fsync_dir, is_temp, write_atomic
+from salabatch.files import fsync, fsync_dir, is_temp, lock_now, write_atomic
 from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
 from salabatch.jobs.results.read import (
     FRESH,
@@ -300,19 +300,13 @@ def _lock(lock_path: Path, results: Path) -> int:
             continue  # the folder removed while it was made or opened, by a writer ending
         except OSError as e:
             raise OutputError(f"cannot create the parts folder ({error_text(e)})", path=folder) from e
-        try:
-            import fcntl
-        except ImportError:  # no flock (Windows): one writer per file is then up to the user
-            return fd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not lock_now(fd):
             os.close(fd)
             raise OutputError(
                 "another salabatch run is writing this results file (it holds "
                 f"{lock_path.name} in {folder.name}/)",
                 path=results,
-            ) from None
+            )
         try:
             if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
                 return fd

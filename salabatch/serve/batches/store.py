@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from salabatch.errors import SalabatchError, not_utf8
-from salabatch.files import fsync_dir, fsync_path, temp_path
+from salabatch.files import fsync_dir, fsync_path, lock_now, temp_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -70,19 +70,13 @@ class StateDirBusy(SalabatchError):
 def _own(root: Path) -> BinaryIO:
     """`root/.lock`, flocked exclusively (kept open while the store is), or StateDirBusy."""
     owner = open(root / ".lock", "a+b")  # noqa: SIM115 (held until the store closes)
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): one server per state dir is up to the user
-        return owner
-    try:
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if not lock_now(owner.fileno()):
         owner.close()
         raise StateDirBusy(
             "another salabatch serve holds this state dir (its .lock): its batches would run "
             "twice; give this server its own --state-dir",
             path=root,
-        ) from None
+        )
     return owner
 
 
