@@ -204,9 +204,11 @@ class _Reader:
             rope_theta=g("rope_theta", float, 10000.0, positive=True),
             max_position_embeddings=g("max_position_embeddings", int, 524288, positive=True),
             # muP multipliers: 0 erases the embeddings or every layer, < 0 flips their sign.
-            scale_emb=g("scale_emb", float, 1.0, positive=True),
-            scale_depth=g("scale_depth", float, 1.0, positive=True),
-            dim_model_base=g("dim_model_base", int, hidden, positive=True),
+            # Required: HF's config class and a plain LLaMA would default them differently
+            # (12, 1.4, 256 against 1, 1, hidden), and either guess changes every logit silently.
+            scale_emb=g("scale_emb", float, positive=True),
+            scale_depth=g("scale_depth", float, positive=True),
+            dim_model_base=g("dim_model_base", int, positive=True),
             mup_denominator=g("mup_denominator", int, None),
             tie_word_embeddings=g("tie_word_embeddings", bool, False),
             bos_token_id=g("bos_token_id", int, None),
@@ -324,8 +326,21 @@ class _Reader:
         return tuple(_typed(v, int, self.path, "eos_token_id", False) for v in items)
 
     def _quantization(self) -> QuantConfig | None:
+        """MLX's `quantization`; else an MLX-shaped `quantization_config` (mlx-lm writes both,
+        alike). A `quantization_config` with a `quant_method` (GPTQ, AWQ, bitsandbytes, FP8)
+        packs its weights otherwise: refused here by name, not later as a list of tensors."""
         raw = self.get("quantization", dict, None)
-        self.used.add("quantization_config")  # mlx-lm writes both; they agree
+        other = self.get("quantization_config", dict, None)
+        if raw is None and other is not None:
+            if "quant_method" in other:
+                raise ConfigError(
+                    "unsupported quantization: salabatch reads MLX's affine quantization "
+                    "(`salabatch convert` makes it from the bf16 checkpoint)",
+                    path=self.path,
+                    field="quantization_config.quant_method",
+                    got=other["quant_method"],
+                )
+            raw = other
         if raw is None:
             return None
         group = _typed(raw.get("group_size"), int, self.path, "quantization.group_size", True)

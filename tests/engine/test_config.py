@@ -130,6 +130,15 @@ def test_golden_config_loads(golden_dir):
         (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
         (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+        # muP multipliers have no safe default: a guess would change every logit silently
+        (lambda c: c.pop("scale_emb"), "scale_emb"),
+        (lambda c: c.pop("scale_depth"), "scale_depth"),
+        (lambda c: c.pop("dim_model_base"), "dim_model_base"),
+        # another scheme's packing: refused by name, not as a list of unexpected tensors
+        (
+            lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
+            "quantization_config.quant_method",
+        ),
     ],
 )
 def test_errors_name_file_and_field(tmp_path, change, field):
@@ -175,3 +184,14 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_an_mlx_quantization_config_alone_is_read_as_quantization(tmp_path):
+    # mlx-lm writes both `quantization` and `quantization_config`; one with the latter alone
+    # was taken for full precision and then failed on its .scales and .biases
+    raw = config_9b()
+    raw["quantization_config"] = {"group_size": 64, "bits": 8}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    cfg = ModelConfig.from_file(path)
+    assert (cfg.quantization.group_size, cfg.quantization.bits) == (64, 8)
