@@ -177,7 +177,8 @@ def check(plan: MemoryPlan, free: int) -> None:
     already) exceeds `free`, in one line naming both."""
     needs = plan.peak - plan.weights
     if needs > free:
+        shown = gb if gb(needs) != gb(free) else (lambda n: f"{n / 2**20:.1f} MB")
         raise OutOfMemoryError(
-            f"needs {gb(needs)} more than the weights ({plan.line()}) and {gb(free)} is free: "
-            "lower engine.prefill_chunk or engine.batch_size, or free memory"
+            f"needs {shown(needs)} more than the weights ({plan.line()}) and {shown(free)} is "
+            "free: lower engine.prefill_chunk or engine.batch_size, or free memory"
         )

@@ -5,6 +5,8 @@ refused in one line naming both figures."""
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -55,6 +57,12 @@ def test_a_plan_that_does_not_fit_is_refused_naming_both(model):
     memory.check(plan, free=plan.peak)  # fits: the weights are loaded already
     with pytest.raises(OutOfMemoryError, match=r"needs .* GB more .* and 0\.10 GB is free"):
         memory.check(plan, free=int(0.1 * memory.GB))
+    # a shortfall under what two decimals of GB show is said in MB, never "needs X and X free"
+    needs = plan.peak - plan.weights
+    with pytest.raises(OutOfMemoryError) as e:
+        memory.check(plan, free=needs - (1 << 20))
+    needed, free = re.findall(r"needs (\S+ MB) more .* and (\S+ MB) is free", str(e.value))[0]
+    assert needed != free
 
 
 def test_checkpoint_weights_are_counted_without_loading(model):

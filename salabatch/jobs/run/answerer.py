@@ -189,6 +189,7 @@ class Answerer:
         # no context: each prompt holds its document, and the drafter searches the prompt
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
+            memory.check(self.pool_memory_plan(pool), memory.available_bytes(on_gpu()))
             for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
                 row, plan = by_key.pop(g.request.id)
                 yield [self._row(row, plan, g, None, started)]
@@ -197,6 +198,23 @@ class Answerer:
         except Exception as e:
             reason = self._report(e, "a pooled batch")
             yield [self._error_row(r, plan, reason) for r, plan in by_key.values()]
+
+    def pool_memory_plan(self, pool: list[tuple[Row, DocPlan]]) -> memory.MemoryPlan:
+        """What a pooled batch holds at its peak: no shared prefix, a batch of rows each with
+        its whole prompt (its document and question) and answer, the longest deciding, and a
+        prefill chunk's temporaries."""
+        engine = self.spec.engine
+        longest = max(len(plan.doc_prompt or ()) + len(r.prompt) + r.max_tokens for r, plan in pool)
+        return memory.plan_memory(
+            self.model.config,
+            weights=memory.weights_bytes(self.model),
+            doc_tokens=0,
+            chunk=engine.prefill_chunk,
+            batch=min(engine.batch_size, len(pool)),
+            row_tokens=longest,
+            itemsize=self.model.dtype.size,
+            gpu=on_gpu(),
+        )
 
     def _decode(
         self, requests: list[Request], prefix: ModelCache | None, what: str

@@ -9,13 +9,14 @@ written.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.results.read import parts_dir_of, read_results
 from salabatch.jobs.results.writer import stale_rows
 from salabatch.jobs.run.openai_batch import plan_requests
-from salabatch.jobs.run.plan import Limit, Planner
+from salabatch.jobs.run.plan import DocPlan, Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
@@ -45,9 +46,12 @@ def dry_run(
         echo(f"  {q.id}: {q.text}")
     echo("documents:")
     cut = Limit(limit)
-    rows, prefill, cached, longest = _show_documents(setup, planner, cut, echo)
+    rows, prefill, cached, largest = _show_documents(setup, planner, cut, echo)
     if spec.requests and not cut.cut:
         plans = list(cut.take(plan_requests(spec, setup.tok, planner)))
+        for plan in plans:
+            if not plan.error:
+                largest.add(plan, setup.is_pooled(plan))
         todo = sum(len(p.rows) for p in plans)
         bad = sum(len(p.rows) for p in plans if p.error)
         shared = [p for p in plans if p.doc_prompt is not None]
@@ -64,21 +68,43 @@ def dry_run(
         f"plan: {rows} row(s) to do{later}, {skipped} already done; prefill {prefill} document "
         f"tokens, {cached} from stored prefixes"
     )
-    if longest[0]:
-        echo(_memory_line(setup, config, *longest))
+    if largest.document:
+        what = f"the longest document ({largest.document} tokens)"
+        echo(_memory_line(setup, config, largest.document, largest.row, what))
+    if largest.pooled:
+        what = f"the longest pooled row ({largest.pooled} tokens, its document with it)"
+        echo(_memory_line(setup, config, 0, largest.pooled, what))
     # a run cut by --limit drops nothing: it has not seen the whole job
     stale = len(earlier.keys() - planner.job_keys) if resume and not cut.cut else 0
     if stale:
         echo(stale_rows(stale))
 
 
+@dataclass
+class _Largest:
+    """What decides a run's peak memory: the longest document prompt answered from its own
+    prefix and its longest row (question and answer), the longest pooled row (its whole
+    prompt, document included, and its answer)."""
+
+    document: int = 0
+    row: int = 0
+    pooled: int = 0
+
+    def add(self, plan: DocPlan, pooled: bool) -> None:
+        own = max(len(r.prompt) + r.max_tokens for r in plan.rows)
+        if pooled:
+            self.pooled = max(self.pooled, len(plan.doc_prompt or ()) + own)
+        else:
+            self.document, self.row = max(self.document, plan.doc_tokens), max(self.row, own)
+
+
 def _show_documents(
     setup: JobSetup, planner: Planner, cut: Limit, echo: Callable[[str], None]
-) -> tuple[int, int, int, tuple[int, int]]:
+) -> tuple[int, int, int, _Largest]:
     """One line per document the run would take (`cut`: its --limit); returns (rows to do,
-    tokens to prefill, tokens already stored, (the longest document prompt answered from its
-    own prefix, its longest row: question and answer))."""
-    rows = prefill = cached = longest = row_tokens = 0
+    tokens to prefill, tokens already stored, what decides the peak memory)."""
+    rows = prefill = cached = 0
+    largest = _Largest()
     for plan in cut.take(planner.documents()):
         rows += len(plan.rows)
         if plan.error:
@@ -86,12 +112,11 @@ def _show_documents(
             continue
         pages = f", {plan.doc.n_pages} pages" if plan.doc.n_pages else ""
         notes = "".join(f", {n}" for n in plan.notes)
+        largest.add(plan, setup.is_pooled(plan))
         if setup.is_pooled(plan):
             state = "short: prefilled with each question, batched across documents"
             prefill += plan.doc_tokens * len(plan.rows)
         else:
-            longest = max(longest, plan.doc_tokens)
-            row_tokens = max(row_tokens, *(len(r.prompt) + r.max_tokens for r in plan.rows))
             hit = setup.store is not None and setup.store.has(setup.prefix_key(plan))
             cached += plan.doc_tokens if hit else 0
             prefill += 0 if hit else plan.doc_tokens
@@ -100,11 +125,14 @@ def _show_documents(
             f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, {len(plan.rows)} row(s), "
             f"{state}{notes}"
         )
-    return rows, prefill, cached, (longest, row_tokens)
+    return rows, prefill, cached, largest
 
 
-def _memory_line(setup: JobSetup, config: ModelConfig, doc_tokens: int, row_tokens: int) -> str:
-    """The predicted peak of the run at its longest document, and the memory free now."""
+def _memory_line(
+    setup: JobSetup, config: ModelConfig, doc_tokens: int, row_tokens: int, what: str
+) -> str:
+    """The predicted peak of the run at `what` (a document prefix of `doc_tokens`, rows of
+    `row_tokens` each), and the memory free now."""
     import mlx.core as mx
 
     from salabatch.engine import memory
@@ -124,10 +152,7 @@ def _memory_line(setup: JobSetup, config: ModelConfig, doc_tokens: int, row_toke
     )
     free = memory.available_bytes(on_gpu())
     fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses such documents"
-    return (
-        f"memory: the longest document ({doc_tokens} tokens) needs {plan.line()}; "
-        f"{memory.gb(free)} free now ({fits})"
-    )
+    return f"memory: {what} needs {plan.line()}; {memory.gb(free)} free now ({fits})"
 
 
 def _earlier_rows(path: Path) -> dict[str, bool]:

@@ -390,8 +390,9 @@ def test_cache_ls_names_the_documents_of_the_stored_prefixes(tmp_path, tiny_mode
 def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
     tmp_path, tiny_model, monkeypatch
 ):
-    """Each document is planned before its prefill: one that needs more memory than is free
-    becomes error rows saying both figures, the run goes on; the dry run prints the plan."""
+    """Each document, and each pooled batch of short ones, is planned before its prefill: one
+    that needs more memory than is free becomes error rows saying both figures, the run goes
+    on; the dry run prints the plan."""
     from salabatch.engine import memory
 
     write_docs(tmp_path)
@@ -400,10 +401,19 @@ def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
     assert re.search(
         r"memory: the longest document \(\d+ tokens\) needs about .* free now", plan.output
     )
+    assert re.search(  # notes.txt, short: pooled
+        r"memory: the longest pooled row \(\d+ tokens, its document with it\) needs about",
+        plan.output,
+    )
     monkeypatch.setattr(memory, "available_bytes", lambda gpu: 1 << 20)
     result = run_cli("run", str(job))
     assert result.exit_code == 3, result.output
     refused = [r for r in rows(tmp_path) if r["status"] == "error"]
     assert refused and all("is free" in r["error"] and "GB" in r["error"] for r in refused)
     assert "error in document" in result.output and "OutOfMemoryError" in result.output
-    assert any(r["status"] == "ok" for r in rows(tmp_path))  # pooled short ones still answered
+    # the pooled short one too (it was answered whatever memory was free)
+    assert "error in a pooled batch: OutOfMemoryError" in result.output
+    assert len(refused) == len(rows(tmp_path)) == 9
+    monkeypatch.undo()
+    again = run_cli("run", str(job), "--retry-errors")
+    assert again.exit_code == 0 and all(r["status"] == "ok" for r in rows(tmp_path))
