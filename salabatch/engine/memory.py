@@ -80,6 +80,49 @@ def plan_memory(
     )
 
 
+def document_plan(
+    cfg: ModelConfig,
+    *,
+    weights: int,
+    doc_tokens: int,
+    rows: list[int],
+    chunk: int,
+    batch_size: int,
+    itemsize: int,
+    gpu: bool,
+) -> MemoryPlan:
+    """A document answered from its own prefix of `doc_tokens`: its `rows` (each a question
+    and its answer, in tokens) decode `batch_size` at a time over forks of it, each holding
+    its own tail (up to a level-2 compression stride of the document, twice) and the longest
+    row, as the model's context allows."""
+    tail = 2 * cfg.sparse.compression[1][1]
+    longest = min(max(rows), cfg.max_position_embeddings)
+    return plan_memory(
+        cfg, weights=weights, doc_tokens=doc_tokens, chunk=chunk,
+        batch=min(batch_size, len(rows)), row_tokens=tail + longest, itemsize=itemsize, gpu=gpu,
+    )  # fmt: skip
+
+
+def pooled_plan(
+    cfg: ModelConfig,
+    *,
+    weights: int,
+    rows: list[int],
+    chunk: int,
+    batch_size: int,
+    itemsize: int,
+    gpu: bool,
+) -> MemoryPlan:
+    """A pooled batch of `rows`, each its whole prompt (its document too) and answer in
+    tokens, decoded `batch_size` at a time with no shared prefix; the longest decides, as the
+    model's context allows."""
+    longest = min(max(rows), cfg.max_position_embeddings)
+    return plan_memory(
+        cfg, weights=weights, doc_tokens=0, chunk=chunk, batch=min(batch_size, len(rows)),
+        row_tokens=longest, itemsize=itemsize, gpu=gpu,
+    )  # fmt: skip
+
+
 def weights_bytes(model) -> int:
     """Bytes of a loaded model's parameters."""
     from mlx.utils import tree_flatten

@@ -164,17 +164,14 @@ class Answerer:
             yield [self._error_row(r, plan, reason) for r in rows.values()]
 
     def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
-        """What answering `plan` holds at its peak: the document's cache, a batch of its rows
-        (each a fork's tail, its question and its answer), a prefill chunk's temporaries."""
-        engine = self.spec.engine
-        longest = max(len(r.prompt) + r.max_tokens for r in plan.rows)
-        return memory.plan_memory(
+        """What answering `plan` from its document's prefix holds at its peak."""
+        return memory.document_plan(
             self.model.config,
             weights=memory.weights_bytes(self.model),
             doc_tokens=len(plan.doc_prompt),
-            chunk=engine.prefill_chunk,
-            batch=min(engine.batch_size, len(plan.rows)),
-            row_tokens=2 * self.model.config.sparse.compression[1][1] + longest,
+            rows=[len(r.prompt) + r.max_tokens for r in plan.rows],
+            chunk=self.spec.engine.prefill_chunk,
+            batch_size=self.spec.engine.batch_size,
             itemsize=self.model.dtype.size,
             gpu=on_gpu(),
         )
@@ -200,18 +197,14 @@ class Answerer:
             yield [self._error_row(r, plan, reason) for r, plan in by_key.values()]
 
     def pool_memory_plan(self, pool: list[tuple[Row, DocPlan]]) -> memory.MemoryPlan:
-        """What a pooled batch holds at its peak: no shared prefix, a batch of rows each with
-        its whole prompt (its document and question) and answer, the longest deciding, and a
-        prefill chunk's temporaries."""
-        engine = self.spec.engine
-        longest = max(len(plan.doc_prompt or ()) + len(r.prompt) + r.max_tokens for r, plan in pool)
-        return memory.plan_memory(
+        """What a pooled batch holds at its peak (no shared prefix: each row its whole
+        prompt, its document too)."""
+        return memory.pooled_plan(
             self.model.config,
             weights=memory.weights_bytes(self.model),
-            doc_tokens=0,
-            chunk=engine.prefill_chunk,
-            batch=min(engine.batch_size, len(pool)),
-            row_tokens=longest,
+            rows=[len(plan.doc_prompt or ()) + len(r.prompt) + r.max_tokens for r, plan in pool],
+            chunk=self.spec.engine.prefill_chunk,
+            batch_size=self.spec.engine.batch_size,
             itemsize=self.model.dtype.size,
             gpu=on_gpu(),
         )

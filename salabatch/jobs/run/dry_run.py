@@ -9,7 +9,7 @@ written.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from salabatch.engine.config import ModelConfig
@@ -70,10 +70,10 @@ def dry_run(
     )
     if largest.document:
         what = f"the longest document ({largest.document} tokens)"
-        echo(_memory_line(setup, config, largest.document, largest.row, what))
+        echo(_memory_line(setup, config, largest, what, pooled=False))
     if largest.pooled:
-        what = f"the longest pooled row ({largest.pooled} tokens, its document with it)"
-        echo(_memory_line(setup, config, 0, largest.pooled, what))
+        what = f"the longest pooled row ({max(largest.pooled)} tokens, its document with it)"
+        echo(_memory_line(setup, config, largest, what, pooled=True))
     # a run cut by --limit drops nothing: it has not seen the whole job
     stale = len(earlier.keys() - planner.job_keys) if resume and not cut.cut else 0
     if stale:
@@ -82,20 +82,20 @@ def dry_run(
 
 @dataclass
 class _Largest:
-    """What decides a run's peak memory: the longest document prompt answered from its own
-    prefix and its longest row (question and answer), the longest pooled row (its whole
-    prompt, document included, and its answer)."""
+    """What decides a run's peak memory, as the run plans it (`engine.memory`): the longest
+    document prompt answered from its own prefix and its rows (question and answer, in
+    tokens); every pooled row (its whole prompt, document included, and its answer)."""
 
     document: int = 0
-    row: int = 0
-    pooled: int = 0
+    rows: list[int] = field(default_factory=list)
+    pooled: list[int] = field(default_factory=list)
 
     def add(self, plan: DocPlan, pooled: bool) -> None:
-        own = max(len(r.prompt) + r.max_tokens for r in plan.rows)
+        own = [len(r.prompt) + r.max_tokens for r in plan.rows]
         if pooled:
-            self.pooled = max(self.pooled, len(plan.doc_prompt or ()) + own)
-        else:
-            self.document, self.row = max(self.document, plan.doc_tokens), max(self.row, own)
+            self.pooled += [len(plan.doc_prompt or ()) + n for n in own]
+        elif plan.doc_tokens > self.document:
+            self.document, self.rows = plan.doc_tokens, own
 
 
 def _show_documents(
@@ -129,10 +129,10 @@ def _show_documents(
 
 
 def _memory_line(
-    setup: JobSetup, config: ModelConfig, doc_tokens: int, row_tokens: int, what: str
+    setup: JobSetup, config: ModelConfig, largest: _Largest, what: str, *, pooled: bool
 ) -> str:
-    """The predicted peak of the run at `what` (a document prefix of `doc_tokens`, rows of
-    `row_tokens` each), and the memory free now."""
+    """The peak the run plans for `what` (its longest document, or its pooled rows, as the
+    run's own check sizes them), and the memory free now."""
     import mlx.core as mx
 
     from salabatch.engine import memory
@@ -140,18 +140,19 @@ def _memory_line(
 
     engine = setup.spec.engine
     itemsize = getattr(mx, setup.dtype).size
-    plan = memory.plan_memory(
-        config,
-        weights=memory.checkpoint_weights_bytes(setup.model_path, config, itemsize),
-        doc_tokens=doc_tokens,
-        chunk=engine.prefill_chunk,
-        batch=engine.batch_size,
-        row_tokens=2 * config.sparse.compression[1][1] + row_tokens,
-        itemsize=itemsize,
-        gpu=on_gpu(),
-    )
+    sizes = {
+        "weights": memory.checkpoint_weights_bytes(setup.model_path, config, itemsize),
+        "chunk": engine.prefill_chunk,
+        "batch_size": engine.batch_size,
+        "itemsize": itemsize,
+        "gpu": on_gpu(),
+    }
+    if pooled:
+        plan = memory.pooled_plan(config, rows=largest.pooled, **sizes)
+    else:
+        plan = memory.document_plan(config, doc_tokens=largest.document, rows=largest.rows, **sizes)
     free = memory.available_bytes(on_gpu())
-    fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses such documents"
+    fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses it"
     return f"memory: {what} needs {plan.line()}; {memory.gb(free)} free now ({fits})"
 
 

@@ -119,6 +119,25 @@ def test_each_document_and_each_pool_measures_its_own_peak_memory(
     assert len(resets) == 3  # report.md and letter.pdf (a prefix each), the pool of notes.txt
 
 
+def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_model, monkeypatch):
+    from salabatch.engine import memory
+
+    write_docs(tmp_path)
+    engine = {"prefill_chunk": 128, "pool_max_tokens": 128, "batch_size": 512}
+    job = write_job(tmp_path, tiny_model, engine=engine)  # far more rows a batch than there are
+    said = run_cli("run", str(job), "--dry-run").output
+    planned = dict(re.findall(r"memory: the longest (\w+) .*? needs about (\S+ GB)", said))
+    checked = []
+    check = memory.check
+    monkeypatch.setattr(
+        memory, "check", lambda plan, free: checked.append(plan) or check(plan, free)
+    )
+    assert run_cli("run", str(job)).exit_code == 0
+    documents, pools = checked[:-1], checked[-1:]  # the pool of short ones runs last
+    assert planned["document"] == memory.gb(max(p.peak for p in documents))
+    assert planned["pooled"] == memory.gb(pools[0].peak)
+
+
 def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
     write_docs(tmp_path)
     job = write_job(tmp_path, tiny_model)
