@@ -274,8 +274,11 @@ def context_64(loaded, monkeypatch):
     """builtin:random with a 64-token context, and a tokenizer without stop tokens."""
     import dataclasses
 
+    from salabatch.engine import config as configs
+
     model, tok = loaded
     config = dataclasses.replace(model.config, max_position_embeddings=64)
+    monkeypatch.setattr(configs, "CONTEXT_TOKENS", 64)  # the 1M floor: 64 tokens here
     monkeypatch.setattr(model, "config", config)
     endless = copy.copy(tok)
     endless.eos_ids = frozenset()

@@ -32,6 +32,11 @@ MIXER_KINDS = {
 KERNEL_VALUES = {"kernel_size": 32, "kernel_stride": 16, "block_size": 64}
 
 
+# MiniCPM-SALA's context, 1M tokens (a job's engine.max_context defaults to it): its
+# config.json's max_position_embeddings, 524,288, only sizes HF's RoPE table (SPEC §1.1).
+CONTEXT_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     """InfLLM-v2 parameters (`sparse_config`). Defaults are the released 9B's.
@@ -116,6 +121,12 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- derived -------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        """The longest sequence (prompt and answer) the engine runs: CONTEXT_TOKENS, or
+        max_position_embeddings where that is larger."""
+        return max(self.max_position_embeddings, CONTEXT_TOKENS)
+
     @property
     def residual_scale(self) -> float:
         """Each mixer and MLP output is scaled by this before the residual add."""

@@ -51,9 +51,9 @@ def answer_room(
     config: ModelConfig, prompt_tokens: int, max_tokens: int, *, field: str = "prompt"
 ) -> int:
     """The tokens a row may generate after a prompt of `prompt_tokens`: `max_tokens`, cut where
-    the model's context (max_position_embeddings) ends. GenerationError naming `field` if the
+    the model's context (`ModelConfig.context_length`) ends. GenerationError naming `field` if the
     prompt leaves no room for one token. The rule every surface applies (API, CLI, server)."""
-    context = config.max_position_embeddings
+    context = config.context_length
     if prompt_tokens >= context:
         raise GenerationError(
             f"the prompt has {prompt_tokens} tokens, the model's context holds {context} "

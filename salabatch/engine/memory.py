@@ -96,7 +96,7 @@ def document_plan(
     its own tail (up to a level-2 compression stride of the document, twice) and the longest
     row, as the model's context allows."""
     tail = 2 * cfg.sparse.compression[1][1]
-    longest = min(max(rows), cfg.max_position_embeddings)
+    longest = min(max(rows), cfg.context_length)
     return plan_memory(
         cfg, weights=weights, doc_tokens=doc_tokens, chunk=chunk,
         batch=min(batch_size, len(rows)), row_tokens=tail + longest, itemsize=itemsize, gpu=gpu,
@@ -116,7 +116,7 @@ def pooled_plan(
     """A pooled batch of `rows`, each its whole prompt (its document too) and answer in
     tokens, decoded `batch_size` at a time with no shared prefix; the longest decides, as the
     model's context allows."""
-    longest = min(max(rows), cfg.max_position_embeddings)
+    longest = min(max(rows), cfg.context_length)
     return plan_memory(
         cfg, weights=weights, doc_tokens=0, chunk=chunk, batch=min(batch_size, len(rows)),
         row_tokens=longest, itemsize=itemsize, gpu=gpu,

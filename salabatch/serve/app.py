@@ -253,7 +253,7 @@ class _Server:
     def _submit(self, job: Job, param: str) -> Ticket:
         """The job's ticket; 400 for a prompt the model's context cannot hold (the engine would
         fail it, but a stream's status is sent before its first event)."""
-        context = self.engine.model.config.max_position_embeddings
+        context = self.engine.model.config.context_length
         if len(job.prompt) >= context:
             raise APIError(
                 400,

@@ -85,6 +85,7 @@ def test_9b_config_fields_and_derived_values():
     assert cfg.eos_token_ids == (2, 73440)
     assert cfg.torch_dtype == "bfloat16"
     assert cfg.scale_emb == 12.0 and cfg.mup_denominator == 32
+    assert cfg.context_length == 1 << 20  # 1M tokens, not the RoPE table's 524,288
     # keys the model does not use are kept, not dropped
     assert cfg.extra["initializer_range"] == 0.1
     assert cfg.extra["transformers_version"] == "4.57.1"

@@ -143,7 +143,7 @@ def test_answer_room_is_max_tokens_cut_at_the_context(model):
     from salabatch.engine.generate import answer_room
     from salabatch.errors import GenerationError
 
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     assert answer_room(model.config, 10, 5) == 5
     assert answer_room(model.config, context - 7, 100) == 7
     assert answer_room(model.config, context - 1, 100) == 1

@@ -425,7 +425,7 @@ def test_a_failing_job_does_not_stop_the_others(model, monkeypatch):
 
     monkeypatch.setattr(Prefill, "step", failing)
     good = [ids(20, 300 + i) for i in range(3)]
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     engine = ServeEngine(model, Tok(), batch_size=8)
     bad = [
         engine.submit(job("too-long", (5,) * context)),

@@ -463,7 +463,7 @@ def test_a_fault_of_the_server_is_a_500_error_object(served, monkeypatch):
 
 
 def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream(served):
-    context = served.engine.model.config.max_position_embeddings
+    context = served.engine.model.config.context_length
     body = {"model": MODEL, "prompt": [5] * context, "max_tokens": 1, "stream": True}
     status, _, data = served.raw("POST", "/v1/completions", json.dumps(body).encode())
     error = json.loads(data)["error"]
