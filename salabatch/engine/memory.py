@@ -80,7 +80,7 @@ def plan_memory(
     )
 
 
-def document_plan(
+def answer_plan(
     cfg: ModelConfig,
     *,
     weights: int,
@@ -91,35 +91,16 @@ def document_plan(
     itemsize: int,
     gpu: bool,
 ) -> MemoryPlan:
-    """A document answered from its own prefix of `doc_tokens`: its `rows` (each a question
-    and its answer, in tokens) decode `batch_size` at a time over forks of it, each holding
-    its own tail (up to a level-2 compression stride of the document, twice) and the longest
-    row, as the model's context allows."""
-    tail = 2 * cfg.sparse.compression[1][1]
+    """What the run checks before it answers `rows` (each row's own tokens: its question
+    and answer, or with no shared document its whole prompt too), `batch_size` at a time: over
+    forks of a document prefix of `doc_tokens`, each row also holds its fork's tail (up to a
+    level-2 compression stride, twice); pooled rows (`doc_tokens` 0) share nothing. The
+    longest row decides, as the model's context allows."""
+    tail = 2 * cfg.sparse.compression[1][1] if doc_tokens else 0
     longest = min(max(rows), cfg.context_length)
     return plan_memory(
         cfg, weights=weights, doc_tokens=doc_tokens, chunk=chunk,
         batch=min(batch_size, len(rows)), row_tokens=tail + longest, itemsize=itemsize, gpu=gpu,
-    )  # fmt: skip
-
-
-def pooled_plan(
-    cfg: ModelConfig,
-    *,
-    weights: int,
-    rows: list[int],
-    chunk: int,
-    batch_size: int,
-    itemsize: int,
-    gpu: bool,
-) -> MemoryPlan:
-    """A pooled batch of `rows`, each its whole prompt (its document too) and answer in
-    tokens, decoded `batch_size` at a time with no shared prefix; the longest decides, as the
-    model's context allows."""
-    longest = min(max(rows), cfg.context_length)
-    return plan_memory(
-        cfg, weights=weights, doc_tokens=0, chunk=chunk, batch=min(batch_size, len(rows)),
-        row_tokens=longest, itemsize=itemsize, gpu=gpu,
     )  # fmt: skip
 
 

@@ -276,7 +276,7 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
 
     if _missing(root):  # a glob's fixed leading folders
         raise JobSpecError(f"no such folder: {root}", path=raw, field=f"{where}.path")
-    skip = frozenset(key for p in source.skip if (key := _inode(p)) is not None)
+    skip = frozenset(_file_key(Path(p)) for p in source.skip)  # what is not there: no match
     matches, others, unreadable = walk(root, pattern, _wanted(source, globbed), skip)
     if not matches and not unreadable:
         kinds = "files of a known type" if globbed else f"{_DEFAULT_TEXT} files"
@@ -306,7 +306,7 @@ def walk(
     root: Path,
     pattern: str,
     wanted: Callable[[str], bool],
-    skip: frozenset[tuple[int, int]] = frozenset(),
+    skip: frozenset[object] = frozenset(),
 ) -> tuple[list[str], int, list[tuple[str, str]]]:
     """(the regular files under `root` that the glob `pattern` matches and `wanted` keeps, as
     sorted relative paths with `/`; how many more it matches that `wanted` leaves out; what it
@@ -406,14 +406,6 @@ def _mode_and_key(path: Path) -> tuple[int, tuple[int, int]]:
     """The mode and (st_dev, st_ino) of what `path` names, links followed."""
     info = path.stat()
     return info.st_mode, (info.st_dev, info.st_ino)
-
-
-def _inode(path: Path) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of what `path` names, or None when nothing is there to look at."""
-    try:
-        return _mode_and_key(Path(path))[1]
-    except OSError:
-        return None
 
 
 def _missing(path: Path) -> bool:

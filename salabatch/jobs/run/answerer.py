@@ -165,7 +165,7 @@ class Answerer:
 
     def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
         """What answering `plan` from its document's prefix holds at its peak."""
-        return memory.document_plan(
+        return memory.answer_plan(
             self.model.config,
             weights=memory.weights_bytes(self.model),
             doc_tokens=len(plan.doc_prompt),
@@ -199,9 +199,10 @@ class Answerer:
     def pool_memory_plan(self, pool: list[tuple[Row, DocPlan]]) -> memory.MemoryPlan:
         """What a pooled batch holds at its peak (no shared prefix: each row its whole
         prompt, its document too)."""
-        return memory.pooled_plan(
+        return memory.answer_plan(
             self.model.config,
             weights=memory.weights_bytes(self.model),
+            doc_tokens=0,
             rows=[len(plan.doc_prompt or ()) + len(r.prompt) + r.max_tokens for r, plan in pool],
             chunk=self.spec.engine.prefill_chunk,
             batch_size=self.spec.engine.batch_size,

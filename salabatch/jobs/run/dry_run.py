@@ -148,9 +148,9 @@ def _memory_line(
         "gpu": on_gpu(),
     }
     if pooled:
-        plan = memory.pooled_plan(config, rows=largest.pooled, **sizes)
+        plan = memory.answer_plan(config, doc_tokens=0, rows=largest.pooled, **sizes)
     else:
-        plan = memory.document_plan(config, doc_tokens=largest.document, rows=largest.rows, **sizes)
+        plan = memory.answer_plan(config, doc_tokens=largest.document, rows=largest.rows, **sizes)
     free = memory.available_bytes(on_gpu())
     fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses it"
     return f"memory: {what} needs {plan.line()}; {memory.gb(free)} free now ({fits})"
