@@ -103,9 +103,10 @@ def gpu_graph(
     `device_memory` (bytes), the GPU path sizes its tiles for a device of that much memory;
     with `cuda`, MLX's ops chosen as on CUDA (`attention.on_cuda`), else as on Metal;
     `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
-    (`kernels/*_cuda.py`), each launch one node. For counting graphs only: the stand-ins do
-    not compute their result."""
-    from salabatch.engine.kernels import attention
+    (`kernels/*_cuda.py`), each launch one node. The stand-ins' nodes are MLX's `Depends`,
+    which runs no kernel: the tiles' ordering (`attention.in_turn`, made of it too) is left
+    out of the graphs. For counting graphs only: the stand-ins do not compute their result."""
+    from salabatch.engine.kernels import attention, sparse_attention, sparse_select
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
     memory, rotates, cuda_device = (
@@ -115,6 +116,8 @@ def gpu_graph(
     )
     custom = cuda if custom_kernels is None else custom_kernels
     saved_kernels = [(m, m.available, m._kernel) for m in custom_kernel_modules()]
+    ordered = (attention, sparse_attention, sparse_select)  # the modules taking tiles in turn
+    in_turn = attention.in_turn
     env = os.environ.get("SALABATCH_GPU_PATH")
     os.environ["SALABATCH_GPU_PATH"] = "1"
     for name in FUSED_OPS:
@@ -126,6 +129,8 @@ def gpu_graph(
     for module, _, _ in saved_kernels:
         module.available = (lambda: True) if custom else (lambda: False)
         module._kernel = _stand_in_kernel
+    for module in ordered:
+        module.in_turn = lambda tile, _earlier: tile
     try:
         yield
     finally:
@@ -135,6 +140,8 @@ def gpu_graph(
             setattr(mx.fast, name, op)
         for module, available, kernel in saved_kernels:
             module.available, module._kernel = available, kernel
+        for module in ordered:
+            module.in_turn = in_turn
         if env is None:
             del os.environ["SALABATCH_GPU_PATH"]
         else:

@@ -122,7 +122,8 @@ def build(kind: str, shapes: Shapes, dtype: mx.Dtype):
         from salabatch.engine.model import Model
 
         model = random_init(Model(ModelConfig.from_dict(shapes.sala)), dtype, seed=0)
-        model.fuse()  # as `load_model` leaves it: the decode step's projections fused
+        model.fuse()  # as `load_model` leaves it: the decode step's projections fused,
+        model.dtype = dtype  # its dtype named
         return model
     try:
         from mlx_lm.models import llama
@@ -233,7 +234,23 @@ def _pipelined(engine, cache, rows: int, vocab: int, steps: int) -> float:
 
 
 def measure(kind: str, model, n: int, chunk: int, batch: int, steps: int, vocab: int) -> dict:
-    engine = _Sala(model) if kind == "sala" else _Peer(model)
+    """One context's figures; SALA within its memory plan, as `salabatch run` holds a document
+    (`memory.bounded`), the peer as mlx-lm runs."""
+    if kind != "sala":
+        return _measure(_Peer(model), kind, n, chunk, batch, steps, vocab)
+    from salabatch.engine import memory
+    from salabatch.engine.kernels.attention import on_gpu
+
+    plan = memory.answer_plan(
+        model.config, weights=memory.weights_bytes(model), doc_tokens=n,
+        rows=[QUESTION_TOKENS + batch + 2 * steps + 4] * batch, chunk=chunk, batch_size=batch,
+        itemsize=model.dtype.size, gpu=on_gpu(),
+    )  # fmt: skip
+    with memory.bounded(plan):
+        return _measure(_Sala(model), kind, n, chunk, batch, steps, vocab)
+
+
+def _measure(engine, kind: str, n: int, chunk: int, batch: int, steps: int, vocab: int) -> dict:
     ids = _tokens(n, vocab, seed=n)
     mx.eval(ids)
     gc.collect()

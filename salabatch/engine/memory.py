@@ -2,27 +2,34 @@
 
 A run holds the weights, one document's prefix cache at a time (the largest decides), a batch
 of rows decoding over it, and the temporaries of one prefill chunk. The chunk's are bounded by
-the kernels' tiles, not by the context: on the CPU path each of the two lanes works one query
-tile at a time (the largest, a dense-attention score tile: `attention.MAX_SCORE_ELEMENTS`
-floats), on the GPU path one tile of at most `attention.TILE_MEMORY_SHARE` of the device's
-memory; beside them, a layer's activations for the chunk. MLX's buffer cache keeps freed
-buffers for reuse: `cache_limit` is what the chunks of a long document reuse from one another
-(a tile of the sparse kernels per lane, the activations), so a long prefill does not pile up
-freed buffers of every size. A share of RAM let `salabatch run` on builtin:tiny hold 6.9 GB at
-100K tokens while MLX's own peak was 0.8 GB; measured there, limits from 128 MB to 6 GB
-prefill at the same speed (benchmarks/HISTORY.md, "Memory").
+the kernels' tiles, not by the context: the tiles of a call are taken in turn
+(`attention.in_turn`), so on the CPU path each of the two lanes holds one query tile at a time
+(the largest, a dense-attention score tile: `attention.MAX_SCORE_ELEMENTS` floats), on the GPU
+path one tile of at most `attention.TILE_MEMORY_SHARE` of the device's memory; beside them, a
+layer's activations for the chunk. MLX encodes work ahead of the device and allocates as it
+encodes: `bounded` sets its memory limit to the plan, past which it waits for earlier work, so
+the run-ahead stays within what the plan counts (one op's allocation past it, `overshoot`).
+MLX's buffer cache keeps freed buffers for reuse: `cache_limit` is what the chunks of a long
+document reuse from one another (a tile of the sparse kernels per lane, the activations), so a
+long prefill does not pile up freed buffers of every size. A share of RAM let `salabatch run`
+on builtin:tiny hold 6.9 GB at 100K tokens while MLX's own peak was 0.8 GB; measured there,
+limits from 128 MB to 6 GB prefill at the same speed (benchmarks/HISTORY.md, "Memory").
 
 Every figure is an estimate from the config and the plan, in bytes; `MemoryPlan.line` says it
-in one line, and `check` refuses what the device cannot hold.
+in one line, `check` refuses what the device cannot hold, and `bounded` holds a run to it.
+On the GPU path forced on the CPU (`SALABATCH_GPU_PATH`), MLX's CPU SDPA is not fused: its
+scores, which a GPU's fused kernel never writes, come on top of the plan.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from salabatch.engine.config import LIGHTNING, ModelConfig
-from salabatch.engine.kernels import attention, sparse_select
+from salabatch.engine.kernels import attention, gla, sparse_attention, sparse_select
 from salabatch.engine.sparse_cache import capacity
 from salabatch.errors import OutOfMemoryError
 
@@ -35,12 +42,14 @@ MIN_CACHE = 64 << 20  # the buffer cache never goes below MLX's CPU default's or
 class MemoryPlan:
     """What a run holds at its peak (bytes): `weights`, the largest `document` prefix cache,
     the `rows` of a decoding batch (their states and own keys), a prefill chunk's `transient`
-    temporaries."""
+    temporaries; of these, `overshoot` is what one op may allocate past MLX's limit
+    (`bounded`) before MLX waits for earlier work to free memory."""
 
     weights: int
     document: int
     rows: int
     transient: int
+    overshoot: int
 
     @property
     def peak(self) -> int:
@@ -77,6 +86,7 @@ def plan_memory(
         document=document_bytes(cfg, doc_tokens, itemsize),
         rows=batch * row_bytes(cfg, row_tokens, itemsize),
         transient=transient_bytes(cfg, chunk, gpu),
+        overshoot=overshoot_bytes(cfg, chunk, gpu),
     )
 
 
@@ -145,15 +155,46 @@ def row_bytes(cfg: ModelConfig, own_tokens: int, itemsize: int) -> int:
 
 
 def transient_bytes(cfg: ModelConfig, chunk: int, gpu: bool) -> int:
-    """A prefill chunk's temporaries: the tiles in flight and a layer's float32 activations."""
-    return TILE_ARRAYS * tiles_bytes(gpu) + activation_bytes(cfg, chunk)
+    """A prefill chunk's temporaries: the tiles in flight, a layer's float32 activations, and
+    one allocation past the limit (`overshoot_bytes`)."""
+    return (
+        TILE_ARRAYS * tiles_bytes(gpu)
+        + activation_bytes(cfg, chunk)
+        + overshoot_bytes(cfg, chunk, gpu)
+    )
 
 
 def tiles_bytes(gpu: bool) -> int:
-    """The largest tiles of the kernels in flight at once: one per lane."""
+    """The largest tiles of the kernels in flight at once: one per lane (the kernels take their
+    tiles in turn, `attention.in_turn`)."""
+    return (1 if gpu else 2) * tile_bytes(gpu)
+
+
+def tile_bytes(gpu: bool) -> int:
+    """One tile's largest array: on the GPU path the whole tile budget, on the CPU's the
+    largest of the kernels' float32 score tiles and gathered keys (the dense attention's)."""
     if gpu:
         return int(attention.device_memory() * attention.TILE_MEMORY_SHARE)
-    return 2 * attention.MAX_SCORE_ELEMENTS * 4  # two lanes, a float32 score tile each
+    scores = (
+        attention.MAX_SCORE_ELEMENTS,
+        sparse_select.MAX_SCORE_ELEMENTS,
+        sparse_attention.MAX_SCORE_ELEMENTS,
+    )
+    return max(4 * max(scores), sparse_attention.MAX_GATHER_BYTES)
+
+
+def overshoot_bytes(cfg: ModelConfig, chunk: int, gpu: bool) -> int:
+    """The most one op of a prefill chunk allocates: a tile's array, or a layer's widest
+    float32 activation (the heads' width, the MLP's, a lightning chunk's decayed scores). MLX
+    checks its limit after an op has allocated, so a run bounded by `bounded` may pass the
+    limit by this much."""
+    heads = max(cfg.num_attention_heads, cfg.lightning_heads)
+    widest = max(
+        heads * max(cfg.head_dim, cfg.lightning_head_dim),
+        cfg.intermediate_size,
+        cfg.lightning_heads * gla.CHUNK,
+    )
+    return max(tile_bytes(gpu), chunk * widest * 4)
 
 
 def reused_tiles_bytes(gpu: bool) -> int:
@@ -166,11 +207,15 @@ def reused_tiles_bytes(gpu: bool) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, chunk: int) -> int:
-    """One layer's float32 intermediates for `chunk` tokens: the residual stream and norms, the
-    projections (q, k, v, gate) or the MLP's, whichever is wider."""
-    d = cfg.head_dim
-    heads = max(cfg.num_attention_heads, cfg.lightning_heads)
-    return chunk * (4 * cfg.hidden_size + max(4 * heads * d, 3 * cfg.intermediate_size)) * 4
+    """One layer's float32 intermediates for `chunk` tokens: the residual stream and norms, and
+    the wider of the MLP's (gate, up, their product) and the mixer's: its projections, norms
+    and rotations (six of the heads' width), and in a lightning layer the chunked forms'
+    decayed scores (a chunk's length per head) and each chunk's state and start state."""
+    d, heads = cfg.head_dim, max(cfg.num_attention_heads, cfg.lightning_heads)
+    dk = cfg.lightning_head_dim
+    states = 2 * cfg.lightning_heads * dk * dk // gla.CHUNK  # per token: two [dk, dv] a chunk
+    mixer = 6 * heads * max(d, dk) + cfg.lightning_heads * gla.CHUNK + states
+    return chunk * (4 * cfg.hidden_size + max(mixer, 3 * cfg.intermediate_size)) * 4
 
 
 def cache_limit(cfg: ModelConfig, chunk: int, gpu: bool) -> int:
@@ -206,3 +251,21 @@ def check(plan: MemoryPlan, free: int) -> None:
             f"needs {shown(needs)} more than the weights ({plan.line()}) and {shown(free)} is "
             "free: lower engine.prefill_chunk or engine.batch_size, or free memory"
         )
+
+
+@contextmanager
+def bounded(plan: MemoryPlan) -> Iterator[int]:
+    """MLX's memory limit for the block: what MLX holds now and the new memory of `plan` (all
+    but the weights, loaded already); yields the limit, restores the one before after the
+    block. MLX encodes ahead of the device, allocating as it encodes, and waits for earlier
+    work only past its limit (by default about the device's memory): with the plan as the
+    limit, a prefill's run-ahead stops at what the plan counts, so what `check` let in runs in
+    what it was checked against."""
+    import mlx.core as mx
+
+    limit = mx.get_active_memory() + plan.peak - plan.weights - plan.overshoot
+    previous = mx.set_memory_limit(limit)
+    try:
+        yield limit
+    finally:
+        mx.set_memory_limit(previous)

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
     from salabatch.engine.cache import ModelCache
     from salabatch.engine.generate import Batch, Generation
+    from salabatch.engine.memory import MemoryPlan
     from salabatch.serve.prefixes import Held, HeldPrefixes
 
 SNAPSHOT_MIN = 256  # tokens a snapshot must lie past the last one (or where the job resumed)
@@ -284,6 +285,7 @@ class _Work:
     base: Held | None = None  # the held prefix its row forks
     points: list[int] | None = None  # where it snapshots (`save_points`), once begun
     max_tokens: int = 0  # what it may generate (max_tokens cut at the context), once begun
+    needs: MemoryPlan | None = None  # what its prefill may take (`_check_memory`), once begun
     steps: Iterator[int] | None = None  # its prefill on its own row, a chunk per next()
     g: Generation | None = None
     batch: Batch | None = None
@@ -631,7 +633,7 @@ class ServeEngine:
         w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
         w.cached = 0 if w.base is None else w.base.tokens
         w.points = save_points(w.cached, len(job.prompt), job.boundaries, self.snapshot_min)
-        self._check_memory(job, w.cached, w.points, w.max_tokens)
+        w.needs = self._check_memory(job, w.cached, w.points, w.max_tokens)
 
     def _joinable(self, w: _Work) -> bool:
         """Whether begun job w can prefill together with others (`_admit_together`): its row
@@ -689,6 +691,7 @@ class ServeEngine:
         group."""
         import mlx.core as mx
 
+        from salabatch.engine import memory
         from salabatch.engine.generate import Prefill
         from salabatch.serve.prefixes import owned, prefix_digests
 
@@ -705,7 +708,8 @@ class ServeEngine:
                 while not feed.finished:
                     feed.chunk = self._chunk(job)
                     before = feed.done
-                    fed = feed.step() - before
+                    with memory.bounded(w.needs):  # the chunk's run-ahead within the job's plan
+                        fed = feed.step() - before
                     self._stat("prefill_tokens_total", fed)
                     yield fed
                 logits, at = feed.logits(), q
@@ -760,10 +764,12 @@ class ServeEngine:
             raise ValueError("a stop string must not be empty")
         return max_tokens
 
-    def _check_memory(self, job: Job, resumed: int, points: list[int], max_tokens: int) -> None:
-        """OutOfMemoryError unless what the job adds fits in the memory free: its new keys,
-        its largest snapshot copy (a job on a fork copies its prefix at a snapshot), its row
-        (as reserved when it joins) and a prefill chunk's temporaries."""
+    def _check_memory(
+        self, job: Job, resumed: int, points: list[int], max_tokens: int
+    ) -> MemoryPlan:
+        """What the job adds, unless it does not fit in the memory free (OutOfMemoryError): its
+        new keys, its largest snapshot copy (a job on a fork copies its prefix at a snapshot),
+        its row (as reserved when it joins) and a prefill chunk's temporaries."""
         from salabatch.engine import memory
         from salabatch.engine.kernels.attention import on_gpu
 
@@ -771,15 +777,18 @@ class ServeEngine:
         n = len(job.prompt)
         copies = points if resumed else points[1:]  # a fresh job's first snapshot is its cache
         tail = 2 * cfg.sparse.compression[1][1]
+        chunk = min(self.prefill_chunk, n)
         max_tokens = min(max_tokens, RESERVE_AHEAD)  # reserved now; more as the answer grows
         plan = memory.MemoryPlan(
             weights=0,
             document=memory.document_bytes(cfg, n - resumed, itemsize)
             + (memory.document_bytes(cfg, max(copies), itemsize) if copies else 0),
             rows=memory.row_bytes(cfg, tail + n - resumed + max_tokens, itemsize),
-            transient=memory.transient_bytes(cfg, min(self.prefill_chunk, n), on_gpu()),
+            transient=memory.transient_bytes(cfg, chunk, on_gpu()),
+            overshoot=memory.overshoot_bytes(cfg, chunk, on_gpu()),
         )
         memory.check(plan, memory.available_bytes(on_gpu()))
+        return plan
 
     def _group(self, row: ModelCache) -> Batch:
         """The decoding group a row joins: that of the rows holding the same shared keys (forks

@@ -707,3 +707,31 @@ def test_rows_on_both_sides_of_dense_len_over_a_dense_prefix(model, batched):
         assert tokens == alone(model, p, doc=doc_cache), len(p) - 200
     assert together == [2, 3]
     assert single == alone(model, lone, doc=doc_cache) and batched == [1]
+
+
+def test_each_prefill_chunk_runs_within_its_jobs_memory_plan(model, monkeypatch):
+    """A job's prefill chunks run under MLX's memory limit set from the plan its admission
+    checked (`memory.bounded`), and the limit before is restored."""
+    from contextlib import contextmanager
+
+    from salabatch.engine import memory
+
+    checked, bounded_plans = [], []
+    check, bounded = memory.check, memory.bounded
+
+    @contextmanager
+    def recorded(plan):
+        bounded_plans.append(plan)
+        with bounded(plan) as limit:
+            assert mx.get_memory_limit() == limit
+            yield limit
+
+    monkeypatch.setattr(memory, "check", lambda p, free: checked.append(p) or check(p, free))
+    monkeypatch.setattr(memory, "bounded", recorded)
+    before = mx.get_memory_limit()
+    engine = ServeEngine(model, Tok(), batch_size=2, prefill_chunk=512)
+    with engine:
+        tokens, fin = collect(engine.submit(job("long", ids(1500, 7), max_tokens=4)))
+    assert isinstance(fin, Finished) and len(tokens) == 4
+    assert len(checked) == 1 and bounded_plans == checked * 3  # 1500 tokens, 512 a chunk
+    assert mx.get_memory_limit() == before

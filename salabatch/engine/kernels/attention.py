@@ -142,6 +142,16 @@ def lanes() -> tuple[mx.Stream, ...]:
     return mx.default_stream(mx.cpu), _second_lane()
 
 
+def in_turn(tile: mx.array, earlier: list[mx.array]) -> mx.array:
+    """`tile` (a query tile's first input), computed only once the tile a turn of the lanes
+    before it (`earlier`: the call's tile outputs so far) is done. MLX orders a graph's
+    independent branches breadth first, so a call's tiles would all take their score buffers
+    before any tile's softmax frees one; in turn, a call holds one tile per lane at a time, and
+    MLX's memory limit (`memory.bounded`) holds its run-ahead to the plan."""
+    n = len(lanes())
+    return mx.depends(tile, earlier[-n]) if len(earlier) >= n else tile
+
+
 def attention_ref(
     q: mx.array, keys: Parts, values: Parts, scale: float, mask: str | mx.array | None = None
 ) -> mx.array:
@@ -197,7 +207,8 @@ def attention_cpu(
             tile_mask = _rows(mask, Tq, s, e)
         ks, vs = _first(keys, end), _first(values, end)
         with mx.stream(lanes()[i % len(lanes())]):
-            outs.append(_softmax_base2(qg[:, :, :, s:e], ks, vs, tile_mask, Hk, H))
+            qt = in_turn(qg[:, :, :, s:e], outs)
+            outs.append(_softmax_base2(qt, ks, vs, tile_mask, Hk, H))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return o.reshape(B, H, Tq, d).astype(q.dtype)
 

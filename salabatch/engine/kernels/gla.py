@@ -24,6 +24,8 @@ from salabatch.engine.kernels import gla_cuda, native
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.runtime import dtype_name
 
+# Tokens per chunk of the chunked forms (`gla_chunked`, `gla_parallel`).
+CHUNK = 64
 # Full chunks are processed this many at a time: the per-chunk start states of a segment,
 # [B, H, n, dk, dv], are the largest intermediate (64 MiB for the 9B at n = 32, B = 1).
 _SEGMENT_CHUNKS = 32
@@ -130,7 +132,7 @@ def _gla_chunks(q, k, v, g, S, C):
     return o.reshape(B, H, T, dv), S
 
 
-def gla_chunked(q, k, v, g, scale, state=None, chunk=64):
+def gla_chunked(q, k, v, g, scale, state=None, chunk=CHUNK):
     """Chunked prefill form: batched matmuls over [B, H, chunks], state carried between chunks.
 
     A last partial chunk of C' < chunk tokens is processed on its own with decay factors built
@@ -156,7 +158,7 @@ def gla_chunked(q, k, v, g, scale, state=None, chunk=64):
     return o, S
 
 
-def gla_parallel(q, k, v, g, scale, state=None, chunk=64, out_dtype=mx.float32):
+def gla_parallel(q, k, v, g, scale, state=None, chunk=CHUNK, out_dtype=mx.float32):
     """GPU form of `gla_chunked`: one compiled graph per GPU_SEGMENT tokens, the tokens padded
     with zeros to whole chunks, the state carried across chunks by one matmul with an [N, N]
     decay matrix (N²·dk·dv flops: nothing for a GPU at N = 128, an 8K segment) instead of N

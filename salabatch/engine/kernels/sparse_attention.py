@@ -37,6 +37,7 @@ from salabatch.engine.kernels.attention import (
     exp2,
     gather_products,
     grouped_scores,
+    in_turn,
     lanes,
     on_gpu,
     tile_rows,
@@ -170,14 +171,16 @@ def block_sparse_attention(
         with mx.stream(lane[len(outs) % len(lane)]):
             if s < dense_rows:
                 e = min(T, dense_rows)
-                o = _causal(q[:, :, s:e], kv, starts, s, scale)
+                o = _causal(in_turn(q[:, :, s:e], outs), kv, starts, s, scale)
             elif T - s >= block and first + s <= SCORED_KEYS_PER_SLOT * K * block:
                 e = min(T, s + score_rows)
                 end = min(capacity, -(-(first + e) // KEY_BUCKET) * KEY_BUCKET)
-                o = _scored(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, block, end)
+                qt = in_turn(qg[:, :, s:e], outs)
+                o = _scored(qt, kv, idx[:, :, s:e], q_pos[:, s:e], scale, block, end)
             else:
                 e = min(T, s + gather_rows)
-                o = _gathered(qg[:, :, s:e], kv, idx[:, :, s:e], q_pos[:, s:e], scale, block)
+                qt = in_turn(qg[:, :, s:e], outs)
+                o = _gathered(qt, kv, idx[:, :, s:e], q_pos[:, s:e], scale, block)
         outs.append(o)
         s = e
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [B, H, T, d]
@@ -217,10 +220,9 @@ def block_sparse_attention_gpu(
         step = tile_rows(Hk * keys * (1 + 2 * q.dtype.size), T - dense)
         for s in range(dense, T, step):
             e = min(T, s + step)
+            qt = in_turn(q[:, :, s:e], outs)
             o = [
-                _masked_tile(
-                    q[b : b + 1, :, s:e], kv, b, idx[b, :, s:e], starts[b] + s, scale, block
-                )
+                _masked_tile(qt[b : b + 1], kv, b, idx[b, :, s:e], starts[b] + s, scale, block)
                 for b in range(B)
             ]
             outs.append(mx.concatenate(o) if B > 1 else o[0])
@@ -237,7 +239,8 @@ def block_sparse_attention_gpu(
         step = tile_rows(row_bytes, T, batched=B * Hk * K)
         for s in range(dense, T, step):
             e = min(T, s + step)
-            o = _sparse_tile(table, rows[:, s:e], parts, sel[:, s:e], q_pos[:, s:e], (scale, block))
+            at = in_turn(rows[:, s:e], outs)  # the tile's queries: what its gathers read
+            o = _sparse_tile(table, at, parts, sel[:, s:e], q_pos[:, s:e], (scale, block))
             outs.append(o.reshape(B, e - s, H, d))
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, T, H, d]
     return o.transpose(0, 2, 1, 3)

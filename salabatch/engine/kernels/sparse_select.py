@@ -35,6 +35,7 @@ from salabatch.engine.kernels.attention import (
     LOG2E,
     exp2,
     grouped_scores,
+    in_turn,
     lanes,
     on_gpu,
     tile_rows,
@@ -203,7 +204,7 @@ def select_blocks(
         p = pos[:, s:e]
         with mx.stream(lane[len(out) % len(lane)]):
             scores = chunk_scores(
-                q[:, :, s:e],
+                in_turn(q[:, :, s:e], out),
                 _head(c1, n1),
                 _head(c2, n2),
                 visible_chunks(p, prefill_len, stride1),
@@ -252,22 +253,20 @@ def select_blocks_gpu(
         # tiles of its keys and sort (each query adds Hk rows per batch row to the sort)
         pooled = scores_cuda.pooled_scores(qg, c1, c2, seen[0], seen[1], scale, n_blocks, r)
         rows, dtype = tile_rows(Hk * n_blocks * 16, T, batched=B * Hk), dtype_name(q.dtype)
-        out = [
-            _choose_tile(pooled[:, :, s : s + rows], seen[2][:, s : s + rows], dtype, choose)
-            for s in range(0, T, rows)
-        ]
+        out = []
+        for s in range(0, T, rows):
+            tile = in_turn(pooled[:, :, s : s + rows], out)
+            out.append(_choose_tile(tile, seen[2][:, s : s + rows], dtype, choose))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
     # per query, H heads' scores: level 1 in q's dtype and float32, level 2 once more in float32
     # (each query adds Hk rows per batch row to the block sort)
     rows = tile_rows(H * (N1 * (q.dtype.size + 4) + N2 * (q.dtype.size + 8)), T, batched=B * Hk)
     # whether `_pooled` takes the CUDA kernels is a constant of the trace, as the rest
     settings = (*choose, scale, r, stage1_cuda.available())
-    out = [
-        _select_tile(
-            qg[:, :, :, s : s + rows], c1, c2, [x[:, s : s + rows] for x in seen], settings
-        )
-        for s in range(0, T, rows)
-    ]
+    out = []
+    for s in range(0, T, rows):
+        tile = in_turn(qg[:, :, :, s : s + rows], out)
+        out.append(_select_tile(tile, c1, c2, [x[:, s : s + rows] for x in seen], settings))
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
 

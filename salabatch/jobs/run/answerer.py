@@ -31,6 +31,7 @@ from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec, spec_fingerprint
 from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
+from salabatch.jobs.store.prefix_store import PrefixKey
 
 POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
 
@@ -141,27 +142,36 @@ class Answerer:
         key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
         try:
-            memory.check(self.memory_plan(plan), memory.available_bytes(on_gpu()))
-            with self._tokens(f"prefill {plan.doc.doc_id}", len(plan.doc_prompt)) as advance:
-                seen = 0
-
-                def prefilled(done: int, _total: int) -> None:
-                    nonlocal seen
-                    advance(done - seen)
-                    seen = done
-
-                prefix = self.caches.get(key, plan.doc_prompt, prefilled)
-            # one tuple for all the rows: the lookup drafter searches the document
-            context = tuple(plan.doc_prompt)
-            requests = [self._request(r, r.prompt, context) for r in plan.rows]
-            for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
-                row = rows.pop(g.request.id)
-                yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
+            needs = self.memory_plan(plan)
+            memory.check(needs, memory.available_bytes(on_gpu()))
+            with memory.bounded(needs):
+                yield from self._answer_document(plan, key, rows, started)
         except OutputError:
             raise  # the results cannot be written: nothing more can be saved
         except Exception as e:  # one document's failure must not end an overnight run
             reason = self._report(e, f"document {plan.doc.doc_id}")
             yield [self._error_row(r, plan, reason) for r in rows.values()]
+
+    def _answer_document(
+        self, plan: DocPlan, key: PrefixKey, rows: dict[str, Row], started: _Start
+    ) -> Iterator[list[ResultRow]]:
+        """The rows of `plan`, answered from its document's prefix (taken from the store, or
+        prefilled); each answered row leaves `rows`."""
+        with self._tokens(f"prefill {plan.doc.doc_id}", len(plan.doc_prompt)) as advance:
+            seen = 0
+
+            def prefilled(done: int, _total: int) -> None:
+                nonlocal seen
+                advance(done - seen)
+                seen = done
+
+            prefix = self.caches.get(key, plan.doc_prompt, prefilled)
+        # one tuple for all the rows: the lookup drafter searches the document
+        context = tuple(plan.doc_prompt)
+        requests = [self._request(r, r.prompt, context) for r in plan.rows]
+        for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
+            row = rows.pop(g.request.id)
+            yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
 
     def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
         """What answering `plan` from its document's prefix holds at its peak."""
@@ -186,10 +196,12 @@ class Answerer:
         # no context: each prompt holds its document, and the drafter searches the prompt
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
-            memory.check(self.pool_memory_plan(pool), memory.available_bytes(on_gpu()))
-            for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
-                row, plan = by_key.pop(g.request.id)
-                yield [self._row(row, plan, g, None, started)]
+            needs = self.pool_memory_plan(pool)
+            memory.check(needs, memory.available_bytes(on_gpu()))
+            with memory.bounded(needs):
+                for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
+                    row, plan = by_key.pop(g.request.id)
+                    yield [self._row(row, plan, g, None, started)]
         except OutputError:
             raise
         except Exception as e:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -136,6 +137,34 @@ def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_m
     documents, pools = checked[:-1], checked[-1:]  # the pool of short ones runs last
     assert planned["document"] == memory.gb(max(p.peak for p in documents))
     assert planned["pooled"] == memory.gb(pools[0].peak)
+
+
+def test_each_document_and_pool_runs_within_the_plan_it_was_checked_against(
+    tmp_path, tiny_model, monkeypatch
+):
+    """MLX's memory limit is the plan while a document (or a pool) is answered, so what the
+    check let in runs in what it was checked against; the limit before is restored."""
+    import mlx.core as mx
+
+    from salabatch.engine import memory
+
+    checked, limits = [], []
+    check, bounded = memory.check, memory.bounded
+
+    @contextmanager
+    def recorded(plan):
+        with bounded(plan) as limit:
+            limits.append((plan, limit, mx.get_memory_limit()))
+            yield limit
+
+    monkeypatch.setattr(memory, "check", lambda p, free: checked.append(p) or check(p, free))
+    monkeypatch.setattr(memory, "bounded", recorded)
+    before = mx.get_memory_limit()
+    write_docs(tmp_path)
+    assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    assert [plan for plan, _, _ in limits] == checked and len(checked) == 3
+    assert all(limit == held < before for _, limit, held in limits)
+    assert mx.get_memory_limit() == before
 
 
 def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
