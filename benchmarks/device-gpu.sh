@@ -31,7 +31,10 @@
 # KERNEL_S=110` (parity, then each stage's kernel beside its MLX ops, then
 # benchmarks/choose-kernels.py's pick kept in /tmp), call 3 at once `KERNELS=auto
 # CONTEXTS="32K:240 128K:150" PROFILE_S=0`. Keep $OUT's file names free of commas (such files
-# do not come back).
+# do not come back). Since 2026-11-27 (session 58) `bench long` runs SALA as `salabatch run`
+# holds a document, within its memory plan (MLX's limit at the plan, the tiles in turn): the
+# first timings after it say whether the bound costs a GPU anything (compare 32K prefill with
+# 1.81 s, peak with 41.6 GB, on an H100).
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #
