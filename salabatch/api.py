@@ -110,7 +110,10 @@ def stream_generate(
     is a GenerationError). Greedy unless `temperature` > 0; the same seed gives the same text,
     as in `salabatch run`. `repetition_penalty` counts the answer's tokens, not the prompt's
     (HF and mlx-lm count both). `draft`, `num_draft_tokens`, `draft_layers`: speculative
-    decoding (see the module docstring). Bad arguments are GenerationErrors naming them."""
+    decoding (see the module docstring). Bad arguments are GenerationErrors naming them; a
+    prompt that needs more memory than is free, an OutOfMemoryError before its prefill (each
+    step runs within MLX's memory limit at the plan, `memory.bounded`)."""
+    from salabatch.engine import memory
     from salabatch.engine.generate import Generator, Request, answer_room
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
@@ -131,13 +134,16 @@ def stream_generate(
         speculation=speculation,
         reserve_ahead=RESERVE_AHEAD,
     )
+    # as `salabatch run` answers a pooled row: refused before its prefill where it cannot fit
+    needs = _memory_plan(model, 0, [len(ids) + max_tokens], prefill_chunk, 1)
+    memory.check(needs, memory.available_bytes(on_gpu()))
     limit = cache_limit(model.config, prefill_chunk, on_gpu())
     steps = generator.stream([request])
     first_at = None
     while True:
         # The process settings are the engine's only while a step runs, the caller's between
         # yields: held across them, two streams consumed in turn restored each other's.
-        with engine_runtime(limit):
+        with engine_runtime(limit), memory.bounded(needs):
             g = next(steps, None)
         if g is None:
             return
@@ -227,7 +233,9 @@ def batch_generate(
     is prefilled once and every question continues it, up to `batch_size` decoding together;
     each prompt is the one `salabatch run` builds (document, then question, one user message).
     `draft`, `num_draft_tokens`, `draft_layers`: speculative decoding (the module docstring);
-    the lookup drafter searches the document."""
+    the lookup drafter searches the document. Planned as `salabatch run` plans a document: an
+    OutOfMemoryError before the prefill where it cannot fit, else run within its plan."""
+    from salabatch.engine import memory
     from salabatch.engine.generate import Generator, Request, answer_room, prefill
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
@@ -260,7 +268,11 @@ def batch_generate(
         n = len(doc_prompt) + len(suffix)
         room = answer_room(model.config, n, max_tokens, field=f"questions[{i}]")
         requests.append(Request(str(i), suffix, params, room, stop, context=context))
-    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())):
+    # as `salabatch run` answers a document: refused before its prefill where it cannot fit
+    rows = [len(r.prompt) + r.max_tokens for r in requests]
+    needs = _memory_plan(model, len(doc_prompt), rows, prefill_chunk, batch_size)
+    memory.check(needs, memory.available_bytes(on_gpu()))
+    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = model.make_cache()
         prefill(model, doc_prompt, prefix, prefill_chunk)
         generator = Generator(
@@ -272,6 +284,18 @@ def batch_generate(
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
+
+
+def _memory_plan(model: Model, doc_tokens: int, rows: list[int], chunk: int, batch_size: int):
+    """`memory.answer_plan` of rows over a prefilled document of `doc_tokens` (0: none), as
+    `salabatch run` plans its documents and pools."""
+    from salabatch.engine import memory
+    from salabatch.engine.kernels.attention import on_gpu
+
+    return memory.answer_plan(
+        model.config, weights=memory.weights_bytes(model), doc_tokens=doc_tokens, rows=rows,
+        chunk=chunk, batch_size=batch_size, itemsize=model.dtype.size, gpu=on_gpu(),
+    )  # fmt: skip
 
 
 def _prompt_ids(

@@ -356,3 +356,40 @@ def test_interleaved_streams_leave_the_process_settings_as_they_were(loaded):
         assert mx.set_cache_limit(12345) == 12345 and threads() == before
     finally:
         mx.set_cache_limit(previous)
+
+
+def test_what_cannot_fit_is_refused_before_its_prefill_and_the_rest_runs_in_its_plan(
+    loaded, monkeypatch
+):
+    """As `salabatch run`: the API plans a prompt (or a document and its questions) before its
+    prefill, refuses one that needs more memory than is free, and runs the rest within MLX's
+    memory limit at the plan (each step of a stream; a document and its answers)."""
+    from contextlib import contextmanager
+
+    from salabatch.engine import memory
+    from salabatch.errors import OutOfMemoryError
+
+    model, tok = loaded
+    limits = []
+    bounded = memory.bounded
+
+    @contextmanager
+    def recorded(plan):
+        with bounded(plan) as limit:
+            limits.append(limit)
+            yield limit
+
+    monkeypatch.setattr(memory, "bounded", recorded)
+    assert len(list(salabatch.stream_generate(model, tok, "Say hi.", max_tokens=4))) >= 1
+    steps = len(limits)
+    assert steps >= 1
+    salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)
+    assert len(limits) == steps + 1
+    monkeypatch.setattr(memory, "available_bytes", lambda gpu: 1 << 10)
+    prefilled = []
+    monkeypatch.setattr(generate_module, "prefill", lambda *a, **k: prefilled.append(a))
+    with pytest.raises(OutOfMemoryError, match="is free"):
+        salabatch.generate(model, tok, "Say hi.", max_tokens=4)
+    with pytest.raises(OutOfMemoryError, match="is free"):
+        salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)
+    assert not prefilled and len(limits) == steps + 1
