@@ -30,6 +30,7 @@ of message text (case changes, joining two strings). This module knows no token 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -91,6 +92,20 @@ class ChatFormat:
     @property
     def has_template(self) -> bool:
         return self._template is not None
+
+    @functools.cached_property
+    def writes_bos(self) -> bool:
+        """Whether the template opens a prompt with BOS's text (`{{ bos_token }}`), read from a
+        one-message render: transformers' `apply_chat_template` then keeps BOS whatever
+        `add_bos_token` says, and so do chat prompts here (the text is cut off, BOS goes in as
+        its id). A template that cannot render one user message does not say."""
+        if self._template is None or not self._bos_text:
+            return False
+        try:
+            text = self._render_template([{"role": "user", "content": "x"}], False, True)
+        except TokenizerError:
+            return False
+        return text.startswith(self._bos_text)
 
     def render(
         self, messages: Sequence[dict], *, think: bool, add_generation_prompt: bool

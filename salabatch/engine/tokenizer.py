@@ -8,8 +8,10 @@ Policies, stated once:
 
 * **BOS.** The backend tokenizer is always called with `add_special_tokens=False`, so its
   post-processor (MiniCPM's prepends `<s>`, id 1) never runs. BOS is added only by us: by
-  `encode(text, add_bos=True)` and by every chat-prompt function (when `add_bos_token`). Chat
-  prompt *strings* never contain the BOS text; the ids get the BOS id prepended, exactly once.
+  `encode(text, add_bos=True)` and by every chat-prompt function (when `add_bos_token`, or
+  where the chat template writes `{{ bos_token }}` first: transformers keeps that BOS whatever
+  `add_bos_token` says). Chat prompt *strings* never contain the BOS text; the ids get the BOS
+  id prepended, exactly once.
 * **Special tokens.** `encode` turns special-token text (`<|im_end|>`) into its id. Inside a
   chat prompt, special-token text that comes from a message (document, question, system prompt)
   is encoded as plain text: a document that contains the text `<|im_start|>` cannot inject a
@@ -249,9 +251,11 @@ class Tokenizer:
         return self._encode_segments(suffix, after_split=False)
 
     def _prompt_start_ids(self, segments: list[Segment]) -> list[int]:
-        """Ids of segments that start a prompt: BOS first when `add_bos_token`."""
+        """Ids of segments that start a prompt: BOS first when `add_bos_token`, or where the
+        chat template writes it (as transformers keeps it)."""
         ids = self._encode_segments(segments, after_split=True)
-        return self._with_bos(ids) if self.add_bos_token else ids
+        bos = self.add_bos_token or (self.bos_id is not None and self._chat.writes_bos)
+        return self._with_bos(ids) if bos else ids
 
     def _encode_segments(self, segments: list[Segment], *, after_split: bool) -> list[int]:
         """Encode segments in order; plain ones as plain text, the others with special tokens.

@@ -189,3 +189,21 @@ def test_named_special_tokens_reach_the_chat_template(demo_copy):
     assert t.bos_id == 1  # from generation_config.json
     text = t.chat_prompt([], think=True, add_generation_prompt=False)
     assert text == "x<s>|</s>|<|fim_middle|>|<|fim_suffix|>|False|False"
+
+
+def test_a_template_that_writes_bos_keeps_it_whatever_add_bos_token_says(demo_copy):
+    """transformers renders the template and encodes it without adding special tokens: a
+    template writing `{{ bos_token }}` first gives BOS even with add_bos_token false; one that
+    does not, none. Never twice."""
+    plain = TEMPLATE.removeprefix("{{ bos_token }}")
+    cases = [(TEMPLATE, True, True), (TEMPLATE, False, True), (plain, True, True)]
+    cases += [(plain, False, False)]
+    for template, add_bos, bos in cases:
+        config = demo_copy / "tokenizer_config.json"
+        edit_json(config, chat_template=template, add_bos_token=add_bos)
+        t = load_tokenizer(demo_copy)
+        ids = t.chat_prompt_ids(messages(), think=False)
+        assert (ids[0] == t.bos_id, ids.count(t.bos_id)) == (bos, int(bos)), (template, add_bos)
+        doc, suffix = t.split_chat_prompt("The doc.", "Who?", system=None, think=False)
+        assert (doc[0] == t.bos_id) == bos
+        assert not t.chat_prompt(messages(), think=False).startswith("<s>")
