@@ -33,8 +33,9 @@
 # CONTEXTS="32K:240 128K:150" PROFILE_S=0`. Keep $OUT's file names free of commas (such files
 # do not come back). Since 2026-11-27 (session 58) `bench long` runs SALA as `salabatch run`
 # holds a document, within its memory plan (MLX's limit at the plan, the tiles in turn): the
-# first timings after it say whether the bound costs a GPU anything (compare 32K prefill with
-# 1.81 s, peak with 41.6 GB, on an H100).
+# first timings after it say whether the bound costs a GPU anything: side by side, `salabatch
+# bench long --contexts 32K --no-peer` with and without `--no-bound` (last measured unbounded,
+# H100: 32K prefill 1.81 s, peak 41.6 GB).
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
 #

@@ -233,11 +233,14 @@ def _pipelined(engine, cache, rows: int, vocab: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(kind: str, model, n: int, chunk: int, batch: int, steps: int, vocab: int) -> dict:
+def measure(
+    kind: str, model, n: int, chunk: int, batch: int, steps: int, vocab: int, bound: bool = True
+) -> dict:
     """One context's figures; SALA within its memory plan, as `salabatch run` holds a document
-    (`memory.bounded`), the peer as mlx-lm runs."""
-    if kind != "sala":
-        return _measure(_Peer(model), kind, n, chunk, batch, steps, vocab)
+    (`memory.bounded`; with `bound` False, under MLX's own limit), the peer as mlx-lm runs."""
+    if kind != "sala" or not bound:
+        engine = _Sala(model) if kind == "sala" else _Peer(model)
+        return _measure(engine, kind, n, chunk, batch, steps, vocab)
     from salabatch.engine import memory
     from salabatch.engine.kernels.attention import on_gpu
 
@@ -302,6 +305,7 @@ def run(
     chunk: int | None = None,
     dtype: str | None = None,
     peer: bool = True,
+    bound: bool = True,
     progress=print,
     on_result=None,
 ) -> dict:
@@ -329,16 +333,18 @@ def run(
             vocab = pair.sala["vocab_size"] if kind == "sala" else pair.peer["vocab_size"]
             for n in contexts:
                 progress(f"{kind}: {n} tokens …")
-                rows.append(measure(kind, model, n, chunk, batch, steps, vocab))
+                rows.append(measure(kind, model, n, chunk, batch, steps, vocab, bound))
                 if on_result is not None:
-                    on_result(_result(pair, dt, chunk, batch, steps, rows))
+                    on_result(_result(pair, dt, chunk, batch, steps, rows, bound))
             del model
             gc.collect()
             mx.clear_cache()
-    return _result(pair, dt, chunk, batch, steps, rows)
+    return _result(pair, dt, chunk, batch, steps, rows, bound)
 
 
-def _result(pair: Shapes, dt: mx.Dtype, chunk: int, batch: int, steps: int, rows: list) -> dict:
+def _result(
+    pair: Shapes, dt: mx.Dtype, chunk: int, batch: int, steps: int, rows: list, bound: bool
+) -> dict:
     from salabatch.engine.runtime import dtype_name
 
     return {
@@ -348,6 +354,7 @@ def _result(pair: Shapes, dt: mx.Dtype, chunk: int, batch: int, steps: int, rows
         "chunk": chunk,
         "batch": batch,
         "decode_steps": steps,
+        "memory_bound": bound,  # SALA within its memory plan (`measure`)
         "results": list(rows),
         "ratios": ratios(rows, batch),
     }

@@ -463,6 +463,13 @@ def bench_gla(repeat: int, out: str | None) -> None:
 )
 @click.option("--peer/--no-peer", default=True, help="Also run mlx-lm's dense llama.")
 @click.option(
+    "--bound/--no-bound",
+    default=True,
+    show_default=True,
+    help="SALA within its memory plan, as `salabatch run` holds a document (MLX's memory "
+    "limit at the plan); --no-bound: MLX's own limit, for a side-by-side measure of its cost.",
+)
+@click.option(
     "--graph",
     is_flag=True,
     help="No timing: the GPU path's kernels per decode step and prefill chunk and the estimated "
@@ -482,6 +489,7 @@ def bench_long(
     chunk: int | None,
     dtype: str,
     peer: bool,
+    bound: bool,
     graph: bool,
     out: str | None,
     chart: str | None,
@@ -509,6 +517,7 @@ def bench_long(
         chunk=chunk,
         dtype=dtype,
         peer=peer,
+        bound=bound,
         progress=lambda line: click.echo(line, err=True),
         on_result=_saver("long", env, out),
     )
