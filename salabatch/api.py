@@ -135,7 +135,9 @@ def stream_generate(
         reserve_ahead=RESERVE_AHEAD,
     )
     # as `salabatch run` answers a pooled row: refused before its prefill where it cannot fit
-    needs = _memory_plan(model, 0, [len(ids) + max_tokens], prefill_chunk, 1)
+    needs = memory.model_plan(
+        model, doc_tokens=0, rows=[len(ids) + max_tokens], chunk=prefill_chunk, batch_size=1
+    )
     memory.check(needs, memory.available_bytes(on_gpu()))
     limit = cache_limit(model.config, prefill_chunk, on_gpu())
     steps = generator.stream([request])
@@ -270,7 +272,9 @@ def batch_generate(
         requests.append(Request(str(i), suffix, params, room, stop, context=context))
     # as `salabatch run` answers a document: refused before its prefill where it cannot fit
     rows = [len(r.prompt) + r.max_tokens for r in requests]
-    needs = _memory_plan(model, len(doc_prompt), rows, prefill_chunk, batch_size)
+    needs = memory.model_plan(
+        model, doc_tokens=len(doc_prompt), rows=rows, chunk=prefill_chunk, batch_size=batch_size
+    )
     memory.check(needs, memory.available_bytes(on_gpu()))
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = model.make_cache()
@@ -284,18 +288,6 @@ def batch_generate(
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
-
-
-def _memory_plan(model: Model, doc_tokens: int, rows: list[int], chunk: int, batch_size: int):
-    """`memory.answer_plan` of rows over a prefilled document of `doc_tokens` (0: none), as
-    `salabatch run` plans its documents and pools."""
-    from salabatch.engine import memory
-    from salabatch.engine.kernels.attention import on_gpu
-
-    return memory.answer_plan(
-        model.config, weights=memory.weights_bytes(model), doc_tokens=doc_tokens, rows=rows,
-        chunk=chunk, batch_size=batch_size, itemsize=model.dtype.size, gpu=on_gpu(),
-    )  # fmt: skip
 
 
 def _prompt_ids(

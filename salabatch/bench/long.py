@@ -242,13 +242,9 @@ def measure(
         engine = _Sala(model) if kind == "sala" else _Peer(model)
         return _measure(engine, kind, n, chunk, batch, steps, vocab)
     from salabatch.engine import memory
-    from salabatch.engine.kernels.attention import on_gpu
 
-    plan = memory.answer_plan(
-        model.config, weights=memory.weights_bytes(model), doc_tokens=n,
-        rows=[QUESTION_TOKENS + batch + 2 * steps + 4] * batch, chunk=chunk, batch_size=batch,
-        itemsize=model.dtype.size, gpu=on_gpu(),
-    )  # fmt: skip
+    rows = [QUESTION_TOKENS + batch + 2 * steps + 4] * batch  # a question, then its steps
+    plan = memory.model_plan(model, doc_tokens=n, rows=rows, chunk=chunk, batch_size=batch)
     with memory.bounded(plan):
         return _measure(_Sala(model), kind, n, chunk, batch, steps, vocab)
 

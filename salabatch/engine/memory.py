@@ -114,6 +114,17 @@ def answer_plan(
     )  # fmt: skip
 
 
+def model_plan(
+    model, *, doc_tokens: int, rows: list[int], chunk: int, batch_size: int
+) -> MemoryPlan:
+    """`answer_plan` for a loaded model: its weights as they are, its dtype, the current
+    device's path."""
+    return answer_plan(
+        model.config, weights=weights_bytes(model), doc_tokens=doc_tokens, rows=rows,
+        chunk=chunk, batch_size=batch_size, itemsize=model.dtype.size, gpu=attention.on_gpu(),
+    )  # fmt: skip
+
+
 def weights_bytes(model) -> int:
     """Bytes of a loaded model's parameters."""
     from mlx.utils import tree_flatten

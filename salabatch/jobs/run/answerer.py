@@ -175,15 +175,12 @@ class Answerer:
 
     def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
         """What answering `plan` from its document's prefix holds at its peak."""
-        return memory.answer_plan(
-            self.model.config,
-            weights=memory.weights_bytes(self.model),
+        return memory.model_plan(
+            self.model,
             doc_tokens=len(plan.doc_prompt),
             rows=[len(r.prompt) + r.max_tokens for r in plan.rows],
             chunk=self.spec.engine.prefill_chunk,
             batch_size=self.spec.engine.batch_size,
-            itemsize=self.model.dtype.size,
-            gpu=on_gpu(),
         )
 
     # -- short documents and requests: whole prompts, batched across documents ---------------
@@ -211,15 +208,12 @@ class Answerer:
     def pool_memory_plan(self, pool: list[tuple[Row, DocPlan]]) -> memory.MemoryPlan:
         """What a pooled batch holds at its peak (no shared prefix: each row its whole
         prompt, its document too)."""
-        return memory.answer_plan(
-            self.model.config,
-            weights=memory.weights_bytes(self.model),
+        return memory.model_plan(
+            self.model,
             doc_tokens=0,
             rows=[len(plan.doc_prompt or ()) + len(r.prompt) + r.max_tokens for r, plan in pool],
             chunk=self.spec.engine.prefill_chunk,
             batch_size=self.spec.engine.batch_size,
-            itemsize=self.model.dtype.size,
-            gpu=on_gpu(),
         )
 
     def _decode(
