@@ -104,8 +104,10 @@ def gpu_graph(
     with `cuda`, MLX's ops chosen as on CUDA (`attention.on_cuda`), else as on Metal;
     `custom_kernels` (default: `cuda`), every custom CUDA kernel switched on
     (`kernels/*_cuda.py`), each launch one node. The stand-ins' nodes are MLX's `Depends`,
-    which runs no kernel: the tiles' ordering (`attention.in_turn`, made of it too) is left
-    out of the graphs. For counting graphs only: the stand-ins do not compute their result."""
+    which runs no kernel: the engine's orderings made of it too (`attention.in_turn`,
+    `model.with_writes`) are left out of the graphs. For counting graphs only: the stand-ins do
+    not compute their result."""
+    from salabatch.engine import model as sala
     from salabatch.engine.kernels import attention, sparse_attention, sparse_select
 
     saved = {name: getattr(mx.fast, name) for name in FUSED_OPS}
@@ -131,6 +133,7 @@ def gpu_graph(
         module._kernel = _stand_in_kernel
     for module in ordered:
         module.in_turn = lambda tile, _earlier: tile
+    with_writes, sala.with_writes = sala.with_writes, lambda h, _cache: h
     try:
         yield
     finally:
@@ -142,6 +145,7 @@ def gpu_graph(
             module.available, module._kernel = available, kernel
         for module in ordered:
             module.in_turn = in_turn
+        sala.with_writes = with_writes
         if env is None:
             del os.environ["SALABATCH_GPU_PATH"]
         else:
