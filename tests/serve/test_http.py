@@ -538,42 +538,20 @@ def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(serve
 # ---- the command ---------------------------------------------------------------------------
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: held together while chosen (one at a time, a port just released
-    can be handed out again, and two servers would then race for it)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @contextmanager
 def serve_process(
     tmp_path: Path,
     *args: str,
-    port: int | None = None,
     state: Path | None = None,
     env: dict | None = None,
 ):
-    """`salabatch serve` on builtin:tiny in a process (on `port`, default a free one; its
-    state dir `state`, default tmp_path/state); yields (port, the process, its stderr file)."""
-    port = port or free_ports(1)[0]
+    """`salabatch serve` on builtin:tiny in a process, on a port the system picks (`--port 0`:
+    no port chosen here can be taken by another process before the server binds it), its state
+    dir `state` (default tmp_path/state); yields (the port, from the server's log, the process,
+    its stderr file)."""
     state = state or tmp_path / "state"
-    log = tmp_path / f"serve-{port}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "salabatch.cli",
-        "serve",
-        "--model",
-        MODEL,
-        "--port",
-        str(port),
-    ]
+    log = tmp_path / f"serve-{state.name}.log"
+    command = [sys.executable, "-m", "salabatch.cli", "serve", "--model", MODEL, "--port", "0"]
     with log.open("w") as err:
         process = subprocess.Popen(
             [*command, "--state-dir", str(state), *args],
@@ -582,11 +560,23 @@ def serve_process(
             env={**os.environ, **(env or {})},
         )
     try:
-        yield port, process, log
+        yield _bound_port(log, process), process, log
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _bound_port(log: Path, process) -> int:
+    """The port uvicorn says it runs on ("Uvicorn running on http://HOST:PORT")."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = re.search(r"Uvicorn running on http://[^\s]+:(\d+)", log.read_text())
+        if found:
+            return int(found.group(1))
+        assert process.poll() is None, f"salabatch serve exited: {log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, "salabatch serve did not start listening"
+        time.sleep(0.1)
 
 
 def wait_healthy(port: int, process) -> None:
@@ -611,9 +601,8 @@ def get(port: int, path: str, key: str | None = None) -> int:
 
 def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigterm(tmp_path):
     """Either stop is clean: exit 0, the prefixes held written to the prefix store."""
-    first, second = free_ports(2)
-    opened_at = {"port": first, "state": tmp_path / "open"}
-    keyed_at = {"port": second, "state": tmp_path / "keyed", "env": {"SALABATCH_API_KEY": KEY}}
+    opened_at = {"state": tmp_path / "open"}
+    keyed_at = {"state": tmp_path / "keyed", "env": {"SALABATCH_API_KEY": KEY}}
     with (
         serve_process(tmp_path, "--host", "0.0.0.0", **opened_at) as (open_port, opened, open_log),
         serve_process(tmp_path, **keyed_at) as (port, keyed, keyed_log),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,6 @@ from salabatch.jobs.spec.load import load_job  # noqa: E402
 from tests import REPO  # noqa: E402
 from tests.jobs.ray.ray_kill import KILL_DIR, die_on_marker  # noqa: E402
 from tests.jobs.run.test_runner import QUESTIONS, run_cli, write_docs, write_job  # noqa: E402
-from tests.serve.test_http import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -249,7 +249,9 @@ def test_a_malformed_address_is_refused_at_once(address):
 
 
 def test_an_address_nothing_answers_is_refused_in_seconds_not_retried_for_minutes():
-    (port,) = free_ports(1)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     like = _LikeRay()
     with pytest.raises(RayClusterError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
         _cluster(like, f"127.0.0.1:{port}", None, print).__enter__()
