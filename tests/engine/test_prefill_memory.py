@@ -12,7 +12,7 @@ import pytest
 
 from salabatch.engine import memory
 from salabatch.engine.generate import prefill
-from salabatch.engine.kernels import attention, sparse_attention, sparse_select
+from salabatch.engine.kernels import attention, gla, sparse_attention, sparse_select
 from salabatch.engine.load import load_model
 from tests.tiny import SPARSE_AT_256, L, S, tiny_config_dict, write_tiny_checkpoint
 
@@ -126,7 +126,7 @@ def test_a_layers_cache_writes_are_computed_with_it(tmp_path, monkeypatch, gpu):
             prefill(model, ids, cache, chunk=512)
         held = mx.get_active_memory() - base  # the caches and the last logits
         added.append(mx.get_peak_memory() - base - held)
-    chunk_states = 2 * (512 // 64) * 32 * 16 * 16 * 4  # a layer's start states and own parts
+    chunk_states = 2 * (512 // gla.CHUNK) * 32 * 16 * 16 * 4  # a layer's start states, own parts
     assert added[1] - added[0] < 4 * chunk_states, [a / 2**20 for a in added]
 
 
