@@ -138,7 +138,7 @@ def stream_generate(
     needs = memory.model_plan(
         model, doc_tokens=0, rows=[len(ids) + max_tokens], chunk=prefill_chunk, batch_size=1
     )
-    memory.check(needs, memory.available_bytes(on_gpu()))
+    memory.check(needs)
     limit = cache_limit(model.config, prefill_chunk, on_gpu())
     steps = generator.stream([request])
     first_at = None
@@ -275,7 +275,7 @@ def batch_generate(
     needs = memory.model_plan(
         model, doc_tokens=len(doc_prompt), rows=rows, chunk=prefill_chunk, batch_size=batch_size
     )
-    memory.check(needs, memory.available_bytes(on_gpu()))
+    memory.check(needs)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = model.make_cache()
         prefill(model, doc_prompt, prefix, prefill_chunk)

@@ -252,9 +252,12 @@ def available_bytes(gpu: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check(plan: MemoryPlan, free: int) -> None:
+def check(plan: MemoryPlan, free: int | None = None) -> None:
     """Refuses (OutOfMemoryError) the plan when its new memory (all but the weights, loaded
-    already) exceeds `free`, in one line naming both."""
+    already) exceeds `free` (by default what the device has available now, `available_bytes`),
+    in one line naming both."""
+    if free is None:
+        free = available_bytes(attention.on_gpu())
     needs = plan.peak - plan.weights
     if needs > free:
         shown = gb if gb(needs) != gb(free) else (lambda n: f"{n / 2**20:.1f} MB")

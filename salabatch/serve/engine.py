@@ -787,7 +787,7 @@ class ServeEngine:
             transient=memory.transient_bytes(cfg, chunk, on_gpu()),
             overshoot=memory.overshoot_bytes(cfg, chunk, on_gpu()),
         )
-        memory.check(plan, memory.available_bytes(on_gpu()))
+        memory.check(plan)
         return plan
 
     def _group(self, row: ModelCache) -> Batch:

@@ -21,7 +21,6 @@ from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
-from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import OutputError, error_text
@@ -143,7 +142,7 @@ class Answerer:
         rows = {r.key: r for r in plan.rows}
         try:
             needs = self.memory_plan(plan)
-            memory.check(needs, memory.available_bytes(on_gpu()))
+            memory.check(needs)
             with memory.bounded(needs):
                 yield from self._answer_document(plan, key, rows, started)
         except OutputError:
@@ -194,7 +193,7 @@ class Answerer:
         requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
         try:
             needs = self.pool_memory_plan(pool)
-            memory.check(needs, memory.available_bytes(on_gpu()))
+            memory.check(needs)
             with memory.bounded(needs):
                 for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
                     row, plan = by_key.pop(g.request.id)
