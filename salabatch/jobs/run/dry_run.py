@@ -110,7 +110,8 @@ def _show_documents(
         if plan.error:
             echo(f"  {plan.doc.doc_id}: error, {len(plan.rows)} error row(s): {plan.error}")
             continue
-        pages = f", {plan.doc.n_pages} pages" if plan.doc.n_pages else ""
+        n_pages = plan.doc.n_pages
+        pages = f", {n_pages} page{'' if n_pages == 1 else 's'}" if n_pages else ""
         notes = "".join(f", {n}" for n in plan.notes)
         largest.add(plan, setup.is_pooled(plan))
         if setup.is_pooled(plan):

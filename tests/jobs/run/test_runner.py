@@ -354,6 +354,7 @@ def test_dry_run_plans_without_loading_weights(tmp_path, tiny_model, monkeypatch
     out = result.output
     for text in ("letter.pdf: ", "report.md: ", "notes.txt: ", "summary: Summarize this."):
         assert text in out
+    assert re.search(r"letter\.pdf: \d+ tokens, 1 page, ", out)  # a one-page PDF
     assert "tokens" in out and "plan: 9 row(s) to do" in out and "prefill" in out
     assert not (tmp_path / "out").exists()
 
