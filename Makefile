@@ -14,11 +14,11 @@ MLX_INSTALLED := $(wildcard $(VENV)/lib/python*/site-packages/mlx-*.dist-info/ME
 
 install: $(STAMP) $(NATIVE)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	@sh scripts/install-system-blas.sh || echo "note: no system BLAS installed; salabatch falls back to scipy-openblas32"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,ray,serve]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,bench,ray,serve]"
 	@touch $(STAMP)
 
 # A failed build is not fatal: salabatch then runs the same steps as MLX-op graphs (slower on
