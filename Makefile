@@ -28,7 +28,7 @@ $(NATIVE): $(STAMP) $(NATIVE_SRC) $(MLX_INSTALLED) scripts/build-native.sh
 	@touch $(NATIVE)
 
 lint: $(STAMP)
-	$(BIN)/ruff check salabatch tests jobs
+	$(BIN)/ruff check salabatch tests jobs benchmarks scripts
 	$(BIN)/ruff format --check salabatch tests jobs
 
 test: lint $(NATIVE)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import pyarrow.compute as pc
 
 from salabatch.jobs.spec.models import JobSpec
+from salabatch.plural import counted
 
 if TYPE_CHECKING:
     from salabatch.jobs.run.runner import RunSummary
@@ -129,7 +130,7 @@ def run(
         }
 
         def measure(executor: str, workers: int, execute: Callable[[JobSpec], RunSummary]) -> None:
-            progress(f"{executor}, {workers} actor(s) …")
+            progress(f"{executor}, {counted(workers, 'actor')} …")
             folder = root / f"{executor}-{workers}"
             spec = job_spec(folder, model, root / "docs", questions, max_tokens)
             start = time.perf_counter()

@@ -19,6 +19,7 @@ from salabatch.cli.main import (
     sigterm_as_ctrl_c,
 )
 from salabatch.errors import JobValidationError
+from salabatch.plural import counted
 
 _overrides = click.option(
     "--set",
@@ -146,8 +147,9 @@ def run(
             jsonl=jsonl,
         )
     click.echo(
-        f"{summary.written} row(s) written ({summary.errors} errors), {summary.skipped} already "
-        f"done, {summary.documents} document(s), {summary.seconds:.1f} s -> {summary.output}",
+        f"{counted(summary.written, 'row')} written ({counted(summary.errors, 'error')}), "
+        f"{summary.skipped} already done, {counted(summary.documents, 'document')}, "
+        f"{summary.seconds:.1f} s -> {summary.output}",
         err=True,
     )
     if jsonl is not None and not summary.interrupted:
@@ -159,15 +161,15 @@ def run(
     click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
     if summary.failed:
         click.echo(
-            f"{summary.failed} row(s) of the job are errors; fix their cause and rerun with "
-            "--retry-errors to redo them",
+            f"the job has {counted(summary.failed, 'error row')}: fix the cause, then rerun "
+            "with --retry-errors, which redoes error rows",
             err=True,
         )
     if summary.left:
         # Before the error rows' code: the job is not finished yet.
         click.echo(
-            f"--limit {limit}: {summary.left} row(s) of the job left; run the same command for "
-            "the next ones, or without --limit for all of them",
+            f"--limit {limit}: {counted(summary.left, 'row')} of the job left; run the same "
+            "command for the next ones, or without --limit for all of them",
             err=True,
         )
         sys.exit(EXIT_LIMITED)
@@ -214,7 +216,7 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
             )
     entries = len(spec.documents)
     n_files = None if files is None else len(files)
-    found = f", {n_files} file{'s' * (n_files != 1)}" if n_files is not None and entries else ""
+    found = f", {counted(n_files, 'file')}" if n_files is not None and entries else ""
     ids = [q.id for q in spec.questions]
     shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
     rows = {
@@ -256,10 +258,14 @@ def _validate_checkpoint(path: str) -> None:
     rows = {
         "layers": f"{cfg.num_hidden_layers} ({sparse} sparse, "
         f"{cfg.num_hidden_layers - sparse} lightning)",
-        "weights": f"{len(files)} file{'s' * (len(files) != 1)}, "
+        "weights": f"{counted(len(files), 'file')}, "
         f"{human_size(sum(f.stat().st_size for f in files))}, "
         + (f"{quant.bits}-bit, group size {quant.group_size}" if quant else "full precision")
-        + (f", {len(quant.overrides)} module(s) set apart" if quant and quant.overrides else ""),
+        + (
+            f", {counted(len(quant.overrides), 'module')} set apart"
+            if quant and quant.overrides
+            else ""
+        ),
         "tokenizer": f"{tok.vocab_size} tokens, stop ids {sorted(tok.eos_ids)}, "
         + ("its chat template" if tok.has_chat_template else "built-in ChatML"),
     }

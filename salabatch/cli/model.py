@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from salabatch.cli.main import Finite, human_size, speculation_options
+from salabatch.plural import counted
 
 
 @click.command()
@@ -166,7 +167,7 @@ def convert_cmd(
         f"{s['quantized']} tensors quantized, {s['kept']} kept; "
         f"{human_size(s['bytes_before'])} -> {human_size(s['bytes_after'])} "
         f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
-        f"{len(s['files'])} weight file(s), copied {', '.join(s['copied']) or 'nothing'}"
+        f"{counted(len(s['files']), 'weight file')}, copied {', '.join(s['copied']) or 'nothing'}"
     )
 
 

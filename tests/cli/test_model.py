@@ -53,7 +53,7 @@ def test_convert_head_bits(tmp_path, tiny):
     quant = ModelConfig.from_file(tmp_path / "q").quantization
     assert (quant.bits, quant.overrides) == (4, {"lm_head": {"group_size": 64, "bits": 8}})
     result = validate(str(tmp_path / "q"))
-    assert result.exit_code == 0 and "4-bit, group size 64, 1 module(s) set apart" in result.stdout
+    assert result.exit_code == 0 and "4-bit, group size 64, 1 module set apart" in result.stdout
 
 
 def test_generate_takes_mlx_lm_spellings(tiny):

@@ -49,6 +49,7 @@ from salabatch.jobs.ingest.text import (
     one_line,
     size_text,
 )
+from salabatch.plural import counted
 
 FORMATS = ("text", "pdf", "jsonl")
 # What a folder walk without a glob takes.
@@ -214,7 +215,7 @@ def read_documents(file: SourceFile, ids: Sequence[tuple[str, str]]) -> list[Doc
             raise JobSpecError(
                 "the file changed since the run listed its documents, or differs on this machine",
                 path=file.path,
-                expected=f"{len(ids)} document(s) with the listed sha256",
+                expected=f"{counted(len(ids), 'document')} with the listed sha256",
                 got=f"document {n + 1} with sha256 {doc.sha256[:12] or 'none'}",
             )
         docs.append(replace(doc, doc_id=ids[n][0]))
@@ -222,8 +223,8 @@ def read_documents(file: SourceFile, ids: Sequence[tuple[str, str]]) -> list[Doc
         raise JobSpecError(
             "the file changed since the run listed its documents, or differs on this machine",
             path=file.path,
-            expected=f"{len(ids)} document(s) with the listed sha256",
-            got=f"{len(docs)} document(s)",
+            expected=f"{counted(len(ids), 'document')} with the listed sha256",
+            got=counted(len(docs), "document"),
         )
     return docs
 

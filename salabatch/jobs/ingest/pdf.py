@@ -13,6 +13,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 from salabatch.jobs.ingest.text import clean_text, one_line
+from salabatch.plural import counted
 
 # Pages of a PDF are joined with a form feed between blank lines. The form feed is the page break
 # pdftotext writes too; byte-level tokenizers keep it (one byte token), and the blank lines around
@@ -99,8 +100,7 @@ def _extract_pdf(data: bytes, meta: dict[str, Any]) -> tuple[str, int | None, st
     if len(bad) == n_pages:
         return "", n_pages, f"corrupt PDF: text extraction failed on all {n_pages} pages ({bad[1]})"
     if n_chars < MIN_CHARS_PER_PAGE * n_pages:
-        plural = "s" if n_pages != 1 else ""
-        reason = f"no extractable text: {n_pages} page{plural}, probably scanned images"
+        reason = f"no extractable text: {counted(n_pages, 'page')}, probably scanned images"
         return "", n_pages, f"{reason} ({n_chars} non-blank characters in all)"
     return PAGE_BREAK.join(pages), n_pages, None
 

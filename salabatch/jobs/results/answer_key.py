@@ -10,9 +10,9 @@ A document is named by its file name, by the end of its path ("q3/contract-a.txt
 folders hold the same name, or by its doc_id (a record of a .jsonl file). Every name must match
 exactly one document of the results, and every question id must be one the results hold, or
 the key is refused with the entry named; so is a name given twice in one mapping (with its
-lines), which YAML would otherwise settle silently by keeping the last. An answer is right when it equals the expected one up
-to case, spacing and the punctuation around it ("harbor lane ltd." for "Harbor Lane Ltd"): what
-a model that answers with the value says.
+lines), which YAML would otherwise settle silently by keeping the last. An answer is right
+when it equals the expected one up to case, spacing and the punctuation around it ("harbor lane
+ltd." for "Harbor Lane Ltd"): what a model that answers with the value says.
 """
 
 from __future__ import annotations

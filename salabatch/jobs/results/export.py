@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
 from salabatch.files import write_atomic
-from salabatch.jobs.results.schema import OutputWarning, decode_metadata
 from salabatch.jobs.results.read import dataset_files, read_results
+from salabatch.jobs.results.schema import OutputWarning, decode_metadata
 
 _TOP_ERRORS = 5
 _REASON_CHARS = 90

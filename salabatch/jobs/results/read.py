@@ -15,7 +15,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
-from salabatch.jobs.results.schema import ADDED_COLUMNS, META_CREATED_AT, META_SCHEMA_VERSION, META_UPDATED_AT, RESULT_SCHEMA, SCHEMA_VERSION, OutputWarning, decode_metadata
+from salabatch.jobs.results.schema import (
+    ADDED_COLUMNS,
+    META_CREATED_AT,
+    META_SCHEMA_VERSION,
+    META_UPDATED_AT,
+    RESULT_SCHEMA,
+    SCHEMA_VERSION,
+    OutputWarning,
+    decode_metadata,
+)
 
 # ---- the folder ----------------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, lock_now, write_atomic
-from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
 from salabatch.jobs.results.read import (
     FRESH,
     dedupe,
@@ -44,6 +43,8 @@ from salabatch.jobs.results.read import (
     read_part,
     warn_bad_part,
 )
+from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, decode_metadata, encode_metadata
+from salabatch.plural import counted
 
 
 class ResultWriter:
@@ -256,9 +257,10 @@ class ResultWriter:
 def stale_rows(n: int) -> str:
     """What a run says, before it drops them, of `n` rows of earlier runs that are no longer
     in the job (and `--dry-run` of the rows the run would drop)."""
+    are, them = ("is", "it") if n == 1 else ("are", "them")
     return (
-        f"{n} row(s) of earlier runs are no longer in the job (a document, question, request "
-        "or setting changed or was removed); the run drops them from the results"
+        f"{counted(n, 'row')} of earlier runs {are} no longer in the job (a document, question, "
+        f"request or setting changed or was removed); the run drops {them} from the results"
     )
 
 
@@ -296,10 +298,14 @@ def _lock(lock_path: Path, results: Path) -> int:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except (FileExistsError, FileNotFoundError) as e:
             if os.path.lexists(folder) and not os.path.isdir(folder):
-                raise OutputError(f"cannot create the parts folder ({error_text(e)})", path=folder)
+                raise OutputError(
+                    f"cannot create the parts folder ({error_text(e)})", path=folder
+                ) from e
             continue  # the folder removed while it was made or opened, by a writer ending
         except OSError as e:
-            raise OutputError(f"cannot create the parts folder ({error_text(e)})", path=folder) from e
+            raise OutputError(
+                f"cannot create the parts folder ({error_text(e)})", path=folder
+            ) from e
         if not lock_now(fd):
             os.close(fd)
             raise OutputError(

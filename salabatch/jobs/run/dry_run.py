@@ -20,6 +20,7 @@ from salabatch.jobs.run.plan import DocPlan, Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
+from salabatch.plural import counted
 
 
 def dry_run(
@@ -41,7 +42,7 @@ def dry_run(
     note = model_note(spec.model)
     note = f" ({note})" if note else ""
     echo(f"job {spec.name}: model {spec.model}{note}, {setup.dtype}, output {spec.output.path}")
-    echo(f"{len(spec.questions)} question(s):")
+    echo(f"{counted(len(spec.questions), 'question')}:")
     for q in spec.questions:
         echo(f"  {q.id}: {q.text}")
     echo("documents:")
@@ -58,15 +59,16 @@ def dry_run(
         rows += todo
         echo(
             f"requests {spec.requests}: {todo} to do ({bad} invalid; "
-            f"{sum(len(p.rows) for p in shared)} in {len(shared)} group(s) sharing a prefix)"
+            f"{sum(len(p.rows) for p in shared)} in {counted(len(shared), 'group')} sharing a "
+            "prefix)"
         )
     skipped, later = planner.skipped, ""
     if cut.cut:  # the run plans no further: the rest of the job is counted as it would count it
         todo, skipped = setup.outstanding(done)
         later = f" (--limit {limit}; {todo - rows} more of the job left for later runs)"
     echo(
-        f"plan: {rows} row(s) to do{later}, {skipped} already done; prefill {prefill} document "
-        f"tokens, {cached} from stored prefixes"
+        f"plan: {counted(rows, 'row')} to do{later}, {skipped} already done; prefill {prefill} "
+        f"document tokens, {cached} from stored prefixes"
     )
     if largest.document:
         what = f"the longest document ({largest.document} tokens)"
@@ -108,10 +110,12 @@ def _show_documents(
     for plan in cut.take(planner.documents()):
         rows += len(plan.rows)
         if plan.error:
-            echo(f"  {plan.doc.doc_id}: error, {len(plan.rows)} error row(s): {plan.error}")
+            echo(
+                f"  {plan.doc.doc_id}: error, {counted(len(plan.rows), 'error row')}: {plan.error}"
+            )
             continue
         n_pages = plan.doc.n_pages
-        pages = f", {n_pages} page{'' if n_pages == 1 else 's'}" if n_pages else ""
+        pages = f", {counted(n_pages, 'page')}" if n_pages else ""
         notes = "".join(f", {n}" for n in plan.notes)
         largest.add(plan, setup.is_pooled(plan))
         if setup.is_pooled(plan):
@@ -123,8 +127,8 @@ def _show_documents(
             prefill += 0 if hit else plan.doc_tokens
             state = "prefix stored" if hit else "to prefill once"
         echo(
-            f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, {len(plan.rows)} row(s), "
-            f"{state}{notes}"
+            f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, "
+            f"{counted(len(plan.rows), 'row')}, {state}{notes}"
         )
     return rows, prefill, cached, largest
 

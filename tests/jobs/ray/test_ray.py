@@ -95,7 +95,7 @@ def test_two_actors_give_the_rows_of_a_local_run(tmp_path, tiny_model, kills):
         job = job_in(folder, tiny_model, requests=str(requests_in(folder)))
         result = run_cli("run", str(job), *executor)
         assert result.exit_code == 3, result.output  # the line asking for tools is an error
-        assert "14 row(s) written (1 errors)" in result.output
+        assert "14 rows written (1 error)" in result.output
         runs[name] = results(folder)
     expected, got = runs["local"], runs["ray"]
     assert [{c: r[c] for c in SAME} for r in got] == [{c: r[c] for c in SAME} for r in expected]

@@ -15,8 +15,8 @@ import pytest
 
 from salabatch.errors import OutputError
 from salabatch.jobs.results.export import export_openai_jsonl, export_results, inspect_results
-from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, encode_metadata
 from salabatch.jobs.results.read import read_results
+from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, encode_metadata
 from tests.jobs.results.test_results import SPEC, T0, make_row, write_file, writer
 
 
@@ -260,7 +260,9 @@ def test_export_csv_and_flat_jsonl_into_new_folders(results, tmp_path):
     assert got[0]["finished_at"] == table["finished_at"][0].as_py().isoformat()
 
     flat = tmp_path / "other" / "rows.jsonl"
-    result = CliRunner().invoke(main, ["export", str(results), "--format", "jsonl", "-o", str(flat)])
+    result = CliRunner().invoke(
+        main, ["export", str(results), "--format", "jsonl", "-o", str(flat)]
+    )
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in flat.read_text(encoding="utf-8").splitlines()]
     assert [list(x) for x in lines] == [table.column_names] * 6
@@ -269,6 +271,8 @@ def test_export_csv_and_flat_jsonl_into_new_folders(results, tmp_path):
 
     for fmt, name in (("csv", "answers.jsonl"), ("openai-jsonl", "answers.csv"), ("jsonl", "x")):
         wrong = tmp_path / name
-        result = CliRunner().invoke(main, ["export", str(results), "--format", fmt, "-o", str(wrong)])
+        result = CliRunner().invoke(
+            main, ["export", str(results), "--format", fmt, "-o", str(wrong)]
+        )
         assert result.exit_code == 2 and f"--format {fmt} writes a" in result.output
         assert not wrong.exists()

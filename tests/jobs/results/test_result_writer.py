@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.results.schema import SCHEMA_VERSION, current_versions
 from salabatch.jobs.results.read import read_metadata, read_results
+from salabatch.jobs.results.schema import SCHEMA_VERSION, current_versions
 from tests import REPO
 from tests.jobs.results.test_results import SPEC, VERSIONS, keys_of, make_row, writer
 

@@ -14,9 +14,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from salabatch.errors import OutputError
-from salabatch.jobs.results.writer import ResultWriter
-from salabatch.jobs.results.schema import RESULT_SCHEMA, SCHEMA_VERSION, OutputWarning, ResultRow, encode_metadata
 from salabatch.jobs.results.read import read_metadata, read_results
+from salabatch.jobs.results.schema import (
+    RESULT_SCHEMA,
+    SCHEMA_VERSION,
+    OutputWarning,
+    ResultRow,
+    encode_metadata,
+)
+from salabatch.jobs.results.writer import ResultWriter
 
 SPEC = json.dumps({"name": "contracts", "questions": [{"id": "q0", "text": "Who?"}]})
 VERSIONS = {"salabatch": "0.1.0", "mlx": "0.30.0", "python": "3.11.0"}

@@ -134,7 +134,7 @@ def test_rerun_keeps_input_order_of_the_file_as_it_is_now(tmp_path, tiny_model):
     # a line inserted at the top, the others swapped: only the new one runs
     write_requests(requests, [line("new", "Name a lake."), line("b", "Name a sea."), line("a")])
     again = run_requests(tmp_path, tiny_model, requests, out)
-    assert "1 row(s) written" in again.output and "2 already done" in again.output
+    assert "1 row written" in again.output and "2 already done" in again.output
     after = out.read_text().splitlines()
     assert [json.loads(x)["custom_id"] for x in after] == ["new", "b", "a"]
     assert after[1:] == [before["b"], before["a"]]  # done rows: the same lines
@@ -172,7 +172,7 @@ def test_a_request_line_repeating_a_document_rows_custom_id_is_an_error_row(tmp_
         "line 1: duplicate custom_id 'a.txt/q1' (a document row's)"
     )
     again = run_cli("run", str(job))
-    assert "0 row(s) written (0 errors), 3 already done" in again.output, again.output
+    assert "0 rows written (0 errors), 3 already done" in again.output, again.output
 
 
 def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_model):

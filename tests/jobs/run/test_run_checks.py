@@ -47,7 +47,7 @@ def test_changed_generation_settings_rerun_every_row(tmp_path, tiny_model):
     assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
     job = write_job(tmp_path, tiny_model, generation={"max_tokens": 3})
     result = run_cli("run", str(job))
-    assert result.exit_code == 0 and "9 row(s) written" in result.output
+    assert result.exit_code == 0 and "9 rows written" in result.output
     assert len(rows(tmp_path)) == 9 and all(r["completion_tokens"] <= 3 for r in rows(tmp_path))
 
 
@@ -125,15 +125,13 @@ def test_error_rows_exit_3_in_one_line_and_debug_shows_the_traceback(
         result = run_cli("run", job)
         assert result.exit_code == 3, result.output
         assert "error in document report.md: RuntimeError: the decoder broke" in result.output
-        assert (
-            "Traceback" not in result.output and "9 row(s) of the job are errors" in result.output
-        )
+        assert "Traceback" not in result.output and "the job has 9 error rows" in result.output
         assert all(r["status"] == "error" for r in rows(tmp_path))
 
         debug = run_cli("--debug", "run", job, "--no-progress", "--retry-errors")
         assert debug.exit_code == 3 and "Traceback" in debug.output
     again = run_cli("run", job)  # error rows count as done, and still as errors
-    assert again.exit_code == 3 and "0 row(s) written" in again.output
+    assert again.exit_code == 3 and "0 rows written" in again.output
     fixed = run_cli("run", job, "--retry-errors")
     assert fixed.exit_code == 0, fixed.output
     assert [r["status"] for r in rows(tmp_path)] == ["ok"] * 9
@@ -191,7 +189,7 @@ def test_an_edited_request_body_replaces_its_row(tmp_path, tiny_model):
     first = {r["custom_id"]: r for r in read_results(out).to_pylist()}
     requests.write_text(request("a", "Name a lake.") + "\n" + request("b", "Name a hill.") + "\n")
     result = run_cli("run", *args)
-    assert result.exit_code == 0 and "1 row(s) written" in result.output
+    assert result.exit_code == 0 and "1 row written" in result.output
     now = {r["custom_id"]: r for r in read_results(out).to_pylist()}
     assert len(read_results(out)) == 2 and now["a"]["question"] == "Name a lake."
     assert now["b"]["run_id"] == first["b"]["run_id"]  # unchanged: not redone
@@ -267,7 +265,7 @@ def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
 
 
 def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny_model):
-    # Defect 7: the run ended with "6 row(s) of the job are errors" and no word of which
+    # Defect 7: the run ended with "the job has 6 error rows" and no word of which
     # documents failed or why: the user needed `inspect`.
     docs = write_docs(tmp_path)
     (docs / "empty.txt").write_bytes(b"")

@@ -172,7 +172,7 @@ def test_rerun_skips_done_rows_and_reuses_stored_prefixes(tmp_path, tiny_model):
     job = write_job(tmp_path, tiny_model)
     assert run_cli("run", str(job)).exit_code == 0
     again = run_cli("run", str(job))
-    assert "0 row(s) written" in again.output and "9 already done" in again.output
+    assert "0 rows written" in again.output and "9 already done" in again.output
     more = [*QUESTIONS, {"id": "when", "text": "When?"}]
     job = write_job(tmp_path, tiny_model, questions=more)
     assert run_cli("run", str(job)).exit_code == 0
@@ -189,10 +189,10 @@ def test_a_limit_that_ends_inside_the_last_document_says_its_rows_are_left(tmp_p
     write_docs(tmp_path)
     job = write_job(tmp_path, tiny_model)
     plan = run_cli("run", str(job), "--dry-run", "--limit", "8").output
-    assert "plan: 8 row(s) to do (--limit 8; 1 more of the job left for later runs)" in plan
+    assert "plan: 8 rows to do (--limit 8; 1 more of the job left for later runs)" in plan
     limited = run_cli("run", str(job), "--limit", "8")
     assert limited.exit_code == 4, limited.output
-    assert "--limit 8: 1 row(s) of the job left" in limited.output
+    assert "--limit 8: 1 row of the job left" in limited.output
     assert run_cli("run", str(job), "--limit", "1").exit_code == 0  # the last row: done
 
 
@@ -208,19 +208,17 @@ def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
     job = write_job(tmp_path, tiny_model, questions=questions)
     # --limit leaves the rest of the job unplanned: nothing is dropped yet; its dry run says so
     plan = run_cli("run", str(job), "--dry-run", "--limit", "1").output
-    assert (
-        "plan: 1 row(s) to do (--limit 1; 2 more of the job left for later runs), 6 already" in plan
-    )
+    assert "plan: 1 row to do (--limit 1; 2 more of the job left for later runs), 6 already" in plan
     assert "\n  letter.pdf: " in plan and "\n  notes.txt: " not in plan  # only what it would do
     assert "no longer in the job" not in plan
     limited = run_cli("run", str(job), "--limit", "1")
     assert limited.exit_code == 4  # the job is not finished: rows are left
-    assert "--limit 1: 2 row(s) of the job left; run the same command" in limited.output
+    assert "--limit 1: 2 rows of the job left; run the same command" in limited.output
     assert "no longer in the job" not in limited.output
     assert len(pairs()) == 10 and ("notes.txt", "cost") in pairs()
     plan = run_cli("run", str(job), "--dry-run").output
-    assert "plan: 2 row(s) to do, 7 already done" in plan
-    stale = "3 row(s) of earlier runs are no longer in the job (a document, question, request or"
+    assert "plan: 2 rows to do, 7 already done" in plan
+    stale = "3 rows of earlier runs are no longer in the job (a document, question, request or"
     assert stale in plan
     assert len(pairs()) == 10  # a dry run writes nothing
 
@@ -234,7 +232,7 @@ def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
 
     (docs / "notes.txt").unlink()
     again = run_cli("run", str(job))
-    assert again.exit_code == 0 and "0 row(s) written" in again.output
+    assert again.exit_code == 0 and "0 rows written" in again.output
     assert pairs() == {(d, q["id"]) for d in docs_now if d != "notes.txt" for q in questions}
 
     job = write_job(tmp_path, tiny_model, questions=QUESTIONS[:1])
@@ -355,7 +353,7 @@ def test_dry_run_plans_without_loading_weights(tmp_path, tiny_model, monkeypatch
     for text in ("letter.pdf: ", "report.md: ", "notes.txt: ", "summary: Summarize this."):
         assert text in out
     assert re.search(r"letter\.pdf: \d+ tokens, 1 page, ", out)  # a one-page PDF
-    assert "tokens" in out and "plan: 9 row(s) to do" in out and "prefill" in out
+    assert "tokens" in out and "plan: 9 rows to do" in out and "prefill" in out
     assert not (tmp_path / "out").exists()
 
 

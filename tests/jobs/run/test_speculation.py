@@ -49,7 +49,7 @@ def test_changing_speculation_reruns_nothing_and_keeps_the_stored_prefixes(tmp_p
 
     again = run_cli("run", str(job), "--set", "engine.speculative={draft: lookup, tokens: 6}")
     assert again.exit_code == 0, again.output
-    assert "0 row(s) written" in again.output and "9 already done" in again.output
+    assert "0 rows written" in again.output and "9 already done" in again.output
 
     engine = {"prefill_chunk": 128, "pool_max_tokens": 128, "batch_size": 4}
     engine["speculative"] = {"draft": "layers", "layers": 2}
