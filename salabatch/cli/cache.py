@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from salabatch.cli.main import Finite, human_size
+from salabatch.plural import counted
 
 
 @click.group()
@@ -61,11 +62,12 @@ def cache_ls(root: str | None) -> None:
                 f"{e.dtype:9s} {_age(now - e.last_used):>10s}  {name:{width}s}  {e.model}"
             )
         total = sum(e.bytes for e in entries)
-        click.echo(f"{len(entries)} entries, {human_size(total)}")
+        click.echo(f"{counted(len(entries), 'entry', 'entries')}, {human_size(total)}")
     stale = [t for t in temps if t.stale]
     if stale:
         click.echo(
-            f"{len(stale)} stale temporary files, {human_size(sum(t.bytes for t in stale))} "
+            f"{counted(len(stale), 'stale temporary file')}, "
+            f"{human_size(sum(t.bytes for t in stale))} "
             "(left by killed writes; the next run or `salabatch cache prune` removes them)"
         )
 
@@ -92,10 +94,11 @@ def cache_prune(root: str | None, max_gb: float | None, older_than: float | None
         max_bytes=None if max_gb is None else int(max_gb * 2**30),
         older_than_s=None if older_than is None else older_than * 86400,
     )
-    line = f"removed {len(removed)} entries, {human_size(sum(e.bytes for e in removed))}"
+    freed = human_size(sum(e.bytes for e in removed))
+    line = f"removed {counted(len(removed), 'entry', 'entries')}, {freed}"
     if store.swept:
         swept = human_size(sum(t.bytes for t in store.swept))
-        line += f"; {len(store.swept)} stale temporary files, {swept}"
+        line += f"; {counted(len(store.swept), 'stale temporary file')}, {swept}"
     click.echo(line)
 
 

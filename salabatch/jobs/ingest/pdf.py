@@ -98,7 +98,8 @@ def _extract_pdf(data: bytes, meta: dict[str, Any]) -> tuple[str, int | None, st
 
     n_chars = sum(not c.isspace() for page in pages for c in page)
     if len(bad) == n_pages:
-        return "", n_pages, f"corrupt PDF: text extraction failed on all {n_pages} pages ({bad[1]})"
+        where = "its only page" if n_pages == 1 else f"all {n_pages} pages"
+        return "", n_pages, f"corrupt PDF: text extraction failed on {where} ({bad[1]})"
     if n_chars < MIN_CHARS_PER_PAGE * n_pages:
         reason = f"no extractable text: {counted(n_pages, 'page')}, probably scanned images"
         return "", n_pages, f"{reason} ({n_chars} non-blank characters in all)"

@@ -27,6 +27,7 @@ from salabatch.errors import OutputError
 from salabatch.files import write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import OutputWarning, decode_metadata
+from salabatch.plural import counted
 
 _TOP_ERRORS = 5
 _REASON_CHARS = 90
@@ -73,7 +74,7 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
         (
             "prefill tok/s, mean",
             _num(pc.mean(prefilled["prefill_tok_s"]).as_py())
-            + f"  (over {prefilled.num_rows} rows that prefilled their document)",
+            + f"  (over {counted(prefilled.num_rows, 'row')} that prefilled a document)",
         ),
         ("decode tok/s, mean", _num(pc.mean(table.filter(ok)["decode_tok_s"]).as_py())),
         ("ttft s, mean", _num(pc.mean(table["ttft_s"]).as_py(), digits=3)),

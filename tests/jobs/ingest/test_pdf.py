@@ -218,6 +218,8 @@ def test_pdf_extraction_failing_on_every_page_is_corrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(PageObject, "extract_text", broken)
     doc = read_one(write(tmp_path / "two.pdf", make_pdf(TWO_PAGES)))
     assert doc.error == "corrupt PDF: text extraction failed on all 2 pages (RuntimeError: boom)"
+    doc = read_one(write(tmp_path / "one.pdf", make_pdf(TWO_PAGES[:1])))
+    assert doc.error == "corrupt PDF: text extraction failed on its only page (RuntimeError: boom)"
 
 
 def test_pypdf_warnings_go_to_meta_not_stderr(tmp_path, monkeypatch, capsys):

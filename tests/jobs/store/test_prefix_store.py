@@ -323,9 +323,9 @@ def test_cache_commands(model, tmp_path):
     root = str(store.root)
     listed = CliRunner().invoke(main, ["cache", "ls", "--dir", root])
     assert listed.exit_code == 0 and "prefix" in listed.output and " 300 " in listed.output
-    assert "1 entries" in listed.output
+    assert "1 entry," in listed.output
     pruned = CliRunner().invoke(main, ["cache", "prune", "--dir", root, "--max-gb", "0"])
-    assert pruned.exit_code == 0 and "removed 1 entries" in pruned.output
+    assert pruned.exit_code == 0 and "removed 1 entry," in pruned.output
     stored_entry(model, tmp_path / "again")
     cleared = CliRunner().invoke(
         main, ["cache", "clear", "--dir", str(tmp_path / "again" / "store"), "--yes"]
