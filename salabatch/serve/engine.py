@@ -113,6 +113,7 @@ GAUGES = (
 HISTOGRAMS = (
     "ttft_seconds",  # submit to first token
     "decode_step_seconds",  # one step of one group
+    "queue_seconds",  # submit to the start of its prefill (waiting for a row)
 )
 
 
@@ -322,6 +323,7 @@ class _Stats:
     gauges: dict[str, float] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=lambda: Histogram(HISTOGRAMS[0], TTFT_BUCKETS))
     step: Histogram = field(default_factory=lambda: Histogram(HISTOGRAMS[1], STEP_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(HISTOGRAMS[2], TTFT_BUCKETS))
 
     def add(self, name: str, n: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -443,12 +445,13 @@ class ServeEngine:
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics: requests, prompt/completion/cached tokens, queue
         depth, running rows, prefix hits (memory, disk) and misses, held prefix bytes, and the
-        TTFT and decode-step histograms (as `{name}_bucket_{le}` counts, `_sum`, `_count`).
-        The names are `COUNTERS`, `GAUGES` and `HISTOGRAMS`."""
+        TTFT, decode-step and queue-time histograms (as `{name}_bucket_{le}` counts, `_sum`,
+        `_count`). The names are `COUNTERS`, `GAUGES` and `HISTOGRAMS`."""
         with self._stats_lock:
             out = dict.fromkeys((*COUNTERS, *GAUGES), 0.0)
             out |= {k: float(v) for k, v in self._stats.counters.items()}
             out |= self._stats.gauges | self._stats.ttft.items() | self._stats.step.items()
+            out |= self._stats.queue.items()
         out["queue_depth"] = float(len(self._queue))
         out["prefix_cap_bytes"] = float(self.prefix_bytes)
         return out
@@ -891,6 +894,7 @@ class ServeEngine:
             if w.started:
                 s.add("prompt_tokens_total", len(job.prompt))
                 s.add("cached_tokens_total", w.cached)
+                s.queue.observe(event.queued_s)
             if completion:
                 s.ttft.observe(ttft)
         w.ticket._put(event)

@@ -230,7 +230,14 @@ def test_queue_full(model):
     with pytest.raises(QueueFull, match="max_queue 2"):
         engine.submit(job("j3", ids(8, 3)))
     with engine:
-        assert all(collect(t)[1].finish_reason == "length" for t in queued)
+        done = [collect(t)[1] for t in queued]
+        assert all(f.finish_reason == "length" for f in done)
+        # one row: each waited in the queue for the one before it to finish
+        for before, f in zip(done, done[1:], strict=False):
+            assert f.queued_s >= before.queued_s + before.decode_s > 0
+        stats = engine.stats()
+        assert stats["queue_seconds_count"] == 3 == stats["queue_seconds_bucket_+Inf"]
+        assert stats["queue_seconds_sum"] == pytest.approx(sum(f.queued_s for f in done))
         # under load: one row decoding (batch_size 1), two waiting, the next refused
         busy = engine.submit(job("busy", ids(8, 3), max_tokens=10_000))
         assert isinstance(next(iter(busy)), Token)

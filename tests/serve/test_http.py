@@ -531,6 +531,7 @@ def test_metrics_count_requests_by_endpoint_and_status_and_show_the_engine(serve
         "salabatch_queue_depth",
         "salabatch_prefix_hits_memory_total",
         "salabatch_cached_tokens_total",
+        "salabatch_queue_seconds_count",
     ):
         assert name in after
 
