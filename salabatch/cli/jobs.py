@@ -49,7 +49,8 @@ _overrides = click.option(
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Show documents, token counts, questions and the planned prefill; no weights.",
+    help="Show documents, token counts, questions, the planned prefill and the predicted "
+    "memory peak; loads no weights.",
 )
 @click.option(
     "--limit",
@@ -66,7 +67,7 @@ _overrides = click.option(
 )
 @click.option(
     "--model",
-    help="The model (a folder, a Hub repo id or builtin:NAME), in place of the job's model: (a "
+    help="The model (a folder, a Hub repo id or builtin:NAME) in place of the job's model (a "
     "folder is relative to the current directory); needed for --requests without a job file "
     "when the requests name none or several.",
 )

@@ -87,9 +87,10 @@ def generate(
         draft_layers=draft_layers,
     )
     click.echo()
+    answer = counted(stats["completion_tokens"], "token")
     click.echo(
         f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_tok_s']:.1f} tok/s, "
-        f"first token after {stats['ttft_s']:.2f} s, {stats['completion_tokens']} tokens at "
+        f"first token after {stats['ttft_s']:.2f} s, {answer} at "
         f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
         err=True,
     )

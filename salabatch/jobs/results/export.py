@@ -338,11 +338,12 @@ def _answer_block(r: dict[str, Any]) -> str:
     title = f"[{r['doc_id']} / {r['question_id']}]"
     if r["status"] != "ok":
         return f"{title} error: {r['error']}"
-    tokens = f", {r['completion_tokens']} tokens" if r["completion_tokens"] is not None else ""
+    n = r["completion_tokens"]
+    tokens = "" if n is None else f", {counted(n, 'token')}"
     text_lines = (r["answer"] or "").strip().splitlines() or ["(empty answer)"]
     body = [f"    {_clip(line, _ANSWER_CHARS)}" for line in text_lines[:_ANSWER_LINES]]
     if len(text_lines) > _ANSWER_LINES:
-        body.append(f"    … ({len(text_lines) - _ANSWER_LINES} more lines)")
+        body.append(f"    … ({counted(len(text_lines) - _ANSWER_LINES, 'more line')})")
     return "\n".join([f"{title} {r['finish_reason']}{tokens}", *body])
 
 

@@ -127,7 +127,7 @@ def _show_documents(
             prefill += 0 if hit else plan.doc_tokens
             state = "prefix stored" if hit else "to prefill once"
         echo(
-            f"  {plan.doc.doc_id}: {plan.doc_tokens} tokens{pages}, "
+            f"  {plan.doc.doc_id}: {counted(plan.doc_tokens, 'token')}{pages}, "
             f"{counted(len(plan.rows), 'row')}, {state}{notes}"
         )
     return rows, prefill, cached, largest
