@@ -182,6 +182,21 @@ def speculation_options(command: click.Command) -> click.Command:
     return command
 
 
+def positional(
+    args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
+) -> list[str]:
+    """The values of `names`: each from its option when given, else from the positional `args`
+    in order (so `generate --model M PROMPT` and `generate M PROMPT` agree)."""
+    free = [name for name, value in zip(names, options, strict=True) if value is None]
+    if len(args) < len(free):
+        how = "an argument" if len(names) == 1 else "arguments"
+        raise click.UsageError(f"give {' and '.join(names)}, as {how} or with {spelled}")
+    if len(args) > len(free):
+        raise click.UsageError(f"unexpected argument {args[len(free)]!r}")
+    rest = iter(args)
+    return [value if value is not None else next(rest) for value in options]
+
+
 def human_size(n: int) -> str:
     """A byte count for people: `1536` -> `1.5 KB`."""
     for unit in ("B", "KB", "MB", "GB"):

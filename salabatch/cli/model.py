@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from salabatch.cli.main import Finite, human_size, speculation_options
+from salabatch.cli.main import Finite, human_size, positional, speculation_options
 from salabatch.plural import counted
 
 
@@ -170,17 +170,3 @@ def convert_cmd(
         f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
         f"{counted(len(s['files']), 'weight file')}, copied {', '.join(s['copied']) or 'nothing'}"
     )
-
-
-def positional(
-    args: tuple[str, ...], names: tuple[str, ...], options: tuple[str | None, ...], spelled: str
-) -> list[str]:
-    """The values of `names`: each from its option when given, else from the positional `args`
-    in order (so `generate --model M PROMPT` and `generate M PROMPT` agree)."""
-    free = [name for name, value in zip(names, options, strict=True) if value is None]
-    if len(args) < len(free):
-        raise click.UsageError(f"give {' and '.join(names)}, as arguments or with {spelled}")
-    if len(args) > len(free):
-        raise click.UsageError(f"unexpected argument {args[len(free)]!r}")
-    rest = iter(args)
-    return [value if value is not None else next(rest) for value in options]

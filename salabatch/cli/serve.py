@@ -10,18 +10,29 @@ import sys
 
 import click
 
-from salabatch.cli.main import Finite, sigterm_as_ctrl_c, speculation_options
+from salabatch.cli.main import Finite, positional, sigterm_as_ctrl_c, speculation_options
 
 API_KEY_ENV = "SALABATCH_API_KEY"
 _MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
 
-_model = click.option(
-    "--model",
-    "model_ref",
-    required=True,
-    metavar="MODEL",
-    help="A checkpoint folder, a Hugging Face repo id, or builtin:tiny.",
-)
+
+def _model(command: click.Command) -> click.Command:
+    """MODEL as an argument (`salabatch serve M`, as vLLM spells it) or as --model (mlx-lm's
+    spelling), as the parameters `model_args` and `model_opt`: `_model_ref` takes it from them."""
+    command = click.option(
+        "--model",
+        "model_opt",
+        metavar="MODEL",
+        help="MODEL as an option: a checkpoint folder, a Hugging Face repo id, or builtin:tiny.",
+    )(command)
+    return click.argument("model_args", nargs=-1, metavar="[MODEL]")(command)
+
+
+def _model_ref(model_args: tuple[str, ...], model_opt: str | None) -> str:
+    (model_ref,) = positional(model_args, ("MODEL",), (model_opt,), "--model")
+    return model_ref
+
+
 _dtype = click.option(
     "--dtype",
     default="auto",
@@ -95,7 +106,8 @@ _max_tokens = click.option(
 @_dtype
 @speculation_options
 def serve(
-    model_ref: str,
+    model_args: tuple[str, ...],
+    model_opt: str | None,
     host: str,
     port: int,
     api_key: str | None,
@@ -114,6 +126,7 @@ def serve(
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
     /v1/completions, /v1/models, /v1/files and /v1/batches (the Batch API), /health, /metrics.
     Binds 127.0.0.1 unless told otherwise."""
+    model_ref = _model_ref(model_args, model_opt)
     try:
         import uvicorn
     except ImportError:
@@ -191,7 +204,8 @@ def serve(
 @_dtype
 @speculation_options
 def chat(
-    model_ref: str,
+    model_args: tuple[str, ...],
+    model_opt: str | None,
     documents: tuple[str, ...],
     system: str | None,
     think: bool,
@@ -209,6 +223,7 @@ def chat(
     """Chat with MODEL in the terminal, about --document files if given. Each turn prefills
     only its own tokens. /reset forgets the conversation, /save FILE writes it as JSON, /quit
     (or Ctrl-D) ends; Ctrl-C stops an answer, not the session."""
+    model_ref = _model_ref(model_args, model_opt)
     from salabatch.engine.sampling import SamplingParams
     from salabatch.engine.speculative import Speculation
     from salabatch.serve.chat import HELP, ChatSession, run_chat

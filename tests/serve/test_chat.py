@@ -152,6 +152,20 @@ def test_ctrl_c_stops_the_answer_not_the_session(tmp_path, tiny):
     assert [m["role"] for m in session.history] == ["user", "assistant"] * 2
 
 
+def test_chat_takes_the_model_as_an_argument_too(tmp_path):
+    """`salabatch chat M`, as `generate M` and `serve M`: the same session as `--model M`."""
+    shutil.copy(DOCS / "redwater-robotics.txt", tmp_path / "doc.txt")
+    runs = []
+    for spelled in ([MODEL], ["--model", MODEL]):
+        args = ["chat", *spelled, "--document", str(tmp_path / "doc.txt"), "--max-tokens", "8"]
+        args += ["--state-dir", str(tmp_path / "state")]
+        result = CliRunner().invoke(main, args, input="Who is the provider?\n")
+        assert result.exit_code == 0, result.output
+        assert f"chat with {MODEL};" in result.stderr
+        runs.append(result.stdout)
+    assert runs[0] == runs[1]
+
+
 def test_a_document_that_cannot_be_read_is_refused_before_the_model_loads(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.engine.speculative import OFF, Speculation
+from salabatch.serve import app as app_module
 from salabatch.serve import engine as engine_module
 from salabatch.serve.app import create_app
 from salabatch.serve.engine import ServeEngine
@@ -651,3 +652,26 @@ def test_serve_draft_flags_reach_the_engine(tmp_path, monkeypatch):
     assert serve("--draft", "layers", "--draft-layers", "2") == Speculation("layers", 4, 2)
     refused = CliRunner().invoke(main, ["serve", "--model", MODEL, "--draft", "medusa"])
     assert refused.exit_code == 2 and "'medusa' is not one of" in refused.output
+
+
+def test_serve_takes_the_model_as_an_argument_or_an_option(tmp_path, monkeypatch):
+    """`salabatch serve M` (vLLM's spelling) and `serve --model M` (mlx-lm's) serve M; neither,
+    or both, is a usage error before anything loads."""
+    served: list[str] = []
+
+    def recording(*args, **kwargs):
+        served.append(kwargs["model_id"])
+        return create_app(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "create_app", recording)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: None)  # serve nothing
+    state = ["--state-dir", str(tmp_path / "state")]
+    for command in (["serve", MODEL, *state], ["serve", "--model", MODEL, *state]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 0, result.output
+    assert served == [MODEL, MODEL]
+    missing = CliRunner().invoke(main, ["serve", *state])
+    assert missing.exit_code == 2 and "give MODEL, as an argument or with --model" in missing.output
+    both = CliRunner().invoke(main, ["serve", MODEL, "--model", MODEL, *state])
+    assert both.exit_code == 2 and f"unexpected argument {MODEL!r}" in both.output
+    assert len(served) == 2
