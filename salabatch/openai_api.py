@@ -9,6 +9,8 @@ never silently ignored. Every check raises a BodyError naming its field.
     presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the request's think mode
+    n                         answers sampled from one prompt (`choices`): the server's; a job's
+                              results hold one answer per line, so there it must be 1
 
 Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
 """
@@ -35,7 +37,7 @@ SAMPLING = (
     "repetition_penalty",
     "seed",
 )
-HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs")
+HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs", "n")
 # Fields about billing, logging or delivery: they cannot change the answer.
 ACCEPTED = (
     "model",
@@ -49,8 +51,9 @@ ACCEPTED = (
     "stream_options",
     "parallel_tool_calls",
 )
-NO_OP = {"n": 1, "stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
+NO_OP = {"stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_CHOICES = 128  # n, as OpenAI allows
 
 
 class BodyError(SalabatchError):
@@ -162,6 +165,21 @@ def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
         "max_completion_tokens", max_tokens, lambda v: v >= 1, "an integer ≥ 1", True
     )
     return params, max_tokens
+
+
+def choices(body: Mapping, most: int, why: str = "") -> int:
+    """The body's `n`: how many answers to sample from its prompt (1 where unset); BodyError
+    past `most` (`why` says where that bound comes from) or MAX_CHOICES."""
+    most = min(most, MAX_CHOICES)
+    value = body.get("n")
+    if value is None:
+        return 1
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (numeric and math.isfinite(value) and value == int(value) and 1 <= value <= most):
+        expected = "1" if most == 1 else f"an integer in [1, {most}]"
+        bound = f" ({why})" if why and most < MAX_CHOICES else ""
+        raise BodyError(f"n must be {expected}{bound}, got {value!r}", "n")
+    return int(value)
 
 
 def stop(raw) -> tuple[str, ...]:

@@ -7,13 +7,19 @@
     GET  /metrics                Prometheus text: the engine's stats, requests by endpoint/status
 
 Bodies are read by `salabatch.openai_api`, as the Batch path reads request lines: the same
-fields honoured and refused, and here `stream`, `stream_options.include_usage` honoured too; `n`
-must be 1. Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`):
-400 a bad or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown
-model or route, 405 a method the route does not take (with `Allow`), 413 a body over `max_body`
-bytes, 429 the engine's queue is full, 503 the engine is closed, 500 a fault of the server's own
-(its traceback in the log). A client that goes away, mid-stream or while waiting for a whole
-answer, cancels its job: its row leaves the batch at the engine's next step.
+fields honoured and refused, and here `stream`, `stream_options.include_usage` honoured too. With
+`n`, one request is n jobs of one prompt, seeds `seed`, `seed + 1`, ...: the first prefills it,
+the others resume from its snapshot at the prompt's end (the engine begins interactive jobs one
+after another; a stretch under `snapshot_min` is not snapshotted, and each prefills it again),
+and their rows decode as one group; choice i is what a request with seed `seed + i` answers.
+
+Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`): 400 a bad
+or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown model or
+route, 405 a method the route does not take (with `Allow`), 413 a body over `max_body` bytes,
+429 the engine's queue is full (or cannot take all n jobs), 503 the engine is closed, 500 a
+fault of the server's own (its traceback in the log). A client that goes away, mid-stream or
+while waiting for a whole answer, cancels its jobs: their rows leave the batch at the engine's
+next step.
 
 The event loop never runs the model: the engine has its own thread, and rendering and tokenizing
 a prompt (a long document) run in a worker thread.
@@ -30,6 +36,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,6 +55,7 @@ from salabatch.openai_api import BodyError
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job, text_job
 from salabatch.serve.engine import (
     EngineClosed,
+    Event,
     Failed,
     Finished,
     Job,
@@ -59,9 +67,9 @@ from salabatch.serve.engine import (
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
 CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
-COMPLETION_FIELDS = ("prompt", *openai_api.SAMPLING, "stop", "stream", "stream_options")
-CHAT_NO_OP = {"n": 1, "logprobs": False, "top_logprobs": 0}  # accepted at this value only
-COMPLETION_NO_OP = {"n": 1, "best_of": 1, "echo": False}
+COMPLETION_FIELDS = ("prompt", *openai_api.SAMPLING, "stop", "n", "stream", "stream_options")
+CHAT_NO_OP = {"logprobs": False, "top_logprobs": 0}  # accepted at this value only
+COMPLETION_NO_OP = {"best_of": 1, "echo": False}
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -185,6 +193,7 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request, CHAT_FIELDS, CHAT_NO_OP)
         stream, include_usage = _streaming(body)
+        n = choices(body, self.engine)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = self._sampling(body)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -202,17 +211,19 @@ class _Server:
             )
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None
-        answer = AnswerText(self.tok, stop_strings=stops, think=think)
-        ticket = self._submit(job, "messages")
+        answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
+        tickets = self._submit(job, n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
-            return _EventStream(self._chat_chunks(ticket, answer, reply, include_usage), ticket)
-        finished = await _collect(ticket, answer, request)
-        return JSONResponse(chat_completion(reply, answer, think, finished))
+            chunks = self._chat_chunks(tickets, answers, reply, include_usage)
+            return _EventStream(chunks, tickets)
+        finished = await _collect(tickets, answers, request)
+        return JSONResponse(chat_completion(reply, answers, think, finished))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
         stream, include_usage = _streaming(body)
+        n = choices(body, self.engine)
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or _token_ids(prompt)):
             raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
@@ -223,19 +234,18 @@ class _Server:
         job = await run_in_threadpool(
             text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
         )
-        answer = AnswerText(self.tok, stop_strings=stops, split_think=False)
-        ticket = self._submit(job, "prompt")
+        answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in range(n)]
+        tickets = self._submit(job, n, "prompt")
         reply = Reply(job.id, "text_completion", self.model_id, int(time.time()))
         if stream:
-            return _EventStream(self._text_chunks(ticket, answer, reply, include_usage), ticket)
-        finished = await _collect(ticket, answer, request)
-        choice = {
-            "index": 0,
-            "text": answer.content,
-            "logprobs": None,
-            "finish_reason": finished.finish_reason,
-        }
-        return JSONResponse(reply.body([choice], usage(finished)))
+            chunks = self._text_chunks(tickets, answers, reply, include_usage)
+            return _EventStream(chunks, tickets)
+        finished = await _collect(tickets, answers, request)
+        texts = [
+            {"index": i, "text": a.content, "logprobs": None, "finish_reason": f.finish_reason}
+            for i, (a, f) in enumerate(zip(answers, finished, strict=True))
+        ]
+        return JSONResponse(reply.body(texts, usage(finished)))
 
     def _sampling(self, body: dict):
         return sampling(body, self.defaults)
@@ -250,9 +260,10 @@ class _Server:
         check_model(model, self.model_id)
         return body
 
-    def _submit(self, job: Job, param: str) -> Ticket:
-        """The job's ticket; 400 for a prompt the model's context cannot hold (the engine would
-        fail it, but a stream's status is sent before its first event)."""
+    def _submit(self, job: Job, n: int, param: str) -> list[Ticket]:
+        """The tickets of `job`'s n choices (`seeded`); 400 for a prompt the model's context
+        cannot hold (the engine would fail it, but a stream's status is sent before its first
+        event), 429 when the queue cannot take them all (none is then submitted)."""
         context = self.engine.model.config.context_length
         if len(job.prompt) >= context:
             raise APIError(
@@ -262,62 +273,77 @@ class _Server:
                 param=param,
                 code="context_length_exceeded",
             )
+        loop, tickets = asyncio.get_running_loop(), []
         try:
-            return self.engine.submit(job, asyncio.get_running_loop())
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full") from None
-        except EngineClosed as e:
-            raise APIError(503, str(e), code="engine_closed") from None
+            for one in seeded(job, n):
+                tickets.append(self.engine.submit(one, loop))
+        except (QueueFull, EngineClosed) as e:
+            for ticket in tickets:
+                ticket.cancel()
+            raise engine_error(e) from None
+        return tickets
 
     # ---- streams -------------------------------------------------------------------------
 
     async def _chat_chunks(
-        self, ticket: Ticket, answer: AnswerText, reply: Reply, include_usage: bool
+        self,
+        tickets: list[Ticket],
+        answers: list[AnswerText],
+        reply: Reply,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(i: int, delta: dict, finish_reason: str | None = None) -> bytes:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
-        def delta(piece: Piece) -> bytes:
-            return chunk(
-                {"reasoning_content" if piece.channel == "reasoning" else "content": piece.text}
-            )
+        def delta(i: int, piece: Piece) -> bytes:
+            channel = "reasoning_content" if piece.channel == "reasoning" else "content"
+            return chunk(i, {channel: piece.text})
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in _events(ticket):
+        for i in range(len(tickets)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        finished: dict[int, Finished] = {}
+        async for i, event in _events(tickets):
             if isinstance(event, Token):
-                for piece in answer.add(event.token):
-                    yield delta(piece)
+                for piece in answers[i].add(event.token):
+                    yield delta(i, piece)
             elif isinstance(event, Finished):
-                for piece in answer.finish(event):
-                    yield delta(piece)
-                yield chunk({}, event.finish_reason)
-                if include_usage:
-                    yield sse(reply.chunk([], usage=usage(event)))
+                for piece in answers[i].finish(event):
+                    yield delta(i, piece)
+                yield chunk(i, {}, event.finish_reason)
+                finished[i] = event
+                if include_usage and len(finished) == len(tickets):
+                    yield sse(reply.chunk([], usage=usage(_in_order(finished))))
             else:
                 yield sse(event.body)
         yield b"data: [DONE]\n\n"
 
     async def _text_chunks(
-        self, ticket: Ticket, answer: AnswerText, reply: Reply, include_usage: bool
+        self,
+        tickets: list[Ticket],
+        answers: list[AnswerText],
+        reply: Reply,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str, finish_reason: str | None = None) -> bytes:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(i: int, text: str, finish_reason: str | None = None) -> bytes:
+            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
-        async for event in _events(ticket):
+        finished: dict[int, Finished] = {}
+        async for i, event in _events(tickets):
             if isinstance(event, Token):
-                for piece in answer.add(event.token):
-                    yield chunk(piece.text)
+                for piece in answers[i].add(event.token):
+                    yield chunk(i, piece.text)
             elif isinstance(event, Finished):
-                text = "".join(p.text for p in answer.finish(event))
-                yield chunk(text, event.finish_reason)
-                if include_usage:
-                    yield sse(reply.chunk([], usage=usage(event)))
+                text = "".join(p.text for p in answers[i].finish(event))
+                yield chunk(i, text, event.finish_reason)
+                finished[i] = event
+                if include_usage and len(finished) == len(tickets):
+                    yield sse(reply.chunk([], usage=usage(_in_order(finished))))
             else:
                 yield sse(event.body)
         yield b"data: [DONE]\n\n"
@@ -356,18 +382,33 @@ class Reply:
         }
 
 
-def chat_completion(reply: Reply, answer: AnswerText, think: bool, finished: Finished) -> dict:
-    """The chat.completion object of a finished answer (the reasoning apart with `think`)."""
-    message = {"role": "assistant", "content": answer.content, "refusal": None}
-    if think:
-        message["reasoning_content"] = answer.reasoning
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": finished.finish_reason,
-    }
-    return reply.body([choice], usage(finished))
+def chat_completion(
+    reply: Reply, answers: Sequence[AnswerText], think: bool, finished: Sequence[Finished]
+) -> dict:
+    """The chat.completion object of finished answers, one choice each (the reasoning apart
+    with `think`)."""
+    out = []
+    for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
+        message = {"role": "assistant", "content": answer.content, "refusal": None}
+        if think:
+            message["reasoning_content"] = answer.reasoning
+        out.append(
+            {"index": i, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+        )
+    return reply.body(out, usage(finished))
+
+
+def choices(body: dict, engine: ServeEngine) -> int:
+    """The body's `n`, at most what the engine's rows and queue hold at once."""
+    most = engine.batch_size + engine.max_queue
+    why = f"batch_size {engine.batch_size} + max_queue {engine.max_queue}: the rows and queue"
+    return openai_api.choices(body, most, why)
+
+
+def seeded(job: Job, n: int) -> list[Job]:
+    """The jobs of `job`'s n choices: the same prompt, seeds seed, seed + 1, ..."""
+    seed = job.params.seed
+    return [replace(job, params=replace(job.params, seed=seed + i)) for i in range(n)]
 
 
 def sampling(body: dict, defaults: ServeDefaults):
@@ -389,19 +430,25 @@ def check_model(model: str, served: str) -> None:
         )
 
 
-def usage(finished: Finished) -> dict:
-    """OpenAI's usage object of a finished job; with drafts (speculative decoding), their counts
-    as OpenAI counts a predicted output's."""
+def usage(finished: Sequence[Finished]) -> dict:
+    """OpenAI's usage object of a request's finished jobs (its choices, in order): the prompt
+    once, as the first choice read it (the others resume from its prefill), the completion
+    tokens of all; with drafts (speculative decoding), their counts as OpenAI counts a predicted
+    output's."""
+    first = finished[0]
+    completion = sum(f.completion_tokens for f in finished)
+    drafted = sum(f.draft_tokens for f in finished)
+    accepted = sum(f.accepted_tokens for f in finished)
     out = {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
-    if finished.draft_tokens:
+    if drafted:
         out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": finished.accepted_tokens,
-            "rejected_prediction_tokens": finished.draft_tokens - finished.accepted_tokens,
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
         }
     return out
 
@@ -418,61 +465,98 @@ class _StreamFailed:
     body: dict
 
 
-async def _events(ticket: Ticket) -> AsyncIterator[Token | Finished | _StreamFailed]:
-    """The ticket's events, a Failed as the error event to send (the status is already 200)."""
-    async for event in ticket:
-        if isinstance(event, Failed):
-            yield _StreamFailed(engine_error(event.error).body)
-            return
-        yield event
-        if isinstance(event, Finished):
-            return
+async def _merged(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of `tickets` (submitted on this event loop) as they come, each with its
+    ticket's index, until every ticket has ended. Closing it early cancels the tickets."""
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    async def pump(i: int, ticket: Ticket) -> None:
+        async for event in ticket:
+            queue.put_nowait((i, event))
+
+    tasks = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    try:
+        left = len(tickets)
+        while left:
+            i, event = await queue.get()
+            left -= isinstance(event, Finished | Failed)
+            yield i, event
+    finally:
+        for ticket, task in zip(tickets, tasks, strict=True):
+            ticket.cancel()
+            task.cancel()
 
 
-async def _collect(ticket: Ticket, answer: AnswerText, request: Request) -> Finished:
-    """The whole answer into `answer`; a client that goes away first cancels the ticket."""
-    last: list[Finished | Failed] = []
+async def _events(
+    tickets: Sequence[Ticket],
+) -> AsyncIterator[tuple[int, Token | Finished | _StreamFailed]]:
+    """The tickets' events (`_merged`), a Failed as the error event to send (the status is
+    already 200), after which the others are cancelled and nothing more comes."""
+    async with aclosing(_merged(tickets)) as events:
+        async for i, event in events:
+            if isinstance(event, Failed):
+                yield i, _StreamFailed(engine_error(event.error).body)
+                return
+            yield i, event
+
+
+async def _collect(
+    tickets: Sequence[Ticket], answers: Sequence[AnswerText], request: Request
+) -> list[Finished]:
+    """The whole answers into `answers` (→ each ticket's Finished, in order); a failed ticket
+    fails them all (the others are cancelled), and a client that goes away first cancels them."""
+    last: dict[int, Finished | Failed] = {}
 
     async def read() -> None:
-        async for event in ticket:
-            if isinstance(event, Token):
-                answer.add(event.token)
-            else:
-                last.append(event)
-                return
+        async with aclosing(_merged(tickets)) as events:
+            async for i, event in events:
+                if isinstance(event, Token):
+                    answers[i].add(event.token)
+                    continue
+                last[i] = event
+                if isinstance(event, Failed):
+                    return  # closing `events` cancels the others
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        ticket.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
     async with anyio.create_task_group() as group:
         group.start_soon(watch)
         await read()
         group.cancel_scope.cancel()
-    if isinstance(last[0], Failed):
-        raise engine_error(last[0].error)
-    answer.finish(last[0])
-    return last[0]
+    if failed := [e for e in last.values() if isinstance(e, Failed)]:
+        raise engine_error(failed[0].error)
+    finished = _in_order(last)
+    for answer, one in zip(answers, finished, strict=True):
+        answer.finish(one)
+    return finished
+
+
+def _in_order(finished: dict[int, Finished]) -> list[Finished]:
+    return [finished[i] for i in range(len(finished))]
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response whose ticket is cancelled however it ends: a client gone mid-stream
-    stops its row at the engine's next step (a finished ticket ignores the cancel)."""
+    """An SSE response whose tickets are cancelled however it ends: a client gone mid-stream
+    stops its rows at the engine's next step (a finished ticket ignores the cancel)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], ticket: Ticket) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], tickets: Sequence[Ticket]) -> None:
         super().__init__(
             chunks,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.ticket = ticket
+        self.tickets = tickets
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.ticket.cancel()
+            for ticket in self.tickets:
+                ticket.cancel()
 
 
 def engine_error(error: SalabatchError) -> APIError:

@@ -155,6 +155,35 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         assert e.value.status_code == 413
 
 
+def test_a_line_with_n_answers_n_choices_as_chat_answers_each_seed(tiny, tmp_path):
+    """A line with n = 3 (temperature 2, seed 11) between two plain ones: its body holds three
+    choices, choice i the answer chat gives with seed 11 + i; a line past the server's rows and
+    queue (n = 21: batch_size 4 + max_queue 16) goes to the error file naming n."""
+    hot = {"temperature": 2.0, "seed": 11}
+    lines = [
+        line("plain-1", "redwater-robotics.txt", QUESTIONS[0]),
+        line("three", "redwater-robotics.txt", QUESTIONS[1], n=3, **hot),
+        line("too-many", "redwater-robotics.txt", QUESTIONS[1], n=21),
+        line("plain-2", "brightgate-systems.md", QUESTIONS[2]),
+    ]
+    with Server(tiny, tmp_path) as s:
+        batch = s.done(s.start_batch(lines).id)
+        assert batch.status == "completed" and batch.request_counts.failed == 1
+        out = {o["custom_id"]: o["response"]["body"] for o in s.output(batch.output_file_id)}
+        assert list(out) == ["plain-1", "three", "plain-2"]
+        body = ChatCompletion.model_validate(out["three"])
+        assert [c.index for c in body.choices] == [0, 1, 2]
+        asked = {k: v for k, v in lines[1]["body"].items() if k not in ("n", "seed")}
+        alone = [s.api.chat.completions.create(**asked, seed=11 + i) for i in range(3)]
+        texts = [c.message.content for c in body.choices]
+        assert texts == [a.choices[0].message.content for a in alone] and len(set(texts)) > 1
+        assert body.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+        (err,) = s.output(batch.error_file_id)
+        error = err["response"]["body"]["error"]
+        assert err["custom_id"] == "too-many" and error["param"] == "n"
+        assert "batch_size 4 + max_queue 16" in error["message"]
+
+
 def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
     good = line("a", "redwater-robotics.txt", QUESTIONS[0])
     with Server(tiny, tmp_path) as s:

@@ -497,13 +497,13 @@ def test_speculation_reaches_the_groups_with_the_held_prefix_as_context(model, m
     for tokens, fin in got:
         assert isinstance(fin, Finished) and fin.completion_tokens == len(tokens) == 12
         assert (fin.draft_tokens, fin.accepted_tokens) == (25, 12)
-        assert usage(fin)["completion_tokens_details"] == {
+        assert usage([fin])["completion_tokens_details"] == {
             "accepted_prediction_tokens": 12,
             "rejected_prediction_tokens": 13,
         }
     assert stats["draft_tokens_total"] == 75 and stats["accepted_tokens_total"] == 36
     undrafted = replace(got[0][1], draft_tokens=0, accepted_tokens=0)
-    assert "completion_tokens_details" not in usage(undrafted)
+    assert "completion_tokens_details" not in usage([undrafted])
     with ServeEngine(model, Tok()) as engine:  # off unless asked for
         assert engine.speculation == OFF
 

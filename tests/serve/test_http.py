@@ -26,6 +26,7 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.engine.speculative import OFF, Speculation
+from salabatch.errors import OutOfMemoryError
 from salabatch.serve import app as app_module
 from salabatch.serve import engine as engine_module
 from salabatch.serve.app import create_app
@@ -262,6 +263,71 @@ def test_text_completions_streamed_or_not(served):
     assert by_ids.choices[0].text == whole.choices[0].text
 
 
+def test_n_choices_are_the_answers_of_seeds_seed_to_seed_plus_n_from_one_prefill(served):
+    """n = 3 at temperature 2: choice i is the answer of the same request with seed 7 + i
+    alone; the prompt is prefilled once (the other two resume from its snapshot), and usage
+    counts it once, the completion tokens of all three."""
+    client = served.client()
+    messages = user_turn("Three choices. " + document("redwater-robotics.txt"), QUESTIONS[4])
+    prompt = len(served.tok.chat_prompt_ids(messages, think=False))
+    hot = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 2.0}
+    before = served.engine.stats()
+    many = client.chat.completions.create(**hot, seed=7, n=3)
+    after = served.engine.stats()
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == prompt
+    assert after["prefix_hits_memory_total"] - before["prefix_hits_memory_total"] == 2
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**hot, seed=7 + i) for i in range(3)]
+    texts = [c.message.content for c in many.choices]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert len(set(texts)) > 1  # seeds apart: not one answer thrice
+    finishes = [a.choices[0].finish_reason for a in alone]
+    assert [c.finish_reason for c in many.choices] == finishes
+    assert (
+        many.usage.prompt_tokens == prompt and many.usage.prompt_tokens_details.cached_tokens == 0
+    )
+    completion = sum(a.usage.completion_tokens for a in alone)
+    assert many.usage.completion_tokens == completion
+    assert many.usage.total_tokens == prompt + completion
+
+
+def test_n_choices_stream_by_index_chat_and_text(served):
+    """Streamed, each choice's chunks carry its index: a role chunk first, its text, one
+    finish_reason; the usage chunk comes last, after every choice finished. The same for text
+    completions."""
+    client = served.client()
+    messages = user_turn(document("brightgate-systems.md"), QUESTIONS[5])
+    hot = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 2.0, "seed": 3}
+    whole = client.chat.completions.create(**hot, n=2)
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+    chunks = list(
+        client.chat.completions.create(
+            **hot, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert [c.choices[0].index for c in chunks[:2]] == [0, 1]
+    for i, choice in enumerate(whole.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    text = {"model": MODEL, "prompt": "The gate code is", "max_tokens": 8, "temperature": 2.0}
+    whole = client.completions.create(**text, seed=5, n=2)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.choices[0].text != whole.choices[
+        1
+    ].text
+    alone = [client.completions.create(**text, seed=5 + i).choices[0].text for i in range(2)]
+    assert [c.text for c in whole.choices] == alone
+    streamed = ["", ""]
+    for c in client.completions.create(**text, seed=5, n=2, stream=True):
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert streamed == alone
+
+
 def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(served):
     """Greedy: the same text whatever else is in the batch. Half the clients share a document
     in their system message (forks of one held prefix, one group), half send their own."""
@@ -385,7 +451,10 @@ def test_auth_every_endpoint_but_health_needs_the_key(served):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"n": True}, "n"),
+        ({"n": 73}, "n"),  # past batch_size 8 + max_queue 64
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -496,6 +565,57 @@ def test_a_full_queue_answers_429(tiny):
         outcomes.count("429")
     )
     assert metrics["salabatch_requests_rejected_total"] == outcomes.count("429")
+
+
+def test_n_choices_the_queue_cannot_take_are_a_429_and_none_is_left_queued(tiny):
+    """One row, one place in the queue, the row busy: n = 2 is refused with 429, and its first
+    job, queued already, is cancelled at once; with the row free, n = 2 runs (one job waits)."""
+    model, tok = tiny
+    with Served(ServeEngine(model, tok, batch_size=1, max_queue=1), tok) as s:
+        client = s.client()
+        busy = client.completions.create(model=MODEL, prompt="x", max_tokens=5000, stream=True)
+        next(iter(busy))  # its row decodes
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL, prompt="y", max_tokens=2, n=2)
+        assert e.value.body["code"] == "queue_full"
+        s.wait_for(
+            lambda: (
+                (x := s.engine.stats())["requests_cancelled_total"] == 1 and x["queue_depth"] == 0
+            )
+        )
+        assert s.engine.stats()["requests_rejected_total"] == 1
+        busy.close()
+        s.wait_for(lambda: s.engine.stats()["running_rows"] == 0)
+        both = client.completions.create(model=MODEL, prompt="y", max_tokens=2, n=2)
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.completion_tokens >= 2
+
+
+def test_one_choice_that_fails_fails_the_request_and_stops_the_others(tiny, monkeypatch):
+    """The second of three choices cannot be given its memory: the whole answer is that 503
+    (streamed: the error event, then [DONE]), and the other choices' rows stop."""
+    model, tok = tiny
+    engine = ServeEngine(model, tok, batch_size=4)
+    real = engine._check_memory
+
+    def second_fails(job, *args):
+        if job.params.seed == 101:
+            raise OutOfMemoryError("needs 1 GB more than is free")
+        return real(job, *args)
+
+    monkeypatch.setattr(engine, "_check_memory", second_fails)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3000, "seed": 100, "n": 3}
+    with Served(engine, tok) as s:
+        status, _, data = s.raw("POST", "/v1/completions", json.dumps(body).encode())
+        error = json.loads(data)["error"]
+        assert (status, error["code"]) == (503, "out_of_memory") and "1 GB" in error["message"]
+        streamed = json.dumps(body | {"stream": True}).encode()
+        status, _, data = s.raw("POST", "/v1/completions", streamed)
+        events = data.decode().split("\n\n")
+        assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+        assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == "out_of_memory"
+        stats = s.wait_for(lambda: (x := s.engine.stats())["running_rows"] == 0 and x)
+    assert stats["requests_failed_total"] == 2 and stats["requests_cancelled_total"] == 4
+    assert stats["completion_tokens_total"] < 3000
 
 
 def test_max_queue_0_queues_no_request_beyond_the_batch_rows(tiny):

@@ -12,12 +12,12 @@ answer are honoured:
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
 
 Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
-`service_tier`, ... (`openai_api.ACCEPTED`), and `n`, `stream`, `logprobs`, `top_logprobs` at
-their no-op values (`openai_api.NO_OP`). Anything else (tools, response_format, logit_bias,
-logprobs: true, guided decoding, an unknown field or chat_template_kwargs key) is refused,
-never ignored: the line becomes an error row naming the field. Unset sampling fields take the
-job's `generation:` values. A line that cannot be served becomes an error row named by its
-custom_id (or `line-N`), and the others go on.
+`service_tier`, ... (`openai_api.ACCEPTED`), and `stream`, `logprobs`, `top_logprobs` at their
+no-op values (`openai_api.NO_OP`); `n` must be 1 (a row holds one answer). Anything else
+(tools, response_format, logit_bias, logprobs: true, guided decoding, an unknown field or
+chat_template_kwargs key) is refused, never ignored: the line becomes an error row naming the
+field. Unset sampling fields take the job's `generation:` values. A line that cannot be served
+becomes an error row named by its custom_id (or `line-N`), and the others go on.
 
 Automatic prefix caching: request lines whose prompts share a long prefix (the same document
 before different questions) are planned as one DocPlan whose document prompt is that prefix, so
@@ -46,6 +46,7 @@ from salabatch.jobs.spec.models import JobSpec
 from salabatch.openai_api import BodyError
 
 PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
+ONE_ANSWER = "a row of the results holds one answer; salabatch serve's /v1/batches answers n > 1"
 
 
 def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[DocPlan]:
@@ -137,6 +138,7 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None]:
         return custom_id, body, f"only /v1/chat/completions requests are served, not {url}"
     try:
         openai_api.check_fields(body, openai_api.HONOURED)
+        openai_api.choices(body, 1, ONE_ANSWER)
     except BodyError as e:
         return custom_id, body, str(e)
     return custom_id, body, None

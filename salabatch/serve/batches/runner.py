@@ -1,8 +1,9 @@
 """The batch runner: one thread that takes batches in the order they came and answers their
 lines through the server's ServeEngine, as the chat endpoint answers a request (the same body
 checks, the same Job with a boundary where the system messages end, so lines sharing a document
-prefill it once). At most `in_flight` lines of a batch are in the engine at a time, so chat
-requests arriving meanwhile join the next step rather than wait behind the batch.
+prefill it once; a line's `n` choices are n jobs, `app.seeded`). A line is taken while fewer
+than `in_flight` jobs of the batch are in the engine, so chat requests arriving meanwhile join
+the next step rather than wait behind the batch.
 
     validating   the input file is read and checked; a bad one → failed, its `errors` listed
     in_progress  each answered line is recorded in the store before the next is taken
@@ -36,8 +37,10 @@ from salabatch.serve.app import (
     ServeDefaults,
     chat_completion,
     check_model,
+    choices,
     engine_error,
     sampling,
+    seeded,
 )
 from salabatch.serve.batches.store import BatchStore, new_id
 from salabatch.serve.completion import AnswerText, LeadingIds, chat_job
@@ -46,7 +49,7 @@ from salabatch.serve.engine import EngineClosed, Failed, QueueFull, ServeEngine,
 ENDPOINT = "/v1/chat/completions"
 WINDOW_S = 24 * 3600  # completion_window "24h"
 DEFAULTS = ServeDefaults()
-IN_FLIGHT = 2  # lines of a batch in the engine at once: chat requests keep the other rows
+IN_FLIGHT = 2  # jobs of a batch in the engine at once: chat requests keep the other rows
 log = logging.getLogger(__name__)
 
 
@@ -202,19 +205,20 @@ class BatchRunner:
         self._set(batch_id, "completed", **self._write_files(batch_id))
 
     def _answer(self, batch_id: str, lines: list[tuple[int, str, dict]]) -> bool:
-        """Answers `lines` (line, custom_id, body), `in_flight` at a time, recording each as it
-        ends; False when the runner stopped first (the rest stay unanswered)."""
+        """Answers `lines` (line, custom_id, body), `in_flight` jobs at a time, recording each
+        line as it ends; False when the runner stopped first (the rest stay unanswered)."""
         pending, running = deque(lines), deque()
         while pending or running:
             stop = self.store.batch(batch_id)["status"] == "cancelling" or self._expired(batch_id)
             if self._stopping or stop:
-                for _, ticket, _ in running:
-                    ticket.cancel()
+                for _, tickets, _ in running:
+                    for ticket in tickets:
+                        ticket.cancel()
                 return not self._stopping
-            while pending and len(running) < self.in_flight:
+            while pending and sum(len(t) for _, t, _ in running) < self.in_flight:
                 number, custom_id, body = pending[0]
                 try:
-                    ticket, answer, think = self._submit(body)
+                    tickets, answers, think = self._submit(body)
                 except QueueFull:
                     break  # chat has the queue: take this line when a row frees
                 except (APIError, BodyError, TokenizerError) as e:
@@ -226,38 +230,42 @@ class BatchRunner:
                     log.exception("batch %s: line %d failed", batch_id, number)
                     self._record(batch_id, number, custom_id, None, _fault(e))
                 else:
-                    running.append(((number, custom_id), ticket, (answer, think)))
+                    running.append(((number, custom_id), tickets, (answers, think)))
                     with self._cv:
-                        self._tickets.append(ticket)
+                        self._tickets.extend(tickets)
                 pending.popleft()
             if not running:
                 time.sleep(0.05)  # the queue was full
                 continue
-            (number, custom_id), ticket, (answer, think) = running.popleft()
-            last = None
-            for event in ticket:
-                if isinstance(event, Token):
-                    answer.add(event.token)
-                else:
-                    last = event
+            (number, custom_id), tickets, (answers, think) = running.popleft()
+            last = []
+            for ticket, answer in zip(tickets, answers, strict=True):
+                last.append(_last(ticket, answer))
+                if isinstance(last[-1], Failed):  # the line fails: its other jobs stop
+                    for other in tickets:
+                        other.cancel()
             with self._cv:
-                self._tickets.remove(ticket)
-            if isinstance(last, Failed):
-                if isinstance(last.error, EngineClosed):
-                    raise last.error
-                self._record(batch_id, number, custom_id, None, engine_error(last.error))
-            elif last.finish_reason != "cancelled":  # a cancelled line stays unanswered
-                answer.finish(last)
-                answered = (ticket.job.id, answer, think, last)
+                for ticket in tickets:
+                    self._tickets.remove(ticket)
+            if failed := [e for e in last if isinstance(e, Failed)]:
+                if isinstance(failed[0].error, EngineClosed):
+                    raise failed[0].error
+                self._record(batch_id, number, custom_id, None, engine_error(failed[0].error))
+            elif all(e.finish_reason != "cancelled" for e in last):  # else it stays unanswered
+                for answer, finished in zip(answers, last, strict=True):
+                    answer.finish(finished)
+                answered = (tickets[0].job.id, answers, think, last)
                 self._record(batch_id, number, custom_id, answered, None)
         return True
 
     def _submit(self, body: dict):
-        """(ticket, AnswerText, think) of a line's body, checked as the chat endpoint checks
-        one."""
+        """(tickets, AnswerText of each, think) of a line's body, checked as the chat endpoint
+        checks one: a ticket per choice (its `n`). QueueFull when the engine cannot take them
+        all (none is then submitted)."""
         openai_api.check_fields(body, openai_api.HONOURED)
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
+        n = choices(body, self.engine)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = sampling(body, self.defaults)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -271,16 +279,24 @@ class BatchRunner:
             stop_strings=stops,
             leading_ids=self.leading_ids,
         )
-        answer = AnswerText(self.tok, stop_strings=stops, think=think)
-        return self.engine.submit(replace(job, background=True)), answer, think
+        answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
+        tickets = []
+        try:
+            for one in seeded(replace(job, background=True), n):
+                tickets.append(self.engine.submit(one))
+        except QueueFull:
+            for ticket in tickets:
+                ticket.cancel()
+            raise
+        return tickets, answers, think
 
     def _record(self, batch_id, number, custom_id, answered, error: APIError | None) -> None:
         if error is not None:
             status, body = error.status, error.body
         else:
-            reply_id, answer, think, finished = answered
+            reply_id, answers, think, finished = answered
             reply = Reply(reply_id, "chat.completion", self.model_id, int(time.time()))
-            status, body = 200, chat_completion(reply, answer, think, finished)
+            status, body = 200, chat_completion(reply, answers, think, finished)
         output = {
             "id": new_id("batch_req"),
             "custom_id": custom_id,
@@ -381,6 +397,17 @@ class BatchRunner:
     def _set(self, batch_id: str, status: str, **fields) -> None:
         at = {} if status == "validating" else {f"{status}_at": int(time.time())}
         self.store.update_batch(batch_id, lambda b: {**b, **fields, **at, "status": status})
+
+
+def _last(ticket, answer: AnswerText):
+    """The ticket's tokens into `answer` (blocking) → its last event, Finished or Failed."""
+    last = None
+    for event in ticket:
+        if isinstance(event, Token):
+            answer.add(event.token)
+        else:
+            last = event
+    return last
 
 
 def _expired_line(custom_id: str) -> dict:

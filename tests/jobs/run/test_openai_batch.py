@@ -298,6 +298,14 @@ def test_fields_that_cannot_be_honoured_give_an_error_row_naming_them(
     assert row.custom_id == "a" and row.request_line == 1
 
 
+def test_n_above_1_is_an_error_row_that_says_where_it_is_answered(tmp_path, tiny_model):
+    plan, _ = only_row(plans_of(tmp_path, tiny_model, [line("a", n=2)]))
+    assert plan.error == (
+        "line 1: n must be 1 (a row of the results holds one answer; salabatch serve's "
+        "/v1/batches answers n > 1), got 2"
+    )
+
+
 def test_a_lone_surrogate_fails_its_line_in_a_message_and_is_kept_in_a_custom_id(
     tmp_path, tiny_model
 ):
