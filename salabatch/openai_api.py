@@ -11,6 +11,8 @@ never silently ignored. Every check raises a BodyError naming its field.
     chat_template_kwargs      {"enable_thinking": bool}: the request's think mode
     n                         answers sampled from one prompt (`choices`): the server's; a job's
                               results hold one answer per line, so there it must be 1
+    logprobs, top_logprobs    the server's (`logprobs`): each token's log-probability and its
+                              most likely alternatives'; a job refuses them (LOGPROBS)
 
 Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
 """
@@ -21,7 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
-from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.sampling import TOP_LOGPROBS, SamplingParams
 from salabatch.errors import SalabatchError, not_utf8
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -54,6 +56,7 @@ ACCEPTED = (
 NO_OP = {"stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_CHOICES = 128  # n, as OpenAI allows
+LOGPROBS = ("logprobs", "top_logprobs")  # the server honours them; a job's rows hold none
 
 
 class BodyError(SalabatchError):
@@ -180,6 +183,25 @@ def choices(body: Mapping, most: int, why: str = "") -> int:
         bound = f" ({why})" if why and most < MAX_CHOICES else ""
         raise BodyError(f"n must be {expected}{bound}, got {value!r}", "n")
     return int(value)
+
+
+def logprobs(body: Mapping) -> int | None:
+    """The body's `logprobs` and `top_logprobs`: None where no log-probabilities are asked for,
+    else how many alternatives each token's come with (0 to TOP_LOGPROBS, 20)."""
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise BodyError("logprobs must be true or false", "logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= TOP_LOGPROBS
+    ):
+        raise BodyError(
+            f"top_logprobs must be an integer in [0, {TOP_LOGPROBS}], got {top!r}", "top_logprobs"
+        )
+    if not want:
+        if top:
+            raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def stop(raw) -> tuple[str, ...]:

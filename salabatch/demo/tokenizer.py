@@ -14,6 +14,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 
+from salabatch.engine.tokenizer import byte_symbols
 from salabatch.engine.tokenizer_files import TOKENIZER_FILE
 from salabatch.errors import TokenizerError
 from salabatch.files import write_text_atomic
@@ -99,7 +100,7 @@ def _trained_backend(size: int) -> _Backend:
     so byte b is id 3 + b whatever the training text; merges keep their order.
     """
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    symbols = _byte_symbols()
+    symbols = byte_symbols()
     trainer = trainers.BpeTrainer(
         vocab_size=size,
         special_tokens=list(HEAD_TOKENS),
@@ -119,16 +120,6 @@ def _trained_backend(size: int) -> _Backend:
     backend.pre_tokenizer = pre
     backend.decoder = decoders.ByteLevel()
     return backend
-
-
-def _byte_symbols() -> list[str]:
-    """The printable stand-in for each byte 0..255 used by the ByteLevel pre-tokenizer/decoder.
-
-    Printable Latin-1 bytes stand for themselves; the others map to 256, 257, ... in order.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
 def _json_text(obj: Any) -> str:

@@ -12,7 +12,9 @@ With `speculation` (salabatch.engine.speculative), a step may instead be a verif
 drafted tokens, from which each row reads its accepted drafts and the model's next token.
 
 A row ends at a stop token, at `max_tokens`, or, given a detokenizer, as soon as its decoded
-text contains one of its stop strings (the text is then cut before it).
+text contains one of its stop strings (the text is then cut before it). A request with
+`logprobs` gets each token's log-probability and its most likely alternatives
+(`Generation.logprobs`); its batch takes plain steps, no drafts, while it runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.decode import decode
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
-from salabatch.engine.sampling import SamplingParams, penalized, sample_tokens
+from salabatch.engine.sampling import (
+    TOP_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+    penalized,
+    read_logprobs,
+    sample_tokens,
+    token_logprobs,
+)
 from salabatch.engine.speculative import (
     OFF,
     Layers,
@@ -131,10 +141,16 @@ class Request:
     # The tokens before `prompt` that the row continues (its document), where the `lookup`
     # drafter looks for what came next; the prompt and answer are searched too.
     context: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    # None: no log-probabilities; k: each token's, with its k most likely alternatives' (0-20)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not all(self.stop_strings):
             raise ValueError(f"request {self.id}: a stop string must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
+            raise ValueError(
+                f"request {self.id}: logprobs must be in [0, {TOP_LOGPROBS}], got {self.logprobs}"
+            )
 
 
 @dataclass
@@ -155,6 +171,7 @@ class Generation:
     draft_tokens: int = 0  # tokens drafted for it (speculative decoding)
     accepted_tokens: int = 0  # of those, accepted by the full model
     last_token: int | None = None  # the newest token read (a stop token is not in `tokens`)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens`, when asked for
     _detok: StreamingDetokenizer | None = field(default=None, repr=False, compare=False)
     _scanned: int = field(default=0, repr=False, compare=False)  # text searched for stop strings
     _admitted: float = field(default=0.0, repr=False, compare=False)
@@ -290,8 +307,11 @@ class Batch:
         self.on_token, self.detokenizer = on_token, detokenizer
         self.rows: list[Generation] = []
         self.cache: ModelCache | None = None
-        self._joining: list[tuple[Generation, ModelCache, mx.array]] = []
+        self._joining: list[tuple[Generation, ModelCache, mx.array, mx.array | None]] = []
         self._feed: mx.array | None = None  # [rows] each row's newest token: drawn, not yet read
+        # [rows, width] `token_logprobs` of `_feed`, while a row asks for them (zeros in the rows
+        # that do not)
+        self._feed_lp: mx.array | None = None
         self._known: list[int] | None = None  # `_feed`'s values where the host has them (a pass's)
         self._counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
 
@@ -323,10 +343,11 @@ class Batch:
         g.prefill_s = time.perf_counter() - admitted
         g._admitted = admitted
         first = sample_tokens(logits[None], [request.params], [0])
+        lp = None if request.logprobs is None else token_logprobs(logits[None], first)
         g._sampled = 1
         if self._lookup is not None:
             self._lookup.prepare(_row_text(g))
-        self._joining.append((g, cache, first))
+        self._joining.append((g, cache, first, lp))
         return g
 
     def cancel(self, g: Generation) -> None:
@@ -346,7 +367,7 @@ class Batch:
             return []
         for g in rows:
             g.batch_size = max(g.batch_size, len(rows))
-        if self.speculation.draft != "off" and self._policy.speculate():
+        if self.speculation.draft != "off" and self._policy.speculate() and not self._wants_lp():
             return self._speculative_step()
         self._policy.plain_step(len(rows), time.perf_counter())
         logits = decode(self.model, self._feed, self.cache)
@@ -356,13 +377,15 @@ class Batch:
             g._sampled += 1
         if self._counts is not None:
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
-        counts = [] if self._counts is None else [self._counts]
-        mx.async_eval(drawn, *self.cache.arrays(), *counts)
+        lp = token_logprobs(logits, drawn) if self._wants_lp() else None
+        extra = [a for a in (self._counts, lp) if a is not None]
+        mx.async_eval(drawn, *self.cache.arrays(), *extra)
         read = self._fed()  # the tokens the queued step is fed: all that is read per step
+        read_lp = [None] * len(rows) if self._feed_lp is None else self._feed_lp.tolist()
         now = time.perf_counter()
-        for g, token in zip(rows, read, strict=True):
-            self._read(g, token, now)
-        self._feed, self._known = drawn, None
+        for g, token, row_lp in zip(rows, read, read_lp, strict=True):
+            self._read(g, token, now, row_lp)
+        self._feed, self._feed_lp, self._known = drawn, lp, None
         if self._policy.awaits_draft and self._draftable(rows):
             self._policy.draftable()
         keep = [b for b, g in enumerate(rows) if not g.done]
@@ -427,6 +450,10 @@ class Batch:
         """The rows' newest tokens, `_feed`: the host's copy where a pass read them."""
         return self._known if self._known is not None else self._feed.tolist()
 
+    def _wants_lp(self) -> bool:
+        """Whether a row asks for log-probabilities (the batch then takes plain steps)."""
+        return any(g.request.logprobs is not None for g in self.rows)
+
     def _drafts(self, rows: list[Generation]) -> tuple[list[list[int]], mx.array | None]:
         """Each row's drafts (`_draft_room`; none for a row that `auto` rests), with the `layers`
         drafter also the draft distributions of rows with a temperature."""
@@ -489,7 +516,7 @@ class Batch:
                 b, t = zip(*at, strict=True)
                 self._counts = self._counts.at[mx.array(b), mx.array(t)].add(1)
             self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
-        self._feed, self._known = drawn, known
+        self._feed, self._feed_lp, self._known = drawn, None, known
         counts = [] if self._counts is None else [self._counts]
         if passed:  # its rollback is queued with the next pass's layers, overlapping their build
             if counts:  # (its tokens the host has: nothing to wait for)
@@ -502,12 +529,15 @@ class Batch:
 
     def _join(self) -> None:
         joined, self._joining = self._joining, []
-        self.rows = self.rows + [g for g, _, _ in joined]
-        caches = [c for _, c, _ in joined]
+        old = len(self.rows)
+        self.rows = self.rows + [g for g, _, _, _ in joined]
+        caches = [c for _, c, _, _ in joined]
         self.cache = ModelCache.concat(caches if self.cache is None else [self.cache, *caches])
-        first = [t for _, _, t in joined]
+        first = [t for _, _, t, _ in joined]
         self._feed = mx.concatenate(first if self._feed is None else [self._feed, *first])
         self._known = None
+        if self._wants_lp():
+            self._feed_lp = self._joined_lp(old, [lp for _, _, _, lp in joined])
         if self._counts is not None or penalized([g.request.params for g in self.rows]):
             self._counts = self._grown_counts(len(joined), first)
         self._policy.joined()
@@ -515,6 +545,18 @@ class Batch:
         if self.reserve_ahead is not None:
             room = min(room, self.cache.own_length() + self.reserve_ahead)
         self.cache.reserve(room)
+
+    def _joined_lp(self, old: int, joined: list[mx.array | None]) -> mx.array:
+        """`_feed_lp` of the rows after `joined` new ones (their first tokens' `token_logprobs`,
+        None where not asked for): zeros for the rows that have none (nothing reads them)."""
+        width = 1 + 2 * min(TOP_LOGPROBS, self.model.config.vocab_size)
+        if self._feed_lp is not None:
+            parts = [self._feed_lp]
+        else:
+            parts = [mx.zeros((old, width), dtype=mx.float32)] if old else []
+        for lp in joined:
+            parts.append(mx.zeros((1, width), dtype=mx.float32) if lp is None else lp)
+        return mx.concatenate(parts)
 
     def _keep(self, keep: list[int]) -> None:
         """Keeps only these rows (their cache, newest tokens and counts); the others' documents
@@ -526,11 +568,13 @@ class Batch:
                     self._lookup.release(g.request.context)
         self.rows = [self.rows[b] for b in keep]
         if not keep:
-            self.cache = self._feed = self._counts = self._known = None
+            self.cache = self._feed = self._feed_lp = self._counts = self._known = None
             return
         self.cache = self.cache.select(keep)
         at = mx.array(keep, dtype=mx.int32)
         self._feed = self._feed[at]
+        if self._feed_lp is not None:
+            self._feed_lp = self._feed_lp[at] if self._wants_lp() else None
         if self._known is not None:
             self._known = [self._known[b] for b in keep]
         if self._counts is not None:
@@ -556,8 +600,9 @@ class Batch:
         new = new.at[mx.arange(joined), mx.concatenate(first)].add(1)
         return mx.concatenate([counts, new])
 
-    def _read(self, g: Generation, token: int, now: float) -> None:
-        """A token read back for row g: the first sets its time to first token."""
+    def _read(self, g: Generation, token: int, now: float, lp: list[float] | None = None) -> None:
+        """A token read back for row g (`lp`: its `token_logprobs` row, read with it, where the
+        row asks for them): the first sets its time to first token."""
         if not g.tokens and g.last_token is None:
             g.ttft_s = now - g._admitted
             g._first_at = now
@@ -566,6 +611,8 @@ class Batch:
             self._finish(g, "stop", now)
             return
         g.tokens.append(token)
+        if g.request.logprobs is not None:
+            g.logprobs.append(read_logprobs(lp, token, g.request.logprobs))
         if self.on_token:
             self.on_token(g.request, token)
         if g._detok is not None:

@@ -5,6 +5,10 @@ counts the prompt's too, which would put each row's prompt (a whole document) in
 
 Every row has its own settings and its own random stream, keyed by (seed, step) only: the same
 prompt and seed give the same text whatever else is in the batch or when the row joined it.
+
+Log-probabilities (`token_logprobs`, for a row that asks for them): of the model's own
+distribution, softmax of the logits in float32, before penalties, temperature and truncation (as
+OpenAI's and vLLM's are), so they do not depend on how the token was chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads seeds so (seed, ste
 # The smallest temperature divided by: float32's smallest normal number. A smaller one (valid:
 # any finite temperature ≥ 0 is) would round to 0, or to a denormal a GPU flushes to 0.
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+TOP_LOGPROBS = 20  # most likely alternatives a row may ask the log-probabilities of (OpenAI's)
 
 
 @dataclass(frozen=True)
@@ -176,3 +181,38 @@ def sample(
     """`sample_tokens` with the answers so far as token lists, read back: one token per row."""
     counts = token_counts(generated, logits.shape[-1]) if penalized(params) else None
     return sample_tokens(logits, params, steps, counts).tolist()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the `top` most likely tokens' (id, logprob),
+    most likely first (`token_logprobs`)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
+    """logits [B, V] and each row's chosen token [B] → [B, 1 + 2k] float32, on the device: the
+    token's log-probability under softmax(logits), then the k = min(TOP_LOGPROBS, V) most likely
+    tokens' ids (as floats: exact below 2^24) and their log-probabilities, most likely first.
+    One array per step, read with the tokens (`read_logprobs`)."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens.astype(mx.int32)[:, None], axis=-1)
+    k = min(TOP_LOGPROBS, lp.shape[-1])
+    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-top_lp, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    top_lp = mx.take_along_axis(top_lp, order, axis=-1)
+    return mx.concatenate([chosen, top.astype(mx.float32), top_lp], axis=-1)
+
+
+def read_logprobs(row: Sequence[float], token: int, top: int) -> TokenLogprob:
+    """A row of `token_logprobs`, read back, for `token`, with its `top` most likely tokens."""
+    k = (len(row) - 1) // 2
+    ids, lps = row[1 : 1 + k], row[1 + k :]
+    alternatives = tuple((int(i), float(v)) for i, v in zip(ids[:top], lps[:top], strict=True))
+    return TokenLogprob(int(token), float(row[0]), alternatives)

@@ -24,6 +24,8 @@ Prompt text is rendered by `salabatch.engine.chat` (the ChatML layout is shown t
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -76,6 +78,7 @@ class Tokenizer:
         self._cont_plain = parse_backend(cont, plain=True) if cont is not None else None
         added = backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
+        self._decoders = _decoder_kinds(json.loads(source).get("decoder"))
         # Added tokens the backend splits its input at, matched in the raw text and taking no
         # space before them: a text cut right before one encodes as its two sides (`_cuts_at`).
         self._cut_tokens = tuple(
@@ -143,6 +146,26 @@ class Tokenizer:
                 f"token {token!r} is not in the vocabulary", path=self.model_dir / TOKENIZER_FILE
             )
         return tid
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes `token` stands for in a decoded text, as OpenAI's logprobs give them (a
+        piece of a multi-byte character is its own bytes, not U+FFFD): an added token's text;
+        in a byte-level vocabulary (GPT-2's), its characters mapped back to their bytes; in a
+        SentencePiece one, `▁` a space and a byte-fallback token (`<0x0A>`) its byte."""
+        piece = self._native.id_to_token(int(token))
+        if piece is None:
+            raise TokenizerError(
+                "token id out of range", expected=f"[0, {self.vocab_size})", got=token
+            )
+        if token in self._added_ids:
+            return piece.encode()
+        if "ByteLevel" in self._decoders:
+            return bytes(_BYTE_OF[c] for c in piece)
+        if "ByteFallback" in self._decoders and (m := _BYTE_TOKEN.fullmatch(piece)):
+            return bytes([int(m[1], 16)])
+        if {"Metaspace", "Replace"} & self._decoders:
+            piece = piece.replace("\u2581", " ")
+        return piece.encode()
 
     def detokenizer(self, *, skip_special: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder of this vocabulary."""
@@ -287,6 +310,26 @@ class Tokenizer:
         i = next((k for k, t in enumerate(ids) if t in self._added_ids), len(ids))
         j = next((k for k, t in enumerate(cont_ids) if t in self._added_ids), len(cont_ids))
         return cont_ids[:j] + ids[i:]
+
+
+def byte_symbols() -> list[str]:
+    """The printable stand-in for each byte 0..255 of a byte-level vocabulary (GPT-2's): the
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+_BYTE_OF = {c: b for b, c in enumerate(byte_symbols())}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(spec) -> frozenset[str]:
+    """The types of a tokenizer.json `decoder` and of those a Sequence of them holds."""
+    if not isinstance(spec, dict):
+        return frozenset()
+    inner = spec.get("decoders") or []
+    return frozenset({str(spec.get("type"))}).union(*(_decoder_kinds(d) for d in inner))
 
 
 def _after(whole: list[Segment], first: list[Segment]) -> list[Segment] | None:

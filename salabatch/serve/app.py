@@ -12,6 +12,9 @@ fields honoured and refused, and here `stream`, `stream_options.include_usage` h
 the others resume from its snapshot at the prompt's end (the engine begins interactive jobs one
 after another; a stretch under `snapshot_min` is not snapshotted, and each prefills it again),
 and their rows decode as one group; choice i is what a request with seed `seed + i` answers.
+With `logprobs: true` (chat), each token of a choice comes with its log-probability, bytes and
+`top_logprobs` most likely alternatives (`choices[i].logprobs.content`, streamed with the delta
+that shows its text, or a later one where its text is held back).
 
 Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`): 400 a bad
 or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown model or
@@ -49,6 +52,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Match, Route
 
 from salabatch import openai_api
+from salabatch.engine.sampling import TokenLogprob
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import OutOfMemoryError, SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
@@ -66,10 +70,9 @@ from salabatch.serve.engine import (
 )
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
-CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
+CHAT_FIELDS = (*openai_api.HONOURED, *openai_api.LOGPROBS, "stream", "stream_options")
 COMPLETION_FIELDS = ("prompt", *openai_api.SAMPLING, "stop", "n", "stream", "stream_options")
-CHAT_NO_OP = {"logprobs": False, "top_logprobs": 0}  # accepted at this value only
-COMPLETION_NO_OP = {"best_of": 1, "echo": False}
+COMPLETION_NO_OP = {"best_of": 1, "echo": False}  # accepted at this value only
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -191,9 +194,9 @@ class _Server:
     # ---- completions -------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._body(request, CHAT_FIELDS, CHAT_NO_OP)
+        body = await self._body(request, CHAT_FIELDS, {})
         stream, include_usage = _streaming(body)
-        n = choices(body, self.engine)
+        n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = self._sampling(body)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -212,13 +215,13 @@ class _Server:
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
-        tickets = self._submit(job, n, "messages")
+        tickets = self._submit(replace(job, logprobs=logprobs), n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._chat_chunks(tickets, answers, reply, include_usage)
             return _EventStream(chunks, tickets)
         finished = await _collect(tickets, answers, request)
-        return JSONResponse(chat_completion(reply, answers, think, finished))
+        return JSONResponse(chat_completion(reply, answers, think, finished, self.tok))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
@@ -294,8 +297,11 @@ class _Server:
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
+        held: dict[int, list[dict]] = {}  # logprobs of tokens whose text is not sent yet
+
         def chunk(i: int, delta: dict, finish_reason: str | None = None) -> bytes:
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            lp = {"content": held.pop(i), "refusal": None} if held.get(i) else None
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
         def delta(i: int, piece: Piece) -> bytes:
@@ -307,6 +313,8 @@ class _Server:
         finished: dict[int, Finished] = {}
         async for i, event in _events(tickets):
             if isinstance(event, Token):
+                if event.logprob is not None:
+                    held.setdefault(i, []).append(logprob_entry(self.tok, event.logprob))
                 for piece in answers[i].add(event.token):
                     yield delta(i, piece)
             elif isinstance(event, Finished):
@@ -383,19 +391,39 @@ class Reply:
 
 
 def chat_completion(
-    reply: Reply, answers: Sequence[AnswerText], think: bool, finished: Sequence[Finished]
+    reply: Reply,
+    answers: Sequence[AnswerText],
+    think: bool,
+    finished: Sequence[Finished],
+    tok: Tokenizer,
 ) -> dict:
     """The chat.completion object of finished answers, one choice each (the reasoning apart
-    with `think`)."""
+    with `think`; the log-probabilities of its tokens where its job asked for them)."""
     out = []
     for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
         message = {"role": "assistant", "content": answer.content, "refusal": None}
         if think:
             message["reasoning_content"] = answer.reasoning
+        lp = None
+        if answer.logprobs is not None:
+            content = [logprob_entry(tok, x) for x in answer.logprobs]
+            lp = {"content": content, "refusal": None}
         out.append(
-            {"index": i, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+            {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
         )
     return reply.body(out, usage(finished))
+
+
+def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:
+    """OpenAI's entry of a token in `logprobs.content`: its text, log-probability and bytes (a
+    piece of a multi-byte character shows as U+FFFD in the text, its bytes as they are), and
+    its `top_logprobs` alternatives the same way."""
+
+    def entry(token: int, logprob: float) -> dict:
+        raw = tok.token_bytes(token)
+        return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
 def choices(body: dict, engine: ServeEngine) -> int:
@@ -511,7 +539,7 @@ async def _collect(
         async with aclosing(_merged(tickets)) as events:
             async for i, event in events:
                 if isinstance(event, Token):
-                    answers[i].add(event.token)
+                    answers[i].add(event.token, event.logprob)
                     continue
                 last[i] = event
                 if isinstance(event, Failed):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN
-from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.sampling import SamplingParams, TokenLogprob
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import TokenizerError
 from salabatch.openai_api import BodyError
@@ -182,6 +182,7 @@ class AnswerText:
     their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
     drops it). Without `split_think` (a text completion) the text is the content, as it is.
+    `logprobs`: the tokens' log-probabilities as added (None unless some were).
     """
 
     def __init__(
@@ -198,9 +199,15 @@ class AnswerText:
         self._sent = {"reasoning": 0, "content": 0}
         self.reasoning = ""  # what was sent of each, so far
         self.content = ""
+        self.logprobs: list[TokenLogprob] | None = None
 
-    def add(self, token: int) -> list[Piece]:
-        """The pieces token `token` makes certain (often none, or one)."""
+    def add(self, token: int, logprob: TokenLogprob | None = None) -> list[Piece]:
+        """The pieces token `token` makes certain (often none, or one); its `logprob` is
+        kept."""
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         self._detok.add_token(token)
         return self._pieces(self._visible(self._detok.text), final=False)
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from salabatch.engine.sampling import SamplingParams
+from salabatch.engine.sampling import SamplingParams, TokenLogprob
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import CacheWarning, SalabatchError, error_text
 
@@ -145,7 +145,9 @@ class Job:
     prefill); the end of the prompt is always one. Generation stops at `max_tokens` or at the
     model's context, whichever comes first. `background`: a job no one waits on (a batch's
     line): interactive jobs are admitted and prefilled before it, and its prefill goes in
-    `background_chunk` pieces, so an interactive job never waits behind more than one."""
+    `background_chunk` pieces, so an interactive job never waits behind more than one.
+    `logprobs`: None, or each token's log-probability with its k most likely alternatives'
+    (`Request.logprobs`), on its Token events."""
 
     id: str
     prompt: tuple[int, ...]
@@ -155,13 +157,15 @@ class Job:
     stop_strings: tuple[str, ...] = ()
     boundaries: tuple[int, ...] = ()
     background: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Token:
-    """A token of the answer (never a stop token)."""
+    """A token of the answer (never a stop token); `logprob` where its job asked for them."""
 
     token: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -742,6 +746,7 @@ class ServeEngine:
             job.stop,
             job.stop_strings,
             context=job.prompt[:base],  # the held prefix's tokens, where lookup drafts search
+            logprobs=job.logprobs,
         )
         w.batch = self._group(row)
         w.g = w.batch.add(request, row, logits, cached_tokens=w.cached, admitted=w.started)
@@ -749,9 +754,10 @@ class ServeEngine:
 
     def _check(self, job: Job) -> int:
         """JobFailed's causes before any work: an empty prompt, ids outside the vocabulary, a
-        prompt that fills the model's context, max_tokens < 1, an empty stop string. → the
-        tokens the job may generate (max_tokens, cut at the context)."""
+        prompt that fills the model's context, max_tokens < 1, an empty stop string, logprobs
+        out of range. → the tokens the job may generate (max_tokens, cut at the context)."""
         from salabatch.engine.generate import answer_room
+        from salabatch.engine.sampling import TOP_LOGPROBS
 
         cfg = self.model.config
         n = len(job.prompt)
@@ -765,6 +771,8 @@ class ServeEngine:
         max_tokens = answer_room(cfg, n, job.max_tokens)  # the API's rule too
         if not all(job.stop_strings):
             raise ValueError("a stop string must not be empty")
+        if job.logprobs is not None and not 0 <= job.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {job.logprobs}")
         return max_tokens
 
     def _check_memory(
@@ -838,13 +846,13 @@ class ServeEngine:
 
     def _put_tokens(self, w: _Work) -> bool:
         """Puts w's new tokens as events; False when its caller's loop is gone."""
-        tokens = w.g.tokens[w.emitted :]
-        w.emitted += len(tokens)
-        ok = True
-        for t in tokens:
+        g, ok = w.g, True
+        for i in range(w.emitted, len(g.tokens)):
             if not w.first_at:
                 w.first_at = time.perf_counter()
-            ok = w.ticket._put(Token(t)) and ok
+            logprob = g.logprobs[i] if g.request.logprobs is not None else None
+            ok = w.ticket._put(Token(g.tokens[i], logprob)) and ok
+        w.emitted = len(g.tokens)
         return ok
 
     # -- ends ----------------------------------------------------------------------------------

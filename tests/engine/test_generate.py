@@ -162,3 +162,41 @@ def test_the_repetition_penalty_counts_the_answer_only(model):
     penalised = run(model, [Request("p", prompt, strong, 4)])["p"].tokens
     assert penalised[0] == plain[0]
     assert len(set(penalised)) == len(penalised)  # later tokens: no answer token twice
+
+
+def test_logprobs_are_log_softmax_of_one_call_over_prompt_and_answer(model):
+    """Each token's log-probability and top alternatives are log_softmax of the logits that one
+    call over the prompt and answer gives at its position, whatever the batch: rows with and
+    without logprobs, sampled and greedy, dense and sparse (past 256), one joining as another
+    leaves, drafting on (a row with logprobs takes plain steps). Asking changes no token; a row
+    that does not ask gets none."""
+    import mlx.core as mx
+
+    from salabatch.engine.speculative import Speculation
+
+    hot = SamplingParams(temperature=1.0, seed=3)
+    reqs = [
+        Request("top5", ids(9, 1), hot, 12, logprobs=5),
+        Request("none", ids(17, 2), GREEDY, 6),
+        Request("top0", ids(300, 3), GREEDY, 12, logprobs=0),
+        Request("top20", ids(40, 4), GREEDY, 8, logprobs=20),
+    ]
+    plain = run(model, [Request(r.id, r.prompt, r.params, r.max_tokens) for r in reqs])
+    for gen in (
+        Generator(model, batch_size=2),
+        Generator(model, batch_size=3, speculation=Speculation("lookup", tokens=3)),
+    ):
+        out = {g.request.id: g for g in gen.generate(reqs)}
+        assert {r: g.tokens for r, g in out.items()} == {r: g.tokens for r, g in plain.items()}
+        assert out["none"].logprobs == []
+        for r in (r for r in reqs if r.logprobs is not None):
+            g = out[r.id]
+            whole = model(mx.array([list(r.prompt) + g.tokens[:-1]]), model.make_cache())
+            lp = whole[0, len(r.prompt) - 1 :].astype(mx.float32)
+            lp = np.array(lp - mx.logsumexp(lp, axis=-1, keepdims=True))
+            assert [x.token for x in g.logprobs] == g.tokens
+            for i, x in enumerate(g.logprobs):
+                assert x.logprob == pytest.approx(lp[i, g.tokens[i]], abs=2e-4), (r.id, i)
+                best = np.argsort(-lp[i], kind="stable")[: r.logprobs]
+                assert [t for t, _ in x.top] == best.tolist(), (r.id, i)
+                assert [v for _, v in x.top] == pytest.approx(lp[i, best], abs=2e-4)

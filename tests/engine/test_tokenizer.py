@@ -207,3 +207,24 @@ def test_a_template_that_writes_bos_keeps_it_whatever_add_bos_token_says(demo_co
         doc, suffix = t.split_chat_prompt("The doc.", "Who?", system=None, think=False)
         assert (doc[0] == t.bos_id) == bos
         assert not t.chat_prompt(messages(), think=False).startswith("<s>")
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_of_a_texts_ids_are_its_bytes(tok, text):
+    """Byte-level vocabulary: a token cut inside a multi-byte character is its own bytes."""
+    assert b"".join(tok.token_bytes(t) for t in tok.encode(text)) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
+    """`▁` is a space, a byte-fallback token its byte, an added token its text."""
+    from tests.engine.test_chat import sentencepiece_style_dir
+
+    tok = load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))
+    text = "the Docs use ünïcode ✓ here"
+    ids = tok.encode(text)
+    assert any(tok.backend.id_to_token(t).startswith("<0x") for t in ids)  # byte fallback used
+    assert b"".join(tok.token_bytes(t) for t in ids) == b" " + text.encode()  # Prepend("▁")
+    assert tok.token_bytes(tok.token_id("<0x0A>")) == b"\n"
+    assert tok.token_bytes(tok.token_id("<|im_end|>")) == b"<|im_end|>"
+    with pytest.raises(TokenizerError):
+        tok.token_bytes(tok.vocab_size + 5)

@@ -156,13 +156,14 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
 
 
 def test_a_line_with_n_answers_n_choices_as_chat_answers_each_seed(tiny, tmp_path):
-    """A line with n = 3 (temperature 2, seed 11) between two plain ones: its body holds three
-    choices, choice i the answer chat gives with seed 11 + i; a line past the server's rows and
+    """A line with n = 3 (temperature 2, seed 11, logprobs) between two plain ones: its body
+    holds three choices, choice i the answer (and log-probabilities) chat gives with seed
+    11 + i; a line past the server's rows and
     queue (n = 21: batch_size 4 + max_queue 16) goes to the error file naming n."""
     hot = {"temperature": 2.0, "seed": 11}
     lines = [
         line("plain-1", "redwater-robotics.txt", QUESTIONS[0]),
-        line("three", "redwater-robotics.txt", QUESTIONS[1], n=3, **hot),
+        line("three", "redwater-robotics.txt", QUESTIONS[1], n=3, logprobs=True, **hot),
         line("too-many", "redwater-robotics.txt", QUESTIONS[1], n=21),
         line("plain-2", "brightgate-systems.md", QUESTIONS[2]),
     ]
@@ -178,6 +179,10 @@ def test_a_line_with_n_answers_n_choices_as_chat_answers_each_seed(tiny, tmp_pat
         texts = [c.message.content for c in body.choices]
         assert texts == [a.choices[0].message.content for a in alone] and len(set(texts)) > 1
         assert body.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+        lps = [[e.logprob for e in c.logprobs.content] for c in body.choices]
+        for mine, chat in zip(lps, alone, strict=True):  # batches apart: float rounding apart
+            expected = [e.logprob for e in chat.choices[0].logprobs.content]
+            assert mine == pytest.approx(expected, abs=1e-4)
         (err,) = s.output(batch.error_file_id)
         error = err["response"]["body"]["error"]
         assert err["custom_id"] == "too-many" and error["param"] == "n"

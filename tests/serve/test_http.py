@@ -328,6 +328,36 @@ def test_n_choices_stream_by_index_chat_and_text(served):
     assert streamed == alone
 
 
+def test_chat_logprobs_streamed_or_not_with_bytes_and_alternatives(served):
+    """Greedy with logprobs and top_logprobs 3: one entry per answer token, its bytes those
+    of the answer's text, its token the most likely of its alternatives (sorted, ≤ 0); the
+    streamed entries, in order, are the same; without logprobs, none."""
+    client = served.client()
+    messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[6])
+    ask = {"model": MODEL, "messages": messages, "max_tokens": 10}
+    whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    text = b"".join(bytes(e.bytes) for e in content).decode()
+    assert text.strip() == whole.choices[0].message.content
+    for e in content:
+        top = e.top_logprobs
+        assert len(top) == 3 and [t.logprob for t in top] == sorted(t.logprob for t in top)[::-1]
+        assert (e.token, e.logprob) == (top[0].token, top[0].logprob) and e.logprob <= 0
+    chunks = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    assert client.chat.completions.create(**ask).choices[0].logprobs is None
+    bare = client.chat.completions.create(**ask, logprobs=True).choices[0].logprobs.content
+    assert [(e.token, e.top_logprobs) for e in bare] == [(e.token, []) for e in content]
+
+
 def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(served):
     """Greedy: the same text whatever else is in the batch. Half the clients share a document
     in their system message (forks of one held prefix, one group), half send their own."""
@@ -458,7 +488,9 @@ def test_auth_every_endpoint_but_health_needs_the_key(served):
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream

@@ -262,10 +262,10 @@ class BatchRunner:
         """(tickets, AnswerText of each, think) of a line's body, checked as the chat endpoint
         checks one: a ticket per choice (its `n`). QueueFull when the engine cannot take them
         all (none is then submitted)."""
-        openai_api.check_fields(body, openai_api.HONOURED)
+        openai_api.check_fields(body, (*openai_api.HONOURED, *openai_api.LOGPROBS))
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
-        n = choices(body, self.engine)
+        n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = sampling(body, self.defaults)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -282,7 +282,7 @@ class BatchRunner:
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
         tickets = []
         try:
-            for one in seeded(replace(job, background=True), n):
+            for one in seeded(replace(job, background=True, logprobs=logprobs), n):
                 tickets.append(self.engine.submit(one))
         except QueueFull:
             for ticket in tickets:
@@ -296,7 +296,7 @@ class BatchRunner:
         else:
             reply_id, answers, think, finished = answered
             reply = Reply(reply_id, "chat.completion", self.model_id, int(time.time()))
-            status, body = 200, chat_completion(reply, answers, think, finished)
+            status, body = 200, chat_completion(reply, answers, think, finished, self.tok)
         output = {
             "id": new_id("batch_req"),
             "custom_id": custom_id,
@@ -404,7 +404,7 @@ def _last(ticket, answer: AnswerText):
     last = None
     for event in ticket:
         if isinstance(event, Token):
-            answer.add(event.token)
+            answer.add(event.token, event.logprob)
         else:
             last = event
     return last
