@@ -204,6 +204,19 @@ def logprobs(body: Mapping) -> int | None:
     return top or 0
 
 
+def text_logprobs(body: Mapping) -> int | None:
+    """A text completion's `logprobs` (an integer, OpenAI's legacy field): None where unset,
+    else how many alternatives each token's log-probability comes with (0 to TOP_LOGPROBS)."""
+    k = body.get("logprobs")
+    if k is not None and (
+        isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= TOP_LOGPROBS
+    ):
+        raise BodyError(
+            f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {k!r}", "logprobs"
+        )
+    return k
+
+
 def stop(raw) -> tuple[str, ...]:
     """The stop strings of a body's `stop` (a string or a list of at most MAX_STOP)."""
     stops = [raw] if isinstance(raw, str) else [] if raw is None else raw

@@ -14,7 +14,8 @@ after another; a stretch under `snapshot_min` is not snapshotted, and each prefi
 and their rows decode as one group; choice i is what a request with seed `seed + i` answers.
 With `logprobs: true` (chat), each token of a choice comes with its log-probability, bytes and
 `top_logprobs` most likely alternatives (`choices[i].logprobs.content`, streamed with the delta
-that shows its text, or a later one where its text is held back).
+that shows its text, or a later one where its text is held back); a completion's `logprobs: k`
+gives OpenAI's legacy object (`TextLogprobs`).
 
 Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`): 400 a bad
 or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown model or
@@ -31,6 +32,7 @@ a prompt (a long document) run in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import math
@@ -71,7 +73,15 @@ from salabatch.serve.engine import (
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
 CHAT_FIELDS = (*openai_api.HONOURED, *openai_api.LOGPROBS, "stream", "stream_options")
-COMPLETION_FIELDS = ("prompt", *openai_api.SAMPLING, "stop", "n", "stream", "stream_options")
+COMPLETION_FIELDS = (
+    "prompt",
+    *openai_api.SAMPLING,
+    "stop",
+    "n",
+    "logprobs",
+    "stream",
+    "stream_options",
+)
 COMPLETION_NO_OP = {"best_of": 1, "echo": False}  # accepted at this value only
 OPEN_PATHS = ("/health",)  # served without the API key
 
@@ -226,7 +236,7 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
         stream, include_usage = _streaming(body)
-        n = choices(body, self.engine)
+        n, logprobs = choices(body, self.engine), openai_api.text_logprobs(body)
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or _token_ids(prompt)):
             raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
@@ -238,16 +248,23 @@ class _Server:
             text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
         )
         answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in range(n)]
-        tickets = self._submit(job, n, "prompt")
+        tickets = self._submit(replace(job, logprobs=logprobs), n, "prompt")
         reply = Reply(job.id, "text_completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._text_chunks(tickets, answers, reply, include_usage)
             return _EventStream(chunks, tickets)
         finished = await _collect(tickets, answers, request)
-        texts = [
-            {"index": i, "text": a.content, "logprobs": None, "finish_reason": f.finish_reason}
-            for i, (a, f) in enumerate(zip(answers, finished, strict=True))
-        ]
+        texts = []
+        for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
+            lp = None if answer.logprobs is None else TextLogprobs(self.tok).of(answer.logprobs)
+            texts.append(
+                {
+                    "index": i,
+                    "text": answer.content,
+                    "logprobs": lp,
+                    "finish_reason": last.finish_reason,
+                }
+            )
         return JSONResponse(reply.body(texts, usage(finished)))
 
     def _sampling(self, body: dict):
@@ -336,14 +353,19 @@ class _Server:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
+        held: dict[int, list[TokenLogprob]] = {}  # of tokens whose text is not sent yet
+        offsets = [TextLogprobs(self.tok) for _ in tickets]
 
         def chunk(i: int, text: str, finish_reason: str | None = None) -> bytes:
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            lp = offsets[i].of(held.pop(i)) if held.get(i) else None
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
         finished: dict[int, Finished] = {}
         async for i, event in _events(tickets):
             if isinstance(event, Token):
+                if event.logprob is not None:
+                    held.setdefault(i, []).append(event.logprob)
                 for piece in answers[i].add(event.token):
                     yield chunk(i, piece.text)
             elif isinstance(event, Finished):
@@ -412,6 +434,36 @@ def chat_completion(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
         )
     return reply.body(out, usage(finished))
+
+
+class TextLogprobs:
+    """A text completion's `logprobs` (OpenAI's legacy object) for its tokens, in order across
+    calls (a stream's chunks): `tokens` (each one's text), `token_logprobs`, `top_logprobs`
+    ({text: logprob} of its alternatives and itself) and `text_offset` (where its text starts in
+    the completion, in characters of the answer's decoded bytes)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # characters of the tokens so far
+
+    def of(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for lp in logprobs:
+            raw = self.tok.token_bytes(lp.token)
+            text = raw.decode(errors="replace")
+            top = {self.tok.token_bytes(t).decode(errors="replace"): v for t, v in lp.top}
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(top | {text: lp.logprob})
+            out["text_offset"].append(self._chars)
+            self._chars += len(self._text.decode(raw))
+        return out
 
 
 def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:

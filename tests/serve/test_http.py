@@ -358,6 +358,34 @@ def test_chat_logprobs_streamed_or_not_with_bytes_and_alternatives(served):
     assert [(e.token, e.top_logprobs) for e in bare] == [(e.token, []) for e in content]
 
 
+def test_text_completion_logprobs_in_openais_legacy_form_streamed_or_not(served):
+    """`logprobs: 2`: per token its text, log-probability, the alternatives and itself as
+    {text: logprob}, and where its text starts in the completion; streamed, the same lists in
+    pieces; the log-probabilities are the chat form's for the same tokens."""
+    client = served.client()
+    ask = {"model": MODEL, "prompt": "The gate code is", "max_tokens": 12}
+    whole = client.completions.create(**ask, logprobs=2)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == whole.usage.completion_tokens == len(lp.token_logprobs)
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value == max(top.values()) and 1 <= len(top) <= 3  # greedy
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in client.completions.create(**ask, logprobs=2, stream=True):
+        if c.choices[0].logprobs is not None:
+            for key, values in streamed.items():
+                values.extend(getattr(c.choices[0].logprobs, key))
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert client.completions.create(**ask).choices[0].logprobs is None
+    for bad in (True, -1, 21, 1.5):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ask, logprobs=bad)
+        assert e.value.body["param"] == "logprobs"
+
+
 def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(served):
     """Greedy: the same text whatever else is in the batch. Half the clients share a document
     in their system message (forks of one held prefix, one group), half send their own."""
