@@ -11,8 +11,8 @@ never silently ignored. Every check raises a BodyError naming its field.
     chat_template_kwargs      {"enable_thinking": bool}: the request's think mode
     n                         answers sampled from one prompt (`choices`): the server's; a job's
                               results hold one answer per line, so there it must be 1
-    logprobs, top_logprobs    the server's (`logprobs`): each token's log-probability and its
-                              most likely alternatives'; a job refuses them (LOGPROBS)
+    logprobs, top_logprobs    each token's log-probability and its most likely alternatives'
+                              (`logprobs`)
 
 Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
 """
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from salabatch.engine.sampling import TOP_LOGPROBS, SamplingParams
+from salabatch.engine.sampling import TOP_LOGPROBS, SamplingParams, TokenLogprob
 from salabatch.errors import SalabatchError, not_utf8
+
+if TYPE_CHECKING:
+    from salabatch.engine.tokenizer import Tokenizer
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SAMPLING = (
@@ -39,7 +42,7 @@ SAMPLING = (
     "repetition_penalty",
     "seed",
 )
-HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs", "n")
+HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs", "n", "logprobs", "top_logprobs")
 # Fields about billing, logging or delivery: they cannot change the answer.
 ACCEPTED = (
     "model",
@@ -53,10 +56,9 @@ ACCEPTED = (
     "stream_options",
     "parallel_tool_calls",
 )
-NO_OP = {"stream": False, "logprobs": False, "top_logprobs": 0}  # accepted at this value
+NO_OP = {"stream": False}  # accepted at this value
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_CHOICES = 128  # n, as OpenAI allows
-LOGPROBS = ("logprobs", "top_logprobs")  # the server honours them; a job's rows hold none
 
 
 class BodyError(SalabatchError):
@@ -185,10 +187,13 @@ def choices(body: Mapping, most: int, why: str = "") -> int:
     return int(value)
 
 
-def logprobs(body: Mapping) -> int | None:
+def logprobs(body: Mapping, default: int | None = None) -> int | None:
     """The body's `logprobs` and `top_logprobs`: None where no log-probabilities are asked for,
-    else how many alternatives each token's come with (0 to TOP_LOGPROBS, 20)."""
+    else how many alternatives each token's come with (0 to TOP_LOGPROBS, 20); `default` where
+    the body sets neither."""
     want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is None and top is None:
+        return default
     if want is not None and not isinstance(want, bool):
         raise BodyError("logprobs must be true or false", "logprobs")
     if top is not None and (
@@ -215,6 +220,18 @@ def text_logprobs(body: Mapping) -> int | None:
             f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {k!r}", "logprobs"
         )
     return k
+
+
+def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:
+    """OpenAI's entry of a token in `logprobs.content`: its text, log-probability and bytes (a
+    piece of a multi-byte character shows as U+FFFD in the text, its bytes as they are), and
+    its `top_logprobs` alternatives the same way."""
+
+    def entry(token: int, logprob: float) -> dict:
+        raw = tok.token_bytes(token)
+        return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
 def stop(raw) -> tuple[str, ...]:

@@ -72,7 +72,7 @@ from salabatch.serve.engine import (
 )
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
-CHAT_FIELDS = (*openai_api.HONOURED, *openai_api.LOGPROBS, "stream", "stream_options")
+CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
 COMPLETION_FIELDS = (
     "prompt",
     *openai_api.SAMPLING,
@@ -331,7 +331,7 @@ class _Server:
         async for i, event in _events(tickets):
             if isinstance(event, Token):
                 if event.logprob is not None:
-                    held.setdefault(i, []).append(logprob_entry(self.tok, event.logprob))
+                    held.setdefault(i, []).append(openai_api.logprob_entry(self.tok, event.logprob))
                 for piece in answers[i].add(event.token):
                     yield delta(i, piece)
             elif isinstance(event, Finished):
@@ -428,7 +428,7 @@ def chat_completion(
             message["reasoning_content"] = answer.reasoning
         lp = None
         if answer.logprobs is not None:
-            content = [logprob_entry(tok, x) for x in answer.logprobs]
+            content = [openai_api.logprob_entry(tok, x) for x in answer.logprobs]
             lp = {"content": content, "refusal": None}
         out.append(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
@@ -464,18 +464,6 @@ class TextLogprobs:
             out["text_offset"].append(self._chars)
             self._chars += len(self._text.decode(raw))
         return out
-
-
-def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:
-    """OpenAI's entry of a token in `logprobs.content`: its text, log-probability and bytes (a
-    piece of a multi-byte character shows as U+FFFD in the text, its bytes as they are), and
-    its `top_logprobs` alternatives the same way."""
-
-    def entry(token: int, logprob: float) -> dict:
-        raw = tok.token_bytes(token)
-        return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-    return entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
 
 
 def choices(body: dict, engine: ServeEngine) -> int:

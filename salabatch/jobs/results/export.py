@@ -181,8 +181,11 @@ def export_csv(path: str | os.PathLike, out: str | os.PathLike | TextIO) -> int:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(table.column_names)
-        for record in table.to_pylist():
-            writer.writerow(_plain(record).values())
+        for record in table.to_pylist():  # a list (logprobs) as its JSON text
+            values = _plain(record).values()
+            writer.writerow(
+                json.dumps(v, ensure_ascii=False) if isinstance(v, list) else v for v in values
+            )
             yield buffer.getvalue()
             buffer.seek(0)
             buffer.truncate()
@@ -281,7 +284,9 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": None
+                    if r["logprobs"] is None
+                    else {"content": r["logprobs"], "refusal": None},
                     "finish_reason": r["finish_reason"],
                 }
             ],

@@ -54,6 +54,9 @@ META_UPDATED_AT = b"salabatch.updated_at"
 
 _S, _I, _F = pa.string(), pa.int64(), pa.float64()
 _TS = pa.timestamp("us", tz="UTC")
+# a token in `logprobs`: OpenAI's entry of logprobs.content (its text, log-probability, bytes)
+_TOKEN = [pa.field("token", _S), pa.field("logprob", _F), pa.field("bytes", pa.list_(pa.uint8()))]
+LOGPROBS = pa.list_(pa.struct([*_TOKEN, pa.field("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))
 
 
 def _col(name: str, type_: pa.DataType, doc: str, *, nullable: bool = True) -> pa.Field:
@@ -89,6 +92,13 @@ RESULT_SCHEMA = pa.schema(
         _col("finish_reason", _S, "stop | length | error", nullable=False),
         _col("status", _S, "ok | error", nullable=False),
         _col("error", _S, "one-line reason of an error row, else null"),
+        _col(
+            "logprobs",
+            LOGPROBS,
+            "each generated token's text, log-probability, bytes and top_logprobs (its most "
+            "likely alternatives), as OpenAI's logprobs.content, think block included; null "
+            "unless the row asked for them (generation.logprobs, a request's logprobs)",
+        ),
         # model
         _col("model", _S, "the job's model (checkpoint path or builtin:name)", nullable=False),
         _col("model_sha", _S, "digest of the checkpoint weights"),
@@ -121,7 +131,7 @@ RESULT_SCHEMA = pa.schema(
 )
 
 # Columns added to schema v1 later: a file without them reads as if they held nulls.
-ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens")
+ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens", "logprobs")
 
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
@@ -179,6 +189,7 @@ class ResultRow:
     finish_reason: str = "stop"
     status: str = "ok"
     error: str | None = None
+    logprobs: list[dict] | None = None
     model: str
     model_sha: str | None = None
     quant_bits: int | None = None
@@ -248,6 +259,10 @@ class ResultRow:
                 problems.append(f"{f.name} must be a number, got {value!r}")
             if kind == _TS and (not isinstance(value, datetime) or value.tzinfo is None):
                 problems.append(f"{f.name} must be a timezone-aware datetime, got {value!r}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, list) and all(isinstance(x, dict) for x in self.logprobs)
+        ):
+            problems.append(f"logprobs must be a list of token entries, got {self.logprobs!r}")
         if self.finished_at is None:
             problems.append("finished_at is required")
         if problems:

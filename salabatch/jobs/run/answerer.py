@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from salabatch import openai_api
 from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking
@@ -254,6 +255,7 @@ class Answerer:
             self.stop,
             row.stop_strings,
             context=context,
+            logprobs=row.logprobs,
         )
 
     def _detokenizer(self) -> StreamingDetokenizer:
@@ -270,6 +272,9 @@ class Answerer:
             answer=answer,
             reasoning=reasoning if row.think else None,
             finish_reason=g.finish_reason,
+            logprobs=None
+            if row.logprobs is None
+            else [openai_api.logprob_entry(self.tok, lp) for lp in g.logprobs],
             **_prefill_columns(plan, g, prefix),
             completion_tokens=g.completion_tokens,
             # from the start of its document's prefix (or pool), waiting for a slot included

@@ -10,11 +10,12 @@ answer are honoured:
     presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
+    logprobs, top_logprobs    the row's `logprobs` column (unset: the job's generation.logprobs)
 
 Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
-`service_tier`, ... (`openai_api.ACCEPTED`), and `stream`, `logprobs`, `top_logprobs` at their
-no-op values (`openai_api.NO_OP`); `n` must be 1 (a row holds one answer). Anything else
-(tools, response_format, logit_bias, logprobs: true, guided decoding, an unknown field or
+`service_tier`, ... (`openai_api.ACCEPTED`), and `stream` at its no-op value
+(`openai_api.NO_OP`); `n` must be 1 (a row holds one answer). Anything else
+(tools, response_format, logit_bias, guided decoding, an unknown field or
 chat_template_kwargs key) is refused, never ignored: the line becomes an error row naming the
 field. Unset sampling fields take the job's `generation:` values. A line that cannot be served
 becomes an error row named by its custom_id (or `line-N`), and the others go on.
@@ -59,7 +60,7 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         raw_lines = path.read_bytes().splitlines()
     except OSError as e:
         raise JobSpecError(f"cannot read requests file ({e.strerror})", path=path) from None
-    generation = spec.generation.model_dump(mode="json")  # the defaults of unset fields
+    generation = spec.generation.key()  # the defaults of unset fields
     lines: list[_Line] = []
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
@@ -156,6 +157,7 @@ def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[R
         max_tokens=max_tokens,
         think=think,
         stop_strings=openai_api.stop(body.get("stop")),
+        logprobs=openai_api.logprobs(body, spec.generation.logprobs),
     )
     # big-endian: the bytes of two prompts compare as their ids do (see _groups)
     ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")

@@ -41,6 +41,7 @@ class Row:
     prompt: tuple[int, ...] = ()  # after the document prompt; the whole prompt without one
     stop_strings: tuple[str, ...] = ()  # the answer ends before the first one it contains
     request_line: int | None = None  # its line in the requests file; None for a document's row
+    logprobs: int | None = None  # None: none; k: each token's, with k alternatives'
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Planner:
                         sampling(spec, gen),
                         gen.max_tokens,
                         gen.think,
+                        logprobs=gen.logprobs,
                     )
                 )
         return rows

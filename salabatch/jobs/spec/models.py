@@ -163,6 +163,14 @@ class GenerationSettings(_Strict):
     repetition_penalty: StrictFloat = Field(1.0, gt=0, allow_inf_nan=False)  # 1: off
     seed: StrictInt = Field(0, ge=0)
     think: StrictBool = False  # MiniCPM's thinking mode in the chat template
+    # None: none; k: each answer token's log-probability and its k most likely alternatives'
+    # (the results' `logprobs` column); a request line's own `logprobs` wins
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    def key(self) -> dict[str, Any]:
+        """The settings as plain JSON values, for row keys: `logprobs` only where set, so the
+        keys of a job that asks for none are those of the salabatch before it."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 class Speculative(_Strict):
@@ -440,4 +448,4 @@ def effective_generation(spec: JobSpec, question: Question) -> GenerationSetting
 
 def generation_key(spec: JobSpec, question: Question) -> dict[str, Any]:
     """The effective generation settings of one question, as plain JSON values."""
-    return effective_generation(spec, question).model_dump(mode="json")
+    return effective_generation(spec, question).key()

@@ -262,7 +262,7 @@ class BatchRunner:
         """(tickets, AnswerText of each, think) of a line's body, checked as the chat endpoint
         checks one: a ticket per choice (its `n`). QueueFull when the engine cannot take them
         all (none is then submitted)."""
-        openai_api.check_fields(body, (*openai_api.HONOURED, *openai_api.LOGPROBS))
+        openai_api.check_fields(body, openai_api.HONOURED)
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
         n, logprobs = choices(body, self.engine), openai_api.logprobs(body)

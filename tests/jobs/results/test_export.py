@@ -3,6 +3,7 @@ reasoning; results of an older salabatch; a folder of results files (Ray's datas
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import re
@@ -133,8 +134,21 @@ def test_export_gives_the_reasoning_of_a_think_row(tmp_path):
     assert "reasoning_content" not in plain["response"]["body"]["choices"][0]["message"]
 
 
+TOKENS = [
+    {"token": "A", "logprob": -0.25, "bytes": [65], "top_logprobs": []},
+    {
+        "token": "\ufffd",  # the first byte of é: the text cannot show it, the bytes do
+        "logprob": -1.5,
+        "bytes": [0xC3],
+        "top_logprobs": [{"token": " x", "logprob": -0.75, "bytes": [32, 120]}],
+    },
+]
+
+
 @pytest.mark.parametrize(
-    "added", [["request_line"], ["draft_tokens", "accepted_tokens"]], ids=lambda a: a[0]
+    "added",
+    [["request_line"], ["draft_tokens", "accepted_tokens"], ["logprobs"]],
+    ids=lambda a: a[0],
 )
 def test_results_of_an_older_salabatch_without_added_columns_still_read(tmp_path, added):
     path = tmp_path / "old.parquet"
@@ -149,11 +163,37 @@ def test_results_of_an_older_salabatch_without_added_columns_still_read(tmp_path
     lines = [json.loads(x) for x in stream.getvalue().splitlines()]
     assert [x["custom_id"] for x in lines] == ["a/q0", "b/q0"]
     assert "completion_tokens_details" not in lines[0]["response"]["body"]["usage"]
+    assert all(x["response"]["body"]["choices"][0]["logprobs"] is None for x in lines)
+    value = TOKENS if added == ["logprobs"] else 4
     with writer(path) as out:  # a run resumes it, and merges it into the current schema
-        out.write([make_row("c.q0", **dict.fromkeys(added, 4))])
+        out.write([make_row("c.q0", **dict.fromkeys(added, value))])
     merged = read_results(path)
     assert merged.column_names == RESULT_SCHEMA.names
-    assert all(merged[c].to_pylist() == [None, None, 4] for c in added)
+    assert all(merged[c].to_pylist() == [None, None, value] for c in added)
+
+
+def test_logprobs_round_trip_and_export_as_openais_content(tmp_path):
+    """The column holds OpenAI's logprobs.content entries; openai-jsonl gives them back as
+    they were, the rows' jsonl as JSON, CSV as JSON text; a row without them has null."""
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row("a.q0", logprobs=TOKENS), make_row("a.q1")])
+    rows = read_results(path).to_pylist()
+    assert [r["logprobs"] for r in rows] == [TOKENS, None]
+    stream = io.StringIO()
+    export_openai_jsonl(path, stream)
+    choices = [
+        json.loads(x)["response"]["body"]["choices"][0] for x in stream.getvalue().splitlines()
+    ]
+    assert choices[0]["logprobs"] == {"content": TOKENS, "refusal": None}
+    assert choices[1]["logprobs"] is None
+    stream = io.StringIO()
+    export_results(path, stream, "jsonl")
+    assert json.loads(stream.getvalue().splitlines()[0])["logprobs"] == TOKENS
+    stream = io.StringIO()
+    export_results(path, stream, "csv")
+    records = list(csv.DictReader(io.StringIO(stream.getvalue())))
+    assert json.loads(records[0]["logprobs"]) == TOKENS and records[1]["logprobs"] == ""
 
 
 def test_draft_counts_in_inspect_and_in_the_openai_usage(tmp_path):

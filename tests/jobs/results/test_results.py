@@ -45,6 +45,7 @@ DESIGN_COLUMNS = [
     "finish_reason",
     "status",
     "error",
+    "logprobs",
     "model",
     "model_sha",
     "quant_bits",

@@ -269,8 +269,9 @@ def test_fields_that_do_not_change_the_answer_are_accepted(tmp_path, tiny_model,
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "none"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"stream": True}, "stream"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
@@ -421,3 +422,42 @@ def test_lines_sharing_a_document_prefill_it_once(tmp_path, tiny_model):
     assert third["q3"]["cached_tokens"] == first["doc_tokens"]
     assert third["q1"]["run_id"] == first["run_id"]  # done rows are not recomputed
     assert len(PrefixStore(tmp_path / "cache").entries()) == 1
+
+
+def test_logprobs_of_request_lines_and_of_the_jobs_generation(tmp_path, tiny_model):
+    """A line with logprobs gets the `logprobs` column and OpenAI's logprobs.content in its
+    output line: one entry per generated token, whose bytes are the answer's, each token the
+    most likely of its alternatives (greedy); a line without them has none, unless
+    generation.logprobs sets a default (a line's own `logprobs: false` still wins)."""
+    lines = [
+        line("top2", logprobs=True, top_logprobs=2, max_tokens=6),
+        line("plain", "Name a sea.", max_tokens=6),
+        line("off", "Name a lake.", logprobs=False, max_tokens=6),
+    ]
+    requests = write_requests(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "answers.jsonl"
+    assert run_requests(tmp_path, tiny_model, requests, out).exit_code == 0
+    rows = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    entries = rows["top2"]["logprobs"]
+    assert len(entries) == rows["top2"]["completion_tokens"]
+    text = b"".join(bytes(e["bytes"]) for e in entries).decode()
+    assert text.strip() == rows["top2"]["answer"]
+    for e in entries:
+        assert [t["logprob"] for t in e["top_logprobs"]] == sorted(
+            (t["logprob"] for t in e["top_logprobs"]), reverse=True
+        )
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+    assert rows["plain"]["logprobs"] is None and rows["off"]["logprobs"] is None
+    got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    body = chat_types.ChatCompletion.model_validate(got["top2"]["response"]["body"])
+    assert [e.model_dump() for e in body.choices[0].logprobs.content] == entries
+    assert got["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
+
+    again = run_requests(tmp_path, tiny_model, requests, out, "generation.logprobs=0")
+    assert again.exit_code == 0, again.output
+    rows = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    assert [e["top_logprobs"] for e in rows["plain"]["logprobs"]] == [[]] * len(
+        rows["plain"]["logprobs"]
+    )
+    assert rows["off"]["logprobs"] is None  # its own logprobs: false wins
+    assert rows["top2"]["logprobs"] == entries  # rerun (the defaults are in every line's key)

@@ -30,7 +30,9 @@ SHARED_PDFS = SHARED / "pdfs"
 # every column an ok document row must fill (think is off, so no reasoning; no error; float
 # weights, so no quant_bits; no request line)
 FILLED = [
-    c for c in DESIGN_COLUMNS if c not in ("reasoning", "error", "quant_bits", "request_line")
+    c
+    for c in DESIGN_COLUMNS
+    if c not in ("reasoning", "error", "logprobs", "quant_bits", "request_line")
 ]
 QUESTIONS = [
     {"id": "summary", "text": "Summarize this."},
@@ -104,6 +106,26 @@ def test_three_documents_three_questions(tmp_path, tiny_model):
     assert meta["job_spec"]["name"] == "t" and meta["versions"]["salabatch"]
     shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"))
     assert re.search(r"^rows\s+9$", shown.output, re.M)
+
+
+def test_generation_logprobs_fill_the_logprobs_column_of_every_row(tmp_path, tiny_model):
+    """Rows of a shared prefix and of a pool alike: one entry per generated token, with the
+    asked number of alternatives, the first the token itself (greedy); setting it reruns the
+    rows (their key changes), a job without it keeps none."""
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model)
+    assert run_cli("run", str(job)).exit_code == 0
+    assert all(r["logprobs"] is None for r in rows(tmp_path))
+    result = run_cli("run", str(job), "--set", "generation.logprobs=1")
+    assert result.exit_code == 0, result.output
+    got = rows(tmp_path)
+    assert len(got) == 9 and {r["doc_id"] for r in got} >= {"notes.txt", "report.md"}
+    for r in got:
+        entries = r["logprobs"]
+        assert len(entries) == r["completion_tokens"], r["custom_id"]
+        for e in entries:
+            (best,) = e["top_logprobs"]
+            assert best == {k: e[k] for k in ("token", "logprob", "bytes")} and e["logprob"] <= 0
 
 
 def test_each_document_and_each_pool_measures_its_own_peak_memory(

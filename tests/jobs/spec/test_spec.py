@@ -166,6 +166,15 @@ def test_auto_ids_and_per_question_overrides(tmp_path):
     assert generation_key(spec, spec.questions[0])["max_tokens"] == 100
 
 
+def test_logprobs_enter_a_rows_key_only_when_set(tmp_path):
+    """A job that asks for no log-probabilities keys its rows as before they existed."""
+    text = "name: lp\nmodel: builtin:random\ndocuments: [{path: d}]\nquestions: [first]\n"
+    plain = load_job(write(tmp_path, text))
+    assert "logprobs" not in generation_key(plain, plain.questions[0])
+    asked = load_job(write(tmp_path, text + "generation: {logprobs: 3}\n"))
+    assert generation_key(asked, asked.questions[0])["logprobs"] == 3
+
+
 def test_questions_given_as_plain_strings(tmp_path):
     job = write(
         tmp_path,
