@@ -44,7 +44,7 @@ RESERVE_AHEAD = 1024
 
 if TYPE_CHECKING:
     from salabatch.engine.model import Model
-    from salabatch.engine.sampling import SamplingParams
+    from salabatch.engine.sampling import SamplingParams, TokenLogprob
     from salabatch.engine.speculative import Speculation
     from salabatch.engine.tokenizer import Tokenizer
 
@@ -52,9 +52,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GenerationResponse:
     """One step of `stream_generate`, with the fields of mlx-lm's `GenerationResponse` (less
-    `logprobs` and `from_draft`; speculative decoding's counts instead). The last one has a
-    `finish_reason`; when the model stops, its `token` is the stop token, which no text and no
-    count includes."""
+    `from_draft`; speculative decoding's counts instead). The last one has a `finish_reason`;
+    when the model stops, its `token` is the stop token, which no text and no count includes.
+    `logprobs`, with `stream_generate(..., logprobs=k)`: the token's log-probability and its k
+    most likely alternatives (a `TokenLogprob`; mlx-lm's is the whole vocabulary's array),
+    None for the stop token."""
 
     text: str  # the new piece of text; may be empty (a character still incomplete)
     token: int  # the token just generated
@@ -66,6 +68,7 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" | "length" on the last response
     draft_tokens: int = 0  # tokens drafted so far (speculative decoding)
     accepted_tokens: int = 0  # of those, accepted
+    logprobs: TokenLogprob | None = None
 
 
 def load(
@@ -104,13 +107,15 @@ def stream_generate(
     draft: str = "off",
     num_draft_tokens: int = 4,
     draft_layers: int = 8,
+    logprobs: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
     the tokenizer or `max_tokens` (cut where the model's context ends; a prompt that fills it
     is a GenerationError). Greedy unless `temperature` > 0; the same seed gives the same text,
     as in `salabatch run`. `repetition_penalty` counts the answer's tokens, not the prompt's
     (HF and mlx-lm count both). `draft`, `num_draft_tokens`, `draft_layers`: speculative
-    decoding (see the module docstring). Bad arguments are GenerationErrors naming them; a
+    decoding (see the module docstring); `logprobs=k` (0 to 20): each response's `logprobs`
+    (drafting then pauses). Bad arguments are GenerationErrors naming them; a
     prompt that needs more memory than is free, an OutOfMemoryError before its prefill (each
     step runs within MLX's memory limit at the plan, `memory.bounded`)."""
     from salabatch.engine import memory
@@ -118,13 +123,23 @@ def stream_generate(
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
+    from salabatch.engine.sampling import TOP_LOGPROBS
 
     _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     max_tokens = answer_room(model.config, len(ids), max_tokens)  # the server's rule
-    request = Request("0", tuple(ids), params, max_tokens, frozenset(tokenizer.eos_ids))
+    if logprobs is not None and (
+        isinstance(logprobs, bool)
+        or not isinstance(logprobs, numbers.Integral)
+        or not 0 <= logprobs <= TOP_LOGPROBS
+    ):
+        raise GenerationError(
+            f"must be None or an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}", field="logprobs"
+        )
+    eos = frozenset(tokenizer.eos_ids)
+    request = Request("0", tuple(ids), params, max_tokens, eos, logprobs=logprobs)
     detok = tokenizer.detokenizer(skip_special=True)
     # no context: the prompt is all the row has, and the lookup drafter searches it
     generator = Generator(
@@ -160,13 +175,14 @@ def stream_generate(
             last = i == len(new) - 1 and not stopped
             if last and g.done:
                 detok.finalize()
-            yield _response(detok, token, ids, g, len(detok.tokens), now, first_at, last)
+            lp = g.logprobs[len(detok.tokens) - 1] if logprobs is not None else None
+            yield _response(detok, token, ids, g, len(detok.tokens), now, first_at, last, lp)
         if stopped:
             detok.finalize()
             yield _response(detok, g.last_token, ids, g, len(g.tokens), now, first_at, True)
 
 
-def _response(detok, token, ids, g, n, now, first_at, last) -> GenerationResponse:
+def _response(detok, token, ids, g, n, now, first_at, last, lp=None) -> GenerationResponse:
     """`stream_generate`'s response for the answer's n-th token (`last`: the step's last)."""
     import mlx.core as mx
 
@@ -181,6 +197,7 @@ def _response(detok, token, ids, g, n, now, first_at, last) -> GenerationRespons
         finish_reason=g.finish_reason if last else None,
         draft_tokens=g.draft_tokens,
         accepted_tokens=g.accepted_tokens,
+        logprobs=lp,
     )
 
 

@@ -89,6 +89,28 @@ def test_stream_responses_count_and_finish(loaded):
         assert "".join(r.text for r in drafted) == "".join(r.text for r in plain)
 
 
+def test_stream_logprobs_are_each_tokens_with_its_alternatives(loaded):
+    """Asking changes no token; greedy, each token is the first of its k alternatives; a stop
+    token's response has none; a bad k is refused by name."""
+    model, tok = loaded
+    plain = list(salabatch.stream_generate(model, tok, "Say hi.", 6))
+    asked = list(salabatch.stream_generate(model, tok, "Say hi.", 6, logprobs=3))
+    assert [r.token for r in asked] == [r.token for r in plain]
+    assert all(r.logprobs is None for r in plain)
+    for r in asked:
+        lp = r.logprobs
+        assert lp.token == r.token and len(lp.top) == 3 and lp.top[0] == (lp.token, lp.logprob)
+    tokens = engine_tokens(model, tok, user_ids(tok, "Say hi."), 3)
+    stopping = copy.copy(tok)
+    stopping.eos_ids = tok.eos_ids | {tokens[2]}
+    stopped = list(salabatch.stream_generate(model, stopping, "Say hi.", 5, logprobs=0))
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].logprobs is None
+    assert all(r.logprobs.top == () for r in stopped[:-1])
+    for bad in (-1, 21, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="logprobs"):
+            list(salabatch.stream_generate(model, tok, "Say hi.", 2, logprobs=bad))
+
+
 def test_token_ids_are_used_as_they_are(loaded):
     model, tok = loaded
     ids = tok.chat_prompt_ids(
