@@ -13,12 +13,15 @@ never silently ignored. Every check raises a BodyError naming its field.
                               results hold one answer per line, so there it must be 1
     logprobs, top_logprobs    each token's log-probability and its most likely alternatives'
                               (`logprobs`)
+    response_format           text, json_object or json_schema: what the answer must be
+                              (`structure`); vLLM's guided_json, guided_regex, guided_choice too
 
 Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -42,7 +45,17 @@ SAMPLING = (
     "repetition_penalty",
     "seed",
 )
-HONOURED = ("messages", *SAMPLING, "stop", "chat_template_kwargs", "n", "logprobs", "top_logprobs")
+STRUCTURE = ("response_format", "guided_json", "guided_regex", "guided_choice")
+HONOURED = (
+    "messages",
+    *SAMPLING,
+    "stop",
+    "chat_template_kwargs",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    *STRUCTURE,
+)
 # Fields about billing, logging or delivery: they cannot change the answer.
 ACCEPTED = (
     "model",
@@ -220,6 +233,77 @@ def text_logprobs(body: Mapping) -> int | None:
             f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {k!r}", "logprobs"
         )
     return k
+
+
+def structure(body: Mapping) -> str | None:
+    """The regular expression the answer must match whole, of the body's `response_format`
+    (`json_object`: any JSON object; `json_schema`: JSON its `schema` validates; `text`: none)
+    or of vLLM's `guided_json` (a schema), `guided_regex` or `guided_choice` (one of a list of
+    strings); None where the answer is free. At most one of them."""
+    given = [name for name in STRUCTURE if body.get(name) is not None]
+    if len(given) > 1:
+        raise BodyError(f"give one of {', '.join(given)}, not both", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise BodyError("guided_regex must be a non-empty string", name)
+        return value
+    if name == "guided_choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise BodyError("guided_choice must be a non-empty list of non-empty strings", name)
+        return "|".join(f"({_escaped(c)})" for c in value)
+    if name == "guided_json":
+        return _schema_regex(json_object(value, name), name)
+    if not isinstance(value, dict):
+        raise BodyError("response_format must be an object", name)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _schema_regex({"type": "object"}, name)
+    if kind != "json_schema":
+        raise BodyError(
+            "response_format.type must be text, json_object or json_schema", f"{name}.type"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise BodyError(
+            "response_format.json_schema.schema must be an object", f"{name}.json_schema.schema"
+        )
+    return _schema_regex(spec["schema"], f"{name}.json_schema.schema")
+
+
+def json_object(value, param: str) -> dict:
+    """`value`, a JSON object given as one or as its text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BodyError(f"{param} is not valid JSON ({e.msg})", param) from None
+    if not isinstance(value, dict):
+        raise BodyError(f"{param} must be a JSON schema object", param)
+    return value
+
+
+def _schema_regex(schema: dict, param: str) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        return build_regex_from_schema(json.dumps(schema, sort_keys=True))
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise BodyError(f"{param}: the JSON schema cannot be used ({e})", param) from None
+
+
+def _escaped(text: str) -> str:
+    """`text` as a regular expression that matches it literally (outlines-core's syntax: every
+    character but letters, digits, space and `_` escaped)."""
+    return "".join(c if c.isalnum() or c in " _" else f"\\{c}" if c.isascii() else c for c in text)
 
 
 def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:

@@ -14,7 +14,10 @@ drafted tokens, from which each row reads its accepted drafts and the model's ne
 A row ends at a stop token, at `max_tokens`, or, given a detokenizer, as soon as its decoded
 text contains one of its stop strings (the text is then cut before it). A request with
 `logprobs` gets each token's log-probability and its most likely alternatives
-(`Generation.logprobs`); its batch takes plain steps, no drafts, while it runs.
+(`Generation.logprobs`); one with a `grammar` draws every token among those its grammar allows
+(`salabatch.engine.grammar`), and its batch's steps read the rows' newest tokens before they
+draw the next (the mask needs them). Either way its batch takes plain steps, no drafts, while
+it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import mlx.core as mx
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.decode import decode
+from salabatch.engine.grammar import Grammar, allowed_tokens
 from salabatch.engine.kernels.attention import on_gpu
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import (
@@ -54,6 +58,8 @@ from salabatch.engine.speculative import (
 from salabatch.errors import GenerationError
 
 if TYPE_CHECKING:
+    from outlines_core import Guide
+
     from salabatch.engine.detokenizer import StreamingDetokenizer
 
 
@@ -143,6 +149,7 @@ class Request:
     context: tuple[int, ...] = field(default=(), repr=False, compare=False)
     # None: no log-probabilities; k: each token's, with its k most likely alternatives' (0-20)
     logprobs: int | None = None
+    grammar: Grammar | None = field(default=None, repr=False, compare=False)  # what it must match
 
     def __post_init__(self) -> None:
         if not all(self.stop_strings):
@@ -179,6 +186,7 @@ class Generation:
     _sampled: int = field(default=0, repr=False, compare=False)  # tokens drawn, read or not
     _text: RowText | None = field(default=None, repr=False, compare=False)  # lookup drafting
     _stats: RowStats = field(default_factory=RowStats, repr=False, compare=False)
+    _guide: Guide | None = field(default=None, repr=False, compare=False)  # its grammar's state
 
     @property
     def done(self) -> bool:
@@ -342,7 +350,11 @@ class Batch:
             g._detok = self.detokenizer()
         g.prefill_s = time.perf_counter() - admitted
         g._admitted = admitted
-        first = sample_tokens(logits[None], [request.params], [0])
+        allowed = None
+        if request.grammar is not None:
+            g._guide = request.grammar.guide()
+            allowed = allowed_tokens([g._guide], logits.shape[-1])
+        first = sample_tokens(logits[None], [request.params], [0], allowed=allowed)
         lp = None if request.logprobs is None else token_logprobs(logits[None], first)
         g._sampled = 1
         if self._lookup is not None:
@@ -367,31 +379,51 @@ class Batch:
             return []
         for g in rows:
             g.batch_size = max(g.batch_size, len(rows))
-        if self.speculation.draft != "off" and self._policy.speculate() and not self._wants_lp():
+        plain_only = self._wants_lp() or any(g._guide is not None for g in rows)
+        if self.speculation.draft != "off" and self._policy.speculate() and not plain_only:
             return self._speculative_step()
         self._policy.plain_step(len(rows), time.perf_counter())
+        guides = [g._guide for g in rows]
+        guided = any(guide is not None for guide in guides)
+        if guided:  # a row's mask needs its newest token: read first, drop the rows it ended
+            self._read_fed(rows)
+            self._drop_done()
+            if not self.rows:
+                return rows
+            guides = [g._guide for g in self.rows]
+        live = self.rows
         logits = decode(self.model, self._feed, self.cache)
-        params = [g.request.params for g in rows]
-        drawn = sample_tokens(logits, params, [g._sampled for g in rows], self._counts)
-        for g in rows:
+        params = [g.request.params for g in live]
+        allowed = allowed_tokens(guides, logits.shape[-1]) if guided else None
+        steps = [g._sampled for g in live]
+        drawn = sample_tokens(logits, params, steps, self._counts, allowed)
+        for g in live:
             g._sampled += 1
         if self._counts is not None:
-            self._counts = self._counts.at[mx.arange(len(rows)), drawn].add(1)
+            self._counts = self._counts.at[mx.arange(len(live)), drawn].add(1)
         lp = token_logprobs(logits, drawn) if self._wants_lp() else None
         extra = [a for a in (self._counts, lp) if a is not None]
         mx.async_eval(drawn, *self.cache.arrays(), *extra)
-        read = self._fed()  # the tokens the queued step is fed: all that is read per step
+        if not guided:
+            self._read_fed(rows)  # the tokens the queued step is fed: all that is read per step
+        self._feed, self._feed_lp, self._known = drawn, lp, None
+        if self._policy.awaits_draft and self._draftable(live):
+            self._policy.draftable()
+        self._drop_done()
+        return rows
+
+    def _read_fed(self, rows: list[Generation]) -> None:
+        """Reads the rows' newest tokens (`_feed`, with their log-probabilities where asked)."""
+        read = self._fed()
         read_lp = [None] * len(rows) if self._feed_lp is None else self._feed_lp.tolist()
         now = time.perf_counter()
-        for g, token, row_lp in zip(rows, read, read_lp, strict=True):
-            self._read(g, token, now, row_lp)
-        self._feed, self._feed_lp, self._known = drawn, lp, None
-        if self._policy.awaits_draft and self._draftable(rows):
-            self._policy.draftable()
-        keep = [b for b, g in enumerate(rows) if not g.done]
-        if len(keep) < len(rows):
+        for g, token, lp in zip(rows, read, read_lp, strict=True):
+            self._read(g, token, now, lp)
+
+    def _drop_done(self) -> None:
+        keep = [b for b, g in enumerate(self.rows) if not g.done]
+        if len(keep) < len(self.rows):
             self._keep(keep)
-        return rows
 
     # -- speculative decoding (salabatch.engine.speculative) -----------------------------------
     def _speculative_step(self) -> list[Generation]:
@@ -611,6 +643,8 @@ class Batch:
             self._finish(g, "stop", now)
             return
         g.tokens.append(token)
+        if g._guide is not None:
+            g._guide.advance(token, return_tokens=False)
         if g.request.logprobs is not None:
             g.logprobs.append(read_logprobs(lp, token, g.request.logprobs))
         if self.on_token:

@@ -86,16 +86,20 @@ def sample_tokens(
     params: Sequence[SamplingParams],
     steps: Sequence[int],
     counts: mx.array | None = None,
+    allowed: mx.array | None = None,
 ) -> mx.array:
     """logits [B, V] → the next token of every row, [B] int32, on the device: the batch's
     settings are arrays, so no row reads anything back. `steps[b]` counts the row's tokens so
     far (its random key); counts [B, V] how often each token is in its answer (the penalties
-    read it; None when no row has one).
+    read it; None when no row has one); allowed [B, V] bool the tokens a row may take
+    (`grammar.allowed_tokens`; None: all), the others' logits -inf before anything else.
 
     Per row: penalties, then greedy, or temperature, top-k, top-p (on the top-k), min-p and a
     draw. Top-k and top-p keep every token at least as likely as the last one kept (ties at the
     edge stay in)."""
     logits = logits.astype(mx.float32)
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -mx.inf)
     if all(p.plain_greedy for p in params):
         return mx.argmax(logits, axis=-1).astype(mx.int32)  # the common case: one op
 

@@ -15,7 +15,9 @@ and their rows decode as one group; choice i is what a request with seed `seed +
 With `logprobs: true` (chat), each token of a choice comes with its log-probability, bytes and
 `top_logprobs` most likely alternatives (`choices[i].logprobs.content`, streamed with the delta
 that shows its text, or a later one where its text is held back); a completion's `logprobs: k`
-gives OpenAI's legacy object (`TextLogprobs`).
+gives OpenAI's legacy object (`TextLogprobs`). `response_format` (json_object, json_schema) and
+vLLM's guided_json, guided_regex and guided_choice constrain the answer (`engine.grammar`,
+compiled once per pattern, in a worker thread).
 
 Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`): 400 a bad
 or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown model or
@@ -54,9 +56,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Match, Route
 
 from salabatch import openai_api
+from salabatch.engine.grammar import Grammar, Grammars
 from salabatch.engine.sampling import TokenLogprob
 from salabatch.engine.tokenizer import Tokenizer
-from salabatch.errors import OutOfMemoryError, SalabatchError, TokenizerError
+from salabatch.errors import GenerationError, OutOfMemoryError, SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job, text_job
 from salabatch.serve.engine import (
@@ -79,6 +82,7 @@ COMPLETION_FIELDS = (
     "stop",
     "n",
     "logprobs",
+    *openai_api.STRUCTURE,
     "stream",
     "stream_options",
 )
@@ -176,6 +180,7 @@ class _Server:
         self.created = int(time.time())
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) → responses
         self.leading_ids = LeadingIds(tok)  # documents in system messages, tokenized once
+        self.grammars = Grammars(tok)  # response_format's patterns, each compiled once
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -224,8 +229,10 @@ class _Server:
             )
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None
+        grammar = await self._grammar(body)
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
-        tickets = self._submit(replace(job, logprobs=logprobs), n, "messages")
+        job = replace(job, logprobs=logprobs, grammar=grammar)
+        tickets = self._submit(job, n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._chat_chunks(tickets, answers, reply, include_usage)
@@ -247,8 +254,9 @@ class _Server:
         job = await run_in_threadpool(
             text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
         )
+        grammar = await self._grammar(body)
         answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in range(n)]
-        tickets = self._submit(replace(job, logprobs=logprobs), n, "prompt")
+        tickets = self._submit(replace(job, logprobs=logprobs, grammar=grammar), n, "prompt")
         reply = Reply(job.id, "text_completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._text_chunks(tickets, answers, reply, include_usage)
@@ -269,6 +277,13 @@ class _Server:
 
     def _sampling(self, body: dict):
         return sampling(body, self.defaults)
+
+    async def _grammar(self, body: dict) -> Grammar | None:
+        """The grammar of the body's response_format (or guided_*), compiled off the loop."""
+        pattern = openai_api.structure(body)
+        if pattern is None:
+            return None
+        return await run_in_threadpool(grammar_of, self.grammars, pattern)
 
     async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
         """The request's JSON object, its fields checked and its model the one served."""
@@ -471,6 +486,14 @@ def choices(body: dict, engine: ServeEngine) -> int:
     most = engine.batch_size + engine.max_queue
     why = f"batch_size {engine.batch_size} + max_queue {engine.max_queue}: the rows and queue"
     return openai_api.choices(body, most, why)
+
+
+def grammar_of(grammars: Grammars, pattern: str) -> Grammar:
+    """`grammars.regex(pattern)`, a pattern outlines-core cannot compile a BodyError."""
+    try:
+        return grammars.regex(pattern)
+    except GenerationError as e:
+        raise BodyError(str(e), "response_format") from None
 
 
 def seeded(job: Job, n: int) -> list[Job]:

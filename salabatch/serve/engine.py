@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
     from salabatch.engine.cache import ModelCache
     from salabatch.engine.generate import Batch, Generation
+    from salabatch.engine.grammar import Grammar
     from salabatch.engine.memory import MemoryPlan
     from salabatch.serve.prefixes import Held, HeldPrefixes
 
@@ -147,7 +148,8 @@ class Job:
     line): interactive jobs are admitted and prefilled before it, and its prefill goes in
     `background_chunk` pieces, so an interactive job never waits behind more than one.
     `logprobs`: None, or each token's log-probability with its k most likely alternatives'
-    (`Request.logprobs`), on its Token events."""
+    (`Request.logprobs`), on its Token events. `grammar`: what the answer must match
+    (`salabatch.engine.grammar`)."""
 
     id: str
     prompt: tuple[int, ...]
@@ -158,6 +160,7 @@ class Job:
     boundaries: tuple[int, ...] = ()
     background: bool = False
     logprobs: int | None = None
+    grammar: Grammar | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -747,6 +750,7 @@ class ServeEngine:
             job.stop_strings,
             context=job.prompt[:base],  # the held prefix's tokens, where lookup drafts search
             logprobs=job.logprobs,
+            grammar=job.grammar,
         )
         w.batch = self._group(row)
         w.g = w.batch.add(request, row, logits, cached_tokens=w.cached, admitted=w.started)

@@ -200,3 +200,46 @@ def test_logprobs_are_log_softmax_of_one_call_over_prompt_and_answer(model):
                 best = np.argsort(-lp[i], kind="stable")[: r.logprobs]
                 assert [t for t, _ in x.top] == best.tolist(), (r.id, i)
                 assert [v for _, v in x.top] == pytest.approx(lp[i, best], abs=2e-4)
+
+
+def test_a_grammar_keeps_the_answer_in_its_pattern_and_the_others_as_alone(tiny):
+    """An untrained model, sampling hot: answers under a JSON schema parse and validate, one
+    under a regex matches it whole, each ending at the end token (stop) once complete; a row
+    without a grammar decoding beside them gets its answer alone; a guided row gets the same
+    answer alone as in the batch, drafting on or off (a guided batch takes plain steps)."""
+    import json
+    import re
+
+    from salabatch.engine.grammar import Grammars
+    from salabatch.engine.speculative import Speculation
+
+    model, tok = tiny
+    grammars = Grammars(tok)
+    prompt = tuple(tok.chat_prompt_ids([{"role": "user", "content": "Give me JSON."}], think=False))
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    hot = SamplingParams(temperature=1.0, seed=5)
+    stop = frozenset(tok.eos_ids)
+    reqs = [
+        Request("schema", prompt, hot, 80, stop, grammar=grammars.json_schema(schema)),
+        Request("regex", prompt, hot, 40, stop, grammar=grammars.regex(r"[A-Z]{2}-[0-9]{3}")),
+        Request("free", prompt, hot, 12, stop),
+        Request("greedy", prompt, GREEDY, 80, stop, grammar=grammars.json_schema(schema)),
+    ]
+    for gen in (
+        Generator(model, batch_size=4),
+        Generator(model, batch_size=2, speculation=Speculation("lookup", tokens=3)),
+    ):
+        out = {g.request.id: g for g in gen.generate(reqs)}
+        for rid in ("schema", "greedy"):
+            value = json.loads(tok.decode(out[rid].tokens))
+            assert set(value) == {"name", "n"} and isinstance(value["n"], int), value
+            assert out[rid].finish_reason == "stop"
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", tok.decode(out["regex"].tokens))
+        assert out["regex"].finish_reason == "stop" and out["regex"].last_token in stop
+        for r in reqs:
+            assert out[r.id].tokens == run(model, [r], batch_size=1)[r.id].tokens, r.id
+    assert grammars.json_schema(schema) is reqs[0].grammar  # compiled once

@@ -386,6 +386,51 @@ def test_text_completion_logprobs_in_openais_legacy_form_streamed_or_not(served)
         assert e.value.body["param"] == "logprobs"
 
 
+def test_response_format_and_guided_fields_constrain_the_answer(served):
+    """json_schema: the answer parses and has the required fields, streamed or not alike;
+    json_object: a JSON object; vLLM's guided_choice, guided_regex: one of the choices, a
+    match (completions too); two at once, an unknown type, a schema outlines-core cannot use:
+    400 naming the field."""
+    client = served.client()
+    messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[0])
+    ask = {"model": MODEL, "messages": messages, "max_tokens": 60}
+    schema = {
+        "type": "object",
+        "properties": {"provider": {"type": "string", "maxLength": 40}},
+        "required": ["provider"],
+    }
+    shaped = {"type": "json_schema", "json_schema": {"name": "who", "schema": schema}}
+    whole = client.chat.completions.create(**ask, response_format=shaped)
+    assert whole.choices[0].finish_reason == "stop"
+    assert set(json.loads(whole.choices[0].message.content)) == {"provider"}
+    streamed = client.chat.completions.create(**ask, response_format=shaped, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == whole.choices[0].message.content
+    anything = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    choice = ["yes", "no", "not stated"]
+    picked = client.chat.completions.create(**ask, extra_body={"guided_choice": choice})
+    assert picked.choices[0].message.content in choice
+    code = client.completions.create(
+        model=MODEL,
+        prompt="The gate code is",
+        max_tokens=12,
+        extra_body={"guided_regex": "[0-9]{4}"},
+    )
+    assert (
+        re.fullmatch("[0-9]{4}", code.choices[0].text) and code.choices[0].finish_reason == "stop"
+    )
+    for extra, param in (
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**ask, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_16_concurrent_streaming_clients_each_get_the_answer_they_get_alone(served):
     """Greedy: the same text whatever else is in the batch. Half the clients share a document
     in their system message (forks of one held prefix, one group), half send their own."""
@@ -519,7 +564,7 @@ def test_auth_every_endpoint_but_health_needs_the_key(served):
         ({"logprobs": "yes"}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"stream": True, "stream_options": {"sideways": True}}, "stream_options.sideways"),

@@ -22,9 +22,10 @@ from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
+from salabatch.engine.grammar import Grammars
 from salabatch.engine.model import Model
 from salabatch.engine.speculative import Speculation
-from salabatch.errors import OutputError, error_text
+from salabatch.errors import GenerationError, OutputError, error_text
 from salabatch.jobs.results.schema import ResultRow
 from salabatch.jobs.run.plan import DocPlan, Row
 from salabatch.jobs.run.prepare import JobSetup
@@ -115,6 +116,7 @@ class Answerer:
             snapshot_every=spec.cache.snapshot_every,
         )
         self.stop = frozenset(setup.tok.eos_ids)
+        self.grammars = Grammars(setup.tok)  # rows' response_format patterns, compiled once
         drafts = spec.engine.speculative
         self.speculation = Speculation(drafts.draft, drafts.tokens, drafts.layers)
 
@@ -123,6 +125,10 @@ class Answerer:
         a document together. Pooled rows wait for a full pool, or for the last plan."""
         pool: list[tuple[Row, DocPlan]] = []
         for plan in plans:
+            if not plan.error:
+                yield from self._compile(plan)
+                if not plan.rows:
+                    continue
             if plan.error:
                 self.echo(f"error in {plan_name(plan)}: {plan.error}")
                 yield [self._error_row(r, plan, plan.error) for r in plan.rows]
@@ -134,6 +140,21 @@ class Answerer:
             else:
                 yield from self._document(plan)
         yield from self._pool(pool)
+
+    def _compile(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
+        """Error rows of the plan's rows whose pattern (response_format) cannot be compiled
+        against the vocabulary, which leave it; the others' are compiled (`grammars` keeps
+        them)."""
+        failed = {}
+        for r in plan.rows:
+            if r.grammar is not None:
+                try:
+                    self.grammars.regex(r.grammar)
+                except GenerationError as e:
+                    failed[r.key] = self._report(e, f"request {r.custom_id}")
+        if failed:
+            yield [self._error_row(r, plan, failed[r.key]) for r in plan.rows if r.key in failed]
+            plan.rows = [r for r in plan.rows if r.key not in failed]
 
     # -- a long document: prefix once, questions together ------------------------------------
     def _document(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
@@ -256,6 +277,7 @@ class Answerer:
             row.stop_strings,
             context=context,
             logprobs=row.logprobs,
+            grammar=None if row.grammar is None else self.grammars.regex(row.grammar),
         )
 
     def _detokenizer(self) -> StreamingDetokenizer:

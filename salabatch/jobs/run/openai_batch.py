@@ -11,6 +11,8 @@ answer are honoured:
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
     logprobs, top_logprobs    the row's `logprobs` column (unset: the job's generation.logprobs)
+    response_format           json_object, json_schema (and vLLM's guided_json, guided_regex,
+                              guided_choice): what the answer must be (`engine.grammar`)
 
 Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
 `service_tier`, ... (`openai_api.ACCEPTED`), and `stream` at its no-op value
@@ -158,6 +160,7 @@ def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[R
         think=think,
         stop_strings=openai_api.stop(body.get("stop")),
         logprobs=openai_api.logprobs(body, spec.generation.logprobs),
+        grammar=openai_api.structure(body),
     )
     # big-endian: the bytes of two prompts compare as their ids do (see _groups)
     ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")

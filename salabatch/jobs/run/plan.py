@@ -42,6 +42,7 @@ class Row:
     stop_strings: tuple[str, ...] = ()  # the answer ends before the first one it contains
     request_line: int | None = None  # its line in the requests file; None for a document's row
     logprobs: int | None = None  # None: none; k: each token's, with k alternatives'
+    grammar: str | None = None  # the regular expression the answer must match (response_format)
 
 
 @dataclass

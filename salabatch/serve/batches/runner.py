@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import replace
 
 from salabatch import openai_api
+from salabatch.engine.grammar import Grammars
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
@@ -39,6 +40,7 @@ from salabatch.serve.app import (
     check_model,
     choices,
     engine_error,
+    grammar_of,
     sampling,
     seeded,
 )
@@ -72,6 +74,7 @@ class BatchRunner:
         self.model_id, self.defaults, self.in_flight = model_id, defaults, in_flight
         self.window_s = window_s  # a batch not done this long after its creation expires
         self.leading_ids = LeadingIds(tok)  # its lines' documents, each tokenized once
+        self.grammars = Grammars(tok)  # its lines' response_format patterns, each compiled once
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
         self._tickets: list = []  # of the batch running: cancelled by cancel() and close()
@@ -266,6 +269,8 @@ class BatchRunner:
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
         n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
+        pattern = openai_api.structure(body)
+        grammar = None if pattern is None else grammar_of(self.grammars, pattern)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = sampling(body, self.defaults)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -282,7 +287,7 @@ class BatchRunner:
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
         tickets = []
         try:
-            for one in seeded(replace(job, background=True, logprobs=logprobs), n):
+            for one in seeded(replace(job, background=True, logprobs=logprobs, grammar=grammar), n):
                 tickets.append(self.engine.submit(one))
         except QueueFull:
             for ticket in tickets:

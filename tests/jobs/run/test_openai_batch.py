@@ -268,14 +268,16 @@ def test_fields_that_do_not_change_the_answer_are_accepted(tmp_path, tiny_model,
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "none"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"logprobs": "yes"}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"stream": True}, "stream"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": "yes"}, "guided_choice"),
+        ({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs.documents"),
         ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "enable_thinking"),
@@ -461,3 +463,37 @@ def test_logprobs_of_request_lines_and_of_the_jobs_generation(tmp_path, tiny_mod
     )
     assert rows["off"]["logprobs"] is None  # its own logprobs: false wins
     assert rows["top2"]["logprobs"] == entries  # rerun (the defaults are in every line's key)
+
+
+def test_response_format_and_guided_lines_answer_within_their_pattern(tmp_path, tiny_model):
+    """json_schema, json_object, guided_choice: answers that parse, validate, are one of the
+    choices; a line whose pattern cannot be compiled against the vocabulary is an error row
+    naming it, and the lines beside it are answered."""
+    schema = {
+        "type": "object",
+        "properties": {"river": {"type": "string", "maxLength": 20}},
+        "required": ["river"],
+    }
+    lines = [
+        line(
+            "schema",
+            max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        ),
+        line("object", max_tokens=40, response_format={"type": "json_object"}),
+        line("choice", max_tokens=8, guided_choice=["Nile", "Rhine"]),
+        line("bad", max_tokens=8, guided_regex="(?=a)b"),
+        line("free", max_tokens=8),
+    ]
+    requests = write_requests(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "answers.jsonl"
+    result = run_requests(tmp_path, tiny_model, requests, out)
+    assert result.exit_code == 3, result.output
+    rows = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    assert set(json.loads(rows["schema"]["answer"])) == {"river"}
+    assert isinstance(json.loads(rows["object"]["answer"]), dict)
+    assert rows["choice"]["answer"] in ("Nile", "Rhine")
+    assert all(rows[c]["finish_reason"] == "stop" for c in ("schema", "object", "choice"))
+    assert rows["bad"]["status"] == "error" and "pattern cannot be used" in rows["bad"]["error"]
+    assert rows["free"]["status"] == "ok"
+    assert "error in request bad: GenerationError" in result.output

@@ -1,0 +1,114 @@
+"""Constrained decoding: answers that must match a JSON schema, any JSON object or a regular
+expression (OpenAI's `response_format`), on outlines-core's token index.
+
+A `Grammar` is a pattern compiled against a tokenizer's vocabulary: for each state of the
+pattern's automaton, the tokens whose bytes keep the text inside the pattern. Compiling is the
+costly part (a specific schema takes milliseconds, "any JSON object" seconds on a 73K vocabulary),
+so `Grammars` compiles each pattern once per tokenizer and keeps it. A row holds its own `Guide`
+(its state in the automaton): a `generate.Batch` reads the row's newest token, advances the guide
+past it, and draws the next token among those the guide allows (`allowed_tokens`, a mask on the
+logits before penalties, temperature and truncation). Special tokens are never allowed, but the
+end token once the pattern is complete: nothing else is, so the row stops there. An answer cut
+by max_tokens may stop inside the pattern (finish_reason `length`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+from outlines_core import Guide, Index, Vocabulary
+from outlines_core.json_schema import build_regex_from_schema
+
+from salabatch.errors import GenerationError
+
+if TYPE_CHECKING:
+    from salabatch.engine.tokenizer import Tokenizer
+
+CACHED = 32  # compiled grammars `Grammars` keeps, the least recently used dropped first
+END_TOKEN = "<|im_end|>"  # the end a chat answer's grammar allows, where it is an eos token
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A pattern compiled against a vocabulary; `guide()` is a new row's state in it."""
+
+    pattern: str  # the regular expression
+    index: Index
+
+    def guide(self) -> Guide:
+        return Guide(self.index)
+
+
+class Grammars:
+    """The grammars of one tokenizer, each compiled once (thread-safe: a server compiles them
+    in worker threads). The vocabulary maps every token's bytes (`Tokenizer.token_bytes`) to its
+    ids, less the added tokens; the end is the eos token `<|im_end|>` where the tokenizer has it
+    (a chat answer ends with it), else its first eos token."""
+
+    def __init__(self, tok: Tokenizer, cached: int = CACHED) -> None:
+        self.tok, self.cached = tok, cached
+        self._vocabulary: Vocabulary | None = None
+        self._held: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def json_schema(self, schema: dict, field: str = "response_format") -> Grammar:
+        """The grammar of JSON text that `schema` validates (GenerationError naming `field`
+        for a schema outlines-core cannot turn into a pattern)."""
+        try:
+            pattern = build_regex_from_schema(json.dumps(schema, sort_keys=True))
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GenerationError(f"the JSON schema cannot be used: {e}", field=field) from None
+        return self.regex(pattern, field)
+
+    def json_object(self) -> Grammar:
+        """Any JSON object (objects nested 3 deep at most)."""
+        return self.json_schema({"type": "object"})
+
+    def regex(self, pattern: str, field: str = "response_format") -> Grammar:
+        """The grammar of text that `pattern` matches whole."""
+        with self._lock:
+            held = self._held.get(pattern)
+            if held is not None:
+                self._held.move_to_end(pattern)
+                return held
+            vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
+        try:
+            grammar = Grammar(pattern, Index(pattern, vocabulary))
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GenerationError(f"the pattern cannot be used: {e}", field=field) from None
+        with self._lock:
+            self._held[pattern] = grammar
+            while len(self._held) > self.cached:
+                self._held.popitem(last=False)
+        return grammar
+
+    def _vocabulary_of(self) -> Vocabulary:
+        tok = self.tok
+        ends = sorted(tok.eos_ids)
+        end = next((t for t in ends if tok.backend.id_to_token(t) == END_TOKEN), ends[0])
+        added = set(tok.backend.get_added_tokens_decoder())
+        pieces: dict[bytes, list[int]] = {}
+        for token in range(tok.vocab_size):
+            if token not in added and (piece := tok.token_bytes(token)):
+                pieces.setdefault(piece, []).append(token)
+        return Vocabulary(end, pieces)
+
+
+def allowed_tokens(guides: Sequence[Guide | None], vocab: int) -> mx.array:
+    """[B, vocab] bool: the tokens each row's guide allows next; every token in a row without
+    one. The guides write bit masks on the host (one bit per token); they are unpacked here."""
+    words = (vocab + 31) // 32
+    bits = np.full((len(guides), words), -1, dtype=np.int32)
+    for b, guide in enumerate(guides):
+        if guide is not None:
+            guide.write_mask_into(bits[b].ctypes.data, words, 4)
+    token = mx.arange(vocab)
+    word = mx.array(bits)[:, token // 32]
+    return ((word >> (token % 32).astype(mx.int32)) & 1).astype(mx.bool_)
