@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from salabatch.engine.sampling import TOP_LOGPROBS, SamplingParams, TokenLogprob
 from salabatch.errors import SalabatchError, not_utf8
+from salabatch.structure import ANY_OBJECT, choice_pattern, schema_pattern
 
 if TYPE_CHECKING:
     from salabatch.engine.tokenizer import Tokenizer
@@ -257,7 +258,7 @@ def structure(body: Mapping) -> str | None:
             or not all(isinstance(c, str) and c for c in value)
         ):
             raise BodyError("guided_choice must be a non-empty list of non-empty strings", name)
-        return "|".join(f"({_escaped(c)})" for c in value)
+        return choice_pattern(value)
     if name == "guided_json":
         return _schema_regex(json_object(value, name), name)
     if not isinstance(value, dict):
@@ -266,7 +267,7 @@ def structure(body: Mapping) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _schema_regex({"type": "object"}, name)
+        return _schema_regex(ANY_OBJECT, name)
     if kind != "json_schema":
         raise BodyError(
             "response_format.type must be text, json_object or json_schema", f"{name}.type"
@@ -292,18 +293,10 @@ def json_object(value, param: str) -> dict:
 
 
 def _schema_regex(schema: dict, param: str) -> str:
-    from outlines_core.json_schema import build_regex_from_schema
-
     try:
-        return build_regex_from_schema(json.dumps(schema, sort_keys=True))
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise BodyError(f"{param}: the JSON schema cannot be used ({e})", param) from None
-
-
-def _escaped(text: str) -> str:
-    """`text` as a regular expression that matches it literally (outlines-core's syntax: every
-    character but letters, digits, space and `_` escaped)."""
-    return "".join(c if c.isalnum() or c in " _" else f"\\{c}" if c.isascii() else c for c in text)
+        return schema_pattern(schema)
+    except ValueError as e:
+        raise BodyError(f"{param}: {e}", param) from None
 
 
 def logprob_entry(tok: Tokenizer, lp: TokenLogprob) -> dict:

@@ -14,7 +14,6 @@ by max_tokens may stop inside the pattern (finish_reason `length`).
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,9 +23,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
 from salabatch.errors import GenerationError
+from salabatch.structure import ANY_OBJECT, schema_pattern
 
 if TYPE_CHECKING:
     from salabatch.engine.tokenizer import Tokenizer
@@ -62,14 +61,14 @@ class Grammars:
         """The grammar of JSON text that `schema` validates (GenerationError naming `field`
         for a schema outlines-core cannot turn into a pattern)."""
         try:
-            pattern = build_regex_from_schema(json.dumps(schema, sort_keys=True))
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise GenerationError(f"the JSON schema cannot be used: {e}", field=field) from None
+            pattern = schema_pattern(schema)
+        except ValueError as e:
+            raise GenerationError(str(e), field=field) from None
         return self.regex(pattern, field)
 
     def json_object(self) -> Grammar:
         """Any JSON object (objects nested 3 deep at most)."""
-        return self.json_schema({"type": "object"})
+        return self.json_schema(ANY_OBJECT)
 
     def regex(self, pattern: str, field: str = "response_format") -> Grammar:
         """The grammar of text that `pattern` matches whole."""

@@ -124,6 +124,7 @@ class Planner:
         self.request_lines: dict[str, int] = {}  # request line keys -> line, done ones too
         self.custom_ids: set[str] = set()  # every document row's planned so far, done ones too
         self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
+        self._patterns = {q.id: q.pattern() for q in spec.questions}  # what answers must match
 
     def documents(self) -> Iterator[DocPlan]:
         for doc in iter_documents(self.spec.sources()):
@@ -134,6 +135,8 @@ class Planner:
         spec, rows = self.spec, []
         for q in spec.questions:
             gen = effective_generation(spec, q)
+            pattern = self._patterns[q.id]
+            structure = {} if pattern is None else {"structure": pattern}  # old keys kept
             key = request_key(
                 **self.identity,
                 doc_id=doc.doc_id,
@@ -144,6 +147,7 @@ class Planner:
                 generation=generation_key(spec, q),
                 max_context=spec.engine.max_context,
                 on_overflow=spec.engine.on_overflow,
+                **structure,
             )
             self.job_keys.add(key)
             custom_id = f"{doc.doc_id}/{q.id}"
@@ -162,6 +166,7 @@ class Planner:
                         gen.max_tokens,
                         gen.think,
                         logprobs=gen.logprobs,
+                        grammar=pattern,
                     )
                 )
         return rows

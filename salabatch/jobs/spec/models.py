@@ -32,6 +32,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -44,6 +45,7 @@ from salabatch.jobs.ingest.documents import DocumentSource
 from salabatch.jobs.results.read import parts_dir_of
 from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
 from salabatch.models import builtin_name, hub_repo, is_builtin
+from salabatch.structure import choice_pattern, schema_pattern
 
 # Job names and question ids name files and Parquet columns: keep them portable.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
@@ -126,7 +128,9 @@ class DocumentEntry(_Strict):
 
 class Question(_Strict):
     """A question asked of every document. `id` names its answers (`q<position>` when left out);
-    `max_tokens` and `think` override the job's `generation:` for this question only."""
+    `max_tokens` and `think` override the job's `generation:` for this question only;
+    `json_schema` (JSON it validates) or `choices` (one of these strings) is what its answers
+    must be (`pattern`, `salabatch.structure`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
@@ -134,6 +138,33 @@ class Question(_Strict):
     text: str
     max_tokens: StrictInt | None = Field(None, ge=1)
     think: StrictBool | None = None
+    json_schema: dict[str, Any] | None = None
+    choices: list[StrictStr] | None = Field(None, min_length=1)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _check_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                schema_pattern(value)
+            except ValueError as e:
+                raise job_error(str(e)) from None
+        return value
+
+    @field_validator("choices")
+    @classmethod
+    def _check_choices(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is not None and info.data.get("json_schema") is not None:
+            raise job_error("give json_schema or choices, not both")
+        if value is not None and not all(value):
+            raise job_error("must not hold an empty string")
+        return value
+
+    def pattern(self) -> str | None:
+        """The regular expression its answers must match whole; None: any text."""
+        if self.json_schema is not None:
+            return schema_pattern(self.json_schema)
+        return None if self.choices is None else choice_pattern(self.choices)
 
     @field_validator("id")
     @classmethod

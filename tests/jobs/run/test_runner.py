@@ -4,6 +4,7 @@ test_openai_batch.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -126,6 +127,41 @@ def test_generation_logprobs_fill_the_logprobs_column_of_every_row(tmp_path, tin
         for e in entries:
             (best,) = e["top_logprobs"]
             assert best == {k: e[k] for k in ("token", "logprob", "bytes")} and e["logprob"] <= 0
+
+
+def test_questions_with_a_json_schema_or_choices_answer_within_them(tmp_path, tiny_model):
+    """A question given a JSON schema, another given choices: every document's answer to the
+    first parses and has its required field, to the second is one of the choices (prefix and
+    pool rows alike). Adding them reruns those questions' rows only: a question without either
+    keeps its rows' keys."""
+    write_docs(tmp_path)
+    generation = {"max_tokens": 40}
+    assert (
+        run_cli("run", str(write_job(tmp_path, tiny_model, generation=generation))).exit_code == 0
+    )
+    plain = {r["custom_id"]: r["request_key"] for r in rows(tmp_path)}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}},
+        "required": ["name"],
+    }
+    questions = [
+        {**QUESTIONS[0], "json_schema": schema},
+        {**QUESTIONS[1], "choices": ["yes", "no", "not stated"]},
+        QUESTIONS[2],
+    ]
+    job = write_job(tmp_path, tiny_model, questions=questions, generation=generation)
+    result = run_cli("run", str(job))
+    assert result.exit_code == 0, result.output
+    got = rows(tmp_path)
+    assert len(got) == 9 and {r["doc_id"] for r in got} >= {"notes.txt", "report.md"}
+    for r in got:
+        if r["question_id"] == "summary":
+            assert set(json.loads(r["answer"])) == {"name"} and r["finish_reason"] == "stop"
+        elif r["question_id"] == "who":
+            assert r["answer"] in ("yes", "no", "not stated") and r["finish_reason"] == "stop"
+    kept = {r["custom_id"] for r in got if plain[r["custom_id"]] == r["request_key"]}
+    assert kept == {c for c in plain if c.endswith("/cost")}
 
 
 def test_each_document_and_each_pool_measures_its_own_peak_memory(

@@ -484,3 +484,47 @@ def test_fingerprint_is_stable_and_follows_the_questions(tmp_path, home):
     assert spec_fingerprint(changed) != spec_fingerprint(first)
     # The canonical JSON validates back to the same spec (paths are absolute by then).
     assert JobSpec.model_validate_json(spec_json(first)) == first
+
+
+def test_a_questions_json_schema_or_choices_is_its_pattern(tmp_path):
+    """A question may say what its answers must be: JSON its schema validates, or one of its
+    choices; a schema outlines-core cannot use, both at once, an empty choice: errors naming
+    the field."""
+    job = write(
+        tmp_path,
+        """\
+        name: shaped
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - {id: who, text: "Who?", json_schema: {type: object, properties: {a: {type: string}}}}
+          - {id: renews, text: "Does it renew?", choices: ["yes", "no", "not stated"]}
+          - {id: free, text: "Anything?"}
+        """,
+    )
+    spec = load_job(job)
+    who, renews, free = spec.questions
+    assert who.pattern().startswith("\\{") and free.pattern() is None
+    assert renews.pattern() == "(yes)|(no)|(not stated)"
+    bad = write(
+        tmp_path,
+        """\
+        name: shaped
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - {text: a, json_schema: {type: object, properties: 5}}
+          - {text: b, json_schema: {type: string}, choices: [x]}
+          - {text: c, choices: ["x", ""]}
+          - {text: d, choices: []}
+        """,
+        "bad.yaml",
+    )
+    errors = errors_of(bad)
+    assert [e.split(":")[0] for e in errors] == [
+        "questions[0].json_schema",
+        "questions[1].choices",
+        "questions[2].choices",
+        "questions[3].choices",
+    ], errors
+    assert "cannot be used" in errors[0] and "not both" in errors[1]
