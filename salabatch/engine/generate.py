@@ -295,7 +295,8 @@ class Batch:
     the only read per step is the batch's tokens. A row that stops is dropped after the step
     already queued for it, whose token is discarded. Speculating (`speculation`, with its
     `Policy` deciding per step), a step reads the tokens first, drafts after them and verifies
-    the drafts in one pass, which is not pipelined."""
+    the drafts in one pass, which is not pipelined. Neither is a step of a batch holding a row
+    with a grammar: its mask needs the row's newest token, read before the next is drawn."""
 
     def __init__(
         self,
