@@ -43,6 +43,7 @@ from salabatch.errors import GenerationError, TokenizerError
 RESERVE_AHEAD = 1024
 
 if TYPE_CHECKING:
+    from salabatch.engine.grammar import Grammar
     from salabatch.engine.model import Model
     from salabatch.engine.sampling import SamplingParams, TokenLogprob
     from salabatch.engine.speculative import Speculation
@@ -108,6 +109,8 @@ def stream_generate(
     num_draft_tokens: int = 4,
     draft_layers: int = 8,
     logprobs: int | None = None,
+    json_schema: dict | None = None,
+    choices: Sequence[str] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
     the tokenizer or `max_tokens` (cut where the model's context ends; a prompt that fills it
@@ -115,9 +118,10 @@ def stream_generate(
     as in `salabatch run`. `repetition_penalty` counts the answer's tokens, not the prompt's
     (HF and mlx-lm count both). `draft`, `num_draft_tokens`, `draft_layers`: speculative
     decoding (see the module docstring); `logprobs=k` (0 to 20): each response's `logprobs`
-    (drafting then pauses). Bad arguments are GenerationErrors naming them; a
-    prompt that needs more memory than is free, an OutOfMemoryError before its prefill (each
-    step runs within MLX's memory limit at the plan, `memory.bounded`)."""
+    (drafting then pauses); `json_schema` (JSON it validates) or `choices` (one of these
+    strings): what the answer must be (no drafts either). Bad arguments are GenerationErrors
+    naming them; a prompt that needs more memory than is free, an OutOfMemoryError before its
+    prefill (each step runs within MLX's memory limit at the plan, `memory.bounded`)."""
     from salabatch.engine import memory
     from salabatch.engine.generate import Generator, Request, answer_room
     from salabatch.engine.kernels.attention import on_gpu
@@ -139,7 +143,8 @@ def stream_generate(
             f"must be None or an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}", field="logprobs"
         )
     eos = frozenset(tokenizer.eos_ids)
-    request = Request("0", tuple(ids), params, max_tokens, eos, logprobs=logprobs)
+    grammar = _grammar(tokenizer, json_schema, choices)
+    request = Request("0", tuple(ids), params, max_tokens, eos, logprobs=logprobs, grammar=grammar)
     detok = tokenizer.detokenizer(skip_special=True)
     # no context: the prompt is all the row has, and the lookup drafter searches it
     generator = Generator(
@@ -247,12 +252,15 @@ def batch_generate(
     draft: str = "off",
     num_draft_tokens: int = 4,
     draft_layers: int = 8,
+    json_schema: dict | None = None,
+    choices: Sequence[str] | None = None,
 ) -> list[str]:
     """The answers to `questions` about `document`, in question order. The document's prompt
     is prefilled once and every question continues it, up to `batch_size` decoding together;
     each prompt is the one `salabatch run` builds (document, then question, one user message).
     `draft`, `num_draft_tokens`, `draft_layers`: speculative decoding (the module docstring);
-    the lookup drafter searches the document. Planned as `salabatch run` plans a document: an
+    the lookup drafter searches the document. `json_schema` or `choices`: what every answer
+    must be, as `stream_generate`'s. Planned as `salabatch run` plans a document: an
     OutOfMemoryError before the prefill where it cannot fit, else run within its plan."""
     from salabatch.engine import memory
     from salabatch.engine.generate import Generator, Request, answer_room, prefill
@@ -275,6 +283,7 @@ def batch_generate(
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     stop = frozenset(tokenizer.eos_ids)
+    grammar = _grammar(tokenizer, json_schema, choices)
     if not questions:
         return []
     doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
@@ -286,7 +295,9 @@ def batch_generate(
         suffix = tuple(tokenizer.prompt_suffix(q, system=system, think=think))
         n = len(doc_prompt) + len(suffix)
         room = answer_room(model.config, n, max_tokens, field=f"questions[{i}]")
-        requests.append(Request(str(i), suffix, params, room, stop, context=context))
+        requests.append(
+            Request(str(i), suffix, params, room, stop, context=context, grammar=grammar)
+        )
     # as `salabatch run` answers a document: refused before its prefill where it cannot fit
     rows = [len(r.prompt) + r.max_tokens for r in requests]
     needs = memory.model_plan(
@@ -375,6 +386,34 @@ def _shown(value: object) -> str:
     """A wrong argument for an error message: its type, and its value when short."""
     text = repr(value)
     return text if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+def _grammar(tokenizer: Tokenizer, json_schema, choices) -> Grammar | None:
+    """The grammar of a `json_schema` or of `choices` (GenerationErrors naming them)."""
+    from salabatch.structure import choice_pattern, schema_pattern
+
+    if json_schema is not None and choices is not None:
+        raise GenerationError("give json_schema or choices, not both", field="choices")
+    if json_schema is not None:
+        if not isinstance(json_schema, dict):
+            raise GenerationError(f"must be a dict, got {_shown(json_schema)}", field="json_schema")
+        try:
+            pattern = schema_pattern(json_schema)
+        except ValueError as e:
+            raise GenerationError(str(e), field="json_schema") from None
+    elif choices is not None:
+        if (
+            isinstance(choices, str)
+            or not choices
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise GenerationError(
+                f"must be a list of non-empty strings, got {_shown(choices)}", field="choices"
+            )
+        pattern = choice_pattern(choices)
+    else:
+        return None
+    return tokenizer.grammars.regex(pattern, field="json_schema" if json_schema else "choices")
 
 
 def _speculation(draft: str, tokens: int, layers: int) -> Speculation:

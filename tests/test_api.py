@@ -415,3 +415,27 @@ def test_what_cannot_fit_is_refused_before_its_prefill_and_the_rest_runs_in_its_
     with pytest.raises(OutOfMemoryError, match="is free"):
         salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)
     assert not prefilled and len(limits) == steps + 1
+
+
+def test_json_schema_or_choices_shape_the_answers(loaded):
+    """stream_generate and batch_generate alike: JSON the schema validates, or one of the
+    choices; both at once, or a bad one, refused by name before any work."""
+    import json
+
+    model, tok = loaded
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    text = salabatch.generate(model, tok, "Say hi.", max_tokens=30, json_schema=schema)
+    assert set(json.loads(text)) == {"a"}
+    answers = salabatch.batch_generate(
+        model, tok, DOC, QUESTIONS[:2], max_tokens=8, choices=["yes", "no"]
+    )
+    assert len(answers) == 2 and set(answers) <= {"yes", "no"}
+    for bad, named in (
+        ({"json_schema": schema, "choices": ["x"]}, "choices"),
+        ({"json_schema": {"type": "object", "properties": 5}}, "json_schema"),
+        ({"json_schema": "{}"}, "json_schema"),
+        ({"choices": "yes"}, "choices"),
+        ({"choices": ["x", ""]}, "choices"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            salabatch.generate(model, tok, "Hi.", **bad)

@@ -18,7 +18,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -26,9 +25,6 @@ from outlines_core import Guide, Index, Vocabulary
 
 from salabatch.errors import GenerationError
 from salabatch.structure import ANY_OBJECT, schema_pattern
-
-if TYPE_CHECKING:
-    from salabatch.engine.tokenizer import Tokenizer
 
 CACHED = 32  # compiled grammars `Grammars` keeps, the least recently used dropped first
 END_TOKEN = "<|im_end|>"  # the end a chat answer's grammar allows, where it is an eos token
@@ -46,12 +42,13 @@ class Grammar:
 
 
 class Grammars:
-    """The grammars of one tokenizer, each compiled once (thread-safe: a server compiles them
-    in worker threads). The vocabulary maps every token's bytes (`Tokenizer.token_bytes`) to its
-    ids, less the added tokens; the end is the eos token `<|im_end|>` where the tokenizer has it
-    (a chat answer ends with it), else its first eos token."""
+    """The grammars of one tokenizer (`Tokenizer.grammars` makes them), each compiled once
+    (thread-safe: a server compiles them in worker threads). The vocabulary maps every token's
+    bytes (`Tokenizer.token_bytes`) to its ids, less the added tokens; the end is the eos token
+    `<|im_end|>` where the tokenizer has it (a chat answer ends with it), else its first eos
+    token."""
 
-    def __init__(self, tok: Tokenizer, cached: int = CACHED) -> None:
+    def __init__(self, tok, cached: int = CACHED) -> None:  # a Tokenizer (its `grammars`)
         self.tok, self.cached = tok, cached
         self._vocabulary: Vocabulary | None = None
         self._held: OrderedDict[str, Grammar] = OrderedDict()

@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as _Backend
 
@@ -41,6 +43,9 @@ from salabatch.engine.tokenizer_files import (
     read_files,
 )
 from salabatch.errors import TokenizerError, not_utf8
+
+if TYPE_CHECKING:
+    from salabatch.engine.grammar import Grammars
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -166,6 +171,14 @@ class Tokenizer:
         if {"Metaspace", "Replace"} & self._decoders:
             piece = piece.replace("\u2581", " ")
         return piece.encode()
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """The answer patterns compiled against this vocabulary (`engine.grammar`), each once
+        for all who use this tokenizer (a server's requests, a run's rows)."""
+        from salabatch.engine.grammar import Grammars
+
+        return Grammars(self)
 
     def detokenizer(self, *, skip_special: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder of this vocabulary."""

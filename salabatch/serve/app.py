@@ -56,7 +56,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Match, Route
 
 from salabatch import openai_api
-from salabatch.engine.grammar import Grammar, Grammars
+from salabatch.engine.grammar import Grammar
 from salabatch.engine.sampling import TokenLogprob
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import GenerationError, OutOfMemoryError, SalabatchError, TokenizerError
@@ -180,7 +180,6 @@ class _Server:
         self.created = int(time.time())
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) → responses
         self.leading_ids = LeadingIds(tok)  # documents in system messages, tokenized once
-        self.grammars = Grammars(tok)  # response_format's patterns, each compiled once
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -283,7 +282,7 @@ class _Server:
         pattern = openai_api.structure(body)
         if pattern is None:
             return None
-        return await run_in_threadpool(grammar_of, self.grammars, pattern)
+        return await run_in_threadpool(grammar_of, self.tok, pattern)
 
     async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
         """The request's JSON object, its fields checked and its model the one served."""
@@ -488,10 +487,11 @@ def choices(body: dict, engine: ServeEngine) -> int:
     return openai_api.choices(body, most, why)
 
 
-def grammar_of(grammars: Grammars, pattern: str) -> Grammar:
-    """`grammars.regex(pattern)`, a pattern outlines-core cannot compile a BodyError."""
+def grammar_of(tok: Tokenizer, pattern: str) -> Grammar:
+    """`pattern` compiled against `tok`'s vocabulary (`Tokenizer.grammars`); one outlines-core
+    cannot compile a BodyError."""
     try:
-        return grammars.regex(pattern)
+        return tok.grammars.regex(pattern)
     except GenerationError as e:
         raise BodyError(str(e), "response_format") from None
 

@@ -22,7 +22,6 @@ from salabatch.engine.chat import split_thinking
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request
-from salabatch.engine.grammar import Grammars
 from salabatch.engine.model import Model
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import GenerationError, OutputError, error_text
@@ -116,7 +115,6 @@ class Answerer:
             snapshot_every=spec.cache.snapshot_every,
         )
         self.stop = frozenset(setup.tok.eos_ids)
-        self.grammars = Grammars(setup.tok)  # rows' response_format patterns, compiled once
         drafts = spec.engine.speculative
         self.speculation = Speculation(drafts.draft, drafts.tokens, drafts.layers)
 
@@ -143,13 +141,13 @@ class Answerer:
 
     def _compile(self, plan: DocPlan) -> Iterator[list[ResultRow]]:
         """Error rows of the plan's rows whose pattern (response_format) cannot be compiled
-        against the vocabulary, which leave it; the others' are compiled (`grammars` keeps
-        them)."""
+        against the vocabulary, which leave it; the others' are compiled (the tokenizer's
+        `grammars` keep them)."""
         failed = {}
         for r in plan.rows:
             if r.grammar is not None:
                 try:
-                    self.grammars.regex(r.grammar)
+                    self.tok.grammars.regex(r.grammar)
                 except GenerationError as e:
                     failed[r.key] = self._report(e, f"request {r.custom_id}")
         if failed:
@@ -277,7 +275,7 @@ class Answerer:
             row.stop_strings,
             context=context,
             logprobs=row.logprobs,
-            grammar=None if row.grammar is None else self.grammars.regex(row.grammar),
+            grammar=None if row.grammar is None else self.tok.grammars.regex(row.grammar),
         )
 
     def _detokenizer(self) -> StreamingDetokenizer:

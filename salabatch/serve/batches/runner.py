@@ -28,7 +28,6 @@ from collections import deque
 from dataclasses import replace
 
 from salabatch import openai_api
-from salabatch.engine.grammar import Grammars
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
@@ -74,7 +73,6 @@ class BatchRunner:
         self.model_id, self.defaults, self.in_flight = model_id, defaults, in_flight
         self.window_s = window_s  # a batch not done this long after its creation expires
         self.leading_ids = LeadingIds(tok)  # its lines' documents, each tokenized once
-        self.grammars = Grammars(tok)  # its lines' response_format patterns, each compiled once
         self._cv = threading.Condition()
         self._queue: deque[str] = deque()
         self._tickets: list = []  # of the batch running: cancelled by cancel() and close()
@@ -270,7 +268,7 @@ class BatchRunner:
             check_model(body["model"], self.model_id)
         n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
         pattern = openai_api.structure(body)
-        grammar = None if pattern is None else grammar_of(self.grammars, pattern)
+        grammar = None if pattern is None else grammar_of(self.tok, pattern)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = sampling(body, self.defaults)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
