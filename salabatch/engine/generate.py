@@ -640,8 +640,9 @@ class Batch:
             g.ttft_s = now - g._admitted
             g._first_at = now
         g.last_token = token
-        if token in g.request.stop:
-            self._finish(g, "stop", now)
+        grammar = g.request.grammar
+        if token in g.request.stop or (grammar is not None and token == grammar.end):
+            self._finish(g, "stop", now)  # a grammar's end: its pattern is complete
             return
         g.tokens.append(token)
         if g._guide is not None:

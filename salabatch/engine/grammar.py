@@ -36,6 +36,7 @@ class Grammar:
 
     pattern: str  # the regular expression
     index: Index
+    end: int  # the token allowed once the pattern is complete, and only then: the answer's end
 
     def guide(self) -> Guide:
         return Guide(self.index)
@@ -76,7 +77,7 @@ class Grammars:
                 return held
             vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
         try:
-            grammar = Grammar(pattern, Index(pattern, vocabulary))
+            grammar = Grammar(pattern, Index(pattern, vocabulary), vocabulary.get_eos_token_id())
         except (ValueError, TypeError, RuntimeError) as e:
             raise GenerationError(f"the pattern cannot be used: {e}", field=field) from None
         with self._lock:

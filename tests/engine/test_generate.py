@@ -228,6 +228,8 @@ def test_a_grammar_keeps_the_answer_in_its_pattern_and_the_others_as_alone(tiny)
         Request("regex", prompt, hot, 40, stop, grammar=grammars.regex(r"[A-Z]{2}-[0-9]{3}")),
         Request("free", prompt, hot, 12, stop),
         Request("greedy", prompt, GREEDY, 80, stop, grammar=grammars.json_schema(schema)),
+        # no stop tokens of its own: the grammar's end still ends it
+        Request("no stops", prompt, hot, 40, frozenset(), grammar=grammars.regex(r"[a-z]{2}")),
     ]
     for gen in (
         Generator(model, batch_size=4),
@@ -240,6 +242,9 @@ def test_a_grammar_keeps_the_answer_in_its_pattern_and_the_others_as_alone(tiny)
             assert out[rid].finish_reason == "stop"
         assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", tok.decode(out["regex"].tokens))
         assert out["regex"].finish_reason == "stop" and out["regex"].last_token in stop
+        ended = out["no stops"]
+        assert re.fullmatch("[a-z]{2}", tok.decode(ended.tokens)) and ended.finish_reason == "stop"
+        assert ended.last_token == reqs[-1].grammar.end
         for r in reqs:
             assert out[r.id].tokens == run(model, [r], batch_size=1)[r.id].tokens, r.id
     assert grammars.json_schema(schema) is reqs[0].grammar  # compiled once
