@@ -345,6 +345,9 @@ def _answer_block(r: dict[str, Any]) -> str:
         return f"{title} error: {r['error']}"
     n = r["completion_tokens"]
     tokens = "" if n is None else f", {counted(n, 'token')}"
+    if r["logprobs"]:  # a confidence at a glance: the mean log-probability of its tokens
+        mean = sum(t["logprob"] for t in r["logprobs"]) / len(r["logprobs"])
+        tokens += f", mean token logprob {mean:.3f}"
     text_lines = (r["answer"] or "").strip().splitlines() or ["(empty answer)"]
     body = [f"    {_clip(line, _ANSWER_CHARS)}" for line in text_lines[:_ANSWER_LINES]]
     if len(text_lines) > _ANSWER_LINES:

@@ -180,6 +180,9 @@ def test_logprobs_round_trip_and_export_as_openais_content(tmp_path):
         out.write([make_row("a.q0", logprobs=TOKENS), make_row("a.q1")])
     rows = read_results(path).to_pylist()
     assert [r["logprobs"] for r in rows] == [TOKENS, None]
+    shown = inspect_results(path, show=2)
+    assert "[a / q0] stop, 20 tokens, mean token logprob -0.875" in shown, shown
+    assert "[a / q1] stop, 20 tokens\n" in shown
     stream = io.StringIO()
     export_openai_jsonl(path, stream)
     choices = [
