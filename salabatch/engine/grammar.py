@@ -52,7 +52,9 @@ class Grammars:
     def __init__(self, tok, cached: int = CACHED) -> None:  # a Tokenizer (its `grammars`)
         self.tok, self.cached = tok, cached
         self._vocabulary: Vocabulary | None = None
-        self._held: OrderedDict[str, Grammar] = OrderedDict()
+        # pattern -> its grammar, or why it cannot be compiled (a GenerationError's message)
+        self._held: OrderedDict[str, Grammar | str] = OrderedDict()
+        self._compiling: dict[str, threading.Lock] = {}  # one thread compiles a pattern
         self._lock = threading.Lock()
 
     def json_schema(self, schema: dict, field: str = "response_format") -> Grammar:
@@ -69,22 +71,31 @@ class Grammars:
         return self.json_schema(ANY_OBJECT)
 
     def regex(self, pattern: str, field: str = "response_format") -> Grammar:
-        """The grammar of text that `pattern` matches whole."""
+        """The grammar of text that `pattern` matches whole. Threads asking for a pattern while
+        another compiles it wait for that one (a server's first requests with one schema)."""
         with self._lock:
-            held = self._held.get(pattern)
-            if held is not None:
+            gate = self._compiling.setdefault(pattern, threading.Lock())
+        with gate:
+            with self._lock:
+                held = self._held.get(pattern)
+                if held is None:
+                    vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
+            if held is None:
+                try:
+                    held = Grammar(
+                        pattern, Index(pattern, vocabulary), vocabulary.get_eos_token_id()
+                    )
+                except (ValueError, TypeError, RuntimeError) as e:
+                    held = f"the pattern cannot be used: {e}"
+            with self._lock:
+                self._held[pattern] = held
                 self._held.move_to_end(pattern)
-                return held
-            vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
-        try:
-            grammar = Grammar(pattern, Index(pattern, vocabulary), vocabulary.get_eos_token_id())
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise GenerationError(f"the pattern cannot be used: {e}", field=field) from None
-        with self._lock:
-            self._held[pattern] = grammar
-            while len(self._held) > self.cached:
-                self._held.popitem(last=False)
-        return grammar
+                while len(self._held) > self.cached:
+                    self._held.popitem(last=False)
+                self._compiling.pop(pattern, None)
+        if isinstance(held, str):
+            raise GenerationError(held, field=field)
+        return held
 
     def _vocabulary_of(self) -> Vocabulary:
         tok = self.tok

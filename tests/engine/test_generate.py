@@ -248,3 +248,39 @@ def test_a_grammar_keeps_the_answer_in_its_pattern_and_the_others_as_alone(tiny)
         for r in reqs:
             assert out[r.id].tokens == run(model, [r], batch_size=1)[r.id].tokens, r.id
     assert grammars.json_schema(schema) is reqs[0].grammar  # compiled once
+
+
+def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monkeypatch):
+    """Eight threads ask for one pattern at once: one compiles it, the others get its grammar;
+    a pattern that cannot be compiled is tried once and refused the same way after."""
+    import threading
+    import time
+
+    from salabatch.engine import grammar as grammar_module
+    from salabatch.engine.grammar import Grammars
+    from salabatch.errors import GenerationError
+
+    _, tok = tiny
+    compiled: list[str] = []
+    real = grammar_module.Index
+
+    def slow(pattern, vocabulary):
+        compiled.append(pattern)
+        time.sleep(0.2)
+        return real(pattern, vocabulary)
+
+    monkeypatch.setattr(grammar_module, "Index", slow)
+    grammars = Grammars(tok)
+    got: list = []
+    threads = [
+        threading.Thread(target=lambda: got.append(grammars.regex("[0-9]{3}"))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiled == ["[0-9]{3}"] and len(got) == 8 and all(g is got[0] for g in got)
+    for _ in range(2):
+        with pytest.raises(GenerationError, match="pattern cannot be used"):
+            grammars.regex("(?=a)b")
+    assert compiled == ["[0-9]{3}", "(?=a)b"]
