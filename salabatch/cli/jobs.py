@@ -218,12 +218,12 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     entries = len(spec.documents)
     n_files = None if files is None else len(files)
     found = f", {counted(n_files, 'file')}" if n_files is not None and entries else ""
-    ids = [q.id for q in spec.questions]
+    ids = [_question_label(q) for q in spec.questions]
     shown = ", ".join(ids[:10]) + (", …" if len(ids) > 10 else "")
     rows = {
         "name": spec.name,
         "model": spec.model,
-        "documents": f"{entries} entr{'y' if entries == 1 else 'ies'}{found}",
+        "documents": f"{counted(entries, 'entry', 'entries')}{found}",
         "questions": f"{len(ids)}" + (f": {shown}" if ids else ""),
         "requests": str(spec.requests) if spec.requests else "none",
         "output": str(spec.output.path),
@@ -231,6 +231,13 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     click.echo(f"{job}: ok")
     for key, value in rows.items():
         click.echo(f"  {key:10s} {value}")
+
+
+def _question_label(q) -> str:
+    """A question's id, with what its answers must be where it says (`validate`'s summary)."""
+    if q.json_schema is not None:
+        return f"{q.id} (JSON schema)"
+    return q.id if q.choices is None else f"{q.id} (one of {len(q.choices)})"
 
 
 def _model_problems(model: str) -> list[str]:

@@ -31,6 +31,15 @@ def test_validate_prints_a_summary_or_every_error(tmp_path, home):
     assert "  documents  1 entry, 2 files" in out
     assert "  questions  1: q1" in out
     assert f"  output     {tmp_path / 'results' / 'mini.parquet'}" in out
+    shaped = write(
+        tmp_path,
+        MINIMAL.replace(
+            "questions: [{text: Summarize.}]",
+            "questions: [{text: Who, json_schema: {type: object}}]",
+        ),
+        "shaped.yaml",
+    )
+    assert "  questions  1: q1 (JSON schema)" in validate(str(shaped)).stdout.splitlines()
 
     result = validate(str(job), "--set", "engine.batchsize=2", "--set", "generation.top_k=-1")
     assert result.exit_code == 2
@@ -49,6 +58,7 @@ def test_example_job_validates(tmp_path, home):
     result = validate(str(EXAMPLE), "--schema-only")
     assert result.exit_code == 0
     assert "contracts-review" in result.stdout
+    assert "  questions  3: summary, parties, renews (one of 3)\n" in result.stdout
     # With its model and documents present, the file checks pass too.
     shutil.copy(EXAMPLE, tmp_path / "example.yaml")
     (tmp_path / "contracts" / "2024").mkdir(parents=True)
