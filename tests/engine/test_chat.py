@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models, normalizers
-from tokenizers import Tokenizer as Backend
 
-from salabatch.demo.tokenizer import HEAD_TOKENS
 from salabatch.engine.chat import EMPTY_THINK, split_thinking
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
@@ -20,6 +16,7 @@ from tests.engine.test_tokenizer import (
     check_stream,
     edit_json,
     messages,
+    sentencepiece_style_dir,
 )
 
 CHATML_THINK = (
@@ -93,42 +90,6 @@ def test_split_chat_prompt_strips_and_refuses_empty_documents(tok):
     assert a == b
     with pytest.raises(TokenizerError, match="document has no text"):
         tok.split_chat_prompt(" \n ", "q", system=None, think=True)
-
-
-def sentencepiece_style_dir(dest: Path) -> Path:
-    """A tiny legacy Llama-style tokenizer: Prepend("▁") normalizer, byte fallback, Strip decoder.
-
-    MiniCPM's real tokenizer is of this family (SPEC §6); each backend split starts with "▁".
-    """
-    vocab = {t: i for i, t in enumerate(HEAD_TOKENS)}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for ch in "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,?!":
-        vocab[ch] = len(vocab)
-    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("o", "c"), ("▁", "D")]
-    merges += [("▁D", "oc"), ("u", "s"), ("▁", "u"), ("▁u", "s"), ("e", "r")]
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    backend.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    specials = [*HEAD_TOKENS, "<|im_end|>", "<|im_start|>"]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    dest.mkdir()
-    backend.save(str(dest / "tokenizer.json"))
-    im_end = backend.token_to_id("<|im_end|>")
-    edit_json(dest / "tokenizer_config.json", add_bos_token=True, bos_token="<s>")
-    edit_json(dest / "config.json", bos_token_id=1, eos_token_id=[2, im_end])
-    return dest
 
 
 @pytest.mark.parametrize("think", [True, False])
