@@ -380,21 +380,20 @@ class Batch:
             return []
         for g in rows:
             g.batch_size = max(g.batch_size, len(rows))
-        plain_only = self._wants_lp() or any(g._guide is not None for g in rows)
+        guided = any(g._guide is not None for g in rows)
+        plain_only = guided or self._wants_lp()
         if self.speculation.draft != "off" and self._policy.speculate() and not plain_only:
             return self._speculative_step()
         self._policy.plain_step(len(rows), time.perf_counter())
-        guides = [g._guide for g in rows]
-        guided = any(guide is not None for guide in guides)
         if guided:  # a row's mask needs its newest token: read first, drop the rows it ended
             self._read_fed(rows)
             self._drop_done()
             if not self.rows:
                 return rows
-            guides = [g._guide for g in self.rows]
         live = self.rows
         logits = decode(self.model, self._feed, self.cache)
         params = [g.request.params for g in live]
+        guides = [g._guide for g in live]
         allowed = allowed_tokens(guides, logits.shape[-1]) if guided else None
         steps = [g._sampled for g in live]
         drawn = sample_tokens(logits, params, steps, self._counts, allowed)
