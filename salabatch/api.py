@@ -7,6 +7,7 @@
     for response in salabatch.stream_generate(model, tokenizer, "Say hi."):
         print(response.text, end="", flush=True)
     answers = salabatch.batch_generate(model, tokenizer, document, ["Who?", "When?"])
+    scores = salabatch.score(model, tokenizer, document)  # each token's log-probability
 
 Speculative decoding is off unless asked for: `draft="lookup"` drafts from the prompt itself
 (a document's own text), `"layers"` from the model's first `draft_layers` layers, `"auto"` picks
@@ -29,8 +30,8 @@ from __future__ import annotations
 import numbers
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -316,6 +317,62 @@ def batch_generate(
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
+
+
+def score(
+    model: Model,
+    tokenizer: Tokenizer,
+    text: str | Sequence[int],
+    *,
+    logprobs: int = 0,
+    prefill_chunk: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[TokenLogprob]:
+    """Each token of `text` after the first, scored by the model given the tokens before it:
+    its log-probability, with its `logprobs` (0 to 20) most likely alternatives'. The mean of
+    the negated log-probabilities is the text's negative log-likelihood per token, its exp the
+    perplexity (`salabatch perplexity`). A text is scored as it is, no chat template (after the
+    tokenizer's BOS, where it adds one); token ids as they are. The text is prefilled once in
+    chunks of `prefill_chunk`, `progress(done, total)` after each; one longer than the model's
+    context, or needing more memory than is free, is refused before any work."""
+    from salabatch.engine import memory
+    from salabatch.engine.generate import Prefill
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
+    from salabatch.engine.runtime import engine_runtime
+    from salabatch.engine.sampling import TOP_LOGPROBS
+
+    _counts(prefill_chunk=prefill_chunk)
+    if (
+        isinstance(logprobs, bool)
+        or not isinstance(logprobs, numbers.Integral)
+        or not (0 <= logprobs <= TOP_LOGPROBS)
+    ):
+        raise GenerationError(
+            f"must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}", field="logprobs"
+        )
+    if isinstance(text, str):
+        ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+        if not ids:
+            raise GenerationError("the text has no tokens", field="text")
+    else:
+        ids = _prompt_ids(model, tokenizer, text)
+    context = model.config.context_length
+    if len(ids) > context:
+        raise GenerationError(
+            f"the text has {len(ids)} tokens, the model's context holds {context}", field="text"
+        )
+    chunk = min(prefill_chunk, len(ids))
+    needs = memory.model_plan(model, doc_tokens=0, rows=[len(ids)], chunk=chunk, batch_size=1)
+    needs = replace(needs, transient=needs.transient + memory.score_bytes(model.config, chunk))
+    memory.check(needs)
+    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
+        feed = Prefill(model, ids, model.make_cache(), prefill_chunk, score=int(logprobs))
+        while not feed.finished:
+            done = feed.step()
+            if progress is not None:
+                progress(done, len(ids))
+        return feed.scores()
 
 
 def _prompt_ids(

@@ -150,9 +150,12 @@ def text(value: str, param: str) -> str:
     return value
 
 
-def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
+def sampling(
+    body: Mapping, defaults: Defaults, least_tokens: int = 1
+) -> tuple[SamplingParams, int]:
     """(sampling settings, max tokens) of a body, each field checked; unset ones are
-    `defaults`'."""
+    `defaults`'. `least_tokens`: the smallest max_tokens taken (0 where the prompt is only
+    scored: a completion's `echo`)."""
 
     def number(name: str, default, ok, expected: str, integer: bool = False):
         value = body.get(name)
@@ -167,7 +170,8 @@ def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
 
     penalty = "a number in [-2, 2]"
     top_k = number("top_k", defaults.top_k, lambda v: v >= -1, "an integer ≥ -1 (-1: off)", True)
-    max_tokens = number("max_tokens", defaults.max_tokens, lambda v: v >= 1, "an integer ≥ 1", True)
+    at_least = (lambda v: v >= least_tokens, f"an integer ≥ {least_tokens}")
+    max_tokens = number("max_tokens", defaults.max_tokens, *at_least, True)
     params = SamplingParams(
         temperature=number("temperature", defaults.temperature, lambda v: v >= 0, "a number ≥ 0"),
         top_p=number("top_p", defaults.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -180,9 +184,7 @@ def sampling(body: Mapping, defaults: Defaults) -> tuple[SamplingParams, int]:
         presence_penalty=number("presence_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
         frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
     )
-    max_tokens = number(
-        "max_completion_tokens", max_tokens, lambda v: v >= 1, "an integer ≥ 1", True
-    )
+    max_tokens = number("max_completion_tokens", max_tokens, *at_least, True)
     return params, max_tokens
 
 

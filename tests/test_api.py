@@ -439,3 +439,44 @@ def test_json_schema_or_choices_shape_the_answers(loaded):
     ):
         with pytest.raises(ValueError, match=named):
             salabatch.generate(model, tok, "Hi.", **bad)
+
+
+def test_score_is_what_decoding_read_and_the_same_in_any_chunk(loaded):
+    """`score` of a prompt and its greedy answer gives the answer's tokens the log-probabilities
+    and alternatives decoding read for them; a text is scored as it is (its BOS then its
+    tokens), in chunks of any size alike; `progress` sees each chunk; bad arguments are
+    refused by name before any work."""
+    model, tok = loaded
+    ids = user_ids(tok, "Who runs the ferry?")
+    answer = list(salabatch.stream_generate(model, tok, ids, max_tokens=6, logprobs=3))
+    tokens = [r.token for r in answer if r.logprobs is not None]
+    seen = []
+    scores = salabatch.score(
+        model, tok, ids + tokens, logprobs=3, prefill_chunk=16, progress=lambda *a: seen.append(a)
+    )
+    assert [x.token for x in scores] == (ids + tokens)[1:]
+    assert seen[-1] == (len(ids) + len(tokens), len(ids) + len(tokens)) and len(seen) > 1
+    for r, x in zip(answer, scores[len(ids) - 1 :], strict=False):
+        assert x.logprob == pytest.approx(r.logprobs.logprob, abs=1e-4)
+        assert [t for t, _ in x.top] == [t for t, _ in r.logprobs.top]
+    text = salabatch.score(model, tok, DOC)
+    whole = salabatch.score(model, tok, DOC, prefill_chunk=4096)
+    assert [x.token for x in text] == tok.encode(DOC, add_bos=tok.add_bos_token)[1:]
+    assert [x.logprob for x in text] == pytest.approx([x.logprob for x in whole], abs=1e-4)
+    assert all(x.top == () for x in text)
+    for bad, field in (({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")):
+        with pytest.raises(GenerationError) as e:
+            salabatch.score(model, tok, DOC, **bad)
+        assert e.value.field == field
+    with pytest.raises(GenerationError) as e:
+        salabatch.score(model, tok, "", prefill_chunk=0)
+    assert e.value.field == "prefill_chunk"
+
+
+def test_score_keeps_to_the_models_context(context_64):
+    """A text the context holds is scored whole; one token more is refused, naming `text`."""
+    short, tok64 = context_64
+    with pytest.raises(GenerationError, match="the model's context holds 64") as e:
+        salabatch.score(short, tok64, [5] * 65)
+    assert e.value.field == "text"
+    assert len(salabatch.score(short, tok64, [5] * 64)) == 63

@@ -5,7 +5,7 @@ from salabatch.cli.bench import bench, doctor
 from salabatch.cli.cache import cache
 from salabatch.cli.jobs import run, validate
 from salabatch.cli.main import main, with_debug_option
-from salabatch.cli.model import convert_cmd, generate
+from salabatch.cli.model import convert_cmd, generate, perplexity
 from salabatch.cli.results import export, inspect
 from salabatch.cli.serve import chat, serve
 from salabatch.cli.train import train
@@ -16,6 +16,7 @@ for _command in (
     doctor,
     generate,
     convert_cmd,
+    perplexity,
     inspect,
     export,
     cache,

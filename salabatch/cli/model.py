@@ -1,7 +1,10 @@
-"""`salabatch generate` and `salabatch convert`: one model, answering a prompt or quantized into
-a checkpoint. Like every command group, nothing heavy is imported until a command runs."""
+"""`salabatch generate`, `salabatch perplexity` and `salabatch convert`: one model, answering a
+prompt, scoring documents, or quantized into a checkpoint. Like every command group, nothing
+heavy is imported until a command runs."""
 
 from __future__ import annotations
+
+import math
 
 import click
 
@@ -170,3 +173,146 @@ def convert_cmd(
         f"({s['ratio']:.3f} of the source, {s['ratio_vs_float32']:.3f} of float32); "
         f"{counted(len(s['files']), 'weight file')}, copied {', '.join(s['copied']) or 'nothing'}"
     )
+
+
+@click.command()
+@click.argument("model")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Score the first N tokens of each document (default: all, up to the model's context).",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+)
+@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    help="Also write the figures as JSON to this file (-: to standard output, the table then to"
+    " standard error).",
+)
+def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> None:
+    """Score documents with MODEL: each document's negative log-likelihood per token and
+    perplexity, and, over all of them, by how far into its document a token lies (does the
+    model read the long context?). PATH: files, folders or globs, read as `salabatch run` reads
+    documents (text, Markdown, PDF, JSON lines); a document that cannot be read or scored is
+    reported and the others go on (exit 3 then)."""
+    import json
+    import sys
+    import time
+
+    from salabatch.api import load, score
+    from salabatch.cli.main import EXIT_ERROR_ROWS
+    from salabatch.errors import SalabatchError
+    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    def show(line: str) -> None:  # the table; on stderr where stdout takes the JSON
+        click.echo(line, err=json_path == "-")
+
+    loaded, tok = load(model, dtype)
+    context = loaded.config.context_length
+    limit = min(max_tokens or context, context)
+    docs = iter_documents([DocumentSource(p, max_tokens=context) for p in paths])
+    rows, failed, positions = [], 0, Positions()
+    show(f"{'document':<40} {'tokens':>9} {'nll/token':>10} {'perplexity':>11} {'s':>7}")
+    for doc in docs:
+        try:
+            if not doc.ok:
+                raise SalabatchError(doc.error)
+            ids = tok.encode(doc.text, add_bos=tok.add_bos_token)
+            if len(ids) > limit:
+                why = "--max-tokens" if limit < context else "the model's context"
+                click.echo(
+                    f"note: {doc.doc_id}: the first {limit:,} of {len(ids):,} tokens ({why})",
+                    err=True,
+                )
+                ids = ids[:limit]
+            if len(ids) < 2:
+                raise SalabatchError("fewer than two tokens: nothing to score")
+            start = time.perf_counter()
+            nll = [-x.logprob for x in score(loaded, tok, ids, prefill_chunk=prefill_chunk)]
+            seconds = time.perf_counter() - start
+        except SalabatchError as e:
+            failed += 1
+            click.echo(f"error in document {doc.doc_id}: {e}", err=True)
+            continue
+        positions.add(nll)
+        mean = sum(nll) / len(nll)
+        rows.append(
+            {
+                "document": doc.doc_id,
+                "tokens": len(ids),
+                "nll": mean,
+                "perplexity": math.exp(mean),
+                "seconds": seconds,
+            }
+        )
+        show(_ppl_line(doc.doc_id, len(ids), mean, seconds))
+    report = {"model": model, "dtype": dtype, "documents": rows, "failed": failed}
+    if rows:
+        scored = sum(r["tokens"] - 1 for r in rows)
+        mean = sum(r["nll"] * (r["tokens"] - 1) for r in rows) / scored
+        seconds = sum(r["seconds"] for r in rows)
+        show(_ppl_line(f"all ({len(rows)})", sum(r["tokens"] for r in rows), mean, seconds))
+        report["total"] = {"tokens": scored + len(rows), "nll": mean, "perplexity": math.exp(mean)}
+        report["by_position"] = positions.rows()
+        show("\nby position in the document (all documents):")
+        for b in report["by_position"]:
+            span = f"tokens {b['from']:,}–{b['to']:,}"
+            show(f"  {span:<28} {b['tokens']:>9,} {b['nll']:>10.4f} {b['perplexity']:>11.3f}")
+    if json_path:
+        text = json.dumps(report, indent=2) + "\n"
+        if json_path == "-":
+            sys.stdout.write(text)
+        else:
+            with open(json_path, "w", encoding="utf-8") as f:
+                f.write(text)
+    if failed:
+        sys.exit(EXIT_ERROR_ROWS)
+
+
+def _ppl_line(name: str, tokens: int, nll: float, seconds: float) -> str:
+    return f"{name:<40.40} {tokens:>9,} {nll:>10.4f} {math.exp(nll):>11.3f} {seconds:>7.1f}"
+
+
+class Positions:
+    """Negative log-likelihoods summed by where the scored token lies in its document: tokens
+    1 to 1,024, then spans doubling (1,024–2,048, 2,048–4,096, ...), over many documents."""
+
+    FIRST = 1024
+
+    def __init__(self) -> None:
+        self.sums: dict[int, list[float]] = {}  # span index → [count, sum]
+
+    def add(self, nll: list[float]) -> None:
+        """A document's scores: nll[i] is the token at position i + 1's."""
+        for i, value in enumerate(nll):
+            span = ((i + 1) // self.FIRST).bit_length()
+            entry = self.sums.setdefault(span, [0, 0.0])
+            entry[0] += 1
+            entry[1] += value
+
+    def rows(self) -> list[dict]:
+        out = []
+        for span in sorted(self.sums):
+            count, total = self.sums[span]
+            low = 1 if span == 0 else self.FIRST << (span - 1)
+            high = self.FIRST << span
+            mean = total / count
+            out.append(
+                {
+                    "from": low,
+                    "to": high,
+                    "tokens": count,
+                    "nll": mean,
+                    "perplexity": math.exp(mean),
+                }
+            )
+        return out

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
+from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.decode import decode
@@ -101,17 +103,32 @@ def prefill(
 
 class Prefill:
     """`prefill` one chunk per `step()`, for a caller that does other work between chunks (the
-    server decodes its running rows while a long prompt is fed). The same calls as `prefill`."""
+    server decodes its running rows while a long prompt is fed). The same calls as `prefill`.
 
-    def __init__(self, model: Model, ids: Sequence[int], cache: ModelCache, chunk: int = 2048):
+    `score`: None, or each fed token after the first is scored as the chunks go: its
+    log-probability given the tokens before it, with its `score` most likely alternatives
+    (`scores()`: a prompt's logprobs, or a document's perplexity). The head runs over
+    `memory.SCORE_ELEMENTS` logits at a time, and only the rows read back stay."""
+
+    def __init__(
+        self,
+        model: Model,
+        ids: Sequence[int],
+        cache: ModelCache,
+        chunk: int = 2048,
+        score: int | None = None,
+    ):
         if not ids:
             raise ValueError("prefill needs at least one token")
+        if score is not None and not 0 <= score <= TOP_LOGPROBS:
+            raise ValueError(f"score must be in [0, {TOP_LOGPROBS}], got {score}")
         if cache.positions is None:
             cache.plan_prefill(len(ids))
-        self.model, self.cache, self.chunk = model, cache, chunk
+        self.model, self.cache, self.chunk, self.score = model, cache, chunk, score
         self.tokens = mx.array(list(ids), dtype=mx.int32)[None]  # [1, T]
         self.total, self.done = len(ids), 0
         self._last: mx.array | None = None  # [1, 1, hidden] the last position fed
+        self._scored: list[mx.array] = []  # [n, 1 + 2k] rows of `token_logprobs`, in order
 
     @property
     def finished(self) -> bool:
@@ -125,15 +142,40 @@ class Prefill:
         ids = self.tokens[:, start : start + self.chunk]
         h = self.model.hidden(ids, self.cache, queue=on_gpu())
         self._last = h[:, -1:]
-        mx.eval(self._last, *self.cache.arrays())  # bounds the graph and memory to one chunk
+        scored = [] if self.score is None else self._scores_of(h[0], start)
+        # bounds the graph and memory to one chunk
+        mx.eval(self._last, *scored, *self.cache.arrays())
+        self._scored += scored
         self.done = min(start + self.chunk, self.total)
         return self.done
+
+    def _scores_of(self, h: mx.array, start: int) -> list[mx.array]:
+        """The chunk's positions from `start` ([n, hidden]) scored against the tokens after
+        them (the prompt's last position has none), `memory.SCORE_ELEMENTS` logits at a time."""
+        targets = self.tokens[0, start + 1 : start + 1 + h.shape[0]]
+        h = h[: targets.shape[0]]
+        rows = memory.score_rows(self.model.config)
+        return [
+            token_logprobs(self.model.logits(h[a : a + rows]), targets[a : a + rows], self.score)
+            for a in range(0, targets.shape[0], rows)
+        ]
 
     def logits(self) -> mx.array:
         """The last position's logits [vocab], once finished."""
         if not self.finished:
             raise ValueError(f"prefill at {self.done} of {self.total} tokens")
         return self.model.logits(self._last)[0, 0]
+
+    def scores(self) -> list[TokenLogprob]:
+        """Once finished, with `score`: the log-probability of each token after the first,
+        given those before it, with its `score` most likely alternatives (len(ids) − 1)."""
+        if self.score is None or not self.finished:
+            raise ValueError("scores() needs a finished Prefill made with score=")
+        ids = self.tokens[0, 1:].tolist()
+        if not ids:
+            return []
+        rows = np.concatenate([np.asarray(x) for x in self._scored]).tolist()
+        return [read_logprobs(r, t, self.score) for r, t in zip(rows, ids, strict=True)]
 
 
 @dataclass(frozen=True)

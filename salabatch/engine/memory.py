@@ -63,6 +63,24 @@ class MemoryPlan:
         return f"about {gb(self.peak)} at its peak ({parts})"
 
 
+# logits a scored prefill (`generate.Prefill(score=...)`) computes at once, positions × vocab:
+# 128 MB in float32, 456 positions of the 9B's vocabulary; SCORE_ARRAYS of that size at once
+# (the logits, in float32, their log-softmax, negated for the top-k, its order)
+SCORE_ELEMENTS = 1 << 25
+SCORE_ARRAYS = 5
+
+
+def score_rows(cfg: ModelConfig) -> int:
+    """Positions a scored prefill runs the head over at once."""
+    return max(1, SCORE_ELEMENTS // cfg.vocab_size)
+
+
+def score_bytes(cfg: ModelConfig, chunk: int) -> int:
+    """What a scored prefill chunk adds to its temporaries: the head's arrays over
+    `score_rows` of its positions, in float32."""
+    return SCORE_ARRAYS * 4 * min(score_rows(cfg), chunk) * cfg.vocab_size
+
+
 def gb(n: int) -> str:
     return f"{n / GB:.2f} GB"
 

@@ -197,21 +197,23 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
+def token_logprobs(logits: mx.array, tokens: mx.array, top: int = TOP_LOGPROBS) -> mx.array:
     """logits [B, V] and each row's chosen token [B] → [B, 1 + 2k] float32, on the device: the
-    token's log-probability under softmax(logits), then the k = min(TOP_LOGPROBS, V) most likely
-    tokens' ids (as floats: exact below 2^24) and their log-probabilities, most likely first.
-    One array per step, read with the tokens (`read_logprobs`)."""
+    token's log-probability under softmax(logits), then the k = min(top, V) most likely tokens'
+    ids (as floats: exact below 2^24) and their log-probabilities, most likely first. One array
+    per step, read with the tokens (`read_logprobs`)."""
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, tokens.astype(mx.int32)[:, None], axis=-1)
-    k = min(TOP_LOGPROBS, lp.shape[-1])
-    top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    k = min(top, lp.shape[-1])
+    if k == 0:
+        return chosen
+    best = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    top_lp = mx.take_along_axis(lp, best, axis=-1)
     order = mx.argsort(-top_lp, axis=-1)
-    top = mx.take_along_axis(top, order, axis=-1)
+    best = mx.take_along_axis(best, order, axis=-1)
     top_lp = mx.take_along_axis(top_lp, order, axis=-1)
-    return mx.concatenate([chosen, top.astype(mx.float32), top_lp], axis=-1)
+    return mx.concatenate([chosen, best.astype(mx.float32), top_lp], axis=-1)
 
 
 def read_logprobs(row: Sequence[float], token: int, top: int) -> TokenLogprob:

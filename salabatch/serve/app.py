@@ -68,6 +68,7 @@ from salabatch.serve.engine import (
     Failed,
     Finished,
     Job,
+    PromptLogprobs,
     QueueFull,
     ServeEngine,
     Ticket,
@@ -82,11 +83,12 @@ COMPLETION_FIELDS = (
     "stop",
     "n",
     "logprobs",
+    "echo",
     *openai_api.STRUCTURE,
     "stream",
     "stream_options",
 )
-COMPLETION_NO_OP = {"best_of": 1, "echo": False}  # accepted at this value only
+COMPLETION_NO_OP = {"best_of": 1}  # accepted at this value only
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -231,7 +233,7 @@ class _Server:
         grammar = await self._grammar(body)
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
         job = replace(job, logprobs=logprobs, grammar=grammar)
-        tickets = self._submit(job, n, "messages")
+        tickets = self._submit([job], n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._chat_chunks(tickets, answers, reply, include_usage)
@@ -243,36 +245,49 @@ class _Server:
         body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
         stream, include_usage = _streaming(body)
         n, logprobs = choices(body, self.engine), openai_api.text_logprobs(body)
-        prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or _token_ids(prompt)):
-            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
-        if isinstance(prompt, str):
-            openai_api.text(prompt, "prompt")
-        params, max_tokens = self._sampling(body)
+        prompts, echo = completion_prompts(body.get("prompt")), _echo(body)
+        if len(prompts) * n > (most := self.engine.batch_size + self.engine.max_queue):
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts × n {n} are {len(prompts) * n} answers; the engine's "
+                f"rows and queue hold {most} (batch_size + max_queue)",
+                param="prompt",
+            )
+        params, max_tokens = sampling(body, self.defaults, least_tokens=0 if echo else 1)
         stops = openai_api.stop(body.get("stop"))
-        job = await run_in_threadpool(
-            text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
-        )
+        # echo with logprobs scores the prompt; with max_tokens 0 that is all the job does
+        scored = None
+        if echo and (logprobs is not None or max_tokens == 0):
+            scored = logprobs or 0
         grammar = await self._grammar(body)
-        answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in range(n)]
-        tickets = self._submit(replace(job, logprobs=logprobs, grammar=grammar), n, "prompt")
-        reply = Reply(job.id, "text_completion", self.model_id, int(time.time()))
+        jobs = []
+        for prompt in prompts:
+            job = await run_in_threadpool(
+                text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
+            )
+            jobs.append(replace(job, logprobs=logprobs, grammar=grammar, prompt_logprobs=scored))
+        tickets = self._submit(jobs, n, "prompt")
+        answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in tickets]
+        echoed = [_prompt_text(self.tok, p) if echo else "" for p in prompts for _ in range(n)]
+        reply = Reply(jobs[0].id, "text_completion", self.model_id, int(time.time()))
         if stream:
-            chunks = self._text_chunks(tickets, answers, reply, include_usage)
+            chunks = self._text_chunks(tickets, answers, echoed, reply, include_usage, n)
             return _EventStream(chunks, tickets)
         finished = await _collect(tickets, answers, request)
         texts = []
         for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
-            lp = None if answer.logprobs is None else TextLogprobs(self.tok).of(answer.logprobs)
+            lp = None
+            if logprobs is not None:
+                lp = _choice_logprobs(self.tok, tickets[i].job.prompt if echo else None, answer)
             texts.append(
                 {
                     "index": i,
-                    "text": answer.content,
+                    "text": echoed[i] + answer.content,
                     "logprobs": lp,
                     "finish_reason": last.finish_reason,
                 }
             )
-        return JSONResponse(reply.body(texts, usage(finished)))
+        return JSONResponse(reply.body(texts, usage(finished, n)))
 
     def _sampling(self, body: dict):
         return sampling(body, self.defaults)
@@ -294,22 +309,24 @@ class _Server:
         check_model(model, self.model_id)
         return body
 
-    def _submit(self, job: Job, n: int, param: str) -> list[Ticket]:
-        """The tickets of `job`'s n choices (`seeded`); 400 for a prompt the model's context
-        cannot hold (the engine would fail it, but a stream's status is sent before its first
-        event), 429 when the queue cannot take them all (none is then submitted)."""
+    def _submit(self, jobs: Sequence[Job], n: int, param: str) -> list[Ticket]:
+        """The tickets of each job's n choices (`seeded`), job by job; 400 for a prompt the
+        model's context cannot hold (the engine would fail it, but a stream's status is sent
+        before its first event), 429 when the queue cannot take them all (none is then
+        submitted)."""
         context = self.engine.model.config.context_length
-        if len(job.prompt) >= context:
-            raise APIError(
-                400,
-                f"the prompt has {len(job.prompt)} tokens; the model's context holds {context} "
-                "(with room for one generated token)",
-                param=param,
-                code="context_length_exceeded",
-            )
+        for job in jobs:
+            if len(job.prompt) >= context:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(job.prompt)} tokens; the model's context holds "
+                    f"{context} (with room for one generated token)",
+                    param=param,
+                    code="context_length_exceeded",
+                )
         loop, tickets = asyncio.get_running_loop(), []
         try:
-            for one in seeded(job, n):
+            for one in (one for job in jobs for one in seeded(job, n)):
                 tickets.append(self.engine.submit(one, loop))
         except (QueueFull, EngineClosed) as e:
             for ticket in tickets:
@@ -363,18 +380,26 @@ class _Server:
         self,
         tickets: list[Ticket],
         answers: list[AnswerText],
+        echoed: list[str],
         reply: Reply,
         include_usage: bool,
+        n: int,
     ) -> AsyncIterator[bytes]:
+        """The chunks of a text completion: with `echo`, each choice's prompt first (with its
+        scores, where they were asked for, once the prefill has made them)."""
         extra = {"usage": None} if include_usage else {}
         held: dict[int, list[TokenLogprob]] = {}  # of tokens whose text is not sent yet
         offsets = [TextLogprobs(self.tok) for _ in tickets]
 
-        def chunk(i: int, text: str, finish_reason: str | None = None) -> bytes:
-            lp = offsets[i].of(held.pop(i)) if held.get(i) else None
+        def chunk(i: int, text: str, finish_reason: str | None = None, lp=None) -> bytes:
+            if lp is None and held.get(i):
+                lp = offsets[i].of(held.pop(i))
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
+        for i, ticket in enumerate(tickets):
+            if echoed[i] and ticket.job.prompt_logprobs is None:
+                yield chunk(i, echoed[i])
         finished: dict[int, Finished] = {}
         async for i, event in _events(tickets):
             if isinstance(event, Token):
@@ -382,12 +407,15 @@ class _Server:
                     held.setdefault(i, []).append(event.logprob)
                 for piece in answers[i].add(event.token):
                     yield chunk(i, piece.text)
+            elif isinstance(event, PromptLogprobs):
+                lp = offsets[i].of_prompt(tickets[i].job.prompt, event.logprobs)
+                yield chunk(i, echoed[i], lp=lp if tickets[i].job.logprobs is not None else None)
             elif isinstance(event, Finished):
                 text = "".join(p.text for p in answers[i].finish(event))
                 yield chunk(i, text, event.finish_reason)
                 finished[i] = event
                 if include_usage and len(finished) == len(tickets):
-                    yield sse(reply.chunk([], usage=usage(_in_order(finished))))
+                    yield sse(reply.chunk([], usage=usage(_in_order(finished), n)))
             else:
                 yield sse(event.body)
         yield b"data: [DONE]\n\n"
@@ -461,6 +489,13 @@ class TextLogprobs:
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0  # characters of the tokens so far
 
+    def of_prompt(self, prompt: Sequence[int], scores: Sequence[TokenLogprob]) -> dict:
+        """The entries of an echoed prompt: its first token's with no log-probability (nothing
+        comes before it: null, as OpenAI's), then those of `scores`, the tokens after it."""
+        first = self.of([TokenLogprob(prompt[0], 0.0)])
+        first["token_logprobs"], first["top_logprobs"] = [None], [None]
+        return _joined(first, self.of(scores))
+
     def of(self, logprobs: Sequence[TokenLogprob]) -> dict:
         out: dict[str, list] = {
             "tokens": [],
@@ -478,6 +513,20 @@ class TextLogprobs:
             out["text_offset"].append(self._chars)
             self._chars += len(self._text.decode(raw))
         return out
+
+
+def _choice_logprobs(tok: Tokenizer, prompt: Sequence[int] | None, answer: AnswerText) -> dict:
+    """A text choice's legacy logprobs object: its echoed `prompt`'s tokens first, where it was
+    echoed, then its answer's."""
+    offsets = TextLogprobs(tok)
+    head = None if prompt is None else offsets.of_prompt(prompt, answer.prompt_logprobs)
+    own = offsets.of(answer.logprobs or ())
+    return own if head is None else _joined(head, own)
+
+
+def _joined(a: dict, b: dict) -> dict:
+    """Two legacy logprobs objects of consecutive tokens as one."""
+    return {key: a[key] + b[key] for key in a}
 
 
 def choices(body: dict, engine: ServeEngine) -> int:
@@ -502,12 +551,13 @@ def seeded(job: Job, n: int) -> list[Job]:
     return [replace(job, params=replace(job.params, seed=seed + i)) for i in range(n)]
 
 
-def sampling(body: dict, defaults: ServeDefaults):
-    """The body's sampling settings and max tokens; a request without a seed gets a fresh one
-    unless the server has a default (a seed matters only with temperature > 0)."""
+def sampling(body: dict, defaults: ServeDefaults, least_tokens: int = 1):
+    """The body's sampling settings and max tokens (at least `least_tokens`); a request
+    without a seed gets a fresh one unless the server has a default (a seed matters only with
+    temperature > 0)."""
     if defaults.seed is None:
         defaults = replace(defaults, seed=secrets.randbits(31))
-    return openai_api.sampling(body, defaults)
+    return openai_api.sampling(body, defaults, least_tokens)
 
 
 def check_model(model: str, served: str) -> None:
@@ -521,20 +571,21 @@ def check_model(model: str, served: str) -> None:
         )
 
 
-def usage(finished: Sequence[Finished]) -> dict:
-    """OpenAI's usage object of a request's finished jobs (its choices, in order): the prompt
-    once, as the first choice read it (the others resume from its prefill), the completion
-    tokens of all; with drafts (speculative decoding), their counts as OpenAI counts a predicted
-    output's."""
-    first = finished[0]
+def usage(finished: Sequence[Finished], n: int | None = None) -> dict:
+    """OpenAI's usage object of a request's finished jobs (its choices, in order, `n` to a
+    prompt: all where unset): each prompt once, as its first choice read it (the others resume
+    from its prefill), the completion tokens of all; with drafts (speculative decoding), their
+    counts as OpenAI counts a predicted output's."""
+    firsts = finished[:: n or len(finished)]
+    prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in finished)
     drafted = sum(f.draft_tokens for f in finished)
     accepted = sum(f.accepted_tokens for f in finished)
     out = {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
     }
     if drafted:
         out["completion_tokens_details"] = {
@@ -603,6 +654,9 @@ async def _collect(
             async for i, event in events:
                 if isinstance(event, Token):
                     answers[i].add(event.token, event.logprob)
+                    continue
+                if isinstance(event, PromptLogprobs):
+                    answers[i].prompt_logprobs = event.logprobs
                     continue
                 last[i] = event
                 if isinstance(event, Failed):
@@ -692,12 +746,44 @@ def _streaming(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
+def completion_prompts(value: Any) -> list[str | list[int]]:
+    """A completion body's `prompt`: a string, a list of token ids, or a list of either (one
+    answer, or `n`, to each); BodyError naming it otherwise."""
+    if isinstance(value, str) or _token_ids(value):
+        value = [value]
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(p, str) or _token_ids(p) for p in value)
+    ):
+        raise BodyError(
+            "prompt must be a string, a list of token ids, or a non-empty list of either",
+            "prompt",
+        )
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            openai_api.text(p, "prompt" if len(value) == 1 else f"prompt[{i}]")
+    return value
+
+
 def _token_ids(prompt: Any) -> bool:
     return (
         isinstance(prompt, list)
         and bool(prompt)
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     )
+
+
+def _echo(body: dict) -> bool:
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BodyError("echo must be true or false", "echo")
+    return bool(echo)
+
+
+def _prompt_text(tok: Tokenizer, prompt: str | list[int]) -> str:
+    """What `echo` sends back of a prompt: the string as sent, or token ids' text."""
+    return prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special=True)
 
 
 async def read_json(request: Request, limit: int) -> dict:

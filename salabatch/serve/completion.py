@@ -182,7 +182,8 @@ class AnswerText:
     their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
     drops it). Without `split_think` (a text completion) the text is the content, as it is.
-    `logprobs`: the tokens' log-probabilities as added (None unless some were).
+    `logprobs`: the tokens' log-probabilities as added (None unless some were);
+    `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`).
     """
 
     def __init__(
@@ -200,6 +201,7 @@ class AnswerText:
         self.reasoning = ""  # what was sent of each, so far
         self.content = ""
         self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def add(self, token: int, logprob: TokenLogprob | None = None) -> list[Piece]:
         """The pieces token `token` makes certain (often none, or one); its `logprob` is

@@ -149,7 +149,10 @@ class Job:
     `background_chunk` pieces, so an interactive job never waits behind more than one.
     `logprobs`: None, or each token's log-probability with its k most likely alternatives'
     (`Request.logprobs`), on its Token events. `grammar`: what the answer must match
-    (`salabatch.engine.grammar`)."""
+    (`salabatch.engine.grammar`). `prompt_logprobs`: None, or the prompt's tokens after the
+    first scored the same way, in one PromptLogprobs event before the answer's; such a job
+    prefills its whole prompt (no held prefix: each token's score needs its position's logits)
+    and may have `max_tokens` 0 (it then only scores)."""
 
     id: str
     prompt: tuple[int, ...]
@@ -161,6 +164,7 @@ class Job:
     background: bool = False
     logprobs: int | None = None
     grammar: Grammar | None = field(default=None, repr=False, compare=False)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,14 @@ class Token:
 
     token: int
     logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The log-probability of each prompt token after the first, given those before it (a job
+    with `prompt_logprobs`; before its first Token)."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -197,7 +209,7 @@ class Failed:
     error: SalabatchError
 
 
-Event = Token | Finished | Failed
+Event = Token | PromptLogprobs | Finished | Failed
 
 
 class Ticket:
@@ -295,6 +307,7 @@ class _Work:
     max_tokens: int = 0  # what it may generate (max_tokens cut at the context), once begun
     needs: MemoryPlan | None = None  # what its prefill may take (`_check_memory`), once begun
     steps: Iterator[int] | None = None  # its prefill on its own row, a chunk per next()
+    scores: list[TokenLogprob] | None = None  # its prompt's (`Job.prompt_logprobs`), prefilled
     g: Generation | None = None
     batch: Batch | None = None
     emitted: int = 0  # tokens put as events
@@ -465,9 +478,9 @@ class ServeEngine:
 
     def check(self, job: Job) -> None:
         """JobFailed if the engine would refuse `job` before any work (an empty prompt, ids
-        outside the vocabulary, a prompt that fills the context, max_tokens < 1, an empty stop
-        string): for a caller that answers those before it starts a stream. Thread-safe, no
-        MLX; the engine checks again anyway."""
+        outside the vocabulary, a prompt that fills the context, max_tokens out of range, an
+        empty stop string): for a caller that answers those before it starts a stream.
+        Thread-safe, no MLX; the engine checks again anyway."""
         try:
             self._check(job)
         except ValueError as e:
@@ -640,9 +653,12 @@ class ServeEngine:
         job = w.ticket.job
         w.started = time.perf_counter()
         w.max_tokens = self._check(job)
-        w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
+        if job.prompt_logprobs is None:
+            w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
         w.cached = 0 if w.base is None else w.base.tokens
         w.points = save_points(w.cached, len(job.prompt), job.boundaries, self.snapshot_min)
+        if job.prompt_logprobs is not None:
+            w.points = []  # its prompt in one prefill, scored whole
         w.needs = self._check_memory(job, w.cached, w.points, w.max_tokens)
 
     def _joinable(self, w: _Work) -> bool:
@@ -714,7 +730,9 @@ class ServeEngine:
         at = resumed
         for q in points if points and points[-1] == n else [*points, n]:
             if q > at:
-                feed = Prefill(model, job.prompt[at:q], row, self.prefill_chunk)
+                feed = Prefill(
+                    model, job.prompt[at:q], row, self.prefill_chunk, job.prompt_logprobs
+                )
                 while not feed.finished:
                     feed.chunk = self._chunk(job)
                     before = feed.done
@@ -724,6 +742,8 @@ class ServeEngine:
                     yield fed
                 logits, at = feed.logits(), q
                 mx.eval(logits)  # a snapshot keeps them: [vocab], not the graph behind them
+                if job.prompt_logprobs is not None:
+                    w.scores = feed.scores()
             if q in points:
                 if w.base is None:  # the row owns its keys: it is the snapshot, no copy
                     w.base = self._prefixes.hold(digests[q], q, row, logits, use=True)
@@ -736,10 +756,16 @@ class ServeEngine:
 
     def _enter(self, w: _Work, row: ModelCache, logits: mx.array) -> None:
         """w's prefilled row (one row; `logits` [vocab] of its prompt's last position) joins
-        its group."""
+        its group; its prompt's scores first, where it asked for them (a job that only scores
+        ends there)."""
         from salabatch.engine.generate import Request
 
         job = w.ticket.job
+        if w.scores is not None:
+            w.ticket._put(PromptLogprobs(tuple(w.scores)))
+            if w.max_tokens == 0:
+                self._finish(w, "length", prefill_s=time.perf_counter() - w.started)
+                return
         base = 0 if w.base is None else w.base.tokens
         request = Request(
             w.rid,
@@ -758,8 +784,9 @@ class ServeEngine:
 
     def _check(self, job: Job) -> int:
         """JobFailed's causes before any work: an empty prompt, ids outside the vocabulary, a
-        prompt that fills the model's context, max_tokens < 1, an empty stop string, logprobs
-        out of range. → the tokens the job may generate (max_tokens, cut at the context)."""
+        prompt that fills the model's context, max_tokens < 1 (< 0 for a job that scores its
+        prompt), an empty stop string, logprobs out of range. → the tokens the job may
+        generate (max_tokens, cut at the context)."""
         from salabatch.engine.generate import answer_room
         from salabatch.engine.sampling import TOP_LOGPROBS
 
@@ -767,16 +794,19 @@ class ServeEngine:
         n = len(job.prompt)
         if n == 0:
             raise ValueError("the prompt has no tokens")
-        if job.max_tokens < 1:
-            raise ValueError(f"max_tokens must be ≥ 1, got {job.max_tokens}")
+        least = 0 if job.prompt_logprobs is not None else 1
+        if job.max_tokens < least:
+            raise ValueError(f"max_tokens must be ≥ {least}, got {job.max_tokens}")
         bad = [t for t in job.prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         max_tokens = answer_room(cfg, n, job.max_tokens)  # the API's rule too
         if not all(job.stop_strings):
             raise ValueError("a stop string must not be empty")
-        if job.logprobs is not None and not 0 <= job.logprobs <= TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {job.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(job, name)
+            if k is not None and not 0 <= k <= TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {TOP_LOGPROBS}], got {k}")
         return max_tokens
 
     def _check_memory(
@@ -784,7 +814,8 @@ class ServeEngine:
     ) -> MemoryPlan:
         """What the job adds, unless it does not fit in the memory free (OutOfMemoryError): its
         new keys, its largest snapshot copy (a job on a fork copies its prefix at a snapshot),
-        its row (as reserved when it joins) and a prefill chunk's temporaries."""
+        its row (as reserved when it joins) and a prefill chunk's temporaries (with the head's
+        over its positions, where it scores its prompt)."""
         from salabatch.engine import memory
         from salabatch.engine.kernels.attention import on_gpu
 
@@ -799,7 +830,8 @@ class ServeEngine:
             document=memory.document_bytes(cfg, n - resumed, itemsize)
             + (memory.document_bytes(cfg, max(copies), itemsize) if copies else 0),
             rows=memory.row_bytes(cfg, tail + n - resumed + max_tokens, itemsize),
-            transient=memory.transient_bytes(cfg, chunk, on_gpu()),
+            transient=memory.transient_bytes(cfg, chunk, on_gpu())
+            + (memory.score_bytes(cfg, chunk) if job.prompt_logprobs is not None else 0),
             overshoot=memory.overshoot_bytes(cfg, chunk, on_gpu()),
         )
         memory.check(plan)

@@ -3,6 +3,7 @@ converted checkpoint validates."""
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner, Result
 
 from salabatch.cli import main
@@ -140,3 +141,54 @@ def test_generate_prints_an_answer_that_only_began_like_a_think_block(tiny, monk
         result = CliRunner().invoke(main, ["generate", "builtin:random", "Say hi.", "-m", "4"])
         assert result.exit_code == 0, result.output
         assert result.stdout == shown + "\n", pieces
+
+
+def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeypatch):
+    """`salabatch perplexity` over a folder: each readable document's mean negative
+    log-likelihood is `salabatch.score`'s over its tokens, the total weighs documents by their
+    scored tokens, the spans by position count every scored token once; --max-tokens cuts a
+    document (a note says so); an empty file is an error line, the others are scored, exit 3.
+    --json writes the same figures."""
+    import json
+    import math
+
+    from salabatch.api import load, score
+    from salabatch.cli import model as model_cli
+
+    monkeypatch.setattr(model_cli.Positions, "FIRST", 16)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The supplier owes the buyer ten crates of apples. " * 12)
+    (docs / "b.md").write_text("# Terms\n\nPayment is due in 30 days.\n")
+    (docs / "empty.txt").write_text("")
+    out = tmp_path / "ppl.json"
+    args = ["perplexity", str(tiny), str(docs), "--json", str(out), "--prefill-chunk", "64"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 3, result.output
+    assert "error in document empty.txt" in result.stderr
+    report = json.loads(out.read_text())
+    model, tok = load(str(tiny))
+    rows = {r["document"]: r for r in report["documents"]}
+    assert set(rows) == {"a.txt", "b.md"} and report["failed"] == 1
+    scored = 0
+    for name, row in rows.items():
+        ids = tok.encode((docs / name).read_text(), add_bos=tok.add_bos_token)
+        nll = [-x.logprob for x in score(model, tok, ids)]
+        assert row["tokens"] == len(ids) and row["nll"] == pytest.approx(sum(nll) / len(nll))
+        assert row["perplexity"] == pytest.approx(math.exp(row["nll"]))
+        assert f"{name:<40} {len(ids):>9,}" in result.stdout
+        scored += len(nll)
+    total = sum(r["nll"] * (r["tokens"] - 1) for r in rows.values()) / scored
+    assert report["total"]["nll"] == pytest.approx(total)
+    spans = report["by_position"]
+    assert sum(s["tokens"] for s in spans) == scored
+    assert [(s["from"], s["to"]) for s in spans][:3] == [(1, 16), (16, 32), (32, 64)]
+    assert spans[0]["tokens"] == 15 * 2  # positions 1-15 of both documents
+
+    cut = CliRunner().invoke(
+        main, ["perplexity", str(tiny), str(docs / "a.txt"), "--max-tokens", "40", "--json", "-"]
+    )
+    assert cut.exit_code == 0, cut.output
+    assert "the first 40 of" in cut.stderr and "(--max-tokens)" in cut.stderr
+    assert json.loads(cut.stdout)["documents"][0]["tokens"] == 40  # the table on stderr
+    assert "a.txt" in cut.stderr

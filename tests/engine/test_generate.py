@@ -202,6 +202,43 @@ def test_logprobs_are_log_softmax_of_one_call_over_prompt_and_answer(model):
                 assert [v for _, v in x.top] == pytest.approx(lp[i, best], abs=2e-4)
 
 
+@pytest.mark.parametrize(
+    "n, chunk", [(40, 16), (600, 128), (600, 600)], ids=["dense", "sparse", "whole"]
+)
+def test_scored_prefill_is_log_softmax_of_one_call(model, n, chunk, monkeypatch, engine_path):
+    """A scored prefill gives each token after the first its log-probability and top
+    alternatives under log_softmax of one call's logits at the position before it, chunked or
+    not, dense or sparse, on both paths, the head run a few positions at a time (SCORE_ELEMENTS
+    made small); its last logits are the unscored prefill's."""
+    import mlx.core as mx
+
+    from salabatch.engine import memory
+    from salabatch.engine.generate import Prefill
+
+    monkeypatch.setattr(memory, "SCORE_ELEMENTS", 7 * model.config.vocab_size)
+    prompt = ids(n, 11)
+    whole = model(mx.array([list(prompt)]), model.make_cache())[0].astype(mx.float32)
+    lp = np.array(whole - mx.logsumexp(whole, axis=-1, keepdims=True))
+    feed = Prefill(model, prompt, model.make_cache(), chunk, score=3)
+    while not feed.finished:
+        feed.step()
+    scores = feed.scores()
+    assert [x.token for x in scores] == list(prompt[1:])
+    for i, x in enumerate(scores):
+        assert x.logprob == pytest.approx(lp[i, prompt[i + 1]], abs=2e-4), i
+        best = np.argsort(-lp[i], kind="stable")[:3]
+        assert [t for t, _ in x.top] == best.tolist(), i
+        assert [v for _, v in x.top] == pytest.approx(lp[i, best], abs=2e-4)
+    plain = model.make_cache()
+    last = prefill(model, prompt, plain, chunk)
+    assert np.allclose(np.array(feed.logits()), np.array(last), atol=1e-5)
+    bare = Prefill(model, prompt[:1], model.make_cache(), chunk, score=0)
+    bare.step()
+    assert bare.scores() == []
+    with pytest.raises(ValueError, match="score must be in"):
+        Prefill(model, prompt, model.make_cache(), chunk, score=21)
+
+
 def test_a_grammar_keeps_the_answer_in_its_pattern_and_the_others_as_alone(tiny):
     """An untrained model, sampling hot: answers under a JSON schema parse and validate, one
     under a regex matches it whole, each ending at the end token (stop) once complete; a row

@@ -32,6 +32,7 @@ from salabatch.serve.engine import (
     Finished,
     Job,
     JobFailed,
+    PromptLogprobs,
     QueueFull,
     ServeEngine,
     Token,
@@ -292,6 +293,42 @@ def test_next_turn_resumes_from_the_last(model):
         assert fin5.cached_tokens == len(third)
     with ServeEngine(model, Tok(), prefill_chunk=512) as fresh:
         assert conversation_turn(fresh, third, boundaries=(len(doc), len(second)))[0] == again
+
+
+def test_a_scoring_job_scores_its_whole_prompt_then_answers_as_alone(model):
+    """A job with prompt_logprobs prefills its whole prompt even where the engine holds a
+    prefix of it, and puts its scores (a scored Prefill's) before its tokens, which are what
+    the job without them answers; with max_tokens 0 it only scores (length, no token). A
+    prompt of one token has no score."""
+    doc = ids(600, 21)
+    prompt = doc + ids(9, 22)
+    feed = Prefill(model, prompt, model.make_cache(), 256, score=2)
+    while not feed.finished:
+        feed.step()
+    with ServeEngine(model, Tok(), prefill_chunk=256) as engine:
+        collect(engine.submit(job("doc", doc, 2, boundaries=(len(doc),))))  # now held
+        events = list(engine.submit(job("s", prompt, 6, prompt_logprobs=2)))
+        only = list(engine.submit(job("z", prompt, 0, prompt_logprobs=0)))
+        bare = list(engine.submit(job("b", prompt[:1], 0, prompt_logprobs=0)))
+        with pytest.raises(JobFailed, match="max_tokens must be ≥ 1"):
+            engine.check(job("x", prompt, 0))
+    assert isinstance(events[0], PromptLogprobs)
+    got, want = events[0].logprobs, feed.scores()
+    assert [x.token for x in got] == list(prompt[1:])
+    assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in want]
+    flat = [v for x in got for _, v in x.top]
+    assert flat == pytest.approx([v for x in want for _, v in x.top], abs=TOL)
+    assert [x.logprob for x in got] == pytest.approx([x.logprob for x in want], abs=TOL)
+    tokens = [e.token for e in events if isinstance(e, Token)]
+    assert tokens == alone(model, prompt, 6)
+    assert events[-1].cached_tokens == 0 and events[-1].completion_tokens == 6
+    assert [type(e) for e in only] == [PromptLogprobs, Finished]
+    assert [x.logprob for x in only[0].logprobs] == pytest.approx(
+        [x.logprob for x in want], abs=TOL
+    )
+    assert only[0].logprobs[0].top == ()
+    assert only[1].finish_reason == "length" and only[1].completion_tokens == 0
+    assert bare[0].logprobs == () and bare[1].finish_reason == "length"
 
 
 def test_prefix_memory_cap_and_disk(model, tmp_path):

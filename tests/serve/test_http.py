@@ -386,6 +386,83 @@ def test_text_completion_logprobs_in_openais_legacy_form_streamed_or_not(served)
         assert e.value.body["param"] == "logprobs"
 
 
+def test_echo_scores_the_prompt_as_decoding_scored_the_answer(served):
+    """`echo` with `logprobs` and max_tokens 0 (how lm-eval-harness asks for a loglikelihood):
+    the text is the prompt, its first token has no log-probability (null) and each later one
+    has what decoding gave it as an answer token, alternatives too. With max_tokens the answer
+    follows, its logprobs after the prompt's, streamed or not alike; without logprobs, echo
+    only puts the prompt before the answer."""
+    from dataclasses import replace
+
+    from salabatch.engine.sampling import SamplingParams
+    from salabatch.serve.completion import text_job
+    from salabatch.serve.engine import Token
+
+    client, tok = served.client(), served.tok
+    prompt = tok.encode("The gate code is", add_bos=tok.add_bos_token)
+    job = text_job(tok, prompt, params=SamplingParams(), max_tokens=6)
+    decoded = [e for e in served.engine.submit(replace(job, logprobs=2)) if isinstance(e, Token)]
+    answer = [e.token for e in decoded]
+    text = tok.decode(prompt + answer, skip_special=True)
+    ask = {"model": MODEL, "prompt": prompt + answer, "max_tokens": 0, "logprobs": 2}
+    scored = client.completions.create(**ask, echo=True)
+    choice, n = scored.choices[0], len(prompt)
+    assert choice.text == text and choice.finish_reason == "length"
+    assert scored.usage.prompt_tokens == n + 6 and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(lp.token_logprobs) == n + 6
+    assert lp.token_logprobs[n:] == pytest.approx([e.logprob.logprob for e in decoded], abs=1e-4)
+    for i, e in enumerate(decoded):
+        alternatives = {tok.token_bytes(t).decode() for t, _ in e.logprob.top}
+        assert lp.top_logprobs[n + i].keys() == alternatives | {lp.tokens[n + i]}
+    # lm-eval-harness's body: prompts as a list of token lists, max_tokens 1, logprobs 1
+    body = {"model": MODEL, "prompt": [prompt + answer], "max_tokens": 1, "logprobs": 1}
+    status, _, data = served.raw("POST", "/v1/completions", json.dumps(body | {"echo": True}))
+    assert status == 200
+    got = json.loads(data)["choices"][0]["logprobs"]
+    assert got["token_logprobs"][n:-1] == pytest.approx(lp.token_logprobs[n:], abs=1e-5)
+    pairs = zip(got["token_logprobs"][n:-1], got["top_logprobs"][n:-1], strict=True)
+    assert all(v == max(top.values()) for v, top in pairs)  # lm-eval's is_greedy: decoding's
+    # with an answer: the prompt's entries, then the answer's, streamed or not
+    ask = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "logprobs": 1, "echo": True}
+    whole = client.completions.create(**ask).choices[0]
+    assert whole.text.startswith("The gate code is") and len(whole.logprobs.tokens) == n + 4
+    assert whole.logprobs.token_logprobs[n:] == pytest.approx(
+        [e.logprob.logprob for e in decoded[:4]], abs=1e-4
+    )
+    streamed, lps = "", []
+    for c in client.completions.create(**ask, stream=True):
+        streamed += c.choices[0].text
+        if c.choices[0].logprobs is not None:
+            lps += c.choices[0].logprobs.token_logprobs
+    assert streamed == whole.text and lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    plain = client.completions.create(**ask | {"logprobs": None}).choices[0]
+    assert plain.text == whole.text and plain.logprobs is None
+    chunks = [
+        c.choices[0].text
+        for c in client.completions.create(**ask | {"logprobs": None}, stream=True)
+    ]
+    assert chunks[0] == tok.decode(prompt, skip_special=True) and "".join(chunks) == whole.text
+
+
+def test_a_list_of_prompts_answers_each_n_times_in_order(served):
+    """`prompt` as a list (strings or token lists) with n 2: choice p·n + j is prompt p's j-th
+    answer (seed + j), the same as asking for prompt p alone; usage counts every prompt."""
+    client = served.client()
+    prompts = ["The gate code is", "Who is the provider?"]
+    ask = {"model": MODEL, "max_tokens": 5, "temperature": 1.0, "seed": 7, "n": 2}
+    both = client.completions.create(prompt=prompts, **ask)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=p, **ask) for p in prompts]
+    assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = served.tok.encode(prompts[1], add_bos=served.tok.add_bos_token)
+    mixed = client.completions.create(prompt=[prompts[0], ids], **ask | {"n": 1})
+    assert [c.text for c in mixed.choices] == [a.choices[0].text for a in alone]
+
+
 def test_response_format_and_guided_fields_constrain_the_answer(served):
     """json_schema: the answer parses and has the required fields, streamed or not alike;
     json_object: a JSON object; vLLM's guided_choice, guided_regex: one of the choices, a
@@ -585,6 +662,28 @@ def test_a_bad_field_is_a_400_naming_it(served, fields, param):
     error = e.value.body
     assert e.value.status_code == 400 and error["param"] == param, error
     assert error["type"] == "invalid_request_error" and param.split("[")[0] in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"echo": "yes"}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),  # without echo
+        ({"echo": True, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [["a"]]}, "prompt"),
+        ({"prompt": ["ok", 3]}, "prompt"),
+        ({"prompt": ["ok", "a\ud800"]}, "prompt[1]"),
+        ({"prompt": ["a"] * 37, "n": 2}, "prompt"),  # 74 answers: past batch_size 8 + 64
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "x"}, "suffix"),
+    ],
+)
+def test_a_bad_completion_field_is_a_400_naming_it(served, fields, param):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2} | fields
+    status, _, data = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == param, error
 
 
 def test_unknown_model_or_route_is_a_404_body_too_large_a_413(served):
