@@ -208,6 +208,8 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
     import sys
     import time
 
+    from tqdm import tqdm
+
     from salabatch.api import load, score
     from salabatch.cli.main import EXIT_ERROR_ROWS
     from salabatch.errors import SalabatchError
@@ -237,7 +239,22 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
             if len(ids) < 2:
                 raise SalabatchError("fewer than two tokens: nothing to score")
             start = time.perf_counter()
-            nll = [-x.logprob for x in score(loaded, tok, ids, prefill_chunk=prefill_chunk)]
+            # a bar per document on a terminal (a 100K-token one takes minutes on a CPU)
+            with tqdm(
+                total=len(ids),
+                desc=doc.doc_id[:30],
+                unit="tok",
+                leave=False,
+                disable=not sys.stderr.isatty(),
+            ) as bar:
+                scores = score(
+                    loaded,
+                    tok,
+                    ids,
+                    prefill_chunk=prefill_chunk,
+                    progress=lambda done, _: bar.update(done - bar.n),
+                )
+            nll = [-x.logprob for x in scores]
             seconds = time.perf_counter() - start
         except SalabatchError as e:
             failed += 1

@@ -15,7 +15,10 @@ and their rows decode as one group; choice i is what a request with seed `seed +
 With `logprobs: true` (chat), each token of a choice comes with its log-probability, bytes and
 `top_logprobs` most likely alternatives (`choices[i].logprobs.content`, streamed with the delta
 that shows its text, or a later one where its text is held back); a completion's `logprobs: k`
-gives OpenAI's legacy object (`TextLogprobs`). `response_format` (json_object, json_schema) and
+gives OpenAI's legacy object (`TextLogprobs`); its `prompt` may be a list (of strings or token
+lists: n choices each, in order), and `echo` puts each prompt before its answer, with `logprobs`
+its tokens' scores first (a job with `prompt_logprobs`: prefilled whole, scored as it goes;
+`max_tokens` 0 scores only). `response_format` (json_object, json_schema) and
 vLLM's guided_json, guided_regex and guided_choice constrain the answer (`engine.grammar`,
 compiled once per pattern, in a worker thread).
 
