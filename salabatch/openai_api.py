@@ -16,7 +16,10 @@ never silently ignored. Every check raises a BodyError naming its field.
     response_format           text, json_object or json_schema: what the answer must be
                               (`structure`); vLLM's guided_json, guided_regex, guided_choice too
 
-Unset sampling fields take the caller's defaults (a job's `generation:`, the server's).
+A text completion's body (`/v1/completions`, `TEXT_HONOURED`) has a `prompt` instead of
+messages (`prompts`: a string or token ids, or a list of them), `logprobs` as an integer
+(`text_logprobs`) and `echo` (the prompt before its answer), and no chat template. Unset sampling
+fields take the caller's defaults (a job's `generation:`, the server's).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ HONOURED = (
     "top_logprobs",
     *STRUCTURE,
 )
+TEXT_HONOURED = ("prompt", *SAMPLING, "stop", "n", "logprobs", "echo", *STRUCTURE)
 # Fields about billing, logging or delivery: they cannot change the answer.
 ACCEPTED = (
     "model",
@@ -71,6 +75,7 @@ ACCEPTED = (
     "parallel_tool_calls",
 )
 NO_OP = {"stream": False}  # accepted at this value
+TEXT_NO_OP = {**NO_OP, "best_of": 1}
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_CHOICES = 128  # n, as OpenAI allows
 
@@ -236,6 +241,42 @@ def text_logprobs(body: Mapping) -> int | None:
             f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {k!r}", "logprobs"
         )
     return k
+
+
+def prompts(value) -> list[str | list[int]]:
+    """A text completion's `prompt`: a string, a list of token ids, or a list of either (an
+    answer, or `n`, to each); BodyError naming it otherwise, or a string UTF-8 cannot hold."""
+    if isinstance(value, str) or _token_ids(value):
+        value = [value]
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(p, str) or _token_ids(p) for p in value)
+    ):
+        raise BodyError(
+            "prompt must be a string, a list of token ids, or a non-empty list of either",
+            "prompt",
+        )
+    for i, p in enumerate(value):
+        if isinstance(p, str):
+            text(p, "prompt" if len(value) == 1 else f"prompt[{i}]")
+    return value
+
+
+def _token_ids(value) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def echo(body: Mapping) -> bool:
+    """A text completion's `echo`: whether its prompt comes back before its answer."""
+    value = body.get("echo")
+    if value is not None and not isinstance(value, bool):
+        raise BodyError("echo must be true or false", "echo")
+    return bool(value)
 
 
 def structure(body: Mapping) -> str | None:

@@ -80,18 +80,7 @@ from salabatch.serve.engine import (
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
 CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
-COMPLETION_FIELDS = (
-    "prompt",
-    *openai_api.SAMPLING,
-    "stop",
-    "n",
-    "logprobs",
-    "echo",
-    *openai_api.STRUCTURE,
-    "stream",
-    "stream_options",
-)
-COMPLETION_NO_OP = {"best_of": 1}  # accepted at this value only
+COMPLETION_FIELDS = (*openai_api.TEXT_HONOURED, "stream", "stream_options")
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -245,52 +234,18 @@ class _Server:
         return JSONResponse(chat_completion(reply, answers, think, finished, self.tok))
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request, COMPLETION_FIELDS, COMPLETION_NO_OP)
+        body = await self._body(request, COMPLETION_FIELDS, {"best_of": 1})
         stream, include_usage = _streaming(body)
-        n, logprobs = choices(body, self.engine), openai_api.text_logprobs(body)
-        prompts, echo = completion_prompts(body.get("prompt")), _echo(body)
-        if len(prompts) * n > (most := self.engine.batch_size + self.engine.max_queue):
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts × n {n} are {len(prompts) * n} answers; the engine's "
-                f"rows and queue hold {most} (batch_size + max_queue)",
-                param="prompt",
-            )
-        params, max_tokens = sampling(body, self.defaults, least_tokens=0 if echo else 1)
-        stops = openai_api.stop(body.get("stop"))
-        # echo with logprobs scores the prompt; with max_tokens 0 that is all the job does
-        scored = None
-        if echo and (logprobs is not None or max_tokens == 0):
-            scored = logprobs or 0
-        grammar = await self._grammar(body)
-        jobs = []
-        for prompt in prompts:
-            job = await run_in_threadpool(
-                text_job, self.tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops
-            )
-            jobs.append(replace(job, logprobs=logprobs, grammar=grammar, prompt_logprobs=scored))
-        tickets = self._submit(jobs, n, "prompt")
-        answers = [AnswerText(self.tok, stop_strings=stops, split_think=False) for _ in tickets]
-        echoed = [_prompt_text(self.tok, p) if echo else "" for p in prompts for _ in range(n)]
-        reply = Reply(jobs[0].id, "text_completion", self.model_id, int(time.time()))
+        # prompts tokenized, a pattern compiled: off the event loop
+        text = await run_in_threadpool(text_request, body, self.tok, self.engine, self.defaults)
+        tickets = self._submit(text.jobs, text.n, "prompt")
+        answers = text.answers(self.tok)
+        reply = Reply(text.jobs[0].id, "text_completion", self.model_id, int(time.time()))
         if stream:
-            chunks = self._text_chunks(tickets, answers, echoed, reply, include_usage, n)
+            chunks = self._text_chunks(tickets, answers, text, reply, include_usage)
             return _EventStream(chunks, tickets)
         finished = await _collect(tickets, answers, request)
-        texts = []
-        for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
-            lp = None
-            if logprobs is not None:
-                lp = _choice_logprobs(self.tok, tickets[i].job.prompt if echo else None, answer)
-            texts.append(
-                {
-                    "index": i,
-                    "text": echoed[i] + answer.content,
-                    "logprobs": lp,
-                    "finish_reason": last.finish_reason,
-                }
-            )
-        return JSONResponse(reply.body(texts, usage(finished, n)))
+        return JSONResponse(text_completion(reply, text, answers, finished, self.tok))
 
     def _sampling(self, body: dict):
         return sampling(body, self.defaults)
@@ -383,10 +338,9 @@ class _Server:
         self,
         tickets: list[Ticket],
         answers: list[AnswerText],
-        echoed: list[str],
+        text: TextRequest,
         reply: Reply,
         include_usage: bool,
-        n: int,
     ) -> AsyncIterator[bytes]:
         """The chunks of a text completion: with `echo`, each choice's prompt first (with its
         scores, where they were asked for, once the prefill has made them)."""
@@ -400,6 +354,7 @@ class _Server:
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             return sse(reply.chunk([choice], **extra))
 
+        echoed = [text.echoed[i // text.n] for i in range(len(tickets))]
         for i, ticket in enumerate(tickets):
             if echoed[i] and ticket.job.prompt_logprobs is None:
                 yield chunk(i, echoed[i])
@@ -418,10 +373,84 @@ class _Server:
                 yield chunk(i, text, event.finish_reason)
                 finished[i] = event
                 if include_usage and len(finished) == len(tickets):
-                    yield sse(reply.chunk([], usage=usage(_in_order(finished), n)))
+                    yield sse(reply.chunk([], usage=usage(_in_order(finished), text.n)))
             else:
                 yield sse(event.body)
         yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """A text completion's body, read (`text_request`): a job per prompt (each of its `n`
+    choices a seed of it, `seeded`), and what its choices show: `echoed`, each prompt's text
+    where `echo` puts it before its answers (else ""), `logprobs` where they are asked for."""
+
+    jobs: list[Job]
+    n: int
+    echo: bool
+    logprobs: int | None
+    stops: tuple[str, ...]
+    echoed: list[str]
+
+    def answers(self, tok: Tokenizer) -> list[AnswerText]:
+        """An AnswerText for each choice, in order (choice p·n + j: prompt p's j-th)."""
+        n = len(self.jobs) * self.n
+        return [AnswerText(tok, stop_strings=self.stops, split_think=False) for _ in range(n)]
+
+
+def text_request(body: dict, tok: Tokenizer, engine: ServeEngine, defaults) -> TextRequest:
+    """The jobs of a text completion's body (its fields checked already): each prompt
+    tokenized (BodyError naming a bad one), its pattern compiled; at most as many choices in
+    all as the engine's rows and queue hold. Echo with logprobs scores each prompt (a job with
+    `prompt_logprobs`), and with max_tokens 0 that is all it does. Tokenizes: call it off the
+    event loop."""
+    n, logprobs = choices(body, engine), openai_api.text_logprobs(body)
+    prompts, echo = openai_api.prompts(body.get("prompt")), openai_api.echo(body)
+    if len(prompts) * n > (most := engine.batch_size + engine.max_queue):
+        raise BodyError(
+            f"{len(prompts)} prompts × n {n} are {len(prompts) * n} answers; the engine's rows "
+            f"and queue hold {most} (batch_size + max_queue)",
+            "prompt",
+        )
+    params, max_tokens = sampling(body, defaults, least_tokens=0 if echo else 1)
+    stops = openai_api.stop(body.get("stop"))
+    scored = None
+    if echo and (logprobs is not None or max_tokens == 0):
+        scored = logprobs or 0
+    pattern = openai_api.structure(body)
+    grammar = None if pattern is None else grammar_of(tok, pattern)
+    jobs = []
+    for prompt in prompts:
+        job = text_job(tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops)
+        jobs.append(replace(job, logprobs=logprobs, grammar=grammar, prompt_logprobs=scored))
+    echoed = [_prompt_text(tok, p) if echo else "" for p in prompts]
+    return TextRequest(jobs, n, echo, logprobs, stops, echoed)
+
+
+def text_completion(
+    reply: Reply,
+    text: TextRequest,
+    answers: Sequence[AnswerText],
+    finished: Sequence[Finished],
+    tok: Tokenizer,
+) -> dict:
+    """The text_completion object of finished answers, one choice each: with `echo` its
+    prompt first, in its text and its logprobs."""
+    out = []
+    for i, (answer, last) in enumerate(zip(answers, finished, strict=True)):
+        prompt = text.jobs[i // text.n].prompt
+        lp = None
+        if text.logprobs is not None:
+            lp = _choice_logprobs(tok, prompt if text.echo else None, answer)
+        out.append(
+            {
+                "index": i,
+                "text": text.echoed[i // text.n] + answer.content,
+                "logprobs": lp,
+                "finish_reason": last.finish_reason,
+            }
+        )
+    return reply.body(out, usage(finished, text.n))
 
 
 @dataclass(frozen=True)
@@ -747,41 +776,6 @@ def _streaming(body: dict) -> tuple[bool, bool]:
             "stream_options.include_usage must be true or false", "stream_options.include_usage"
         )
     return stream, include
-
-
-def completion_prompts(value: Any) -> list[str | list[int]]:
-    """A completion body's `prompt`: a string, a list of token ids, or a list of either (one
-    answer, or `n`, to each); BodyError naming it otherwise."""
-    if isinstance(value, str) or _token_ids(value):
-        value = [value]
-    if not (
-        isinstance(value, list)
-        and value
-        and all(isinstance(p, str) or _token_ids(p) for p in value)
-    ):
-        raise BodyError(
-            "prompt must be a string, a list of token ids, or a non-empty list of either",
-            "prompt",
-        )
-    for i, p in enumerate(value):
-        if isinstance(p, str):
-            openai_api.text(p, "prompt" if len(value) == 1 else f"prompt[{i}]")
-    return value
-
-
-def _token_ids(prompt: Any) -> bool:
-    return (
-        isinstance(prompt, list)
-        and bool(prompt)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    )
-
-
-def _echo(body: dict) -> bool:
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise BodyError("echo must be true or false", "echo")
-    return bool(echo)
 
 
 def _prompt_text(tok: Tokenizer, prompt: str | list[int]) -> str:

@@ -52,10 +52,10 @@ class Server(Served):
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
         return self.api.files.create(file=("in.jsonl", data), purpose="batch").id
 
-    def start_batch(self, lines: list[dict]):
+    def start_batch(self, lines: list[dict], endpoint: str = "/v1/chat/completions"):
         return self.api.batches.create(
             input_file_id=self.upload(lines),
-            endpoint="/v1/chat/completions",
+            endpoint=endpoint,
             completion_window="24h",
             metadata={"test": "yes"},
         )
@@ -189,6 +189,48 @@ def test_a_line_with_n_answers_n_choices_as_chat_answers_each_seed(tiny, tmp_pat
         assert "batch_size 4 + max_queue 16" in error["message"]
 
 
+def test_a_completions_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_path):
+    """A batch of /v1/completions lines: each output body is the text_completion the endpoint
+    answers the same body with (prompts as text or ids, a list of them, n, echo with the
+    prompt's logprobs, max_tokens 0); a chat line in it is refused by its url, and so is a
+    completions line in a chat batch."""
+    bodies = [
+        {"prompt": "The gate code is", "max_tokens": 6},
+        {"prompt": ["Who is the provider?", [5, 6, 7]], "max_tokens": 4, "n": 2, "seed": 3,
+         "temperature": 1.0},
+        {"prompt": "The fee is", "max_tokens": 0, "echo": True, "logprobs": 2},
+    ]  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": b | {"model": MODEL},
+        }
+        for i, b in enumerate(bodies)
+    ]
+    with Server(tiny, tmp_path) as s:
+        batch = s.done(s.start_batch(lines, "/v1/completions").id)
+        assert batch.status == "completed" and batch.endpoint == "/v1/completions", batch
+        out = {x["custom_id"]: x["response"]["body"] for x in s.output(batch.output_file_id)}
+        for i, body in enumerate(bodies):
+            got, want = out[f"c{i}"], s.api.completions.create(**body | {"model": MODEL})
+            assert got["object"] == "text_completion"
+            assert [c["text"] for c in got["choices"]] == [c.text for c in want.choices]
+            assert got["usage"]["prompt_tokens"] == want.usage.prompt_tokens
+        scored = out["c2"]["choices"][0]
+        assert scored["text"] == "The fee is" and scored["logprobs"]["token_logprobs"][0] is None
+        assert len(scored["logprobs"]["tokens"]) == out["c2"]["usage"]["prompt_tokens"]
+        mixed = s.done(s.start_batch([lines[0], line("x", "redwater-robotics.txt", "Who?")],
+                                     "/v1/completions").id)  # fmt: skip
+        assert mixed.status == "failed" and mixed.errors.data[0].param == "url"
+        wrong = s.done(s.start_batch(lines[:1]).id)
+        assert wrong.status == "failed" and "/v1/chat/completions" in wrong.errors.data[0].message
+        with pytest.raises(openai.BadRequestError) as e:
+            s.start_batch(lines[:1], "/v1/embeddings")
+        assert e.value.body["param"] == "endpoint"
+
+
 def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
     good = line("a", "redwater-robotics.txt", QUESTIONS[0])
     with Server(tiny, tmp_path) as s:
@@ -241,10 +283,10 @@ def test_a_fault_of_the_server_fails_its_line_or_batch_not_the_runner(tiny, tmp_
     with Server(tiny, tmp_path) as s:
         real = s.runner._submit
 
-        def submit(body):
+        def submit(body, endpoint):
             if body["max_tokens"] == 5:
                 raise RuntimeError("a bug")
-            return real(body)
+            return real(body, endpoint)
 
         monkeypatch.setattr(s.runner, "_submit", submit)
         lines = many(2, max_tokens=4)

@@ -7,6 +7,7 @@ by Ray, results collected from several machines), the rows of all its files, ded
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -26,7 +27,7 @@ import pyarrow.compute as pc
 from salabatch.errors import OutputError
 from salabatch.files import write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
-from salabatch.jobs.results.schema import OutputWarning, decode_metadata
+from salabatch.jobs.results.schema import TEXT_ROWS, OutputWarning, decode_metadata
 from salabatch.plural import counted
 
 _TOP_ERRORS = 5
@@ -113,7 +114,8 @@ def export_openai_jsonl(
     """Write the rows as the OpenAI Batch API's output file: one JSON object per line,
     `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion>},
     "error": null}`, or for an error row `"response": null, "error": {"code", "message", "line"}`.
-    A think row's reasoning is the message's `reasoning_content`.
+    A think row's reasoning is the message's `reasoning_content`. A /v1/completions line's row
+    (question_id `completion`) is a `text_completion`, its logprobs in the legacy form.
 
     Request rows come first, in the order of their lines in the requests file (`lines`:
     request_key -> line, the file as it is now, where a run knows it; else the line each row
@@ -269,32 +271,53 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
             "rejected_prediction_tokens": r["draft_tokens"] - accepted,
         }
     created = r["started_at"] or r["finished_at"]
-    message = {"role": "assistant", "content": r["answer"], "refusal": None}
-    if r["reasoning"] is not None:
-        message["reasoning_content"] = r["reasoning"]
+    if r["question_id"] == TEXT_ROWS:
+        kind, choice = "text_completion", {"text": r["answer"], "logprobs": _legacy(r["logprobs"])}
+    else:
+        message = {"role": "assistant", "content": r["answer"], "refusal": None}
+        if r["reasoning"] is not None:
+            message["reasoning_content"] = r["reasoning"]
+        lp = None if r["logprobs"] is None else {"content": r["logprobs"], "refusal": None}
+        kind, choice = "chat.completion", {"message": message, "logprobs": lp}
+    prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
     line["response"] = {
         "status_code": 200,
         "request_id": f"req_{_stable_id('request', r)}",
         "body": {
-            "id": f"chatcmpl-{_stable_id('chatcmpl', r)}",
-            "object": "chat.completion",
+            "id": f"{prefix}-{_stable_id(prefix, r)}",
+            "object": kind,
             "created": int(created.timestamp()),
             "model": r["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None
-                    if r["logprobs"] is None
-                    else {"content": r["logprobs"], "refusal": None},
-                    "finish_reason": r["finish_reason"],
-                }
-            ],
+            "choices": [{"index": 0, **choice, "finish_reason": r["finish_reason"]}],
             "usage": usage,
             "system_fingerprint": f"fp_{r['model_sha'][:12]}" if r["model_sha"] else None,
         },
     }
     return line
+
+
+def _legacy(entries: list[dict] | None) -> dict | None:
+    """A text completion's logprobs object (`tokens`, `token_logprobs`, `top_logprobs` as
+    {text: logprob} of the alternatives and the token itself, `text_offset`: where each
+    token's text starts, in characters of the tokens' own bytes) from the `logprobs` column's
+    entries, as the server's /v1/completions gives it."""
+    if entries is None:
+        return None
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    decoder, chars = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+    for e in entries:
+        top = {bytes(t["bytes"]).decode(errors="replace"): t["logprob"] for t in e["top_logprobs"]}
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append(top | {e["token"]: e["logprob"]})
+        out["text_offset"].append(chars)
+        chars += len(decoder.decode(bytes(e["bytes"])))
+    return out
 
 
 def _stable_id(kind: str, r: dict[str, Any]) -> str:

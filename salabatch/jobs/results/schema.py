@@ -44,6 +44,9 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "error")
 FINISH_REASONS = ("stop", "length", "error")
 CACHE_SOURCES = ("memory", "disk", "none")
+# the question_id of a request line's row: a chat completion's, a text completion's (its answer
+# the text as generated; exported as a text_completion)
+CHAT_ROWS, TEXT_ROWS = "request", "completion"
 
 # File metadata keys (bytes, as Parquet stores them).
 META_SCHEMA_VERSION = b"salabatch.schema_version"

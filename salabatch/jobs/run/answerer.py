@@ -25,7 +25,7 @@ from salabatch.engine.generate import Generation, Generator, Request
 from salabatch.engine.model import Model
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import GenerationError, OutputError, error_text
-from salabatch.jobs.results.schema import ResultRow
+from salabatch.jobs.results.schema import TEXT_ROWS, ResultRow
 from salabatch.jobs.run.plan import DocPlan, Row
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.run.progress import Progress
@@ -286,7 +286,9 @@ class Answerer:
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
         text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
-        reasoning, answer = split_thinking(text)
+        # a text completion's answer is the text as generated; a chat answer's <think> block
+        # is its reasoning
+        reasoning, answer = (None, text) if row.question_id == TEXT_ROWS else split_thinking(text)
         return ResultRow(
             **self.identity.columns(row),
             answer=answer,

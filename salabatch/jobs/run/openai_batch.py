@@ -1,8 +1,12 @@
-"""OpenAI Batch input: a .jsonl of chat-completion requests becomes rows of the run.
+"""OpenAI Batch input: a .jsonl of chat-completion or text-completion requests becomes rows of
+the run.
 
-Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`.
-The body is read by `salabatch.openai_api`, as the server reads it; the fields that decide the
-answer are honoured:
+Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`,
+or a text completion's, `"url": "/v1/completions"` with a `prompt` (a string, or token ids: one
+prompt, no chat template, its answer the text as generated; its row's question_id is
+`TEXT_ROWS`, "completion", a chat line's "request"). The body is read by
+`salabatch.openai_api`, as the server reads it; the fields that decide the answer are
+honoured:
 
     messages                  system, developer (rendered as system), user, assistant; text only
     max_completion_tokens     or max_tokens (max_completion_tokens wins)
@@ -10,13 +14,15 @@ answer are honoured:
     presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
-    logprobs, top_logprobs    the row's `logprobs` column (unset: the job's generation.logprobs)
+    logprobs, top_logprobs    the row's `logprobs` column (unset: the job's generation.logprobs;
+                              a text completion's `logprobs` is the number of alternatives)
     response_format           json_object, json_schema (and vLLM's guided_json, guided_regex,
                               guided_choice): what the answer must be (`engine.grammar`)
 
 Fields that do not change the answer are accepted: `model`, `user`, `metadata`, `store`,
 `service_tier`, ... (`openai_api.ACCEPTED`), and `stream` at its no-op value
-(`openai_api.NO_OP`); `n` must be 1 (a row holds one answer). Anything else
+(`openai_api.NO_OP`); `n` must be 1 (a row holds one answer), and so must a text completion's
+prompts, with `echo` false (the server's /v1/completions answers either). Anything else
 (tools, response_format, logit_bias, guided decoding, an unknown field or
 chat_template_kwargs key) is refused, never ignored: the line becomes an error row naming the
 field. Unset sampling fields take the job's `generation:` values. A line that cannot be served
@@ -44,12 +50,14 @@ from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError, not_utf8
 from salabatch.jobs.ingest.documents import Document
+from salabatch.jobs.results.schema import CHAT_ROWS, TEXT_ROWS
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.openai_api import BodyError
 
 PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
 ONE_ANSWER = "a row of the results holds one answer; salabatch serve's /v1/batches answers n > 1"
+ECHOED = "a row holds the answer alone; salabatch serve's /v1/completions echoes the prompt"
 
 
 def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[DocPlan]:
@@ -68,7 +76,7 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
     for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
-        custom_id, body, problem = _parse(raw, number)
+        custom_id, body, problem, kind = _parse(raw, number)
         if custom_id in seen or custom_id in planner.custom_ids:
             whose = "an earlier line's" if custom_id in seen else "a document row's"
             problem = f"duplicate custom_id {custom_id!r} ({whose})"
@@ -94,7 +102,7 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         row = Row(
             key,
             doc,
-            "request",
+            kind,
             "",
             custom_id,
             SamplingParams(),
@@ -120,35 +128,48 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
 # ---- one line --------------------------------------------------------------------------------
 
 
-def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None]:
-    """(custom_id, body, problem) of one line; the problem names the field it is about."""
+def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
+    """(custom_id, body, problem, kind: CHAT_ROWS or TEXT_ROWS) of one line; the problem names
+    the field it is about."""
     try:
         line = json.loads(raw)
     except json.JSONDecodeError as e:
-        return f"line-{number}", None, f"not valid JSON: {e.msg} at column {e.colno}"
+        return f"line-{number}", None, f"not valid JSON: {e.msg} at column {e.colno}", CHAT_ROWS
     except UnicodeDecodeError as e:
-        return f"line-{number}", None, f"not valid UTF-8: byte 0x{e.object[e.start]:02x}"
+        bad = f"not valid UTF-8: byte 0x{e.object[e.start]:02x}"
+        return f"line-{number}", None, bad, CHAT_ROWS
     if not isinstance(line, dict):
-        return f"line-{number}", None, "a request line must be a JSON object"
+        return f"line-{number}", None, "a request line must be a JSON object", CHAT_ROWS
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return f"line-{number}", None, "custom_id is missing"
+        return f"line-{number}", None, "custom_id is missing", CHAT_ROWS
     body = line.get("body")
-    url = line.get("url", "/v1/chat/completions")
+    url = str(line.get("url", "/v1/chat/completions"))
+    kind = CHAT_ROWS if url.endswith("/chat/completions") else TEXT_ROWS
     if not isinstance(body, dict):
-        return custom_id, None, "body is missing"
-    if not str(url).endswith("/chat/completions"):
-        return custom_id, body, f"only /v1/chat/completions requests are served, not {url}"
+        return custom_id, None, "body is missing", kind
+    if not url.endswith("/completions"):
+        served = "only /v1/chat/completions and /v1/completions requests are served"
+        return custom_id, body, f"{served}, not {url}", kind
     try:
-        openai_api.check_fields(body, openai_api.HONOURED)
+        if kind == TEXT_ROWS:
+            openai_api.check_fields(body, openai_api.TEXT_HONOURED, openai_api.TEXT_NO_OP)
+            if len(openai_api.prompts(body.get("prompt"))) > 1:
+                raise BodyError(f"prompt must be one prompt: {ONE_ANSWER}", "prompt")
+            if openai_api.echo(body):
+                raise BodyError(f"echo must be false: {ECHOED}", "echo")
+        else:
+            openai_api.check_fields(body, openai_api.HONOURED)
         openai_api.choices(body, 1, ONE_ANSWER)
     except BodyError as e:
-        return custom_id, body, str(e)
-    return custom_id, body, None
+        return custom_id, body, str(e), kind
+    return custom_id, body, None, kind
 
 
 def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[Row, np.ndarray]:
     """The row of a well-formed body, and its whole prompt's ids; ValueError names a bad field."""
+    if row.question_id == TEXT_ROWS:
+        return _text_row(spec, tok, row, body)
     messages = openai_api.messages(body.get("messages"))
     params, max_tokens = openai_api.sampling(body, spec.generation)
     think = openai_api.think(body.get("chat_template_kwargs"), spec.generation.think)
@@ -165,6 +186,35 @@ def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[R
     # big-endian: the bytes of two prompts compare as their ids do (see _groups)
     ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")
     return row, ids
+
+
+def _text_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[Row, np.ndarray]:
+    """A text completion's row: its prompt as it is (after BOS where the tokenizer adds one),
+    or its token ids, checked against the vocabulary; no think block."""
+    (prompt,) = openai_api.prompts(body.get("prompt"))
+    params, max_tokens = openai_api.sampling(body, spec.generation)
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_bos=tok.add_bos_token)
+    else:
+        ids = prompt
+        if bad := [t for t in ids if not 0 <= t < tok.vocab_size]:
+            raise BodyError(
+                f"prompt token id {bad[0]} is out of range [0, {tok.vocab_size})", "prompt"
+            )
+    if not ids:
+        raise BodyError("prompt has no tokens", "prompt")
+    logprobs = openai_api.text_logprobs(body)
+    row = replace(
+        row,
+        question=prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special=True),
+        params=params,
+        max_tokens=max_tokens,
+        think=False,
+        stop_strings=openai_api.stop(body.get("stop")),
+        logprobs=spec.generation.logprobs if logprobs is None else logprobs,
+        grammar=openai_api.structure(body),
+    )
+    return row, np.array(ids, dtype=">u4")
 
 
 # ---- lines sharing a prefix ------------------------------------------------------------------

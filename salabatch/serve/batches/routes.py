@@ -7,8 +7,8 @@
     GET    /v1/files/{id}/content   its bytes
     DELETE /v1/files/{id}
     POST   /v1/batches              input_file_id (a file of purpose batch), endpoint
-                                    /v1/chat/completions, window 24h, metadata; any other
-                                    field is refused
+                                    /v1/chat/completions or /v1/completions, window 24h,
+                                    metadata; any other field is refused
     GET    /v1/batches              ?after=&limit= (newest first)
     GET    /v1/batches/{id}
     POST   /v1/batches/{id}/cancel
@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from salabatch.serve.app import APIError, read_json
-from salabatch.serve.batches.runner import ENDPOINT, BatchRunner
+from salabatch.serve.batches.runner import ENDPOINTS, BatchRunner
 
 MAX_FILE = 200 << 20  # bytes of an uploaded input file (OpenAI allows 200 MB)
 READ = 1 << 20
@@ -128,8 +128,9 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         if found["purpose"] != "batch":
             message = f"file {file_id} has purpose {found['purpose']!r}, not 'batch'"
             raise APIError(400, message, param="input_file_id")
-        if body.get("endpoint") != ENDPOINT:
-            raise APIError(400, f"endpoint must be {ENDPOINT}", param="endpoint")
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
         if body.get("completion_window") != "24h":
             raise APIError(400, "completion_window must be '24h'", param="completion_window")
         metadata = body.get("metadata")
@@ -137,7 +138,7 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
             isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
         ):
             raise APIError(400, "metadata must be an object of strings", param="metadata")
-        return JSONResponse(runner.create(file_id, metadata))
+        return JSONResponse(runner.create(file_id, metadata, endpoint))
 
     async def get_batch(request: Request) -> Response:
         batch_id = request.path_params["batch_id"]

@@ -1,7 +1,9 @@
 """The batch runner: one thread that takes batches in the order they came and answers their
-lines through the server's ServeEngine, as the chat endpoint answers a request (the same body
-checks, the same Job with a boundary where the system messages end, so lines sharing a document
-prefill it once; a line's `n` choices are n jobs, `app.seeded`). A line is taken while fewer
+lines through the server's ServeEngine, as the batch's endpoint answers a request: a chat
+completion's (the same body checks, the same Job with a boundary where the system messages end,
+so lines sharing a document prefill it once) or a text completion's (its prompts, `echo` and
+legacy `logprobs` as `/v1/completions` takes them); a line's `n` choices are n jobs,
+`app.seeded`. A line is taken while fewer
 than `in_flight` jobs of the batch are in the engine, so chat requests arriving meanwhile join
 the next step rather than wait behind the batch.
 
@@ -42,12 +44,23 @@ from salabatch.serve.app import (
     grammar_of,
     sampling,
     seeded,
+    text_completion,
+    text_request,
 )
 from salabatch.serve.batches.store import BatchStore, new_id
 from salabatch.serve.completion import AnswerText, LeadingIds, chat_job
-from salabatch.serve.engine import EngineClosed, Failed, QueueFull, ServeEngine, Token
+from salabatch.serve.engine import (
+    EngineClosed,
+    Failed,
+    PromptLogprobs,
+    QueueFull,
+    ServeEngine,
+    Token,
+)
 
-ENDPOINT = "/v1/chat/completions"
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+ENDPOINTS = (CHAT, TEXT)
 WINDOW_S = 24 * 3600  # completion_window "24h"
 DEFAULTS = ServeDefaults()
 IN_FLIGHT = 2  # jobs of a batch in the engine at once: chat requests keep the other rows
@@ -103,13 +116,13 @@ class BatchRunner:
         if self._thread is not None:
             self._thread.join()
 
-    def create(self, input_file_id: str, metadata: dict | None) -> dict:
-        """A new batch, validating, queued."""
+    def create(self, input_file_id: str, metadata: dict | None, endpoint: str = CHAT) -> dict:
+        """A new batch of requests to `endpoint` (one of ENDPOINTS), validating, queued."""
         now = int(time.time())
         batch = {
             "id": new_id("batch"),
             "object": "batch",
-            "endpoint": ENDPOINT,
+            "endpoint": endpoint,
             "errors": None,
             "input_file_id": input_file_id,
             "completion_window": "24h",
@@ -182,7 +195,8 @@ class BatchRunner:
             if batch is not None and batch["status"] == "cancelling":
                 self._end_cancelled(batch_id)
             return
-        lines, errors = self._read_input(batch["input_file_id"])
+        endpoint = batch["endpoint"]
+        lines, errors = self._read_input(batch["input_file_id"], endpoint)
         if batch["status"] == "validating":
             if errors:
                 self._set(batch_id, "failed", errors={"object": "list", "data": errors})
@@ -191,7 +205,7 @@ class BatchRunner:
             self._set(batch_id, "in_progress", request_counts=total)
         if self.store.batch(batch_id)["status"] == "in_progress":
             done = self.store.done_lines(batch_id)
-            if not self._answer(batch_id, [x for x in lines if x[0] not in done]):
+            if not self._answer(batch_id, [x for x in lines if x[0] not in done], endpoint):
                 return
         if self.store.batch(batch_id)["status"] == "cancelling":
             self._end_cancelled(batch_id)
@@ -205,9 +219,10 @@ class BatchRunner:
         self._set(batch_id, "finalizing")
         self._set(batch_id, "completed", **self._write_files(batch_id))
 
-    def _answer(self, batch_id: str, lines: list[tuple[int, str, dict]]) -> bool:
-        """Answers `lines` (line, custom_id, body), `in_flight` jobs at a time, recording each
-        line as it ends; False when the runner stopped first (the rest stay unanswered)."""
+    def _answer(self, batch_id: str, lines: list[tuple[int, str, dict]], endpoint: str) -> bool:
+        """Answers `lines` (line, custom_id, body) as `endpoint` does, `in_flight` jobs at a
+        time, recording each line as it ends; False when the runner stopped first (the rest
+        stay unanswered)."""
         pending, running = deque(lines), deque()
         while pending or running:
             stop = self.store.batch(batch_id)["status"] == "cancelling" or self._expired(batch_id)
@@ -219,7 +234,7 @@ class BatchRunner:
             while pending and sum(len(t) for _, t, _ in running) < self.in_flight:
                 number, custom_id, body = pending[0]
                 try:
-                    tickets, answers, think = self._submit(body)
+                    tickets, answers, respond = self._submit(body, endpoint)
                 except QueueFull:
                     break  # chat has the queue: take this line when a row frees
                 except (APIError, BodyError, TokenizerError) as e:
@@ -231,14 +246,14 @@ class BatchRunner:
                     log.exception("batch %s: line %d failed", batch_id, number)
                     self._record(batch_id, number, custom_id, None, _fault(e))
                 else:
-                    running.append(((number, custom_id), tickets, (answers, think)))
+                    running.append(((number, custom_id), tickets, (answers, respond)))
                     with self._cv:
                         self._tickets.extend(tickets)
                 pending.popleft()
             if not running:
                 time.sleep(0.05)  # the queue was full
                 continue
-            (number, custom_id), tickets, (answers, think) = running.popleft()
+            (number, custom_id), tickets, (answers, respond) = running.popleft()
             last = []
             for ticket, answer in zip(tickets, answers, strict=True):
                 last.append(_last(ticket, answer))
@@ -255,17 +270,43 @@ class BatchRunner:
             elif all(e.finish_reason != "cancelled" for e in last):  # else it stays unanswered
                 for answer, finished in zip(answers, last, strict=True):
                     answer.finish(finished)
-                answered = (tickets[0].job.id, answers, think, last)
-                self._record(batch_id, number, custom_id, answered, None)
+                self._record(batch_id, number, custom_id, respond(tickets[0].job.id, last), None)
         return True
 
-    def _submit(self, body: dict):
-        """(tickets, AnswerText of each, think) of a line's body, checked as the chat endpoint
-        checks one: a ticket per choice (its `n`). QueueFull when the engine cannot take them
-        all (none is then submitted)."""
-        openai_api.check_fields(body, openai_api.HONOURED)
+    def _submit(self, body: dict, endpoint: str):
+        """(tickets, AnswerText of each, respond) of a line's body, checked as `endpoint`
+        checks one: a ticket per choice (its prompts' `n`); respond(reply id, each choice's
+        Finished) → the response body. QueueFull when the engine cannot take them all (none is
+        then submitted)."""
+        text = endpoint == TEXT
+        if text:
+            openai_api.check_fields(body, openai_api.TEXT_HONOURED, openai_api.TEXT_NO_OP)
+        else:
+            openai_api.check_fields(body, openai_api.HONOURED)
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
+        if text:
+            request = text_request(body, self.tok, self.engine, self.defaults)
+            jobs, n, answers = request.jobs, request.n, request.answers(self.tok)
+
+            def respond(reply_id: str, finished) -> dict:
+                reply = Reply(reply_id, "text_completion", self.model_id, int(time.time()))
+                return text_completion(reply, request, answers, finished, self.tok)
+        else:
+            jobs, n, answers, respond = self._chat(body)
+        tickets = []
+        try:
+            for job in jobs:
+                for one in seeded(replace(job, background=True), n):
+                    tickets.append(self.engine.submit(one))
+        except QueueFull:
+            for ticket in tickets:
+                ticket.cancel()
+            raise
+        return tickets, answers, respond
+
+    def _chat(self, body: dict):
+        """([the job], n, AnswerText of each choice, respond) of a chat line's body."""
         n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
         pattern = openai_api.structure(body)
         grammar = None if pattern is None else grammar_of(self.tok, pattern)
@@ -283,23 +324,15 @@ class BatchRunner:
             leading_ids=self.leading_ids,
         )
         answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
-        tickets = []
-        try:
-            for one in seeded(replace(job, background=True, logprobs=logprobs, grammar=grammar), n):
-                tickets.append(self.engine.submit(one))
-        except QueueFull:
-            for ticket in tickets:
-                ticket.cancel()
-            raise
-        return tickets, answers, think
 
-    def _record(self, batch_id, number, custom_id, answered, error: APIError | None) -> None:
-        if error is not None:
-            status, body = error.status, error.body
-        else:
-            reply_id, answers, think, finished = answered
+        def respond(reply_id: str, finished) -> dict:
             reply = Reply(reply_id, "chat.completion", self.model_id, int(time.time()))
-            status, body = 200, chat_completion(reply, answers, think, finished, self.tok)
+            return chat_completion(reply, answers, think, finished, self.tok)
+
+        return [replace(job, logprobs=logprobs, grammar=grammar)], n, answers, respond
+
+    def _record(self, batch_id, number, custom_id, body: dict | None, error: APIError | None):
+        status, body = (error.status, error.body) if error is not None else (200, body)
         output = {
             "id": new_id("batch_req"),
             "custom_id": custom_id,
@@ -310,9 +343,12 @@ class BatchRunner:
 
     # ---- input, output, status ---------------------------------------------------------------
 
-    def _read_input(self, file_id: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
+    def _read_input(
+        self, file_id: str, endpoint: str
+    ) -> tuple[list[tuple[int, str, dict]], list[dict]]:
         """(lines as (line number, custom_id, body), errors) of an input file: every line a JSON
-        object with a unique custom_id, method POST, url the batch's endpoint, a body object."""
+        object with a unique custom_id, method POST, url the batch's `endpoint`, a body
+        object."""
         lines, errors, seen = [], [], set()
 
         def error(number: int | None, code: str, message: str, param: str | None = None):
@@ -342,8 +378,8 @@ class BatchRunner:
                 error(number, "duplicate_custom_id", message, "custom_id")
             if line.get("method") != "POST":
                 error(number, "invalid_method", "method must be POST", "method")
-            if line.get("url") != ENDPOINT:
-                error(number, "invalid_url", f"url must be {ENDPOINT}, the batch's endpoint", "url")
+            if line.get("url") != endpoint:
+                error(number, "invalid_url", f"url must be {endpoint}, the batch's endpoint", "url")
             if not isinstance(line.get("body"), dict):
                 error(number, "missing_required_parameter", "body must be an object", "body")
             if isinstance(custom_id, str):
@@ -408,6 +444,8 @@ def _last(ticket, answer: AnswerText):
     for event in ticket:
         if isinstance(event, Token):
             answer.add(event.token, event.logprob)
+        elif isinstance(event, PromptLogprobs):
+            answer.prompt_logprobs = event.logprobs
         else:
             last = event
     return last

@@ -497,3 +497,67 @@ def test_response_format_and_guided_lines_answer_within_their_pattern(tmp_path, 
     assert rows["bad"]["status"] == "error" and "pattern cannot be used" in rows["bad"]["error"]
     assert rows["free"]["status"] == "ok"
     assert "error in request bad: GenerationError" in result.output
+
+
+def text_line(custom_id: str, prompt, **body) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "m", "prompt": prompt, "max_tokens": 6, **body},
+    }
+
+
+def test_text_completion_lines_answer_their_prompt_as_it_is(tmp_path, tiny_model):
+    """/v1/completions lines beside chat lines: a text or token-id prompt is answered as the
+    engine answers exactly its tokens (no chat template, its BOS where the tokenizer adds
+    one), the answer as generated; the output line is a text_completion (legacy logprobs: each
+    token's text and log-probability, the alternatives and itself, offsets); what a row cannot
+    hold (echo, several prompts, n) is an error row naming it; export writes the same bytes."""
+    from salabatch.engine.generate import Generator, Request
+    from salabatch.engine.load import load_model
+
+    tok = load_tokenizer(tiny_model)
+    ids = tok.encode("The ferry leaves at", add_bos=tok.add_bos_token)
+    lines = [
+        text_line("text", "The ferry leaves at", logprobs=2),
+        text_line("ids", ids[1:] + ids[1:3], stop=["zzz"]),
+        line("chat"),
+        text_line("echo", "x", echo=True),
+        text_line("two", ["a", "b"]),
+        text_line("n", "a", n=2),
+    ]
+    requests = write_requests(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "answers.jsonl"
+    result = run_requests(tmp_path, tiny_model, requests, out)
+    assert result.exit_code == 3, result.output
+    got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    rows = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    model = load_model(tiny_model)
+    for custom_id, prompt in (("text", ids), ("ids", ids[1:] + ids[1:3])):
+        request = Request(custom_id, tuple(prompt), max_tokens=6, stop=frozenset(tok.eos_ids))
+        (g,) = Generator(model, batch_size=1).generate([request])
+        body = openai_types.Completion.model_validate(got[custom_id]["response"]["body"])
+        assert (
+            body.object == "text_completion" and body.choices[0].text == rows[custom_id]["answer"]
+        )
+        assert rows[custom_id]["answer"] == tok.decode(g.tokens, skip_special=True)
+        assert rows[custom_id]["question_id"] == "completion"
+        assert body.usage.prompt_tokens == len(prompt)
+    lp = got["text"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == rows["text"]["completion_tokens"] == len(lp["text_offset"])
+    assert "".join(lp["tokens"]) == rows["text"]["answer"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    for token, value, top in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+    ):
+        assert top[token] == value == max(top.values()) and 1 <= len(top) <= 3  # greedy
+    assert got["ids"]["response"]["body"]["choices"][0]["logprobs"] is None
+    assert got["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert rows["chat"]["question_id"] == "request"
+    assert "echo must be false" in got["echo"]["error"]["message"]
+    assert "prompt must be one prompt" in got["two"]["error"]["message"]
+    assert "n must be 1" in got["n"]["error"]["message"]
+    exported = tmp_path / "exported.jsonl"
+    assert run_cli("export", str(out.with_suffix(".parquet")), "-o", str(exported)).exit_code == 0
+    assert exported.read_bytes() == out.read_bytes()
