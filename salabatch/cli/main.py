@@ -147,6 +147,16 @@ def main(debug: bool) -> None:
 # salabatch.engine.speculative.DRAFTS (a test holds them equal), spelled here: that module may
 # import mlx.core, which must wait for the BLAS
 DRAFTS = ("off", "lookup", "layers", "auto")
+# the options of the commands that load a model and prefill (generate, perplexity, serve, chat)
+dtype_option = click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+)
+prefill_chunk_option = click.option(
+    "--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16)
+)
 
 
 def speculation_options(command: click.Command) -> click.Command:

@@ -8,7 +8,14 @@ import math
 
 import click
 
-from salabatch.cli.main import Finite, human_size, positional, speculation_options
+from salabatch.cli.main import (
+    Finite,
+    dtype_option,
+    human_size,
+    positional,
+    prefill_chunk_option,
+    speculation_options,
+)
 from salabatch.plural import counted
 
 
@@ -29,13 +36,8 @@ from salabatch.plural import counted
     show_default=True,
     help="Let the model reason in a <think> block first (shown), or pre-seed it empty.",
 )
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-)
-@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+@dtype_option
+@prefill_chunk_option
 @speculation_options
 def generate(
     args,
@@ -184,13 +186,8 @@ def convert_cmd(
     default=None,
     help="Score the first N tokens of each document (default: all, up to the model's context).",
 )
-@click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-)
-@click.option("--prefill-chunk", default=2048, show_default=True, type=click.IntRange(min=16))
+@dtype_option
+@prefill_chunk_option
 @click.option(
     "--json",
     "json_path",

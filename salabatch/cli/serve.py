@@ -10,7 +10,13 @@ import sys
 
 import click
 
-from salabatch.cli.main import Finite, positional, sigterm_as_ctrl_c, speculation_options
+from salabatch.cli.main import (
+    Finite,
+    dtype_option,
+    positional,
+    sigterm_as_ctrl_c,
+    speculation_options,
+)
 
 API_KEY_ENV = "SALABATCH_API_KEY"
 _MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
@@ -33,12 +39,6 @@ def _model_ref(model_args: tuple[str, ...], model_opt: str | None) -> str:
     return model_ref
 
 
-_dtype = click.option(
-    "--dtype",
-    default="auto",
-    show_default=True,
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-)
 _state_dir = click.option(
     "--state-dir",
     type=click.Path(file_okay=False),
@@ -103,7 +103,7 @@ _max_tokens = click.option(
 @_prefix_memory
 @_store_gb
 @_max_tokens
-@_dtype
+@dtype_option
 @speculation_options
 def serve(
     model_args: tuple[str, ...],
@@ -201,7 +201,7 @@ def serve(
 @_state_dir
 @_prefix_memory
 @_store_gb
-@_dtype
+@dtype_option
 @speculation_options
 def chat(
     model_args: tuple[str, ...],
