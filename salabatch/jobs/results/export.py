@@ -375,6 +375,10 @@ def _answer_block(r: dict[str, Any]) -> str:
     body = [f"    {_clip(line, _ANSWER_CHARS)}" for line in text_lines[:_ANSWER_LINES]]
     if len(text_lines) > _ANSWER_LINES:
         body.append(f"    … ({counted(len(text_lines) - _ANSWER_LINES, 'more line')})")
+    if r["choice_logprobs"]:  # a choices question: every choice's probability, likeliest first
+        ranked = sorted(r["choice_logprobs"], key=lambda c: -c["probability"])
+        shown = ", ".join(f"{_clip(c['choice'], 40)} {c['probability']:.3f}" for c in ranked)
+        body.append(f"    choices: {shown}")
     return "\n".join([f"{title} {r['finish_reason']}{tokens}", *body])
 
 

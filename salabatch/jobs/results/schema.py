@@ -60,6 +60,11 @@ _TS = pa.timestamp("us", tz="UTC")
 # a token in `logprobs`: OpenAI's entry of logprobs.content (its text, log-probability, bytes)
 _TOKEN = [pa.field("token", _S), pa.field("logprob", _F), pa.field("bytes", pa.list_(pa.uint8()))]
 LOGPROBS = pa.list_(pa.struct([*_TOKEN, pa.field("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))
+# a choice in `choice_logprobs`: its text, its log-probability as the whole answer, and its
+# probability among the choices
+CHOICES = pa.list_(
+    pa.struct([pa.field("choice", _S), pa.field("logprob", _F), pa.field("probability", _F)])
+)
 
 
 def _col(name: str, type_: pa.DataType, doc: str, *, nullable: bool = True) -> pa.Field:
@@ -102,6 +107,13 @@ RESULT_SCHEMA = pa.schema(
             "likely alternatives), as OpenAI's logprobs.content, think block included; null "
             "unless the row asked for them (generation.logprobs, a request's logprobs)",
         ),
+        _col(
+            "choice_logprobs",
+            CHOICES,
+            "a choices question's choices: each one's log-probability as the whole answer and "
+            "its probability among them (the answer is the likeliest, or one drawn by them); "
+            "null for other rows",
+        ),
         # model
         _col("model", _S, "the job's model (checkpoint path or builtin:name)", nullable=False),
         _col("model_sha", _S, "digest of the checkpoint weights"),
@@ -134,7 +146,7 @@ RESULT_SCHEMA = pa.schema(
 )
 
 # Columns added to schema v1 later: a file without them reads as if they held nulls.
-ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens", "logprobs")
+ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens", "logprobs", "choice_logprobs")
 
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
@@ -193,6 +205,7 @@ class ResultRow:
     status: str = "ok"
     error: str | None = None
     logprobs: list[dict] | None = None
+    choice_logprobs: list[dict] | None = None
     model: str
     model_sha: str | None = None
     quant_bits: int | None = None
@@ -266,6 +279,13 @@ class ResultRow:
             isinstance(self.logprobs, list) and all(isinstance(x, dict) for x in self.logprobs)
         ):
             problems.append(f"logprobs must be a list of token entries, got {self.logprobs!r}")
+        if self.choice_logprobs is not None and not (
+            isinstance(self.choice_logprobs, list)
+            and all(isinstance(x, dict) for x in self.choice_logprobs)
+        ):
+            problems.append(
+                f"choice_logprobs must be a list of choices, got {self.choice_logprobs!r}"
+            )
         if self.finished_at is None:
             problems.append("finished_at is required")
         if problems:

@@ -19,9 +19,10 @@ from salabatch import openai_api
 from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking
+from salabatch.engine.choose import choice_ids, choice_scores, pick, probabilities
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
-from salabatch.engine.generate import Generation, Generator, Request
+from salabatch.engine.generate import Generation, Generator, Request, prefill
 from salabatch.engine.model import Model
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import GenerationError, OutputError, error_text
@@ -185,9 +186,15 @@ class Answerer:
                 seen = done
 
             prefix = self.caches.get(key, plan.doc_prompt, prefilled)
+        # a choices question's rows: each choice scored over the prefix, no decoding
+        spelled = {r.key: ids for r in plan.rows if (ids := self._spelled(r)) is not None}
+        for r in [r for r in plan.rows if r.key in spelled]:
+            rows.pop(r.key)
+            seen = _row_prefix(prefix, r, plan)
+            yield [self._chosen(r, plan, prefix.cache, r.prompt, spelled[r.key], seen, started)]
         # one tuple for all the rows: the lookup drafter searches the document
         context = tuple(plan.doc_prompt)
-        requests = [self._request(r, r.prompt, context) for r in plan.rows]
+        requests = [self._request(r, r.prompt, context) for r in plan.rows if r.key not in spelled]
         for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
             row = rows.pop(g.request.id)
             yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
@@ -209,12 +216,20 @@ class Answerer:
         started = _Start()
         mx.reset_peak_memory()
         by_key = {r.key: (r, plan) for r, plan in pool}
+        spelled = {r.key: ids for r, _ in pool if (ids := self._spelled(r)) is not None}
         # no context: each prompt holds its document, and the drafter searches the prompt
-        requests = [self._request(r, (*(plan.doc_prompt or ()), *r.prompt)) for r, plan in pool]
+        requests = [
+            self._request(r, (*(plan.doc_prompt or ()), *r.prompt))
+            for r, plan in pool
+            if r.key not in spelled
+        ]
         try:
             needs = self.pool_memory_plan(pool)
             memory.check(needs)
             with memory.bounded(needs):
+                for key in spelled:
+                    row, plan = by_key.pop(key)
+                    yield [self._chosen_pooled(row, plan, spelled[key], started)]
                 for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
                     row, plan = by_key.pop(g.request.id)
                     yield [self._row(row, plan, g, None, started)]
@@ -278,6 +293,78 @@ class Answerer:
             grammar=None if row.grammar is None else self.tok.grammars.regex(row.grammar),
         )
 
+    def _spelled(self, row: Row) -> list[list[int]] | None:
+        """A choices question's choices as the answer's tokens, each with the answer's end
+        token, where the row is chosen by likelihood: not thinking (its reasoning comes
+        first), and every choice spelled alone (`choice_ids`); else None (decoded under its
+        grammar, as any pattern)."""
+        if row.choices is None or row.think:
+            return None
+        spelled = [choice_ids(self.tok, c) for c in row.choices]
+        if any(ids is None for ids in spelled):
+            return None
+        end = self.tok.grammars.regex(row.grammar).end
+        return [[*ids, end] for ids in spelled]
+
+    def _chosen_pooled(
+        self, row: Row, plan: DocPlan, spelled: list[list[int]], started: _Start
+    ) -> ResultRow:
+        """A pooled choices row: its whole prompt but the last token prefilled, the choices
+        scored after that token."""
+        start = time.perf_counter()
+        prompt = [*(plan.doc_prompt or ()), *row.prompt]
+        base = self.model.make_cache()
+        if len(prompt) > 1:
+            prefill(self.model, prompt[:-1], base, self.spec.engine.prefill_chunk)
+        seconds = time.perf_counter() - start
+        return self._chosen(row, plan, base, prompt[-1:], spelled, None, started, seconds)
+
+    def _chosen(
+        self,
+        row: Row,
+        plan: DocPlan,
+        base: ModelCache,
+        head: tuple[int, ...] | list[int],
+        spelled: list[list[int]],
+        prefix: Prefix | None,
+        started: _Start,
+        prefill_s: float = 0.0,
+    ) -> ResultRow:
+        """A choices row's result: every choice scored after `base` and `head`
+        (`choice_scores`), the answer the likeliest (or one drawn by their probabilities, at a
+        temperature); its logprobs those of its tokens."""
+        start = time.perf_counter()
+        scores = choice_scores(self.model, base, head, spelled, row.logprobs or 0)
+        totals = [sum(x.logprob for x in s) for s in scores]
+        i = pick(totals, row.params.temperature, row.params.seed)
+        own = scores[i][:-1]  # the chosen answer's tokens, less its end token
+        chances = probabilities(totals)
+        prompt_tokens = len(head) if prefix is not None else len(head) + base.offset
+        return ResultRow(
+            **self.identity.columns(row),
+            answer=row.choices[i],
+            finish_reason="stop",
+            logprobs=None
+            if row.logprobs is None
+            else [openai_api.logprob_entry(self.tok, lp) for lp in own],
+            choice_logprobs=[
+                {"choice": c, "logprob": v, "probability": p}
+                for c, v, p in zip(row.choices, totals, chances, strict=True)
+            ],
+            **_prefill_columns(
+                plan, prompt_tokens, prefill_s + time.perf_counter() - start, prefix
+            ),
+            completion_tokens=len(own),
+            ttft_s=time.perf_counter() - started.clock,
+            decode_s=0.0,
+            batch_size=len(spelled),
+            draft_tokens=0,
+            accepted_tokens=0,
+            peak_mem_gb=mx.get_peak_memory() / 2**30,
+            started_at=started.at,
+            finished_at=_now(),
+        )
+
     def _detokenizer(self) -> StreamingDetokenizer:
         """The decoder the Generator follows a row's text with (rows with stop strings only)."""
         return self.tok.detokenizer(skip_special=True)
@@ -297,7 +384,7 @@ class Answerer:
             logprobs=None
             if row.logprobs is None
             else [openai_api.logprob_entry(self.tok, lp) for lp in g.logprobs],
-            **_prefill_columns(plan, g, prefix),
+            **_prefill_columns(plan, g.prompt_tokens, g.prefill_s, prefix),
             completion_tokens=g.completion_tokens,
             # from the start of its document's prefix (or pool), waiting for a slot included
             ttft_s=max(0.0, g.first_token_at - started.clock) if g.first_token_at else g.ttft_s,
@@ -345,22 +432,25 @@ def _row_prefix(prefix: Prefix, row: Row, plan: DocPlan) -> Prefix:
     return Prefix(prefix.cache, "memory")
 
 
-def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dict[str, Any]:
+def _prefill_columns(
+    plan: DocPlan, prompt_tokens: int, prefill_s: float, prefix: Prefix | None
+) -> dict[str, Any]:
     """A finished row's prompt columns: doc_tokens, prompt_tokens, cached_tokens, cache_source,
     doc_prefill_s and prefill_tok_s (of the document when this run prefilled it, else of the
-    row's own tokens)."""
+    row's own tokens). `prompt_tokens` and `prefill_s`: the row's own (its whole prompt's when
+    pooled, without a prefix)."""
     if prefix is None:  # pooled: the row prefilled its whole prompt itself
         return {
             "doc_tokens": plan.doc_tokens if plan.doc_prompt is not None else None,
-            "prompt_tokens": g.prompt_tokens,
+            "prompt_tokens": prompt_tokens,
             "cached_tokens": 0,
             "cache_source": "none",
-            "doc_prefill_s": g.prefill_s,
-            "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+            "doc_prefill_s": prefill_s,
+            "prefill_tok_s": prompt_tokens / prefill_s if prefill_s else None,
         }
     columns = {
         "doc_tokens": plan.doc_tokens,
-        "prompt_tokens": plan.doc_tokens + g.prompt_tokens,
+        "prompt_tokens": plan.doc_tokens + prompt_tokens,
         "cache_source": prefix.source,
     }
     if prefix.source == "none":  # prefilled in this run (perhaps from a snapshot)
@@ -373,7 +463,7 @@ def _prefill_columns(plan: DocPlan, g: Generation, prefix: Prefix | None) -> dic
     return columns | {
         "cached_tokens": plan.doc_tokens,
         "doc_prefill_s": 0.0,
-        "prefill_tok_s": g.prompt_tokens / g.prefill_s if g.prefill_s else None,
+        "prefill_tok_s": prompt_tokens / prefill_s if prefill_s else None,
     }
 
 

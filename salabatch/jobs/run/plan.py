@@ -43,6 +43,7 @@ class Row:
     request_line: int | None = None  # its line in the requests file; None for a document's row
     logprobs: int | None = None  # None: none; k: each token's, with k alternatives'
     grammar: str | None = None  # the regular expression the answer must match (response_format)
+    choices: tuple[str, ...] | None = None  # a choices question's: chosen by their likelihood
 
 
 @dataclass
@@ -137,6 +138,8 @@ class Planner:
             gen = effective_generation(spec, q)
             pattern = self._patterns[q.id]
             structure = {} if pattern is None else {"structure": pattern}  # old keys kept
+            if q.choices is not None and not gen.think:  # chosen by likelihood, not decoded
+                structure["choose"] = "likelihood"
             key = request_key(
                 **self.identity,
                 doc_id=doc.doc_id,
@@ -167,6 +170,7 @@ class Planner:
                         gen.think,
                         logprobs=gen.logprobs,
                         grammar=pattern,
+                        choices=None if q.choices is None else tuple(q.choices),
                     )
                 )
         return rows

@@ -130,7 +130,8 @@ class Question(_Strict):
     """A question asked of every document. `id` names its answers (`q<position>` when left out);
     `max_tokens` and `think` override the job's `generation:` for this question only;
     `json_schema` (JSON it validates) or `choices` (one of these strings) is what its answers
-    must be (`pattern`, `salabatch.structure`)."""
+    must be (`pattern`, `salabatch.structure`); choices are scored by their likelihood where
+    the question does not think (`salabatch.engine.choose`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 

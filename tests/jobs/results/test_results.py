@@ -46,6 +46,7 @@ DESIGN_COLUMNS = [
     "status",
     "error",
     "logprobs",
+    "choice_logprobs",
     "model",
     "model_sha",
     "quant_bits",

@@ -29,11 +29,11 @@ from tests.jobs.results.test_results import DESIGN_COLUMNS
 DEMO_PDF = REPO / "jobs" / "demo" / "docs" / "westcliff-energy.pdf"
 SHARED_PDFS = SHARED / "pdfs"
 # every column an ok document row must fill (think is off, so no reasoning; no error; float
-# weights, so no quant_bits; no request line)
+# weights, so no quant_bits; no request line; no choices question)
 FILLED = [
     c
     for c in DESIGN_COLUMNS
-    if c not in ("reasoning", "error", "logprobs", "quant_bits", "request_line")
+    if c not in ("reasoning", "error", "logprobs", "choice_logprobs", "quant_bits", "request_line")
 ]
 QUESTIONS = [
     {"id": "summary", "text": "Summarize this."},
@@ -162,6 +162,75 @@ def test_questions_with_a_json_schema_or_choices_answer_within_them(tmp_path, ti
             assert r["answer"] in ("yes", "no", "not stated") and r["finish_reason"] == "stop"
     kept = {r["custom_id"] for r in got if plain[r["custom_id"]] == r["request_key"]}
     assert kept == {c for c in plain if c.endswith("/cost")}
+
+
+def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabilities(
+    tmp_path, tiny_model
+):
+    """A choices question (not thinking): each choice's log-probability is what one call over
+    the row's whole prompt, the choice and the answer's end token gives it (float32), prefix
+    and pool rows alike; the answer is the likeliest; probabilities sum to 1; the answer's
+    logprobs are its tokens'. Sampling draws by the row's seed, the same on a rerun. A thinking
+    choices question decodes under its grammar (no probabilities), and a rerun keeps every row.
+    """
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+
+    from salabatch.engine.choose import choice_ids
+    from salabatch.engine.load import load_model
+    from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    docs = write_docs(tmp_path)
+    choices = ["yes", "no", "not stated"]
+    questions = [
+        {"id": "ask", "text": "Is the ferry late?", "choices": choices},
+        {"id": "hot", "text": "Is it cold?", "choices": choices, "think": True},
+    ]
+    generation = {"max_tokens": 12, "logprobs": 1}
+    job = write_job(tmp_path, tiny_model, questions=questions, generation=generation)
+    assert run_cli("run", str(job)).exit_code == 0
+    got = {r["custom_id"]: r for r in rows(tmp_path)}
+    model, tok = load_model(tiny_model), load_tokenizer(tiny_model)
+    end = tok.grammars.regex("x").end
+    texts = {d.doc_id: d.text for d in iter_documents([DocumentSource(docs)])}
+    for doc_id, text in texts.items():  # notes.txt pooled, the others over their prefix
+        r = got[f"{doc_id}/ask"]
+        prompt = tok.document_prompt(text, system=None, think=False)
+        prompt += tok.prompt_suffix("Is the ferry late?", system=None, think=False)
+        want = []
+        for c in choices:
+            spelled = [*choice_ids(tok, c), end]
+            logits = model(mx.array([prompt + spelled]), model.make_cache())[0]
+            lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            want.append(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(spelled)))
+        entries = r["choice_logprobs"]
+        assert [e["choice"] for e in entries] == choices
+        assert [e["logprob"] for e in entries] == pytest.approx(want, abs=1e-3), doc_id
+        assert sum(e["probability"] for e in entries) == pytest.approx(1.0)
+        assert r["answer"] == choices[int(np.argmax(want))] and r["finish_reason"] == "stop"
+        assert len(r["logprobs"]) == r["completion_tokens"] == len(choice_ids(tok, r["answer"]))
+        assert r["prompt_tokens"] == len(prompt)
+        assert math.exp(entries[0]["logprob"] - entries[1]["logprob"]) == pytest.approx(
+            entries[0]["probability"] / entries[1]["probability"], rel=1e-6
+        )
+        hot = got[f"{doc_id}/hot"]
+        assert hot["choice_logprobs"] is None and hot["answer"] in choices
+    first = {r["custom_id"]: r["request_key"] for r in rows(tmp_path)}
+    assert run_cli("run", str(job)).exit_code == 0  # nothing to do
+    assert {r["custom_id"]: r["request_key"] for r in rows(tmp_path)} == first
+
+    sampled = write_job(
+        tmp_path, tiny_model, questions=questions[:1], generation={"temperature": 5.0, "seed": 1}
+    )
+    assert run_cli("run", str(sampled)).exit_code == 0
+    drawn = {r["custom_id"]: r["answer"] for r in rows(tmp_path) if r["question_id"] == "ask"}
+    assert set(drawn.values()) <= set(choices)
+    (tmp_path / "out" / "results.parquet").unlink()
+    assert run_cli("run", str(sampled)).exit_code == 0
+    assert {r["custom_id"]: r["answer"] for r in rows(tmp_path)} == drawn
 
 
 def test_each_document_and_each_pool_measures_its_own_peak_memory(

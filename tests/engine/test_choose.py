@@ -1,0 +1,73 @@
+"""Choices scored by likelihood (`engine.choose`): each choice's tokens get the log-probabilities
+one call over the whole prompt and choice gives them, dense and sparse, on both paths; a choice
+is spelled as the tokenizer writes it mid-text; the pick is the most likely, or drawn by seed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from salabatch.engine.choose import choice_ids, choice_scores, pick, probabilities
+from salabatch.engine.generate import prefill
+from salabatch.engine.load import load_model
+from salabatch.engine.tokenizer import load_tokenizer
+from tests.engine.test_tokenizer import sentencepiece_style_dir
+from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("c"), tiny_config_dict(**SPARSE_AT_256))
+    return load_model(path, dtype="float32")
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+
+
+@pytest.mark.parametrize("doc_len", [100, 600], ids=["dense", "sparse"])
+def test_choice_scores_are_one_calls_log_softmax(model, doc_len, engine_path):
+    """Each choice's tokens, after a document prefix and a head, score what one call over
+    document, head and choice gives them (float32), alternatives too; the prefix is left as it
+    was (a second scoring gives the same)."""
+    doc, head = ids(doc_len, 1), ids(7, 2)
+    choices = [ids(1, 3), ids(4, 4), ids(2, 5)]
+    base = model.make_cache()
+    prefill(model, doc, base, 128)
+    got = choice_scores(model, base, head, choices, top=3)
+    for c, scores in zip(choices, got, strict=True):
+        whole = model(mx.array([doc + head + c]), model.make_cache())[0].astype(mx.float32)
+        lp = np.array(whole - mx.logsumexp(whole, axis=-1, keepdims=True))
+        at = len(doc) + len(head) - 1
+        assert [x.token for x in scores] == c
+        for i, x in enumerate(scores):
+            assert x.logprob == pytest.approx(lp[at + i, c[i]], abs=2e-4)
+            assert [t for t, _ in x.top] == np.argsort(-lp[at + i], kind="stable")[:3].tolist()
+    again = choice_scores(model, base, head, choices)
+    flat = [x.logprob for s in again for x in s]
+    assert flat == pytest.approx([x.logprob for s in got for x in s], abs=1e-6)
+    with pytest.raises(ValueError, match="needs a head"):
+        choice_scores(model, base, [], choices)
+
+
+def test_choice_ids_spell_the_choice_mid_text(tmp_path, tok):
+    """The demo tokenizer (byte-level) spells a choice as it is; a SentencePiece one would put
+    a space before a text's first word, so the choice is taken as spelled after a line break;
+    a choice the vocabulary cannot spell alone gives None."""
+    for tokenizer in (tok, load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))):
+        for choice in ("yes", "not stated", "Doc."):
+            got = choice_ids(tokenizer, choice)
+            assert got and b"".join(tokenizer.token_bytes(t) for t in got) == choice.encode()
+    sp = load_tokenizer(tmp_path / "sp")
+    assert sp.encode("yes", special=False) != choice_ids(sp, "yes")  # "▁yes" alone
+
+
+def test_pick_and_probabilities():
+    """Temperature 0 picks the most likely (the first of equals); sampling draws by seed, the
+    same each time, never a choice with no probability; probabilities sum to 1."""
+    assert pick([-2.0, -0.5, -0.5], 0.0, 1) == 1
+    assert sum(probabilities([-1.0, -2.0, -30.0])) == pytest.approx(1.0)
+    draws = [pick([-0.7, -0.7, -1e9], 1.0, seed) for seed in range(200)]
+    assert set(draws) == {0, 1} and draws == [pick([-0.7, -0.7, -1e9], 1.0, s) for s in range(200)]
+    assert 60 < draws.count(0) < 140
