@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from salabatch.engine.cache import ModelCache
+from salabatch.engine.generate import prefill_forks
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import TokenLogprob, read_logprobs, token_logprobs
 
@@ -41,29 +42,57 @@ def choice_ids(tok, choice: str) -> list[int] | None:
 def choice_scores(
     model: Model,
     base: ModelCache,
-    head: Sequence[int],
-    choices: Sequence[Sequence[int]],
+    asks: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
     top: int = 0,
-) -> list[list[TokenLogprob]]:
-    """Each choice's tokens scored after the prompt: `base` a one-row cache of its start (a
-    document prefix; it stays as it is), `head` its tokens after that (at least one), `choices`
-    each choice's tokens, its end token included. → per choice, each of its tokens' log-
-    probability with its `top` most likely alternatives. One call over len(choices) forks of
-    `base`, each row head + its choice, right-padded (padding only follows a row's tokens)."""
-    if not head or not all(choices):
-        raise ValueError("choice_scores needs a head and non-empty choices")
-    rows = [[*head, *c] for c in choices]
-    n, T = len(rows), max(len(r) for r in rows)
-    ids = mx.array([r + [r[-1]] * (T - len(r)) for r in rows], dtype=mx.int32)  # [n, T]
-    h = model.hidden(ids, base.fork(n))  # [n, T, hidden]
-    first = len(head) - 1  # the position whose logits give a choice's first token
+    rows: int = 8,
+) -> list[list[list[TokenLogprob]]]:
+    """The choices of questions over one prompt start, scored: `base` a one-row cache of it (a
+    document prefix; it stays as it is); `asks` each question's (head: its tokens after
+    `base`, at least one; choices: each one's tokens, its end token included). → per question,
+    per choice, each of its tokens' log-probability with its `top` most likely alternatives.
+
+    Each head is prefilled once, `rows` heads to a padded call on forks of `base`
+    (`prefill_forks`; the heads of a call on one side of dense_len, which a padded call decides
+    for its longest row): its last logits give its choices' first tokens; each choice's other
+    tokens then run on a copy of its head's row, `rows` choices to a call."""
+    if not all(head and all(cs) for head, cs in asks):
+        raise ValueError("choice_scores needs a head and non-empty choices for each question")
+    out: list[list] = [[None] * len(cs) for _, cs in asks]
+    dense_len = model.config.sparse.dense_len
+    for group in _calls(
+        range(len(asks)), rows, lambda a: base.offset + len(asks[a][0]) >= dense_len
+    ):
+        heads = prefill_forks(model, base, [asks[a][0] for a in group])
+        tails = []  # (question, choice, its head's row) of the choices longer than one token
+        for a, (row, logits) in zip(group, heads, strict=True):
+            cs = asks[a][1]
+            firsts = mx.array([c[0] for c in cs], dtype=mx.int32)
+            scored = np.asarray(token_logprobs(mx.stack([logits] * len(cs)), firsts, top))
+            for j, c in enumerate(cs):
+                out[a][j] = [read_logprobs(scored[j].tolist(), c[0], top)]
+                if len(c) > 1:
+                    tails.append((a, j, row))
+        for part in _calls(range(len(tails)), rows, lambda t: 0):
+            cache = ModelCache.concat([tails[t][2].select([0]) for t in part])  # a copy each
+            feed = [asks[tails[t][0]][1][tails[t][1]] for t in part]
+            T = max(len(c) - 1 for c in feed)
+            ids = mx.array([c[:-1] + [c[-2]] * (T - len(c) + 1) for c in feed], dtype=mx.int32)
+            h = model.hidden(ids, cache)  # [n, T, hidden]: position i gives token i + 1
+            for b, (t, c) in enumerate(zip(part, feed, strict=True)):
+                logits = model.logits(h[b, : len(c) - 1])  # [len(c) - 1, vocab]
+                scored = token_logprobs(logits, mx.array(c[1:], dtype=mx.int32), top)
+                rest = zip(np.asarray(scored).tolist(), c[1:], strict=True)
+                a, j, _ = tails[t]
+                out[a][j] += [read_logprobs(x, tok, top) for x, tok in rest]
+    return out
+
+
+def _calls(items: Sequence[int], rows: int, side) -> list[list[int]]:
+    """`items` in calls of at most `rows`, each call's items of one `side`."""
     out = []
-    for b, c in enumerate(choices):
-        logits = model.logits(h[b, first : first + len(c)])  # [len(c), vocab]
-        scored = token_logprobs(logits, mx.array(list(c), dtype=mx.int32), top)
-        out.append(
-            [read_logprobs(r, t, top) for r, t in zip(np.asarray(scored).tolist(), c, strict=True)]
-        )
+    for s in sorted({side(i) for i in items}):
+        same = [i for i in items if side(i) == s]
+        out += [same[k : k + rows] for k in range(0, len(same), rows)]
     return out
 
 

@@ -178,6 +178,33 @@ class Prefill:
         return [read_logprobs(r, t, self.score) for r, t in zip(rows, ids, strict=True)]
 
 
+def prefill_forks(
+    model, prefix: ModelCache, prompts: Sequence[Sequence[int]]
+) -> list[tuple[ModelCache, mx.array]]:
+    """Each of `prompts` (own tokens, at least one each) prefilled on its own fork of the
+    one-row `prefix`, all in one call right-padded to the longest: → per prompt, its one-row
+    cache (a fork of `prefix`, joinable with its other forks) and its last position's logits
+    [vocab]. Each row keeps exactly its own tokens (`ModelCache.checkpoint` records a padded
+    call, `rollback` cuts every row to its length): `generate.prefill` of each on
+    `prefix.fork(1)`, within float rounding, when all prompts lie on one side of dense_len
+    (a padded call decides for its longest row); exactly that for one prompt."""
+    lengths = [len(p) for p in prompts]
+    n, T = len(prompts), max(lengths)
+    padded = min(lengths) < T  # else nothing to cut: a plain call (a prompt alone: its prefill)
+    cache = prefix.fork(n)
+    point = cache.checkpoint(record=True, stepwise=False) if padded else None
+    # [n, T]: padded with each row's last token (any id will do: the rollback drops them)
+    ids = mx.array([[*p, *[p[-1]] * (T - len(p))] for p in prompts], dtype=mx.int32)
+    h = model.hidden(ids, cache)  # [n, T, hidden]
+    last = h[mx.arange(n), mx.array([m - 1 for m in lengths])]  # [n, hidden]
+    logits = model.logits(last)  # [n, vocab]
+    if padded:
+        cache.rollback(point, lengths)
+    rows = [cache] if n == 1 else [cache.select([b]) for b in range(n)]
+    mx.eval(logits, *(a for row in rows for a in row.arrays()))
+    return [(row, logits[b]) for b, row in enumerate(rows)]
+
+
 @dataclass(frozen=True)
 class Request:
     id: str

@@ -13,10 +13,10 @@ decoding group → its last event. All MLX work runs on the engine thread, which
 
 Jobs taken together whose rows fork one held prefix and whose own tokens are short (one chunk,
 no snapshot to take, interactive) prefill together: their own tokens right-padded into one call
-on n forks of the prefix, each row then rolled back to exactly its tokens (`prefill_forks`; a
-job alone takes the same path, a batch of one: its plain prefill). Padding is kept small by
-batching similar lengths (`padded_batches`). Other jobs prefill on their own row, a chunk per
-turn.
+on n forks of the prefix, each row then rolled back to exactly its tokens
+(`generate.prefill_forks`; a job alone takes the same path, a batch of one: its plain prefill).
+Padding is kept small by batching similar lengths (`padded_batches`). Other jobs prefill on
+their own row, a chunk per turn.
 
 Prefix reuse (`prefixes.HeldPrefixes`): a job resumes from the longest held prefix its prompt
 starts with (memory, then the prefix store on disk): its row is a fork of it, and it prefills the
@@ -691,6 +691,8 @@ class ServeEngine:
             self._admitting.pop(0)
             taken.setdefault(id(w.base), []).append(w)
             total += len(w.ticket.job.prompt) - w.cached
+        from salabatch.engine import generate
+
         fed = 0
         dense_len = self.model.config.sparse.dense_len
         for ws in taken.values():
@@ -700,7 +702,7 @@ class ServeEngine:
             for batch in padded_batches(lengths, self.prefill_chunk, dense_len - held.tokens):
                 jobs = [ws[i] for i in batch]
                 try:
-                    rows = prefill_forks(self.model, held.cache, [rests[i] for i in batch])
+                    rows = generate.prefill_forks(self.model, held.cache, [rests[i] for i in batch])
                 except Exception as e:  # these jobs cannot run; the others can
                     for w in jobs:
                         self._fail(w, e)
@@ -1029,32 +1031,3 @@ def padded_batches(lengths: Sequence[int], cap: int, side: int) -> list[list[int
     if batch:
         out.append(batch)
     return out
-
-
-def prefill_forks(
-    model, prefix: ModelCache, prompts: Sequence[Sequence[int]]
-) -> list[tuple[ModelCache, mx.array]]:
-    """Each of `prompts` (own tokens, at least one each) prefilled on its own fork of the
-    one-row `prefix`, all in one call right-padded to the longest: → per prompt, its one-row
-    cache (a fork of `prefix`, joinable with its other forks) and its last position's logits
-    [vocab]. Each row keeps exactly its own tokens (`ModelCache.checkpoint` records a padded
-    call, `rollback` cuts every row to its length): `generate.prefill` of each on
-    `prefix.fork(1)`, within float rounding, when all prompts lie on one side of dense_len
-    (`padded_batches`); exactly that for one prompt."""
-    import mlx.core as mx
-
-    lengths = [len(p) for p in prompts]
-    n, T = len(prompts), max(lengths)
-    padded = min(lengths) < T  # else nothing to cut: a plain call (a prompt alone: its prefill)
-    cache = prefix.fork(n)
-    point = cache.checkpoint(record=True, stepwise=False) if padded else None
-    # [n, T]: padded with each row's last token (any id will do: the rollback drops them)
-    ids = mx.array([[*p, *[p[-1]] * (T - len(p))] for p in prompts], dtype=mx.int32)
-    h = model.hidden(ids, cache)  # [n, T, hidden]
-    last = h[mx.arange(n), mx.array([m - 1 for m in lengths])]  # [n, hidden]
-    logits = model.logits(last)  # [n, vocab]
-    if padded:
-        cache.rollback(point, lengths)
-    rows = [cache] if n == 1 else [cache.select([b]) for b in range(n)]
-    mx.eval(logits, *(a for row in rows for a in row.arrays()))
-    return [(row, logits[b]) for b, row in enumerate(rows)]

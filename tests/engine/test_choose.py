@@ -28,27 +28,31 @@ def ids(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("doc_len", [100, 600], ids=["dense", "sparse"])
 def test_choice_scores_are_one_calls_log_softmax(model, doc_len, engine_path):
-    """Each choice's tokens, after a document prefix and a head, score what one call over
-    document, head and choice gives them (float32), alternatives too; the prefix is left as it
-    was (a second scoring gives the same)."""
-    doc, head = ids(doc_len, 1), ids(7, 2)
-    choices = [ids(1, 3), ids(4, 4), ids(2, 5)]
+    """Each choice's tokens, after a document prefix and its question's head, score what one
+    call over document, head and choice gives them (float32), alternatives too, whatever the
+    rows to a call (heads and choices of different lengths padded together, or each alone);
+    the prefix is left as it was (a second scoring gives the same)."""
+    doc = ids(doc_len, 1)
+    asks = [(ids(7, 2), [ids(1, 3), ids(4, 4), ids(2, 5)]), (ids(3, 6), [ids(2, 7), ids(5, 8)])]
     base = model.make_cache()
     prefill(model, doc, base, 128)
-    got = choice_scores(model, base, head, choices, top=3)
-    for c, scores in zip(choices, got, strict=True):
-        whole = model(mx.array([doc + head + c]), model.make_cache())[0].astype(mx.float32)
-        lp = np.array(whole - mx.logsumexp(whole, axis=-1, keepdims=True))
-        at = len(doc) + len(head) - 1
-        assert [x.token for x in scores] == c
-        for i, x in enumerate(scores):
-            assert x.logprob == pytest.approx(lp[at + i, c[i]], abs=2e-4)
-            assert [t for t, _ in x.top] == np.argsort(-lp[at + i], kind="stable")[:3].tolist()
-    again = choice_scores(model, base, head, choices)
-    flat = [x.logprob for s in again for x in s]
-    assert flat == pytest.approx([x.logprob for s in got for x in s], abs=1e-6)
+    got = choice_scores(model, base, asks, top=3, rows=3)
+    for (head, choices), per_choice in zip(asks, got, strict=True):
+        for c, scores in zip(choices, per_choice, strict=True):
+            whole = model(mx.array([doc + head + c]), model.make_cache())[0].astype(mx.float32)
+            lp = np.array(whole - mx.logsumexp(whole, axis=-1, keepdims=True))
+            at = len(doc) + len(head) - 1
+            assert [x.token for x in scores] == c
+            for i, x in enumerate(scores):
+                assert x.logprob == pytest.approx(lp[at + i, c[i]], abs=2e-4)
+                best = np.argsort(-lp[at + i], kind="stable")[:3].tolist()
+                assert [t for t, _ in x.top] == best
+    for rows in (1, 8):
+        again = choice_scores(model, base, asks, rows=rows)
+        flat = [x.logprob for q in again for s in q for x in s]
+        assert flat == pytest.approx([x.logprob for q in got for s in q for x in s], abs=1e-5)
     with pytest.raises(ValueError, match="needs a head"):
-        choice_scores(model, base, [], choices)
+        choice_scores(model, base, [([], asks[0][1])])
 
 
 def test_choice_ids_spell_the_choice_mid_text(tmp_path, tok):

@@ -16,7 +16,7 @@ import pytest
 
 from salabatch.engine import generate as generate_module
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.generate import Batch, Generator, Prefill, Request, prefill
+from salabatch.engine.generate import Batch, Generator, Prefill, Request, prefill, prefill_forks
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.sparse_cache import SparseKVCache
@@ -37,7 +37,6 @@ from salabatch.serve.engine import (
     ServeEngine,
     Token,
     padded_batches,
-    prefill_forks,
     save_points,
 )
 from salabatch.serve.prefixes import owned, prefix_digests
@@ -693,13 +692,13 @@ def test_prefill_forks_is_each_rows_own_prefill(model, doc_len, groups):
 def batched(monkeypatch):
     """The sizes of the padded prefill calls the engine makes (`prefill_forks`)."""
     sizes: list[int] = []
-    real = engine_module.prefill_forks
+    real = generate_module.prefill_forks
 
     def counted(model, prefix, prompts):
         sizes.append(len(prompts))
         return real(model, prefix, prompts)
 
-    monkeypatch.setattr(engine_module, "prefill_forks", counted)
+    monkeypatch.setattr(generate_module, "prefill_forks", counted)
     return sizes
 
 

@@ -25,6 +25,7 @@ import uvicorn
 from click.testing import CliRunner
 
 from salabatch.cli import main
+from salabatch.engine import generate as generate_module
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import OutOfMemoryError
 from salabatch.serve import app as app_module
@@ -549,13 +550,13 @@ def test_concurrent_clients_over_a_held_document_prefill_together_as_alone(tiny,
     answered: 8 streaming clients asking of one held document at once have their questions
     prefilled together (padded calls of several rows), and each gets the answer it gets alone."""
     sizes: list[int] = []
-    real = engine_module.prefill_forks
+    real = generate_module.prefill_forks
 
     def counted(model, prefix, prompts):
         sizes.append(len(prompts))
         return real(model, prefix, prompts)
 
-    monkeypatch.setattr(engine_module, "prefill_forks", counted)
+    monkeypatch.setattr(generate_module, "prefill_forks", counted)
     model, tok = tiny
     doc = document("redwater-robotics.txt")
     requests = [system_turn(doc, q) for q in QUESTIONS]

@@ -9,7 +9,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,6 +24,7 @@ from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request, prefill
 from salabatch.engine.model import Model
+from salabatch.engine.sampling import TokenLogprob
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import GenerationError, OutputError, error_text
 from salabatch.jobs.results.schema import TEXT_ROWS, ResultRow
@@ -186,12 +187,19 @@ class Answerer:
                 seen = done
 
             prefix = self.caches.get(key, plan.doc_prompt, prefilled)
-        # a choices question's rows: each choice scored over the prefix, no decoding
+        # a choices question's rows: their choices scored over the prefix together, no decoding
         spelled = {r.key: ids for r in plan.rows if (ids := self._spelled(r)) is not None}
-        for r in [r for r in plan.rows if r.key in spelled]:
-            rows.pop(r.key)
-            seen = _row_prefix(prefix, r, plan)
-            yield [self._chosen(r, plan, prefix.cache, r.prompt, spelled[r.key], seen, started)]
+        chosen = [r for r in plan.rows if r.key in spelled]
+        if chosen:
+            start = time.perf_counter()
+            asks = [(r.prompt, spelled[r.key]) for r in chosen]
+            top = max(r.logprobs or 0 for r in chosen)
+            scores = choice_scores(self.model, prefix.cache, asks, top, self.spec.engine.batch_size)
+            seconds = (time.perf_counter() - start) / len(chosen)
+            for r, s in zip(chosen, scores, strict=True):
+                rows.pop(r.key)
+                seen = _row_prefix(prefix, r, plan)
+                yield [self._chosen(r, plan, s, len(r.prompt), seconds, seen, started)]
         # one tuple for all the rows: the lookup drafter searches the document
         context = tuple(plan.doc_prompt)
         requests = [self._request(r, r.prompt, context) for r in plan.rows if r.key not in spelled]
@@ -309,55 +317,51 @@ class Answerer:
     def _chosen_pooled(
         self, row: Row, plan: DocPlan, spelled: list[list[int]], started: _Start
     ) -> ResultRow:
-        """A pooled choices row: its whole prompt but the last token prefilled, the choices
+        """A pooled choices row: its whole prompt but the last token prefilled, its choices
         scored after that token."""
         start = time.perf_counter()
         prompt = [*(plan.doc_prompt or ()), *row.prompt]
         base = self.model.make_cache()
-        if len(prompt) > 1:
-            prefill(self.model, prompt[:-1], base, self.spec.engine.prefill_chunk)
+        prefill(self.model, prompt[:-1], base, self.spec.engine.prefill_chunk)
+        (scores,) = choice_scores(self.model, base, [(prompt[-1:], spelled)], row.logprobs or 0)
         seconds = time.perf_counter() - start
-        return self._chosen(row, plan, base, prompt[-1:], spelled, None, started, seconds)
+        return self._chosen(row, plan, scores, len(prompt), seconds, None, started)
 
     def _chosen(
         self,
         row: Row,
         plan: DocPlan,
-        base: ModelCache,
-        head: tuple[int, ...] | list[int],
-        spelled: list[list[int]],
+        scores: list[list[TokenLogprob]],
+        prompt_tokens: int,
+        prefill_s: float,
         prefix: Prefix | None,
         started: _Start,
-        prefill_s: float = 0.0,
     ) -> ResultRow:
-        """A choices row's result: every choice scored after `base` and `head`
-        (`choice_scores`), the answer the likeliest (or one drawn by their probabilities, at a
-        temperature); its logprobs those of its tokens."""
-        start = time.perf_counter()
-        scores = choice_scores(self.model, base, head, spelled, row.logprobs or 0)
+        """A choices row's result from its choices' scores (`choice_scores`): the answer the
+        likeliest (or one drawn by their probabilities, at a temperature), its logprobs those
+        of its tokens (with the row's alternatives). `prompt_tokens`, `prefill_s`: the row's
+        own (its whole prompt's when pooled)."""
         totals = [sum(x.logprob for x in s) for s in scores]
         i = pick(totals, row.params.temperature, row.params.seed)
         own = scores[i][:-1]  # the chosen answer's tokens, less its end token
+        top = row.logprobs or 0
         chances = probabilities(totals)
-        prompt_tokens = len(head) if prefix is not None else len(head) + base.offset
         return ResultRow(
             **self.identity.columns(row),
             answer=row.choices[i],
             finish_reason="stop",
             logprobs=None
             if row.logprobs is None
-            else [openai_api.logprob_entry(self.tok, lp) for lp in own],
+            else [openai_api.logprob_entry(self.tok, replace(lp, top=lp.top[:top])) for lp in own],
             choice_logprobs=[
                 {"choice": c, "logprob": v, "probability": p}
                 for c, v, p in zip(row.choices, totals, chances, strict=True)
             ],
-            **_prefill_columns(
-                plan, prompt_tokens, prefill_s + time.perf_counter() - start, prefix
-            ),
+            **_prefill_columns(plan, prompt_tokens, prefill_s, prefix),
             completion_tokens=len(own),
             ttft_s=time.perf_counter() - started.clock,
             decode_s=0.0,
-            batch_size=len(spelled),
+            batch_size=len(scores),
             draft_tokens=0,
             accepted_tokens=0,
             peak_mem_gb=mx.get_peak_memory() / 2**30,
