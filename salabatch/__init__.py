@@ -1,13 +1,22 @@
 """salabatch: batch question answering over long documents with MiniCPM-SALA on Apple MLX.
 
 The Python API mirrors mlx-lm's (see `salabatch.api`): `load`, `generate`, `stream_generate`,
-`batch_generate`, and `score` (a text's token log-probabilities). Importing salabatch stays
-light (no MLX): they are looked up on first use.
+`batch_generate`, `choose` (answers among choices, with their probabilities) and `score` (a
+text's token log-probabilities). Importing salabatch stays light (no MLX): they are looked up on
+first use.
 """
 
 from salabatch._version import __version__
 
-_API = ("load", "generate", "stream_generate", "batch_generate", "score", "GenerationResponse")
+_API = (
+    "load",
+    "generate",
+    "stream_generate",
+    "batch_generate",
+    "choose",
+    "score",
+    "GenerationResponse",
+)
 
 
 def __getattr__(name: str):

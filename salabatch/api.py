@@ -7,6 +7,7 @@
     for response in salabatch.stream_generate(model, tokenizer, "Say hi."):
         print(response.text, end="", flush=True)
     answers = salabatch.batch_generate(model, tokenizer, document, ["Who?", "When?"])
+    odds = salabatch.choose(model, tokenizer, document, ["Does it renew?"], ["yes", "no"])
     scores = salabatch.score(model, tokenizer, document)  # each token's log-probability
 
 Speculative decoding is off unless asked for: `draft="lookup"` drafts from the prompt itself
@@ -317,6 +318,75 @@ def batch_generate(
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
     return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
+
+
+def choose(
+    model: Model,
+    tokenizer: Tokenizer,
+    document: str,
+    questions: Sequence[str],
+    choices: Sequence[str],
+    *,
+    system: str | None = None,
+    batch_size: int = 8,
+    prefill_chunk: int = 2048,
+) -> list[dict[str, float]]:
+    """Each of `questions` about `document` answered among `choices`, as `salabatch run`
+    answers a choices question: every choice scored as the whole answer (its tokens then the
+    end-of-turn token) after the question's prompt (`engine.choose`), → per question, each
+    choice's probability among them, in the choices' order (the likeliest is the answer). The
+    document is prefilled once; `batch_size` rows to a call. A choice the vocabulary cannot
+    spell alone is a GenerationError naming it (`batch_generate(..., choices=)` decodes under
+    the choices' pattern instead)."""
+    from salabatch.engine import memory
+    from salabatch.engine.choose import choice_ids, choice_scores, probabilities
+    from salabatch.engine.generate import answer_room, prefill
+    from salabatch.engine.kernels.attention import on_gpu
+    from salabatch.engine.memory import cache_limit
+    from salabatch.engine.runtime import engine_runtime
+    from salabatch.structure import choice_pattern
+
+    _counts(prefill_chunk=prefill_chunk, batch_size=batch_size)
+    if not isinstance(document, str):
+        raise GenerationError(f"must be a text, got {_shown(document)}", field="document")
+    for name, texts in (("questions", questions), ("choices", choices)):
+        if isinstance(texts, str) or not isinstance(texts, Sequence):
+            raise GenerationError(f"must be a list of strings, got {_shown(texts)}", field=name)
+        if not all(isinstance(t, str) and t for t in texts):
+            raise GenerationError("must hold non-empty strings only", field=name)
+    if not choices:
+        raise GenerationError("must hold at least one choice", field="choices")
+    _text_or_none(system=system)
+    end = tokenizer.grammars.regex(choice_pattern(choices), field="choices").end
+    spelled = []
+    for c in choices:
+        ids = choice_ids(tokenizer, c)
+        if ids is None:
+            raise GenerationError(f"the vocabulary cannot spell {c!r} on its own", field="choices")
+        spelled.append([*ids, end])
+    if not questions:
+        return []
+    doc_prompt = tokenizer.document_prompt(document, system=system, think=False)
+    heads = [tokenizer.prompt_suffix(q, system=system, think=False) for q in questions]
+    longest = max(len(h) for h in heads) + max(len(c) for c in spelled)
+    answer_room(model.config, len(doc_prompt) + longest - 1, 1, field="document")
+    needs = memory.model_plan(
+        model,
+        doc_tokens=len(doc_prompt),
+        rows=[longest],
+        chunk=prefill_chunk,
+        batch_size=batch_size,
+    )
+    memory.check(needs)
+    with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
+        prefix = model.make_cache()
+        prefill(model, doc_prompt, prefix, prefill_chunk)
+        scores = choice_scores(model, prefix, [(h, spelled) for h in heads], rows=batch_size)
+    out = []
+    for per_choice in scores:
+        chances = probabilities([sum(x.logprob for x in s) for s in per_choice])
+        out.append(dict(zip(choices, chances, strict=True)))
+    return out
 
 
 def score(

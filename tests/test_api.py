@@ -480,3 +480,46 @@ def test_score_keeps_to_the_models_context(context_64):
         salabatch.score(short, tok64, [5] * 65)
     assert e.value.field == "text"
     assert len(salabatch.score(short, tok64, [5] * 64)) == 63
+
+
+def test_choose_gives_each_choice_its_probability_as_a_run_does(loaded):
+    """`choose` gives every choice its probability after each question's prompt: the softmax
+    of what one call over document, question, choice and end token gives them; in order;
+    the same whatever the batch size; bad arguments are refused by name."""
+    import mlx.core as mx
+    import numpy as np
+
+    from salabatch.engine.choose import choice_ids
+
+    model, tok = loaded
+    choices = ["yes", "no", "not stated"]
+    got = salabatch.choose(model, tok, DOC, QUESTIONS[:2], choices)
+    end = tok.grammars.regex("x").end
+    for question, probs in zip(QUESTIONS[:2], got, strict=True):
+        prompt = tok.document_prompt(DOC, system=None, think=False)
+        prompt += tok.prompt_suffix(question, system=None, think=False)
+        totals = []
+        for c in choices:
+            spelled = [*choice_ids(tok, c), end]
+            logits = model(mx.array([prompt + spelled]), model.make_cache())[0]
+            lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            totals.append(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(spelled)))
+        want = np.exp(np.array(totals) - max(totals))
+        assert list(probs) == choices
+        assert list(probs.values()) == pytest.approx((want / want.sum()).tolist(), abs=1e-4)
+    one = salabatch.choose(model, tok, DOC, QUESTIONS[:2], choices, batch_size=1)
+    assert [list(p.values()) for p in one] == [
+        pytest.approx(list(p.values()), abs=1e-5) for p in got
+    ]
+    assert salabatch.choose(model, tok, DOC, [], choices) == []
+    for bad, field in (
+        ({"choices": []}, "choices"),
+        ({"choices": "yes"}, "choices"),
+        ({"questions": "Why?"}, "questions"),
+        ({"choices": ["yes", ""]}, "choices"),
+        ({"batch_size": 0}, "batch_size"),
+    ):
+        args = {"questions": QUESTIONS[:1], "choices": choices} | bad
+        with pytest.raises(GenerationError) as e:
+            salabatch.choose(model, tok, DOC, **args)
+        assert e.value.field == field

@@ -3,9 +3,10 @@
 Each choice is scored as the whole answer: its tokens, then the answer's end token, after the
 row's prompt; the sum of their log-probabilities is the choice's (what lm-eval-harness's
 multiple choice computes). So every choice comes with a probability (the softmax of those sums
-over the choices), and the answer is the most likely one, or, sampling, one drawn by them: one
-forward pass over the choices, no decoding. A choice is scored as the tokenizer spells it in
-context (`choice_ids`); one it cannot spell on its own is left to constrained decoding.
+over the choices), and the answer is the most likely one, or, sampling, one drawn by them,
+with no decoding: each question's prompt is run once, then its choices' tokens after it
+(`choice_scores`). A choice is scored as the tokenizer spells it in context (`choice_ids`); one
+it cannot spell on its own is left to constrained decoding.
 """
 
 from __future__ import annotations
