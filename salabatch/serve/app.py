@@ -4,6 +4,7 @@
     GET  /v1/models              the one model served (and /v1/models/{id}: it alone)
     POST /v1/chat/completions    messages → a chat.completion, or SSE chunks with `stream: true`
     POST /v1/completions         a text prompt → a text_completion, or SSE chunks
+    POST /tokenize, /detokenize  a prompt's or messages' token ids (and the context), ids' text
     GET  /metrics                Prometheus text: the engine's stats, requests by endpoint/status
 
 Bodies are read by `salabatch.openai_api`, as the Batch path reads request lines: the same
@@ -81,6 +82,13 @@ from salabatch.serve.engine import (
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
 CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
 COMPLETION_FIELDS = (*openai_api.TEXT_HONOURED, "stream", "stream_options")
+TOKENIZE_FIELDS = (
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+)
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -142,6 +150,8 @@ def create_app(
             Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/tokenize", server.tokenize, methods=["POST"]),
+            Route("/detokenize", server.detokenize, methods=["POST"]),
             Route("/metrics", server.metrics, methods=["GET"]),
             *routes,
         ],
@@ -191,6 +201,7 @@ class _Server:
             "object": "model",
             "created": self.created,
             "owned_by": "salabatch",
+            "max_model_len": self.engine.model.config.context_length,  # as vLLM's model card
         }
 
     async def metrics(self, request: Request) -> Response:
@@ -198,6 +209,70 @@ class _Server:
             prometheus(self.engine.stats(), self.requests),
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
+
+    # ---- tokens (vLLM's /tokenize and /detokenize) ---------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt's token ids as /v1/completions takes it (`prompt`; BOS where the tokenizer
+        adds one, unless `add_special_tokens` is false), or chat messages' as
+        /v1/chat/completions renders them (`add_generation_prompt`, default true), with the
+        context they must fit: a client checks a long document before it sends it."""
+        body = await read_json(request, self.max_body)
+        openai_api.check_fields(body, TOKENIZE_FIELDS, {})
+        self._check_model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise BodyError("give prompt or messages, one of them", "prompt")
+        flags = {}
+        for name in ("add_special_tokens", "add_generation_prompt"):
+            value = body.get(name, True)
+            if not isinstance(value, bool):
+                raise BodyError(f"{name} must be true or false", name)
+            flags[name] = value
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise BodyError("prompt must be a string", "prompt")
+            openai_api.text(prompt, "prompt")
+            bos = self.tok.add_bos_token and flags["add_special_tokens"]
+            ids = await run_in_threadpool(self.tok.encode, prompt, bos)
+        else:
+            messages = openai_api.messages(body["messages"])
+            think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
+            try:
+                ids = await run_in_threadpool(
+                    self.tok.chat_prompt_ids,
+                    messages,
+                    think=think,
+                    add_generation_prompt=flags["add_generation_prompt"],
+                )
+            except TokenizerError as e:  # the chat template refused the messages
+                raise APIError(400, str(e), param="messages") from None
+        context = self.engine.model.config.context_length
+        return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        """The text of token ids (`tokens`), special tokens' text included."""
+        body = await read_json(request, self.max_body)
+        openai_api.check_fields(body, ("tokens",), {})
+        self._check_model(body)
+        tokens = body.get("tokens")
+        vocab = self.tok.vocab_size
+        if not (
+            isinstance(tokens, list)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+            )
+        ):
+            raise BodyError(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": await run_in_threadpool(self.tok.decode, tokens)})
+
+    def _check_model(self, body: dict) -> None:
+        """404 unless the body's `model`, where it names one, is the one served."""
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise BodyError("model must be a string", "model")
+            check_model(model, self.model_id)
 
     # ---- completions -------------------------------------------------------------------------
 

@@ -163,6 +163,49 @@ def test_models_and_health(served):
         served.client().models.retrieve("gpt-4o")
     status, _, body = served.raw("GET", "/health", key=None)
     assert (status, json.loads(body)) == (200, {"status": "ok"})
+    context = served.engine.model.config.context_length
+    assert models.data[0].model_extra["max_model_len"] == context
+
+
+def test_tokenize_and_detokenize_as_the_completion_endpoints_read_prompts(served):
+    """/tokenize gives a prompt's ids as /v1/completions prefills them (BOS where the tokenizer
+    adds one; `add_special_tokens: false` without), messages' as chat renders them (with or
+    without the generation prompt), the count and the context; /detokenize gives ids' text;
+    both need the key, and a bad field is a 400 naming it."""
+    tok = served.tok
+
+    def post(path: str, body: dict, key: str | None = KEY):
+        status, _, data = served.raw("POST", path, json.dumps(body).encode(), key=key)
+        return status, json.loads(data)
+
+    status, got = post("/tokenize", {"model": MODEL, "prompt": "The gate code is"})
+    ids = tok.encode("The gate code is", add_bos=tok.add_bos_token)
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids)
+    assert got["max_model_len"] == served.engine.model.config.context_length
+    bare = post("/tokenize", {"prompt": "The gate code is", "add_special_tokens": False})[1]
+    assert bare["tokens"] == tok.encode("The gate code is")
+    messages = [{"role": "user", "content": "Who is the provider?"}]
+    chat = post("/tokenize", {"messages": messages})[1]
+    assert chat["tokens"] == tok.chat_prompt_ids(messages, think=False)
+    plain = post("/tokenize", {"messages": messages, "add_generation_prompt": False})[1]
+    assert plain["tokens"] == tok.chat_prompt_ids(
+        messages, think=False, add_generation_prompt=False
+    )
+    status, text = post("/detokenize", {"model": MODEL, "tokens": ids})
+    assert status == 200 and text["prompt"] == tok.decode(ids)
+    assert post("/tokenize", {"prompt": "x"}, key=None)[0] == 401
+    for path, body, param in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"model": "gpt-4o", "tokens": [1]}, "model"),
+    ):
+        status, error = post(path, body)
+        assert status in (400, 404) and error["error"]["param"] == param, (path, body, error)
 
 
 def test_chat_answer_usage_and_a_second_turn_resumes_from_the_first(served):
