@@ -6,8 +6,11 @@ row leaves at once and a waiting request takes its place. With a `prefix` (a pre
 every row continues a fork of it, so the document's sparse-layer keys are stored once.
 
 The loop is made of two steppable parts that the server (`salabatch.serve.engine`) drives itself,
-between whose steps jobs arrive and leave: `Prefill` (a prompt, one chunk per step) and `Batch`
-(rows decoding together, one token per step; rows join, stop or are cancelled between steps).
+between whose steps jobs arrive and leave: `Prefill` (a prompt, one chunk per step; with
+`score`, each of its tokens' log-probability too) and `Batch` (rows decoding together, one token
+per step; rows join, stop or are cancelled between steps). `prefill_forks` prefills short
+prompts on forks of one prefix in one padded call (the server's questions of a held document,
+`engine.choose`'s).
 With `speculation` (salabatch.engine.speculative), a step may instead be a verify pass over
 drafted tokens, from which each row reads its accepted drafts and the model's next token.
 
