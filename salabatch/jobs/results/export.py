@@ -86,7 +86,20 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
         counts.append(
             ("drafts accepted", f"{_int(accepted)} of {_int(drafted)} ({accepted / drafted:.0%})")
         )
+    chosen = [  # a choices question's rows: the probability of the answer each gave
+        max(c["probability"] for c in choices)
+        for choices in table.filter(ok)["choice_logprobs"].to_pylist()
+        if choices
+    ]
     lines = _aligned(head) + [""] + _aligned(counts, right=True)
+    if chosen:  # how sure they were, and how many a reader may want to check
+        unsure = sum(p < _UNSURE for p in chosen)
+        mean = _num(sum(chosen) / len(chosen), 3)
+        lines += [
+            "",
+            f"choices answered: {_int(len(chosen))}, the answer's probability {mean} on average, "
+            f"{_int(unsure)} below {_UNSURE}",
+        ]
 
     errors = Counter(
         _clip(" ".join((e or "").split()), _REASON_CHARS)
@@ -139,6 +152,7 @@ def export_openai_jsonl(
     return len(records)
 
 
+_UNSURE = 0.5  # a choices answer less probable than this is counted as unsure by inspect
 _BATCH_LINE_KEYS = {"id", "custom_id", "response", "error"}
 _BATCH_ID = re.compile(r"batch_req_[0-9a-f]{32}")
 _MAX_LINE = 64 * 2**20  # a first line longer than this is no line of ours

@@ -218,6 +218,9 @@ def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabi
         )
         hot = got[f"{doc_id}/hot"]
         assert hot["choice_logprobs"] is None and hot["answer"] in choices
+    shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"), "--show", "6").output
+    assert "choices answered: 3, the answer's probability" in shown
+    assert shown.count("    choices: ") == 3  # each ask row's, likeliest first
     first = {r["custom_id"]: r["request_key"] for r in rows(tmp_path)}
     assert run_cli("run", str(job)).exit_code == 0  # nothing to do
     assert {r["custom_id"]: r["request_key"] for r in rows(tmp_path)} == first
