@@ -145,7 +145,8 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
         return f"line-{number}", None, "custom_id is missing", CHAT_ROWS
     body = line.get("body")
     url = str(line.get("url", "/v1/chat/completions"))
-    kind = CHAT_ROWS if url.endswith("/chat/completions") else TEXT_ROWS
+    text = url.endswith("/completions") and not url.endswith("/chat/completions")
+    kind = TEXT_ROWS if text else CHAT_ROWS  # another url's error row: a request's
     if not isinstance(body, dict):
         return custom_id, None, "body is missing", kind
     if not url.endswith("/completions"):
