@@ -356,6 +356,8 @@ def choose(
             raise GenerationError("must hold non-empty strings only", field=name)
     if not choices:
         raise GenerationError("must hold at least one choice", field="choices")
+    if len(set(choices)) < len(choices):
+        raise GenerationError("must not hold a choice twice", field="choices")
     _text_or_none(system=system)
     end = tokenizer.grammars.regex(choice_pattern(choices), field="choices").end
     spelled = []

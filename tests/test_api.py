@@ -517,6 +517,7 @@ def test_choose_gives_each_choice_its_probability_as_a_run_does(loaded):
         ({"choices": "yes"}, "choices"),
         ({"questions": "Why?"}, "questions"),
         ({"choices": ["yes", ""]}, "choices"),
+        ({"choices": ["yes", "no", "yes"]}, "choices"),
         ({"batch_size": 0}, "batch_size"),
     ):
         args = {"questions": QUESTIONS[:1], "choices": choices} | bad

@@ -159,6 +159,8 @@ class Question(_Strict):
             raise job_error("give json_schema or choices, not both")
         if value is not None and not all(value):
             raise job_error("must not hold an empty string")
+        if value is not None and (twice := [c for c in dict.fromkeys(value) if value.count(c) > 1]):
+            raise job_error(f"holds {show_value(twice[0])} more than once")
         return value
 
     def pattern(self) -> str | None:

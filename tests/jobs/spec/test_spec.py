@@ -488,8 +488,8 @@ def test_fingerprint_is_stable_and_follows_the_questions(tmp_path, home):
 
 def test_a_questions_json_schema_or_choices_is_its_pattern(tmp_path):
     """A question may say what its answers must be: JSON its schema validates, or one of its
-    choices; a schema outlines-core cannot use, both at once, an empty choice: errors naming
-    the field."""
+    choices; a schema outlines-core cannot use, both at once, an empty choice, a choice given
+    twice: errors naming the field."""
     job = write(
         tmp_path,
         """\
@@ -517,6 +517,7 @@ def test_a_questions_json_schema_or_choices_is_its_pattern(tmp_path):
           - {text: b, json_schema: {type: string}, choices: [x]}
           - {text: c, choices: ["x", ""]}
           - {text: d, choices: []}
+          - {text: e, choices: ["yes", "no", "yes"]}
         """,
         "bad.yaml",
     )
@@ -526,5 +527,7 @@ def test_a_questions_json_schema_or_choices_is_its_pattern(tmp_path):
         "questions[1].choices",
         "questions[2].choices",
         "questions[3].choices",
+        "questions[4].choices",
     ], errors
     assert "cannot be used" in errors[0] and "not both" in errors[1]
+    assert "'yes' more than once" in errors[4]
