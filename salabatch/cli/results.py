@@ -18,19 +18,27 @@ import click
     help="Also print the first N answers.",
 )
 @click.option(
+    "--below",
+    type=click.FloatRange(0, 1),
+    default=None,
+    help="Print the choices questions' answers less probable than P (every one, or the first "
+    "N with --show): the answers to check by hand.",
+    metavar="P",
+)
+@click.option(
     "--expected",
     type=click.Path(),
     help="An answer key (YAML: document -> question id -> answer): print each answer next to "
     "the expected one and the count correct.",
 )
-def inspect(results: str, show: int, expected: str | None) -> None:
+def inspect(results: str, show: int, below: float | None, expected: str | None) -> None:
     """Summarize a results file (or a folder of them, e.g. a Ray dataset): rows, errors,
     tokens, prefill and decode speed."""
     from salabatch.jobs.results import answer_key
     from salabatch.jobs.results.export import inspect_results
     from salabatch.jobs.results.read import read_results
 
-    click.echo(inspect_results(results, show=show))
+    click.echo(inspect_results(results, show=show, below=below))
     if expected:
         key = answer_key.read_answer_key(expected)
         click.echo(

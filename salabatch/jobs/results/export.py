@@ -36,9 +36,10 @@ _ANSWER_LINES = 4
 _ANSWER_CHARS = 100
 
 
-def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
+def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None = None) -> str:
     """A plain-text summary of a results file or folder: counts, tokens, mean speeds, the most
-    common errors; then the first `show` answers (in the file's doc_id, question_id order)."""
+    common errors; then the first `show` answers (in the file's doc_id, question_id order), or
+    with `below`, the choices answers less probable than it (the first `show`, or all)."""
     table = read_results(path)
     meta = decode_metadata(table.schema.metadata)
     folder = Path(path).is_dir()
@@ -98,7 +99,7 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
         lines += [
             "",
             f"choices answered: {_int(len(chosen))}, the answer's probability {mean} on average, "
-            f"{_int(unsure)} below {_UNSURE}",
+            f"{_int(unsure)} below {_UNSURE} (--below {_UNSURE} lists them)",
         ]
 
     errors = Counter(
@@ -110,7 +111,18 @@ def inspect_results(path: str | os.PathLike, show: int = 0) -> str:
         if len(errors) > _TOP_ERRORS:
             lines.append(f"  … and {len(errors) - _TOP_ERRORS} other reasons")
 
-    if show > 0:
+    if below is not None:
+        unsure = [
+            r
+            for r in table.filter(ok).to_pylist()
+            if r["choice_logprobs"] and max(c["probability"] for c in r["choice_logprobs"]) < below
+        ]
+        picked = unsure[:show] if show > 0 else unsure
+        lines += ["", f"choices answers less probable than {below}: {len(unsure)}"]
+        lines += [_answer_block(r) for r in picked]
+        if len(picked) < len(unsure):
+            lines.append(f"… and {_int(len(unsure) - len(picked))} more")
+    elif show > 0:
         shown = table.slice(0, show).to_pylist()
         lines += ["", f"answers (first {len(shown)} of {table.num_rows})"]
         for r in shown:

@@ -221,6 +221,15 @@ def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabi
     shown = run_cli("inspect", str(tmp_path / "out" / "results.parquet"), "--show", "6").output
     assert "choices answered: 3, the answer's probability" in shown
     assert shown.count("    choices: ") == 3  # each ask row's, likeliest first
+    results = str(tmp_path / "out" / "results.parquet")
+    probable = {r["custom_id"]: max(e["probability"] for e in r["choice_logprobs"]) for r in
+                rows(tmp_path) if r["choice_logprobs"]}  # fmt: skip
+    cut = sorted(probable.values())[1] + 1e-9  # the least probable two are below it
+    listed = run_cli("inspect", results, "--below", str(cut)).output
+    assert f"choices answers less probable than {cut}: 2" in listed
+    assert listed.count("    choices: ") == 2
+    first_only = run_cli("inspect", results, "--below", str(cut), "--show", "1").output
+    assert first_only.count("    choices: ") == 1 and "… and 1 more" in first_only
     first = {r["custom_id"]: r["request_key"] for r in rows(tmp_path)}
     assert run_cli("run", str(job)).exit_code == 0  # nothing to do
     assert {r["custom_id"]: r["request_key"] for r in rows(tmp_path)} == first
