@@ -7,6 +7,7 @@ never silently ignored. Every check raises a BodyError naming its field.
     max_completion_tokens     or max_tokens (max_completion_tokens wins)
     temperature, top_p, top_k (-1 or 0: off), min_p, seed
     presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
+    logit_bias                {token id: bias in [-100, 100]} added to those tokens' logits
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the request's think mode
     n                         answers sampled from one prompt (`choices`): the server's; a job's
@@ -48,6 +49,7 @@ SAMPLING = (
     "frequency_penalty",
     "repetition_penalty",
     "seed",
+    "logit_bias",
 )
 STRUCTURE = ("response_format", "guided_json", "guided_regex", "guided_choice")
 HONOURED = (
@@ -156,11 +158,12 @@ def text(value: str, param: str) -> str:
 
 
 def sampling(
-    body: Mapping, defaults: Defaults, least_tokens: int = 1
+    body: Mapping, defaults: Defaults, least_tokens: int = 1, vocab: int | None = None
 ) -> tuple[SamplingParams, int]:
     """(sampling settings, max tokens) of a body, each field checked; unset ones are
     `defaults`'. `least_tokens`: the smallest max_tokens taken (0 where the prompt is only
-    scored: a completion's `echo`)."""
+    scored: a completion's `echo`); `vocab`: the tokenizer's size, which a `logit_bias` token
+    must be under (None: unchecked here)."""
 
     def number(name: str, default, ok, expected: str, integer: bool = False):
         value = body.get(name)
@@ -188,9 +191,33 @@ def sampling(
         min_p=number("min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         presence_penalty=number("presence_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
         frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
+        logit_bias=logit_bias(body.get("logit_bias"), vocab),
     )
     max_tokens = number("max_completion_tokens", max_tokens, *at_least, True)
     return params, max_tokens
+
+
+def logit_bias(value, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """A body's `logit_bias`, {token id (as JSON keys are, text): bias in [-100, 100]}, as
+    (id, bias) pairs in id order; BodyError naming it otherwise, or for an id at or past
+    `vocab`."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise BodyError("logit_bias must be an object of token id → bias", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or (vocab is not None and token >= vocab):
+            bound = "" if vocab is None else f" under {vocab}"
+            raise BodyError(f"logit_bias keys must be token ids{bound}, got {key!r}", "logit_bias")
+        numeric = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not (numeric and -100 <= bias <= 100):
+            raise BodyError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r}", "logit_bias"
+            )
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def choices(body: Mapping, most: int, why: str = "") -> int:

@@ -19,8 +19,8 @@ text contains one of its stop strings (the text is then cut before it). A reques
 `logprobs` gets each token's log-probability and its most likely alternatives
 (`Generation.logprobs`); one with a `grammar` draws every token among those its grammar allows
 (`salabatch.engine.grammar`), and its batch's steps read the rows' newest tokens before they
-draw the next (the mask needs them). Either way its batch takes plain steps, no drafts, while
-it runs.
+draw the next (the mask needs them); one whose params have a `logit_bias` draws from its
+biased logits. In each case its batch takes plain steps, no drafts, while it runs.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from salabatch.engine.sampling import (
     TOP_LOGPROBS,
     SamplingParams,
     TokenLogprob,
+    logit_biases,
     penalized,
     read_logprobs,
     sample_tokens,
@@ -395,15 +396,21 @@ class Batch:
         self._feed_lp: mx.array | None = None
         self._known: list[int] | None = None  # `_feed`'s values where the host has them (a pass's)
         self._counts: mx.array | None = None  # [rows, vocab] tokens drawn per row (penalties)
+        # the rows' `logit_biases` [rows, vocab], with the rows' logit_bias it was made of
+        self._bias: tuple[tuple, mx.array | None] = ((), None)
 
     def __len__(self) -> int:
         """Rows decoding and rows joining at the next step."""
         return len(self.rows) + len(self._joining)
 
     def check(self, request: Request) -> None:
-        """ValueError if this batch cannot run `request` (stop strings without a detokenizer)."""
+        """ValueError if this batch cannot run `request` (stop strings without a detokenizer,
+        a logit_bias token outside the vocabulary)."""
         if request.stop_strings and self.detokenizer is None:
             raise ValueError(f"request {request.id}: stop strings need a Generator detokenizer")
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t, _ in request.params.logit_bias):
+            raise ValueError(f"request {request.id}: a logit_bias token is past the vocabulary")
 
     def add(
         self,
@@ -427,7 +434,8 @@ class Batch:
         if request.grammar is not None:
             g._guide = request.grammar.guide()
             allowed = allowed_tokens([g._guide], logits.shape[-1])
-        first = sample_tokens(logits[None], [request.params], [0], allowed=allowed)
+        bias = logit_biases([request.params], logits.shape[-1])
+        first = sample_tokens(logits[None], [request.params], [0], allowed=allowed, bias=bias)
         lp = None if request.logprobs is None else token_logprobs(logits[None], first)
         g._sampled = 1
         if self._lookup is not None:
@@ -453,7 +461,8 @@ class Batch:
         for g in rows:
             g.batch_size = max(g.batch_size, len(rows))
         guided = any(g._guide is not None for g in rows)
-        plain_only = guided or self._wants_lp()
+        biased = any(g.request.params.logit_bias for g in rows)
+        plain_only = guided or biased or self._wants_lp()
         if self.speculation.draft != "off" and self._policy.speculate() and not plain_only:
             return self._speculative_step()
         self._policy.plain_step(len(rows), time.perf_counter())
@@ -468,7 +477,7 @@ class Batch:
         guides = [g._guide for g in live]
         allowed = allowed_tokens(guides, logits.shape[-1]) if guided else None
         steps = [g._sampled for g in live]
-        drawn = sample_tokens(logits, params, steps, self._counts, allowed)
+        drawn = sample_tokens(logits, params, steps, self._counts, allowed, self._biases(live))
         for g in live:
             g._sampled += 1
         if self._counts is not None:
@@ -553,6 +562,14 @@ class Batch:
     def _fed(self) -> list[int]:
         """The rows' newest tokens, `_feed`: the host's copy where a pass read them."""
         return self._known if self._known is not None else self._feed.tolist()
+
+    def _biases(self, rows: list[Generation]) -> mx.array | None:
+        """The rows' `logit_biases`, made again only when the rows' biases change."""
+        key = tuple(g.request.params.logit_bias for g in rows)
+        if self._bias[0] != key:
+            params = [g.request.params for g in rows]
+            self._bias = (key, logit_biases(params, self.model.config.vocab_size))
+        return self._bias[1]
 
     def _wants_lp(self) -> bool:
         """Whether a row asks for log-probabilities (the batch then takes plain steps)."""

@@ -40,6 +40,9 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens at least min_p × the most likely one's probability; 0: all
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # × how often it was generated, subtracted from its logit
+    # (token id, bias in [-100, 100]) pairs added to those tokens' logits before anything else
+    # (OpenAI's logit_bias: -100 bans a token, +100 all but forces it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         """GenerationError naming the first setting of the wrong type or out of range (the
@@ -62,6 +65,16 @@ class SamplingParams:
         real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
         real("presence_penalty", math.isfinite, "a finite number")
         real("frequency_penalty", math.isfinite, "a finite number")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2
+            token, bias = pair if ok else (None, None)
+            ok = ok and isinstance(token, numbers.Integral) and not isinstance(token, bool)
+            ok = ok and token >= 0 and isinstance(bias, numbers.Real)
+            if not (ok and not isinstance(bias, bool) and -100 <= bias <= 100):
+                raise GenerationError(
+                    f"must be (token id ≥ 0, bias in [-100, 100]) pairs, got {pair!r}",
+                    field="logit_bias",
+                )
 
     @property
     def plain_greedy(self) -> bool:
@@ -87,17 +100,21 @@ def sample_tokens(
     steps: Sequence[int],
     counts: mx.array | None = None,
     allowed: mx.array | None = None,
+    bias: mx.array | None = None,
 ) -> mx.array:
     """logits [B, V] → the next token of every row, [B] int32, on the device: the batch's
     settings are arrays, so no row reads anything back. `steps[b]` counts the row's tokens so
     far (its random key); counts [B, V] how often each token is in its answer (the penalties
     read it; None when no row has one); allowed [B, V] bool the tokens a row may take
-    (`grammar.allowed_tokens`; None: all), the others' logits -inf before anything else.
+    (`grammar.allowed_tokens`; None: all), the others' logits -inf before anything else; bias
+    [B, V] the rows' `logit_bias` (`logit_biases`; None when no row has one), added first.
 
     Per row: penalties, then greedy, or temperature, top-k, top-p (on the top-k), min-p and a
     draw. Top-k and top-p keep every token at least as likely as the last one kept (ties at the
     edge stay in)."""
     logits = logits.astype(mx.float32)
+    if bias is not None:
+        logits = logits + bias
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
     if all(p.plain_greedy for p in params):
@@ -120,6 +137,20 @@ def sample_tokens(
     drawn = draw(truncated(logits, params), step_keys([p.seed for p in params], steps))
     hot = column((p.temperature > 0 for p in params), mx.bool_)[:, 0]
     return mx.where(hot, drawn, greedy)
+
+
+def logit_biases(params: Sequence[SamplingParams], vocab: int) -> mx.array | None:
+    """[B, vocab] float32: each row's `logit_bias` as a dense row (what `sample_tokens` adds),
+    or None when no row has one. ValueError for a token outside the vocabulary."""
+    if not any(p.logit_bias for p in params):
+        return None
+    dense = np.zeros((len(params), vocab), dtype=np.float32)
+    for b, p in enumerate(params):
+        for token, value in p.logit_bias:
+            if token >= vocab:
+                raise ValueError(f"logit_bias names token {token}, past the vocabulary ({vocab})")
+            dense[b, token] += value
+    return mx.array(dense)
 
 
 def truncated(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

@@ -323,7 +323,7 @@ class _Server:
         return JSONResponse(text_completion(reply, text, answers, finished, self.tok))
 
     def _sampling(self, body: dict):
-        return sampling(body, self.defaults)
+        return sampling(body, self.defaults, self.tok.vocab_size)
 
     async def _grammar(self, body: dict) -> Grammar | None:
         """The grammar of the body's response_format (or guided_*), compiled off the loop."""
@@ -487,7 +487,7 @@ def text_request(body: dict, tok: Tokenizer, engine: ServeEngine, defaults) -> T
             f"and queue hold {most} (batch_size + max_queue)",
             "prompt",
         )
-    params, max_tokens = sampling(body, defaults, least_tokens=0 if echo else 1)
+    params, max_tokens = sampling(body, defaults, tok.vocab_size, least_tokens=0 if echo else 1)
     stops = openai_api.stop(body.get("stop"))
     scored = None
     if echo and (logprobs is not None or max_tokens == 0):
@@ -658,13 +658,13 @@ def seeded(job: Job, n: int) -> list[Job]:
     return [replace(job, params=replace(job.params, seed=seed + i)) for i in range(n)]
 
 
-def sampling(body: dict, defaults: ServeDefaults, least_tokens: int = 1):
-    """The body's sampling settings and max tokens (at least `least_tokens`); a request
-    without a seed gets a fresh one unless the server has a default (a seed matters only with
-    temperature > 0)."""
+def sampling(body: dict, defaults: ServeDefaults, vocab: int, least_tokens: int = 1):
+    """The body's sampling settings and max tokens (at least `least_tokens`; a logit_bias
+    token under `vocab`); a request without a seed gets a fresh one unless the server has a
+    default (a seed matters only with temperature > 0)."""
     if defaults.seed is None:
         defaults = replace(defaults, seed=secrets.randbits(31))
-    return openai_api.sampling(body, defaults, least_tokens)
+    return openai_api.sampling(body, defaults, least_tokens, vocab)
 
 
 def check_model(model: str, served: str) -> None:

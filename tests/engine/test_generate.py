@@ -321,3 +321,42 @@ def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monk
         with pytest.raises(GenerationError, match="pattern cannot be used"):
             grammars.regex("(?=a)b")
     assert compiled == ["[0-9]{3}", "(?=a)b"]
+
+
+def test_logit_bias_bans_or_forces_tokens_and_the_other_rows_are_as_alone(model):
+    """-100 on the token a greedy row would take first keeps it out of the whole answer; +100 on
+    one token makes every token that one; rows without a bias beside them, drafting on, answer
+    as alone; log-probabilities stay the model's (the bias is not in them); a token past the
+    vocabulary is refused."""
+    import mlx.core as mx
+
+    from salabatch.engine.speculative import Speculation
+    from salabatch.errors import GenerationError
+
+    prompt = ids(20, 9)
+    plain = run(model, [Request("p", prompt, GREEDY, 10)])["p"].tokens
+    ban = SamplingParams(logit_bias=((plain[0], -100.0),))
+    force = SamplingParams(logit_bias=((77, 100.0),))
+    reqs = [
+        Request("ban", prompt, ban, 10),
+        Request("force", prompt, force, 6, logprobs=1),
+        Request("free", ids(30, 10), GREEDY, 10),
+    ]
+    for gen in (
+        Generator(model, batch_size=3),
+        Generator(model, batch_size=3, speculation=Speculation("lookup", tokens=3)),
+    ):
+        out = {g.request.id: g for g in gen.generate(reqs)}
+        assert plain[0] not in out["ban"].tokens and out["ban"].tokens != plain
+        assert out["force"].tokens == [77] * 6
+        for r in reqs:
+            assert out[r.id].tokens == run(model, [r])[r.id].tokens, r.id
+        whole = model(mx.array([list(prompt)]), model.make_cache())[0, -1].astype(mx.float32)
+        raw = float((whole - mx.logsumexp(whole))[77])
+        assert out["force"].logprobs[0].logprob == pytest.approx(raw, abs=2e-4)
+    far = Request("x", prompt, SamplingParams(logit_bias=((10**6, 1.0),)), 2)
+    with pytest.raises(ValueError, match="past the vocabulary"):
+        list(Generator(model).generate([far]))
+    for bad in (((1, 101.0),), ((-1, 1.0),), ((1.5, 1.0),), ((1,),)):
+        with pytest.raises(GenerationError):
+            SamplingParams(logit_bias=bad)

@@ -490,6 +490,20 @@ def test_echo_scores_the_prompt_as_decoding_scored_the_answer(served):
     assert chunks[0] == tok.decode(prompt, skip_special=True) and "".join(chunks) == whole.text
 
 
+def test_logit_bias_forces_a_token_chat_and_text(served):
+    """+100 on one token makes a greedy answer all that token, in a completion and a chat
+    answer (what -100 does is the engine's test: tests/engine/test_generate.py)."""
+    client, tok = served.client(), served.tok
+    token = tok.encode("Q")[-1]
+    forced = client.completions.create(
+        model=MODEL, prompt="The gate code is", max_tokens=5, logit_bias={str(token): 100}
+    )
+    assert forced.choices[0].text == tok.decode([token] * 5)
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Who?"}], "max_tokens": 6}
+    chat = client.chat.completions.create(**ask, logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == tok.decode([token] * 6).strip()
+
+
 def test_a_list_of_prompts_answers_each_n_times_in_order(served):
     """`prompt` as a list (strings or token lists) with n 2: choice p·n + j is prompt p's j-th
     answer (seed + j), the same as asking for prompt p alone; usage counts every prompt."""
@@ -682,6 +696,9 @@ def test_auth_every_endpoint_but_health_needs_the_key(served):
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"logprobs": "yes"}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -12,6 +12,7 @@ honoured:
     max_completion_tokens     or max_tokens (max_completion_tokens wins)
     temperature, top_p, top_k (-1 or 0: off), min_p, seed
     presence_penalty, frequency_penalty (OpenAI's: subtracted from the logits), repetition_penalty
+    logit_bias                {token id: bias in [-100, 100]}, added to those tokens' logits
     stop                      a string or up to 4: the answer ends before the first one it holds
     chat_template_kwargs      {"enable_thinking": bool}: the row's think mode
     logprobs, top_logprobs    the row's `logprobs` column (unset: the job's generation.logprobs;
@@ -23,10 +24,10 @@ Fields that do not change the answer are accepted: `model`, `user`, `metadata`, 
 `service_tier`, ... (`openai_api.ACCEPTED`), and `stream` at its no-op value
 (`openai_api.NO_OP`); `n` must be 1 (a row holds one answer), and so must a text completion's
 prompts, with `echo` false (the server's /v1/completions answers either). Anything else
-(tools, response_format, logit_bias, guided decoding, an unknown field or
-chat_template_kwargs key) is refused, never ignored: the line becomes an error row naming the
-field. Unset sampling fields take the job's `generation:` values. A line that cannot be served
-becomes an error row named by its custom_id (or `line-N`), and the others go on.
+(tools, an unknown field or chat_template_kwargs key) is refused, never ignored: the line
+becomes an error row naming the field. Unset sampling fields take the job's `generation:`
+values. A line that cannot be served becomes an error row named by its custom_id (or
+`line-N`), and the others go on.
 
 Automatic prefix caching: request lines whose prompts share a long prefix (the same document
 before different questions) are planned as one DocPlan whose document prompt is that prefix, so
@@ -172,7 +173,7 @@ def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[R
     if row.question_id == TEXT_ROWS:
         return _text_row(spec, tok, row, body)
     messages = openai_api.messages(body.get("messages"))
-    params, max_tokens = openai_api.sampling(body, spec.generation)
+    params, max_tokens = openai_api.sampling(body, spec.generation, vocab=tok.vocab_size)
     think = openai_api.think(body.get("chat_template_kwargs"), spec.generation.think)
     row = replace(
         row,
@@ -193,7 +194,7 @@ def _text_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[Row,
     """A text completion's row: its prompt as it is (after BOS where the tokenizer adds one),
     or its token ids, checked against the vocabulary; no think block."""
     (prompt,) = openai_api.prompts(body.get("prompt"))
-    params, max_tokens = openai_api.sampling(body, spec.generation)
+    params, max_tokens = openai_api.sampling(body, spec.generation, vocab=tok.vocab_size)
     if isinstance(prompt, str):
         ids = tok.encode(prompt, add_bos=tok.add_bos_token)
     else:

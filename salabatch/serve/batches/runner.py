@@ -311,7 +311,7 @@ class BatchRunner:
         pattern = openai_api.structure(body)
         grammar = None if pattern is None else grammar_of(self.tok, pattern)
         messages = openai_api.messages(body.get("messages"))
-        params, max_tokens = sampling(body, self.defaults)
+        params, max_tokens = sampling(body, self.defaults, self.tok.vocab_size)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
         stops = openai_api.stop(body.get("stop"))
         job = chat_job(

@@ -238,12 +238,14 @@ def test_sampling_fields_are_honoured(tmp_path, tiny_model):
                     max_completion_tokens=7,
                     stop="END",
                     chat_template_kwargs={"enable_thinking": True},
+                    logit_bias={"12": -100, "7": 2.5},
                 )
             ],
         )
     )
     assert plan.error is None and plan.doc_prompt is None
     p = row.params
+    assert p.logit_bias == ((7, 2.5), (12, -100.0))
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 0, 0.1)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-1.5, 2.0, 1.1)
     assert p.seed == -4 and row.max_tokens == 7 and row.stop_strings == ("END",) and row.think
@@ -274,7 +276,10 @@ def test_fields_that_do_not_change_the_answer_are_accepted(tmp_path, tiny_model,
         ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"stream": True}, "stream"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # past the vocabulary
+        ({"logit_bias": [5]}, "logit_bias"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_choice": "yes"}, "guided_choice"),
         ({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice"),
