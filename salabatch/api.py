@@ -113,6 +113,7 @@ def stream_generate(
     logprobs: int | None = None,
     json_schema: dict | None = None,
     choices: Sequence[str] | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
     the tokenizer or `max_tokens` (cut where the model's context ends; a prompt that fills it
@@ -121,7 +122,9 @@ def stream_generate(
     (HF and mlx-lm count both). `draft`, `num_draft_tokens`, `draft_layers`: speculative
     decoding (see the module docstring); `logprobs=k` (0 to 20): each response's `logprobs`
     (drafting then pauses); `json_schema` (JSON it validates) or `choices` (one of these
-    strings): what the answer must be (no drafts either). Bad arguments are GenerationErrors
+    strings): what the answer must be (no drafts either); `logit_bias` {token id: bias in
+    [-100, 100]}: added to those tokens' logits (no drafts either). Bad arguments are
+    GenerationErrors
     naming them; a prompt that needs more memory than is free, an OutOfMemoryError before its
     prefill (each step runs within MLX's memory limit at the plan, `memory.bounded`)."""
     from salabatch.engine import memory
@@ -134,7 +137,8 @@ def stream_generate(
     _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
-    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed, logit_bias)
+    _vocab_ids(model, logit_bias)
     max_tokens = answer_room(model.config, len(ids), max_tokens)  # the server's rule
     if logprobs is not None and (
         isinstance(logprobs, bool)
@@ -256,6 +260,7 @@ def batch_generate(
     draft_layers: int = 8,
     json_schema: dict | None = None,
     choices: Sequence[str] | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> list[str]:
     """The answers to `questions` about `document`, in question order. The document's prompt
     is prefilled once and every question continues it, up to `batch_size` decoding together;
@@ -283,7 +288,8 @@ def batch_generate(
         )
     _text_or_none(system=system)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
-    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed, logit_bias)
+    _vocab_ids(model, logit_bias)
     stop = frozenset(tokenizer.eos_ids)
     grammar = _grammar(tokenizer, json_schema, choices)
     if not questions:
@@ -553,11 +559,36 @@ def _speculation(draft: str, tokens: int, layers: int) -> Speculation:
     return Speculation(draft, tokens, layers)  # it names the drafts allowed
 
 
+def _vocab_ids(model: Model, logit_bias: dict[int, float] | None) -> None:
+    """GenerationError naming logit_bias where it names a token past the model's vocabulary."""
+    vocab = model.config.vocab_size
+    if logit_bias and (far := [t for t in logit_bias if not 0 <= t < vocab]):
+        raise GenerationError(
+            f"token {far[0]} is not in the vocabulary [0, {vocab})", field="logit_bias"
+        )
+
+
 def _params(
-    temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float, seed: int
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    repetition_penalty: float,
+    seed: int,
+    logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
+    """The sampling settings; `logit_bias` {token id: bias in [-100, 100]} as (id, bias) pairs
+    (a GenerationError naming it where it is not such a mapping)."""
     from salabatch.engine.sampling import SamplingParams
 
+    ids = logit_bias.keys() if isinstance(logit_bias, dict) else ()
+    if logit_bias is not None and not (
+        isinstance(logit_bias, dict)
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+    ):
+        raise GenerationError(
+            f"must be a dict of token id → bias, got {_shown(logit_bias)}", field="logit_bias"
+        )
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -565,4 +596,5 @@ def _params(
         min_p=min_p,
         repetition_penalty=repetition_penalty,
         seed=seed,
+        logit_bias=tuple(sorted((logit_bias or {}).items())),
     )

@@ -524,3 +524,21 @@ def test_choose_gives_each_choice_its_probability_as_a_run_does(loaded):
         with pytest.raises(GenerationError) as e:
             salabatch.choose(model, tok, DOC, **args)
         assert e.value.field == field
+
+
+def test_logit_bias_reaches_the_engine_and_bad_ones_are_refused_by_name(loaded):
+    """`logit_bias` +100 on a token makes the greedy answer that token (stream_generate and
+    batch_generate alike); a token past the vocabulary, a bias out of range or keys that are
+    not token ids are GenerationErrors naming logit_bias."""
+    model, tok = loaded
+    token = tok.encode("Q")[-1]
+    forced = [
+        r.token for r in salabatch.stream_generate(model, tok, "Hi", 4, logit_bias={token: 100})
+    ]
+    assert forced == [token] * 4
+    (answer,) = salabatch.batch_generate(model, tok, DOC, QUESTIONS[:1], 3, logit_bias={token: 100})
+    assert answer == tok.decode([token] * 3, skip_special=True)
+    for bad in ({10**7: 1.0}, {token: 101.0}, {"5": 1.0}, [token]):
+        with pytest.raises(GenerationError) as e:
+            list(salabatch.stream_generate(model, tok, "Hi", 2, logit_bias=bad))
+        assert e.value.field == "logit_bias"
