@@ -18,7 +18,7 @@ from salabatch.engine import activate_blas
 
 activate_blas()
 
-from salabatch.engine.choose import choice_ids, choice_scores  # noqa: E402
+from salabatch.engine.choose import choice_scores, spelled_choices  # noqa: E402
 from salabatch.engine.generate import Generator, Request, prefill  # noqa: E402
 from salabatch.engine.load import load_model  # noqa: E402
 from salabatch.engine.memory import cache_limit  # noqa: E402
@@ -49,7 +49,7 @@ def main() -> None:
     doc_prompt = tok.document_prompt(DOC.read_text(), system=None, think=False)
     suffixes = [tok.prompt_suffix(q, system=None, think=False) for q in QUESTIONS]
     grammar = tok.grammars.regex(choice_pattern(CHOICES))
-    spelled = [[*choice_ids(tok, c), grammar.end] for c in CHOICES]
+    spelled = spelled_choices(tok, CHOICES)
     stop = frozenset(tok.eos_ids)
     with engine_runtime(cache_limit(model.config, 2048, False)):
         prefix = model.make_cache()

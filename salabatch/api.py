@@ -345,12 +345,11 @@ def choose(
     spell alone is a GenerationError naming it (`batch_generate(..., choices=)` decodes under
     the choices' pattern instead)."""
     from salabatch.engine import memory
-    from salabatch.engine.choose import choice_ids, choice_scores, probabilities
+    from salabatch.engine.choose import choice_scores, probabilities, spelled_choices
     from salabatch.engine.generate import answer_room, prefill
     from salabatch.engine.kernels.attention import on_gpu
     from salabatch.engine.memory import cache_limit
     from salabatch.engine.runtime import engine_runtime
-    from salabatch.structure import choice_pattern
 
     _counts(prefill_chunk=prefill_chunk, batch_size=batch_size)
     if not isinstance(document, str):
@@ -365,13 +364,7 @@ def choose(
     if len(set(choices)) < len(choices):
         raise GenerationError("must not hold a choice twice", field="choices")
     _text_or_none(system=system)
-    end = tokenizer.grammars.regex(choice_pattern(choices), field="choices").end
-    spelled = []
-    for c in choices:
-        ids = choice_ids(tokenizer, c)
-        if ids is None:
-            raise GenerationError(f"the vocabulary cannot spell {c!r} on its own", field="choices")
-        spelled.append([*ids, end])
+    spelled = spelled_choices(tokenizer, choices)
     if not questions:
         return []
     doc_prompt = tokenizer.document_prompt(document, system=system, think=False)

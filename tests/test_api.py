@@ -486,24 +486,17 @@ def test_choose_gives_each_choice_its_probability_as_a_run_does(loaded):
     """`choose` gives every choice its probability after each question's prompt: the softmax
     of what one call over document, question, choice and end token gives them; in order;
     the same whatever the batch size; bad arguments are refused by name."""
-    import mlx.core as mx
     import numpy as np
 
-    from salabatch.engine.choose import choice_ids
+    from tests.engine.test_choose import reference_logprobs
 
     model, tok = loaded
     choices = ["yes", "no", "not stated"]
     got = salabatch.choose(model, tok, DOC, QUESTIONS[:2], choices)
-    end = tok.grammars.regex("x").end
     for question, probs in zip(QUESTIONS[:2], got, strict=True):
         prompt = tok.document_prompt(DOC, system=None, think=False)
         prompt += tok.prompt_suffix(question, system=None, think=False)
-        totals = []
-        for c in choices:
-            spelled = [*choice_ids(tok, c), end]
-            logits = model(mx.array([prompt + spelled]), model.make_cache())[0]
-            lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            totals.append(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(spelled)))
+        totals = reference_logprobs(model, tok, prompt, choices)
         want = np.exp(np.array(totals) - max(totals))
         assert list(probs) == choices
         assert list(probs.values()) == pytest.approx((want / want.sum()).tolist(), abs=1e-4)

@@ -19,8 +19,10 @@ import numpy as np
 
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import prefill_forks
+from salabatch.engine.grammar import answer_end
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import TokenLogprob, read_logprobs, token_logprobs
+from salabatch.errors import GenerationError
 
 
 def choice_ids(tok, choice: str) -> list[int] | None:
@@ -38,6 +40,21 @@ def choice_ids(tok, choice: str) -> list[int] | None:
         if ids and b"".join(tok.token_bytes(t) for t in ids) == want:
             return ids
     return None
+
+
+def spelled_choices(tok, choices: Sequence[str]) -> list[list[int]]:
+    """Each choice as a whole answer's tokens: its `choice_ids`, then the answer's end token
+    (`grammar.answer_end`, where a constrained answer ends too). GenerationError naming the
+    first choice the vocabulary cannot spell on its own."""
+    end, out = answer_end(tok), []
+    for choice in choices:
+        ids = choice_ids(tok, choice)
+        if ids is None:
+            raise GenerationError(
+                f"the vocabulary cannot spell {choice!r} on its own", field="choices"
+            )
+        out.append([*ids, end])
+    return out
 
 
 def choice_scores(

@@ -98,15 +98,20 @@ class Grammars:
         return held
 
     def _vocabulary_of(self) -> Vocabulary:
-        tok = self.tok
-        ends = sorted(tok.eos_ids)
-        end = next((t for t in ends if tok.backend.id_to_token(t) == END_TOKEN), ends[0])
+        tok, end = self.tok, answer_end(self.tok)
         added = set(tok.backend.get_added_tokens_decoder())
         pieces: dict[bytes, list[int]] = {}
         for token in range(tok.vocab_size):
             if token not in added and (piece := tok.token_bytes(token)):
                 pieces.setdefault(piece, []).append(token)
         return Vocabulary(end, pieces)
+
+
+def answer_end(tok) -> int:
+    """The token that ends a chat answer: the eos token `<|im_end|>` where the tokenizer (a
+    Tokenizer) has it, else its first eos token."""
+    ends = sorted(tok.eos_ids)
+    return next((t for t in ends if tok.backend.id_to_token(t) == END_TOKEN), ends[0])
 
 
 def allowed_tokens(guides: Sequence[Guide | None], vocab: int) -> mx.array:

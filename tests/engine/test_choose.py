@@ -8,12 +8,29 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from salabatch.engine.choose import choice_ids, choice_scores, pick, probabilities
+from salabatch.engine.choose import (
+    choice_ids,
+    choice_scores,
+    pick,
+    probabilities,
+    spelled_choices,
+)
 from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
 from salabatch.engine.tokenizer import load_tokenizer
 from tests.engine.test_tokenizer import sentencepiece_style_dir
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+
+
+def reference_logprobs(model, tok, prompt: list[int], choices: list[str]) -> list[float]:
+    """Each choice's log-probability as the whole answer after `prompt`, from one float32 call
+    over prompt, choice and end token: what choosing is checked against."""
+    out = []
+    for spelled in spelled_choices(tok, choices):
+        logits = model(mx.array([prompt + spelled]), model.make_cache())[0].astype(mx.float32)
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        out.append(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(spelled)))
+    return out
 
 
 @pytest.fixture(scope="module")

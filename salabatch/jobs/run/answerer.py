@@ -19,7 +19,7 @@ from salabatch import openai_api
 from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking
-from salabatch.engine.choose import choice_ids, choice_scores, pick, probabilities
+from salabatch.engine.choose import choice_scores, pick, probabilities, spelled_choices
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request, prefill
@@ -308,11 +308,10 @@ class Answerer:
         grammar, as any pattern)."""
         if row.choices is None or row.think:
             return None
-        spelled = [choice_ids(self.tok, c) for c in row.choices]
-        if any(ids is None for ids in spelled):
+        try:
+            return spelled_choices(self.tok, row.choices)
+        except GenerationError:
             return None
-        end = self.tok.grammars.regex(row.grammar).end
-        return [[*ids, end] for ids in spelled]
 
     def _chosen_pooled(
         self, row: Row, plan: DocPlan, spelled: list[list[int]], started: _Start

@@ -175,13 +175,13 @@ def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabi
     """
     import math
 
-    import mlx.core as mx
     import numpy as np
 
     from salabatch.engine.choose import choice_ids
     from salabatch.engine.load import load_model
     from salabatch.engine.tokenizer import load_tokenizer
     from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+    from tests.engine.test_choose import reference_logprobs
 
     docs = write_docs(tmp_path)
     choices = ["yes", "no", "not stated"]
@@ -194,18 +194,12 @@ def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabi
     assert run_cli("run", str(job)).exit_code == 0
     got = {r["custom_id"]: r for r in rows(tmp_path)}
     model, tok = load_model(tiny_model), load_tokenizer(tiny_model)
-    end = tok.grammars.regex("x").end
     texts = {d.doc_id: d.text for d in iter_documents([DocumentSource(docs)])}
     for doc_id, text in texts.items():  # notes.txt pooled, the others over their prefix
         r = got[f"{doc_id}/ask"]
         prompt = tok.document_prompt(text, system=None, think=False)
         prompt += tok.prompt_suffix("Is the ferry late?", system=None, think=False)
-        want = []
-        for c in choices:
-            spelled = [*choice_ids(tok, c), end]
-            logits = model(mx.array([prompt + spelled]), model.make_cache())[0]
-            lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            want.append(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(spelled)))
+        want = reference_logprobs(model, tok, prompt, choices)
         entries = r["choice_logprobs"]
         assert [e["choice"] for e in entries] == choices
         assert [e["logprob"] for e in entries] == pytest.approx(want, abs=1e-3), doc_id
