@@ -48,6 +48,7 @@ from salabatch.engine.sampling import (
     logit_biases,
     penalized,
     read_logprobs,
+    read_rows,
     sample_tokens,
     token_logprobs,
 )
@@ -112,7 +113,9 @@ class Prefill:
     `score`: None, or each fed token after the first is scored as the chunks go: its
     log-probability given the tokens before it, with its `score` most likely alternatives
     (`scores()`: a prompt's logprobs, or a document's perplexity). The head runs over
-    `memory.SCORE_ELEMENTS` logits at a time, and only the rows read back stay."""
+    `memory.SCORE_ELEMENTS` logits at a time, and only the rows read back stay. `before`: the
+    logits [vocab] of the position before the first id (a prompt resumed from a held prefix:
+    the prefix's last), so the first id is scored too."""
 
     def __init__(
         self,
@@ -121,11 +124,14 @@ class Prefill:
         cache: ModelCache,
         chunk: int = 2048,
         score: int | None = None,
+        before: mx.array | None = None,
     ):
         if not ids:
             raise ValueError("prefill needs at least one token")
         if score is not None and not 0 <= score <= TOP_LOGPROBS:
             raise ValueError(f"score must be in [0, {TOP_LOGPROBS}], got {score}")
+        if before is not None and score is None:
+            raise ValueError("before= scores the first id: it needs score=")
         if cache.positions is None:
             cache.plan_prefill(len(ids))
         self.model, self.cache, self.chunk, self.score = model, cache, chunk, score
@@ -133,6 +139,8 @@ class Prefill:
         self.total, self.done = len(ids), 0
         self._last: mx.array | None = None  # [1, 1, hidden] the last position fed
         self._scored: list[mx.array] = []  # [n, 1 + 2k] rows of `token_logprobs`, in order
+        if before is not None:
+            self._scored.append(token_logprobs(before[None], self.tokens[0, :1], score))
 
     @property
     def finished(self) -> bool:
@@ -170,16 +178,22 @@ class Prefill:
             raise ValueError(f"prefill at {self.done} of {self.total} tokens")
         return self.model.logits(self._last)[0, 0]
 
-    def scores(self) -> list[TokenLogprob]:
-        """Once finished, with `score`: the log-probability of each token after the first,
-        given those before it, with its `score` most likely alternatives (len(ids) − 1)."""
+    def score_rows(self) -> np.ndarray:
+        """Once finished, with `score`: [n, 1 + 2k] float32, the rows of `token_logprobs` for
+        each token after the first (and the first too, with `before`), in order."""
         if self.score is None or not self.finished:
-            raise ValueError("scores() needs a finished Prefill made with score=")
-        ids = self.tokens[0, 1:].tolist()
-        if not ids:
-            return []
-        rows = np.concatenate([np.asarray(x) for x in self._scored]).tolist()
-        return [read_logprobs(r, t, self.score) for r, t in zip(rows, ids, strict=True)]
+            raise ValueError("scores need a finished Prefill made with score=")
+        if not self._scored:
+            return np.zeros((0, 1 + 2 * self.score), np.float32)
+        return np.concatenate([np.asarray(x) for x in self._scored])
+
+    def scores(self) -> list[TokenLogprob]:
+        """Once finished, with `score`: the log-probability of each token after the first (the
+        first too, with `before`), given those before it, with its `score` most likely
+        alternatives."""
+        rows = self.score_rows()
+        ids = self.tokens[0, self.total - len(rows) :].tolist() if len(rows) else []
+        return read_rows(rows, ids, self.score)
 
 
 def prefill_forks(

@@ -247,6 +247,21 @@ def token_logprobs(logits: mx.array, tokens: mx.array, top: int = TOP_LOGPROBS) 
     return mx.concatenate([chosen, best.astype(mx.float32), top_lp], axis=-1)
 
 
+def read_rows(rows: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Rows of `token_logprobs` read back ([n, 1 + 2k]), for `tokens` (n), each with its `top`
+    most likely tokens (at most k)."""
+    return [read_logprobs(r, t, top) for r, t in zip(rows.tolist(), tokens, strict=True)]
+
+
+def narrow_rows(rows: np.ndarray, top: int) -> np.ndarray:
+    """Rows of `token_logprobs` ([n, 1 + 2k], read back) with only their `top` ≤ k most likely
+    tokens: [n, 1 + 2·top], as `token_logprobs` with `top` gives them."""
+    k = (rows.shape[1] - 1) // 2
+    if not 0 <= top <= k:
+        raise ValueError(f"rows hold {k} alternatives, not {top}")
+    return np.concatenate([rows[:, : 1 + top], rows[:, 1 + k : 1 + k + top]], axis=1)
+
+
 def read_logprobs(row: Sequence[float], token: int, top: int) -> TokenLogprob:
     """A row of `token_logprobs`, read back, for `token`, with its `top` most likely tokens."""
     k = (len(row) - 1) // 2

@@ -18,10 +18,10 @@ With `logprobs: true` (chat), each token of a choice comes with its log-probabil
 that shows its text, or a later one where its text is held back); a completion's `logprobs: k`
 gives OpenAI's legacy object (`TextLogprobs`); its `prompt` may be a list (of strings or token
 lists: n choices each, in order), and `echo` puts each prompt before its answer, with `logprobs`
-its tokens' scores first (a job with `prompt_logprobs`: prefilled whole, scored as it goes;
-`max_tokens` 0 scores only). `response_format` (json_object, json_schema) and
-vLLM's guided_json, guided_regex and guided_choice constrain the answer (`engine.grammar`,
-compiled once per pattern, in a worker thread).
+its tokens' scores first (a job with `prompt_logprobs`, scored as it goes, resuming only from
+a prefix held with its scores; `max_tokens` 0 scores only). `response_format` (json_object,
+json_schema) and vLLM's guided_json, guided_regex and guided_choice constrain the answer
+(`engine.grammar`, compiled once per pattern, in a worker thread).
 
 Errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`): 400 a bad
 or refused field (named in `param`), 401 a missing or wrong API key, 404 an unknown model or

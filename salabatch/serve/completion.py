@@ -5,6 +5,12 @@ prefill and the next turn of a conversation resumes where this one's messages en
 prompt, and the answer's tokens turned into text as it streams (stop strings held back until
 they cannot be one, a leading <think> block split off as the reasoning).
 
+Where no message boundary marks the document off (a text prompt; a document in the user message
+with its question), a job has one `QUESTION_TAIL` tokens before its end: the question after a
+document is most often what the next prompt over it changes (a client asking many questions of a
+document, lm-eval's choices after one context), and the engine's snapshot there lets that next
+prompt prefill only its own last tokens.
+
 A server asked many questions of one document tokenizes it once: `LeadingIds` keeps the ids of
 recent leading system messages, and a request's prompt is those ids followed by the rest's
 (`Tokenizer.chat_prompt_ids_after`, where the template cuts there), so a request over a
@@ -31,6 +37,10 @@ from salabatch.openai_api import BodyError
 from salabatch.serve.engine import Finished, Job
 
 LEADING_IDS_TOKENS = 1 << 22  # ids `LeadingIds` holds at most (16 MB as int32)
+# A prompt's own last tokens a boundary lies before, where no message boundary lies there (the
+# module docstring): a later prompt that differs from it only in as many resumes there. Under the
+# engine's snapshot_min (256), so the engine holds no second snapshot at the prompt's end (a copy)
+QUESTION_TAIL = 128
 
 
 def new_id(kind: str) -> str:
@@ -86,8 +96,9 @@ def chat_job(
     """The Job of chat `messages` ({"role", "content"} each). Boundaries: where the leading
     system messages end (a document there is prefilled once for every request that shares it)
     and where the last message ends (the next turn of the conversation continues from there);
-    each only where its tokens are exactly a prefix of the whole prompt's. Stops at the
-    tokenizer's end-of-turn and eos tokens.
+    each only where its tokens are exactly a prefix of the whole prompt's; and `QUESTION_TAIL`
+    tokens before the end where no leading system message marks a document off (`tail`).
+    Stops at the tokenizer's end-of-turn and eos tokens.
 
     Each part is tokenized once: the leading system messages (by `leading_ids`, of `tok`, once
     per document across requests), then the messages after them, then the generation prompt,
@@ -97,7 +108,7 @@ def chat_job(
     if leading_ids is not None and leading_ids.tok is not tok:
         raise ValueError("leading_ids holds another tokenizer's ids")
     leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    marks = []  # the ids of the messages up to each boundary, without a generation prompt
+    marks = {}  # the ids of the messages up to each boundary, without a generation prompt
     head, head_ids = 0, []
     for end in sorted({leading, len(messages)} - {0}):
         try:
@@ -107,12 +118,17 @@ def chat_job(
                 ids = _ids_after(tok, messages[:end], head, head_ids, think, False)
         except TokenizerError:  # a template may refuse a conversation without a user message
             continue
-        marks.append(ids)
+        marks[end] = ids
         head, head_ids = end, ids
     prompt = _ids_after(tok, messages, head, head_ids, think, True)
-    boundaries = [
-        len(ids) for ids in marks if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids
-    ]
+    exact = {
+        end: len(ids)
+        for end, ids in marks.items()
+        if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids
+    }
+    boundaries = sorted(exact.values())
+    if not (leading < len(messages) and leading in exact):  # no document marked off
+        boundaries = tail(len(prompt), boundaries)
     return Job(
         job_id or new_id("chatcmpl"),
         tuple(prompt),
@@ -122,6 +138,13 @@ def chat_job(
         stop_strings,
         tuple(boundaries),
     )
+
+
+def tail(n: int, boundaries: Sequence[int]) -> list[int]:
+    """A prompt of n tokens' `boundaries` and `QUESTION_TAIL` tokens before its end (where the
+    prompt is longer), in order."""
+    at = n - QUESTION_TAIL
+    return sorted({*boundaries, at} if at > 0 else set(boundaries))
 
 
 def _ids_after(tok, messages, head, head_ids, think, add_generation_prompt) -> list[int]:
@@ -143,7 +166,8 @@ def text_job(
     job_id: str | None = None,
 ) -> Job:
     """The Job of a raw prompt (`/v1/completions`): text as it is, special-token text included,
-    after BOS where the tokenizer adds one; or token ids, checked against the vocabulary."""
+    after BOS where the tokenizer adds one; or token ids, checked against the vocabulary. Its
+    boundary: `QUESTION_TAIL` tokens before its end (`tail`)."""
     if isinstance(prompt, str):
         ids = tok.encode(prompt, add_bos=tok.add_bos_token)
     else:
@@ -162,6 +186,7 @@ def text_job(
         max_tokens,
         frozenset(tok.eos_ids),
         stop_strings,
+        tuple(tail(len(ids), ())),
     )
 
 

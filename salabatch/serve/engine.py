@@ -34,7 +34,8 @@ resumes at the last snapshot and prefills only what came after (at most `snapsho
 more than its own). A job that resumed from nothing snapshots its own cache (no copy) and goes on
 from a fork of it; a job on a fork pays one copy of the prefix per snapshot (`prefixes.owned`).
 Memory for held prefixes is capped at `prefix_bytes`; the least recently used go to the store,
-and `close()` writes the rest there.
+and `close()` writes the rest there. A job that scores its prompt (`Job.prompt_logprobs`) holds
+its snapshots with its scores so far, and resumes only from a prefix held so (memory only).
 
 Every job ends with one Finished (stop, length, cancelled) or Failed (it could not run: its error
 names it; the others go on). `close()` ends what is left with Failed(EngineClosed).
@@ -53,7 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from salabatch.engine.sampling import SamplingParams, TokenLogprob
+import numpy as np
+
+from salabatch.engine.sampling import SamplingParams, TokenLogprob, narrow_rows, read_rows
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import CacheWarning, SalabatchError, error_text
 
@@ -151,8 +154,9 @@ class Job:
     (`Request.logprobs`), on its Token events. `grammar`: what the answer must match
     (`salabatch.engine.grammar`). `prompt_logprobs`: None, or the prompt's tokens after the
     first scored the same way, in one PromptLogprobs event before the answer's; such a job
-    prefills its whole prompt (no held prefix: each token's score needs its position's logits)
-    and may have `max_tokens` 0 (it then only scores)."""
+    resumes only from a prefix held with its scores (a scoring job's snapshot, in memory: each
+    token's score needs its position's logits) and may have `max_tokens` 0 (it then only
+    scores)."""
 
     id: str
     prompt: tuple[int, ...]
@@ -307,7 +311,7 @@ class _Work:
     max_tokens: int = 0  # what it may generate (max_tokens cut at the context), once begun
     needs: MemoryPlan | None = None  # what its prefill may take (`_check_memory`), once begun
     steps: Iterator[int] | None = None  # its prefill on its own row, a chunk per next()
-    scores: list[TokenLogprob] | None = None  # its prompt's (`Job.prompt_logprobs`), prefilled
+    scored: list[np.ndarray] | None = None  # its prompt's scores so far, in order (`Prefill`)
     g: Generation | None = None
     batch: Batch | None = None
     emitted: int = 0  # tokens put as events
@@ -653,20 +657,19 @@ class ServeEngine:
         job = w.ticket.job
         w.started = time.perf_counter()
         w.max_tokens = self._check(job)
-        if job.prompt_logprobs is None:
-            w.base, w.source = self._prefixes.match(job.prompt, job.boundaries)
+        w.base, w.source = self._prefixes.match(job.prompt, job.boundaries, job.prompt_logprobs)
         w.cached = 0 if w.base is None else w.base.tokens
         w.points = save_points(w.cached, len(job.prompt), job.boundaries, self.snapshot_min)
-        if job.prompt_logprobs is not None:
-            w.points = []  # its prompt in one prefill, scored whole
         w.needs = self._check_memory(job, w.cached, w.points, w.max_tokens)
 
     def _joinable(self, w: _Work) -> bool:
         """Whether begun job w can prefill together with others (`_admit_together`): its row
-        forks a held prefix, and what it adds is one interactive chunk with no snapshot."""
-        own = len(w.ticket.job.prompt) - w.cached
-        interactive = not w.ticket.job.background
-        return w.base is not None and not w.points and interactive and 0 < own <= self.prefill_chunk
+        forks a held prefix, and what it adds is one interactive chunk with no snapshot and no
+        score."""
+        job = w.ticket.job
+        own = len(job.prompt) - w.cached
+        plain = not job.background and job.prompt_logprobs is None
+        return w.base is not None and not w.points and plain and 0 < own <= self.prefill_chunk
 
     def _admit_together(self, budget: int) -> int:
         """Begins the interactive jobs at the head of the line that have not begun, oldest
@@ -715,8 +718,8 @@ class ServeEngine:
 
     def _admission(self, w: _Work) -> Iterator[int]:
         """Begun job w's prefill on its own row, one chunk per next() (→ the tokens it fed):
-        resumes from its held prefix, snapshots at its save points, and ends with its row in a
-        group."""
+        resumes from its held prefix, snapshots at its save points (with its scores so far,
+        where it scores its prompt), and ends with its row in a group."""
         import mlx.core as mx
 
         from salabatch.engine import memory
@@ -724,35 +727,37 @@ class ServeEngine:
         from salabatch.serve.prefixes import owned, prefix_digests
 
         job, model, points = w.ticket.job, self.model, w.points
-        n, resumed = len(job.prompt), w.cached
+        n, resumed, score = len(job.prompt), w.cached, job.prompt_logprobs
         digests = prefix_digests(job.prompt, points)
         # `row` is the job's cache: fresh (its own keys) until its first snapshot, else a fork
         row: ModelCache = model.make_cache() if w.base is None else w.base.cache.fork(1)
-        logits = None if w.base is None or resumed < n else w.base.logits
+        logits = None if w.base is None else w.base.logits
+        if score is not None:
+            w.scored = [] if w.base is None else [narrow_rows(w.base.scores, score)]
         at = resumed
         for q in points if points and points[-1] == n else [*points, n]:
             if q > at:
-                feed = Prefill(
-                    model, job.prompt[at:q], row, self.prefill_chunk, job.prompt_logprobs
-                )
+                before = None if score is None or at == 0 else logits
+                feed = Prefill(model, job.prompt[at:q], row, self.prefill_chunk, score, before)
                 while not feed.finished:
                     feed.chunk = self._chunk(job)
-                    before = feed.done
+                    done = feed.done
                     with memory.bounded(w.needs):  # the chunk's run-ahead within the job's plan
-                        fed = feed.step() - before
+                        fed = feed.step() - done
                     self._stat("prefill_tokens_total", fed)
                     yield fed
                 logits, at = feed.logits(), q
                 mx.eval(logits)  # a snapshot keeps them: [vocab], not the graph behind them
-                if job.prompt_logprobs is not None:
-                    w.scores = feed.scores()
+                if score is not None:
+                    w.scored.append(feed.score_rows())
             if q in points:
+                held = dict(scores=None if score is None else np.concatenate(w.scored))
                 if w.base is None:  # the row owns its keys: it is the snapshot, no copy
-                    w.base = self._prefixes.hold(digests[q], q, row, logits, use=True)
+                    w.base = self._prefixes.hold(digests[q], q, row, logits, use=True, **held)
                     row = row.fork(1)
                 else:
                     snapshot = owned(row, model.config)
-                    self._prefixes.hold(digests[q], q, snapshot, logits)
+                    self._prefixes.hold(digests[q], q, snapshot, logits, **held)
                 yield 0
         self._enter(w, row, logits)
 
@@ -763,8 +768,10 @@ class ServeEngine:
         from salabatch.engine.generate import Request
 
         job = w.ticket.job
-        if w.scores is not None:
-            w.ticket._put(PromptLogprobs(tuple(w.scores)))
+        if w.scored is not None:
+            rows = np.concatenate(w.scored)
+            scores = read_rows(rows, job.prompt[1:], job.prompt_logprobs)
+            w.ticket._put(PromptLogprobs(tuple(scores)))
             if w.max_tokens == 0:
                 self._finish(w, "length", prefill_s=time.perf_counter() - w.started)
                 return

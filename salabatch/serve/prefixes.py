@@ -89,18 +89,32 @@ def owned(cache: ModelCache, cfg: ModelConfig) -> ModelCache:
 class Held:
     """One held prefix: `tokens` ids whose sha256 is `sha`, their one-row `cache`, and the
     logits [vocab] of its last position where known (a prefix prefilled here; not one read from
-    disk), so that a prompt it holds whole can draw its first token without a prefill."""
+    disk), so that a prompt it holds whole can draw its first token without a prefill.
+    `scores`: where a job that scored its prompt held it, its tokens' scores after the first
+    ([tokens − 1, 1 + 2k] rows of `token_logprobs`, k alternatives each), so that a later
+    scoring job resumes from it (the disk holds no scores)."""
 
     sha: str
     tokens: int
     cache: ModelCache
     logits: mx.array | None
+    scores: np.ndarray | None = None
     users: int = 0  # running jobs whose rows fork it
     stored: bool = False  # the store holds it already (it was read from there, or written)
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes + (0 if self.logits is None else self.logits.nbytes)
+        extra = [x.nbytes for x in (self.logits, self.scores) if x is not None]
+        return self.cache.nbytes + sum(extra)
+
+    def scored(self, top: int) -> bool:
+        """Whether a job scoring its prompt with `top` alternatives can resume from it: its
+        scores hold as many, and its logits score the next token."""
+        return (
+            self.scores is not None
+            and self.logits is not None
+            and (self.scores.shape[1] - 1) // 2 >= top
+        )
 
 
 class HeldPrefixes:
@@ -128,32 +142,38 @@ class HeldPrefixes:
     def lent_bytes(self) -> int:
         return sum(h.nbytes for h in self.lent.values())
 
-    def match(self, ids: Sequence[int], boundaries: Iterable[int] = ()) -> tuple[Held | None, str]:
+    def match(
+        self, ids: Sequence[int], boundaries: Iterable[int] = (), scored: int | None = None
+    ) -> tuple[Held | None, str]:
         """The longest held prefix of `ids` (acquired: `release` it when its job ends) and
         where it came from: "memory", "disk" or "none" (no prefix, None). Lengths tried: those
         of the prefixes held, `boundaries` (the prompt's message ends) and those of the store's
         entries (this engine's, and another process's: a run's documents, which end inside
         their user message). A prefix as long as `ids` itself serves only with its logits (held
-        in memory since its prefill)."""
+        in memory since its prefill). `scored`: for a job that scores its prompt with that many
+        alternatives, only prefixes held with such scores (`Held.scored`: memory only)."""
         n = len(ids)
         mine = {h.tokens for h in (*self.held.values(), *self.lent.values())}
-        stored = self.store.prefix_lengths() if self.store else frozenset()  # its own too
+        store = self.store if scored is None else None
+        stored = store.prefix_lengths() if store else frozenset()  # its own too
         on_disk = {t for t in (*boundaries, *stored) if 0 < t < n}
         lengths = {t for t in mine | on_disk | {n} if 0 < t <= n}
         digests = prefix_digests(ids, lengths)
         found = None
         for t in sorted(lengths, reverse=True):
             h = self.held.get(digests[t]) or self.lent.get(digests[t])
-            if h is not None and (t < n or h.logits is not None):
+            if h is None or (t == n and h.logits is None):
+                continue
+            if scored is None or h.scored(scored):
                 found = h
                 break
-        if self.store is not None:
+        if store is not None:
             shortest = 0 if found is None else found.tokens
             for t in sorted((t for t in on_disk if shortest < t < n), reverse=True):
                 key = self.key(digests[t], t)
-                if not self.store.has(key):
+                if not store.has(key):
                     continue
-                cache = self.store.load(key, self.cfg)
+                cache = store.load(key, self.cfg)
                 if cache is not None:
                     self.hits_disk += 1
                     return self.hold(digests[t], t, cache, None, use=True, stored=True), "disk"
@@ -173,18 +193,27 @@ class HeldPrefixes:
         *,
         use: bool = False,
         stored: bool = False,
+        scores: np.ndarray | None = None,
     ) -> Held:
         """Keeps `cache` (one row, no shared keys: never continue it after) as the prefix of
         `tokens` ids hashing to `sha`; `use`: acquired for the caller's job; `stored`: the store
-        holds it already. Evicts down to the cap. The prefix held already under `sha`, if one
-        is, is kept instead."""
+        holds it already; `scores`: its tokens' (`Held.scores`). Evicts down to the cap. The
+        prefix held already under `sha`, if one is, is kept instead, given these logits and
+        scores where it lacks them (or holds fewer alternatives)."""
         held = self.held.get(sha) or self.lent.get(sha)
         if held is None:
-            held = Held(sha, tokens, cache, logits, stored=stored)
+            held = Held(sha, tokens, cache, logits, scores, stored=stored)
             self.held[sha] = held
             self.held_bytes += held.nbytes
-        elif sha in self.held:
-            self.held.move_to_end(sha)
+        else:
+            before = held.nbytes
+            if held.logits is None:
+                held.logits = logits
+            if scores is not None and not held.scored((scores.shape[1] - 1) // 2):
+                held.scores = scores
+            if sha in self.held:
+                self.held_bytes += held.nbytes - before
+                self.held.move_to_end(sha)
         if use:
             held.users += 1
         self._evict()

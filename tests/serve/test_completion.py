@@ -8,7 +8,13 @@ import pytest
 from salabatch.engine.chat import split_thinking
 from salabatch.engine.sampling import SamplingParams
 from salabatch.openai_api import BodyError
-from salabatch.serve.completion import AnswerText, LeadingIds, chat_job, text_job
+from salabatch.serve.completion import (
+    QUESTION_TAIL,
+    AnswerText,
+    LeadingIds,
+    chat_job,
+    text_job,
+)
 from salabatch.serve.engine import Finished
 
 
@@ -99,6 +105,31 @@ def test_chat_job_ends_prefixes_at_the_system_message_and_the_last_message(tok):
     # no system message: only the end of the last message
     alone = chat_job(tok, turn[1:], think=False, params=SamplingParams(), max_tokens=8)
     assert len(alone.boundaries) == 1
+
+
+def test_a_prompt_with_no_document_marked_off_has_a_boundary_before_its_tail(tok):
+    """A raw prompt, or chat messages whose document is in the user message, has a boundary
+    QUESTION_TAIL tokens before its end (where a question after the document is most often
+    what the next prompt changes); chat messages with the document in a leading system message
+    have that message's end instead; a prompt as short as the tail has none."""
+    params = SamplingParams()
+    document = "The Provider is Acme Corp. " * 60
+    raw = text_job(tok, document + "Q: who is the provider? A:", params=params, max_tokens=4)
+    assert raw.boundaries == (len(raw.prompt) - QUESTION_TAIL,)
+    assert (
+        text_job(tok, list(range(3, 3 + QUESTION_TAIL)), params=params, max_tokens=4).boundaries
+        == ()
+    )
+    user = [{"role": "user", "content": document + "\n\nWho is the provider?"}]
+    job = chat_job(tok, user, think=False, params=params, max_tokens=4)
+    last = len(tok.chat_prompt_ids(user, think=False, add_generation_prompt=False))
+    assert job.boundaries == (len(job.prompt) - QUESTION_TAIL, last)
+    system = [{"role": "system", "content": document}, {"role": "user", "content": "Who?"}]
+    job = chat_job(tok, system, think=False, params=params, max_tokens=4)
+    ends = [
+        tok.chat_prompt_ids(system[:k], think=False, add_generation_prompt=False) for k in (1, 2)
+    ]
+    assert job.boundaries == (len(ends[0]), len(ends[1]))
 
 
 def test_leading_ids_give_the_same_jobs_and_tokenize_a_document_once(tok, monkeypatch):

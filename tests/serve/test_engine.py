@@ -24,6 +24,7 @@ from salabatch.engine.speculative import OFF, Speculation
 from salabatch.jobs.store.prefix_store import PrefixKey
 from salabatch.serve import engine as engine_module
 from salabatch.serve.app import usage
+from salabatch.serve.completion import QUESTION_TAIL, tail
 from salabatch.serve.engine import (
     COUNTERS,
     GAUGES,
@@ -328,6 +329,72 @@ def test_a_scoring_job_scores_its_whole_prompt_then_answers_as_alone(model):
     assert only[0].logprobs[0].top == ()
     assert only[1].finish_reason == "length" and only[1].completion_tokens == 0
     assert bare[0].logprobs == () and bare[1].finish_reason == "length"
+
+
+def whole_scores(model, prompt, k: int):
+    """The reference: `prompt` scored in one fresh prefill (k alternatives)."""
+    feed = Prefill(model, prompt, model.make_cache(), 256, score=k)
+    while not feed.finished:
+        feed.step()
+    return feed.scores()
+
+
+def assert_same_scores(got, want) -> None:
+    assert [x.token for x in got] == [x.token for x in want]
+    assert [x.logprob for x in got] == pytest.approx([x.logprob for x in want], abs=TOL)
+    assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in want]
+    flat = [v for x in got for _, v in x.top]
+    assert flat == pytest.approx([v for x in want for _, v in x.top], abs=TOL)
+
+
+def test_questions_after_one_document_resume_before_their_tail(model):
+    """Prompts that share a 1,500-token document and differ in their last tokens (a raw
+    prompt's question, with `completion.tail`'s boundary QUESTION_TAIL before its end): the
+    first snapshots there, the others resume from it and answer what they answer alone."""
+    doc = ids(1500, 41)
+    prompts = [doc + ids(n, 42 + n) for n in (20, 60, 9)]
+    with ServeEngine(model, Tok(), prefill_chunk=512) as engine:
+        got = [
+            collect(engine.submit(job(f"q{i}", p, boundaries=tuple(tail(len(p), ())))))
+            for i, p in enumerate(prompts)
+        ]
+    at = len(prompts[0]) - QUESTION_TAIL
+    assert [fin.cached_tokens for _, fin in got] == [0, at, at]
+    for p, (tokens, _) in zip(prompts, got, strict=True):
+        assert tokens == alone(model, p)
+
+
+def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
+    """lm-eval's loglikelihood over one context: each choice a job scoring context + choice.
+    The first snapshots at its boundaries with its scores so far (fresh, on a fork, and at its
+    end); the next resumes from the longest with scores of as many alternatives and scores
+    only its own tokens (the first from the held logits); one asking more alternatives than
+    held prefills whole and its snapshots give the held prefixes those, for the next. Every
+    job's scores are those of its prompt scored whole, and a plain job resumes from the scored
+    prefixes as from any; the held bytes count the scores."""
+    doc = ids(700, 51)
+    choices = [ids(3, 52), ids(5, 53), ids(3, 54), ids(3, 55)]
+    prompts = [doc + c for c in choices]
+    marks = (300, 575)  # 575: the tail of a 703-token prompt
+    with ServeEngine(model, Tok(), prefill_chunk=256, snapshot_min=64) as engine:
+
+        def scored(name, prompt, k):
+            events = list(engine.submit(job(name, prompt, 0, prompt_logprobs=k, boundaries=marks)))
+            assert [type(e) for e in events] == [PromptLogprobs, Finished], events
+            return events[0].logprobs, events[-1].cached_tokens
+
+        got = [scored(*case) for case in zip("abcd", prompts, (2, 1, 3, 3), strict=True)]
+        tokens, fin = collect(engine.submit(job("p", prompts[1], 6, boundaries=marks)))
+        prefixes = engine._prefixes
+        held_bytes = sum(h.nbytes for h in prefixes.held.values())
+        assert prefixes.held_bytes == held_bytes
+        kept = {h.tokens: (h.scores.shape[1] - 1) // 2 for h in prefixes.held.values()}
+    assert [cached for _, cached in got] == [0, 575, 0, 575]
+    for (scores, _), prompt, k in zip(got, prompts, (2, 1, 3, 3), strict=True):
+        assert_same_scores(scores, whole_scores(model, prompt, k))
+    # b snapshotted its end too (130 tokens past 575): held whole, with its logits
+    assert fin.cached_tokens == 705 and tokens == alone(model, prompts[1], 6)
+    assert kept[300] == kept[575] == 3
 
 
 def test_prefix_memory_cap_and_disk(model, tmp_path):

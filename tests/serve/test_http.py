@@ -490,6 +490,30 @@ def test_echo_scores_the_prompt_as_decoding_scored_the_answer(served):
     assert chunks[0] == tok.decode(prompt, skip_special=True) and "".join(chunks) == whole.text
 
 
+def test_choices_over_one_context_score_it_once(served):
+    """lm-eval-harness's loglikelihood over a long context: one request, a prompt (token ids)
+    per choice, context + choice each. The first prompt is scored whole and held with its
+    scores before its tail; the others resume there (usage's cached tokens) and score only
+    their own tokens; every choice's logprobs are its prompt's scored whole."""
+    from salabatch.engine.generate import Prefill
+    from salabatch.serve.completion import QUESTION_TAIL
+
+    client, tok = served.client(), served.tok
+    context = tok.encode("The Provider is Acme Corp. " * 80 + "Who is the provider?", add_bos=True)
+    prompts = [context + tok.encode(f" {name}") for name in ("Acme", "Bolt", "Cobalt")]
+    ask = {"model": MODEL, "prompt": prompts, "max_tokens": 0, "logprobs": 1, "echo": True}
+    got = client.completions.create(**ask)
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 2 * (len(prompts[0]) - QUESTION_TAIL)
+    for choice, prompt in zip(got.choices, prompts, strict=True):
+        feed = Prefill(served.engine.model, prompt, served.engine.model.make_cache(), score=1)
+        while not feed.finished:
+            feed.step()
+        assert choice.logprobs.token_logprobs[0] is None
+        want = [x.logprob for x in feed.scores()]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+
+
 def test_logit_bias_forces_a_token_chat_and_text(served):
     """+100 on one token makes a greedy answer all that token, in a completion and a chat
     answer (what -100 does is the engine's test: tests/engine/test_generate.py)."""
