@@ -27,11 +27,12 @@ in turn. `batch_size` bounds the rows of all groups together (and the jobs prefi
 memory the rows may take, whatever their prefixes.
 
 Snapshots (the prefixes held): while prefilling, a job keeps its cache at each of its
-`boundaries` and at the end of its prompt that lies at least `snapshot_min` tokens (default 256)
-past where it resumed or its last snapshot: a shorter segment costs less to prefill again than
-to hold. A conversation's next turn re-sends the prompt, the answer and a new question, so it
-resumes at the last snapshot and prefills only what came after (at most `snapshot_min` tokens
-more than its own). A job that resumed from nothing snapshots its own cache (no copy) and goes on
+`boundaries`, where its prompt starts as a recent one did (`prefixes.SeenPrompts`), and at the
+end of its prompt that lies at least `snapshot_min` tokens (default 256) past where it resumed
+or its last snapshot: a shorter segment costs less to prefill again than to hold. A
+conversation's next turn re-sends the prompt, the answer and a new question, so it resumes at
+the last snapshot and prefills only what came after (at most `snapshot_min` tokens more than its
+own). A job that resumed from nothing snapshots its own cache (no copy) and goes on
 from a fork of it; a job on a fork pays one copy of the prefix per snapshot (`prefixes.owned`).
 Memory for held prefixes is capped at `prefix_bytes`; the least recently used go to the store,
 and `close()` writes the rest there. A job that scores its prompt (`Job.prompt_logprobs`) holds
@@ -59,6 +60,7 @@ import numpy as np
 from salabatch.engine.sampling import SamplingParams, TokenLogprob, narrow_rows, read_rows
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import CacheWarning, SalabatchError, error_text
+from salabatch.serve.prefixes import Held, HeldPrefixes, SeenPrompts, owned, prefix_digests
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -67,7 +69,6 @@ if TYPE_CHECKING:
     from salabatch.engine.generate import Batch, Generation
     from salabatch.engine.grammar import Grammar
     from salabatch.engine.memory import MemoryPlan
-    from salabatch.serve.prefixes import Held, HeldPrefixes
 
 SNAPSHOT_MIN = 256  # tokens a snapshot must lie past the last one (or where the job resumed)
 # Background jobs' prefill chunk while interactive jobs are about (INTERACTIVE_S since the last
@@ -402,6 +403,7 @@ class ServeEngine:
         self._stats_lock = threading.Lock()
         # engine thread only:
         self._prefixes: HeldPrefixes | None = None
+        self._seen = SeenPrompts()
         self._admitting: list[_Work] = []
         self._groups: dict[int | None, Batch] = {}  # by id of the rows' shared keys
         self._running: dict[str, _Work] = {}  # by rid: jobs with a row in a group
@@ -526,7 +528,6 @@ class ServeEngine:
         from salabatch.engine.fingerprint import model_fingerprint
         from salabatch.engine.runtime import dtype_name
         from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
-        from salabatch.serve.prefixes import HeldPrefixes
 
         cfg = self.model.config
         if self.store_dir is None:
@@ -659,7 +660,9 @@ class ServeEngine:
         w.max_tokens = self._check(job)
         w.base, w.source = self._prefixes.match(job.prompt, job.boundaries, job.prompt_logprobs)
         w.cached = 0 if w.base is None else w.base.tokens
-        w.points = save_points(w.cached, len(job.prompt), job.boundaries, self.snapshot_min)
+        agreed = self._seen.agreed(job.prompt)  # where it starts as a recent prompt did
+        marks = (*job.boundaries, agreed) if agreed else job.boundaries
+        w.points = save_points(w.cached, len(job.prompt), marks, self.snapshot_min)
         w.needs = self._check_memory(job, w.cached, w.points, w.max_tokens)
 
     def _joinable(self, w: _Work) -> bool:
@@ -724,7 +727,6 @@ class ServeEngine:
 
         from salabatch.engine import memory
         from salabatch.engine.generate import Prefill
-        from salabatch.serve.prefixes import owned, prefix_digests
 
         job, model, points = w.ticket.job, self.model, w.points
         n, resumed, score = len(job.prompt), w.cached, job.prompt_logprobs

@@ -15,6 +15,10 @@ a held prefix, then prefilled past one of its boundaries) must own its keys: `ow
 fork's shared keys and its own into one new cache. That is one copy of the prefix, paid when the
 snapshot is saved; a hit never copies more than the fork's constant part.
 
+Where a prompt's boundaries mark no point a later prompt shares, `SeenPrompts` finds one: the
+longest prefix it has in common with a recent prompt, to a multiple of 64 ids. The second of
+several prompts that share a document and differ after it snapshots there, and the others resume.
+
 Memory: `cap` bounds the bytes of the prefixes held (`held_bytes`). Past it the least recently
 used are evicted: written to the store (when there is one and it does not hold them yet), then
 dropped. A prefix evicted while running rows still read it stays matchable (`lent`) until the
@@ -37,6 +41,11 @@ from salabatch.engine.cache import FORMAT_VERSION, ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.sparse_cache import SparseKVCache
 from salabatch.jobs.store.prefix_store import PrefixKey, PrefixStore
+
+# `SeenPrompts`: where prompts agree is found to a multiple of SEEN_BLOCK ids; the prefixes of
+# about 4M ids of recent prompts are remembered (~15 MB of digests)
+SEEN_BLOCK = 64
+SEEN_MOST = 1 << 16
 
 
 def prefix_digests(ids: Sequence[int], lengths: Iterable[int]) -> dict[int, str]:
@@ -83,6 +92,32 @@ def owned(cache: ModelCache, cfg: ModelConfig) -> ModelCache:
     copy = ModelCache.from_state(arrays, meta, cfg)
     mx.eval(*copy.arrays())
     return copy
+
+
+class SeenPrompts:
+    """Where recent prompts agree: the sha256 of every prompt's first k·`block` ids (as
+    `prefix_digests` hashes them), for the last `most` such prefixes seen. A prompt that starts
+    as an earlier one did, up to a point its own boundaries do not mark (a document in the user
+    message before a long question, say), learns that point from `agreed`, and the engine
+    snapshots there: the prompts after it that start the same way resume from it. Used by the
+    engine thread only."""
+
+    def __init__(self, block: int = SEEN_BLOCK, most: int = SEEN_MOST) -> None:
+        self.block, self.most = block, most
+        self._seen: OrderedDict[str, None] = OrderedDict()  # least recently seen first
+
+    def agreed(self, ids: Sequence[int]) -> int:
+        """The longest multiple of `block` below len(ids) at which `ids` starts as a prompt
+        seen before did (0: none); then `ids`'s own prefixes are seen."""
+        lengths = range(self.block, len(ids), self.block)
+        digests = prefix_digests(ids, lengths)
+        found = max((n for n in lengths if digests[n] in self._seen), default=0)
+        for n in lengths:
+            self._seen[digests[n]] = None
+            self._seen.move_to_end(digests[n])
+        while len(self._seen) > self.most:
+            self._seen.popitem(last=False)
+        return found
 
 
 @dataclass(eq=False)

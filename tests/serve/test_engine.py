@@ -40,7 +40,7 @@ from salabatch.serve.engine import (
     padded_batches,
     save_points,
 )
-from salabatch.serve.prefixes import owned, prefix_digests
+from salabatch.serve.prefixes import SeenPrompts, owned, prefix_digests
 from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
 
 GREEDY = SamplingParams()
@@ -364,6 +364,31 @@ def test_questions_after_one_document_resume_before_their_tail(model):
         assert tokens == alone(model, p)
 
 
+def test_seen_prompts_find_where_a_prompt_starts_as_a_recent_one():
+    seen = SeenPrompts(block=4, most=6)
+    assert seen.agreed(list(range(20))) == 0  # nothing seen yet
+    assert seen.agreed([*range(10), 99, 98]) == 8  # agrees on 10 ids: cut to a block
+    assert seen.agreed(list(range(12))) == 8  # below its own length, never at it
+    assert seen.agreed([7, *range(10)]) == 0  # six prefixes seen: all remembered
+    assert seen.agreed(list(range(20))) == 16
+    # five more: the least recently seen go, the first prompt's among them
+    assert seen.agreed([7, *range(30)]) == 8
+    assert seen.agreed(list(range(20))) == 0
+
+
+def test_questions_longer_than_the_tail_resume_from_the_third(model):
+    """Long questions (300-450 tokens) over one 1,500-token document, no boundary marking it
+    off: the second snapshots where it starts as the first did (1,472: 23 blocks of 64), and the
+    ones after it resume there; each answers what it answers alone."""
+    doc = ids(1500, 61)
+    prompts = [doc + ids(300 + 50 * i, 62 + i) for i in range(4)]
+    with ServeEngine(model, Tok(), prefill_chunk=512) as engine:
+        got = [collect(engine.submit(job(f"q{i}", p))) for i, p in enumerate(prompts)]
+    assert [fin.cached_tokens for _, fin in got] == [0, 0, 1472, 1472]
+    for p, (tokens, _) in zip(prompts, got, strict=True):
+        assert tokens == alone(model, p)
+
+
 def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
     """lm-eval's loglikelihood over one context: each choice a job scoring context + choice.
     The first snapshots at its boundaries with its scores so far (fresh, on a fork, and at its
@@ -389,12 +414,13 @@ def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
         held_bytes = sum(h.nbytes for h in prefixes.held.values())
         assert prefixes.held_bytes == held_bytes
         kept = {h.tokens: (h.scores.shape[1] - 1) // 2 for h in prefixes.held.values()}
-    assert [cached for _, cached in got] == [0, 575, 0, 575]
+    # from b on, each also snapshots at 640, where its prompt starts as a's did (`SeenPrompts`)
+    assert [cached for _, cached in got] == [0, 575, 0, 640]
     for (scores, _), prompt, k in zip(got, prompts, (2, 1, 3, 3), strict=True):
         assert_same_scores(scores, whole_scores(model, prompt, k))
     # b snapshotted its end too (130 tokens past 575): held whole, with its logits
     assert fin.cached_tokens == 705 and tokens == alone(model, prompts[1], 6)
-    assert kept[300] == kept[575] == 3
+    assert kept[300] == kept[575] == kept[640] == 3
 
 
 def test_prefix_memory_cap_and_disk(model, tmp_path):
