@@ -423,6 +423,51 @@ def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
     assert kept[300] == kept[575] == kept[640] == 3
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_mixed_workload_over_shared_documents_answers_and_scores_as_alone(model, tmp_path, seed):
+    """Seeded: 16 jobs over two documents (a document, then a tail of 1-300 tokens; marked at
+    the document's end, before the tail, or not at all), half of them scoring their prompts (0-3
+    alternatives, answering 0-4 tokens), in waves submitted together, through an engine that
+    snapshots every 64 tokens and holds about two prefixes (the rest evicted to its store, their
+    scores dropped): every answer is what its prompt answers alone, every score is its prompt's
+    scored whole, the held bytes keep to the cap, and scoring jobs resume too."""
+    rng = np.random.default_rng(seed)
+    docs = [ids(700, 90 + seed), ids(500, 95 + seed)]
+    cases = []
+    for i in range(16):
+        doc = docs[rng.integers(2)]
+        prompt = doc + ids(int(rng.integers(1, 300)), 1000 * seed + i)
+        marks = [(), (len(doc),), tuple(tail(len(prompt), ()))][rng.integers(3)]
+        k = int(rng.integers(4)) if i % 2 else None
+        max_tokens = int(rng.integers(0 if k is not None else 1, 5))
+        cases.append(job(f"j{i}", prompt, max_tokens, boundaries=marks, prompt_logprobs=k))
+    with ServeEngine(model, Tok(), batch_size=4, snapshot_min=64) as probe:
+        collect(probe.submit(job("probe", docs[0], max_tokens=1)))
+        one = probe.stats()["prefix_held_bytes"]
+    cap = int(2.5 * one)
+    got, held = [], []
+    store = tmp_path / "store"
+    with ServeEngine(
+        model, Tok(), batch_size=4, snapshot_min=64, prefix_bytes=cap, store_dir=store
+    ) as engine:
+        for wave in (cases[:5], cases[5:6], cases[6:12], cases[12:13], cases[13:]):
+            tickets = [engine.submit(j) for j in wave]
+            for t in tickets:
+                got.append(list(t))
+                held.append(engine.stats()["prefix_held_bytes"])
+    assert max(held) <= cap
+    pairs = zip(cases, got, strict=True)
+    scoring = [e[-1].cached_tokens for j, e in pairs if j.prompt_logprobs is not None]
+    assert any(scoring) and sum(e[-1].cached_tokens for e in got) > sum(scoring)
+    for j, events in zip(cases, got, strict=True):
+        assert isinstance(events[-1], Finished), (j.id, events[-1])
+        tokens = [e.token for e in events if isinstance(e, Token)]
+        assert tokens == (alone(model, j.prompt, j.max_tokens) if j.max_tokens else []), j.id
+        if j.prompt_logprobs is not None:
+            assert isinstance(events[0], PromptLogprobs), j.id
+            assert_same_scores(events[0].logprobs, whole_scores(model, j.prompt, j.prompt_logprobs))
+
+
 def test_prefix_memory_cap_and_disk(model, tmp_path):
     """Eight distinct 400-token prompts through a cap of two held prefixes: the held bytes stay
     under the cap while they run; the evicted ones are written to the store, and a later prompt
