@@ -10,9 +10,10 @@
 Bodies are read by `salabatch.openai_api`, as the Batch path reads request lines: the same
 fields honoured and refused, and here `stream`, `stream_options.include_usage` honoured too. With
 `n`, one request is n jobs of one prompt, seeds `seed`, `seed + 1`, ...: the first prefills it,
-the others resume from its snapshot at the prompt's end (the engine begins interactive jobs one
-after another; a stretch under `snapshot_min` is not snapshotted, and each prefills it again),
-and their rows decode as one group; choice i is what a request with seed `seed + i` answers.
+the others resume from its last snapshot (the engine begins interactive jobs one after another;
+at the prompt's end, or 128 tokens before it where no message boundary marks a document off;
+a stretch under `snapshot_min` is not snapshotted, and each prefills it again, together), and
+their rows decode as one group; choice i is what a request with seed `seed + i` answers.
 With `logprobs: true` (chat), each token of a choice comes with its log-probability, bytes and
 `top_logprobs` most likely alternatives (`choices[i].logprobs.content`, streamed with the delta
 that shows its text, or a later one where its text is held back); a completion's `logprobs: k`
