@@ -18,8 +18,11 @@ The default model is `builtin:random` (untrained: its answers run to `max_tokens
 is measured, where the trained demo model stops after a few tokens).
 
 Reported: total completion tokens per second of each, time to first token (p50, p95) of the
-server's requests, and the ratios. `soak` more requests cycling through `soak_documents`
-documents with a small prefix-memory cap measure the server's RSS over time instead.
+server's requests, and the ratios. With `turn_tokens`, a conversation's second turn over a
+document that long, and questions and lm-eval-style scored choices after it where nothing marks
+it off (`unmarked`): what the later ones prefill. `soak` more requests cycling through
+`soak_documents` documents with a small prefix-memory cap measure the server's RSS over time
+instead.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def run(
     if turn_tokens:
         progress(f"a second turn over a {turn_tokens}-token document …")
         out["turns"] = _turns(model_ref, tok, text, turn_tokens, max_tokens)
+        progress("questions and scored choices after it, nothing marking it off …")
+        out["unmarked"] = _unmarked(model_ref, tok, text, turn_tokens, max_tokens)
     if soak:
         progress(f"soak: {soak} requests over {soak_documents} documents …")
         out["soak"] = _soak(model_ref, tok, text, soak, soak_documents, max_tokens, soak_prefix_mb)
@@ -222,6 +227,41 @@ def _turns(model_ref, tok, text, tokens, max_tokens) -> dict:
     }
 
 
+def _unmarked(model_ref, tok, text, tokens, max_tokens) -> dict:
+    """A document of about `tokens` tokens that no message boundary marks off, on a fresh
+    server: three chat requests with it in the user message before a question, then three
+    completions scoring it with a choice after it (`echo`, `logprobs: 1`, `max_tokens: 0`: an
+    lm-eval loglikelihood). What each prefilled, by its usage: the first of each kind all of
+    it, the next ones their last tokens (they resume before the first's tail)."""
+    copies = max(1, round(tokens / len(tok.encode(text))))
+    document = "\n\n".join([text] * copies)
+    out: dict = {}
+    with _server(model_ref, batch_size=8) as (url, _):
+        asked = []
+        for question in QUESTIONS[:3]:
+            messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+            start = time.perf_counter()
+            u = _post(url, messages, max_tokens)["usage"]
+            asked.append((u, time.perf_counter() - start))
+        scored = []
+        for choice in (" Acme", " Bolt", " Rivercrest"):
+            body = {"prompt": document + "\nThe provider is" + choice, "max_tokens": 0}
+            start = time.perf_counter()
+            u = _complete(url, body | {"echo": True, "logprobs": 1})["usage"]
+            scored.append((u, time.perf_counter() - start))
+    for name, got in (("questions", asked), ("choices", scored)):
+        first = got[0][0]["prompt_tokens"]
+        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u, _ in got]
+        prefilled = [u["prompt_tokens"] - c for (u, _), c in zip(got, cached, strict=True)]
+        out[name] = {
+            "prompt_tokens": [u["prompt_tokens"] for u, _ in got],
+            "cached_tokens": cached,
+            "seconds": [round(t, 2) for _, t in got],
+            "later_prefilled_share_of_first": round(max(prefilled[1:]) / first, 4),
+        }
+    return out
+
+
 def _soak(model_ref, tok, text, requests, documents, max_tokens, cap_mb) -> dict:
     """Requests cycling through `documents` variants of the document (each its own prefix) on
     a server whose prefix memory (`cap_mb`) holds only some of them, the rest going to its
@@ -273,11 +313,16 @@ def _body(messages: list[dict], max_tokens: int, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-def _open(url: str, body: bytes):
-    request = urllib.request.Request(
-        f"{url}/chat/completions", body, {"Content-Type": "application/json"}
-    )
+def _open(url: str, body: bytes, route: str = "chat/completions"):
+    request = urllib.request.Request(f"{url}/{route}", body, {"Content-Type": "application/json"})
     return urllib.request.urlopen(request, timeout=3600)
+
+
+def _complete(url: str, body: dict) -> dict:
+    """A text completion (`body` without the model), whole."""
+    data = json.dumps({"model": "salabatch", "temperature": 0} | body).encode()
+    with _open(url, data, "completions") as response:
+        return json.load(response)
 
 
 def _post(url: str, messages: list[dict], max_tokens: int) -> dict:
@@ -395,6 +440,14 @@ def table(result: dict) -> str:
             f"cached: prefilled {100 * t['turn2_prefilled_share_of_turn1']:.2f} % of the first "
             f"turn's {t['turn1_prompt_tokens']} ({t['turn2_s']} s against {t['turn1_s']} s)"
         )
+    for name, what in (("questions", "questions"), ("choices", "scored choices")):
+        u = result.get("unmarked", {}).get(name)
+        if u:
+            lines.append(
+                f"{what} after an unmarked {u['prompt_tokens'][0]}-token prompt: the later ones "
+                f"prefilled at most {100 * u['later_prefilled_share_of_first']:.2f} % of the "
+                f"first's (cached {u['cached_tokens']}; {u['seconds']} s)"
+            )
     if "soak" in result:
         s = result["soak"]
         lines.append(

@@ -54,6 +54,15 @@ def test_a_second_turn_resumes_from_the_first(result):
     assert t["turn2_prefilled_share_of_turn1"] < 0.2
 
 
+def test_questions_and_choices_after_an_unmarked_document_resume(result):
+    """Nothing marks the document off (it is in the user message, or a completions prompt):
+    the later questions and scored choices resume before the first's tail."""
+    for name in ("questions", "choices"):
+        u = result["unmarked"][name]
+        assert u["cached_tokens"][0] == 0 and min(u["cached_tokens"][1:]) >= 2000 - 256, name
+        assert u["later_prefilled_share_of_first"] < 0.2, name
+
+
 def test_soak_samples_the_servers_memory(result):
     soak = result["soak"]
     assert soak["requests"] == 50 and len(soak["rss_gb_every_50"]) == 1
