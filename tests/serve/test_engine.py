@@ -410,6 +410,7 @@ def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
 
         got = [scored(*case) for case in zip("abcd", prompts, (2, 1, 3, 3), strict=True)]
         tokens, fin = collect(engine.submit(job("p", prompts[1], 6, boundaries=marks)))
+        whole, cached_whole = scored("w", prompts[1], 1)  # held whole: nothing to prefill
         prefixes = engine._prefixes
         held_bytes = sum(h.nbytes for h in prefixes.held.values())
         assert prefixes.held_bytes == held_bytes
@@ -420,6 +421,8 @@ def test_scoring_jobs_resume_from_snapshots_held_with_their_scores(model):
         assert_same_scores(scores, whole_scores(model, prompt, k))
     # b snapshotted its end too (130 tokens past 575): held whole, with its logits
     assert fin.cached_tokens == 705 and tokens == alone(model, prompts[1], 6)
+    assert cached_whole == 705
+    assert_same_scores(whole, whole_scores(model, prompts[1], 1))
     assert kept[300] == kept[575] == kept[640] == 3
 
 
