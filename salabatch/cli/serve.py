@@ -19,7 +19,6 @@ from salabatch.cli.main import (
 )
 
 API_KEY_ENV = "SALABATCH_API_KEY"
-_MAX_CONTEXT = 1 << 20  # a --document over the bytes this many tokens allows is refused unread
 
 
 def _model(command: click.Command) -> click.Command:
@@ -221,8 +220,9 @@ def chat(
     draft_layers: int,
 ) -> None:
     """Chat with MODEL in the terminal, about --document files if given. Each turn prefills
-    only its own tokens. /reset forgets the conversation, /save FILE writes it as JSON, /quit
-    (or Ctrl-D) ends; Ctrl-C stops an answer, not the session."""
+    only its own tokens. /document FILE adds a document, /reset forgets the conversation, /save
+    FILE writes it as JSON, /load FILE goes on with a saved one, /quit (or Ctrl-D) ends; Ctrl-C
+    stops an answer, not the session."""
     model_ref = _model_ref(model_args, model_opt)
     from salabatch.engine.sampling import SamplingParams
     from salabatch.engine.speculative import Speculation
@@ -296,14 +296,12 @@ def _engine(
 
 def _read_document(path: str) -> tuple[str, str]:
     """(name, text) of a --document, read as `salabatch run` reads a file (text or PDF)."""
-    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+    from salabatch.serve.chat import ChatError, read_document
 
-    docs = list(iter_documents([DocumentSource(path, max_tokens=_MAX_CONTEXT)]))
-    bad = next((d for d in docs if not d.ok), None)
-    if bad is not None or not docs:
-        reason = bad.error if bad is not None else "no document in it"
-        raise click.BadParameter(f"{path}: {reason}", param_hint="--document")
-    return os.path.basename(path), "\n\n".join(d.text for d in docs)
+    try:
+        return read_document(path)
+    except ChatError as e:
+        raise click.BadParameter(str(e), param_hint="--document") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -3,10 +3,13 @@ no HTTP. Documents go in the system message, so they are prefilled once: every t
 starts with them, and the engine finds the longest prefix it holds (the documents, then the
 conversation up to the last message of the turn before), so a turn costs only its own tokens.
 
-`run_chat` is the loop: a line is a question, or a command: `/reset` (forget the conversation,
-keep the documents), `/save FILE` (the conversation as JSON), `/help`, `/quit`. Answers stream
-as they come; Ctrl-C stops the answer (its job is cancelled), not the session. After each answer
-a line says its tokens, the prompt's cached tokens and the speed.
+`run_chat` is the loop: a line is a question, or a command: `/document FILE` (one more
+document, text or PDF, read as `salabatch run` reads it: it joins the system message, so the
+next question prefills it, with the conversation after it), `/reset` (forget the conversation,
+keep the documents), `/save FILE` (the conversation as JSON), `/load FILE` (a saved one, to go
+on with), `/help`, `/quit`. Answers stream as they come; Ctrl-C stops the answer (its job is
+cancelled), not the session. After each answer a line says its tokens, the prompt's cached
+tokens and the speed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,33 @@ from salabatch.errors import SalabatchError
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import Finished, ServeEngine, Token
 
-HELP = "/reset forgets the conversation (not the documents), /save FILE writes it as JSON, /quit"
+HELP = (
+    "/document FILE adds a document, /reset forgets the conversation (not the documents), "
+    "/save FILE writes it as JSON, /load FILE goes on with a saved one, /quit"
+)
+MAX_DOCUMENT_TOKENS = 1 << 20  # a document over the bytes this many tokens allows is refused unread
+
+
+class ChatError(SalabatchError):
+    """A document that cannot be read, or a saved conversation that cannot be loaded: the
+    message names the file."""
+
+    exit_code = 2
+
+
+def read_document(path: str | Path) -> tuple[str, str]:
+    """(name, text) of a document file, read as `salabatch run` reads it (text or PDF); a file
+    that gives no text is a ChatError naming it and why."""
+    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ChatError(f"{path}: no such file")
+    docs = list(iter_documents([DocumentSource(str(path), max_tokens=MAX_DOCUMENT_TOKENS)]))
+    bad = next((d for d in docs if not d.ok), None)
+    if bad is not None or not docs:
+        raise ChatError(f"{path}: {bad.error if bad is not None else 'no document in it'}")
+    return path.name, "\n\n".join(d.text for d in docs)
 
 
 @dataclass(frozen=True)
@@ -67,7 +96,9 @@ class Turn:
 
 class ChatSession:
     """One conversation: the system message (`system`, then each document as
-    `Document: NAME` and its text), the turns so far, and the engine that answers them."""
+    `Document: NAME` and its text), the turns so far, and the engine that answers them.
+    `add_document` puts one more in the system message; `save` and `load` keep a conversation
+    in a JSON file."""
 
     def __init__(
         self,
@@ -81,18 +112,30 @@ class ChatSession:
         think: bool = False,
     ) -> None:
         self.engine, self.tok = engine, tok
-        self.documents = [name for name, _ in documents]
-        parts = [system] if system else []
-        parts += [f"Document: {name}\n\n{text.strip()}" for name, text in documents]
-        self.system = [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
+        self.documents: list[str] = []
+        self._parts = [system] if system else []  # the system message's, in order
+        for name, text in documents:
+            self.add_document(name, text)
         self.params = params or SamplingParams()  # greedy
         self.max_tokens, self.think = max_tokens, think
         self.history: list[dict] = []
         self.leading_ids = LeadingIds(tok)  # the system message (the documents) tokenized once
 
     @property
+    def system(self) -> list[dict]:
+        """The system message (none without a system prompt or document)."""
+        return [{"role": "system", "content": "\n\n".join(self._parts)}] if self._parts else []
+
+    @property
     def messages(self) -> list[dict]:
         return self.system + self.history
+
+    def add_document(self, name: str, text: str) -> None:
+        """Puts a document after those in the system message (`Document: NAME`, then its
+        text): the next question prefills the system message from where it changed, and the
+        conversation so far after it."""
+        self.documents.append(name)
+        self._parts.append(f"Document: {name}\n\n{text.strip()}")
 
     def ask(self, question: str, show: Callable[[Piece], None]) -> Turn:
         """Answers `question`, its pieces streamed through `show` (reasoning pieces only with
@@ -154,6 +197,34 @@ class ChatSession:
         record = {"documents": self.documents, "messages": self.messages}
         Path(path).expanduser().write_text(json.dumps(record, ensure_ascii=False, indent=2) + "\n")
 
+    def load(self, path: str | Path) -> None:
+        """Goes on with a conversation `save` wrote (here or in another session): its system
+        message (documents included) and turns replace this one's. A file that is not such a
+        conversation is a ChatError naming it and what is wrong; this one is then kept."""
+        path = Path(path).expanduser()
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        names = record.get("documents", []) if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not isinstance(names, list):
+            raise ChatError(f"{path}: not a saved conversation (no messages and documents)")
+        for i, m in enumerate(messages):
+            roles = ("system", "user", "assistant") if i == 0 else ("user", "assistant")
+            if not (
+                isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str)
+            ):
+                raise ChatError(
+                    f"{path}: messages[{i}] is not a {'/'.join(roles)} message with text content"
+                )
+        system = messages[:1] if messages and messages[0]["role"] == "system" else []
+        self._parts = [system[0]["content"]] if system else []
+        self.documents = [str(n) for n in names]
+        self.history = [
+            {"role": m["role"], "content": m["content"]} for m in messages[len(system) :]
+        ]
+
 
 def run_chat(
     session: ChatSession,
@@ -186,6 +257,23 @@ def run_chat(
             return
         if command == "/help":
             note(HELP)
+        elif command in ("/document", "/load"):
+            target = argument.strip()
+            if not target:
+                note(f"usage: {command} FILE")
+                continue
+            try:
+                if command == "/load":
+                    session.load(target)
+                    note(f"[loaded {target}: {len(session.history)} messages]")
+                else:
+                    name, text = read_document(target)
+                    session.add_document(name, text)
+                    note(
+                        f"[added {name} ({len(text):,} characters): the next question prefills it]"
+                    )
+            except ChatError as e:
+                note(f"error: {e}")
         elif command == "/reset":
             session.reset()
             note("[the conversation is forgotten; the documents stay]")

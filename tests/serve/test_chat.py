@@ -197,3 +197,50 @@ def test_the_summary_rate_is_the_engines_decode_rate():
     assert Turn(48, 0, 201, 0.05, 0.5, "length").decode_tok_s == 400.0
     assert Turn(48, 0, 1, 0.05, 0.0, "stop").decode_tok_s == 0.0
     assert Turn(0, 0, 5, 0.1, 2.0, "cancelled").summary() == "[stopped after 5 tokens, 2.0 tok/s]"
+
+
+def test_a_document_added_mid_session_and_a_conversation_loaded_later(tmp_path, tiny):
+    """/document FILE puts one more document (here a PDF) in the system message: the next
+    question's prompt holds it, with the conversation so far after it. A conversation saved
+    and then loaded in a new session goes on where it was, resuming from what the engine held;
+    a file that cannot be read or loaded is an error line, and the session goes on."""
+    model, tok = tiny
+    shutil.copy(DOCS / "westcliff-energy.pdf", tmp_path / "w.pdf")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+    saved = tmp_path / "c.json"
+    lines = iter(
+        [
+            "Who is the provider?",
+            f"/document {tmp_path / 'w.pdf'}",
+            f"/document {tmp_path / 'empty.txt'}",
+            f"/document {tmp_path / 'missing.txt'}",
+            "Who is the client?",
+            f"/save {saved}",
+        ]
+    )
+    notes: list[str] = []
+    document = (DOCS / "redwater-robotics.txt").read_text()
+    with ServeEngine(model, tok, batch_size=1, max_queue=2) as engine:
+        session = ChatSession(engine, tok, documents=[("r.txt", document)], max_tokens=6)
+        run_chat(session, lambda: next(lines, None), lambda text: None, notes.append)
+        assert session.documents == ["r.txt", "w.pdf"]
+        system = session.system[0]["content"]
+        assert system.index("Document: r.txt") < system.index("Document: w.pdf")
+        assert "Westcliff" in system  # the PDF's text
+        first, second = turns("\n".join(notes))
+        asked = tok.chat_prompt_ids([*session.messages[:3], session.messages[3]], think=False)
+        assert second["prompt"] == len(asked)
+        assert sum("error:" in n for n in notes) == 2
+        assert any("empty.txt" in n for n in notes) and any("missing.txt" in n for n in notes)
+
+        later = ChatSession(engine, tok, max_tokens=6)  # a new session, the same engine
+        more = iter([f"/load {tmp_path / 'bad.json'}", f"/load {saved}", "And the fee?"])
+        notes.clear()
+        run_chat(later, lambda: next(more, None), lambda text: None, notes.append)
+    assert "messages[0]" in notes[0] and "[loaded" in notes[1]
+    (third,) = turns("\n".join(notes))
+    assert later.documents == ["r.txt", "w.pdf"] and later.system == session.system
+    assert later.history[:4] == session.history and len(later.history) == 6
+    assert third["prompt"] == len(tok.chat_prompt_ids(later.messages[:-1], think=False))
+    assert third["cached"] >= second["prompt"] - SNAPSHOT_MIN  # the saved turns were held
