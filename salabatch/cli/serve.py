@@ -123,7 +123,8 @@ def serve(
     draft_layers: int,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions (streaming too),
-    /v1/completions, /v1/models, /v1/files and /v1/batches (the Batch API), /health, /metrics.
+    /v1/completions, /v1/responses, /v1/models, /v1/files and /v1/batches (the Batch API),
+    /health, /metrics.
     Binds 127.0.0.1 unless told otherwise."""
     model_ref = _model_ref(model_args, model_opt)
     try:
@@ -145,6 +146,7 @@ def serve(
     from salabatch.serve.batches.routes import batch_routes
     from salabatch.serve.batches.runner import BatchRunner
     from salabatch.serve.batches.store import BatchStore
+    from salabatch.serve.responses import response_routes
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     # first: a second server on this state dir is refused before a model loads
@@ -165,7 +167,10 @@ def serve(
         model_id=model_id,
         api_key=api_key or None,
         defaults=defaults,
-        routes=batch_routes(runner),
+        routes=[
+            *batch_routes(runner),
+            *response_routes(engine, tok, model_id=model_id, defaults=defaults),
+        ],
     )
     # SIGTERM as Ctrl-C: uvicorn stops on either, then raises the signal again once it has; as
     # a KeyboardInterrupt (which uvicorn.run ends on quietly) the closing below runs, where the

@@ -305,8 +305,8 @@ class _Server:
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._chat_chunks(tickets, answers, reply, include_usage)
-            return _EventStream(chunks, tickets)
-        finished = await _collect(tickets, answers, request)
+            return EventStream(chunks, tickets)
+        finished = await collect(tickets, answers, request)
         return JSONResponse(chat_completion(reply, answers, think, finished, self.tok))
 
     async def completions(self, request: Request) -> Response:
@@ -319,8 +319,8 @@ class _Server:
         reply = Reply(text.jobs[0].id, "text_completion", self.model_id, int(time.time()))
         if stream:
             chunks = self._text_chunks(tickets, answers, text, reply, include_usage)
-            return _EventStream(chunks, tickets)
-        finished = await _collect(tickets, answers, request)
+            return EventStream(chunks, tickets)
+        finished = await collect(tickets, answers, request)
         return JSONResponse(text_completion(reply, text, answers, finished, self.tok))
 
     def _sampling(self, body: dict):
@@ -393,7 +393,7 @@ class _Server:
         for i in range(len(tickets)):
             yield chunk(i, {"role": "assistant", "content": ""})
         finished: dict[int, Finished] = {}
-        async for i, event in _events(tickets):
+        async for i, event in stream_events(tickets):
             if isinstance(event, Token):
                 if event.logprob is not None:
                     held.setdefault(i, []).append(openai_api.logprob_entry(self.tok, event.logprob))
@@ -435,7 +435,7 @@ class _Server:
             if echoed[i] and ticket.job.prompt_logprobs is None:
                 yield chunk(i, echoed[i])
         finished: dict[int, Finished] = {}
-        async for i, event in _events(tickets):
+        async for i, event in stream_events(tickets):
             if isinstance(event, Token):
                 if event.logprob is not None:
                     held.setdefault(i, []).append(event.logprob)
@@ -709,7 +709,7 @@ def sse(data: dict) -> bytes:
 
 
 @dataclass(frozen=True)
-class _StreamFailed:
+class StreamFailed:
     """A job that failed after its stream began (its status sent already): an error event."""
 
     body: dict
@@ -737,20 +737,20 @@ async def _merged(tickets: Sequence[Ticket]) -> AsyncIterator[tuple[int, Event]]
             task.cancel()
 
 
-async def _events(
+async def stream_events(
     tickets: Sequence[Ticket],
-) -> AsyncIterator[tuple[int, Token | Finished | _StreamFailed]]:
+) -> AsyncIterator[tuple[int, Token | Finished | StreamFailed]]:
     """The tickets' events (`_merged`), a Failed as the error event to send (the status is
     already 200), after which the others are cancelled and nothing more comes."""
     async with aclosing(_merged(tickets)) as events:
         async for i, event in events:
             if isinstance(event, Failed):
-                yield i, _StreamFailed(engine_error(event.error).body)
+                yield i, StreamFailed(engine_error(event.error).body)
                 return
             yield i, event
 
 
-async def _collect(
+async def collect(
     tickets: Sequence[Ticket], answers: Sequence[AnswerText], request: Request
 ) -> list[Finished]:
     """The whole answers into `answers` (→ each ticket's Finished, in order); a failed ticket
@@ -792,7 +792,7 @@ def _in_order(finished: dict[int, Finished]) -> list[Finished]:
     return [finished[i] for i in range(len(finished))]
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response whose tickets are cancelled however it ends: a client gone mid-stream
     stops its rows at the engine's next step (a finished ticket ignores the cancel)."""
 

@@ -1029,6 +1029,8 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigter
                 messages=system_turn(document("redwater-robotics.txt"), QUESTIONS[0]),
                 max_tokens=2,
             )
+            # the Responses API is served too (tests/serve/test_responses.py)
+            assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output
         for process, stop in ((opened, signal.SIGINT), (keyed, signal.SIGTERM)):
             process.send_signal(stop)
             assert process.wait(30) == 0, stop

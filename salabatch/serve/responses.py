@@ -1,0 +1,475 @@
+"""OpenAI's Responses API over the server's engine (routes for `create_app(..., routes=...)`):
+
+    POST   /v1/responses        a response to `input` (a string, or messages), streamed with
+                                `stream: true` as Responses events
+    GET    /v1/responses/{id}   a stored response
+    DELETE /v1/responses/{id}   forgets it
+
+A request is a chat completion underneath: `instructions` is the system message, then the
+conversation of `previous_response_id` (its input and its answer, without its instructions,
+as OpenAI chains them), then `input`; the same Job (`completion.chat_job`: boundaries, prefix
+reuse, a document tokenized once), the same sampling fields (`max_output_tokens` for the
+answer's length; temperature, top_p, and the vLLM-style top_k, min_p, seed and penalties),
+`text.format` (json_object, json_schema) as `response_format`, and `reasoning.effort` (any
+but "none") for thinking, whose text comes as a reasoning item before the message. Tools,
+images, files and any other input item are refused, naming where they are.
+
+Responses are kept (`store`, true unless false) in memory, the most recent first, up to
+`STORED_CHARS` characters of their conversations: a later request continues one with
+`previous_response_id` (an id no longer kept is a 400 naming it), and GET returns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from salabatch import openai_api
+from salabatch.engine.tokenizer import Tokenizer
+from salabatch.errors import TokenizerError
+from salabatch.openai_api import BodyError
+from salabatch.serve.app import (
+    MAX_BODY,
+    APIError,
+    EventStream,
+    ServeDefaults,
+    StreamFailed,
+    check_model,
+    collect,
+    engine_error,
+    grammar_of,
+    read_json,
+    sampling,
+    stream_events,
+)
+from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
+from salabatch.serve.engine import EngineClosed, Finished, QueueFull, ServeEngine, Token
+
+FIELDS = (
+    "model",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "store",
+    "stream",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "text",
+    "reasoning",
+)
+NO_OP = {"truncation": "disabled", "tools": [], "include": [], "background": False}
+STORED_CHARS = 64 << 20  # characters of the stored responses' conversations, at most
+PART_TYPES = ("input_text", "output_text", "text")
+
+
+def response_routes(
+    engine: ServeEngine,
+    tok: Tokenizer,
+    *,
+    model_id: str,
+    defaults: ServeDefaults,
+    max_body: int = MAX_BODY,
+    stored_chars: int = STORED_CHARS,
+) -> list[Route]:
+    """The Responses endpoints over `engine` (which the app's other endpoints share)."""
+    responses = _Responses(engine, tok, model_id, defaults, max_body, stored_chars)
+    return [
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+    ]
+
+
+class _Responses:
+    def __init__(self, engine, tok, model_id, defaults, max_body, stored_chars) -> None:
+        self.engine, self.tok, self.model_id = engine, tok, model_id
+        self.defaults, self.max_body, self.stored_chars = defaults, max_body, stored_chars
+        self.leading_ids = LeadingIds(tok)
+        # id → (the response object, its conversation: input and answer, no instructions)
+        self.stored: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.chars = 0
+
+    async def create(self, request: Request) -> Response:
+        body = await read_json(request, self.max_body)
+        openai_api.check_fields(body, FIELDS, NO_OP)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model is missing", param="model")
+        check_model(model, self.model_id)
+        stream, store = _flag(body, "stream", False), _flag(body, "store", True)
+        previous_id = body.get("previous_response_id")
+        history = self._history(previous_id)
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise BodyError("instructions must be a string", "instructions")
+        given = input_messages(body.get("input"))
+        system = [] if instructions is None else [{"role": "system", "content": instructions}]
+        messages = [*system, *history, *given]
+        think = _think(body.get("reasoning"), self.defaults.think)
+        chat = {"max_tokens": body.get("max_output_tokens")} | {
+            k: body[k] for k in openai_api.SAMPLING if k in body and k in FIELDS
+        }
+        params, max_tokens = sampling(chat, self.defaults, self.tok.vocab_size)
+        pattern = _pattern(body.get("text"))
+        try:
+            job = await run_in_threadpool(
+                chat_job,
+                self.tok,
+                messages,
+                think=think,
+                params=params,
+                max_tokens=max_tokens,
+                leading_ids=self.leading_ids,
+            )
+        except TokenizerError as e:  # the chat template refused the messages
+            raise APIError(400, str(e), param="input") from None
+        if pattern is not None:
+            job = replace(job, grammar=await run_in_threadpool(grammar_of, self.tok, pattern))
+        context = self.engine.model.config.context_length
+        if len(job.prompt) >= context:
+            raise APIError(
+                400,
+                f"the prompt has {len(job.prompt)} tokens; the model's context holds {context} "
+                "(with room for one generated token)",
+                param="input",
+                code="context_length_exceeded",
+            )
+        try:
+            ticket = self.engine.submit(job, asyncio.get_running_loop())
+        except (QueueFull, EngineClosed) as e:
+            raise engine_error(e) from None
+        answer = AnswerText(self.tok, think=think)
+        shell = {
+            "id": "resp_" + uuid.uuid4().hex,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": self.model_id,
+            "instructions": instructions,
+            "previous_response_id": previous_id,
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "store": store,
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "reasoning": body.get("reasoning"),
+            "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "truncation": "disabled",
+            "error": None,
+        }
+
+        def done(finished: Finished) -> dict:
+            out = self._finished(shell, answer, finished)
+            if store:
+                self._keep(out, [*history, *given])
+            return out
+
+        if stream:
+            return EventStream(self._events(ticket, answer, shell, done), [ticket])
+        (finished,) = await collect([ticket], [answer], request)
+        return JSONResponse(done(finished))
+
+    async def get(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        return JSONResponse(self._stored(response_id, "response_id")[0])
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        self._stored(response_id, "response_id")
+        _, conversation = self.stored.pop(response_id)
+        self.chars -= _chars(conversation)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    # ---- the stored responses ----------------------------------------------------------------
+
+    def _stored(self, response_id, param: str) -> tuple[dict, list[dict]]:
+        found = self.stored.get(response_id) if isinstance(response_id, str) else None
+        if found is None:
+            message = f"no stored response with id {response_id!r}"
+            status, code = (404, "not_found") if param == "response_id" else (400, "not_found")
+            raise APIError(status, message, param=param, code=code)
+        self.stored.move_to_end(response_id)
+        return found
+
+    def _history(self, previous_id) -> list[dict]:
+        """The conversation a request continues: its previous response's input and answer."""
+        if previous_id is None:
+            return []
+        return list(self._stored(previous_id, "previous_response_id")[1])
+
+    def _keep(self, response: dict, asked: list[dict]) -> None:
+        """Stores a finished response with its conversation (what it was asked, its answer),
+        the least recently used dropped past `stored_chars`."""
+        text = "".join(
+            part["text"]
+            for item in response["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        )
+        conversation = [*asked, {"role": "assistant", "content": text}]
+        self.stored[response["id"]] = (response, conversation)
+        self.chars += _chars(conversation)
+        while self.chars > self.stored_chars and len(self.stored) > 1:
+            _, (_, dropped) = self.stored.popitem(last=False)
+            self.chars -= _chars(dropped)
+
+    # ---- the response ------------------------------------------------------------------------
+
+    def _finished(self, shell: dict, answer: AnswerText, finished: Finished) -> dict:
+        complete = finished.finish_reason == "stop"
+        reasoning = answer.reasoning
+        output = []
+        if reasoning:
+            output.append(_reasoning_item(shell["id"], reasoning, "completed"))
+        output.append(_message_item(shell["id"], answer.content, "completed"))
+        reasoning_tokens = len(self.tok.encode(reasoning)) if reasoning else 0
+        return shell | {
+            "status": "completed" if complete else "incomplete",
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "completed_at": int(time.time()) if complete else None,
+            "output": output,
+            "usage": {
+                "input_tokens": finished.prompt_tokens,
+                # the tokens resumed from a held prefix; what a request leaves held is not
+                # counted (cache_write_tokens 0: nothing here is billed)
+                "input_tokens_details": {
+                    "cached_tokens": finished.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens": finished.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            },
+        }
+
+    async def _events(self, ticket, answer: AnswerText, shell: dict, done) -> AsyncIterator[bytes]:
+        """The Responses stream: created, in progress; the reasoning item (with `think`) and
+        the message item, each added, its text in deltas, done; then completed (or incomplete),
+        with the whole response. A job that fails ends it with an error event."""
+        number = 0
+        order: list[str] = []  # the kinds of the items opened, by output index
+        sent = {"reasoning": "", "content": ""}
+        ids = {kind: _item_id(shell["id"], "rs" if kind == "reasoning" else "msg") for kind in sent}
+
+        def event(kind: str, **data) -> bytes:
+            nonlocal number
+            payload = {"type": kind, "sequence_number": number, **data}
+            number += 1
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        def where(kind: str) -> dict:
+            return {"item_id": ids[kind], "output_index": order.index(kind), "content_index": 0}
+
+        def opened(kind: str) -> list[bytes]:
+            """The events that open the item of `kind` (the reasoning item closed first)."""
+            out = closed("reasoning") if kind == "content" else []
+            order.append(kind)
+            at = len(order) - 1
+            if kind == "reasoning":
+                item = _reasoning_item(shell["id"], "", "in_progress")
+                return [*out, event("response.output_item.added", output_index=at, item=item)]
+            item = _message_item(shell["id"], "", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": []}
+            return [
+                *out,
+                event("response.output_item.added", output_index=at, item=item),
+                event("response.content_part.added", **where(kind), part=part),
+            ]
+
+        def closed(kind: str) -> list[bytes]:
+            """The events that close the item of `kind`, where it is the one open."""
+            if not order or order[-1] != kind or kind in finished_items:
+                return []
+            finished_items.add(kind)
+            at, text = order.index(kind), sent[kind]
+            if kind == "reasoning":
+                item = _reasoning_item(shell["id"], text, "completed")
+                return [
+                    event("response.reasoning_text.done", **where(kind), text=text),
+                    event("response.output_item.done", output_index=at, item=item),
+                ]
+            item = _message_item(shell["id"], text, "completed")
+            return [
+                event("response.output_text.done", **where(kind), text=text, logprobs=[]),
+                event("response.content_part.done", **where(kind), part=item["content"][0]),
+                event("response.output_item.done", output_index=at, item=item),
+            ]
+
+        def delta(piece: Piece) -> list[bytes]:
+            out = [] if piece.channel in order else opened(piece.channel)
+            sent[piece.channel] += piece.text
+            if piece.channel == "reasoning":
+                kind, extra = "response.reasoning_text.delta", {}
+            else:
+                kind, extra = "response.output_text.delta", {"logprobs": []}
+            return [*out, event(kind, **where(piece.channel), delta=piece.text, **extra)]
+
+        finished_items: set[str] = set()
+        starting = shell | {"status": "in_progress", "output": [], "usage": None}
+        yield event("response.created", response=starting)
+        yield event("response.in_progress", response=starting)
+        async for _, got in stream_events([ticket]):
+            if isinstance(got, Token):
+                for piece in answer.add(got.token):
+                    for chunk in delta(piece):
+                        yield chunk
+            elif isinstance(got, Finished):
+                for piece in answer.finish(got):
+                    for chunk in delta(piece):
+                        yield chunk
+                ending = [] if "content" in order else opened("content")  # an empty answer
+                for chunk in [*ending, *closed("content")]:
+                    yield chunk
+                whole = done(got)
+                kind = (
+                    "response.completed"
+                    if whole["status"] == "completed"
+                    else "response.incomplete"
+                )
+                yield event(kind, response=whole)
+            elif isinstance(got, StreamFailed):
+                error = got.body["error"]
+                yield event(
+                    "error", code=error["code"], message=error["message"], param=error["param"]
+                )
+
+
+def input_messages(raw) -> list[dict]:
+    """The chat messages of a Responses `input`: a string (one user message) or a list of
+    messages ({"role", "content"}, optionally "type": "message"; content a string or text
+    parts: input_text, output_text, text). BodyError naming the item otherwise."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": openai_api.text(raw, "input")}]
+    if not isinstance(raw, list) or not raw:
+        raise BodyError("input must be a string or a non-empty list of messages", "input")
+    out = []
+    for i, item in enumerate(raw):
+        at = f"input[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise BodyError(f"{at}: only messages are supported, not {kind!r}", at)
+        extra = sorted(k for k in item if k not in ("type", "role", "content", "id", "status"))
+        if extra:
+            raise BodyError(f"unsupported field: {at}.{extra[0]}", f"{at}.{extra[0]}")
+        role = item.get("role")
+        if role not in openai_api.ROLES:
+            roles = ", ".join(openai_api.ROLES)
+            raise BodyError(f"{at}.role must be one of {roles}", f"{at}.role")
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
+                    where = f"{at}.content[{j}]"
+                    raise BodyError(f"{where}: only text parts are supported", where)
+            content = "".join(str(part.get("text", "")) for part in content)
+        if not isinstance(content, str):
+            raise BodyError(f"{at}.content must be text", f"{at}.content")
+        text = openai_api.text(content, f"{at}.content")
+        out.append({"role": openai_api.ROLES[role], "content": text})
+    return out
+
+
+def _pattern(text) -> str | None:
+    """The pattern the answer must match (`openai_api.structure`) of a Responses `text`
+    ({"format": ...}: json_object, json_schema or text); a bad one a BodyError naming its
+    field under text.format."""
+    try:
+        return openai_api.structure(_response_format(text))
+    except BodyError as e:
+
+        def renamed(name: str) -> str:
+            return name.replace("response_format.json_schema", "text.format").replace(
+                "response_format", "text.format"
+            )
+
+        raise BodyError(renamed(str(e)), renamed(e.param or "text.format")) from None
+
+
+def _response_format(text) -> dict:
+    """A body with the `response_format` of a Responses `text`: json_object, json_schema (its
+    schema, name and strict at the top of the format, as Responses puts them) or text."""
+    if text is None:
+        return {}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise BodyError("text must be an object with a format", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise BodyError("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    return {"response_format": fmt}
+
+
+def _think(reasoning, default: bool) -> bool:
+    """Whether to think: `reasoning.effort` other than "none" (`default` where unset)."""
+    if reasoning is None:
+        return default
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
+        raise BodyError("reasoning must be an object with effort", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return default
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        efforts = "none, minimal, low, medium or high"
+        raise BodyError(f"reasoning.effort must be {efforts}", "reasoning.effort")
+    return effort != "none"
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BodyError(f"{name} must be true or false", name)
+    return value
+
+
+def _item_id(response_id: str, kind: str) -> str:
+    """An output item's id: its kind ("msg", "rs") and the response's own hex."""
+    return f"{kind}_{response_id.removeprefix('resp_')}"
+
+
+def _message_item(response_id: str, text: str, status: str) -> dict:
+    return {
+        "type": "message",
+        "id": _item_id(response_id, "msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def _reasoning_item(response_id: str, text: str, status: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": _item_id(response_id, "rs"),
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+    }
+
+
+def _chars(conversation: Sequence[dict]) -> int:
+    return sum(len(m["content"]) for m in conversation)

@@ -1,0 +1,279 @@
+"""The Responses API (`/v1/responses`) with the real `openai` client against a server started
+here over a real ServeEngine on builtin:tiny: a response is the chat completion of the same
+messages (answer and usage), streamed or not alike; previous_response_id continues a stored
+conversation from the prefix the engine holds; instructions, text.format, reasoning,
+max_output_tokens; GET and DELETE; refused fields and items are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from salabatch.serve.app import ServeDefaults
+from salabatch.serve.engine import ServeEngine
+from salabatch.serve.responses import response_routes
+from tests import REPO
+from tests.serve.test_http import KEY, MODEL, Served
+
+DOCUMENT = (REPO / "jobs" / "demo" / "docs" / "redwater-robotics.txt").read_text()
+QUESTION = "Give the service provider of this agreement."
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    model, tok = tiny
+    engine = ServeEngine(model, tok, batch_size=4, max_queue=16, snapshot_min=16)
+    routes = response_routes(engine, tok, model_id=MODEL, defaults=ServeDefaults())
+    with Served(engine, tok, api_key=KEY, routes=routes) as s:
+        yield s
+
+
+def test_a_response_is_the_chat_completion_of_its_messages(served):
+    """`instructions` + `input` (a string) answer as the chat completion of a system and a
+    user message: the same text and usage; streamed, the events build the same response,
+    whose id GET returns."""
+    client = served.client()
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": DOCUMENT},
+            {"role": "user", "content": QUESTION},
+        ],
+        max_tokens=12,
+    )
+    response = client.responses.create(
+        model=MODEL, instructions=DOCUMENT, input=QUESTION, max_output_tokens=12
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    done = chat.choices[0].finish_reason == "stop"
+    assert response.status == ("completed" if done else "incomplete")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.input_tokens_details.cached_tokens > 0  # the document was held
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
+
+    events = list(
+        client.responses.create(
+            model=MODEL, instructions=DOCUMENT, input=QUESTION, max_output_tokens=12, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == ("response.completed" if done else "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text
+    (text_done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert text_done.text == response.output_text
+    last = events[-1].response
+    assert last.output_text == response.output_text and last.usage.output_tokens > 0
+    assert client.responses.retrieve(last.id).output_text == response.output_text
+
+
+def test_previous_response_id_continues_the_conversation(served):
+    """A second request with previous_response_id is the chat completion of the first's input,
+    its answer and the new input (its instructions not carried over), resuming from the
+    prefix the first left held; an unknown id is a 400 naming the field; a deleted response
+    is gone (404), and one made with store false was never kept."""
+    client = served.client()
+    user = [{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}]
+    first = client.responses.create(model=MODEL, input=user, max_output_tokens=8)
+    second = client.responses.create(
+        model=MODEL, input="And the client?", previous_response_id=first.id, max_output_tokens=8
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *user,
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And the client?"},
+        ],
+        max_tokens=8,
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 256
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_text_format_reasoning_and_length(served):
+    """text.format json_schema gives JSON its schema validates; reasoning.effort thinks, its
+    text a reasoning item before the message (streamed as reasoning deltas); a short
+    max_output_tokens leaves the response incomplete, saying why."""
+    client = served.client()
+    schema = {
+        "type": "object",
+        "properties": {"provider": {"type": "string", "maxLength": 40}},
+        "required": ["provider"],
+    }
+    shaped = client.responses.create(
+        model=MODEL,
+        instructions=DOCUMENT,
+        input=QUESTION,
+        max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "who", "schema": schema}},
+    )
+    assert set(json.loads(shaped.output_text)) == {"provider"}
+    thought = client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=40, reasoning={"effort": "low"}
+    )
+    kinds = [item.type for item in thought.output]
+    assert kinds[-1] == "message" and set(kinds) <= {"reasoning", "message"}
+    if kinds[0] == "reasoning":
+        assert thought.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=QUESTION,
+            max_output_tokens=40,
+            reasoning={"effort": "low"},
+            stream=True,
+        )
+    )
+    streamed = events[-1].response
+    assert [item.type for item in streamed.output] == kinds
+    assert streamed.output_text == thought.output_text
+    short = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
+    assert short.status == "incomplete"
+    assert short.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"store": "yes"}, "store"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_refused_fields_and_items_are_400s_naming_them(served, extra, param):
+    client = served.client()
+    ask = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4} | extra
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**ask)
+    assert e.value.body["param"] == param, e.value.body
+
+
+class _Fed:
+    """A ticket that puts the given events (what the engine puts for a job), as the server
+    reads a ticket: async iteration, cancel."""
+
+    def __init__(self, events) -> None:
+        self.events = events
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        for event in self.events:
+            yield event
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
+    """An answer that opens with a <think> block (its tokens put as the engine puts them) is a
+    reasoning item with the block's text, then the message: streamed, every event is one the
+    `openai` client's types accept, in order, numbered, the items' indices and ids consistent;
+    the last event's response is the whole response's, with its reasoning tokens counted."""
+    import asyncio
+
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from salabatch.serve.completion import AnswerText
+    from salabatch.serve.engine import Finished, Token
+    from salabatch.serve.responses import _Responses
+
+    _, tok = tiny
+    ids = tok.encode("<think> first the plan </think>\n\nAcme Corp")
+    finished = Finished("stop", 30, len(ids), 0, None, 0.0, 0.0, 0.0, 0.0)
+    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, 1 << 20)
+    shell = {
+        "id": "resp_" + "ab" * 16,
+        "object": "response",
+        "created_at": 0,
+        "model": MODEL,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+    }
+
+    async def streamed() -> bytes:
+        answer = AnswerText(tok, think=True)
+        ticket = _Fed([*(Token(t) for t in ids), finished])
+        done = lambda f: responses._finished(shell, answer, f)  # noqa: E731
+        return b"".join([c async for c in responses._events(ticket, answer, shell, done)])
+
+    raw = asyncio.run(streamed()).decode()
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e.type for e in parsed]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    reasoning = "".join(e.delta for e in parsed if e.type == "response.reasoning_text.delta")
+    content = "".join(e.delta for e in parsed if e.type == "response.output_text.delta")
+    assert (reasoning, content) == ("first the plan", "Acme Corp")
+    added = [e for e in parsed if e.type == "response.output_item.added"]
+    assert [(e.output_index, e.item.type) for e in added] == [(0, "reasoning"), (1, "message")]
+    deltas = [e for e in parsed if e.type.endswith(".delta")]
+    assert {e.item_id for e in deltas} == {added[0].item.id, added[1].item.id}
+    assert kinds.index("response.output_item.done") < kinds.index("response.content_part.added")
+    whole = Response.model_validate(events[-1]["response"])
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "first the plan"
+    assert whole.output_text == "Acme Corp"
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(tok.encode("first the plan"))
+
+
+def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):
+    import asyncio
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from salabatch.errors import GenerationError
+    from salabatch.serve.completion import AnswerText
+    from salabatch.serve.engine import Failed, Token
+    from salabatch.serve.responses import _Responses
+
+    _, tok = tiny
+    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, 1 << 20)
+    shell = {"id": "resp_" + "cd" * 16, "object": "response", "created_at": 0, "model": MODEL}
+
+    async def streamed() -> bytes:
+        answer = AnswerText(tok)
+        ticket = _Fed([Token(tok.encode("Acme")[0]), Failed(GenerationError("the row broke"))])
+        chunks = responses._events(ticket, answer, shell, lambda f: {})
+        return b"".join([c async for c in chunks])
+
+    lines = asyncio.run(streamed()).decode().splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    last = TypeAdapter(ResponseStreamEvent).validate_python(events[-1])
+    assert last.type == "error" and "the row broke" in last.message
+    assert "response.completed" not in [e["type"] for e in events]
