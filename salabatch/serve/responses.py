@@ -119,6 +119,8 @@ class _Responses:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise BodyError("instructions must be a string", "instructions")
+        if instructions is not None:
+            openai_api.text(instructions, "instructions")
         given = input_messages(body.get("input"))
         system = [] if instructions is None else [{"role": "system", "content": instructions}]
         messages = [*system, *history, *given]

@@ -277,3 +277,12 @@ def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):
     last = TypeAdapter(ResponseStreamEvent).validate_python(events[-1])
     assert last.type == "error" and "the row broke" in last.message
     assert "response.completed" not in [e["type"] for e in events]
+
+
+def test_text_utf8_cannot_hold_is_a_400_naming_its_field(served):
+    """JSON can carry a lone surrogate that no tokenizer takes (found by a fuzzer: it was a
+    500 in `instructions`)."""
+    for field in ("instructions", "input"):
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, field: "\ud800"}
+        status, _, data = served.raw("POST", "/v1/responses", json.dumps(body))
+        assert status == 400 and json.loads(data)["error"]["param"] == field, data
