@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -53,7 +53,7 @@ from salabatch.serve.app import (
     stream_events,
 )
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
-from salabatch.serve.engine import EngineClosed, Finished, QueueFull, ServeEngine, Token
+from salabatch.serve.engine import EngineClosed, Finished, Job, QueueFull, ServeEngine, Token
 
 FIELDS = (
     "model",
@@ -113,81 +113,40 @@ class _Responses:
         if not isinstance(model, str) or not model:
             raise APIError(400, "model is missing", param="model")
         check_model(model, self.model_id)
-        stream, store = _flag(body, "stream", False), _flag(body, "store", True)
-        previous_id = body.get("previous_response_id")
-        history = self._history(previous_id)
-        instructions = body.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise BodyError("instructions must be a string", "instructions")
-        if instructions is not None:
-            openai_api.text(instructions, "instructions")
-        given = input_messages(body.get("input"))
-        system = [] if instructions is None else [{"role": "system", "content": instructions}]
-        messages = [*system, *history, *given]
-        think = _think(body.get("reasoning"), self.defaults.think)
-        chat = {"max_tokens": body.get("max_output_tokens")} | {
-            k: body[k] for k in openai_api.SAMPLING if k in body and k in FIELDS
-        }
-        params, max_tokens = sampling(chat, self.defaults, self.tok.vocab_size)
-        pattern = _pattern(body.get("text"))
-        try:
-            job = await run_in_threadpool(
-                chat_job,
-                self.tok,
-                messages,
-                think=think,
-                params=params,
-                max_tokens=max_tokens,
-                leading_ids=self.leading_ids,
-            )
-        except TokenizerError as e:  # the chat template refused the messages
-            raise APIError(400, str(e), param="input") from None
-        if pattern is not None:
-            job = replace(job, grammar=await run_in_threadpool(grammar_of, self.tok, pattern))
+        stream = _flag(body, "stream", False)
+        history = self._history(body.get("previous_response_id"))
+        asked = await run_in_threadpool(
+            response_request,
+            body,
+            self.tok,
+            self.defaults,
+            self.model_id,
+            history,
+            self.leading_ids,
+        )
         context = self.engine.model.config.context_length
-        if len(job.prompt) >= context:
+        if len(asked.job.prompt) >= context:
             raise APIError(
                 400,
-                f"the prompt has {len(job.prompt)} tokens; the model's context holds {context} "
-                "(with room for one generated token)",
+                f"the prompt has {len(asked.job.prompt)} tokens; the model's context holds "
+                f"{context} (with room for one generated token)",
                 param="input",
                 code="context_length_exceeded",
             )
         try:
-            ticket = self.engine.submit(job, asyncio.get_running_loop())
+            ticket = self.engine.submit(asked.job, asyncio.get_running_loop())
         except (QueueFull, EngineClosed) as e:
             raise engine_error(e) from None
-        answer = AnswerText(self.tok, think=think)
-        shell = {
-            "id": "resp_" + uuid.uuid4().hex,
-            "object": "response",
-            "created_at": int(time.time()),
-            "model": self.model_id,
-            "instructions": instructions,
-            "previous_response_id": previous_id,
-            "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "store": store,
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "reasoning": body.get("reasoning"),
-            "metadata": body.get("metadata") or {},
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
-            "truncation": "disabled",
-            "error": None,
-        }
 
         def done(finished: Finished) -> dict:
-            out = self._finished(shell, answer, finished)
-            if store:
-                self._keep(out, [*history, *given])
+            out = asked.response(finished)
+            if asked.store:
+                self._keep(out, asked.conversation)
             return out
 
         if stream:
-            return EventStream(self._events(ticket, answer, shell, done), [ticket])
-        (finished,) = await collect([ticket], [answer], request)
+            return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
+        (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(done(finished))
 
     async def get(self, request: Request) -> Response:
@@ -235,33 +194,6 @@ class _Responses:
             self.chars -= _chars(dropped)
 
     # ---- the response ------------------------------------------------------------------------
-
-    def _finished(self, shell: dict, answer: AnswerText, finished: Finished) -> dict:
-        complete = finished.finish_reason == "stop"
-        reasoning = answer.reasoning
-        output = []
-        if reasoning:
-            output.append(_reasoning_item(shell["id"], reasoning, "completed"))
-        output.append(_message_item(shell["id"], answer.content, "completed"))
-        reasoning_tokens = len(self.tok.encode(reasoning)) if reasoning else 0
-        return shell | {
-            "status": "completed" if complete else "incomplete",
-            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-            "completed_at": int(time.time()) if complete else None,
-            "output": output,
-            "usage": {
-                "input_tokens": finished.prompt_tokens,
-                # the tokens resumed from a held prefix; what a request leaves held is not
-                # counted (cache_write_tokens 0: nothing here is billed)
-                "input_tokens_details": {
-                    "cached_tokens": finished.cached_tokens,
-                    "cache_write_tokens": 0,
-                },
-                "output_tokens": finished.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-            },
-        }
 
     async def _events(self, ticket, answer: AnswerText, shell: dict, done) -> AsyncIterator[bytes]:
         """The Responses stream: created, in progress; the reasoning item (with `think`) and
@@ -355,6 +287,116 @@ class _Responses:
                 )
 
 
+@dataclass
+class ResponseRequest:
+    """A Responses body, read (`response_request`): its job, the AnswerText its tokens go
+    into, the response object but its output and usage (`shell`), what it was asked (the
+    conversation it continues and its input: what a stored response keeps), `store`."""
+
+    job: Job
+    answer: AnswerText
+    shell: dict
+    conversation: list[dict]
+    store: bool
+    tok: Tokenizer
+
+    def response(self, finished: Finished) -> dict:
+        """The whole response once its job finished (its answer in `answer`)."""
+        complete = finished.finish_reason == "stop"
+        reasoning = self.answer.reasoning
+        output = []
+        if reasoning:
+            output.append(_reasoning_item(self.shell["id"], reasoning, "completed"))
+        output.append(_message_item(self.shell["id"], self.answer.content, "completed"))
+        reasoning_tokens = len(self.tok.encode(reasoning)) if reasoning else 0
+        return self.shell | {
+            "status": "completed" if complete else "incomplete",
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "completed_at": int(time.time()) if complete else None,
+            "output": output,
+            "usage": {
+                "input_tokens": finished.prompt_tokens,
+                # the tokens resumed from a held prefix; what a request leaves held is not
+                # counted (cache_write_tokens 0: nothing here is billed)
+                "input_tokens_details": {
+                    "cached_tokens": finished.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens": finished.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            },
+        }
+
+
+def response_request(
+    body: dict,
+    tok: Tokenizer,
+    defaults: ServeDefaults,
+    model_id: str,
+    history: list[dict] | None,
+    leading_ids: LeadingIds | None = None,
+) -> ResponseRequest:
+    """The ResponseRequest of a body whose fields were checked (`FIELDS`): `history`, the
+    conversation of its previous_response_id (None where none can be continued, as in a
+    batch's line: then giving one is a BodyError). Tokenizes and compiles the body's pattern:
+    call it off the event loop."""
+    previous_id = body.get("previous_response_id")
+    if previous_id is not None and history is None:
+        message = "previous_response_id continues a stored response; a batch's line stores none"
+        raise BodyError(message, "previous_response_id")
+    store = _flag(body, "store", True)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BodyError("instructions must be a string", "instructions")
+        openai_api.text(instructions, "instructions")
+    given = input_messages(body.get("input"))
+    system = [] if instructions is None else [{"role": "system", "content": instructions}]
+    conversation = [*(history or []), *given]
+    think = _think(body.get("reasoning"), defaults.think)
+    chat = {"max_tokens": body.get("max_output_tokens")} | {
+        k: body[k] for k in openai_api.SAMPLING if k in body and k in FIELDS
+    }
+    params, max_tokens = sampling(chat, defaults, tok.vocab_size)
+    pattern = _pattern(body.get("text"))
+    try:
+        job = chat_job(
+            tok,
+            [*system, *conversation],
+            think=think,
+            params=params,
+            max_tokens=max_tokens,
+            leading_ids=leading_ids,
+        )
+    except TokenizerError as e:  # the chat template refused the messages
+        raise APIError(400, str(e), param="input") from None
+    if pattern is not None:
+        job = replace(job, grammar=grammar_of(tok, pattern))
+    shell = {
+        "id": "resp_" + uuid.uuid4().hex,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model_id,
+        "instructions": instructions,
+        "previous_response_id": previous_id,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "store": store,
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "reasoning": body.get("reasoning"),
+        "metadata": _metadata(body.get("metadata")),
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": "disabled",
+        "error": None,
+    }
+    answer = AnswerText(tok, think=think)
+    return ResponseRequest(job, answer, shell, conversation, store, tok)
+
+
 def input_messages(raw) -> list[dict]:
     """The chat messages of a Responses `input`: a string (one user message) or a list of
     messages ({"role", "content"}, optionally "type": "message"; content a string or text
@@ -437,6 +479,20 @@ def _think(reasoning, default: bool) -> bool:
         efforts = "none, minimal, low, medium or high"
         raise BodyError(f"reasoning.effort must be {efforts}", "reasoning.effort")
     return effort != "none"
+
+
+def _metadata(raw) -> dict:
+    """A body's `metadata`, echoed in its response: an object of strings (OpenAI's rule)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise BodyError("metadata must be an object of strings", "metadata")
+    for key, value in raw.items():
+        openai_api.text(key, "metadata")
+        openai_api.text(value, "metadata")
+    return raw
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -166,6 +166,7 @@ def test_text_format_reasoning_and_length(served):
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"store": "yes"}, "store"),
+        ({"metadata": {"a": 1}}, "metadata"),  # echoed in the response: a fuzzer's 500 (NaN)
         ({"input": []}, "input"),
     ],
 )
@@ -207,7 +208,7 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
 
     from salabatch.serve.completion import AnswerText
     from salabatch.serve.engine import Finished, Token
-    from salabatch.serve.responses import _Responses
+    from salabatch.serve.responses import ResponseRequest, _Responses
 
     _, tok = tiny
     ids = tok.encode("<think> first the plan </think>\n\nAcme Corp")
@@ -226,7 +227,7 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
     async def streamed() -> bytes:
         answer = AnswerText(tok, think=True)
         ticket = _Fed([*(Token(t) for t in ids), finished])
-        done = lambda f: responses._finished(shell, answer, f)  # noqa: E731
+        done = ResponseRequest(None, answer, shell, [], False, tok).response
         return b"".join([c async for c in responses._events(ticket, answer, shell, done)])
 
     raw = asyncio.run(streamed()).decode()
