@@ -12,10 +12,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
+from salabatch.serve.app import ServeDefaults
 from salabatch.serve.batches.routes import batch_routes
 from salabatch.serve.batches.runner import BatchRunner
 from salabatch.serve.batches.store import BatchStore, StateDirBusy
 from salabatch.serve.engine import ServeEngine
+from salabatch.serve.responses import response_routes
 from tests.serve.test_http import DOCS, MODEL, Served
 from tests.serve.test_http import QUESTIONS as ASKED
 
@@ -35,7 +37,8 @@ class Server(Served):
         self.runner = BatchRunner(
             engine, tok, self.store, model_id=MODEL, in_flight=in_flight, window_s=window_s
         )
-        super().__init__(engine, tok, routes=batch_routes(self.runner, max_file))
+        answers = response_routes(engine, tok, model_id=MODEL, defaults=ServeDefaults())
+        super().__init__(engine, tok, routes=[*batch_routes(self.runner, max_file), *answers])
         self.api = self.client("none")  # no key is asked for
 
     def __enter__(self) -> Server:
@@ -229,6 +232,42 @@ def test_a_completions_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_pa
         with pytest.raises(openai.BadRequestError) as e:
             s.start_batch(lines[:1], "/v1/embeddings")
         assert e.value.body["param"] == "endpoint"
+
+
+def test_a_responses_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_path):
+    """A batch of /v1/responses lines: each output body is the response the endpoint gives
+    the same body (its text, status and usage; text.format honoured); a line that continues a
+    stored response goes to the error file naming previous_response_id (a line stores none)."""
+    document = (DOCS / "redwater-robotics.txt").read_text()
+    bodies = [
+        {"instructions": document, "input": QUESTIONS[0], "max_output_tokens": 8},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTIONS[1]}]}],
+         "max_output_tokens": 40, "text": {"format": {"type": "json_object"}}},
+        {"input": "Hi", "previous_response_id": "resp_x"},
+    ]  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": b | {"model": MODEL},
+        }
+        for i, b in enumerate(bodies)
+    ]
+    with Server(tiny, tmp_path) as s:
+        batch = s.done(s.start_batch(lines, "/v1/responses").id)
+        assert batch.status == "completed" and batch.endpoint == "/v1/responses", batch
+        out = {x["custom_id"]: x["response"]["body"] for x in s.output(batch.output_file_id)}
+        for i, body in enumerate(bodies[:2]):
+            got, want = out[f"r{i}"], s.api.responses.create(**body | {"model": MODEL})
+            assert got["object"] == "response" and got["store"] is False
+            text = "".join(p["text"] for item in got["output"] for p in item["content"])
+            assert text == want.output_text and got["status"] == want.status
+            assert got["usage"]["input_tokens"] == want.usage.input_tokens
+        assert isinstance(json.loads(want.output_text), dict)
+        (error,) = s.output(batch.error_file_id)
+        assert error["custom_id"] == "r2"
+        assert error["response"]["body"]["error"]["param"] == "previous_response_id"
 
 
 def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):

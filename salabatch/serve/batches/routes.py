@@ -7,8 +7,9 @@
     GET    /v1/files/{id}/content   its bytes
     DELETE /v1/files/{id}
     POST   /v1/batches              input_file_id (a file of purpose batch), endpoint
-                                    /v1/chat/completions or /v1/completions, window 24h,
-                                    metadata; any other field is refused
+                                    /v1/chat/completions, /v1/completions or
+                                    /v1/responses, window 24h, metadata; any other field is
+                                    refused
     GET    /v1/batches              ?after=&limit= (newest first)
     GET    /v1/batches/{id}
     POST   /v1/batches/{id}/cancel

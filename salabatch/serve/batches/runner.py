@@ -1,8 +1,9 @@
 """The batch runner: one thread that takes batches in the order they came and answers their
 lines through the server's ServeEngine, as the batch's endpoint answers a request: a chat
 completion's (the same body checks, the same Job with a boundary where the system messages end,
-so lines sharing a document prefill it once) or a text completion's (its prompts, `echo` and
-legacy `logprobs` as `/v1/completions` takes them); a line's `n` choices are n jobs,
+so lines sharing a document prefill it once), a text completion's (its prompts, `echo` and
+legacy `logprobs` as `/v1/completions` takes them) or a response's (as `/v1/responses` reads
+it; a line neither continues a stored response nor is stored); a line's `n` choices are n jobs,
 `app.seeded`. A line is taken while fewer
 than `in_flight` jobs of the batch are in the engine, so chat requests arriving meanwhile join
 the next step rather than wait behind the batch.
@@ -33,6 +34,7 @@ from salabatch import openai_api
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import SalabatchError, TokenizerError
 from salabatch.openai_api import BodyError
+from salabatch.serve import responses
 from salabatch.serve.app import (
     APIError,
     Reply,
@@ -60,7 +62,8 @@ from salabatch.serve.engine import (
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
-ENDPOINTS = (CHAT, TEXT)
+RESPONSES = "/v1/responses"
+ENDPOINTS = (CHAT, TEXT, RESPONSES)
 WINDOW_S = 24 * 3600  # completion_window "24h"
 DEFAULTS = ServeDefaults()
 IN_FLIGHT = 2  # jobs of a batch in the engine at once: chat requests keep the other rows
@@ -278,6 +281,8 @@ class BatchRunner:
         checks one: a ticket per choice (its prompts' `n`); respond(reply id, each choice's
         Finished) → the response body. QueueFull when the engine cannot take them all (none is
         then submitted)."""
+        if endpoint == RESPONSES:
+            return self._response(body)
         text = endpoint == TEXT
         if text:
             openai_api.check_fields(body, openai_api.TEXT_HONOURED, openai_api.TEXT_NO_OP)
@@ -304,6 +309,19 @@ class BatchRunner:
                 ticket.cancel()
             raise
         return tickets, answers, respond
+
+    def _response(self, body: dict):
+        """([its ticket], [its AnswerText], respond) of a Responses line's body, as
+        `/v1/responses` reads one (`responses.response_request`), except that a line continues
+        no stored response and is stored by none (its output line is the response)."""
+        openai_api.check_fields(body, responses.FIELDS, responses.NO_OP)
+        if body.get("model") is not None:
+            check_model(body["model"], self.model_id)
+        asked = responses.response_request(
+            body | {"store": False}, self.tok, self.defaults, self.model_id, None, self.leading_ids
+        )
+        ticket = self.engine.submit(replace(asked.job, background=True))
+        return [ticket], [asked.answer], lambda _reply_id, finished: asked.response(finished[0])
 
     def _chat(self, body: dict):
         """([the job], n, AnswerText of each choice, respond) of a chat line's body."""
