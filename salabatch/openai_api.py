@@ -412,3 +412,246 @@ def think(kwargs, default: bool) -> bool:
             "chat_template_kwargs.enable_thinking",
         )
     return value
+
+
+# ---- the Responses API (`/v1/responses`: the server's endpoint, Batch lines) -----------------
+
+# A Responses body's fields that decide the answer (the caller adds its own: the server's
+# `stream`, `store`, `previous_response_id`)
+RESPONSE_HONOURED = (
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "text",
+    "reasoning",
+)
+RESPONSE_NO_OP = {
+    **NO_OP,
+    "truncation": "disabled",
+    "tools": [],
+    "include": [],
+    "background": False,
+}
+PART_TYPES = ("input_text", "output_text", "text")  # the text parts of a Responses message
+
+
+def response_messages(body: Mapping) -> list[dict]:
+    """The chat messages of a Responses body: `instructions` as the system message, then
+    `input` (`input_messages`)."""
+    instructions = body.get("instructions")
+    system = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BodyError("instructions must be a string", "instructions")
+        system = [{"role": "system", "content": text(instructions, "instructions")}]
+    return [*system, *input_messages(body.get("input"))]
+
+
+def response_sampling_fields(body: Mapping) -> dict:
+    """A Responses body's sampling fields as a chat body has them (`max_output_tokens` as
+    max_tokens), for the caller's `sampling` (with its defaults)."""
+    chat = {"max_tokens": body.get("max_output_tokens")}
+    return chat | {k: body[k] for k in SAMPLING if k in body and k in RESPONSE_HONOURED}
+
+
+def input_messages(raw) -> list[dict]:
+    """The chat messages of a Responses `input`: a string (one user message) or a list of
+    messages ({"role", "content"}, optionally "type": "message"; content a string or text
+    parts: input_text, output_text, text). BodyError naming the item otherwise."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": text(raw, "input")}]
+    if not isinstance(raw, list) or not raw:
+        raise BodyError("input must be a string or a non-empty list of messages", "input")
+    out = []
+    for i, item in enumerate(raw):
+        at = f"input[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise BodyError(f"{at}: only messages are supported, not {kind!r}", at)
+        extra = sorted(k for k in item if k not in ("type", "role", "content", "id", "status"))
+        if extra:
+            raise BodyError(f"unsupported field: {at}.{extra[0]}", f"{at}.{extra[0]}")
+        role = item.get("role")
+        if role not in ROLES:
+            roles = ", ".join(ROLES)
+            raise BodyError(f"{at}.role must be one of {roles}", f"{at}.role")
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
+                    where = f"{at}.content[{j}]"
+                    raise BodyError(f"{where}: only text parts are supported", where)
+            content = "".join(str(part.get("text", "")) for part in content)
+        if not isinstance(content, str):
+            raise BodyError(f"{at}.content must be text", f"{at}.content")
+        out.append({"role": ROLES[role], "content": text(content, f"{at}.content")})
+    return out
+
+
+def response_structure(text) -> str | None:
+    """The pattern the answer must match (`structure`) of a Responses `text`
+    ({"format": ...}: json_object, json_schema or text); a bad one a BodyError naming its
+    field under text.format."""
+    try:
+        return structure(_response_format(text))
+    except BodyError as e:
+
+        def renamed(name: str) -> str:
+            return name.replace("response_format.json_schema", "text.format").replace(
+                "response_format", "text.format"
+            )
+
+        raise BodyError(renamed(str(e)), renamed(e.param or "text.format")) from None
+
+
+def _response_format(text) -> dict:
+    """A body with the `response_format` of a Responses `text`: json_object, json_schema (its
+    schema, name and strict at the top of the format, as Responses puts them) or text."""
+    if text is None:
+        return {}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise BodyError("text must be an object with a format", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise BodyError("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    return {"response_format": fmt}
+
+
+def response_think(reasoning, default: bool) -> bool:
+    """Whether to think: `reasoning.effort` other than "none" (`default` where unset)."""
+    if reasoning is None:
+        return default
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
+        raise BodyError("reasoning must be an object with effort", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return default
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        efforts = "none, minimal, low, medium or high"
+        raise BodyError(f"reasoning.effort must be {efforts}", "reasoning.effort")
+    return effort != "none"
+
+
+def response_metadata(raw) -> dict:
+    """A body's `metadata`, echoed in its response: an object of strings (OpenAI's rule)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise BodyError("metadata must be an object of strings", "metadata")
+    for key, value in raw.items():
+        text(key, "metadata")
+        text(value, "metadata")
+    return raw
+
+
+def flag(body: Mapping, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BodyError(f"{name} must be true or false", name)
+    return value
+
+
+def item_id(response_id: str, kind: str) -> str:
+    """An output item's id: its kind ("msg", "rs") and the response's own hex."""
+    return f"{kind}_{response_id.removeprefix('resp_')}"
+
+
+def message_item(response_id: str, content: str, status: str) -> dict:
+    return {
+        "type": "message",
+        "id": item_id(response_id, "msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": content, "annotations": []}],
+    }
+
+
+def reasoning_item(response_id: str, reasoning: str, status: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": item_id(response_id, "rs"),
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": reasoning}] if reasoning else [],
+    }
+
+
+def response_body(
+    echoed: Mapping,
+    *,
+    content: str,
+    reasoning: str | None,
+    reasoning_tokens: int,
+    finish_reason: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    completed_at: int,
+) -> dict:
+    """A finished response object: `echoed`, what it repeats of its request (its id, created_at,
+    model, settings), then its status (`incomplete` where the answer ran out of tokens), its
+    output (a reasoning item where there is reasoning, then the message) and usage. The
+    cached tokens are those resumed from a held prefix; what a request leaves held is not
+    counted (`cache_write_tokens` 0: nothing here is billed)."""
+    complete = finish_reason == "stop"
+    response_id = echoed["id"]
+    output = [reasoning_item(response_id, reasoning, "completed")] if reasoning else []
+    output.append(message_item(response_id, content, "completed"))
+    return {
+        **echoed,
+        "status": "completed" if complete else "incomplete",
+        "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+        "completed_at": completed_at if complete else None,
+        "output": output,
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def response_echo(
+    body: Mapping, params: SamplingParams, response_id: str, created_at: int, model: str
+) -> dict:
+    """What a response repeats of its request (`response_body`'s `echoed`), with the settings
+    its request took (`params`: unset fields at their defaults)."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "instructions": body.get("instructions"),
+        "previous_response_id": body.get("previous_response_id"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "store": flag(body, "store", True),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "reasoning": body.get("reasoning"),
+        "metadata": response_metadata(body.get("metadata")),
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": "disabled",
+        "error": None,
+    }

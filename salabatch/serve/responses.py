@@ -55,28 +55,9 @@ from salabatch.serve.app import (
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import EngineClosed, Finished, Job, QueueFull, ServeEngine, Token
 
-FIELDS = (
-    "model",
-    "input",
-    "instructions",
-    "previous_response_id",
-    "store",
-    "stream",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "text",
-    "reasoning",
-)
-NO_OP = {"truncation": "disabled", "tools": [], "include": [], "background": False}
+FIELDS = ("model", "previous_response_id", "store", "stream", *openai_api.RESPONSE_HONOURED)
+NO_OP = openai_api.RESPONSE_NO_OP
 STORED_CHARS = 64 << 20  # characters of the stored responses' conversations, at most
-PART_TYPES = ("input_text", "output_text", "text")
 
 
 def response_routes(
@@ -113,7 +94,7 @@ class _Responses:
         if not isinstance(model, str) or not model:
             raise APIError(400, "model is missing", param="model")
         check_model(model, self.model_id)
-        stream = _flag(body, "stream", False)
+        stream = openai_api.flag(body, "stream", False)
         history = self._history(body.get("previous_response_id"))
         asked = await run_in_threadpool(
             response_request,
@@ -202,7 +183,10 @@ class _Responses:
         number = 0
         order: list[str] = []  # the kinds of the items opened, by output index
         sent = {"reasoning": "", "content": ""}
-        ids = {kind: _item_id(shell["id"], "rs" if kind == "reasoning" else "msg") for kind in sent}
+        ids = {
+            kind: openai_api.item_id(shell["id"], "rs" if kind == "reasoning" else "msg")
+            for kind in sent
+        }
 
         def event(kind: str, **data) -> bytes:
             nonlocal number
@@ -219,9 +203,9 @@ class _Responses:
             order.append(kind)
             at = len(order) - 1
             if kind == "reasoning":
-                item = _reasoning_item(shell["id"], "", "in_progress")
+                item = openai_api.reasoning_item(shell["id"], "", "in_progress")
                 return [*out, event("response.output_item.added", output_index=at, item=item)]
-            item = _message_item(shell["id"], "", "in_progress")
+            item = openai_api.message_item(shell["id"], "", "in_progress")
             part = {"type": "output_text", "text": "", "annotations": []}
             return [
                 *out,
@@ -236,12 +220,12 @@ class _Responses:
             finished_items.add(kind)
             at, text = order.index(kind), sent[kind]
             if kind == "reasoning":
-                item = _reasoning_item(shell["id"], text, "completed")
+                item = openai_api.reasoning_item(shell["id"], text, "completed")
                 return [
                     event("response.reasoning_text.done", **where(kind), text=text),
                     event("response.output_item.done", output_index=at, item=item),
                 ]
-            item = _message_item(shell["id"], text, "completed")
+            item = openai_api.message_item(shell["id"], text, "completed")
             return [
                 event("response.output_text.done", **where(kind), text=text, logprobs=[]),
                 event("response.content_part.done", **where(kind), part=item["content"][0]),
@@ -302,31 +286,18 @@ class ResponseRequest:
 
     def response(self, finished: Finished) -> dict:
         """The whole response once its job finished (its answer in `answer`)."""
-        complete = finished.finish_reason == "stop"
         reasoning = self.answer.reasoning
-        output = []
-        if reasoning:
-            output.append(_reasoning_item(self.shell["id"], reasoning, "completed"))
-        output.append(_message_item(self.shell["id"], self.answer.content, "completed"))
-        reasoning_tokens = len(self.tok.encode(reasoning)) if reasoning else 0
-        return self.shell | {
-            "status": "completed" if complete else "incomplete",
-            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-            "completed_at": int(time.time()) if complete else None,
-            "output": output,
-            "usage": {
-                "input_tokens": finished.prompt_tokens,
-                # the tokens resumed from a held prefix; what a request leaves held is not
-                # counted (cache_write_tokens 0: nothing here is billed)
-                "input_tokens_details": {
-                    "cached_tokens": finished.cached_tokens,
-                    "cache_write_tokens": 0,
-                },
-                "output_tokens": finished.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-            },
-        }
+        return openai_api.response_body(
+            self.shell,
+            content=self.answer.content,
+            reasoning=reasoning,
+            reasoning_tokens=len(self.tok.encode(reasoning)) if reasoning else 0,
+            finish_reason=finished.finish_reason,
+            prompt_tokens=finished.prompt_tokens,
+            cached_tokens=finished.cached_tokens,
+            completion_tokens=finished.completion_tokens,
+            completed_at=int(time.time()),
+        )
 
 
 def response_request(
@@ -341,25 +312,16 @@ def response_request(
     conversation of its previous_response_id (None where none can be continued, as in a
     batch's line: then giving one is a BodyError). Tokenizes and compiles the body's pattern:
     call it off the event loop."""
-    previous_id = body.get("previous_response_id")
-    if previous_id is not None and history is None:
+    if body.get("previous_response_id") is not None and history is None:
         message = "previous_response_id continues a stored response; a batch's line stores none"
         raise BodyError(message, "previous_response_id")
-    store = _flag(body, "store", True)
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise BodyError("instructions must be a string", "instructions")
-        openai_api.text(instructions, "instructions")
-    given = input_messages(body.get("input"))
-    system = [] if instructions is None else [{"role": "system", "content": instructions}]
-    conversation = [*(history or []), *given]
-    think = _think(body.get("reasoning"), defaults.think)
-    chat = {"max_tokens": body.get("max_output_tokens")} | {
-        k: body[k] for k in openai_api.SAMPLING if k in body and k in FIELDS
-    }
-    params, max_tokens = sampling(chat, defaults, tok.vocab_size)
-    pattern = _pattern(body.get("text"))
+    messages = openai_api.response_messages(body)
+    system = messages[:1] if body.get("instructions") is not None else []
+    conversation = [*(history or []), *messages[len(system) :]]
+    think = openai_api.response_think(body.get("reasoning"), defaults.think)
+    chat = openai_api.response_sampling_fields(body)
+    params, max_tokens = sampling(chat, defaults, tok.vocab_size)  # a fresh seed where unset
+    pattern = openai_api.response_structure(body.get("text"))
     try:
         job = chat_job(
             tok,
@@ -373,160 +335,10 @@ def response_request(
         raise APIError(400, str(e), param="input") from None
     if pattern is not None:
         job = replace(job, grammar=grammar_of(tok, pattern))
-    shell = {
-        "id": "resp_" + uuid.uuid4().hex,
-        "object": "response",
-        "created_at": int(time.time()),
-        "model": model_id,
-        "instructions": instructions,
-        "previous_response_id": previous_id,
-        "max_output_tokens": body.get("max_output_tokens"),
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "store": store,
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "reasoning": body.get("reasoning"),
-        "metadata": _metadata(body.get("metadata")),
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
-        "truncation": "disabled",
-        "error": None,
-    }
+    created = int(time.time())
+    shell = openai_api.response_echo(body, params, "resp_" + uuid.uuid4().hex, created, model_id)
     answer = AnswerText(tok, think=think)
-    return ResponseRequest(job, answer, shell, conversation, store, tok)
-
-
-def input_messages(raw) -> list[dict]:
-    """The chat messages of a Responses `input`: a string (one user message) or a list of
-    messages ({"role", "content"}, optionally "type": "message"; content a string or text
-    parts: input_text, output_text, text). BodyError naming the item otherwise."""
-    if isinstance(raw, str):
-        return [{"role": "user", "content": openai_api.text(raw, "input")}]
-    if not isinstance(raw, list) or not raw:
-        raise BodyError("input must be a string or a non-empty list of messages", "input")
-    out = []
-    for i, item in enumerate(raw):
-        at = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise BodyError(f"{at}: only messages are supported, not {kind!r}", at)
-        extra = sorted(k for k in item if k not in ("type", "role", "content", "id", "status"))
-        if extra:
-            raise BodyError(f"unsupported field: {at}.{extra[0]}", f"{at}.{extra[0]}")
-        role = item.get("role")
-        if role not in openai_api.ROLES:
-            roles = ", ".join(openai_api.ROLES)
-            raise BodyError(f"{at}.role must be one of {roles}", f"{at}.role")
-        content = item.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
-                    where = f"{at}.content[{j}]"
-                    raise BodyError(f"{where}: only text parts are supported", where)
-            content = "".join(str(part.get("text", "")) for part in content)
-        if not isinstance(content, str):
-            raise BodyError(f"{at}.content must be text", f"{at}.content")
-        text = openai_api.text(content, f"{at}.content")
-        out.append({"role": openai_api.ROLES[role], "content": text})
-    return out
-
-
-def _pattern(text) -> str | None:
-    """The pattern the answer must match (`openai_api.structure`) of a Responses `text`
-    ({"format": ...}: json_object, json_schema or text); a bad one a BodyError naming its
-    field under text.format."""
-    try:
-        return openai_api.structure(_response_format(text))
-    except BodyError as e:
-
-        def renamed(name: str) -> str:
-            return name.replace("response_format.json_schema", "text.format").replace(
-                "response_format", "text.format"
-            )
-
-        raise BodyError(renamed(str(e)), renamed(e.param or "text.format")) from None
-
-
-def _response_format(text) -> dict:
-    """A body with the `response_format` of a Responses `text`: json_object, json_schema (its
-    schema, name and strict at the top of the format, as Responses puts them) or text."""
-    if text is None:
-        return {}
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise BodyError("text must be an object with a format", "text")
-    fmt = text.get("format")
-    if fmt is None:
-        return {}
-    if not isinstance(fmt, dict):
-        raise BodyError("text.format must be an object", "text.format")
-    if fmt.get("type") == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"response_format": {"type": "json_schema", "json_schema": schema}}
-    return {"response_format": fmt}
-
-
-def _think(reasoning, default: bool) -> bool:
-    """Whether to think: `reasoning.effort` other than "none" (`default` where unset)."""
-    if reasoning is None:
-        return default
-    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
-        raise BodyError("reasoning must be an object with effort", "reasoning")
-    effort = reasoning.get("effort")
-    if effort is None:
-        return default
-    if effort not in ("none", "minimal", "low", "medium", "high"):
-        efforts = "none, minimal, low, medium or high"
-        raise BodyError(f"reasoning.effort must be {efforts}", "reasoning.effort")
-    return effort != "none"
-
-
-def _metadata(raw) -> dict:
-    """A body's `metadata`, echoed in its response: an object of strings (OpenAI's rule)."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
-    ):
-        raise BodyError("metadata must be an object of strings", "metadata")
-    for key, value in raw.items():
-        openai_api.text(key, "metadata")
-        openai_api.text(value, "metadata")
-    return raw
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BodyError(f"{name} must be true or false", name)
-    return value
-
-
-def _item_id(response_id: str, kind: str) -> str:
-    """An output item's id: its kind ("msg", "rs") and the response's own hex."""
-    return f"{kind}_{response_id.removeprefix('resp_')}"
-
-
-def _message_item(response_id: str, text: str, status: str) -> dict:
-    return {
-        "type": "message",
-        "id": _item_id(response_id, "msg"),
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-
-
-def _reasoning_item(response_id: str, text: str, status: str) -> dict:
-    return {
-        "type": "reasoning",
-        "id": _item_id(response_id, "rs"),
-        "status": status,
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}] if text else [],
-    }
+    return ResponseRequest(job, answer, shell, conversation, shell["store"], tok)
 
 
 def _chars(conversation: Sequence[dict]) -> int:
