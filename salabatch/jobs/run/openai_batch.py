@@ -152,7 +152,12 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
         return custom_id, None, "body is missing", kind
     if not url.endswith("/completions"):
         served = "only /v1/chat/completions and /v1/completions requests are served"
-        return custom_id, body, f"{served}, not {url}", kind
+        where = (
+            " (salabatch serve's Batch API answers /v1/responses lines)"
+            if url.endswith("/responses")
+            else ""
+        )
+        return custom_id, body, f"{served}, not {url}{where}", kind
     try:
         if kind == TEXT_ROWS:
             openai_api.check_fields(body, openai_api.TEXT_HONOURED, openai_api.TEXT_NO_OP)

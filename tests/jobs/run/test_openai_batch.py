@@ -566,3 +566,11 @@ def test_text_completion_lines_answer_their_prompt_as_it_is(tmp_path, tiny_model
     exported = tmp_path / "exported.jsonl"
     assert run_cli("export", str(out.with_suffix(".parquet")), "-o", str(exported)).exit_code == 0
     assert exported.read_bytes() == out.read_bytes()
+
+
+def test_a_responses_line_is_an_error_row_that_says_where_it_is_served():
+    from salabatch.jobs.run.openai_batch import _parse
+
+    raw = json.dumps({"custom_id": "r", "url": "/v1/responses", "body": {"input": "Hi"}})
+    custom_id, _, problem, _ = _parse(raw.encode(), 1)
+    assert custom_id == "r" and "/v1/responses" in problem and "salabatch serve" in problem
