@@ -27,7 +27,12 @@ import pyarrow.compute as pc
 from salabatch.errors import OutputError
 from salabatch.files import write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
-from salabatch.jobs.results.schema import TEXT_ROWS, OutputWarning, decode_metadata
+from salabatch.jobs.results.schema import (
+    RESPONSE_ROWS,
+    TEXT_ROWS,
+    OutputWarning,
+    decode_metadata,
+)
 from salabatch.plural import counted
 
 _TOP_ERRORS = 5
@@ -297,6 +302,12 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
             "rejected_prediction_tokens": r["draft_tokens"] - accepted,
         }
     created = r["started_at"] or r["finished_at"]
+    if r["question_id"] == RESPONSE_ROWS:
+        line["response"] = _response_line(r, created)
+        return line
+    if r["reasoning_tokens"] is not None:
+        details = usage.setdefault("completion_tokens_details", {})
+        details["reasoning_tokens"] = r["reasoning_tokens"]
     if r["question_id"] == TEXT_ROWS:
         kind, choice = "text_completion", {"text": r["answer"], "logprobs": _legacy(r["logprobs"])}
     else:
@@ -320,6 +331,38 @@ def _openai_line(r: dict[str, Any]) -> dict[str, Any]:
         },
     }
     return line
+
+
+def _response_line(r: dict[str, Any], created) -> dict[str, Any]:
+    """The response of a /v1/responses line's row (`openai_api.response_body`): what it
+    repeats of its request is what the row holds (its model; the request's settings are not
+    kept)."""
+    from salabatch import openai_api
+
+    response_id = f"resp_{_stable_id('resp', r)}"
+    echoed = {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created.timestamp()),
+        "model": r["model"],
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "store": False,
+        "error": None,
+    }
+    body = openai_api.response_body(
+        echoed,
+        content=r["answer"],
+        reasoning=r["reasoning"],
+        reasoning_tokens=r["reasoning_tokens"] or 0,
+        finish_reason=r["finish_reason"],
+        prompt_tokens=r["prompt_tokens"] or 0,
+        cached_tokens=r["cached_tokens"] or 0,
+        completion_tokens=r["completion_tokens"] or 0,
+        completed_at=int(r["finished_at"].timestamp()),
+    )
+    return {"status_code": 200, "request_id": f"req_{_stable_id('request', r)}", "body": body}
 
 
 def _legacy(entries: list[dict] | None) -> dict | None:

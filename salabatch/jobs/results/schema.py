@@ -45,8 +45,8 @@ STATUSES = ("ok", "error")
 FINISH_REASONS = ("stop", "length", "error")
 CACHE_SOURCES = ("memory", "disk", "none")
 # the question_id of a request line's row: a chat completion's, a text completion's (its answer
-# the text as generated; exported as a text_completion)
-CHAT_ROWS, TEXT_ROWS = "request", "completion"
+# the text as generated; exported as a text_completion), a response's (exported as a response)
+CHAT_ROWS, TEXT_ROWS, RESPONSE_ROWS = "request", "completion", "response"
 
 # File metadata keys (bytes, as Parquet stores them).
 META_SCHEMA_VERSION = b"salabatch.schema_version"
@@ -123,6 +123,12 @@ RESULT_SCHEMA = pa.schema(
         _col("prompt_tokens", _I, "tokens of the whole prompt: document prompt + question"),
         _col("cached_tokens", _I, "prompt tokens served from the prefix cache"),
         _col("completion_tokens", _I, "generated tokens, think block included"),
+        _col(
+            "reasoning_tokens",
+            _I,
+            "tokens of the think block's text (as the tokenizer counts it; of completion_tokens) "
+            "where the row thought, else null",
+        ),
         _col("draft_tokens", _I, "tokens drafted by speculative decoding; 0 when it was off"),
         _col("accepted_tokens", _I, "drafted tokens the model accepted (at most draft_tokens)"),
         # timings
@@ -146,7 +152,14 @@ RESULT_SCHEMA = pa.schema(
 )
 
 # Columns added to schema v1 later: a file without them reads as if they held nulls.
-ADDED_COLUMNS = ("request_line", "draft_tokens", "accepted_tokens", "logprobs", "choice_logprobs")
+ADDED_COLUMNS = (
+    "request_line",
+    "draft_tokens",
+    "accepted_tokens",
+    "logprobs",
+    "choice_logprobs",
+    "reasoning_tokens",
+)
 
 _REQUIRED_TEXT = ("run_id", "job_name", "doc_id", "doc_path", "question_id", "request_key", "model")
 
@@ -213,6 +226,7 @@ class ResultRow:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     doc_prefill_s: float | None = None

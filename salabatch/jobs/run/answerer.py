@@ -389,6 +389,7 @@ class Answerer:
             else [openai_api.logprob_entry(self.tok, lp) for lp in g.logprobs],
             **_prefill_columns(plan, g.prompt_tokens, g.prefill_s, prefix),
             completion_tokens=g.completion_tokens,
+            reasoning_tokens=len(self.tok.encode(reasoning)) if row.think and reasoning else None,
             # from the start of its document's prefix (or pool), waiting for a slot included
             ttft_s=max(0.0, g.first_token_at - started.clock) if g.first_token_at else g.ttft_s,
             decode_s=g.decode_s,

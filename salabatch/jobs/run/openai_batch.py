@@ -4,7 +4,10 @@ the run.
 Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`,
 or a text completion's, `"url": "/v1/completions"` with a `prompt` (a string, or token ids: one
 prompt, no chat template, its answer the text as generated; its row's question_id is
-`TEXT_ROWS`, "completion", a chat line's "request"). The body is read by
+`TEXT_ROWS`, "completion", a chat line's "request"), or a response's, `"url": "/v1/responses"`
+(`instructions` and `input`, read as salabatch serve's /v1/responses reads them: a chat
+completion of those messages, its row's question_id `RESPONSE_ROWS`, "response", exported as a
+response object; it continues no stored response). The body is read by
 `salabatch.openai_api`, as the server reads it; the fields that decide the answer are
 honoured:
 
@@ -51,7 +54,7 @@ from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import JobSpecError, TokenizerError, not_utf8
 from salabatch.jobs.ingest.documents import Document
-from salabatch.jobs.results.schema import CHAT_ROWS, TEXT_ROWS
+from salabatch.jobs.results.schema import CHAT_ROWS, RESPONSE_ROWS, TEXT_ROWS
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.openai_api import BodyError
@@ -147,18 +150,18 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
     body = line.get("body")
     url = str(line.get("url", "/v1/chat/completions"))
     text = url.endswith("/completions") and not url.endswith("/chat/completions")
-    kind = TEXT_ROWS if text else CHAT_ROWS  # another url's error row: a request's
+    response = url.endswith("/responses")
+    # another url's error row: a request's
+    kind = TEXT_ROWS if text else RESPONSE_ROWS if response else CHAT_ROWS
     if not isinstance(body, dict):
         return custom_id, None, "body is missing", kind
-    if not url.endswith("/completions"):
-        served = "only /v1/chat/completions and /v1/completions requests are served"
-        where = (
-            " (salabatch serve's Batch API answers /v1/responses lines)"
-            if url.endswith("/responses")
-            else ""
-        )
-        return custom_id, body, f"{served}, not {url}{where}", kind
+    if not (url.endswith("/completions") or response):
+        served = "only /v1/chat/completions, /v1/completions and /v1/responses requests are served"
+        return custom_id, body, f"{served}, not {url}", kind
     try:
+        if kind == RESPONSE_ROWS:  # previous_response_id among the refused: a row stores none
+            openai_api.check_fields(body, openai_api.RESPONSE_HONOURED, openai_api.RESPONSE_NO_OP)
+            return custom_id, body, None, kind
         if kind == TEXT_ROWS:
             openai_api.check_fields(body, openai_api.TEXT_HONOURED, openai_api.TEXT_NO_OP)
             if len(openai_api.prompts(body.get("prompt"))) > 1:
@@ -177,18 +180,30 @@ def _request_row(spec: JobSpec, tok: Tokenizer, row: Row, body: dict) -> tuple[R
     """The row of a well-formed body, and its whole prompt's ids; ValueError names a bad field."""
     if row.question_id == TEXT_ROWS:
         return _text_row(spec, tok, row, body)
-    messages = openai_api.messages(body.get("messages"))
-    params, max_tokens = openai_api.sampling(body, spec.generation, vocab=tok.vocab_size)
-    think = openai_api.think(body.get("chat_template_kwargs"), spec.generation.think)
+    if row.question_id == RESPONSE_ROWS:  # a response: a chat completion of its messages
+        messages = openai_api.response_messages(body)
+        chat = openai_api.response_sampling_fields(body)
+        think = openai_api.response_think(body.get("reasoning"), spec.generation.think)
+        stops, logprobs = (), spec.generation.logprobs
+        grammar = openai_api.response_structure(body.get("text"))
+        openai_api.response_metadata(body.get("metadata"))
+    else:
+        messages = openai_api.messages(body.get("messages"))
+        chat = body
+        think = openai_api.think(body.get("chat_template_kwargs"), spec.generation.think)
+        stops = openai_api.stop(body.get("stop"))
+        logprobs = openai_api.logprobs(body, spec.generation.logprobs)
+        grammar = openai_api.structure(body)
+    params, max_tokens = openai_api.sampling(chat, spec.generation, vocab=tok.vocab_size)
     row = replace(
         row,
         question=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
         params=params,
         max_tokens=max_tokens,
         think=think,
-        stop_strings=openai_api.stop(body.get("stop")),
-        logprobs=openai_api.logprobs(body, spec.generation.logprobs),
-        grammar=openai_api.structure(body),
+        stop_strings=stops,
+        logprobs=logprobs,
+        grammar=grammar,
     )
     # big-endian: the bytes of two prompts compare as their ids do (see _groups)
     ids = np.array(tok.chat_prompt_ids(messages, think=think), dtype=">u4")

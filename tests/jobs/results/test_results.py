@@ -54,6 +54,7 @@ DESIGN_COLUMNS = [
     "prompt_tokens",
     "cached_tokens",
     "completion_tokens",
+    "reasoning_tokens",
     "draft_tokens",
     "accepted_tokens",
     "doc_prefill_s",

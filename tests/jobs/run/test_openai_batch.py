@@ -568,9 +568,73 @@ def test_text_completion_lines_answer_their_prompt_as_it_is(tmp_path, tiny_model
     assert exported.read_bytes() == out.read_bytes()
 
 
-def test_a_responses_line_is_an_error_row_that_says_where_it_is_served():
-    from salabatch.jobs.run.openai_batch import _parse
+def response_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
 
-    raw = json.dumps({"custom_id": "r", "url": "/v1/responses", "body": {"input": "Hi"}})
-    custom_id, _, problem, _ = _parse(raw.encode(), 1)
-    assert custom_id == "r" and "/v1/responses" in problem and "salabatch serve" in problem
+
+def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_path, tiny_model):
+    """/v1/responses lines: `instructions` and `input` (a string, or messages with text parts)
+    answer as the chat line of the same messages does; the output line is a response object
+    the `openai` package's own type accepts (its message the row's answer, its usage the
+    row's tokens), `incomplete` where max_output_tokens ran out; thinking (reasoning.effort)
+    puts the think block in a reasoning item with its tokens counted; a line that continues a
+    stored response, or a tool, is an error row naming it; export writes the same bytes. A
+    chat line whose think block a pattern forces counts its reasoning tokens."""
+    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "A port?"}]
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "A port?"}]}]
+    lines = [
+        line("chat", messages=messages, max_tokens=6),
+        response_line("plain", instructions=DOCUMENT, input="A port?", max_output_tokens=6),
+        response_line("parts", instructions=DOCUMENT, input=parts, max_output_tokens=6),
+        response_line("think", input="A port?", max_output_tokens=12, reasoning={"effort": "low"}),
+        response_line("short", input="A port?", max_output_tokens=1),
+        response_line("chained", input="And?", previous_response_id="resp_1"),
+        response_line("tool", input="x", tools=[{"type": "function", "name": "f"}]),
+        line(
+            "forced",
+            chat_template_kwargs={"enable_thinking": True},
+            max_tokens=30,
+            guided_regex="<think>\nplan the route\n</think>\n\nyes",
+        ),
+    ]
+    requests = write_requests(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "answers.jsonl"
+    result = run_requests(tmp_path, tiny_model, requests, out, "generation.max_tokens=6")
+    assert result.exit_code == 3, result.output
+    got = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    rows = {r["custom_id"]: r for r in read_results(out.with_suffix(".parquet")).to_pylist()}
+    responses = pytest.importorskip("openai.types.responses")
+    chat = rows["chat"]["answer"]
+    for custom_id in ("plain", "parts", "think", "short"):
+        body = responses.Response.model_validate(got[custom_id]["response"]["body"])
+        row = rows[custom_id]
+        assert row["question_id"] == "response" and body.output_text == row["answer"]
+        assert body.usage.output_tokens == row["completion_tokens"]
+        assert body.usage.input_tokens == row["prompt_tokens"]
+    assert rows["plain"]["answer"] == rows["parts"]["answer"] == chat
+    assert rows["plain"]["prompt_tokens"] == rows["chat"]["prompt_tokens"]
+    short = responses.Response.model_validate(got["short"]["response"]["body"])
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    think = responses.Response.model_validate(got["think"]["response"]["body"])
+    # reasoning.effort turned thinking on (the reasoning column is set only then)
+    assert think.output[-1].type == "message" and rows["think"]["reasoning"] is not None
+    assert rows["plain"]["reasoning"] is None
+    # a think block forced by a pattern (an untrained model writes none): its text and tokens
+    forced = rows["forced"]
+    assert (forced["reasoning"], forced["answer"]) == ("plan the route", "yes")
+    assert forced["reasoning_tokens"] == len(load_tokenizer(tiny_model).encode("plan the route"))
+    details = got["forced"]["response"]["body"]["usage"]["completion_tokens_details"]
+    assert details["reasoning_tokens"] == forced["reasoning_tokens"]
+    # ... and such a row as a response: a reasoning item before the message
+    from salabatch.jobs.results.export import _openai_line
+
+    as_response = _openai_line(forced | {"question_id": "response"})["response"]["body"]
+    thought = responses.Response.model_validate(as_response)
+    assert [item.type for item in thought.output] == ["reasoning", "message"]
+    assert thought.output[0].content[0].text == "plan the route" and thought.output_text == "yes"
+    assert thought.usage.output_tokens_details.reasoning_tokens == forced["reasoning_tokens"]
+    assert "previous_response_id" in got["chained"]["error"]["message"]
+    assert "tools" in got["tool"]["error"]["message"]
+    exported = tmp_path / "exported.jsonl"
+    assert run_cli("export", str(out.with_suffix(".parquet")), "-o", str(exported)).exit_code == 0
+    assert exported.read_bytes() == out.read_bytes()
