@@ -334,30 +334,15 @@ class _Server:
         return await run_in_threadpool(grammar_of, self.tok, pattern)
 
     async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
-        """The request's JSON object, its fields checked and its model the one served."""
-        body = await read_json(request, self.max_body)
-        openai_api.check_fields(body, fields, no_op)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise APIError(400, "model is missing", param="model")
-        check_model(model, self.model_id)
-        return body
+        return await read_body(request, self.max_body, fields, no_op, self.model_id)
 
     def _submit(self, jobs: Sequence[Job], n: int, param: str) -> list[Ticket]:
         """The tickets of each job's n choices (`seeded`), job by job; 400 for a prompt the
         model's context cannot hold (the engine would fail it, but a stream's status is sent
         before its first event), 429 when the queue cannot take them all (none is then
         submitted)."""
-        context = self.engine.model.config.context_length
         for job in jobs:
-            if len(job.prompt) >= context:
-                raise APIError(
-                    400,
-                    f"the prompt has {len(job.prompt)} tokens; the model's context holds "
-                    f"{context} (with room for one generated token)",
-                    param=param,
-                    code="context_length_exceeded",
-                )
+            check_context(job, self.engine.model.config.context_length, param)
         loop, tickets = asyncio.get_running_loop(), []
         try:
             for one in (one for job in jobs for one in seeded(job, n)):
@@ -666,6 +651,34 @@ def sampling(body: dict, defaults: ServeDefaults, vocab: int, least_tokens: int 
     if defaults.seed is None:
         defaults = replace(defaults, seed=secrets.randbits(31))
     return openai_api.sampling(body, defaults, least_tokens, vocab)
+
+
+async def read_body(
+    request: Request, max_body: int, fields: tuple[str, ...], no_op: dict, model_id: str
+) -> dict:
+    """The request's JSON object (at most `max_body` bytes), its fields checked (`fields`
+    honoured, `no_op` at those values) and its model `model_id`."""
+    body = await read_json(request, max_body)
+    openai_api.check_fields(body, fields, no_op)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "model is missing", param="model")
+    check_model(model, model_id)
+    return body
+
+
+def check_context(job: Job, context: int, param: str) -> None:
+    """400 (`context_length_exceeded`, naming `param`) for a prompt the model's context
+    cannot hold: the engine would fail it, but a stream's status is sent before its first
+    event."""
+    if len(job.prompt) >= context:
+        raise APIError(
+            400,
+            f"the prompt has {len(job.prompt)} tokens; the model's context holds {context} "
+            "(with room for one generated token)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_model(model: str, served: str) -> None:

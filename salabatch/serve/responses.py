@@ -44,11 +44,11 @@ from salabatch.serve.app import (
     EventStream,
     ServeDefaults,
     StreamFailed,
-    check_model,
+    check_context,
     collect,
     engine_error,
     grammar_of,
-    read_json,
+    read_body,
     sampling,
     stream_events,
 )
@@ -88,12 +88,7 @@ class _Responses:
         self.chars = 0
 
     async def create(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body)
-        openai_api.check_fields(body, FIELDS, NO_OP)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise APIError(400, "model is missing", param="model")
-        check_model(model, self.model_id)
+        body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
         stream = openai_api.flag(body, "stream", False)
         history = self._history(body.get("previous_response_id"))
         asked = await run_in_threadpool(
@@ -105,15 +100,7 @@ class _Responses:
             history,
             self.leading_ids,
         )
-        context = self.engine.model.config.context_length
-        if len(asked.job.prompt) >= context:
-            raise APIError(
-                400,
-                f"the prompt has {len(asked.job.prompt)} tokens; the model's context holds "
-                f"{context} (with room for one generated token)",
-                param="input",
-                code="context_length_exceeded",
-            )
+        check_context(asked.job, self.engine.model.config.context_length, "input")
         try:
             ticket = self.engine.submit(asked.job, asyncio.get_running_loop())
         except (QueueFull, EngineClosed) as e:
