@@ -62,7 +62,8 @@ _overrides = click.option(
 @click.option(
     "--requests",
     type=click.Path(dir_okay=False),
-    help="An OpenAI Batch .jsonl of chat requests (with or instead of a job file); without -o, "
+    help="An OpenAI Batch .jsonl of chat, completions or responses requests (with or instead "
+    "of a job file); without -o, "
     "its Batch output goes beside the results (x.parquet: x.jsonl).",
 )
 @click.option(
