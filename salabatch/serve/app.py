@@ -568,7 +568,11 @@ def chat_completion(
         out.append(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
         )
-    return reply.body(out, usage(finished))
+    counted = usage(finished)
+    if think:  # the think blocks' tokens, as the tokenizer counts their text (a run's export too)
+        thought = sum(len(tok.encode(a.reasoning)) for a in answers if a.reasoning)
+        counted.setdefault("completion_tokens_details", {})["reasoning_tokens"] = thought
+    return reply.body(out, counted)
 
 
 class TextLogprobs:

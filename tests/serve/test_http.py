@@ -1086,3 +1086,30 @@ def test_serve_takes_the_model_as_an_argument_or_an_option(tmp_path, monkeypatch
     both = CliRunner().invoke(main, ["serve", MODEL, "--model", MODEL, *state])
     assert both.exit_code == 2 and f"unexpected argument {MODEL!r}" in both.output
     assert len(served) == 2
+
+
+def test_a_thought_answer_splits_off_its_reasoning_and_counts_its_tokens(served):
+    """With enable_thinking, a leading <think> block (forced here by a pattern: the toy model
+    writes none of its own) is `reasoning_content`, streamed as reasoning deltas, and its
+    tokens are `completion_tokens_details.reasoning_tokens` (as the tokenizer counts its text)."""
+    client, tok = served.client(), served.tok
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Who is the provider?"}],
+        "max_tokens": 80,  # the pattern's text, however the model spells it in tokens
+        "extra_body": {
+            "chat_template_kwargs": {"enable_thinking": True},
+            "guided_regex": "<think>\nplan the answer\n</think>\n\nAcme",
+        },
+    }
+    whole = client.chat.completions.create(**ask)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == ("plan the answer", "Acme")
+    details = whole.usage.completion_tokens_details
+    assert details.reasoning_tokens == len(tok.encode("plan the answer"))
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (reasoning, content) == ("plan the answer", "Acme")

@@ -593,7 +593,7 @@ def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_pat
         line(
             "forced",
             chat_template_kwargs={"enable_thinking": True},
-            max_tokens=30,
+            max_tokens=80,  # the pattern's text, however the model spells it in tokens
             guided_regex="<think>\nplan the route\n</think>\n\nyes",
         ),
     ]
