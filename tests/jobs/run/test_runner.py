@@ -33,7 +33,16 @@ SHARED_PDFS = SHARED / "pdfs"
 FILLED = [
     c
     for c in DESIGN_COLUMNS
-    if c not in ("reasoning", "error", "logprobs", "choice_logprobs", "quant_bits", "request_line")
+    if c
+    not in (
+        "reasoning",
+        "reasoning_tokens",
+        "error",
+        "logprobs",
+        "choice_logprobs",
+        "quant_bits",
+        "request_line",
+    )
 ]
 QUESTIONS = [
     {"id": "summary", "text": "Summarize this."},
