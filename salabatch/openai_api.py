@@ -19,8 +19,12 @@ never silently ignored. Every check raises a BodyError naming its field.
 
 A text completion's body (`/v1/completions`, `TEXT_HONOURED`) has a `prompt` instead of
 messages (`prompts`: a string or token ids, or a list of them), `logprobs` as an integer
-(`text_logprobs`) and `echo` (the prompt before its answer), and no chat template. Unset sampling
-fields take the caller's defaults (a job's `generation:`, the server's).
+(`text_logprobs`) and `echo` (the prompt before its answer), and no chat template. A Responses
+body (`/v1/responses`, `RESPONSE_HONOURED`) is a chat completion's in other words: `instructions`
+and `input` its messages (`response_messages`), `max_output_tokens`, `text.format` its
+response_format (`response_structure`), `reasoning.effort` its think mode; `response_body` is
+the response object of its answer. Unset sampling fields take the caller's defaults (a job's
+`generation:`, the server's).
 """
 
 from __future__ import annotations
