@@ -634,16 +634,28 @@ def response_body(
     }
 
 
-def response_echo(
-    body: Mapping, params: SamplingParams, response_id: str, created_at: int, model: str
-) -> dict:
-    """What a response repeats of its request (`response_body`'s `echoed`), with the settings
-    its request took (`params`: unset fields at their defaults)."""
+def response_shell(response_id: str, created_at: int, model: str) -> dict:
+    """What every response object holds before its request's settings: its id, kind, time,
+    model, and no tools."""
     return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
         "model": model,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": "disabled",
+        "error": None,
+    }
+
+
+def response_echo(
+    body: Mapping, params: SamplingParams, response_id: str, created_at: int, model: str
+) -> dict:
+    """What a response repeats of its request (`response_body`'s `echoed`): `response_shell`
+    and the settings its request took (`params`: unset fields at their defaults)."""
+    return response_shell(response_id, created_at, model) | {
         "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -653,9 +665,4 @@ def response_echo(
         "text": body.get("text") or {"format": {"type": "text"}},
         "reasoning": body.get("reasoning"),
         "metadata": response_metadata(body.get("metadata")),
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
-        "truncation": "disabled",
-        "error": None,
     }

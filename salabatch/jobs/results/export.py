@@ -340,17 +340,8 @@ def _response_line(r: dict[str, Any], created) -> dict[str, Any]:
     from salabatch import openai_api
 
     response_id = f"resp_{_stable_id('resp', r)}"
-    echoed = {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(created.timestamp()),
-        "model": r["model"],
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
-        "store": False,
-        "error": None,
-    }
+    shell = openai_api.response_shell(response_id, int(created.timestamp()), r["model"])
+    echoed = shell | {"store": False}
     body = openai_api.response_body(
         echoed,
         content=r["answer"],
