@@ -93,6 +93,14 @@ def line(custom_id: str, doc: str, question: str, **body) -> dict:
     }
 
 
+def endpoint_lines(url: str, prefix: str, bodies: list[dict]) -> list[dict]:
+    """Batch lines to `url`, one per body (the model added), custom_ids prefix0, prefix1, ..."""
+    return [
+        {"custom_id": f"{prefix}{i}", "method": "POST", "url": url, "body": b | {"model": MODEL}}
+        for i, b in enumerate(bodies)
+    ]
+
+
 def many(n: int, max_tokens: int) -> list[dict]:
     docs = ["redwater-robotics.txt", "brightgate-systems.md"]
     return [line(f"q{i}", docs[i % 2], QUESTIONS[i % 4], max_tokens=max_tokens) for i in range(n)]
@@ -203,15 +211,7 @@ def test_a_completions_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_pa
          "temperature": 1.0},
         {"prompt": "The fee is", "max_tokens": 0, "echo": True, "logprobs": 2},
     ]  # fmt: skip
-    lines = [
-        {
-            "custom_id": f"c{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": b | {"model": MODEL},
-        }
-        for i, b in enumerate(bodies)
-    ]
+    lines = endpoint_lines("/v1/completions", "c", bodies)
     with Server(tiny, tmp_path) as s:
         batch = s.done(s.start_batch(lines, "/v1/completions").id)
         assert batch.status == "completed" and batch.endpoint == "/v1/completions", batch
@@ -245,15 +245,7 @@ def test_a_responses_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_path
          "max_output_tokens": 40, "text": {"format": {"type": "json_object"}}},
         {"input": "Hi", "previous_response_id": "resp_x"},
     ]  # fmt: skip
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/responses",
-            "body": b | {"model": MODEL},
-        }
-        for i, b in enumerate(bodies)
-    ]
+    lines = endpoint_lines("/v1/responses", "r", bodies)
     with Server(tiny, tmp_path) as s:
         batch = s.done(s.start_batch(lines, "/v1/responses").id)
         assert batch.status == "completed" and batch.endpoint == "/v1/responses", batch
