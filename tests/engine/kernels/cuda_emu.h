@@ -1,6 +1,10 @@
-// Just enough of CUDA to run a kernel's source on the CPU, one std::thread a CUDA thread, for
-// tests on machines without a GPU (`cuda_emu.py` builds and launches it). Semantics kept:
-// __syncthreads and __syncwarp are barriers of the thread block and of the warp, shuffles
+// Just enough of CUDA to run a kernel's source on the CPU, for tests on machines without a GPU
+// (`cuda_emu.py` builds and launches it). A CUDA thread is a fiber (ucontext) of the launching
+// thread, switched at the barriers, a thread block's fibers taking turns in alternating
+// directions; built with a sanitizer (`CUDA_EMU_SANITIZE`), a CUDA thread is a std::thread
+// instead, so that ThreadSanitizer sees the threads' races. Semantics kept:
+// __syncthreads and __syncwarp are barriers of the thread block and of the warp (a barrier some
+// threads never reach is reported, where a GPU hangs), shuffles
 // exchange through the warp, WMMA fragments are whole 16×16 matrices every lane holds (the
 // collective's result; lane 0 stores; TF32 operands cut to 19 bits), bfloat16 rounds to nearest
 // even. CUDA's alignment rules are checked where a GPU would fault or misread: a 16-byte vector
@@ -13,18 +17,24 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define EMU_OS_THREADS 1
+#include <barrier>
+#include <mutex>
+#include <thread>
+#else
+#include <sys/mman.h>
+#include <ucontext.h>
 #endif
 
 struct dim3 {
@@ -58,18 +68,51 @@ struct __nv_bfloat16 {
 namespace emu {
 
 // The first broken rule of a launch, for `cuda_emu.py` to raise (empty: none).
-inline std::mutex failed_lock;
 inline std::string failed;
 inline void fail(const std::string& what) {
-    std::lock_guard<std::mutex> hold(failed_lock);
+#if EMU_OS_THREADS
+    static std::mutex lock;
+    std::lock_guard<std::mutex> hold(lock);
+#endif
     if (failed.empty()) {
         failed = what;
     }
 }
 
+#if EMU_OS_THREADS
+using Gate = std::barrier<>;
+inline void pass(Gate& gate) { gate.arrive_and_wait(); }
+#else
+// A barrier of fibers: the last to arrive opens it (a new phase); the others wait for that.
+struct Gate {
+    explicit Gate(int size) : size(size) {}
+    int size, arrived = 0;
+    unsigned phase = 0;
+};
+// A CUDA thread: its context, and the gate and phase it waits at (none: it can run).
+struct Fiber {
+    ucontext_t context;
+    const Gate* gate = nullptr;
+    unsigned phase = 0;
+    bool done = false;
+};
+inline thread_local ucontext_t scheduler;
+inline thread_local Fiber* running = nullptr;
+inline void pass(Gate& gate) {
+    if (++gate.arrived == gate.size) {
+        gate.arrived = 0;
+        ++gate.phase;
+        return;
+    }
+    running->gate = &gate;
+    running->phase = gate.phase;
+    swapcontext(&running->context, &scheduler);
+}
+#endif
+
 struct Block {
-    std::unique_ptr<std::barrier<>> all;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::unique_ptr<Gate> all;
+    std::vector<std::unique_ptr<Gate>> warps;
     std::vector<float> exchange;  // a float a thread, for shuffles
     unsigned char* shared = nullptr;  // `shared_bytes` aligned to the kernel's __align__
 };
@@ -89,10 +132,8 @@ inline int warp() { return thread_idx.x / 32; }
 #define __device__
 #define __align__(n)
 
-inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) {
-    emu::block->warps[emu::warp()]->arrive_and_wait();
-}
+inline void __syncthreads() { emu::pass(*emu::block->all); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::pass(*emu::block->warps[emu::warp()]); }
 // a lane's value from lane `from(me)` of its warp (every lane of the warp calls it)
 template <class V, class F>
 V shuffle(V v, F from) {
@@ -266,6 +307,71 @@ inline void poison(unsigned char* p, long n, int on) {
 #endif
 }
 
+#if EMU_OS_THREADS
+// A thread block's threads, one std::thread each.
+template <class F>
+void run_block(Block& b, int threads, F& kernel) {
+    const dim3 where = block_idx;
+    std::vector<std::thread> pool;
+    for (int tx = 0; tx < threads; ++tx) {
+        pool.emplace_back([&, tx] {
+            thread_idx = {static_cast<unsigned>(tx), 0, 0};
+            block_idx = where;
+            block_dim = {static_cast<unsigned>(threads), 1, 1};
+            block = &b;
+            kernel();
+        });
+    }
+    for (auto& t : pool) {
+        t.join();
+    }
+}
+#else
+constexpr std::size_t STACK = 256 * 1024;  // a fiber's, above a guard page
+constexpr std::size_t PAGE = 4096;
+
+// A thread block's threads as fibers on `stacks` (threads × (PAGE + STACK), each above a page
+// that faults), run in turns until each has returned; false when some wait at a barrier the
+// others have passed by returning (a deadlock on a GPU).
+template <class F>
+bool run_block(Block& b, int threads, F& kernel, unsigned char* stacks) {
+    static thread_local F* body;
+    body = &kernel;
+    std::vector<Fiber> fibers(threads);
+    for (int tx = 0; tx < threads; ++tx) {
+        Fiber& f = fibers[tx];
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = stacks + tx * (PAGE + STACK) + PAGE;
+        f.context.uc_stack.ss_size = STACK;
+        f.context.uc_link = &scheduler;
+        makecontext(&f.context, +[] { (*body)(); running->done = true; }, 0);
+    }
+    block_dim = {static_cast<unsigned>(threads), 1, 1};
+    block = &b;
+    int left = threads;
+    for (bool forward = true; left; forward = !forward) {
+        bool moved = false;
+        for (int i = 0; i < threads; ++i) {
+            const int tx = forward ? i : threads - 1 - i;
+            Fiber& f = fibers[tx];
+            if (f.done || (f.gate && f.gate->phase == f.phase)) {
+                continue;
+            }
+            f.gate = nullptr;
+            thread_idx = {static_cast<unsigned>(tx), 0, 0};
+            running = &f;
+            moved = true;
+            swapcontext(&scheduler, &f.context);
+            left -= f.done;
+        }
+        if (!moved) {
+            return false;
+        }
+    }
+    return true;
+}
+#endif
+
 // Runs `kernel` over a grid of `blocks` thread blocks of `threads` threads (x only), each block
 // with `shared_bytes` of dynamic shared memory aligned to `align` bytes, the kernel's __align__
 // (exactly: an address of `align` but not of twice it, so a kernel counting on more fails the
@@ -280,6 +386,14 @@ void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
     // the bytes around it poisoned, so that AddressSanitizer reports a read out of its bounds
     poison(memory.data(), base - start, 1);
     poison(shared + shared_bytes, memory.size() - (base - start) - shared_bytes, 1);
+#if !EMU_OS_THREADS
+    const std::size_t span = threads * (PAGE + STACK);
+    auto* stacks = static_cast<unsigned char*>(
+        mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    for (int tx = 0; tx < threads; ++tx) {  // a fiber overflowing its stack faults
+        mprotect(stacks + tx * (PAGE + STACK), PAGE, PROT_NONE);
+    }
+#endif
     // the thread blocks in a scrambled order (a GPU promises none): a block that reads what
     // another of the same launch writes gets it wrong here as there
     std::vector<int> order(blocks);
@@ -292,29 +406,28 @@ void launch(int blocks, int threads, int shared_bytes, int align, F kernel) {
     }
     for (const int bx : order) {
         Block b;
-        b.all = std::make_unique<std::barrier<>>(threads);
+        b.all = std::make_unique<Gate>(threads);
         for (int w = 0; w < (threads + 31) / 32; ++w) {
-            b.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
+            b.warps.push_back(std::make_unique<Gate>(std::min(32, threads - 32 * w)));
         }
         b.exchange.assign(threads, 0.0f);
         // garbage, as a GPU's is: NaN as a float or a bfloat16, so that a value read before
         // it is written shows in the output, even times zero
         std::fill(shared, shared + shared_bytes, 0xFF);
         b.shared = shared;
-        std::vector<std::thread> pool;
-        for (int tx = 0; tx < threads; ++tx) {
-            pool.emplace_back([&, tx] {
-                thread_idx = {static_cast<unsigned>(tx), 0, 0};
-                block_idx = {static_cast<unsigned>(bx), 0, 0};
-                block_dim = {static_cast<unsigned>(threads), 1, 1};
-                block = &b;
-                kernel();
-            });
+        block_idx = {static_cast<unsigned>(bx), 0, 0};
+#if EMU_OS_THREADS
+        run_block(b, threads, kernel);
+#else
+        if (!run_block(b, threads, kernel, stacks)) {
+            fail("block " + std::to_string(bx) + ": a barrier some of its threads never reach");
+            break;
         }
-        for (auto& t : pool) {
-            t.join();
-        }
+#endif
     }
+#if !EMU_OS_THREADS
+    munmap(stacks, span);
+#endif
     poison(memory.data(), memory.size(), 0);
 }
 

@@ -1,5 +1,5 @@
 """A CUDA kernel's source, as `mx.fast.cuda_kernel` would compile it, built for the CPU against
-`cuda_emu.h` (a CUDA thread a std::thread, barriers and shuffles kept, WMMA as whole matrices)
+`cuda_emu.h` (a CUDA thread a fiber, barriers and shuffles kept, WMMA as whole matrices)
 and run on numpy arrays: the kernel's own indexing, synchronisation and arithmetic checked on a
 machine without a GPU. Inputs and outputs start at 256-byte addresses, as MLX's CUDA allocations
 do: MLX passes a row-contiguous view with an offset as it is, so the engine's wrappers give the
@@ -145,9 +145,15 @@ def _build(unit: str) -> ctypes.CDLL:
              *flags, "-o", str(lib), str(folder / "k.cpp")],
             capture_output=True, text=True,
         )  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"the emulated kernel did not build:\n{done.stderr[-4000:]}")
-        _BUILT[key] = ctypes.CDLL(str(lib))
+        try:
+            if done.returncode:
+                raise RuntimeError(f"the emulated kernel did not build:\n{done.stderr[-4000:]}")
+            _BUILT[key] = ctypes.CDLL(str(lib))
+        finally:
+            # the loaded library stays mapped: its folder goes now (a run left one a kernel in
+            # the temp dir), kept when sanitized, for the reports' source lines
+            if not sanitize:
+                shutil.rmtree(folder, ignore_errors=True)
     return _BUILT[key]
 
 

@@ -4,6 +4,8 @@ it runs and gives the product. The kernels' emulated tests count on these checks
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -68,3 +70,42 @@ def test_shared_memory_is_only_as_aligned_as_declared():
     with pytest.raises(cuda_emu.EmulatedFault, match="not 32-byte aligned"):
         run_tile(offset=0, ldm=16, align=16)
     run_tile(offset=0, ldm=16, align=32)
+
+
+# A thread block of 64: each thread writes its value to shared memory, then reads its
+# neighbour's (across the warps at the ends); BARRIER is __syncthreads() or nothing.
+NEIGHBOUR = """
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* mine = reinterpret_cast<float*>(smem);
+    const int t = threadIdx.x;
+    mine[t] = x[t];
+    BARRIER
+    out[t] = mine[(t + 1) % 64] + mine[(t + 63) % 64];
+"""
+
+
+def run_neighbours(barrier: str) -> np.ndarray:
+    x = np.arange(64, dtype=np.float32)
+    return cuda_emu.run(
+        NEIGHBOUR.replace("BARRIER", barrier), [("x", "f32", x)], ("out", "f32", (64,)), [],
+        blocks=2, threads=64, shared_bytes=64 * 4,
+    )  # fmt: skip
+
+
+def test_threads_read_what_others_wrote_only_after_a_barrier():
+    """Without the barrier some thread reads a neighbour's slot before the neighbour writes
+    it (shared memory starts as NaN), as on a GPU; with it every sum is right."""
+    want = (np.arange(64) + 1) % 64 + (np.arange(64) + 63) % 64
+    np.testing.assert_array_equal(run_neighbours("__syncthreads();"), want)
+    assert np.isnan(run_neighbours("")).any()
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get("CUDA_EMU_SANITIZE")),
+    reason="sanitized, a CUDA thread is an OS thread: it hangs",
+)
+def test_a_barrier_some_threads_never_reach_is_a_fault():
+    """Thread 0 returns before the block's barrier: the others wait for it, forever on a GPU;
+    here the launch raises."""
+    with pytest.raises(cuda_emu.EmulatedFault, match="a barrier some of its threads never reach"):
+        run_neighbours("if (t == 0) return; __syncthreads();")

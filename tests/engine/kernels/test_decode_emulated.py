@@ -1,5 +1,5 @@
 """The decode step's selection kernel's own source (`kernels/decode_cuda.py`), run on the CPU
-through `cuda_emu` (a CUDA thread a std::thread), against its MLX-op reference
+through `cuda_emu` (a CUDA thread a fiber), against its MLX-op reference
 `select_step_ref`: the same blocks, in ascending order. Its speed and NVRTC build are a
 GPU's and `test_cuda_sources.py`'s to check; its parity on a GPU, `test_decode_cuda.py`."""
 

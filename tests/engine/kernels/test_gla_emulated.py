@@ -1,5 +1,5 @@
 """The lightning layer's CUDA kernels (`kernels/gla_cuda.py`), their own sources run on the CPU
-through `cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices, TF32 operands cut to
+through `cuda_emu` (a CUDA thread a fiber; WMMA as whole matrices, TF32 operands cut to
 their 19 bits): the prefill's three (each chunk's own state, the scan across the chunks, each
 chunk's outputs) against the float32 chunked form `gla_chunked` (decays, causal mask, partial
 last chunk, state in and out, synchronisation), and the dispatcher `gla.gla` taking them as on

@@ -1,5 +1,5 @@
 """The decode step's product kernel (`kernels/rows_cuda.py`), its own source run on the CPU
-through `cuda_emu` (a CUDA thread a std::thread), against MLX's matmul: its indexing (a warp a
+through `cuda_emu` (a CUDA thread a fiber), against MLX's matmul: its indexing (a warp a
 row of the weight, four 16-byte loads a lane, a partial last stride of the columns, spare warps
 of the last thread block), float32 sums and rounding; and the dispatcher `linear.product`
 taking it as on CUDA for a few rows only. Its speed and NVRTC's build are a GPU's to test

@@ -1,5 +1,5 @@
 """Stage 1's block-score kernel (`kernels/scores_cuda.py`), its own source run on the CPU through
-`cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices), against what it replaces: the
+`cuda_emu` (a CUDA thread a fiber; WMMA as whole matrices), against what it replaces: the
 raw scores as matmuls in q's dtype, then `sparse_select._pooled`'s MLX ops; and the dispatcher
 `select_blocks_gpu` taking it as on CUDA. Its speed, the real tensor cores and NVRTC's build
 are a GPU's to test (`test_scores_cuda.py`, marked `gpu`; `test_cuda_sources.py` builds it)."""

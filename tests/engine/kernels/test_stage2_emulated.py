@@ -1,5 +1,5 @@
 """The stage-2 CUDA kernel's own source (`kernels/stage2_cuda.py`), run on the CPU through
-`cuda_emu` (a CUDA thread a std::thread; WMMA as whole matrices), against the float32
+`cuda_emu` (a CUDA thread a fiber; WMMA as whole matrices), against the float32
 reference `block_sparse_attention_ref`: its indexing, its walk of each query's blocks, causal
 mask, online softmax, rescaling by rows and synchronisation, checked without a GPU. Its speed,
 and the real tensor cores and NVRTC build, are a GPU's to test (`test_stage2_cuda.py`, marked
