@@ -43,7 +43,8 @@ _state_dir = click.option(
     type=click.Path(file_okay=False),
     help="The prefix store: prefilled documents and conversations kept on disk "
     "(default: the salabatch cache folder, as `salabatch run` uses); for serve, also the "
-    "Batch API's files and batches (in its batches/ folder).",
+    "Batch API's files and batches (in its batches/ folder) and the stored responses "
+    "(responses.sqlite).",
 )
 _batch_size = click.option(
     "--batch-size",
@@ -146,16 +147,20 @@ def serve(
     from salabatch.serve.batches.routes import batch_routes
     from salabatch.serve.batches.runner import BatchRunner
     from salabatch.serve.batches.store import BatchStore
+    from salabatch.serve.response_store import ResponseStore
     from salabatch.serve.responses import response_routes
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
+    root = os.path.expanduser(state_dir or cache_dir())
     # first: a second server on this state dir is refused before a model loads
-    store = BatchStore(os.path.join(os.path.expanduser(state_dir or cache_dir()), "batches"))
+    store = BatchStore(os.path.join(root, "batches"))
+    responses = ResponseStore(os.path.join(root, "responses.sqlite"))
     try:
         engine, tok = _engine(
             model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
         )
     except BaseException:
+        responses.close()
         store.close()
         raise
     model_id = served_model_name or model_ref
@@ -169,7 +174,7 @@ def serve(
         defaults=defaults,
         routes=[
             *batch_routes(runner),
-            *response_routes(engine, tok, model_id=model_id, defaults=defaults),
+            *response_routes(engine, tok, model_id=model_id, defaults=defaults, store=responses),
         ],
     )
     # SIGTERM as Ctrl-C: uvicorn stops on either, then raises the signal again once it has; as
@@ -184,6 +189,7 @@ def serve(
         finally:
             runner.close()
             engine.close()  # the prefixes it holds go to the prefix store
+            responses.close()
             store.close()
 
 

@@ -14,9 +14,10 @@ answer's length; temperature, top_p, and the vLLM-style top_k, min_p, seed and p
 but "none") for thinking, whose text comes as a reasoning item before the message. Tools,
 images, files and any other input item are refused, naming where they are.
 
-Responses are kept (`store`, true unless false) in memory, the most recent first, up to
-`STORED_CHARS` characters of their conversations: a later request continues one with
-`previous_response_id` (an id no longer kept is a 400 naming it), and GET returns it.
+Responses are kept (`store`, true unless false) in a ResponseStore (the server's state dir:
+a restarted server still has them), the most recently used first, within its limit: a later
+request continues one with `previous_response_id` (an id no longer kept is a 400 naming it),
+and GET returns it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from starlette.concurrency import run_in_threadpool
@@ -54,10 +54,10 @@ from salabatch.serve.app import (
 )
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import EngineClosed, Finished, Job, QueueFull, ServeEngine, Token
+from salabatch.serve.response_store import ResponseStore
 
 FIELDS = ("model", "previous_response_id", "store", "stream", *openai_api.RESPONSE_HONOURED)
 NO_OP = openai_api.RESPONSE_NO_OP
-STORED_CHARS = 64 << 20  # characters of the stored responses' conversations, at most
 
 
 def response_routes(
@@ -66,11 +66,13 @@ def response_routes(
     *,
     model_id: str,
     defaults: ServeDefaults,
+    store: ResponseStore | None = None,
     max_body: int = MAX_BODY,
-    stored_chars: int = STORED_CHARS,
 ) -> list[Route]:
-    """The Responses endpoints over `engine` (which the app's other endpoints share)."""
-    responses = _Responses(engine, tok, model_id, defaults, max_body, stored_chars)
+    """The Responses endpoints over `engine` (which the app's other endpoints share), keeping
+    responses in `store` (None: a store in memory)."""
+    store = ResponseStore() if store is None else store
+    responses = _Responses(engine, tok, model_id, defaults, max_body, store)
     return [
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
@@ -79,18 +81,15 @@ def response_routes(
 
 
 class _Responses:
-    def __init__(self, engine, tok, model_id, defaults, max_body, stored_chars) -> None:
+    def __init__(self, engine, tok, model_id, defaults, max_body, store) -> None:
         self.engine, self.tok, self.model_id = engine, tok, model_id
-        self.defaults, self.max_body, self.stored_chars = defaults, max_body, stored_chars
+        self.defaults, self.max_body, self.store = defaults, max_body, store
         self.leading_ids = LeadingIds(tok)
-        # id → (the response object, its conversation: input and answer, no instructions)
-        self.stored: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
-        self.chars = 0
 
     async def create(self, request: Request) -> Response:
         body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
         stream = openai_api.flag(body, "stream", False)
-        history = self._history(body.get("previous_response_id"))
+        history = await self._history(body.get("previous_response_id"))
         asked = await run_in_threadpool(
             response_request,
             body,
@@ -106,60 +105,52 @@ class _Responses:
         except (QueueFull, EngineClosed) as e:
             raise engine_error(e) from None
 
-        def done(finished: Finished) -> dict:
+        async def done(finished: Finished) -> dict:
             out = asked.response(finished)
             if asked.store:
-                self._keep(out, asked.conversation)
+                await run_in_threadpool(self._keep, out, asked.conversation)
             return out
 
         if stream:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
-        return JSONResponse(done(finished))
+        return JSONResponse(await done(finished))
 
     async def get(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        return JSONResponse(self._stored(response_id, "response_id")[0])
+        return JSONResponse((await self._stored(response_id, "response_id"))[0])
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        self._stored(response_id, "response_id")
-        _, conversation = self.stored.pop(response_id)
-        self.chars -= _chars(conversation)
+        if not await run_in_threadpool(self.store.delete, response_id):
+            raise _missing(response_id, "response_id")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     # ---- the stored responses ----------------------------------------------------------------
 
-    def _stored(self, response_id, param: str) -> tuple[dict, list[dict]]:
-        found = self.stored.get(response_id) if isinstance(response_id, str) else None
+    async def _stored(self, response_id, param: str) -> tuple[dict, list[dict]]:
+        found = None
+        if isinstance(response_id, str):
+            found = await run_in_threadpool(self.store.get, response_id)
         if found is None:
-            message = f"no stored response with id {response_id!r}"
-            status, code = (404, "not_found") if param == "response_id" else (400, "not_found")
-            raise APIError(status, message, param=param, code=code)
-        self.stored.move_to_end(response_id)
+            raise _missing(response_id, param)
         return found
 
-    def _history(self, previous_id) -> list[dict]:
+    async def _history(self, previous_id) -> list[dict]:
         """The conversation a request continues: its previous response's input and answer."""
         if previous_id is None:
             return []
-        return list(self._stored(previous_id, "previous_response_id")[1])
+        return (await self._stored(previous_id, "previous_response_id"))[1]
 
     def _keep(self, response: dict, asked: list[dict]) -> None:
-        """Stores a finished response with its conversation (what it was asked, its answer),
-        the least recently used dropped past `stored_chars`."""
+        """Stores a finished response with its conversation (what it was asked, its answer)."""
         text = "".join(
             part["text"]
             for item in response["output"]
             if item["type"] == "message"
             for part in item["content"]
         )
-        conversation = [*asked, {"role": "assistant", "content": text}]
-        self.stored[response["id"]] = (response, conversation)
-        self.chars += _chars(conversation)
-        while self.chars > self.stored_chars and len(self.stored) > 1:
-            _, (_, dropped) = self.stored.popitem(last=False)
-            self.chars -= _chars(dropped)
+        self.store.put(response, [*asked, {"role": "assistant", "content": text}])
 
     # ---- the response ------------------------------------------------------------------------
 
@@ -244,7 +235,7 @@ class _Responses:
                 ending = [] if "content" in order else opened("content")  # an empty answer
                 for chunk in [*ending, *closed("content")]:
                     yield chunk
-                whole = done(got)
+                whole = await done(got)
                 kind = (
                     "response.completed"
                     if whole["status"] == "completed"
@@ -328,5 +319,8 @@ def response_request(
     return ResponseRequest(job, answer, shell, conversation, shell["store"], tok)
 
 
-def _chars(conversation: Sequence[dict]) -> int:
-    return sum(len(m["content"]) for m in conversation)
+def _missing(response_id, param: str) -> APIError:
+    """A response id the store does not hold: 404 where the path names it, 400 in a body."""
+    status = 404 if param == "response_id" else 400
+    message = f"no stored response with id {response_id!r}"
+    return APIError(status, message, param=param, code="not_found")

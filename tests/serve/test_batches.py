@@ -420,16 +420,22 @@ def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
 
 
 def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_once(tmp_path):
+    """...and a response the first server stored is there after the kills: GET returns it and a
+    request continues it."""
     from tests.serve.test_http import serve_process, wait_healthy
 
     lines = many(24, 24)
-    batch_id = None
+    batch_id = stored = None
     for kill_after in (2, 8, 14, None):  # three SIGKILLs mid-batch, then one that finishes it
         with serve_process(tmp_path) as (port, process, log):
             wait_healthy(port, process)
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
             )
+            if stored is None:
+                stored = client.responses.create(
+                    model="builtin:tiny", input="Who signs it?", max_output_tokens=4
+                )
             if batch_id is None:
                 data = "".join(json.dumps(x) + "\n" for x in lines).encode()
                 file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
@@ -449,7 +455,17 @@ def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_on
                     break
                 if kill_after is None and batch.status == "completed":
                     out = client.files.content(batch.output_file_id).text.splitlines()
+                    kept = client.responses.retrieve(stored.id)
+                    after = client.responses.create(
+                        model="builtin:tiny",
+                        previous_response_id=stored.id,
+                        input="And when?",
+                        max_output_tokens=4,
+                    )
                     break
                 time.sleep(0.05)
     assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0
     assert [json.loads(o)["custom_id"] for o in out] == [x["custom_id"] for x in lines]
+    assert kept.model_dump() == stored.model_dump()
+    # the conversation continued: the first input, its answer, the new input
+    assert after.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens

@@ -208,12 +208,13 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
 
     from salabatch.serve.completion import AnswerText
     from salabatch.serve.engine import Finished, Token
+    from salabatch.serve.response_store import ResponseStore
     from salabatch.serve.responses import ResponseRequest, _Responses
 
     _, tok = tiny
     ids = tok.encode("<think> first the plan </think>\n\nAcme Corp")
     finished = Finished("stop", 30, len(ids), 0, None, 0.0, 0.0, 0.0, 0.0)
-    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, 1 << 20)
+    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, ResponseStore())
     shell = {
         "id": "resp_" + "ab" * 16,
         "object": "response",
@@ -227,7 +228,11 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
     async def streamed() -> bytes:
         answer = AnswerText(tok, think=True)
         ticket = _Fed([*(Token(t) for t in ids), finished])
-        done = ResponseRequest(None, answer, shell, [], False, tok).response
+        asked = ResponseRequest(None, answer, shell, [], False, tok)
+
+        async def done(finished):
+            return asked.response(finished)
+
         return b"".join([c async for c in responses._events(ticket, answer, shell, done)])
 
     raw = asyncio.run(streamed()).decode()
@@ -261,16 +266,21 @@ def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):
     from salabatch.errors import GenerationError
     from salabatch.serve.completion import AnswerText
     from salabatch.serve.engine import Failed, Token
+    from salabatch.serve.response_store import ResponseStore
     from salabatch.serve.responses import _Responses
 
     _, tok = tiny
-    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, 1 << 20)
+    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, ResponseStore())
     shell = {"id": "resp_" + "cd" * 16, "object": "response", "created_at": 0, "model": MODEL}
 
     async def streamed() -> bytes:
         answer = AnswerText(tok)
         ticket = _Fed([Token(tok.encode("Acme")[0]), Failed(GenerationError("the row broke"))])
-        chunks = responses._events(ticket, answer, shell, lambda f: {})
+
+        async def done(finished):
+            raise AssertionError("the job failed: no response to finish")
+
+        chunks = responses._events(ticket, answer, shell, done)
         return b"".join([c async for c in chunks])
 
     lines = asyncio.run(streamed()).decode().splitlines()

@@ -1,0 +1,100 @@
+"""The Responses API's stored responses: `responses.sqlite` in the server's state dir (or in
+memory), so that a restarted server still returns them and continues their conversations.
+
+A stored response is its response object and its conversation (what it was asked and its
+answer, as `previous_response_id` continues it), as JSON. The store keeps at most `limit` bytes
+of them: the least recently used (stored, returned or continued) go first, the one just stored
+never. One connection, used under a lock: handlers call it from worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, used INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    response TEXT NOT NULL, conversation TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
+"""
+LIMIT = 1 << 30  # bytes of stored responses, at most
+
+
+class ResponseStore:
+    """Responses by id in `path` (an SQLite file, made if missing; None: in memory), within
+    `limit` bytes of their JSON."""
+
+    def __init__(self, path: str | os.PathLike | None = None, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            ":memory:" if path is None else os.fspath(path),
+            check_same_thread=False,
+            isolation_level=None,
+        )
+        # WAL: a commit survives the process killed after it (not the machine losing power,
+        # which is not worth an fsync a response)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        used, size = self._db.execute("SELECT MAX(used), SUM(bytes) FROM responses").fetchone()
+        self._clock, self.bytes = used or 0, size or 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        """Stores `response` (by its id) and its conversation, then drops the least recently
+        used others while the store holds more than its limit."""
+        texts = (
+            json.dumps(response, ensure_ascii=False),
+            json.dumps(conversation, ensure_ascii=False),
+        )
+        size = sum(len(t.encode()) for t in texts)
+        with self._lock:
+            with self._db:  # one transaction: committed whole, or rolled back
+                self._db.execute("BEGIN")
+                self._db.execute(
+                    "INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
+                    (response["id"], self._clock + 1, size, *texts),
+                )
+                held = self.bytes + size
+                while held > self.limit:
+                    oldest = self._db.execute(
+                        "SELECT id, bytes FROM responses WHERE id != ? ORDER BY used LIMIT 1",
+                        (response["id"],),
+                    ).fetchone()
+                    if oldest is None:
+                        break
+                    self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
+                    held -= oldest[1]
+            self._clock += 1
+            self.bytes = held
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        """The response and its conversation (now the most recently used), or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            self._clock += 1
+            self._db.execute(
+                "UPDATE responses SET used = ? WHERE id = ?", (self._clock, response_id)
+            )
+        return json.loads(row[0]), json.loads(row[1])
+
+    def delete(self, response_id: str) -> bool:
+        """Forgets a response; False where none had that id."""
+        with self._lock:
+            row = self._db.execute(
+                "DELETE FROM responses WHERE id = ? RETURNING bytes", (response_id,)
+            ).fetchone()
+            if row is not None:
+                self.bytes -= row[0]
+        return row is not None

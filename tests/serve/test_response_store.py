@@ -1,0 +1,70 @@
+"""The stored responses (`ResponseStore`): what is put comes back as it was, from a reopened file
+too; the least recently used go first past the limit, the one just stored never; a delete
+frees its bytes."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from salabatch.serve.response_store import ResponseStore
+
+
+def response(n: int, text: str = "") -> tuple[dict, list[dict]]:
+    body = {"id": f"resp_{n}", "object": "response", "output_text": text, "metadata": {"é": n}}
+    return body, [{"role": "user", "content": f"question {n} {text}"}]
+
+
+def size(n: int, text: str = "") -> int:
+    body, conversation = response(n, text)
+    return sum(len(json.dumps(x, ensure_ascii=False).encode()) for x in (body, conversation))
+
+
+def test_a_stored_response_comes_back_from_a_reopened_file(tmp_path):
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(path)
+    store.put(*response(1, "ünïcode ✓"))
+    store.put(*response(2))
+    assert store.delete("resp_2") and not store.delete("resp_2")
+    store.close()
+    again = ResponseStore(path)
+    assert again.get("resp_1") == response(1, "ünïcode ✓")
+    assert again.get("resp_2") is None and again.get("resp_3") is None
+    assert again.bytes == size(1, "ünïcode ✓")
+    again.close()
+
+
+def test_the_least_recently_used_go_first_past_the_limit(tmp_path):
+    one = size(1)  # every response here is as long
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(path, limit=3 * one)
+    for n in (1, 2, 3):
+        store.put(*response(n))
+    assert store.get("resp_1") is not None  # now used after 2 and 3
+    store.put(*response(4))
+    assert store.get("resp_2") is None
+    assert [store.get(f"resp_{n}") is not None for n in (1, 3, 4)] == [True] * 3
+    store.close()
+    # the order of use is kept in the file: 1, 3, 4 were used last in that order
+    again = ResponseStore(path, limit=3 * one)
+    again.put(*response(5))
+    assert again.get("resp_1") is None and again.bytes == 3 * one
+    # a response over the whole limit is kept alone, the others dropped
+    again.put(*response(6, "x" * (4 * one)))
+    assert again.get("resp_6") is not None
+    assert [again.get(f"resp_{n}") for n in (3, 4, 5)] == [None] * 3
+    assert again.bytes == size(6, "x" * (4 * one))
+    again.close()
+
+
+def test_a_failed_put_keeps_the_store_as_it_was():
+    """A second response with a stored id is refused whole: no eviction, the count unchanged."""
+    store = ResponseStore(limit=2 * size(1))
+    store.put(*response(1))
+    store.put(*response(2))
+    with pytest.raises(sqlite3.IntegrityError):
+        store.put(*response(1, "longer, which would evict"))
+    assert store.get("resp_2") == response(2) and store.get("resp_1") == response(1)
+    assert store.bytes == 2 * size(1)
