@@ -388,3 +388,40 @@ def split_thinking(text: str) -> tuple[str, str]:
     if end < 0:
         return body.strip(), ""
     return body[:end].strip(), body[end + len(THINK_CLOSE) :].strip()
+
+
+class ThinkingTokens:
+    """The generated tokens of a leading `<think>…</think>` block, counted as they come (what
+    OpenAI's `reasoning_tokens` counts): every token while the text so far may still open the
+    block or is inside it, the one that closes it included; all of them where the block never
+    closes; none where the text opens no block. `add` takes the text so far after each token."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._done = False
+        self._inside: int | None = None  # where the block's text starts, once opened
+
+    def add(self, text: str) -> None:
+        if self._done:
+            return
+        self.count += 1
+        if self._inside is None:
+            head = text.lstrip()
+            if THINK_OPEN.startswith(head):  # may still open one
+                return
+            if not head.startswith(THINK_OPEN):
+                self.count, self._done = 0, True
+                return
+            self._inside = len(text) - len(head) + len(THINK_OPEN)
+        # the closing tag looked for only where it can end: in what this token added
+        found = text.find(THINK_CLOSE, self._inside)
+        self._done = found >= 0
+        self._inside = max(self._inside, len(text) - len(THINK_CLOSE) + 1)
+
+
+def thinking_tokens(texts) -> int:
+    """ThinkingTokens of a whole answer, from its text after each of its tokens."""
+    counter = ThinkingTokens()
+    for text in texts:
+        counter.add(text)
+    return counter.count

@@ -569,8 +569,8 @@ def chat_completion(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
         )
     counted = usage(finished)
-    if think:  # the think blocks' tokens, as the tokenizer counts their text (a run's export too)
-        thought = sum(len(tok.encode(a.reasoning)) for a in answers if a.reasoning)
+    if think:  # the think blocks' generated tokens (a run's export counts them alike)
+        thought = sum(a.thinking.count for a in answers)
         counted.setdefault("completion_tokens_details", {})["reasoning_tokens"] = thought
     return reply.body(out, counted)
 

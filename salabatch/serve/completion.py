@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN
+from salabatch.engine.chat import THINK_CLOSE, THINK_OPEN, ThinkingTokens
 from salabatch.engine.sampling import SamplingParams, TokenLogprob
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.errors import TokenizerError
@@ -208,7 +208,8 @@ class AnswerText:
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
     drops it). Without `split_think` (a text completion) the text is the content, as it is.
     `logprobs`: the tokens' log-probabilities as added (None unless some were);
-    `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`).
+    `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`);
+    `thinking.count`: the tokens of the think block (`ThinkingTokens`), whether sent or not.
     """
 
     def __init__(
@@ -227,6 +228,7 @@ class AnswerText:
         self.content = ""
         self.logprobs: list[TokenLogprob] | None = None
         self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        self.thinking = ThinkingTokens()
 
     def add(self, token: int, logprob: TokenLogprob | None = None) -> list[Piece]:
         """The pieces token `token` makes certain (often none, or one); its `logprob` is
@@ -236,6 +238,8 @@ class AnswerText:
                 self.logprobs = []
             self.logprobs.append(logprob)
         self._detok.add_token(token)
+        if self._split:
+            self.thinking.add(self._detok.text)
         return self._pieces(self._visible(self._detok.text), final=False)
 
     def finish(self, finished: Finished) -> list[Piece]:

@@ -260,16 +260,14 @@ class ResponseRequest:
     shell: dict
     conversation: list[dict]
     store: bool
-    tok: Tokenizer
 
     def response(self, finished: Finished) -> dict:
         """The whole response once its job finished (its answer in `answer`)."""
-        reasoning = self.answer.reasoning
         return openai_api.response_body(
             self.shell,
             content=self.answer.content,
-            reasoning=reasoning,
-            reasoning_tokens=len(self.tok.encode(reasoning)) if reasoning else 0,
+            reasoning=self.answer.reasoning,
+            reasoning_tokens=self.answer.thinking.count,
             finish_reason=finished.finish_reason,
             prompt_tokens=finished.prompt_tokens,
             cached_tokens=finished.cached_tokens,
@@ -316,7 +314,7 @@ def response_request(
     created = int(time.time())
     shell = openai_api.response_echo(body, params, "resp_" + uuid.uuid4().hex, created, model_id)
     answer = AnswerText(tok, think=think)
-    return ResponseRequest(job, answer, shell, conversation, shell["store"], tok)
+    return ResponseRequest(job, answer, shell, conversation, shell["store"])
 
 
 def _missing(response_id, param: str) -> APIError:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from salabatch.engine.chat import EMPTY_THINK, split_thinking
+from salabatch.engine.chat import EMPTY_THINK, split_thinking, thinking_tokens
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.errors import TokenizerError
 from tests.engine.test_tokenizer import (
@@ -174,6 +174,29 @@ def test_prompt_ids_after_a_head_refuse_a_template_that_does_not_cut_there(demo_
 )
 def test_split_thinking(text, expected):
     assert split_thinking(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        # each token's text; the block's tokens: the one that closes it included
+        (["<th", "ink>", "\nweigh", " it\n</", "think>", "\n\n", "Yes"], 5),
+        (["\n ", "<think>", "a", "</think>", "</think>"], 4),  # leading whitespace: part of it
+        (["<think>", "never", " closed"], 3),
+        (["<", "b>", "bold"], 0),  # looked like an opening, was not one
+        (["Plain", " <think>", "</think>"], 0),  # a block not leading is no reasoning
+        (["<think>x</think>tail"], 1),  # one token opens and closes it
+        (["<think>", "</thi", "nk>", "</think>"], 3),  # the tag split across tokens
+        ([], 0),
+    ],
+)
+def test_thinking_tokens_counts_the_leading_blocks_tokens(pieces, expected):
+    texts = ["".join(pieces[: i + 1]) for i in range(len(pieces))]
+    assert thinking_tokens(texts) == expected
+    # what it counted of the text is what split_thinking calls the reasoning
+    if expected:
+        shown = texts[expected - 1]
+        assert split_thinking(shown)[0] == split_thinking(texts[-1])[0]
 
 
 # ---- chat templates -----------------------------------------------------------------------

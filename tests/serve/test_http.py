@@ -1091,8 +1091,9 @@ def test_serve_takes_the_model_as_an_argument_or_an_option(tmp_path, monkeypatch
 def test_a_thought_answer_splits_off_its_reasoning_and_counts_its_tokens(served):
     """With enable_thinking, a leading <think> block (forced here by a pattern: the toy model
     writes none of its own) is `reasoning_content`, streamed as reasoning deltas, and its
-    tokens are `completion_tokens_details.reasoning_tokens` (as the tokenizer counts its text)."""
-    client, tok = served.client(), served.tok
+    generated tokens, the one that closes it included, are
+    `completion_tokens_details.reasoning_tokens`."""
+    client = served.client()
     ask = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Who is the provider?"}],
@@ -1102,11 +1103,13 @@ def test_a_thought_answer_splits_off_its_reasoning_and_counts_its_tokens(served)
             "guided_regex": "<think>\nplan the answer\n</think>\n\nAcme",
         },
     }
-    whole = client.chat.completions.create(**ask)
+    whole = client.chat.completions.create(**ask, logprobs=True)
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("plan the answer", "Acme")
+    spelled = [lp.token for lp in whole.choices[0].logprobs.content]  # as the model spelled it
+    closed = next(i for i in range(len(spelled)) if "</think>" in "".join(spelled[: i + 1]))
     details = whole.usage.completion_tokens_details
-    assert details.reasoning_tokens == len(tok.encode("plan the answer"))
+    assert details.reasoning_tokens == closed + 1 < whole.usage.completion_tokens
     chunks = list(client.chat.completions.create(**ask, stream=True))
     reasoning = "".join(
         getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices

@@ -228,7 +228,7 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
     async def streamed() -> bytes:
         answer = AnswerText(tok, think=True)
         ticket = _Fed([*(Token(t) for t in ids), finished])
-        asked = ResponseRequest(None, answer, shell, [], False, tok)
+        asked = ResponseRequest(None, answer, shell, [], False)
 
         async def done(finished):
             return asked.response(finished)
@@ -254,7 +254,9 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "first the plan"
     assert whole.output_text == "Acme Corp"
-    assert whole.usage.output_tokens_details.reasoning_tokens == len(tok.encode("first the plan"))
+    # the tokens fed up to the one that closes the block
+    closed = next(i for i in range(len(ids)) if "</think>" in tok.decode(ids[: i + 1]))
+    assert whole.usage.output_tokens_details.reasoning_tokens == closed + 1
 
 
 def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):

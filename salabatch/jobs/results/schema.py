@@ -126,8 +126,8 @@ RESULT_SCHEMA = pa.schema(
         _col(
             "reasoning_tokens",
             _I,
-            "tokens of the think block's text (as the tokenizer counts it; of completion_tokens) "
-            "where the row thought, else null",
+            "generated tokens of the think block, the one closing it included (of "
+            "completion_tokens) where the row thought, else null",
         ),
         _col("draft_tokens", _I, "tokens drafted by speculative decoding; 0 when it was off"),
         _col("accepted_tokens", _I, "drafted tokens the model accepted (at most draft_tokens)"),

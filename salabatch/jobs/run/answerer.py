@@ -18,7 +18,7 @@ import mlx.core as mx
 from salabatch import openai_api
 from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.chat import split_thinking
+from salabatch.engine.chat import split_thinking, thinking_tokens
 from salabatch.engine.choose import choice_scores, pick, probabilities, spelled_choices
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import StreamingDetokenizer
@@ -372,6 +372,17 @@ class Answerer:
         """The decoder the Generator follows a row's text with (rows with stop strings only)."""
         return self.tok.detokenizer(skip_special=True)
 
+    def _thinking_tokens(self, ids: list[int]) -> int:
+        """The tokens of the answer's think block, as the server counts a stream's."""
+        detok = self.tok.detokenizer(skip_special=True)
+
+        def texts() -> Iterator[str]:
+            for token in ids:
+                detok.add_token(token)
+                yield detok.text
+
+        return thinking_tokens(texts())
+
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
@@ -389,7 +400,7 @@ class Answerer:
             else [openai_api.logprob_entry(self.tok, lp) for lp in g.logprobs],
             **_prefill_columns(plan, g.prompt_tokens, g.prefill_s, prefix),
             completion_tokens=g.completion_tokens,
-            reasoning_tokens=len(self.tok.encode(reasoning)) if row.think and reasoning else None,
+            reasoning_tokens=self._thinking_tokens(g.tokens) if row.think else None,
             # from the start of its document's prefix (or pool), waiting for a slot included
             ttft_s=max(0.0, g.first_token_at - started.clock) if g.first_token_at else g.ttft_s,
             decode_s=g.decode_s,

@@ -595,6 +595,7 @@ def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_pat
             chat_template_kwargs={"enable_thinking": True},
             max_tokens=80,  # the pattern's text, however the model spells it in tokens
             guided_regex="<think>\nplan the route\n</think>\n\nyes",
+            logprobs=True,  # the tokens the model spelled it in
         ),
     ]
     requests = write_requests(tmp_path / "batch.jsonl", lines)
@@ -622,7 +623,10 @@ def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_pat
     # a think block forced by a pattern (an untrained model writes none): its text and tokens
     forced = rows["forced"]
     assert (forced["reasoning"], forced["answer"]) == ("plan the route", "yes")
-    assert forced["reasoning_tokens"] == len(load_tokenizer(tiny_model).encode("plan the route"))
+    # the generated tokens up to the one that closes the block
+    spelled = [lp["token"] for lp in forced["logprobs"]]
+    closed = next(i for i in range(len(spelled)) if "</think>" in "".join(spelled[: i + 1]))
+    assert forced["reasoning_tokens"] == closed + 1 < forced["completion_tokens"]
     details = got["forced"]["response"]["body"]["usage"]["completion_tokens_details"]
     assert details["reasoning_tokens"] == forced["reasoning_tokens"]
     # ... and such a row as a response: a reasoning item before the message
