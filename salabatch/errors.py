@@ -111,6 +111,13 @@ class OutputError(SalabatchError):
     exit_code = 2
 
 
+class StateError(SalabatchError):
+    """A server's state file (its batches, its stored responses) that cannot be opened: not a
+    database, or a damaged one."""
+
+    exit_code = 2
+
+
 class GenerationError(SalabatchError, ValueError):
     """A generation setting the engine cannot run with: a sampling value of the wrong type or
     range, a prompt the model's context cannot hold (`engine.generate.answer_room`). `field` names

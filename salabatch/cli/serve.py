@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+from contextlib import ExitStack
 
 import click
 
@@ -153,16 +154,15 @@ def serve(
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     root = os.path.expanduser(state_dir or cache_dir())
     # first: a second server on this state dir is refused before a model loads
-    store = BatchStore(os.path.join(root, "batches"))
-    responses = ResponseStore(os.path.join(root, "responses.sqlite"))
-    try:
+    with ExitStack() as opened:  # what opened closes again unless the engine loads
+        store = BatchStore(os.path.join(root, "batches"))
+        opened.callback(store.close)
+        responses = ResponseStore(os.path.join(root, "responses.sqlite"))
+        opened.callback(responses.close)
         engine, tok = _engine(
             model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
         )
-    except BaseException:
-        responses.close()
-        store.close()
-        raise
+        opened.pop_all()
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
     runner = BatchRunner(engine, tok, store, model_id=model_id, defaults=defaults)

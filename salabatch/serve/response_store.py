@@ -14,6 +14,8 @@ import os
 import sqlite3
 import threading
 
+from salabatch.errors import StateError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, used INTEGER NOT NULL, bytes INTEGER NOT NULL,
@@ -35,12 +37,21 @@ class ResponseStore:
             check_same_thread=False,
             isolation_level=None,
         )
-        # WAL: a commit survives the process killed after it (not the machine losing power,
-        # which is not worth an fsync a response)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        used, size = self._db.execute("SELECT MAX(used), SUM(bytes) FROM responses").fetchone()
+        try:
+            # WAL: a commit survives the process killed after it (not the machine losing
+            # power, which is not worth an fsync a response)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+            used, size = self._db.execute("SELECT MAX(used), SUM(bytes) FROM responses").fetchone()
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            if isinstance(e, sqlite3.OperationalError):
+                raise
+            raise StateError(
+                f"cannot open the stored responses ({e}); move the file away to start with none",
+                path=path,
+            ) from None
         self._clock, self.bytes = used or 0, size or 0
 
     def close(self) -> None:

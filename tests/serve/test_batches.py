@@ -469,3 +469,17 @@ def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_on
     assert kept.model_dump() == stored.model_dump()
     # the conversation continued: the first input, its answer, the new input
     assert after.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
+
+
+@pytest.mark.parametrize("damaged", ["responses.sqlite", "batches/batches.sqlite"])
+def test_a_damaged_state_file_is_refused_naming_it_before_the_model_loads(tmp_path, damaged):
+    from tests.jobs.run.test_runner import run_cli
+
+    state = tmp_path / "state"
+    (state / "batches").mkdir(parents=True)
+    (state / damaged).write_bytes(b"no database here\n" * 300)
+    result = run_cli("serve", "--model", "/nonexistent/model", "--state-dir", str(state))
+    assert result.exit_code == 2, result.output
+    assert f"{state / damaged}: cannot open" in result.output and "move" in result.output
+    if damaged == "responses.sqlite":
+        BatchStore(state / "batches").close()  # the state dir was let go

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from salabatch.errors import SalabatchError, not_utf8
+from salabatch.errors import SalabatchError, StateError, not_utf8
 from salabatch.files import fsync_dir, fsync_path, lock_now, temp_path
 
 SCHEMA = """
@@ -91,13 +91,22 @@ class BatchStore:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._owner = _own(self.root)
         self._lock = threading.Lock()
+        path = self.root / "batches.sqlite"
         self._db = sqlite3.connect(
-            self.root / "batches.sqlite",
-            check_same_thread=False,
-            isolation_level=None,
-            timeout=OPEN_WAIT_S,
+            path, check_same_thread=False, isolation_level=None, timeout=OPEN_WAIT_S
         )
-        _setup(self._db)
+        try:
+            _setup(self._db)
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            self._owner.close()
+            if isinstance(e, sqlite3.OperationalError):  # locked past OPEN_WAIT_S, a full disk
+                raise
+            raise StateError(
+                f"cannot open the Batch API's database ({e}); move it away to start with no "
+                "batches and files",
+                path=path,
+            ) from None
 
     def close(self) -> None:
         with self._lock:
