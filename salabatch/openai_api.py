@@ -587,6 +587,20 @@ def message_item(response_id: str, content: str, status: str) -> dict:
     }
 
 
+def input_item(response_id: str, index: int, message: Mapping) -> dict:
+    """Message `index` of a response's input as an item of its `input_items`: a user, system or
+    developer message with input_text, an assistant one as an output message."""
+    assistant = message["role"] == "assistant"
+    part = {"type": "output_text" if assistant else "input_text", "text": message["content"]}
+    return {
+        "type": "message",
+        "id": f"{item_id(response_id, 'msg')}_{index}",
+        "status": "completed",
+        "role": message["role"],
+        "content": [part | {"annotations": []} if assistant else part],
+    }
+
+
 def reasoning_item(response_id: str, reasoning: str, status: str) -> dict:
     return {
         "type": "reasoning",

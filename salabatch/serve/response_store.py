@@ -2,9 +2,11 @@
 memory), so that a restarted server still returns them and continues their conversations.
 
 A stored response is its response object and its conversation (what it was asked and its
-answer, as `previous_response_id` continues it), as JSON. The store keeps at most `limit` bytes
-of them: the least recently used (stored, returned or continued) go first, the one just stored
-never. One connection, used under a lock: handlers call it from worker threads.
+answer, as `previous_response_id` continues it), as JSON, and how many of the conversation's
+messages before the answer were its own input (the others: the conversation it continued). The
+store keeps at most `limit` bytes of them: the least recently used (stored, returned or
+continued) go first, the one just stored never. One connection, used under a lock: handlers
+call it from worker threads.
 """
 
 from __future__ import annotations
@@ -13,16 +15,27 @@ import json
 import os
 import sqlite3
 import threading
+from typing import NamedTuple
 
 from salabatch.errors import StateError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, used INTEGER NOT NULL, bytes INTEGER NOT NULL,
-    response TEXT NOT NULL, conversation TEXT NOT NULL);
+    response TEXT NOT NULL, conversation TEXT NOT NULL, inputs INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
 """
 LIMIT = 1 << 30  # bytes of stored responses, at most
+
+
+class Stored(NamedTuple):
+    response: dict
+    conversation: list[dict]  # what it continued, its input, its answer
+    inputs: int  # its own input's messages, before the answer
+
+    @property
+    def input_messages(self) -> list[dict]:
+        return self.conversation[-1 - self.inputs : -1]
 
 
 class ResponseStore:
@@ -58,9 +71,10 @@ class ResponseStore:
         with self._lock:
             self._db.close()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        """Stores `response` (by its id) and its conversation, then drops the least recently
-        used others while the store holds more than its limit."""
+    def put(self, response: dict, conversation: list[dict], inputs: int) -> None:
+        """Stores `response` (by its id), its conversation and how many messages before its
+        answer were its input, then drops the least recently used others while the store holds
+        more than its limit."""
         texts = (
             json.dumps(response, ensure_ascii=False),
             json.dumps(conversation, ensure_ascii=False),
@@ -70,8 +84,8 @@ class ResponseStore:
             with self._db:  # one transaction: committed whole, or rolled back
                 self._db.execute("BEGIN")
                 self._db.execute(
-                    "INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
-                    (response["id"], self._clock + 1, size, *texts),
+                    "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                    (response["id"], self._clock + 1, size, *texts, inputs),
                 )
                 held = self.bytes + size
                 while held > self.limit:
@@ -86,11 +100,11 @@ class ResponseStore:
             self._clock += 1
             self.bytes = held
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        """The response and its conversation (now the most recently used), or None."""
+    def get(self, response_id: str) -> Stored | None:
+        """The stored response (now the most recently used), or None."""
         with self._lock:
             row = self._db.execute(
-                "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)
+                "SELECT response, conversation, inputs FROM responses WHERE id = ?", (response_id,)
             ).fetchone()
             if row is None:
                 return None
@@ -98,7 +112,7 @@ class ResponseStore:
             self._db.execute(
                 "UPDATE responses SET used = ? WHERE id = ?", (self._clock, response_id)
             )
-        return json.loads(row[0]), json.loads(row[1])
+        return Stored(json.loads(row[0]), json.loads(row[1]), row[2])
 
     def delete(self, response_id: str) -> bool:
         """Forgets a response; False where none had that id."""

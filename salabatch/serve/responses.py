@@ -3,6 +3,9 @@
     POST   /v1/responses        a response to `input` (a string, or messages), streamed with
                                 `stream: true` as Responses events
     GET    /v1/responses/{id}   a stored response
+    GET    /v1/responses/{id}/input_items
+                                its input's messages as items, paged (`limit`, `order`,
+                                `after`, `before`)
     DELETE /v1/responses/{id}   forgets it
 
 A request is a chat completion underneath: `instructions` is the system message, then the
@@ -54,7 +57,7 @@ from salabatch.serve.app import (
 )
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import EngineClosed, Finished, Job, QueueFull, ServeEngine, Token
-from salabatch.serve.response_store import ResponseStore
+from salabatch.serve.response_store import ResponseStore, Stored
 
 FIELDS = ("model", "previous_response_id", "store", "stream", *openai_api.RESPONSE_HONOURED)
 NO_OP = openai_api.RESPONSE_NO_OP
@@ -76,6 +79,7 @@ def response_routes(
     return [
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
     ]
 
@@ -108,7 +112,7 @@ class _Responses:
         async def done(finished: Finished) -> dict:
             out = asked.response(finished)
             if asked.store:
-                await run_in_threadpool(self._keep, out, asked.conversation)
+                await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
             return out
 
         if stream:
@@ -118,7 +122,44 @@ class _Responses:
 
     async def get(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        return JSONResponse((await self._stored(response_id, "response_id"))[0])
+        return JSONResponse((await self._stored(response_id, "response_id")).response)
+
+    async def input_items(self, request: Request) -> Response:
+        """A page of a stored response's input items: `limit` (1-100, 20) of them in `order`
+        (`asc`, or `desc` as OpenAI's default), after or before the item ids given."""
+        response_id = request.path_params["response_id"]
+        stored = await self._stored(response_id, "response_id")
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be asc or desc", param="order")
+        items = [
+            openai_api.input_item(response_id, i, m) for i, m in enumerate(stored.input_messages)
+        ]
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        start, end = 0, len(items)
+        for param in ("after", "before"):
+            if (at := query.get(param)) is not None:
+                if at not in ids:
+                    message = f"no input item {at!r} in response {response_id!r}"
+                    raise APIError(400, message, param=param, code="not_found")
+                start, end = (
+                    (ids.index(at) + 1, end) if param == "after" else (start, ids.index(at))
+                )
+        page = items[start:end][: int(limit)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + len(page) < end,
+            }
+        )
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -128,7 +169,7 @@ class _Responses:
 
     # ---- the stored responses ----------------------------------------------------------------
 
-    async def _stored(self, response_id, param: str) -> tuple[dict, list[dict]]:
+    async def _stored(self, response_id, param: str) -> Stored:
         found = None
         if isinstance(response_id, str):
             found = await run_in_threadpool(self.store.get, response_id)
@@ -140,17 +181,18 @@ class _Responses:
         """The conversation a request continues: its previous response's input and answer."""
         if previous_id is None:
             return []
-        return (await self._stored(previous_id, "previous_response_id"))[1]
+        return (await self._stored(previous_id, "previous_response_id")).conversation
 
-    def _keep(self, response: dict, asked: list[dict]) -> None:
-        """Stores a finished response with its conversation (what it was asked, its answer)."""
+    def _keep(self, response: dict, asked: list[dict], inputs: int) -> None:
+        """Stores a finished response with its conversation (what it continued, its `inputs`
+        messages of input, its answer)."""
         text = "".join(
             part["text"]
             for item in response["output"]
             if item["type"] == "message"
             for part in item["content"]
         )
-        self.store.put(response, [*asked, {"role": "assistant", "content": text}])
+        self.store.put(response, [*asked, {"role": "assistant", "content": text}], inputs)
 
     # ---- the response ------------------------------------------------------------------------
 
@@ -253,12 +295,14 @@ class _Responses:
 class ResponseRequest:
     """A Responses body, read (`response_request`): its job, the AnswerText its tokens go
     into, the response object but its output and usage (`shell`), what it was asked (the
-    conversation it continues and its input: what a stored response keeps), `store`."""
+    conversation it continues and its input: what a stored response keeps; `inputs`, its
+    input's messages), `store`."""
 
     job: Job
     answer: AnswerText
     shell: dict
     conversation: list[dict]
+    inputs: int
     store: bool
 
     def response(self, finished: Finished) -> dict:
@@ -314,7 +358,8 @@ def response_request(
     created = int(time.time())
     shell = openai_api.response_echo(body, params, "resp_" + uuid.uuid4().hex, created, model_id)
     answer = AnswerText(tok, think=think)
-    return ResponseRequest(job, answer, shell, conversation, shell["store"])
+    inputs = len(messages) - len(system)
+    return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
 
 
 def _missing(response_id, param: str) -> APIError:

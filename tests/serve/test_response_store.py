@@ -12,13 +12,16 @@ import pytest
 from salabatch.serve.response_store import ResponseStore
 
 
-def response(n: int, text: str = "") -> tuple[dict, list[dict]]:
+def response(n: int, text: str = "") -> tuple[dict, list[dict], int]:
+    """A response, its conversation (a turn it continued, its input, its answer), 1 input."""
     body = {"id": f"resp_{n}", "object": "response", "output_text": text, "metadata": {"é": n}}
-    return body, [{"role": "user", "content": f"question {n} {text}"}]
+    earlier = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "yes"}]
+    asked = {"role": "user", "content": f"question {n} {text}"}
+    return body, [*earlier, asked, {"role": "assistant", "content": text}], 1
 
 
 def size(n: int, text: str = "") -> int:
-    body, conversation = response(n, text)
+    body, conversation, _ = response(n, text)
     return sum(len(json.dumps(x, ensure_ascii=False).encode()) for x in (body, conversation))
 
 
@@ -31,6 +34,7 @@ def test_a_stored_response_comes_back_from_a_reopened_file(tmp_path):
     store.close()
     again = ResponseStore(path)
     assert again.get("resp_1") == response(1, "ünïcode ✓")
+    assert again.get("resp_1").input_messages == [response(1, "ünïcode ✓")[1][2]]
     assert again.get("resp_2") is None and again.get("resp_3") is None
     assert again.bytes == size(1, "ünïcode ✓")
     again.close()

@@ -110,6 +110,57 @@ def test_previous_response_id_continues_the_conversation(served):
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_are_a_responses_own_input_paged_as_openai_pages_them(served):
+    """GET .../input_items lists what a response was given as input (not the conversation it
+    continued), newest first unless `order=asc`, in pages the client walks (`limit`, `after`,
+    `before`, `has_more`); every item validates as the client's ResponseItem."""
+    from openai.types.responses import ResponseItem
+    from pydantic import TypeAdapter
+
+    client = served.client()
+    first = client.responses.create(model=MODEL, input="Who signs?", max_output_tokens=4)
+    given = [
+        {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "Two"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Three"}]},
+    ]
+    second = client.responses.create(
+        model=MODEL, input=given, previous_response_id=first.id, max_output_tokens=4
+    )
+
+    def texts(items) -> list[str]:
+        return [item.content[0].text for item in items]
+
+    newest = client.responses.input_items.list(second.id)
+    assert texts(newest.data) == ["Three", "Two", "One"] and not newest.has_more
+    # a developer message as the model read it: the system role
+    assert [item.role for item in newest.data] == ["system", "assistant", "user"]
+    assert [item.content[0].type for item in newest.data] == [
+        "input_text",
+        "output_text",
+        "input_text",
+    ]
+    assert len({item.id for item in newest.data}) == 3
+    raw = served.raw("GET", f"/v1/responses/{second.id}/input_items")[2]
+    for item in json.loads(raw)["data"]:
+        TypeAdapter(ResponseItem).validate_python(item)
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert texts(page.data) == ["One", "Two"] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.last_id)
+    assert texts(rest.data) == ["Three"] and not rest.has_more
+    before = client.responses.input_items.list(  # the client no longer names it; Azure's does
+        second.id, order="asc", extra_query={"before": rest.first_id}
+    )
+    assert texts(before.data) == ["One", "Two"]
+    walked = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert texts(walked) == ["One", "Two", "Three"]  # the client's own paging, page by page
+    assert texts(client.responses.input_items.list(first.id)) == ["Who signs?"]
+    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after")]:
+        status, _, body = served.raw("GET", f"/v1/responses/{second.id}/input_items?{query}")
+        assert status == 400 and json.loads(body)["error"]["param"] == param
+    assert served.raw("GET", "/v1/responses/resp_nope/input_items")[0] == 404
+
+
 def test_text_format_reasoning_and_length(served):
     """text.format json_schema gives JSON its schema validates; reasoning.effort thinks, its
     text a reasoning item before the message (streamed as reasoning deltas); a short
@@ -228,7 +279,7 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
     async def streamed() -> bytes:
         answer = AnswerText(tok, think=True)
         ticket = _Fed([*(Token(t) for t in ids), finished])
-        asked = ResponseRequest(None, answer, shell, [], False)
+        asked = ResponseRequest(None, answer, shell, [], 0, False)
 
         async def done(finished):
             return asked.response(finished)
