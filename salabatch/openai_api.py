@@ -676,6 +676,7 @@ def response_echo(
         "temperature": params.temperature,
         "top_p": params.top_p,
         "store": flag(body, "store", True),
+        "background": flag(body, "background", False),
         "text": body.get("text") or {"format": {"type": "text"}},
         "reasoning": body.get("reasoning"),
         "metadata": response_metadata(body.get("metadata")),

@@ -72,9 +72,9 @@ class ResponseStore:
             self._db.close()
 
     def put(self, response: dict, conversation: list[dict], inputs: int) -> None:
-        """Stores `response` (by its id), its conversation and how many messages before its
-        answer were its input, then drops the least recently used others while the store holds
-        more than its limit."""
+        """Stores `response` (by its id; in place of one stored with that id), its conversation
+        and how many messages before its answer were its input, then drops the least recently
+        used others while the store holds more than its limit."""
         texts = (
             json.dumps(response, ensure_ascii=False),
             json.dumps(conversation, ensure_ascii=False),
@@ -83,11 +83,14 @@ class ResponseStore:
         with self._lock:
             with self._db:  # one transaction: committed whole, or rolled back
                 self._db.execute("BEGIN")
+                old = self._db.execute(
+                    "DELETE FROM responses WHERE id = ? RETURNING bytes", (response["id"],)
+                ).fetchone()
                 self._db.execute(
                     "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
                     (response["id"], self._clock + 1, size, *texts, inputs),
                 )
-                held = self.bytes + size
+                held = self.bytes + size - (old[0] if old else 0)
                 while held > self.limit:
                     oldest = self._db.execute(
                         "SELECT id, bytes FROM responses WHERE id != ? ORDER BY used LIMIT 1",
@@ -113,6 +116,16 @@ class ResponseStore:
                 "UPDATE responses SET used = ? WHERE id = ?", (self._clock, response_id)
             )
         return Stored(json.loads(row[0]), json.loads(row[1]), row[2])
+
+    def unfinished(self) -> list[Stored]:
+        """The responses stored as queued or in progress (a background response's status until
+        it ends)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT response, conversation, inputs FROM responses "
+                "WHERE json_extract(response, '$.status') IN ('queued', 'in_progress')"
+            ).fetchall()
+        return [Stored(json.loads(r), json.loads(c), n) for r, c, n in rows]
 
     def delete(self, response_id: str) -> bool:
         """Forgets a response; False where none had that id."""

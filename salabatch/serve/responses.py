@@ -7,6 +7,8 @@
                                 its input's messages as items, paged (`limit`, `order`,
                                 `after`, `before`)
     DELETE /v1/responses/{id}   forgets it
+    POST   /v1/responses/{id}/cancel
+                                stops a background response
 
 A request is a chat completion underneath: `instructions` is the system message, then the
 conversation of `previous_response_id` (its input and its answer, without its instructions,
@@ -20,7 +22,9 @@ images, files and any other input item are refused, naming where they are.
 Responses are kept (`store`, true unless false) in a ResponseStore (the server's state dir:
 a restarted server still has them), the most recently used first, within its limit: a later
 request continues one with `previous_response_id` (an id no longer kept is a 400 naming it),
-and GET returns it.
+and GET returns it. A background response (`background: true`) is stored in progress at once
+and again when its job ends, by a task on the event loop (`_finish`); a server that stops
+first leaves it in progress, and the next one fails it when it opens the store.
 """
 
 from __future__ import annotations
@@ -56,11 +60,27 @@ from salabatch.serve.app import (
     stream_events,
 )
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
-from salabatch.serve.engine import EngineClosed, Finished, Job, QueueFull, ServeEngine, Token
+from salabatch.serve.engine import (
+    EngineClosed,
+    Finished,
+    Job,
+    QueueFull,
+    ServeEngine,
+    Ticket,
+    Token,
+)
 from salabatch.serve.response_store import ResponseStore, Stored
 
-FIELDS = ("model", "previous_response_id", "store", "stream", *openai_api.RESPONSE_HONOURED)
-NO_OP = openai_api.RESPONSE_NO_OP
+FIELDS = (
+    "model",
+    "previous_response_id",
+    "store",
+    "stream",
+    "background",
+    *openai_api.RESPONSE_HONOURED,
+)
+NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
+STOPPED = "the server stopped before this background response finished"
 
 
 def response_routes(
@@ -81,6 +101,7 @@ def response_routes(
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
         Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
     ]
 
 
@@ -89,10 +110,20 @@ class _Responses:
         self.engine, self.tok, self.model_id = engine, tok, model_id
         self.defaults, self.max_body, self.store = defaults, max_body, store
         self.leading_ids = LeadingIds(tok)
+        # the background responses running: id → (their ticket, the task that finishes them)
+        self.running: dict[str, tuple[Ticket, asyncio.Task]] = {}
+        for left in store.unfinished():  # a server before this one stopped with them running
+            failed = {"code": "server_error", "message": STOPPED}
+            store.put(left.response | {"status": "failed", "error": failed}, *left[1:])
 
     async def create(self, request: Request) -> Response:
         body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
         stream = openai_api.flag(body, "stream", False)
+        background = openai_api.flag(body, "background", False)
+        if background and stream:
+            raise APIError(400, "background responses are not streamed here", param="stream")
+        if background and not openai_api.flag(body, "store", True):
+            raise APIError(400, "a background response must be stored", param="store")
         history = await self._history(body.get("previous_response_id"))
         asked = await run_in_threadpool(
             response_request,
@@ -115,6 +146,8 @@ class _Responses:
                 await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
             return out
 
+        if background:
+            return JSONResponse(await self._start(ticket, asked, done))
         if stream:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
@@ -161,6 +194,22 @@ class _Responses:
             }
         )
 
+    async def cancel(self, request: Request) -> Response:
+        """Stops a background response (status `cancelled`, its answer so far); one already
+        cancelled is returned as it is; any other is a 400."""
+        response_id = request.path_params["response_id"]
+        if response_id in self.running:
+            ticket, task = self.running[response_id]
+            ticket.cancel()
+            await asyncio.shield(task)  # ends at the engine's next step
+        stored = (await self._stored(response_id, "response_id")).response
+        if not stored.get("background"):
+            raise APIError(400, "only a background response can be cancelled", param="response_id")
+        if stored["status"] != "cancelled":
+            message = f"response {response_id!r} is {stored['status']}: it cannot be cancelled"
+            raise APIError(400, message, param="response_id")
+        return JSONResponse(stored)
+
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         if not await run_in_threadpool(self.store.delete, response_id):
@@ -178,10 +227,58 @@ class _Responses:
         return found
 
     async def _history(self, previous_id) -> list[dict]:
-        """The conversation a request continues: its previous response's input and answer."""
+        """The conversation a request continues: its previous response's input and answer (a
+        response that has one: completed, or cut at its max_output_tokens)."""
         if previous_id is None:
             return []
-        return (await self._stored(previous_id, "previous_response_id")).conversation
+        stored = await self._stored(previous_id, "previous_response_id")
+        status = stored.response["status"]
+        if status not in ("completed", "incomplete"):
+            message = f"response {previous_id!r} is {status}: it has no answer to continue"
+            raise APIError(400, message, param="previous_response_id")
+        return stored.conversation
+
+    # ---- background responses ----------------------------------------------------------------
+
+    async def _start(self, ticket: Ticket, asked: ResponseRequest, done) -> dict:
+        """Stores background response `asked` as in progress (from now until it ends: waiting
+        in line and its prefill included) and starts the task that finishes it (`done`, as a
+        foreground one); → the response in progress."""
+        response_id = asked.shell["id"]
+        running = asked.shell | {"status": "in_progress", "output": [], "usage": None}
+        await run_in_threadpool(self._keep_unanswered, running, asked)
+        task = asyncio.create_task(self._finish(ticket, asked, done))
+        self.running[response_id] = (ticket, task)
+        task.add_done_callback(lambda _: self.running.pop(response_id, None))
+        return running
+
+    def _keep_unanswered(self, response: dict, asked: ResponseRequest) -> None:
+        """Stores a response with no answer (yet, or none: failed)."""
+        conversation = [*asked.conversation, {"role": "assistant", "content": ""}]
+        self.store.put(response, conversation, asked.inputs)
+
+    async def _finish(self, ticket: Ticket, asked: ResponseRequest, done) -> None:
+        """Reads a background response's job to its end and stores the response: completed or
+        incomplete as `done` makes it, cancelled (the answer so far), or failed."""
+        shell, answer = asked.shell, asked.answer
+        async for _, got in stream_events([ticket]):
+            if isinstance(got, Token):
+                answer.add(got.token)
+            elif isinstance(got, Finished):
+                answer.finish(got)
+                if got.finish_reason != "cancelled":
+                    await done(got)
+                    return
+                out = asked.response(got) | {
+                    "status": "cancelled",
+                    "incomplete_details": None,
+                    "completed_at": None,
+                }
+                await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
+            elif isinstance(got, StreamFailed):
+                error = {"code": "server_error", "message": got.body["error"]["message"]}
+                failed = shell | {"status": "failed", "error": error, "output": [], "usage": None}
+                await run_in_threadpool(self._keep_unanswered, failed, asked)
 
     def _keep(self, response: dict, asked: list[dict], inputs: int) -> None:
         """Stores a finished response with its conversation (what it continued, its `inputs`

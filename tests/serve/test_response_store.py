@@ -1,13 +1,10 @@
 """The stored responses (`ResponseStore`): what is put comes back as it was, from a reopened file
 too; the least recently used go first past the limit, the one just stored never; a delete
-frees its bytes."""
+frees its bytes; one stored again replaces it."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
-
-import pytest
 
 from salabatch.serve.response_store import ResponseStore
 
@@ -63,12 +60,17 @@ def test_the_least_recently_used_go_first_past_the_limit(tmp_path):
     again.close()
 
 
-def test_a_failed_put_keeps_the_store_as_it_was():
-    """A second response with a stored id is refused whole: no eviction, the count unchanged."""
-    store = ResponseStore(limit=2 * size(1))
+def test_a_response_stored_again_replaces_it():
+    """(A background response: stored queued, then again when it ends.) Its bytes are the new
+    one's; it is the most recently used."""
+    store = ResponseStore(limit=size(1) + size(1, "ab") - 1)
     store.put(*response(1))
     store.put(*response(2))
-    with pytest.raises(sqlite3.IntegrityError):
-        store.put(*response(1, "longer, which would evict"))
-    assert store.get("resp_2") == response(2) and store.get("resp_1") == response(1)
-    assert store.bytes == 2 * size(1)
+    store.put(*response(1, "ab"))  # longer: over the limit, the other goes
+    assert store.get("resp_1") == response(1, "ab") and store.get("resp_2") is None
+    assert store.bytes == size(1, "ab")
+    queued, conversation, inputs = response(3)
+    store.put(queued | {"status": "queued"}, conversation, inputs)
+    assert [s.response["id"] for s in store.unfinished()] == ["resp_3"]
+    store.put(queued | {"status": "completed"}, conversation, inputs)
+    assert store.unfinished() == []

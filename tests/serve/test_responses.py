@@ -161,6 +161,79 @@ def test_input_items_are_a_responses_own_input_paged_as_openai_pages_them(served
     assert served.raw("GET", "/v1/responses/resp_nope/input_items")[0] == 404
 
 
+def test_a_background_response_is_in_progress_then_as_a_foreground_one(served):
+    """`background: true` returns at once, in progress; GET shows it so until it ends, then as
+    the same request answered in the foreground (greedy: the same text)."""
+    client = served.client()
+    ask = {"model": MODEL, "instructions": DOCUMENT, "input": QUESTION, "max_output_tokens": 12}
+    started = client.responses.create(**ask, background=True)
+    assert started.status == "in_progress" and started.background and started.output == []
+    done = served.wait_for(
+        lambda: (r := client.responses.retrieve(started.id)).status != "in_progress" and r
+    )
+    foreground = client.responses.create(**ask)
+    assert done.status == foreground.status and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == foreground.usage.output_tokens and done.background
+    # continued as the foreground one is: the same question and answer before "And?"
+    after, after_foreground = (
+        client.responses.create(
+            model=MODEL, input="And?", previous_response_id=r.id, max_output_tokens=2
+        )
+        for r in (done, foreground)
+    )
+    assert after.usage.input_tokens == after_foreground.usage.input_tokens
+
+
+def test_a_background_response_cancelled_mid_prefill(served):
+    """A long document's background response is cancelled while it prefills: status cancelled
+    (again: the same), and no later request continues it meanwhile; background with stream,
+    or without store, and cancelling a foreground response are 400s naming why."""
+    client = served.client()
+    long = "\n\n".join([DOCUMENT] * 40)  # ~25K tokens: seconds of prefill here
+    started = client.responses.create(
+        model=MODEL, input=f"{long}\n\n{QUESTION}", max_output_tokens=8, background=True
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id=started.id)
+    assert e.value.body["param"] == "previous_response_id" and "in_progress" in str(e.value)
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text == ""
+    assert client.responses.cancel(started.id).status == "cancelled"
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for call, param in [
+        (lambda: client.responses.cancel(foreground.id), "response_id"),
+        (
+            lambda: client.responses.create(model=MODEL, input="x", background=True, stream=True),
+            "stream",
+        ),
+        (
+            lambda: client.responses.create(model=MODEL, input="x", background=True, store=False),
+            "store",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param
+
+
+def test_a_background_response_a_stopped_server_left_is_failed_at_start(tiny):
+    """One stored in progress (its server stopped first) is failed when routes open the store,
+    with the reason; the others are left as they are."""
+    from salabatch.serve.response_store import ResponseStore
+
+    model, tok = tiny
+    store = ResponseStore()
+    shell = {"id": "resp_left", "object": "response", "background": True, "output": []}
+    conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]
+    store.put(shell | {"status": "in_progress"}, conversation, 1)
+    store.put(shell | {"id": "resp_done", "status": "completed"}, conversation, 1)
+    response_routes(None, tok, model_id=MODEL, defaults=ServeDefaults(), store=store)
+    left = store.get("resp_left").response
+    assert left["status"] == "failed" and "stopped" in left["error"]["message"]
+    assert store.get("resp_done").response["status"] == "completed"
+
+
 def test_text_format_reasoning_and_length(served):
     """text.format json_schema gives JSON its schema validates; reasoning.effort thinks, its
     text a reasoning item before the message (streamed as reasoning deltas); a short
