@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -81,6 +82,7 @@ FIELDS = (
 )
 NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
 STOPPED = "the server stopped before this background response finished"
+log = logging.getLogger(__name__)
 
 
 def response_routes(
@@ -198,10 +200,7 @@ class _Responses:
         """Stops a background response (status `cancelled`, its answer so far); one already
         cancelled is returned as it is; any other is a 400."""
         response_id = request.path_params["response_id"]
-        if response_id in self.running:
-            ticket, task = self.running[response_id]
-            ticket.cancel()
-            await asyncio.shield(task)  # ends at the engine's next step
+        await self._stop(response_id)
         stored = (await self._stored(response_id, "response_id")).response
         if not stored.get("background"):
             raise APIError(400, "only a background response can be cancelled", param="response_id")
@@ -211,7 +210,9 @@ class _Responses:
         return JSONResponse(stored)
 
     async def delete(self, request: Request) -> Response:
+        """Forgets a stored response (a background one running is cancelled first)."""
         response_id = request.path_params["response_id"]
+        await self._stop(response_id)
         if not await run_in_threadpool(self.store.delete, response_id):
             raise _missing(response_id, "response_id")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -252,6 +253,14 @@ class _Responses:
         task.add_done_callback(lambda _: self.running.pop(response_id, None))
         return running
 
+    async def _stop(self, response_id: str) -> None:
+        """Cancels background response `response_id` where it runs, and waits for its task to
+        store it (the engine's next step)."""
+        if response_id in self.running:
+            ticket, task = self.running[response_id]
+            ticket.cancel()
+            await asyncio.shield(task)
+
     def _keep_unanswered(self, response: dict, asked: ResponseRequest) -> None:
         """Stores a response with no answer (yet, or none: failed)."""
         conversation = [*asked.conversation, {"role": "assistant", "content": ""}]
@@ -261,24 +270,32 @@ class _Responses:
         """Reads a background response's job to its end and stores the response: completed or
         incomplete as `done` makes it, cancelled (the answer so far), or failed."""
         shell, answer = asked.shell, asked.answer
-        async for _, got in stream_events([ticket]):
-            if isinstance(got, Token):
-                answer.add(got.token)
-            elif isinstance(got, Finished):
-                answer.finish(got)
-                if got.finish_reason != "cancelled":
-                    await done(got)
-                    return
-                out = asked.response(got) | {
-                    "status": "cancelled",
-                    "incomplete_details": None,
-                    "completed_at": None,
-                }
-                await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
-            elif isinstance(got, StreamFailed):
-                error = {"code": "server_error", "message": got.body["error"]["message"]}
-                failed = shell | {"status": "failed", "error": error, "output": [], "usage": None}
-                await run_in_threadpool(self._keep_unanswered, failed, asked)
+
+        async def failed(message: str) -> None:
+            error = {"code": "server_error", "message": message}
+            out = shell | {"status": "failed", "error": error, "output": [], "usage": None}
+            await run_in_threadpool(self._keep_unanswered, out, asked)
+
+        try:
+            async for _, got in stream_events([ticket]):
+                if isinstance(got, Token):
+                    answer.add(got.token)
+                elif isinstance(got, Finished):
+                    answer.finish(got)
+                    if got.finish_reason != "cancelled":
+                        await done(got)
+                        return
+                    out = asked.response(got) | {
+                        "status": "cancelled",
+                        "incomplete_details": None,
+                        "completed_at": None,
+                    }
+                    await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
+                elif isinstance(got, StreamFailed):
+                    await failed(got.body["error"]["message"])
+        except Exception as e:  # a fault of the server's own: the response says so
+            log.exception("background response %s", shell["id"])
+            await failed(f"internal server error ({type(e).__name__}); the server's log has it")
 
     def _keep(self, response: dict, asked: list[dict], inputs: int) -> None:
         """Stores a finished response with its conversation (what it continued, its `inputs`

@@ -200,6 +200,12 @@ def test_a_background_response_cancelled_mid_prefill(served):
     assert cancelled.status == "cancelled" and cancelled.output_text == ""
     assert client.responses.cancel(started.id).status == "cancelled"
     assert client.responses.retrieve(started.id).status == "cancelled"
+    running = client.responses.create(model=MODEL, input=long, max_output_tokens=8, background=True)
+    cancelled_before = served.engine.stats()["requests_cancelled_total"]
+    client.responses.delete(running.id)  # cancelled first: its job does not store it again
+    assert served.engine.stats()["requests_cancelled_total"] == cancelled_before + 1
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
     foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     for call, param in [
         (lambda: client.responses.cancel(foreground.id), "response_id"),
