@@ -421,11 +421,11 @@ def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
 
 def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_once(tmp_path):
     """...and a response the first server stored is there after the kills: GET returns it and a
-    request continues it."""
+    request continues it; a background one the kill stopped mid-prefill is failed, saying so."""
     from tests.serve.test_http import serve_process, wait_healthy
 
     lines = many(24, 24)
-    batch_id = stored = None
+    batch_id = stored = stopped = None
     for kill_after in (2, 8, 14, None):  # three SIGKILLs mid-batch, then one that finishes it
         with serve_process(tmp_path) as (port, process, log):
             wait_healthy(port, process)
@@ -436,6 +436,7 @@ def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_on
                 stored = client.responses.create(
                     model="builtin:tiny", input="Who signs it?", max_output_tokens=4
                 )
+
             if batch_id is None:
                 data = "".join(json.dumps(x) + "\n" for x in lines).encode()
                 file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
@@ -450,12 +451,19 @@ def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_on
                 assert time.monotonic() < deadline, batch
                 if kill_after is not None and batch.request_counts.completed >= kill_after:
                     assert batch.status == "in_progress", batch
+                    if stopped is None:  # killed just after it is accepted: mid-prefill
+                        stopped = client.responses.create(
+                            model="builtin:tiny",
+                            input="The ferry leaves at 7:10 from the north quay. " * 200,
+                            background=True,
+                        )
                     process.kill()
                     process.wait()
                     break
                 if kill_after is None and batch.status == "completed":
                     out = client.files.content(batch.output_file_id).text.splitlines()
                     kept = client.responses.retrieve(stored.id)
+                    failed = client.responses.retrieve(stopped.id)
                     after = client.responses.create(
                         model="builtin:tiny",
                         previous_response_id=stored.id,
@@ -467,6 +475,7 @@ def test_sigkill_of_salabatch_serve_mid_batch_then_restart_answers_every_line_on
     assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0
     assert [json.loads(o)["custom_id"] for o in out] == [x["custom_id"] for x in lines]
     assert kept.model_dump() == stored.model_dump()
+    assert failed.status == "failed" and "server stopped" in failed.error.message
     # the conversation continued: the first input, its answer, the new input
     assert after.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
 
