@@ -264,6 +264,10 @@ def chat(
     def note(line: str) -> None:
         click.secho(line, dim=tty or None, err=True)
 
+    def status(text: str) -> None:
+        """A line shown in place on the terminal's stderr (a long prefill's progress)."""
+        click.secho(f"\r\033[K{text and f'[{text}]'}", dim=True, nl=False, err=True)
+
     engine.start()
     try:
         click.echo(f"chat with {model_ref}; {HELP}", err=True)
@@ -273,6 +277,7 @@ def chat(
             lambda text: click.echo(text, nl=False),
             note,
             dim=(lambda text: click.style(text, dim=True)) if tty else str,
+            status=status if sys.stderr.isatty() else None,
         )
     finally:
         engine.close()

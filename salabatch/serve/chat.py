@@ -31,6 +31,7 @@ HELP = (
     "/save FILE writes it as JSON, /load FILE goes on with a saved one, /quit"
 )
 MAX_DOCUMENT_TOKENS = 1 << 20  # a document over the bytes this many tokens allows is refused unread
+STATUS_S = 1.0  # how often the prefill's progress is shown while the first token is awaited
 
 
 class ChatError(SalabatchError):
@@ -137,16 +138,24 @@ class ChatSession:
         self.documents.append(name)
         self._parts.append(f"Document: {name}\n\n{text.strip()}")
 
-    def ask(self, question: str, show: Callable[[Piece], None]) -> Turn:
+    def ask(
+        self,
+        question: str,
+        show: Callable[[Piece], None],
+        status: Callable[[str], None] | None = None,
+        every: float = STATUS_S,
+    ) -> Turn:
         """Answers `question`, its pieces streamed through `show` (reasoning pieces only with
-        `think`). A KeyboardInterrupt (Ctrl-C) stops the answer: the job is cancelled and the
+        `think`). Until the first token, `status` gets the prefill's progress every `every`
+        seconds ("prefilling 65,536 of 412,000 prompt tokens"), then "" once (what it showed
+        is over). A KeyboardInterrupt (Ctrl-C) stops the answer: the job is cancelled and the
         text so far kept as the answer. A job the engine fails raises its error."""
         messages = [*self.messages, {"role": "user", "content": question}]
         answer = AnswerText(self.tok, think=self.think)
         start = time.perf_counter()
         first_at = None
         finished: Finished | None = None
-        ticket, received = None, 0
+        ticket, received, shown = None, 0, False
         try:
             job = chat_job(
                 self.tok,
@@ -157,7 +166,15 @@ class ChatSession:
                 leading_ids=self.leading_ids,
             )
             ticket = self.engine.submit(job)
-            for event in ticket:
+            while finished is None:
+                event = ticket.next_event(every if status and first_at is None else None)
+                if event is None:  # still waiting for the first token
+                    status(f"prefilling {ticket.prefilled:,} of {len(job.prompt):,} prompt tokens")
+                    shown = True
+                    continue
+                if shown:
+                    status("")
+                    shown = False
                 if isinstance(event, Token):
                     first_at = first_at or time.perf_counter()
                     received += 1
@@ -171,7 +188,11 @@ class ChatSession:
         except KeyboardInterrupt:
             if ticket is None:
                 raise
-            ticket.cancel()
+        finally:
+            if ticket is not None and finished is None:
+                ticket.cancel()  # Ctrl-C, or an error: the job stops (a no-op once it ended)
+            if shown:
+                status("")
         self.history += messages[-1:] + [{"role": "assistant", "content": answer.content}]
         if finished is not None:
             return Turn(
@@ -232,11 +253,13 @@ def run_chat(
     write: Callable[[str], None],
     note: Callable[[str], None],
     dim: Callable[[str], str] = str,
+    status: Callable[[str], None] | None = None,
 ) -> None:
     """The chat loop: reads lines (`read_line`: None at the end of input) until /quit or the
     end; answers stream through `write` (reasoning styled by `dim`), summaries, notices and
-    errors go to `note` (one line each). Ctrl-C while reading a line only starts a new one;
-    Ctrl-C while the prompt is still being tokenized drops the question."""
+    errors go to `note` (one line each), a long prefill's progress to `status` (`ask`'s).
+    Ctrl-C while reading a line only starts a new one; Ctrl-C while the prompt is still being
+    tokenized drops the question."""
 
     def show(piece: Piece) -> None:
         write(piece.text if piece.channel == "content" else dim(piece.text))
@@ -291,7 +314,7 @@ def run_chat(
             note(f"unknown command {command}: {HELP}")
         else:
             try:
-                turn = session.ask(line, show)
+                turn = session.ask(line, show, status)
             except KeyboardInterrupt:
                 note("[stopped before the answer began; the question is dropped]")
                 continue

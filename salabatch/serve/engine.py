@@ -219,8 +219,10 @@ Event = Token | PromptLogprobs | Finished | Failed
 
 class Ticket:
     """A submitted job: its events in order, ending with one Finished or Failed. Iterate it once,
-    with `for` (blocking) or `async for` (on the loop given to `submit`); leaving the loop before
-    the last event cancels the job."""
+    with `for` (blocking) or `async for` (on the loop given to `submit`), or call `next_event`;
+    leaving the loop before the last event cancels the job. `prefilled`: how many of its prompt's
+    tokens its cache holds so far (resumed, then prefilled chunk by chunk), for a caller showing
+    a long prefill's progress."""
 
     def __init__(
         self, job: Job, loop: asyncio.AbstractEventLoop | None, wake: Callable[[], None]
@@ -232,6 +234,7 @@ class Ticket:
         self._ready = asyncio.Event()  # bound to `loop` at its first wait, set only there
         self._cancelled = False
         self._ended = False  # the last event was put
+        self.prefilled = 0  # set by the engine's thread
 
     @property
     def cancelled(self) -> bool:
@@ -255,15 +258,20 @@ class Ticket:
         last = False
         try:
             while not last:
-                with self._cond:
-                    while not self._events:
-                        self._cond.wait()
-                    event = self._events.popleft()
+                event = self.next_event()
                 last = isinstance(event, Finished | Failed)
                 yield event
         finally:
             if not last:
                 self.cancel()
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, blocking up to `timeout` seconds (None: until there is one); None
+        when none came in time."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout):
+                return None
+            return self._events.popleft()
 
     async def _async_events(self) -> AsyncIterator[Event]:
         last = False
@@ -660,6 +668,7 @@ class ServeEngine:
         w.max_tokens = self._check(job)
         w.base, w.source = self._prefixes.match(job.prompt, job.boundaries, job.prompt_logprobs)
         w.cached = 0 if w.base is None else w.base.tokens
+        w.ticket.prefilled = w.cached
         agreed = self._seen.agreed(job.prompt)  # where it starts as a recent prompt did
         marks = (*job.boundaries, agreed) if agreed else job.boundaries
         w.points = save_points(w.cached, len(job.prompt), marks, self.snapshot_min)
@@ -716,6 +725,7 @@ class ServeEngine:
                 fed += len(batch) * max(lengths[i] for i in batch)
                 self._stat("prefill_tokens_total", sum(lengths[i] for i in batch))
                 for w, (row, logits) in zip(jobs, rows, strict=True):
+                    w.ticket.prefilled = len(w.ticket.job.prompt)
                     self._enter(w, row, logits)
         return fed
 
@@ -746,6 +756,7 @@ class ServeEngine:
                     done = feed.done
                     with memory.bounded(w.needs):  # the chunk's run-ahead within the job's plan
                         fed = feed.step() - done
+                    w.ticket.prefilled = at + feed.done
                     self._stat("prefill_tokens_total", fed)
                     yield fed
                 logits, at = feed.logits(), q

@@ -244,3 +244,31 @@ def test_a_document_added_mid_session_and_a_conversation_loaded_later(tmp_path, 
     assert later.history[:4] == session.history and len(later.history) == 6
     assert third["prompt"] == len(tok.chat_prompt_ids(later.messages[:-1], think=False))
     assert third["cached"] >= second["prompt"] - SNAPSHOT_MIN  # the saved turns were held
+
+
+def test_a_long_prefill_shows_its_progress_until_the_first_token(tiny):
+    """While the first question prefills its documents (chunk by chunk), `status` gets the
+    tokens done so far of the prompt's, counting up, then "" once before the answer shows;
+    the next question, resumed from them, shows none (`every` short here, so that it shows)."""
+    model, tok = tiny
+    text = "\n\n".join([(DOCS / "redwater-robotics.txt").read_text()] * 4)  # ~2.6K tokens
+    events: list[str] = []
+    with ServeEngine(model, tok, batch_size=1, max_queue=2, prefill_chunk=256) as engine:
+        session = ChatSession(engine, tok, documents=[("a.txt", text)], max_tokens=4)
+
+        def show(piece) -> None:
+            events.append("piece")
+
+        first = session.ask("Who is the provider?", show, events.append, every=0.01)
+        shown = [e for e in events if e.startswith("prefilling")]
+        assert len(shown) >= 2, events
+        done = [int(e.split()[1].replace(",", "")) for e in shown]
+        totals = {int(e.split()[3].replace(",", "")) for e in shown}
+        assert totals == {first.prompt_tokens} and done == sorted(done)
+        assert done[-1] > done[0] and done[-1] <= first.prompt_tokens
+        cleared = events.index("")
+        assert events.count("") == 1 and all(e.startswith("prefilling") for e in events[:cleared])
+        assert "piece" not in events[:cleared]
+        events.clear()
+        session.ask("And the client?", show, events.append, every=5.0)
+        assert not [e for e in events if e.startswith("prefilling")]
