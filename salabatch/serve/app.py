@@ -47,7 +47,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -91,6 +91,10 @@ TOKENIZE_FIELDS = (
     "chat_template_kwargs",
 )
 OPEN_PATHS = ("/health",)  # served without the API key
+# an SSE comment sent after this many seconds without an event (a long prefill before the first
+# token), so that proxies and clients that cut an idle connection keep it; clients ignore it
+KEEP_ALIVE_S = 15.0
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 @dataclass(frozen=True)
@@ -811,11 +815,12 @@ def _in_order(finished: dict[int, Finished]) -> list[Finished]:
 
 class EventStream(StreamingResponse):
     """An SSE response whose tickets are cancelled however it ends: a client gone mid-stream
-    stops its rows at the engine's next step (a finished ticket ignores the cancel)."""
+    stops its rows at the engine's next step (a finished ticket ignores the cancel). A
+    KEEP_ALIVE comment goes out after KEEP_ALIVE_S seconds with no event."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], tickets: Sequence[Ticket]) -> None:
+    def __init__(self, chunks: AsyncGenerator[bytes], tickets: Sequence[Ticket]) -> None:
         super().__init__(
-            chunks,
+            _kept_alive(chunks, KEEP_ALIVE_S),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -827,6 +832,29 @@ class EventStream(StreamingResponse):
         finally:
             for ticket in self.tickets:
                 ticket.cancel()
+
+
+async def _kept_alive(chunks: AsyncGenerator[bytes], every: float) -> AsyncIterator[bytes]:
+    """`chunks`, with KEEP_ALIVE between two of them `every` seconds apart or more. The next
+    chunk is awaited in a task of its own (one at a time), cancelled if the stream ends first."""
+    source = aiter(chunks)
+    pending = asyncio.ensure_future(anext(source))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(anext(source))
+    finally:
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
 
 
 def engine_error(error: SalabatchError) -> APIError:

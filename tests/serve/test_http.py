@@ -273,6 +273,31 @@ def test_a_stream_is_the_answer_in_chunks_then_usage_then_done(served):
     assert all(e.startswith("data: {") for e in events[:-2])
 
 
+def test_a_long_prefill_streams_keep_alive_comments_before_the_first_event(served, monkeypatch):
+    """Nothing comes while a long document prefills: SSE comments keep the connection (a proxy
+    cuts one idle for a minute), which the client skips; the answer is the one not streamed."""
+    from salabatch.serve import app
+
+    monkeypatch.setattr(app, "KEEP_ALIVE_S", 0.05)
+    long = "\n\n".join([document("redwater-robotics.txt")] * 8)  # ~5K tokens, a new prefix
+    messages = user_turn(long + "\n\nAgain:", QUESTIONS[3])
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True})
+    status, _, data = served.raw("POST", "/v1/chat/completions", body.encode())
+    events = data.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert all(e in (": keep-alive", "") or e.startswith("data: ") for e in events)
+    # the first chunk (the role) at once, then comments until the first token's
+    sent = [i for i, e in enumerate(events) if e.startswith("data: ")]
+    assert events[sent[0] + 1 : sent[1]] and set(events[sent[0] + 1 : sent[1]]) == {": keep-alive"}
+    client = served.client()
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert text == whole.choices[0].message.content
+
+
 def test_stop_strings_end_the_answer_before_them_streamed_or_not(served):
     client = served.client()
     messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[2])
