@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from typing import NamedTuple
 
-from salabatch.errors import StateError
+from salabatch.errors import StateError, not_utf8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -105,6 +105,8 @@ class ResponseStore:
 
     def get(self, response_id: str) -> Stored | None:
         """The stored response (now the most recently used), or None."""
+        if not_utf8(response_id, from_bytes=False):  # no id stored is one (JSON's "\ud800")
+            return None
         with self._lock:
             row = self._db.execute(
                 "SELECT response, conversation, inputs FROM responses WHERE id = ?", (response_id,)
@@ -129,6 +131,8 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         """Forgets a response; False where none had that id."""
+        if not_utf8(response_id, from_bytes=False):
+            return False
         with self._lock:
             row = self._db.execute(
                 "DELETE FROM responses WHERE id = ? RETURNING bytes", (response_id,)

@@ -33,6 +33,7 @@ def test_a_stored_response_comes_back_from_a_reopened_file(tmp_path):
     assert again.get("resp_1") == response(1, "ünïcode ✓")
     assert again.get("resp_1").input_messages == [response(1, "ünïcode ✓")[1][2]]
     assert again.get("resp_2") is None and again.get("resp_3") is None
+    assert again.get("\ud800") is None and not again.delete("\ud800")  # JSON allows it
     assert again.bytes == size(1, "ünïcode ✓")
     again.close()
 

@@ -424,8 +424,8 @@ def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):
 
 def test_text_utf8_cannot_hold_is_a_400_naming_its_field(served):
     """JSON can carry a lone surrogate that no tokenizer takes (found by a fuzzer: it was a
-    500 in `instructions`)."""
-    for field in ("instructions", "input"):
+    500 in `instructions`, and in `previous_response_id`, which no stored id can be)."""
+    for field in ("instructions", "input", "previous_response_id"):
         body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, field: "\ud800"}
         status, _, data = served.raw("POST", "/v1/responses", json.dumps(body))
         assert status == 400 and json.loads(data)["error"]["param"] == field, data
