@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -264,7 +265,7 @@ class _Responses:
     def _keep_unanswered(self, response: dict, asked: ResponseRequest) -> None:
         """Stores a response with no answer (yet, or none: failed)."""
         conversation = [*asked.conversation, {"role": "assistant", "content": ""}]
-        self.store.put(response, conversation, asked.inputs)
+        self._put(response, conversation, asked.inputs)
 
     async def _finish(self, ticket: Ticket, asked: ResponseRequest, done) -> None:
         """Reads a background response's job to its end and stores the response: completed or
@@ -306,7 +307,15 @@ class _Responses:
             if item["type"] == "message"
             for part in item["content"]
         )
-        self.store.put(response, [*asked, {"role": "assistant", "content": text}], inputs)
+        self._put(response, [*asked, {"role": "assistant", "content": text}], inputs)
+
+    def _put(self, response: dict, conversation: list[dict], inputs: int) -> None:
+        """`store.put`; a store that cannot take it (a full disk) is logged, and the answer
+        still goes to its client (it cannot be retrieved or continued later)."""
+        try:
+            self.store.put(response, conversation, inputs)
+        except sqlite3.Error as e:
+            log.warning("response %s not stored: %s", response["id"], e)
 
     # ---- the response ------------------------------------------------------------------------
 

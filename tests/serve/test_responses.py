@@ -240,6 +240,23 @@ def test_a_background_response_a_stopped_server_left_is_failed_at_start(tiny):
     assert store.get("resp_done").response["status"] == "completed"
 
 
+def test_an_answer_the_store_cannot_take_still_goes_to_its_client(served, monkeypatch):
+    """A full disk under the stored responses costs the later GET, not the answer computed."""
+    import sqlite3
+
+    from salabatch.serve.response_store import ResponseStore
+
+    def full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(ResponseStore, "put", full)
+    client = served.client()
+    answered = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
+    assert answered.status in ("completed", "incomplete") and answered.usage.output_tokens > 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answered.id)
+
+
 def test_text_format_reasoning_and_length(served):
     """text.format json_schema gives JSON its schema validates; reasoning.effort thinks, its
     text a reasoning item before the message (streamed as reasoning deltas); a short
