@@ -23,8 +23,10 @@ Responses are kept (`store`, true unless false) in a ResponseStore (the server's
 a restarted server still has them), the most recently used first, within its limit: a later
 request continues one with `previous_response_id` (an id no longer kept is a 400 naming it),
 and GET returns it. A background response (`background: true`) is stored in progress at once
-and again when its job ends, by a task on the event loop (`_finish`); a server that stops
-first leaves it in progress, and the next one fails it when it opens the store.
+and again when its job ends, by a task on the event loop (`_background`); its events are kept
+(`EventLog`) for its own stream and for GETs that stream them, from any sequence number. A
+server that stops first leaves it in progress, and the next one fails it when it opens the
+store.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import logging
 import sqlite3
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -83,6 +86,7 @@ FIELDS = (
 )
 NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
 STOPPED = "the server stopped before this background response finished"
+KEPT_LOGS = 64  # background responses that ended whose events a GET can still stream
 log = logging.getLogger(__name__)
 
 
@@ -114,7 +118,10 @@ class _Responses:
         self.defaults, self.max_body, self.store = defaults, max_body, store
         self.leading_ids = LeadingIds(tok)
         # the background responses running: id → (their ticket, the task that finishes them)
-        self.running: dict[str, tuple[Ticket, asyncio.Task]] = {}
+        # the background responses running: id → (their ticket, the task that finishes them,
+        # their events), and the events of the last KEPT_LOGS that ended
+        self.running: dict[str, tuple[Ticket, asyncio.Task, EventLog]] = {}
+        self.logs: OrderedDict[str, EventLog] = OrderedDict()
         for left in store.unfinished():  # a server before this one stopped with them running
             failed = {"code": "server_error", "message": STOPPED}
             store.put(left.response | {"status": "failed", "error": failed}, *left[1:])
@@ -123,8 +130,6 @@ class _Responses:
         body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
         stream = openai_api.flag(body, "stream", False)
         background = openai_api.flag(body, "background", False)
-        if background and stream:
-            raise APIError(400, "background responses are not streamed here", param="stream")
         if background and not openai_api.flag(body, "store", True):
             raise APIError(400, "a background response must be stored", param="store")
         history = await self._history(body.get("previous_response_id"))
@@ -150,15 +155,33 @@ class _Responses:
             return out
 
         if background:
-            return JSONResponse(await self._start(ticket, asked, done))
+            running, log = await self._start(ticket, asked, done)
+            return EventStream(log.follow(0), []) if stream else JSONResponse(running)
         if stream:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(await done(finished))
 
     async def get(self, request: Request) -> Response:
+        """A stored response; with `stream=true`, a background response's events after
+        sequence number `starting_after` (all without), then those to come until it ends."""
         response_id = request.path_params["response_id"]
-        return JSONResponse((await self._stored(response_id, "response_id")).response)
+        stored = await self._stored(response_id, "response_id")
+        query = request.query_params
+        if query.get("stream", "false") not in ("true", "1"):
+            return JSONResponse(stored.response)
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1:
+            raise APIError(
+                400, "starting_after must be an integer, -1 or more", param="starting_after"
+            )
+        found = self.running.get(response_id)
+        log = found[2] if found else self.logs.get(response_id)
+        if log is None:
+            message = f"the events of response {response_id!r} are not kept (not a background "
+            message += "response of this server's, or one long finished): GET it without stream"
+            raise APIError(400, message, param="stream")
+        return EventStream(log.follow(int(after) + 1), [])
 
     async def input_items(self, request: Request) -> Response:
         """A page of a stored response's input items: `limit` (1-100, 20) of them in `order`
@@ -242,23 +265,31 @@ class _Responses:
 
     # ---- background responses ----------------------------------------------------------------
 
-    async def _start(self, ticket: Ticket, asked: ResponseRequest, done) -> dict:
+    async def _start(self, ticket: Ticket, asked: ResponseRequest, done) -> tuple[dict, EventLog]:
         """Stores background response `asked` as in progress (from now until it ends: waiting
-        in line and its prefill included) and starts the task that finishes it (`done`, as a
-        foreground one); → the response in progress."""
+        in line and its prefill included) and starts the task that finishes it (`_background`);
+        → the response in progress and the log its events go to."""
         response_id = asked.shell["id"]
         running = asked.shell | {"status": "in_progress", "output": [], "usage": None}
         await run_in_threadpool(self._keep_unanswered, running, asked)
-        task = asyncio.create_task(self._finish(ticket, asked, done))
-        self.running[response_id] = (ticket, task)
-        task.add_done_callback(lambda _: self.running.pop(response_id, None))
-        return running
+        events = EventLog()
+        task = asyncio.create_task(self._background(ticket, asked, done, events))
+        self.running[response_id] = (ticket, task, events)
+
+        def ended(_) -> None:
+            self.running.pop(response_id, None)
+            self.logs[response_id] = events
+            while len(self.logs) > KEPT_LOGS:
+                self.logs.popitem(last=False)
+
+        task.add_done_callback(ended)
+        return running, events
 
     async def _stop(self, response_id: str) -> None:
         """Cancels background response `response_id` where it runs, and waits for its task to
         store it (the engine's next step)."""
         if response_id in self.running:
-            ticket, task = self.running[response_id]
+            ticket, task, _ = self.running[response_id]
             ticket.cancel()
             await asyncio.shield(task)
 
@@ -267,10 +298,12 @@ class _Responses:
         conversation = [*asked.conversation, {"role": "assistant", "content": ""}]
         self._put(response, conversation, asked.inputs)
 
-    async def _finish(self, ticket: Ticket, asked: ResponseRequest, done) -> None:
-        """Reads a background response's job to its end and stores the response: completed or
-        incomplete as `done` makes it, cancelled (the answer so far), or failed."""
-        shell, answer = asked.shell, asked.answer
+    async def _background(self, ticket: Ticket, asked: ResponseRequest, done, events) -> None:
+        """Runs a background response's events (`_events`) into `events` (an EventLog) to their
+        end: `done`
+        stores it completed, incomplete or cancelled (the answer so far); a failed job or a
+        fault of the server's own stores it failed."""
+        shell = asked.shell
 
         async def failed(message: str) -> None:
             error = {"code": "server_error", "message": message}
@@ -278,25 +311,13 @@ class _Responses:
             await run_in_threadpool(self._keep_unanswered, out, asked)
 
         try:
-            async for _, got in stream_events([ticket]):
-                if isinstance(got, Token):
-                    answer.add(got.token)
-                elif isinstance(got, Finished):
-                    answer.finish(got)
-                    if got.finish_reason != "cancelled":
-                        await done(got)
-                        return
-                    out = asked.response(got) | {
-                        "status": "cancelled",
-                        "incomplete_details": None,
-                        "completed_at": None,
-                    }
-                    await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
-                elif isinstance(got, StreamFailed):
-                    await failed(got.body["error"]["message"])
-        except Exception as e:  # a fault of the server's own: the response says so
+            async for chunk in self._events(ticket, asked.answer, shell, done, failed):
+                events.add(chunk)
+        except Exception as e:
             log.exception("background response %s", shell["id"])
             await failed(f"internal server error ({type(e).__name__}); the server's log has it")
+        finally:
+            events.end()
 
     def _keep(self, response: dict, asked: list[dict], inputs: int) -> None:
         """Stores a finished response with its conversation (what it continued, its `inputs`
@@ -319,10 +340,13 @@ class _Responses:
 
     # ---- the response ------------------------------------------------------------------------
 
-    async def _events(self, ticket, answer: AnswerText, shell: dict, done) -> AsyncIterator[bytes]:
+    async def _events(
+        self, ticket, answer: AnswerText, shell: dict, done, failed=None
+    ) -> AsyncIterator[bytes]:
         """The Responses stream: created, in progress; the reasoning item (with `think`) and
         the message item, each added, its text in deltas, done; then completed (or incomplete),
-        with the whole response. A job that fails ends it with an error event."""
+        with the whole response (`done`'s; a cancelled one ends without). A job that fails ends
+        it with an error event, after `failed(message)` where given."""
         number = 0
         order: list[str] = []  # the kinds of the items opened, by output index
         sent = {"reasoning": "", "content": ""}
@@ -401,14 +425,13 @@ class _Responses:
                 for chunk in [*ending, *closed("content")]:
                     yield chunk
                 whole = await done(got)
-                kind = (
-                    "response.completed"
-                    if whole["status"] == "completed"
-                    else "response.incomplete"
-                )
-                yield event(kind, response=whole)
+                if whole["status"] != "cancelled":
+                    kind = whole["status"]  # completed or incomplete
+                    yield event(f"response.{kind}", response=whole)
             elif isinstance(got, StreamFailed):
                 error = got.body["error"]
+                if failed is not None:
+                    await failed(error["message"])
                 yield event(
                     "error", code=error["code"], message=error["message"], param=error["param"]
                 )
@@ -429,8 +452,9 @@ class ResponseRequest:
     store: bool
 
     def response(self, finished: Finished) -> dict:
-        """The whole response once its job finished (its answer in `answer`)."""
-        return openai_api.response_body(
+        """The whole response once its job finished (its answer in `answer`); a cancelled
+        job's is `cancelled`, with the answer so far."""
+        out = openai_api.response_body(
             self.shell,
             content=self.answer.content,
             reasoning=self.answer.reasoning,
@@ -441,6 +465,42 @@ class ResponseRequest:
             completion_tokens=finished.completion_tokens,
             completed_at=int(time.time()),
         )
+        if finished.finish_reason == "cancelled":
+            out |= {"status": "cancelled", "incomplete_details": None, "completed_at": None}
+        return out
+
+
+class EventLog:
+    """A background response's stream events (SSE chunks), numbered as their sequence numbers,
+    for any number of readers to follow (`follow`), from its start or later, until it ends."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()  # the readers waiting go on; later ones wait on a new one
+        self._changed = asyncio.Event()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """The events from number `start` on, as they come, until the log ends."""
+        at = start
+        while True:
+            while at < len(self.chunks):
+                yield self.chunks[at]
+                at += 1
+            if self.ended:
+                return
+            await self._changed.wait()
 
 
 def response_request(

@@ -6,6 +6,7 @@ max_output_tokens; GET and DELETE; refused fields and items are 400s naming them
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import openai
@@ -184,10 +185,50 @@ def test_a_background_response_is_in_progress_then_as_a_foreground_one(served):
     assert after.usage.input_tokens == after_foreground.usage.input_tokens
 
 
+def test_a_background_stream_goes_on_without_its_client_and_a_get_streams_it_again(served):
+    """`background` with `stream`: the events a foreground stream sends; GET `stream=true`
+    sends them again after `starting_after` (all of them without), while it runs or once it
+    ended; a client that leaves mid-stream does not stop it."""
+    client = served.client()
+    ask = {"model": MODEL, "instructions": DOCUMENT, "input": QUESTION, "max_output_tokens": 16}
+    foreground = list(client.responses.create(**ask, stream=True))
+    background = list(client.responses.create(**ask, stream=True, background=True))
+    kinds = [e.type for e in background]
+    assert kinds == [e.type for e in foreground] and kinds[-1] == "response.completed"
+    assert background[-1].response.output_text == foreground[-1].response.output_text
+    response_id = background[0].response.id
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in background]
+    tail = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in tail] == list(range(4, len(background)))
+    # a client that leaves after the first event: the response goes on to its end
+    body = {"model": MODEL, "input": "\n\n".join([DOCUMENT] * 6), "max_output_tokens": 8}
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request(
+        "POST", "/v1/responses", json.dumps(body | {"stream": True, "background": True}), headers
+    )
+    reply = conn.getresponse()
+    assert reply.readline().startswith(b"event: response.created")
+    created = json.loads(reply.readline().decode().removeprefix("data: "))
+    conn.close()
+    left = created["response"]["id"]
+    ended = served.wait_for(
+        lambda: (r := client.responses.retrieve(left)).status != "in_progress" and r, timeout=60
+    )
+    assert ended.status in ("completed", "incomplete") and ended.usage.output_tokens > 0
+    status, _, data = served.raw("GET", f"/v1/responses/{left}?stream=true&starting_after=x")
+    assert status == 400 and json.loads(data)["error"]["param"] == "starting_after"
+    foreground_id = foreground[0].response.id
+    status, _, data = served.raw("GET", f"/v1/responses/{foreground_id}?stream=true")
+    assert status == 400 and json.loads(data)["error"]["param"] == "stream"
+
+
 def test_a_background_response_cancelled_mid_prefill(served):
     """A long document's background response is cancelled while it prefills: status cancelled
-    (again: the same), and no later request continues it meanwhile; background with stream,
-    or without store, and cancelling a foreground response are 400s naming why."""
+    (again: the same), and no later request continues it meanwhile; deleting one that runs
+    cancels it first; background without store and cancelling a foreground response are 400s
+    naming why."""
     client = served.client()
     long = "\n\n".join([DOCUMENT] * 40)  # ~25K tokens: seconds of prefill here
     started = client.responses.create(
@@ -209,10 +250,6 @@ def test_a_background_response_cancelled_mid_prefill(served):
     foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     for call, param in [
         (lambda: client.responses.cancel(foreground.id), "response_id"),
-        (
-            lambda: client.responses.create(model=MODEL, input="x", background=True, stream=True),
-            "stream",
-        ),
         (
             lambda: client.responses.create(model=MODEL, input="x", background=True, store=False),
             "store",
