@@ -170,18 +170,14 @@ class _Responses:
         query = request.query_params
         if query.get("stream", "false") not in ("true", "1"):
             return JSONResponse(stored.response)
-        after = query.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or int(after) < -1:
-            raise APIError(
-                400, "starting_after must be an integer, -1 or more", param="starting_after"
-            )
+        after = _query_int(query, "starting_after", -1, -1, None)
         found = self.running.get(response_id)
         log = found[2] if found else self.logs.get(response_id)
         if log is None:
             message = f"the events of response {response_id!r} are not kept (not a background "
             message += "response of this server's, or one long finished): GET it without stream"
             raise APIError(400, message, param="stream")
-        return EventStream(log.follow(int(after) + 1), [])
+        return EventStream(log.follow(after + 1), [])
 
     async def input_items(self, request: Request) -> Response:
         """A page of a stored response's input items: `limit` (1-100, 20) of them in `order`
@@ -189,9 +185,7 @@ class _Responses:
         response_id = request.path_params["response_id"]
         stored = await self._stored(response_id, "response_id")
         query = request.query_params
-        limit = query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
-            raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+        limit = _query_int(query, "limit", 20, 1, 100)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be asc or desc", param="order")
@@ -209,7 +203,7 @@ class _Responses:
                 start, end = (
                     (ids.index(at) + 1, end) if param == "after" else (start, ids.index(at))
                 )
-        page = items[start:end][: int(limit)]
+        page = items[start:end][:limit]
         return JSONResponse(
             {
                 "object": "list",
@@ -543,6 +537,22 @@ def response_request(
     answer = AnswerText(tok, think=think)
     inputs = len(messages) - len(system)
     return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
+
+
+def _query_int(query, name: str, default: int, low: int, high: int | None) -> int:
+    """Query parameter `name` as an integer from `low` to `high` (None: no bound), or a 400
+    naming it."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if raw.isascii() else None
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
+        raise APIError(400, f"{name} must be an integer {bounds}", param=name)
+    return value
 
 
 def _missing(response_id, param: str) -> APIError:

@@ -156,7 +156,12 @@ def test_input_items_are_a_responses_own_input_paged_as_openai_pages_them(served
     walked = client.responses.input_items.list(second.id, order="asc", limit=1)
     assert texts(walked) == ["One", "Two", "Three"]  # the client's own paging, page by page
     assert texts(client.responses.input_items.list(first.id)) == ["Who signs?"]
-    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after")]:
+    for query, param in [
+        ("limit=0", "limit"),
+        ("limit=%C2%B2", "limit"),  # "²": a digit to str.isdigit, not to int
+        ("order=up", "order"),
+        ("after=msg_x", "after"),
+    ]:
         status, _, body = served.raw("GET", f"/v1/responses/{second.id}/input_items?{query}")
         assert status == 400 and json.loads(body)["error"]["param"] == param
     assert served.raw("GET", "/v1/responses/resp_nope/input_items")[0] == 404
