@@ -904,13 +904,29 @@ def _prompt_text(tok: Tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special=True)
 
 
+def query_int(query, name: str, default: int, low: int, high: int | None) -> int:
+    """Query parameter `name` as an integer from `low` to `high` (None: no bound), or a 400
+    naming it."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if raw.isascii() else None
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
+        raise APIError(400, f"{name} must be an integer {bounds}", param=name)
+    return value
+
+
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object; 413 past `limit` bytes (by Content-Length, then as read)."""
     declared = request.headers.get("content-length")
     too_large = APIError(
         413, f"request body is larger than {limit} bytes", code="request_too_large"
     )
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise too_large
     data = bytearray()
     async for part in request.stream():

@@ -60,6 +60,7 @@ from salabatch.serve.app import (
     collect,
     engine_error,
     grammar_of,
+    query_int,
     read_body,
     sampling,
     stream_events,
@@ -170,7 +171,7 @@ class _Responses:
         query = request.query_params
         if query.get("stream", "false") not in ("true", "1"):
             return JSONResponse(stored.response)
-        after = _query_int(query, "starting_after", -1, -1, None)
+        after = query_int(query, "starting_after", -1, -1, None)
         found = self.running.get(response_id)
         log = found[2] if found else self.logs.get(response_id)
         if log is None:
@@ -185,7 +186,7 @@ class _Responses:
         response_id = request.path_params["response_id"]
         stored = await self._stored(response_id, "response_id")
         query = request.query_params
-        limit = _query_int(query, "limit", 20, 1, 100)
+        limit = query_int(query, "limit", 20, 1, 100)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be asc or desc", param="order")
@@ -537,22 +538,6 @@ def response_request(
     answer = AnswerText(tok, think=think)
     inputs = len(messages) - len(system)
     return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
-
-
-def _query_int(query, name: str, default: int, low: int, high: int | None) -> int:
-    """Query parameter `name` as an integer from `low` to `high` (None: no bound), or a 400
-    naming it."""
-    raw = query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw) if raw.isascii() else None
-    except ValueError:
-        value = None
-    if value is None or value < low or (high is not None and value > high):
-        bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
-        raise APIError(400, f"{name} must be an integer {bounds}", param=name)
-    return value
 
 
 def _missing(response_id, param: str) -> APIError:

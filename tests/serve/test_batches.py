@@ -146,6 +146,9 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         assert oldest == batch.input_file_id
         rest = s.api.files.list(order="asc", after=oldest).data
         assert [f.id for f in rest] == [batch.output_file_id]
+        for path in ("/v1/files?limit=0", "/v1/batches?limit=101", "/v1/batches?limit=%C2%B2"):
+            status, _, data = s.raw("GET", path)  # "²": a digit to str.isdigit, not to int
+            assert status == 400 and json.loads(data)["error"]["param"] == "limit", data
         for fields, param in (
             ({"input_file_id": batch.output_file_id}, "input_file_id"),  # not purpose batch
             ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}}, None),

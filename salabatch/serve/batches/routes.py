@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from salabatch.serve.app import APIError, read_json
+from salabatch.serve.app import APIError, query_int, read_json
 from salabatch.serve.batches.runner import ENDPOINTS, BatchRunner
 
 MAX_FILE = 200 << 20  # bytes of an uploaded input file (OpenAI allows 200 MB)
@@ -53,7 +53,7 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         message = f"the file is larger than {max_file} bytes"
         too_large = APIError(413, message, code="file_too_large")
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_file + (64 << 10):  # the form's own bytes
+        if declared.isascii() and declared.isdigit() and int(declared) > max_file + (64 << 10):
             raise too_large
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, file = form.get("purpose"), form.get("file")
@@ -78,9 +78,7 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
 
     async def list_files(request: Request) -> Response:
         query = request.query_params
-        limit = query.get("limit", str(MAX_LIST))
-        if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
-            raise APIError(400, f"limit must be between 1 and {MAX_LIST}", param="limit")
+        limit = query_int(query, "limit", MAX_LIST, 1, MAX_LIST)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'", param="order")
@@ -91,7 +89,7 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
             if query["after"] not in ids:
                 raise APIError(400, f"no file with id {query['after']!r}", param="after")
             data = data[ids.index(query["after"]) + 1 :]
-        page = data[: int(limit)]
+        page = data[:limit]
         return JSONResponse(
             {
                 "object": "list",
@@ -146,10 +144,8 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         return JSONResponse(batch_or_404(store.batch(batch_id), batch_id))
 
     async def list_batches(request: Request) -> Response:
-        limit = request.query_params.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
-            raise APIError(400, "limit must be between 1 and 100", param="limit")
-        data, more = store.batches(request.query_params.get("after"), int(limit))
+        limit = query_int(request.query_params, "limit", 20, 1, 100)
+        data, more = store.batches(request.query_params.get("after"), limit)
         return JSONResponse(
             {
                 "object": "list",
