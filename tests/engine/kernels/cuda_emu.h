@@ -1,7 +1,7 @@
 // Just enough of CUDA to run a kernel's source on the CPU, for tests on machines without a GPU
 // (`cuda_emu.py` builds and launches it). A CUDA thread is a fiber (ucontext) of the launching
-// thread, switched at the barriers, a thread block's fibers taking turns in alternating
-// directions; built with a sanitizer (`CUDA_EMU_SANITIZE`), a CUDA thread is a std::thread
+// thread, switched at the barriers, a thread block's fibers taking turns in a shuffled order
+// (another each turn); built with a sanitizer (`CUDA_EMU_SANITIZE`), a CUDA thread is a std::thread
 // instead, so that ThreadSanitizer sees the threads' races. Semantics kept:
 // __syncthreads and __syncwarp are barriers of the thread block and of the warp (a barrier some
 // threads never reach is reported, where a GPU hangs), shuffles
@@ -349,10 +349,21 @@ bool run_block(Block& b, int threads, F& kernel, unsigned char* stacks) {
     block_dim = {static_cast<unsigned>(threads), 1, 1};
     block = &b;
     int left = threads;
-    for (bool forward = true; left; forward = !forward) {
+    std::vector<int> order(threads);
+    for (int i = 0; i < threads; ++i) {
+        order[i] = i;
+    }
+    // each turn in another order, the same every run (xorshift32 from the block's index): a
+    // thread that reads what another writes without a barrier between reads it unwritten in
+    // about half of the turns, whichever of the two has the lower index
+    uint32_t seed = 2654435761u * (block_idx.x + 1);
+    for (; left;) {
+        for (int i = threads - 1; i > 0; --i) {
+            seed ^= seed << 13, seed ^= seed >> 17, seed ^= seed << 5;
+            std::swap(order[i], order[seed % (i + 1)]);
+        }
         bool moved = false;
-        for (int i = 0; i < threads; ++i) {
-            const int tx = forward ? i : threads - 1 - i;
+        for (const int tx : order) {
             Fiber& f = fibers[tx];
             if (f.done || (f.gate && f.gate->phase == f.phase)) {
                 continue;

@@ -94,10 +94,23 @@ def run_neighbours(barrier: str) -> np.ndarray:
 
 def test_threads_read_what_others_wrote_only_after_a_barrier():
     """Without the barrier some thread reads a neighbour's slot before the neighbour writes
-    it (shared memory starts as NaN), as on a GPU; with it every sum is right."""
+    it (shared memory starts as NaN), as on a GPU; with it every sum is right. So too where
+    each thread reads only a lower thread's slot (in order of index, each would find it
+    written)."""
     want = (np.arange(64) + 1) % 64 + (np.arange(64) + 63) % 64
     np.testing.assert_array_equal(run_neighbours("__syncthreads();"), want)
     assert np.isnan(run_neighbours("")).any()
+    lower = NEIGHBOUR.replace("mine[(t + 1) % 64] + mine[(t + 63) % 64]", "mine[t > 0 ? t - 1 : 0]")
+    x = np.arange(64, dtype=np.float32)
+    for barrier in ("__syncthreads();", ""):
+        got = cuda_emu.run(
+            lower.replace("BARRIER", barrier), [("x", "f32", x)], ("out", "f32", (64,)), [],
+            blocks=2, threads=64, shared_bytes=64 * 4,
+        )  # fmt: skip
+        if barrier:
+            np.testing.assert_array_equal(got, np.maximum(np.arange(64) - 1, 0))
+        else:
+            assert np.isnan(got).any()
 
 
 @pytest.mark.skipif(
