@@ -97,9 +97,10 @@ def test_threads_read_what_others_wrote_only_after_a_barrier():
     it (shared memory starts as NaN), as on a GPU; with it every sum is right. So too where
     each thread reads only a lower thread's slot (in order of index, each would find it
     written)."""
+    fibers = not os.environ.get("CUDA_EMU_SANITIZE")  # OS threads race: no order is certain
     want = (np.arange(64) + 1) % 64 + (np.arange(64) + 63) % 64
     np.testing.assert_array_equal(run_neighbours("__syncthreads();"), want)
-    assert np.isnan(run_neighbours("")).any()
+    assert np.isnan(run_neighbours("")).any() or not fibers
     lower = NEIGHBOUR.replace("mine[(t + 1) % 64] + mine[(t + 63) % 64]", "mine[t > 0 ? t - 1 : 0]")
     x = np.arange(64, dtype=np.float32)
     for barrier in ("__syncthreads();", ""):
@@ -110,7 +111,7 @@ def test_threads_read_what_others_wrote_only_after_a_barrier():
         if barrier:
             np.testing.assert_array_equal(got, np.maximum(np.arange(64) - 1, 0))
         else:
-            assert np.isnan(got).any()
+            assert np.isnan(got).any() or not fibers
 
 
 @pytest.mark.skipif(
