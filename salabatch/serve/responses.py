@@ -87,7 +87,7 @@ FIELDS = (
 )
 NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
 STOPPED = "the server stopped before this background response finished"
-KEPT_LOGS = 64  # background responses that ended whose events a GET can still stream
+KEPT_LOG_BYTES = 64 << 20  # the events kept of background responses that ended, at most
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +120,7 @@ class _Responses:
         self.leading_ids = LeadingIds(tok)
         # the background responses running: id → (their ticket, the task that finishes them)
         # the background responses running: id → (their ticket, the task that finishes them,
-        # their events), and the events of the last KEPT_LOGS that ended
+        # their events), and the events of those that ended last, within KEPT_LOG_BYTES
         self.running: dict[str, tuple[Ticket, asyncio.Task, EventLog]] = {}
         self.logs: OrderedDict[str, EventLog] = OrderedDict()
         for left in store.unfinished():  # a server before this one stopped with them running
@@ -274,8 +274,8 @@ class _Responses:
         def ended(_) -> None:
             self.running.pop(response_id, None)
             self.logs[response_id] = events
-            while len(self.logs) > KEPT_LOGS:
-                self.logs.popitem(last=False)
+            while len(self.logs) > 1 and sum(g.bytes for g in self.logs.values()) > KEPT_LOG_BYTES:
+                self.logs.popitem(last=False)  # the last one stays, however long
 
         task.add_done_callback(ended)
         return running, events
@@ -471,11 +471,13 @@ class EventLog:
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
+        self.bytes = 0
         self.ended = False
         self._changed = asyncio.Event()
 
     def add(self, chunk: bytes) -> None:
         self.chunks.append(chunk)
+        self.bytes += len(chunk)
         self._wake()
 
     def end(self) -> None:

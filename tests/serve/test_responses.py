@@ -190,7 +190,9 @@ def test_a_background_response_is_in_progress_then_as_a_foreground_one(served):
     assert after.usage.input_tokens == after_foreground.usage.input_tokens
 
 
-def test_a_background_stream_goes_on_without_its_client_and_a_get_streams_it_again(served):
+def test_a_background_stream_goes_on_without_its_client_and_a_get_streams_it_again(
+    served, monkeypatch
+):
     """`background` with `stream`: the events a foreground stream sends; GET `stream=true`
     sends them again after `starting_after` (all of them without), while it runs or once it
     ended; a client that leaves mid-stream does not stop it."""
@@ -227,6 +229,16 @@ def test_a_background_stream_goes_on_without_its_client_and_a_get_streams_it_aga
     foreground_id = foreground[0].response.id
     status, _, data = served.raw("GET", f"/v1/responses/{foreground_id}?stream=true")
     assert status == 400 and json.loads(data)["error"]["param"] == "stream"
+    # the events of those that ended are kept within a byte budget: the last one always
+    from salabatch.serve import responses
+
+    monkeypatch.setattr(responses, "KEPT_LOG_BYTES", 1)
+    last = list(client.responses.create(**ask, stream=True, background=True))
+    last_id = last[0].response.id
+    served.wait_for(lambda: client.responses.retrieve(last_id).status != "in_progress")
+    assert len(list(client.responses.retrieve(last_id, stream=True))) == len(last)
+    status, _, _ = served.raw("GET", f"/v1/responses/{response_id}?stream=true")
+    assert status == 400  # dropped for the later one
 
 
 def test_a_background_response_cancelled_mid_prefill(served):
