@@ -670,6 +670,7 @@ def response_echo(
     """What a response repeats of its request (`response_body`'s `echoed`): `response_shell`
     and the settings its request took (`params`: unset fields at their defaults)."""
     return response_shell(response_id, created_at, model) | {
+        "truncation": body.get("truncation") or "disabled",
         "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"),
         "max_output_tokens": body.get("max_output_tokens"),

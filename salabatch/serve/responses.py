@@ -83,6 +83,7 @@ FIELDS = (
     "store",
     "stream",
     "background",
+    "truncation",
     *openai_api.RESPONSE_HONOURED,
 )
 NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
@@ -133,6 +134,8 @@ class _Responses:
         background = openai_api.flag(body, "background", False)
         if background and not openai_api.flag(body, "store", True):
             raise APIError(400, "a background response must be stored", param="store")
+        if body.get("truncation") not in (None, "auto", "disabled"):
+            raise APIError(400, "truncation must be auto or disabled", param="truncation")
         history = await self._history(body.get("previous_response_id"))
         asked = await run_in_threadpool(
             response_request,
@@ -142,6 +145,7 @@ class _Responses:
             self.model_id,
             history,
             self.leading_ids,
+            self.engine.model.config.context_length,
         )
         check_context(asked.job, self.engine.model.config.context_length, "input")
         try:
@@ -507,11 +511,15 @@ def response_request(
     model_id: str,
     history: list[dict] | None,
     leading_ids: LeadingIds | None = None,
+    context: int | None = None,
 ) -> ResponseRequest:
     """The ResponseRequest of a body whose fields were checked (`FIELDS`): `history`, the
     conversation of its previous_response_id (None where none can be continued, as in a
-    batch's line: then giving one is a BodyError). Tokenizes and compiles the body's pattern:
-    call it off the event loop."""
+    batch's line: then giving one is a BodyError). With `truncation: "auto"`, a prompt that
+    `context` tokens cannot hold drops the conversation's oldest messages (not the
+    instructions, not the last message) until it fits, as OpenAI's does; the response keeps
+    what the model read. Tokenizes and compiles the body's pattern: call it off the event
+    loop."""
     if body.get("previous_response_id") is not None and history is None:
         message = "previous_response_id continues a stored response; a batch's line stores none"
         raise BodyError(message, "previous_response_id")
@@ -522,23 +530,39 @@ def response_request(
     chat = openai_api.response_sampling_fields(body)
     params, max_tokens = sampling(chat, defaults, tok.vocab_size)  # a fresh seed where unset
     pattern = openai_api.response_structure(body.get("text"))
-    try:
-        job = chat_job(
-            tok,
-            [*system, *conversation],
-            think=think,
-            params=params,
-            max_tokens=max_tokens,
-            leading_ids=leading_ids,
-        )
-    except TokenizerError as e:  # the chat template refused the messages
-        raise APIError(400, str(e), param="input") from None
+
+    def job_of(kept: list[dict]) -> Job:
+        try:
+            return chat_job(
+                tok,
+                [*system, *kept],
+                think=think,
+                params=params,
+                max_tokens=max_tokens,
+                leading_ids=leading_ids,
+            )
+        except TokenizerError as e:  # the chat template refused the messages
+            raise APIError(400, str(e), param="input") from None
+
+    job = job_of(conversation)
+    inputs = len(messages) - len(system)
+    if body.get("truncation") == "auto" and context is not None and len(job.prompt) >= context:
+        # the fewest oldest messages to drop (a bisection: the prompt shrinks as more go)
+        low, high = 1, len(conversation) - 1
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (
+                (low, mid) if len(job_of(conversation[mid:]).prompt) < context else (mid + 1, high)
+            )
+        dropped = high
+        conversation = conversation[dropped:]
+        inputs = min(inputs, len(conversation))
+        job = job_of(conversation)
     if pattern is not None:
         job = replace(job, grammar=grammar_of(tok, pattern))
     created = int(time.time())
     shell = openai_api.response_echo(body, params, "resp_" + uuid.uuid4().hex, created, model_id)
     answer = AnswerText(tok, think=think)
-    inputs = len(messages) - len(system)
     return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
 
 

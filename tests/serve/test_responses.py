@@ -311,6 +311,52 @@ def test_an_answer_the_store_cannot_take_still_goes_to_its_client(served, monkey
         client.responses.retrieve(answered.id)
 
 
+def test_truncation_auto_drops_the_oldest_messages_until_the_prompt_fits(tiny):
+    """Of a conversation the context cannot hold, `truncation: "auto"` drops the fewest oldest
+    messages (never the instructions, never the last) that make it fit; "disabled" drops
+    none; an input that cannot fit alone stays whole, for the context check's 400."""
+    from salabatch.serve.responses import response_request
+
+    _, tok = tiny
+    history = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "words " * 40}
+        for i in range(6)
+    ]
+    body = {"model": MODEL, "instructions": "Be brief.", "input": "Last question?"}
+
+    def asked(context=None, **extra):
+        return response_request(body | extra, tok, ServeDefaults(), MODEL, history, context=context)
+
+    whole = asked()
+    context = len(whole.job.prompt) - 60  # about one message too long
+    fitted = asked(context, truncation="auto")
+    assert len(fitted.job.prompt) < context and fitted.shell["truncation"] == "auto"
+    kept = len(fitted.conversation)
+    assert fitted.conversation == whole.conversation[-kept:] and 1 <= kept < 7
+    one_more = asked(context, truncation="auto")  # the same again: deterministic
+    assert one_more.conversation == fitted.conversation
+    # one message fewer dropped would not fit
+    again = response_request(
+        body | {"truncation": "disabled"},
+        tok,
+        ServeDefaults(),
+        MODEL,
+        history[-(kept - 1) - 1 :],
+    )
+    assert len(again.job.prompt) >= context
+    assert "Be brief." in tok.decode(fitted.job.prompt[:32])  # the instructions stay first
+    assert len(asked(context, truncation="disabled").job.prompt) == len(whole.job.prompt)
+    alone = asked(8, truncation="auto")  # nothing fits: the last message stays, too long
+    assert alone.conversation == whole.conversation[-1:] and alone.inputs == 1
+
+
+def test_truncation_auto_is_taken_and_echoed(served):
+    response = served.client().responses.create(
+        model=MODEL, input="Hi", max_output_tokens=2, truncation="auto"
+    )
+    assert response.truncation == "auto"
+
+
 def test_text_format_reasoning_and_length(served):
     """text.format json_schema gives JSON its schema validates; reasoning.effort thinks, its
     text a reasoning item before the message (streamed as reasoning deltas); a short
@@ -369,6 +415,7 @@ def test_text_format_reasoning_and_length(served):
         ({"store": "yes"}, "store"),
         ({"metadata": {"a": 1}}, "metadata"),  # echoed in the response: a fuzzer's 500 (NaN)
         ({"input": []}, "input"),
+        ({"truncation": "middle"}, "truncation"),
     ],
 )
 def test_refused_fields_and_items_are_400s_naming_them(served, extra, param):
