@@ -2,6 +2,8 @@
 
     POST   /v1/responses        a response to `input` (a string, or messages), streamed with
                                 `stream: true` as Responses events
+    POST   /v1/responses/input_tokens
+                                the tokens a body's prompt would have, nothing run
     GET    /v1/responses/{id}   a stored response
     GET    /v1/responses/{id}/input_items
                                 its input's messages as items, paged (`limit`, `order`,
@@ -107,6 +109,7 @@ def response_routes(
     responses = _Responses(engine, tok, model_id, defaults, max_body, store)
     return [
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
         Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
@@ -166,6 +169,24 @@ class _Responses:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(await done(finished))
+
+    async def input_tokens(self, request: Request) -> Response:
+        """How many tokens the prompt of a request with this body would have (its instructions,
+        the conversation it continues, its input; after `truncation: "auto"`), nothing run."""
+        body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
+        history = await self._history(body.get("previous_response_id"))
+        asked = await run_in_threadpool(
+            response_request,
+            body,
+            self.tok,
+            self.defaults,
+            self.model_id,
+            history,
+            self.leading_ids,
+            self.engine.model.config.context_length,
+        )
+        count = len(asked.job.prompt)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     async def get(self, request: Request) -> Response:
         """A stored response; with `stream=true`, a background response's events after

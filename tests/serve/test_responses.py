@@ -350,6 +350,23 @@ def test_truncation_auto_drops_the_oldest_messages_until_the_prompt_fits(tiny):
     assert alone.conversation == whole.conversation[-1:] and alone.inputs == 1
 
 
+def test_input_tokens_counts_the_prompt_a_request_would_have(served):
+    """`responses.input_tokens.count` gives the prompt's tokens a response to the same body
+    reports, without running it: instructions, the conversation continued, the input."""
+    client = served.client()
+    ask = {"model": MODEL, "instructions": DOCUMENT, "input": QUESTION}
+    counted = client.responses.input_tokens.count(**ask)
+    answered = client.responses.create(**ask, max_output_tokens=2)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == answered.usage.input_tokens
+    chained = {"model": MODEL, "input": "And?", "previous_response_id": answered.id}
+    later = client.responses.create(**chained, max_output_tokens=2)
+    assert client.responses.input_tokens.count(**chained).input_tokens == later.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input="x", tools=[{"type": "web_search"}])
+    assert e.value.body["param"] == "tools"
+
+
 def test_truncation_auto_is_taken_and_echoed(served):
     response = served.client().responses.create(
         model=MODEL, input="Hi", max_output_tokens=2, truncation="auto"
