@@ -137,19 +137,7 @@ class _Responses:
         background = openai_api.flag(body, "background", False)
         if background and not openai_api.flag(body, "store", True):
             raise APIError(400, "a background response must be stored", param="store")
-        if body.get("truncation") not in (None, "auto", "disabled"):
-            raise APIError(400, "truncation must be auto or disabled", param="truncation")
-        history = await self._history(body.get("previous_response_id"))
-        asked = await run_in_threadpool(
-            response_request,
-            body,
-            self.tok,
-            self.defaults,
-            self.model_id,
-            history,
-            self.leading_ids,
-            self.engine.model.config.context_length,
-        )
+        asked = await self._asked(body)
         check_context(asked.job, self.engine.model.config.context_length, "input")
         try:
             ticket = self.engine.submit(asked.job, asyncio.get_running_loop())
@@ -174,18 +162,7 @@ class _Responses:
         """How many tokens the prompt of a request with this body would have (its instructions,
         the conversation it continues, its input; after `truncation: "auto"`), nothing run."""
         body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
-        history = await self._history(body.get("previous_response_id"))
-        asked = await run_in_threadpool(
-            response_request,
-            body,
-            self.tok,
-            self.defaults,
-            self.model_id,
-            history,
-            self.leading_ids,
-            self.engine.model.config.context_length,
-        )
-        count = len(asked.job.prompt)
+        count = len((await self._asked(body)).job.prompt)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     async def get(self, request: Request) -> Response:
@@ -260,6 +237,23 @@ class _Responses:
         if not await run_in_threadpool(self.store.delete, response_id):
             raise _missing(response_id, "response_id")
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def _asked(self, body: dict) -> ResponseRequest:
+        """The ResponseRequest of a body read (`read_body`): its truncation checked, the
+        conversation it continues read from the store, tokenized in a worker thread."""
+        if body.get("truncation") not in (None, "auto", "disabled"):
+            raise APIError(400, "truncation must be auto or disabled", param="truncation")
+        history = await self._history(body.get("previous_response_id"))
+        return await run_in_threadpool(
+            response_request,
+            body,
+            self.tok,
+            self.defaults,
+            self.model_id,
+            history,
+            self.leading_ids,
+            self.engine.model.config.context_length,
+        )
 
     # ---- the stored responses ----------------------------------------------------------------
 
