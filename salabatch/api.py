@@ -114,6 +114,7 @@ def stream_generate(
     json_schema: dict | None = None,
     choices: Sequence[str] | None = None,
     logit_bias: dict[int, float] | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yields one GenerationResponse per token of the answer to `prompt`, until a stop token of
     the tokenizer or `max_tokens` (cut where the model's context ends; a prompt that fills it
@@ -123,10 +124,11 @@ def stream_generate(
     decoding (see the module docstring); `logprobs=k` (0 to 20): each response's `logprobs`
     (drafting then pauses); `json_schema` (JSON it validates) or `choices` (one of these
     strings): what the answer must be (no drafts either); `logit_bias` {token id: bias in
-    [-100, 100]}: added to those tokens' logits (no drafts either). Bad arguments are
-    GenerationErrors
-    naming them; a prompt that needs more memory than is free, an OutOfMemoryError before its
-    prefill (each step runs within MLX's memory limit at the plan, `memory.bounded`)."""
+    [-100, 100]}: added to those tokens' logits (no drafts either);
+    `prompt_progress_callback(done, total)`: called after each prefill chunk, as mlx-lm's (the
+    last call has done == total). Bad arguments are GenerationErrors naming them; a prompt
+    that needs more memory than is free, an OutOfMemoryError before its prefill (each step
+    runs within MLX's memory limit at the plan, `memory.bounded`)."""
     from salabatch.engine import memory
     from salabatch.engine.generate import Generator, Request, answer_room
     from salabatch.engine.kernels.attention import on_gpu
@@ -159,6 +161,7 @@ def stream_generate(
         prefill_chunk=prefill_chunk,
         speculation=speculation,
         reserve_ahead=RESERVE_AHEAD,
+        on_prefill=prompt_progress_callback and _progress(prompt_progress_callback),
     )
     # as `salabatch run` answers a pooled row: refused before its prefill where it cannot fit
     needs = memory.model_plan(
@@ -191,6 +194,11 @@ def stream_generate(
         if stopped:
             detok.finalize()
             yield _response(detok, g.last_token, ids, g, len(g.tokens), now, first_at, True)
+
+
+def _progress(callback: Callable[[int, int], None]) -> Callable[[object, int, int], None]:
+    """A Generator's `on_prefill` calling mlx-lm's `prompt_progress_callback(done, total)`."""
+    return lambda _request, done, total: callback(done, total)
 
 
 def _response(detok, token, ids, g, n, now, first_at, last, lp=None) -> GenerationResponse:

@@ -89,6 +89,29 @@ def test_stream_responses_count_and_finish(loaded):
         assert "".join(r.text for r in drafted) == "".join(r.text for r in plain)
 
 
+def test_prompt_progress_is_reported_chunk_by_chunk_before_the_first_token(loaded):
+    """mlx-lm's `prompt_progress_callback(done, total)`: after each prefill chunk, the last at
+    done == total, all before the answer's first token; the answer is the same as without."""
+    model, tok = loaded
+    calls, seen_by_first = [], []
+
+    def progress(done: int, total: int) -> None:
+        calls.append((done, total))
+
+    prompt = DOC * 2
+    total = len(user_ids(tok, prompt))
+    responses = []
+    for r in salabatch.stream_generate(
+        model, tok, prompt, 4, prefill_chunk=64, prompt_progress_callback=progress
+    ):
+        seen_by_first = seen_by_first or list(calls)
+        responses.append(r)
+    assert seen_by_first == calls  # every chunk reported before the first token
+    assert calls == [(min(n, total), total) for n in range(64, total + 64, 64)]
+    plain = salabatch.stream_generate(model, tok, prompt, 4, prefill_chunk=64)
+    assert [r.token for r in responses] == [r.token for r in plain]
+
+
 def test_stream_logprobs_are_each_tokens_with_its_alternatives(loaded):
     """Asking changes no token; greedy, each token is the first of its k alternatives; a stop
     token's response has none; a bad k is refused by name."""

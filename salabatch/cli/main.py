@@ -207,6 +207,12 @@ def positional(
     return [value if value is not None else next(rest) for value in options]
 
 
+def status_line(text: str) -> None:
+    """`text` shown in place on the terminal's standard error (a long prefill's progress), in
+    brackets; "" clears it."""
+    click.secho(f"\r\033[K{text and f'[{text}]'}", dim=True, nl=False, err=True)
+
+
 def human_size(n: int) -> str:
     """A byte count for people: `1536` -> `1.5 KB`."""
     for unit in ("B", "KB", "MB", "GB"):

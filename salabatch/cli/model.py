@@ -5,6 +5,7 @@ heavy is imported until a command runs."""
 from __future__ import annotations
 
 import math
+import sys
 
 import click
 
@@ -15,6 +16,7 @@ from salabatch.cli.main import (
     positional,
     prefill_chunk_option,
     speculation_options,
+    status_line,
 )
 from salabatch.plural import counted
 
@@ -73,6 +75,12 @@ def generate(
     if note := model_note(model):
         click.echo(f"note: {note}", err=True)
     loaded, tok = load(model, dtype)
+
+    def progress(done: int, total: int) -> None:
+        """A prompt of more than one chunk: its prefill's progress until the first token."""
+        if total > prefill_chunk:
+            status_line("" if done == total else f"prefilling {done:,} of {total:,} prompt tokens")
+
     stats = stream_answer(
         loaded,
         tok,
@@ -90,6 +98,7 @@ def generate(
         draft=draft,
         num_draft_tokens=num_draft_tokens,
         draft_layers=draft_layers,
+        prompt_progress_callback=progress if sys.stderr.isatty() else None,
     )
     click.echo()
     answer = counted(stats["completion_tokens"], "token")

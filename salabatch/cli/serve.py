@@ -17,6 +17,7 @@ from salabatch.cli.main import (
     positional,
     sigterm_as_ctrl_c,
     speculation_options,
+    status_line,
 )
 
 API_KEY_ENV = "SALABATCH_API_KEY"
@@ -264,10 +265,6 @@ def chat(
     def note(line: str) -> None:
         click.secho(line, dim=tty or None, err=True)
 
-    def status(text: str) -> None:
-        """A line shown in place on the terminal's stderr (a long prefill's progress)."""
-        click.secho(f"\r\033[K{text and f'[{text}]'}", dim=True, nl=False, err=True)
-
     engine.start()
     try:
         click.echo(f"chat with {model_ref}; {HELP}", err=True)
@@ -277,7 +274,7 @@ def chat(
             lambda text: click.echo(text, nl=False),
             note,
             dim=(lambda text: click.style(text, dim=True)) if tty else str,
-            status=status if sys.stderr.isatty() else None,
+            status=status_line if sys.stderr.isatty() else None,
         )
     finally:
         engine.close()

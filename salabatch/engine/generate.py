@@ -25,6 +25,7 @@ biased logits. In each case its batch takes plain steps, no drafts, while it run
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -318,11 +319,13 @@ class Generator:
         detokenizer: Callable[[], StreamingDetokenizer] | None = None,
         speculation: Speculation = OFF,
         reserve_ahead: int | None = None,
+        on_prefill: Callable[[Request, int, int], None] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be ≥ 1")
         self.model = model
         self.reserve_ahead = reserve_ahead
+        self.on_prefill = on_prefill
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.on_token = on_token
@@ -360,7 +363,10 @@ class Generator:
         batch.check(request)
         start = time.perf_counter()
         cache = self.model.make_cache() if prefix is None else prefix.fork(1)
-        logits = prefill(self.model, request.prompt, cache, self.prefill_chunk)
+        progress = None
+        if self.on_prefill is not None:
+            progress = functools.partial(self.on_prefill, request)
+        logits = prefill(self.model, request.prompt, cache, self.prefill_chunk, progress)
         cached = 0 if prefix is None else prefix.offset
         return batch.add(request, cache, logits, cached_tokens=cached, admitted=start)
 

@@ -92,6 +92,39 @@ def test_generate_takes_mlx_lm_spellings(tiny):
         assert result.exit_code == 2 and message in result.output
 
 
+def test_generate_shows_a_long_prefills_progress_on_a_terminal(tiny, monkeypatch):
+    """A prompt of several chunks: "[prefilling N of M prompt tokens]" in place on a terminal's
+    standard error, cleared before the answer; nothing where standard error is not a terminal
+    (a log), nor for a prompt of one chunk."""
+    import click
+    import click.testing
+
+    args = ["generate", "builtin:random", "-", "-m", "3", "--prefill-chunk", "16"]
+    prompt = "The ferry to Eastwick leaves at 7:10 from the north quay. " * 4
+
+    def generate(*args: str) -> Result:
+        result = CliRunner().invoke(main, args, input=prompt, color=True)
+        assert result.exit_code == 0, result.output
+        return result
+
+    piped = generate(*args)
+    assert "prefilling" not in piped.stderr
+    monkeypatch.setattr(click.testing._NamedTextIOWrapper, "isatty", lambda self: True)
+    shown = generate(*args)
+    assert shown.stdout == piped.stdout
+    # each line rewrites the last: a carriage return, erase the line, the text dimmed
+    assert "\r\x1b[K[prefilling 16 of " in shown.stderr
+    texts = [click.unstyle(line) for line in shown.stderr.split("\r")[1:]]
+    total = int(texts[0].split(" of ")[1].split()[0])
+    done = list(range(16, total, 16))
+    assert len(done) >= 3
+    assert texts[: len(done)] == [f"[prefilling {n:,} of {total:,} prompt tokens]" for n in done]
+    assert texts[len(done)].startswith("prompt ")  # cleared; then the timings' line
+
+    short = generate(*args[:-1], "2048")
+    assert "prefilling" not in short.stderr
+
+
 def test_generate_draft_flags_reach_the_generator(tiny, monkeypatch):
     seen = record_generators(monkeypatch, generate_module)
 
