@@ -434,8 +434,8 @@ class _Server:
                 lp = offsets[i].of_prompt(tickets[i].job.prompt, event.logprobs)
                 yield chunk(i, echoed[i], lp=lp if tickets[i].job.logprobs is not None else None)
             elif isinstance(event, Finished):
-                text = "".join(p.text for p in answers[i].finish(event))
-                yield chunk(i, text, event.finish_reason)
+                rest = "".join(p.text for p in answers[i].finish(event))
+                yield chunk(i, rest, event.finish_reason)
                 finished[i] = event
                 if include_usage and len(finished) == len(tickets):
                     yield sse(reply.chunk([], usage=usage(_in_order(finished), text.n)))

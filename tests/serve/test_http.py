@@ -392,9 +392,17 @@ def test_n_choices_stream_by_index_chat_and_text(served):
     alone = [client.completions.create(**text, seed=5 + i).choices[0].text for i in range(2)]
     assert [c.text for c in whole.choices] == alone
     streamed = ["", ""]
-    for c in client.completions.create(**text, seed=5, n=2, stream=True):
+    chunks = list(
+        client.completions.create(
+            **text, seed=5, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    for c in chunks[:-1]:
         streamed[c.choices[0].index] += c.choices[0].text
     assert streamed == alone
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_chat_logprobs_streamed_or_not_with_bytes_and_alternatives(served):
