@@ -42,6 +42,7 @@ import asyncio
 import codecs
 import hmac
 import json
+import logging
 import math
 import re
 import secrets
@@ -95,6 +96,7 @@ OPEN_PATHS = ("/health",)  # served without the API key
 # token), so that proxies and clients that cut an idle connection keep it; clients ignore it
 KEEP_ALIVE_S = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -836,7 +838,9 @@ class EventStream(StreamingResponse):
 
 async def _kept_alive(chunks: AsyncGenerator[bytes], every: float) -> AsyncIterator[bytes]:
     """`chunks`, with KEEP_ALIVE between two of them `every` seconds apart or more. The next
-    chunk is awaited in a task of its own (one at a time), cancelled if the stream ends first."""
+    chunk is awaited in a task of its own (one at a time), cancelled if the stream ends first.
+    A fault of the server's own in `chunks` is logged and ends the stream with an error event
+    and [DONE] (a client's SDK raises it; the status was sent already)."""
     source = aiter(chunks)
     pending = asyncio.ensure_future(anext(source))
     try:
@@ -848,6 +852,10 @@ async def _kept_alive(chunks: AsyncGenerator[bytes], every: float) -> AsyncItera
             try:
                 chunk = pending.result()
             except StopAsyncIteration:
+                return
+            except Exception as e:
+                log.exception("a stream failed")
+                yield sse(_fault(e).body) + b"data: [DONE]\n\n"
                 return
             yield chunk
             pending = asyncio.ensure_future(anext(source))
@@ -972,8 +980,13 @@ async def _body_error(request: Request, exc: BodyError) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A fault of the server's own, as an OpenAI error object (Starlette logs the traceback
     after this answer)."""
+    return _fault(exc).response()
+
+
+def _fault(exc: Exception) -> APIError:
+    """The 500 of a fault of the server's own: its type, the details in the log."""
     message = f"internal server error ({type(exc).__name__}); the server's log has the details"
-    return APIError(500, message, code="internal_error").response()
+    return APIError(500, message, code="internal_error")
 
 
 class _KeyCheck:

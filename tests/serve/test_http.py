@@ -298,6 +298,35 @@ def test_a_long_prefill_streams_keep_alive_comments_before_the_first_event(serve
     assert text == whole.choices[0].message.content
 
 
+def test_a_fault_mid_stream_ends_it_with_an_error_event_and_done(served, monkeypatch, caplog):
+    """A fault of the server's own after the 200 went out (a bug in a chunk's making) is logged
+    and sent as an error event, then [DONE]: the client's SDK raises it, where a cut connection
+    left it a connection error; the next request is served."""
+    from salabatch.serve.completion import AnswerText
+
+    def boom(self, token, logprob=None):
+        raise RuntimeError("a bug")
+
+    messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[3])
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True})
+    with monkeypatch.context() as patched:
+        patched.setattr(AnswerText, "add", boom)
+        status, _, data = served.raw("POST", "/v1/chat/completions", body.encode())
+        events = data.decode().split("\n\n")
+        assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+        error = json.loads(events[-3].removeprefix("data: "))["error"]
+        assert error["code"] == "internal_error" and "(RuntimeError)" in error["message"]
+        assert "a stream failed" in caplog.text and "a bug" in caplog.text
+        with pytest.raises(openai.APIError, match="internal server error"):
+            list(
+                served.client().chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=4, stream=True
+                )
+            )
+    whole = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+
+
 def test_stop_strings_end_the_answer_before_them_streamed_or_not(served):
     client = served.client()
     messages = user_turn(document("redwater-robotics.txt"), QUESTIONS[2])
