@@ -197,7 +197,8 @@ def sampling(
         frequency_penalty=number("frequency_penalty", 0.0, lambda v: abs(v) <= 2, penalty),
         logit_bias=logit_bias(body.get("logit_bias"), vocab),
     )
-    max_tokens = number("max_completion_tokens", max_tokens, *at_least, True)
+    for name in ("max_completion_tokens", "max_output_tokens"):  # chat's newer name, Responses'
+        max_tokens = number(name, max_tokens, *at_least, True)
     return params, max_tokens
 
 
@@ -460,10 +461,10 @@ def response_messages(body: Mapping) -> list[dict]:
 
 
 def response_sampling_fields(body: Mapping) -> dict:
-    """A Responses body's sampling fields as a chat body has them (`max_output_tokens` as
-    max_tokens), for the caller's `sampling` (with its defaults)."""
-    chat = {"max_tokens": body.get("max_output_tokens")}
-    return chat | {k: body[k] for k in SAMPLING if k in body and k in RESPONSE_HONOURED}
+    """A Responses body's sampling fields (`max_output_tokens` included), for the caller's
+    `sampling` (with its defaults)."""
+    fields = (*SAMPLING, "max_output_tokens")
+    return {k: body[k] for k in fields if k in body and k in RESPONSE_HONOURED}
 
 
 def input_messages(raw) -> list[dict]:

@@ -433,6 +433,7 @@ def test_text_format_reasoning_and_length(served):
         ({"metadata": {"a": 1}}, "metadata"),  # echoed in the response: a fuzzer's 500 (NaN)
         ({"input": []}, "input"),
         ({"truncation": "middle"}, "truncation"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),  # not chat's max_tokens, a field unknown
     ],
 )
 def test_refused_fields_and_items_are_400s_naming_them(served, extra, param):

@@ -590,6 +590,7 @@ def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_pat
         response_line("short", input="A port?", max_output_tokens=1),
         response_line("chained", input="And?", previous_response_id="resp_1"),
         response_line("tool", input="x", tools=[{"type": "function", "name": "f"}]),
+        response_line("none", input="x", max_output_tokens=0),
         line(
             "forced",
             chat_template_kwargs={"enable_thinking": True},
@@ -639,6 +640,7 @@ def test_responses_lines_answer_as_the_chat_completion_of_their_messages(tmp_pat
     assert thought.usage.output_tokens_details.reasoning_tokens == forced["reasoning_tokens"]
     assert "previous_response_id" in got["chained"]["error"]["message"]
     assert "tools" in got["tool"]["error"]["message"]
+    assert "max_output_tokens must be an integer ≥ 1" in got["none"]["error"]["message"]
     exported = tmp_path / "exported.jsonl"
     assert run_cli("export", str(out.with_suffix(".parquet")), "-o", str(exported)).exit_code == 0
     assert exported.read_bytes() == out.read_bytes()
