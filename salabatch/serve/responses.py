@@ -386,7 +386,8 @@ class _Responses:
             if kind == "reasoning":
                 item = openai_api.reasoning_item(shell["id"], "", "in_progress")
                 return [*out, event("response.output_item.added", output_index=at, item=item)]
-            item = openai_api.message_item(shell["id"], "", "in_progress")
+            # empty: its part comes in the next event (OpenAI's order)
+            item = openai_api.message_item(shell["id"], "", "in_progress") | {"content": []}
             part = {"type": "output_text", "text": "", "annotations": []}
             return [
                 *out,

@@ -71,6 +71,11 @@ def test_a_response_is_the_chat_completion_of_its_messages(served):
     assert deltas == response.output_text
     (text_done,) = [e for e in events if e.type == "response.output_text.done"]
     assert text_done.text == response.output_text
+    # the message opens empty, then its one part is added (a part in both: the client's
+    # snapshot of the response held it twice)
+    (added,) = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.type == "message" and added.item.content == []
+    assert kinds.count("response.content_part.added") == 1
     last = events[-1].response
     assert last.output_text == response.output_text and last.usage.output_tokens > 0
     assert client.responses.retrieve(last.id).output_text == response.output_text
