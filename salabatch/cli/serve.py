@@ -150,7 +150,7 @@ def serve(
     from salabatch.serve.batches.runner import BatchRunner
     from salabatch.serve.batches.store import BatchStore
     from salabatch.serve.response_store import ResponseStore
-    from salabatch.serve.responses import response_routes
+    from salabatch.serve.responses import Responses
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     root = os.path.expanduser(state_dir or cache_dir())
@@ -167,16 +167,15 @@ def serve(
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
     runner = BatchRunner(engine, tok, store, model_id=model_id, defaults=defaults)
+    answers = Responses(engine, tok, model_id=model_id, defaults=defaults, store=responses)
     app = create_app(
         engine,
         tok,
         model_id=model_id,
         api_key=api_key or None,
         defaults=defaults,
-        routes=[
-            *batch_routes(runner),
-            *response_routes(engine, tok, model_id=model_id, defaults=defaults, store=responses),
-        ],
+        routes=[*batch_routes(runner), *answers.routes],
+        starting=[answers.resume],  # background responses a stopped server left run again
     )
     # SIGTERM as Ctrl-C: uvicorn stops on either, then raises the signal again once it has; as
     # a KeyboardInterrupt (which uvicorn.run ends on quietly) the closing below runs, where the

@@ -48,8 +48,8 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,12 +145,22 @@ def create_app(
     defaults: ServeDefaults = ServeDefaults(),
     max_body: int = MAX_BODY,
     routes: Sequence[Route] = (),
+    starting: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> Starlette:
     """The ASGI app serving `engine` (started and closed by the caller) as the model
     `model_id`. With `api_key`, every endpoint but /health needs `Authorization: Bearer KEY`.
-    `routes`: more endpoints (the Batch API's, `salabatch.serve.batches.routes`)."""
+    `routes`: more endpoints (the Batch API's, `salabatch.serve.batches.routes`); `starting`:
+    what to await once the event loop runs, before the first request (`Responses.resume`)."""
     server = _Server(engine, tokenizer, model_id, defaults, max_body)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        for start in starting:
+            await start()
+        yield
+
     app = Starlette(
+        lifespan=lifespan,
         routes=[
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),

@@ -7,6 +7,10 @@ messages before the answer were its own input (the others: the conversation it c
 store keeps at most `limit` bytes of them: the least recently used (stored, returned or
 continued) go first, the one just stored never. One connection, used under a lock: handlers
 call it from worker threads.
+
+A background response's run is recorded while it runs (`runs`: its request's body and how many
+times it was started without a clean stop), so that a server stopped under it runs it again
+when it starts; a response stored as ended ends its run.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, used INTEGER NOT NULL, bytes INTEGER NOT NULL,
     response TEXT NOT NULL, conversation TEXT NOT NULL, inputs INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, body TEXT NOT NULL, starts INTEGER NOT NULL);
 """
 LIMIT = 1 << 30  # bytes of stored responses, at most
+UNFINISHED = ("queued", "in_progress")  # a background response's statuses until it ends
 
 
 class Stored(NamedTuple):
@@ -36,6 +43,21 @@ class Stored(NamedTuple):
     @property
     def input_messages(self) -> list[dict]:
         return self.conversation[-1 - self.inputs : -1]
+
+    @property
+    def history(self) -> list[dict]:
+        """The conversation it continued (as its model read it)."""
+        return self.conversation[: len(self.conversation) - 1 - self.inputs]
+
+
+class Unfinished(NamedTuple):
+    """A response stored queued or in progress (`ResponseStore.unfinished`): its request's body
+    where its run was recorded (`ResponseStore.started`; None: not), and how many of its runs
+    the server stopped under without a clean stop (`ResponseStore.stopped`)."""
+
+    stored: Stored
+    body: dict | None
+    starts: int
 
 
 class ResponseStore:
@@ -66,6 +88,8 @@ class ResponseStore:
                 path=path,
             ) from None
         self._clock, self.bytes = used or 0, size or 0
+        # the runs of responses no longer stored (dropped past the limit while running)
+        self._db.execute("DELETE FROM runs WHERE id NOT IN (SELECT id FROM responses)")
 
     def close(self) -> None:
         with self._lock:
@@ -90,6 +114,8 @@ class ResponseStore:
                     "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
                     (response["id"], self._clock + 1, size, *texts, inputs),
                 )
+                if response.get("status") not in UNFINISHED:  # its run ended
+                    self._db.execute("DELETE FROM runs WHERE id = ?", (response["id"],))
                 held = self.bytes + size - (old[0] if old else 0)
                 while held > self.limit:
                     oldest = self._db.execute(
@@ -119,15 +145,40 @@ class ResponseStore:
             )
         return Stored(json.loads(row[0]), json.loads(row[1]), row[2])
 
-    def unfinished(self) -> list[Stored]:
+    def started(self, response_id: str, body: dict) -> None:
+        """Records a run of a background response begun: its request's `body` (to run it again
+        after a restart) and one more start."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO runs VALUES (?, ?, 1) "
+                "ON CONFLICT (id) DO UPDATE SET body = excluded.body, starts = starts + 1",
+                (response_id, json.dumps(body, ensure_ascii=False)),
+            )
+
+    def stopped(self, response_id: str) -> None:
+        """A run the server stopped cleanly (it runs again at the next start): its start is
+        not counted against it."""
+        with self._lock:
+            self._db.execute("UPDATE runs SET starts = starts - 1 WHERE id = ?", (response_id,))
+
+    def unfinished(self) -> list[Unfinished]:
         """The responses stored as queued or in progress (a background response's status until
-        it ends)."""
+        it ends), the oldest first, with their runs."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT response, conversation, inputs FROM responses "
-                "WHERE json_extract(response, '$.status') IN ('queued', 'in_progress')"
+                "SELECT response, conversation, inputs, body, starts FROM responses "
+                "LEFT JOIN runs USING (id) "
+                f"WHERE json_extract(response, '$.status') IN {UNFINISHED} "
+                "ORDER BY json_extract(response, '$.created_at'), used"
             ).fetchall()
-        return [Stored(json.loads(r), json.loads(c), n) for r, c, n in rows]
+        return [
+            Unfinished(
+                Stored(json.loads(r), json.loads(c), n),
+                None if body is None else json.loads(body),
+                starts or 0,
+            )
+            for r, c, n, body, starts in rows
+        ]
 
     def delete(self, response_id: str) -> bool:
         """Forgets a response; False where none had that id."""
@@ -137,6 +188,7 @@ class ResponseStore:
             row = self._db.execute(
                 "DELETE FROM responses WHERE id = ? RETURNING bytes", (response_id,)
             ).fetchone()
+            self._db.execute("DELETE FROM runs WHERE id = ?", (response_id,))
             if row is not None:
                 self.bytes -= row[0]
         return row is not None

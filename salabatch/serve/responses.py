@@ -27,13 +27,16 @@ request continues one with `previous_response_id` (an id no longer kept is a 400
 and GET returns it. A background response (`background: true`) is stored in progress at once
 and again when its job ends, by a task on the event loop (`_background`); its events are kept
 (`EventLog`) for its own stream and for GETs that stream them, from any sequence number. A
-server that stops first leaves it in progress, and the next one fails it when it opens the
-store.
+server that stops first (Ctrl-C, SIGTERM, or killed) leaves it in progress with its request,
+and the next one runs it again from the start when it starts (`resume`; its seed kept, so the
+same answer comes), under the same id: up to MAX_STARTS runs the server was killed under (one
+that kills the server must not kill every restart), then it is failed, saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sqlite3
@@ -77,7 +80,7 @@ from salabatch.serve.engine import (
     Ticket,
     Token,
 )
-from salabatch.serve.response_store import ResponseStore, Stored
+from salabatch.serve.response_store import ResponseStore, Stored, Unfinished
 
 FIELDS = (
     "model",
@@ -90,46 +93,85 @@ FIELDS = (
 )
 NO_OP = {k: v for k, v in openai_api.RESPONSE_NO_OP.items() if k not in FIELDS}
 STOPPED = "the server stopped before this background response finished"
+MAX_STARTS = 3  # runs of a background response the server may be killed under
 KEPT_LOG_BYTES = 64 << 20  # the events kept of background responses that ended, at most
 log = logging.getLogger(__name__)
 
 
-def response_routes(
-    engine: ServeEngine,
-    tok: Tokenizer,
-    *,
-    model_id: str,
-    defaults: ServeDefaults,
-    store: ResponseStore | None = None,
-    max_body: int = MAX_BODY,
-) -> list[Route]:
-    """The Responses endpoints over `engine` (which the app's other endpoints share), keeping
-    responses in `store` (None: a store in memory)."""
-    store = ResponseStore() if store is None else store
-    responses = _Responses(engine, tok, model_id, defaults, max_body, store)
-    return [
-        Route("/v1/responses", responses.create, methods=["POST"]),
-        Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
-        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
-    ]
+class Responses:
+    """The Responses endpoints (`routes`) over `engine` (which the app's other endpoints
+    share), keeping responses in `store` (None: a store in memory). `resume`, once the event
+    loop runs (`create_app(starting=...)`), runs again the background responses a server
+    before this one stopped under; opening, it fails those it will not run again."""
 
-
-class _Responses:
-    def __init__(self, engine, tok, model_id, defaults, max_body, store) -> None:
+    def __init__(
+        self,
+        engine: ServeEngine,
+        tok: Tokenizer,
+        *,
+        model_id: str,
+        defaults: ServeDefaults,
+        store: ResponseStore | None = None,
+        max_body: int = MAX_BODY,
+    ) -> None:
         self.engine, self.tok, self.model_id = engine, tok, model_id
-        self.defaults, self.max_body, self.store = defaults, max_body, store
+        self.defaults, self.max_body = defaults, max_body
+        self.store = store = ResponseStore() if store is None else store
         self.leading_ids = LeadingIds(tok)
-        # the background responses running: id → (their ticket, the task that finishes them)
         # the background responses running: id → (their ticket, the task that finishes them,
         # their events), and the events of those that ended last, within KEPT_LOG_BYTES
         self.running: dict[str, tuple[Ticket, asyncio.Task, EventLog]] = {}
         self.logs: OrderedDict[str, EventLog] = OrderedDict()
+        self.left: list[Unfinished] = []  # to run again (`resume`)
         for left in store.unfinished():  # a server before this one stopped with them running
-            failed = {"code": "server_error", "message": STOPPED}
-            store.put(left.response | {"status": "failed", "error": failed}, *left[1:])
+            if left.body is not None and left.starts < MAX_STARTS:
+                self.left.append(left)
+                continue
+            message = STOPPED
+            if left.body is not None:
+                message = f"the server stopped {left.starts} times while running this response"
+            self._fail(left.stored, message)
+        self.routes = [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
+            Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
+        ]
+
+    async def resume(self) -> None:
+        """Runs again, oldest first, the background responses a stopped server left in
+        progress: each as its request asked, from the start, under its id; one that can no
+        longer run (the conversation it continues was dropped, the queue is full) is failed,
+        saying why."""
+        left, self.left = self.left, []
+        for unfinished in left:
+            stored = unfinished.stored
+            try:
+                asked = await run_in_threadpool(
+                    response_request,
+                    unfinished.body,
+                    self.tok,
+                    self.defaults,
+                    self.model_id,
+                    stored.history,
+                    self.leading_ids,
+                    self.engine.model.config.context_length,
+                    stored.response["id"],
+                    stored.response["created_at"],
+                )
+                check_context(asked.job, self.engine.model.config.context_length, "input")
+                ticket = self.engine.submit(asked.job, asyncio.get_running_loop())
+            except (APIError, BodyError, QueueFull, EngineClosed) as e:
+                await run_in_threadpool(self._fail, stored, f"{STOPPED}, and cannot run again: {e}")
+                continue
+            await self._start(ticket, asked, unfinished.body)
+            log.info("background response %s runs again", stored.response["id"])
+
+    def _fail(self, stored: Stored, message: str) -> None:
+        failed = {"code": "server_error", "message": message}
+        self._put(stored.response | {"status": "failed", "error": failed}, *stored[1:])
 
     async def create(self, request: Request) -> Response:
         body = await read_body(request, self.max_body, FIELDS, NO_OP, self.model_id)
@@ -144,19 +186,21 @@ class _Responses:
         except (QueueFull, EngineClosed) as e:
             raise engine_error(e) from None
 
-        async def done(finished: Finished) -> dict:
-            out = asked.response(finished)
-            if asked.store:
-                await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
-            return out
-
+        done = functools.partial(self._done, asked)
         if background:
-            running, log = await self._start(ticket, asked, done)
+            running, log = await self._start(ticket, asked, body)
             return EventStream(log.follow(0), []) if stream else JSONResponse(running)
         if stream:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(await done(finished))
+
+    async def _done(self, asked: ResponseRequest, finished: Finished) -> dict:
+        """The whole response of a job that finished, stored where it is to be."""
+        out = asked.response(finished)
+        if asked.store:
+            await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
+        return out
 
     async def input_tokens(self, request: Request) -> Response:
         """How many tokens the prompt of a request with this body would have (its instructions,
@@ -279,15 +323,20 @@ class _Responses:
 
     # ---- background responses ----------------------------------------------------------------
 
-    async def _start(self, ticket: Ticket, asked: ResponseRequest, done) -> tuple[dict, EventLog]:
+    async def _start(
+        self, ticket: Ticket, asked: ResponseRequest, body: dict
+    ) -> tuple[dict, EventLog]:
         """Stores background response `asked` as in progress (from now until it ends: waiting
-        in line and its prefill included) and starts the task that finishes it (`_background`);
-        → the response in progress and the log its events go to."""
+        in line and its prefill included), its run with its request's `body` (its seed as
+        drawn, so that a run again after a restart answers the same), and starts the task that
+        finishes it (`_background`); → the response in progress and the log its events go to."""
         response_id = asked.shell["id"]
         running = asked.shell | {"status": "in_progress", "output": [], "usage": None}
         await run_in_threadpool(self._keep_unanswered, running, asked)
+        body = body | {"seed": asked.job.params.seed}
+        await run_in_threadpool(self.store.started, response_id, body)
         events = EventLog()
-        task = asyncio.create_task(self._background(ticket, asked, done, events))
+        task = asyncio.create_task(self._background(ticket, asked, events))
         self.running[response_id] = (ticket, task, events)
 
         def ended(_) -> None:
@@ -312,12 +361,13 @@ class _Responses:
         conversation = [*asked.conversation, {"role": "assistant", "content": ""}]
         self._put(response, conversation, asked.inputs)
 
-    async def _background(self, ticket: Ticket, asked: ResponseRequest, done, events) -> None:
+    async def _background(self, ticket: Ticket, asked: ResponseRequest, events) -> None:
         """Runs a background response's events (`_events`) into `events` (an EventLog) to their
-        end: `done`
-        stores it completed, incomplete or cancelled (the answer so far); a failed job or a
-        fault of the server's own stores it failed."""
+        end: `_done` stores it completed, incomplete or cancelled (the answer so far); a failed
+        job or a fault of the server's own stores it failed. The server stopping (the event
+        loop cancels the task) leaves it in progress, to run again at the next start."""
         shell = asked.shell
+        done = functools.partial(self._done, asked)
 
         async def failed(message: str) -> None:
             error = {"code": "server_error", "message": message}
@@ -327,6 +377,9 @@ class _Responses:
         try:
             async for chunk in self._events(ticket, asked.answer, shell, done, failed):
                 events.add(chunk)
+        except asyncio.CancelledError:
+            self.store.stopped(shell["id"])  # a clean stop: the next server runs it again
+            raise
         except Exception as e:
             log.exception("background response %s", shell["id"])
             await failed(f"internal server error ({type(e).__name__}); the server's log has it")
@@ -528,10 +581,13 @@ def response_request(
     history: list[dict] | None,
     leading_ids: LeadingIds | None = None,
     context: int | None = None,
+    response_id: str | None = None,
+    created: int | None = None,
 ) -> ResponseRequest:
     """The ResponseRequest of a body whose fields were checked (`FIELDS`): `history`, the
     conversation of its previous_response_id (None where none can be continued, as in a
-    batch's line: then giving one is a BodyError). With `truncation: "auto"`, a prompt that
+    batch's line: then giving one is a BodyError); its id and creation time new unless given
+    (a background response run again). With `truncation: "auto"`, a prompt that
     `context` tokens cannot hold drops the conversation's oldest messages (not the
     instructions, not the last message) until it fits, as OpenAI's does; the response keeps
     what the model read. Tokenizes and compiles the body's pattern: call it off the event
@@ -576,8 +632,9 @@ def response_request(
         job = job_of(conversation)
     if pattern is not None:
         job = replace(job, grammar=grammar_of(tok, pattern))
-    created = int(time.time())
-    shell = openai_api.response_echo(body, params, "resp_" + uuid.uuid4().hex, created, model_id)
+    response_id = response_id or "resp_" + uuid.uuid4().hex
+    created = int(time.time()) if created is None else created
+    shell = openai_api.response_echo(body, params, response_id, created, model_id)
     answer = AnswerText(tok, think=think)
     return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
 

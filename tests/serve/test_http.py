@@ -60,7 +60,7 @@ class Served:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=120)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=120)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
 

@@ -72,6 +72,47 @@ def test_a_response_stored_again_replaces_it():
     assert store.bytes == size(1, "ab")
     queued, conversation, inputs = response(3)
     store.put(queued | {"status": "queued"}, conversation, inputs)
-    assert [s.response["id"] for s in store.unfinished()] == ["resp_3"]
+    assert [u.stored.response["id"] for u in store.unfinished()] == ["resp_3"]
     store.put(queued | {"status": "completed"}, conversation, inputs)
     assert store.unfinished() == []
+
+
+def test_a_background_runs_record_ends_with_the_response_and_counts_unclean_starts(tmp_path):
+    """`started` records a run (its body, one more start), `stopped` a clean stop (the start
+    given back); a response stored as ended, or deleted, ends its run; `unfinished` lists the
+    queued and in-progress ones, the oldest first, with their runs (None: none recorded), from a
+    reopened file too; a run whose response was dropped is forgotten when the file opens."""
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(path)
+
+    def put(n: int, status: str, created_at: int) -> None:
+        body, conversation, inputs = response(n)
+        store.put(body | {"status": status, "created_at": created_at}, conversation, inputs)
+
+    put(1, "in_progress", 20)
+    put(2, "queued", 10)
+    put(3, "in_progress", 30)
+    put(4, "completed", 5)
+    store.started("resp_1", {"input": "one"})
+    store.started("resp_1", {"input": "one", "seed": 7})
+    store.started("resp_3", {"input": "three"})
+    store.stopped("resp_3")
+    store.started("resp_9", {"input": "a response not stored"})
+    got = [(u.stored.response["id"], u.body, u.starts) for u in store.unfinished()]
+    assert got == [
+        ("resp_2", None, 0),
+        ("resp_1", {"input": "one", "seed": 7}, 2),
+        ("resp_3", {"input": "three"}, 0),
+    ]
+    assert store.unfinished()[1].stored.history == response(1)[1][:2]
+    put(1, "completed", 20)  # its run ended
+    assert store.delete("resp_3")
+    store.close()
+    again = ResponseStore(path)
+    assert [(u.stored.response["id"], u.body) for u in again.unfinished()] == [("resp_2", None)]
+    again.put(*response(3))  # stored again: no run of before comes back with it
+    again.put(response(5)[0] | {"status": "in_progress"}, *response(5)[1:])
+    assert [u.body for u in again.unfinished()] == [None, None]
+    count = again._db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]  # noqa: SLF001
+    assert count == 0  # resp_9's, whose response was never stored, went when the file opened
+    again.close()

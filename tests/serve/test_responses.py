@@ -14,7 +14,7 @@ import pytest
 
 from salabatch.serve.app import ServeDefaults
 from salabatch.serve.engine import ServeEngine
-from salabatch.serve.responses import response_routes
+from salabatch.serve.responses import Responses
 from tests import REPO
 from tests.serve.test_http import KEY, MODEL, Served
 
@@ -26,8 +26,8 @@ QUESTION = "Give the service provider of this agreement."
 def served(tiny):
     model, tok = tiny
     engine = ServeEngine(model, tok, batch_size=4, max_queue=16, snapshot_min=16)
-    routes = response_routes(engine, tok, model_id=MODEL, defaults=ServeDefaults())
-    with Served(engine, tok, api_key=KEY, routes=routes) as s:
+    answers = Responses(engine, tok, model_id=MODEL, defaults=ServeDefaults())
+    with Served(engine, tok, api_key=KEY, routes=answers.routes, starting=[answers.resume]) as s:
         yield s
 
 
@@ -282,21 +282,63 @@ def test_a_background_response_cancelled_mid_prefill(served):
         assert e.value.body["param"] == param
 
 
-def test_a_background_response_a_stopped_server_left_is_failed_at_start(tiny):
-    """One stored in progress (its server stopped first) is failed when routes open the store,
-    with the reason; the others are left as they are."""
+def test_a_background_response_a_stopped_server_left_runs_again_at_the_next_start(tiny, tmp_path):
+    """A server stopped mid-prefill of a background response (a sampled one, continuing a
+    conversation): the next server on the same store runs it again under its id, as it was
+    asked, its seed kept: the answer the same request with that seed gets in the foreground.
+    One an older server left (no run recorded) or one killed under MAX_STARTS runs is failed,
+    saying why; what ended is left as it is."""
     from salabatch.serve.response_store import ResponseStore
+    from salabatch.serve.responses import MAX_STARTS
 
     model, tok = tiny
-    store = ResponseStore()
-    shell = {"id": "resp_left", "object": "response", "background": True, "output": []}
+    path = tmp_path / "responses.sqlite"
+
+    def server(store: ResponseStore) -> Served:
+        engine = ServeEngine(model, tok, batch_size=4, max_queue=16, snapshot_min=16)
+        answers = Responses(engine, tok, model_id=MODEL, defaults=ServeDefaults(), store=store)
+        return Served(engine, tok, api_key=KEY, routes=answers.routes, starting=[answers.resume])
+
+    long = "\n\n".join([DOCUMENT] * 40)  # ~25K tokens: seconds of prefill here
+    ask = {"model": MODEL, "input": f"{long}\n\n{QUESTION}", "max_output_tokens": 8}
+    ask |= {"temperature": 1.0}
+    store = ResponseStore(path)
+    with server(store) as first_server:
+        client = first_server.client()
+        first = client.responses.create(model=MODEL, input="Who signs?", max_output_tokens=4)
+        started = client.responses.create(**ask, previous_response_id=first.id, background=True)
+    (left,) = store.unfinished()  # stopped cleanly: its start not counted
+    assert left.stored.response["id"] == started.id and left.starts == 0
+    seed = left.body["seed"]
+    assert isinstance(seed, int) and left.body["previous_response_id"] == first.id
+    shell = {"object": "response", "background": True, "output": [], "created_at": 1}
     conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]
-    store.put(shell | {"status": "in_progress"}, conversation, 1)
+    store.put(shell | {"id": "resp_older", "status": "in_progress"}, conversation, 1)
+    store.put(shell | {"id": "resp_crashing", "status": "in_progress"}, conversation, 1)
+    for _ in range(MAX_STARTS):
+        store.started("resp_crashing", {"model": MODEL, "input": "Q"})
     store.put(shell | {"id": "resp_done", "status": "completed"}, conversation, 1)
-    response_routes(None, tok, model_id=MODEL, defaults=ServeDefaults(), store=store)
-    left = store.get("resp_left").response
-    assert left["status"] == "failed" and "stopped" in left["error"]["message"]
-    assert store.get("resp_done").response["status"] == "completed"
+    store.close()
+
+    with server(ResponseStore(path)) as second_server:
+        client = second_server.client()
+        for response_id, why in (("resp_older", "server stopped"), ("resp_crashing", "3 times")):
+            failed = client.responses.retrieve(response_id)
+            assert failed.status == "failed" and why in failed.error.message, failed
+        assert client.responses.retrieve("resp_done").status == "completed"
+        done = second_server.wait_for(
+            lambda: (r := client.responses.retrieve(started.id)).status != "in_progress" and r,
+            timeout=120,
+        )
+        assert done.status in ("completed", "incomplete") and done.output_text
+        assert done.created_at == started.created_at and done.previous_response_id == first.id
+        again = client.responses.create(
+            **ask, previous_response_id=first.id, extra_body={"seed": seed}
+        )
+        assert done.output_text == again.output_text
+        assert done.usage.input_tokens == again.usage.input_tokens
+        assert second_server.engine.stats()["requests_total"] >= 2
+    assert ResponseStore(path).unfinished() == []
 
 
 def test_an_answer_the_store_cannot_take_still_goes_to_its_client(served, monkeypatch):
@@ -479,13 +521,12 @@ def test_a_thought_answer_is_a_reasoning_item_then_the_message(tiny):
 
     from salabatch.serve.completion import AnswerText
     from salabatch.serve.engine import Finished, Token
-    from salabatch.serve.response_store import ResponseStore
-    from salabatch.serve.responses import ResponseRequest, _Responses
+    from salabatch.serve.responses import ResponseRequest, Responses
 
     _, tok = tiny
     ids = tok.encode("<think> first the plan </think>\n\nAcme Corp")
     finished = Finished("stop", 30, len(ids), 0, None, 0.0, 0.0, 0.0, 0.0)
-    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, ResponseStore())
+    responses = Responses(None, tok, model_id=MODEL, defaults=ServeDefaults())
     shell = {
         "id": "resp_" + "ab" * 16,
         "object": "response",
@@ -539,11 +580,10 @@ def test_a_job_that_fails_mid_stream_ends_it_with_an_error_event(tiny):
     from salabatch.errors import GenerationError
     from salabatch.serve.completion import AnswerText
     from salabatch.serve.engine import Failed, Token
-    from salabatch.serve.response_store import ResponseStore
-    from salabatch.serve.responses import _Responses
+    from salabatch.serve.responses import Responses
 
     _, tok = tiny
-    responses = _Responses(None, tok, MODEL, ServeDefaults(), 1 << 20, ResponseStore())
+    responses = Responses(None, tok, model_id=MODEL, defaults=ServeDefaults())
     shell = {"id": "resp_" + "cd" * 16, "object": "response", "created_at": 0, "model": MODEL}
 
     async def streamed() -> bytes:
