@@ -142,9 +142,9 @@ class Responses:
 
     async def resume(self) -> None:
         """Runs again, oldest first, the background responses a stopped server left in
-        progress: each as its request asked, from the start, under its id; one that can no
-        longer run (the conversation it continues was dropped, the queue is full) is failed,
-        saying why."""
+        progress: each as its request asked (the conversation it continued as it was stored
+        with it), from the start, under its id; one that can no longer run (a model whose
+        context cannot hold it, a full queue) is failed, saying why."""
         left, self.left = self.left, []
         for unfinished in left:
             stored = unfinished.stored
