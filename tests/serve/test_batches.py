@@ -384,6 +384,14 @@ def test_cancel_mid_batch(tiny, tmp_path):
         assert 2 <= done < 40
         out = s.output(batch.output_file_id)
         assert len(out) == done and len({o["custom_id"] for o in out}) == done
+        assert s.api.batches.cancel(batch.id).status == "cancelled"  # again: as it is
+        finished = s.done(s.start_batch(many(1, 4)).id)
+        requests = s.metrics()
+        with pytest.raises(openai.BadRequestError, match="completed: it cannot be cancelled"):
+            s.api.with_options(max_retries=2).batches.cancel(finished.id)
+        after = s.metrics()
+        key = 'salabatch_http_requests_total{endpoint="/v1/batches/{batch_id}/cancel",status="400"}'
+        assert after.get(key, 0) - requests.get(key, 0) == 1  # a 400: the client does not retry
 
 
 def test_a_restart_mid_batch_answers_every_line_once(tiny, tmp_path):

@@ -152,15 +152,15 @@ class BatchRunner:
 
     def cancel(self, batch_id: str) -> dict | None:
         """Marks a validating or in-progress batch cancelling (the runner ends it cancelled);
-        APIError 409 for one that has finished; None for no such batch."""
+        one cancelling or cancelled already is returned as it is; APIError 400 for one that
+        finished otherwise (not 409, which the OpenAI SDK retries); None for no such batch."""
 
         def cancelling(batch: dict) -> dict | None:
-            if batch["status"] == "cancelling":
+            if batch["status"] in ("cancelling", "cancelled"):
                 return None
             if batch["status"] not in ("validating", "in_progress"):
-                raise APIError(
-                    409, f"batch {batch_id} is {batch['status']}: it cannot be cancelled"
-                )
+                message = f"batch {batch_id} is {batch['status']}: it cannot be cancelled"
+                raise APIError(400, message, param="batch_id")
             return {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
 
         batch = self.store.update_batch(batch_id, cancelling)
