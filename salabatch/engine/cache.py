@@ -13,7 +13,10 @@ so they do not depend on which kind layer 0 is.
 
 Each layer cache owns its serialization (`to_state` / `from_state`, arrays named within the
 layer); `ModelCache` adds the layer's name scope (`layers.{i}.`), the metadata and the format
-version, and finds a layer's class by its kind in `LAYER_CACHES`.
+version, and finds a layer's class by its kind in `LAYER_CACHES`. A state may hold only what
+came after a position (`to_state(since=)`: the keys of the tokens from there, the lightning
+states whole), and `joined_state` puts such parts back together (`joined`), so that a long
+prefill's snapshots write each token's keys once.
 """
 
 from __future__ import annotations
@@ -65,11 +68,17 @@ class LightningCache:
     def concat(caches: Sequence[LightningCache]) -> LightningCache:
         return LightningCache(mx.concatenate([c.state for c in caches], axis=0))
 
-    def to_state(self) -> dict[str, mx.array]:
-        """`state` [1, H, dk, dv] of a one-row cache."""
+    def to_state(self, since: int = 0) -> dict[str, mx.array]:
+        """`state` [1, H, dk, dv] of a one-row cache (whole, whatever `since`: it is the
+        layer's whole history)."""
         if self.state is None or self.state.shape[0] != 1:
             raise ValueError("only a one-row cache can be saved")
         return {"state": self.state}
+
+    @staticmethod
+    def joined(parts: Sequence[dict[str, mx.array]]) -> dict[str, mx.array]:
+        """The state of consecutive parts (`to_state(since=)` each): the last one's."""
+        return parts[-1]
 
     @classmethod
     def from_state(
@@ -302,16 +311,19 @@ class ModelCache:
         self.positions = [p + 1 for p in self.positions]
 
     # -- serialization -------------------------------------------------------------------------
-    def to_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:
+    def to_state(self, since: int = 0) -> tuple[dict[str, mx.array], dict[str, str]]:
         """Arrays and string metadata of a one-row cache (a prefix, or a prefill
         snapshot): everything needed to continue it exactly. Layer i's arrays are named
-        `layers.{i}.<name>`; buffers are cut to their length."""
+        `layers.{i}.<name>`; buffers are cut to their length. With `since` (a position before
+        this one), only what came after it: a part for `joined_state`."""
         if self.rows != 1:
             raise ValueError(f"only a one-row cache can be saved, this one has {self.rows} rows")
+        if not 0 <= since <= self.offset:
+            raise ValueError(f"since must be in [0, {self.offset}], got {since}")
         arrays = {
             f"layers.{i}.{name}": a
             for i, c in enumerate(self.layers)
-            for name, a in c.to_state().items()
+            for name, a in c.to_state(since).items()
         }
         meta = {
             "format_version": str(FORMAT_VERSION),
@@ -319,7 +331,30 @@ class ModelCache:
             "position": str(self.offset),
             "prefill_len": str(self.prefill_len),
         }
-        return arrays, meta
+        return arrays, meta | ({"since": str(since)} if since else {})
+
+    @staticmethod
+    def joined_state(
+        parts: Sequence[tuple[dict[str, mx.array], dict[str, str]]], source: str = ""
+    ) -> tuple[dict[str, mx.array], dict[str, str]]:
+        """The whole state (`from_state`'s) of consecutive parts of one cache (`to_state`
+        with `since` each its predecessor's position, the first 0), in order; CacheFormatError
+        where they are not."""
+        at = 0
+        for _, meta in parts:
+            if meta.get("since", "0") != str(at) or meta.get("layer_kinds") is None:
+                why = f"a part from {meta.get('since')} where {at} was expected"
+                raise CacheFormatError(f"not a usable cache: {why}", path=source or None)
+            at = int(meta.get("position", "0"))
+        kinds = json.loads(parts[-1][1]["layer_kinds"])
+        arrays = {}
+        for i, kind in enumerate(kinds):
+            scope = f"layers.{i}."
+            layer = [
+                {k[len(scope) :]: a for k, a in p.items() if k.startswith(scope)} for p, _ in parts
+            ]
+            arrays |= {scope + k: a for k, a in LAYER_CACHES[kind].joined(layer).items()}
+        return arrays, {k: v for k, v in parts[-1][1].items() if k != "since"}
 
     @classmethod
     def from_state(

@@ -382,17 +382,26 @@ class SparseKVCache:
         return out
 
     # -- serialization -------------------------------------------------------------------------
-    def to_state(self) -> dict[str, mx.array]:
+    def to_state(self, since: int = 0) -> dict[str, mx.array]:
         """The arrays of a one-row cache without shared keys, cut to their lengths:
-        `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d]."""
+        `keys`, `values` [1, Hk, n, d] and `chunks{level}` [1, Hk, N_level, d]; with `since`,
+        those of the tokens from position `since` on (the chunks completed since)."""
         if self.shared is not None or self.keys.rows != 1:
             raise ValueError("only a one-row cache without shared keys can be saved")
         self.settle()
         n = self.keys.lengths[0]
-        state = {"keys": self.keys.data[:, :, :n], "values": self.values.data[:, :, :n]}
+        keys, values = self.keys.data[:, :, since:n], self.values.data[:, :, since:n]
+        state = {"keys": keys, "values": values}
         for level, buf in enumerate(self.compressed):
-            state[f"chunks{level}"] = buf.data[:, :, : buf.lengths[0]]
+            first = chunk_count(self.sparse.compression[level], since)
+            state[f"chunks{level}"] = buf.data[:, :, first : buf.lengths[0]]
         return state
+
+    @staticmethod
+    def joined(parts: Sequence[dict[str, mx.array]]) -> dict[str, mx.array]:
+        """The state of consecutive parts (`to_state(since=)` each): each array's rows in
+        order."""
+        return {name: mx.concatenate([p[name] for p in parts], axis=2) for name in parts[-1]}
 
     @classmethod
     def from_state(
@@ -406,8 +415,8 @@ class SparseKVCache:
         if keys.shape[2] != position or values.shape != keys.shape:
             raise ValueError(f"holds {keys.shape[2]} keys for position {position}")
         chunks = [state[f"chunks{level}"] for level in range(len(cache.compressed))]
-        for (size, stride), got in zip(cfg.sparse.compression, chunks, strict=True):
-            if got.shape[2] != max(0, (position - size) // stride + 1):
+        for level, got in zip(cfg.sparse.compression, chunks, strict=True):
+            if got.shape[2] != chunk_count(level, position):
                 raise ValueError(f"has {got.shape[2]} compressed chunks")
         cache.reserve(position, keys)
         bufs = (cache.keys, cache.values, *cache.compressed)
@@ -424,6 +433,12 @@ class SparseKVCache:
     @property
     def shared_nbytes(self) -> int:
         return 0 if self.shared is None else self.shared.nbytes
+
+
+def chunk_count(level: tuple[int, int], position: int) -> int:
+    """Complete chunks of a compression level (size, stride) in the first `position` tokens."""
+    size, stride = level
+    return max(0, (position - size) // stride + 1)
 
 
 def write_step(

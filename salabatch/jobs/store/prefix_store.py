@@ -3,7 +3,11 @@
 Layout under the store's root (the job's `cache.dir`):
   prefixes/<digest>.safetensors   the cache's arrays (`ModelCache.to_state`), metadata in the header
   prefixes/<digest>.json          its manifest, written last: size, sha256 and what it belongs to
-  snapshots/<digest>/<pos>.*      the same for a partial prefill (resume after a crash)
+  snapshots/<digest>/<pos>.*      a partial prefill at <pos> tokens (resume after a crash): the
+                                  first one whole, each later one only what came after the one
+                                  before it (`since` in its manifest; the keys of its own tokens,
+                                  the lightning states whole), so that a long prefill writes each
+                                  token's keys once; read back as the chain of them
   .lock                           flock: exclusive to change the store, shared to read it
 
 The digest is a content address: sha256 of (model fingerprint, tokenizer fingerprint, dtype,
@@ -165,24 +169,34 @@ class PrefixStore:
 
     # -- snapshots of a prefill in progress ---------------------------------------------------
     def load_snapshot(self, key: PrefixKey, cfg: ModelConfig) -> ModelCache | None:
-        """The furthest usable snapshot of this prefix's prefill, or None."""
+        """The furthest usable snapshot of this prefix's prefill (its chain read and checked
+        link by link), or None. A link that fails its checks goes, with the later ones."""
         folder = self.root / "snapshots" / key.digest
         with self._lock(shared=True):
             for manifest in sorted(_manifests(folder, "*.json"), key=lambda p: -_position(p)):
-                cache = self._read(manifest.with_suffix(""), key, cfg, _position(manifest))
-                if cache is not None:
-                    return cache
+                parts = self._read_chain(folder, key, _position(manifest))
+                if parts is None:
+                    continue
+                source = str(manifest.with_suffix(".safetensors"))
+                try:
+                    return ModelCache.from_state(
+                        *ModelCache.joined_state(parts, source), cfg, source
+                    )
+                except CacheFormatError as e:
+                    self._unusable(manifest.with_suffix(""), f"unreadable ({e})")
         return None
 
     def save_snapshot(self, key: PrefixKey, cache: ModelCache) -> None:
-        """Stores a partial prefill and drops the older snapshots of the same prefix."""
+        """Stores a partial prefill: what came after the furthest snapshot of the same prefix
+        before it (whole where there is none), which stays as its chain's link."""
         folder = self.root / "snapshots" / key.digest
 
         def change() -> None:
-            self._write(folder / str(cache.offset), key, cache, "snapshot")
-            for manifest in _manifests(folder, "*.json"):
-                if _position(manifest) < cache.offset:
-                    self._remove(manifest.with_suffix(""))
+            positions = [_position(m) for m in _manifests(folder, "*.json")]
+            for later in (p for p in positions if p >= cache.offset):  # another prefill's
+                self._remove(folder / str(later))
+            since = max((p for p in positions if p < cache.offset), default=0)
+            self._write(folder / str(cache.offset), key, cache, "snapshot", since)
 
         self._change(change)
 
@@ -250,12 +264,13 @@ class PrefixStore:
         and damaged files removed on opening are in `swept`)."""
 
         def change() -> list[Entry]:
-            removed = []
+            removed: list[Entry] = []
             now = time.time()
-            for e in self.entries():
-                if older_than_s is not None and now - e.last_used > older_than_s:
-                    self._remove(e.path)
-                    removed.append(e)
+            entries = self.entries()
+            for e in entries:
+                old = older_than_s is not None and now - e.last_used > older_than_s
+                if old and e not in removed:
+                    removed += self._drop(e, entries)
             removed += [] if max_bytes is None else self._evict(max_bytes=max_bytes)
             self._drop_empty_snapshot_folders()
             return removed
@@ -390,9 +405,12 @@ class PrefixStore:
         """A complete prefix's entry, without its suffix (.json manifest, .safetensors data)."""
         return self.root / "prefixes" / key.digest
 
-    def _write(self, stem: Path, key: PrefixKey, cache: ModelCache, kind: str) -> None:
-        """Writes the data, then its manifest; a failure leaves neither (nor a temporary)."""
-        arrays, meta = cache.to_state()
+    def _write(
+        self, stem: Path, key: PrefixKey, cache: ModelCache, kind: str, since: int = 0
+    ) -> None:
+        """Writes the data (what came after `since`), then its manifest; a failure leaves
+        neither (nor a temporary)."""
+        arrays, meta = cache.to_state(since)
         data = stem.with_suffix(".safetensors")
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)
@@ -405,6 +423,7 @@ class PrefixStore:
                 "document": key.document,
                 "kind": kind,
                 "position": cache.offset,
+                "since": since,
                 "bytes": data.stat().st_size,
                 "sha256": file_sha256(data),
                 "created": time.time(),
@@ -416,6 +435,38 @@ class PrefixStore:
             raise
 
     def _read(self, stem: Path, key: PrefixKey, cfg: ModelConfig, position: int):
+        """The cache of a whole entry, or None (missing, unreadable here, or failing a check:
+        then removed)."""
+        state = self._read_state(stem, key, position)
+        if state is None:
+            return None
+        data_path = str(stem.with_suffix(".safetensors"))
+        try:
+            return ModelCache.from_state(*state, cfg, data_path)
+        except CacheFormatError as e:
+            self._unusable(stem, f"unreadable ({e})")
+            return None
+
+    def _read_chain(self, folder: Path, key: PrefixKey, position: int) -> list | None:
+        """The states of the snapshot at `position` and of the links it continues, first link
+        first; None where one is missing, unreadable or fails its checks (which goes, with
+        every later snapshot: they continue it)."""
+        parts = []
+        while True:
+            state = self._read_state(folder / str(position), key, position)
+            if state is None:
+                if not (folder / f"{position}.json").exists():  # a link gone: the rest is void
+                    self._remove(folder / str(position))
+                return None
+            parts.append(state)
+            since = int(state[1].get("since", "0"))
+            if since == 0:
+                return parts[::-1]
+            position = since
+
+    def _read_state(self, stem: Path, key: PrefixKey, position: int):
+        """(arrays, header) of an entry's data once its manifest and checksum check out, or
+        None (missing, unreadable here, or failing a check: then removed)."""
         manifest_path, data_path = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
         problem = None
         try:
@@ -436,32 +487,44 @@ class PrefixStore:
                 arrays, header = mx.load(str(data_path), return_metadata=True)
                 if any(header.get(k) != v for k, v in key.identity().items()):
                     problem = "its header belongs to another entry"
+                elif header.get("since", "0") != str(manifest.get("since", 0)):
+                    problem = "its header and its manifest disagree"
                 else:
-                    cache = ModelCache.from_state(arrays, header, cfg, str(data_path))
                     with contextlib.suppress(OSError):  # a read-only store: no LRU order
                         os.utime(manifest_path)  # last use, for LRU eviction
-                    return cache
+                    return arrays, header
         except FileNotFoundError as e:
             problem = f"unreadable ({e})"  # a manifest whose data is gone
         except OSError as e:  # permission, I/O: the entry may be fine, this process cannot read it
             self._cannot_read(data_path, e)
             return None
-        except (ValueError, KeyError, TypeError, RuntimeError, CacheFormatError) as e:
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
             problem = f"unreadable ({e})"
+        self._unusable(stem, problem)
+        return None
+
+    def _unusable(self, stem: Path, problem: str) -> None:
+        """Reports an entry that failed a check, and removes it (a snapshot: with the later
+        ones, which continue it)."""
         warnings.warn(
-            f"prefix cache {data_path} is unusable, {problem}; it is removed and rebuilt",
+            f"prefix cache {stem.with_suffix('.safetensors')} is unusable, {problem}; it is "
+            "removed and rebuilt",
             PrefixStoreWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         self._remove(stem)  # under the shared lock too: unlinking is atomic
-        return None
 
     def _remove(self, stem: Path) -> None:
         """Removes an entry where it can (a read-only store keeps it, and it is never used
-        unless it verifies)."""
-        for suffix in (".json", ".safetensors"):
-            with contextlib.suppress(OSError):
-                stem.with_suffix(suffix).unlink(missing_ok=True)
+        unless it verifies); a snapshot with the later ones of its prefix, which continue it."""
+        stems = [stem]
+        if stem.parent.parent.name == "snapshots":
+            later = [m for m in _manifests(stem.parent, "*.json") if _position(m) > int(stem.name)]
+            stems += [m.with_suffix("") for m in later]
+        for gone in stems:
+            for suffix in (".json", ".safetensors"):
+                with contextlib.suppress(OSError):
+                    gone.with_suffix(suffix).unlink(missing_ok=True)
         if stem.parent.parent.name == "snapshots":  # its prefix's last snapshot: the folder too
             with contextlib.suppress(OSError):
                 stem.parent.rmdir()
@@ -470,16 +533,26 @@ class PrefixStore:
         budget = self.max_bytes if max_bytes is None else max_bytes
         entries, unaccounted = self._scan()
         total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps(unaccounted))
-        removed = []
+        removed: list[Entry] = []
         for e in reversed(entries):  # least recently used first
             if total <= budget:
                 break
-            if keep is not None and e.path == keep:
+            if (keep is not None and e.path == keep) or e in removed:
                 continue
-            self._remove(e.path)
-            total -= e.bytes
-            removed.append(e)
+            gone = self._drop(e, entries)
+            total -= sum(x.bytes for x in gone)
+            removed += gone
         return removed
+
+    def _drop(self, entry: Entry, entries: list[Entry]) -> list[Entry]:
+        """Removes `entry` (`_remove`); → the entries of `entries` that went: it, and for a
+        snapshot the later ones of its prefix, which continue it."""
+        self._remove(entry.path)
+        if entry.kind != "snapshot":
+            return [entry]
+        return [
+            x for x in entries if x.path.parent == entry.path.parent and x.tokens >= entry.tokens
+        ]
 
     def _entry(self, manifest: Path, kind: str) -> list[Entry]:
         """[its Entry], or [] for a manifest that cannot be read or is damaged (the store

@@ -4,6 +4,7 @@ entries are never used, a killed prefill resumes from its snapshot, the budget e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -121,6 +122,36 @@ def test_a_snapshot_keeps_the_length_of_the_prompt_it_is_part_of(model):
     assert loaded.positions == [512] and loaded.prefill_len == 1000
     sparse = [c.prefill_len for c in loaded if isinstance(c, SparseKVCache)]
     assert sparse == [1000] * len(model.config.sparse_layers)
+
+
+def test_parts_of_a_state_since_earlier_positions_join_into_the_whole(model):
+    """A prefill's states at 300, 700 and 1000 tokens, each only since the one before (the
+    keys and compressed chunks of its own tokens, the lightning states whole), join into the
+    state of the cache at 1000 bit for bit; parts out of order, or one missing, are refused."""
+    cache = model.make_cache()
+    feed = Prefill(model, doc_ids(1000), cache, 100)
+    parts, before = [], 0
+    for at in (300, 700, 1000):
+        while feed.done < at:
+            feed.step()
+        parts.append(cache.to_state(since=before))
+        before = at
+    arrays, meta = ModelCache.joined_state(parts)
+    whole, whole_meta = cache.to_state()
+    assert meta == whole_meta and arrays.keys() == whole.keys()
+    assert all(mx.array_equal(arrays[k], whole[k]) for k in whole)
+    own = {k: a.shape[2] for k, a in parts[1][0].items() if ".keys" in k or ".chunks" in k}
+    assert (
+        own["layers.0.keys"] == 400
+        and own["layers.0.chunks0"] == (700 - 32) // 16 - (300 - 32) // 16
+    )
+    loaded = ModelCache.from_state(arrays, meta, model.config)
+    assert mx.array_equal(model(mx.array(NEXT), loaded), model(mx.array(NEXT), cache))
+    for broken in (parts[1:], [parts[0], parts[2]], parts[::-1]):
+        with pytest.raises(CacheFormatError, match="a part from"):
+            ModelCache.joined_state(broken)
+    with pytest.raises(ValueError, match="since must be in"):
+        cache.to_state(since=2000)  # past its 1005 tokens (NEXT fed)
 
 
 def test_inconsistent_states_are_refused(model):
@@ -244,7 +275,9 @@ def test_killed_prefill_resumes_from_its_last_snapshot(request, tmp_path, dense_
     )
     assert result.returncode == -9, result.stderr
     store = PrefixStore(root)
-    assert [(e.kind, e.tokens) for e in store.entries()] == [("snapshot", snapshot)]
+    # a chain: each snapshot holds the keys of its own tokens, the first all before it
+    snapshots = sorted((e.kind, e.tokens) for e in store.entries())
+    assert snapshots == [("snapshot", n) for n in range(256, snapshot + 1, 256)]
     resumed = DocumentCaches(model, store, chunk=128, snapshot_every=256).get(key_for(ids), ids)
     assert resumed.source == "none" and resumed.resumed_from == snapshot
     assert [e.kind for e in store.entries()] == ["prefix"]  # snapshots dropped once complete
@@ -252,6 +285,89 @@ def test_killed_prefill_resumes_from_its_last_snapshot(request, tmp_path, dense_
     prefill(model, ids, fresh)
     diff = mx.abs(model(mx.array(NEXT), resumed.cache) - model(mx.array(NEXT), fresh)).max()
     assert diff.item() <= 1e-5
+
+
+def snapshot_chain(model, store: PrefixStore, ids: list[int], at=(256, 512, 768)) -> ModelCache:
+    """Snapshots of `ids`'s prefill at positions `at`, as a run's prefill saves them; → the
+    cache at the last."""
+    cache = model.make_cache()
+    feed = Prefill(model, ids, cache, 128)
+    for position in at:
+        while feed.done < position:
+            feed.step()
+        store.save_snapshot(key_for(ids), cache)
+    return cache
+
+
+def test_snapshots_write_each_tokens_keys_once_and_load_as_their_chain(model, tmp_path):
+    """Snapshots at 256, 512 and 768 tokens: each file holds only its own tokens' keys and
+    compressed chunks (the first all before it), so all of them hold the keys of the last one
+    once; the furthest loads as the live cache at 768 (bit for bit). A link that fails its
+    checks goes with the later ones, and the furthest before it loads instead; one whose
+    earlier link is gone goes too; a snapshot saved where others went further replaces those
+    (another prefill's), continuing the furthest before it."""
+    root = tmp_path / "store"
+    store = PrefixStore(root)
+    ids = doc_ids(1000)
+    live = snapshot_chain(model, store, ids)
+    folder = root / "snapshots" / key_for(ids).digest
+
+    def rows(position: int) -> int:
+        arrays = mx.load(str(folder / f"{position}.safetensors"))
+        return sum(a.shape[2] for name, a in arrays.items() if ".state" not in name)
+
+    whole, _ = live.to_state()
+    assert sum(rows(p) for p in (256, 512, 768)) == sum(
+        a.shape[2] for name, a in whole.items() if ".state" not in name
+    )
+    loaded = store.load_snapshot(key_for(ids), model.config)
+    assert loaded.offset == 768 and loaded.prefill_len == 1000
+    assert mx.array_equal(model(mx.array(NEXT), loaded), model(mx.array(NEXT), live))
+
+    data = folder / "512.safetensors"
+    data.write_bytes(data.read_bytes()[:-1] + b"\0")  # a bit flipped in the middle link
+    with pytest.warns(PrefixStoreWarning, match="512.safetensors is unusable"):
+        assert store.load_snapshot(key_for(ids), model.config).offset == 256
+    assert sorted(p.name for p in folder.iterdir()) == ["256.json", "256.safetensors"]
+
+    other = doc_ids(900)
+    snapshot_chain(model, store, other)
+    other_folder = root / "snapshots" / key_for(other).digest
+    (other_folder / "256.json").unlink()  # the first link gone (its data a stale temporary)
+    assert store.load_snapshot(key_for(other), model.config) is None
+    assert not list(other_folder.glob("*.json"))
+
+    cache = snapshot_chain(model, store, doc_ids(1000), at=(384,))  # below none: after 256
+    assert sorted(p.name for p in folder.glob("*.json")) == ["256.json", "384.json"]
+    assert json.loads((folder / "384.json").read_text())["since"] == 256
+    again = store.load_snapshot(key_for(ids), model.config)
+    assert mx.array_equal(model(mx.array(NEXT), again), model(mx.array(NEXT), cache))
+    snapshot_chain(model, store, doc_ids(1000), at=(128,))  # another prefill, not so far yet
+    assert sorted(p.name for p in folder.glob("*.json")) == ["128.json"]
+
+
+def test_a_snapshot_evicted_takes_the_later_ones_of_its_chain(model, tmp_path):
+    """The budget evicts a snapshot with the snapshots that continue it (useless without it),
+    counting all their bytes; prune by age likewise."""
+    store = PrefixStore(tmp_path / "store")
+    ids = doc_ids(1000)
+    snapshot_chain(model, store, ids)
+    prefix = model.make_cache()
+    prefill(model, doc_ids(300), prefix)
+    store.save(key_for(doc_ids(300)), prefix)
+    chain = sorted((e for e in store.entries() if e.kind == "snapshot"), key=lambda e: e.tokens)
+    for age, e in enumerate(chain):  # the first link the least recently used, as written
+        os.utime(e.path.with_suffix(".json"), (1000 + age, 1000 + age))
+    removed = store.prune(max_bytes=sum(e.bytes for e in store.entries()) - 1)
+    assert sorted(e.tokens for e in removed) == [256, 512, 768]
+    assert [e.kind for e in store.entries()] == ["prefix"]
+    snapshot_chain(model, store, ids)
+    for e in store.entries():
+        if e.kind == "snapshot" and e.tokens == 512:
+            os.utime(e.path.with_suffix(".json"), (1000, 1000))
+    removed = store.prune(older_than_s=3600)
+    assert sorted(e.tokens for e in removed) == [512, 768]
+    assert store.load_snapshot(key_for(ids), model.config).offset == 256
 
 
 def test_budget_evicts_least_recently_used(model, tmp_path):
