@@ -416,7 +416,10 @@ class PrefixStore:
             stem.parent.mkdir(parents=True, exist_ok=True)
             # through a Python file, so a failed write is an OSError with its reason (a path
             # given to MLX fails as a RuntimeError that names no cause)
-            write_atomic(data, lambda tmp: _save_safetensors(tmp, arrays, meta | key.identity()))
+            hashed = hashlib.sha256()  # of the bytes as they are written (no reading back)
+            write_atomic(
+                data, lambda tmp: _save_safetensors(tmp, arrays, meta | key.identity(), hashed)
+            )
             manifest = {
                 **key.identity(),
                 "model": key.model,
@@ -425,7 +428,7 @@ class PrefixStore:
                 "position": cache.offset,
                 "since": since,
                 "bytes": data.stat().st_size,
-                "sha256": file_sha256(data),
+                "sha256": hashed.hexdigest(),
                 "created": time.time(),
             }
             # the commit point: a data file without its manifest is never read
@@ -586,9 +589,27 @@ def _parse_entry(manifest: Path, kind: str) -> Entry:
         raise ValueError(f"not a manifest ({e})") from None
 
 
-def _save_safetensors(path: Path, arrays: dict[str, mx.array], meta: dict[str, str]) -> None:
+def _save_safetensors(
+    path: Path, arrays: dict[str, mx.array], meta: dict[str, str], hashed
+) -> None:
+    """Writes the file, each byte also into `hashed` (a hashlib object)."""
     with open(path, "wb") as f:
-        mx.save_safetensors(f, arrays, meta)
+        mx.save_safetensors(_Hashing(f, hashed), arrays, meta)
+
+
+class _Hashing:
+    """A file written through, its bytes hashed as they go (MLX writes a safetensors file in
+    order, the header first, and never seeks back)."""
+
+    def __init__(self, f, hashed) -> None:
+        self.f, self.hashed = f, hashed
+
+    def write(self, data) -> int:
+        self.hashed.update(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.f, name)
 
 
 def _manifests(folder: Path, pattern: str) -> list[Path]:

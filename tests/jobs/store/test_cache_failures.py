@@ -124,7 +124,7 @@ def test_a_failed_prefix_save_answers_every_row_from_the_live_cache(
 ):
     calls = []
 
-    def save_half_then_fail(path, arrays, meta):
+    def save_half_then_fail(path, arrays, meta, hashed):
         calls.append(path)
         path.write_bytes(bytes(3000))
         raise FULL
@@ -142,7 +142,7 @@ def test_a_failed_prefix_save_answers_every_row_from_the_live_cache(
 
 
 def test_a_failed_snapshot_save_lets_the_prefill_go_on(model, tmp_path, monkeypatch):
-    def fail(path, arrays, meta):
+    def fail(path, arrays, meta, hashed):
         raise FULL
 
     monkeypatch.setattr(prefix_store, "_save_safetensors", fail)

@@ -197,7 +197,11 @@ def stored_entry(model, tmp_path, n=300):
 
 
 def test_bit_flip_is_detected_and_the_entry_removed(model, tmp_path):
+    from salabatch.engine.fingerprint import file_sha256
+
     store, key, path = stored_entry(model, tmp_path)
+    # the checksum, hashed as the file was written, is the file's
+    assert json.loads(path.with_suffix(".json").read_text())["sha256"] == file_sha256(path)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
