@@ -36,6 +36,7 @@ that kills the server must not kill every restart), then it is failed, saying wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -163,8 +164,14 @@ class Responses:
                 )
                 check_context(asked.job, self.engine.model.config.context_length, "input")
                 ticket = self.engine.submit(asked.job, asyncio.get_running_loop())
-            except (APIError, BodyError, QueueFull, EngineClosed) as e:
-                await run_in_threadpool(self._fail, stored, f"{STOPPED}, and cannot run again: {e}")
+            except Exception as e:  # whatever it is, the server starts, the others run
+                why = str(e)
+                if not isinstance(e, APIError | BodyError | QueueFull | EngineClosed):
+                    log.exception("background response %s", stored.response["id"])
+                    why = f"internal server error ({type(e).__name__}); the server's log has it"
+                await run_in_threadpool(
+                    self._fail, stored, f"{STOPPED}, and cannot run again: {why}"
+                )
                 continue
             await self._start(ticket, asked, unfinished.body)
             log.info("background response %s runs again", stored.response["id"])
@@ -333,8 +340,7 @@ class Responses:
         response_id = asked.shell["id"]
         running = asked.shell | {"status": "in_progress", "output": [], "usage": None}
         await run_in_threadpool(self._keep_unanswered, running, asked)
-        body = body | {"seed": asked.job.params.seed}
-        await run_in_threadpool(self.store.started, response_id, body)
+        await run_in_threadpool(self._started, response_id, body | {"seed": asked.job.params.seed})
         events = EventLog()
         task = asyncio.create_task(self._background(ticket, asked, events))
         self.running[response_id] = (ticket, task, events)
@@ -378,7 +384,8 @@ class Responses:
             async for chunk in self._events(ticket, asked.answer, shell, done, failed):
                 events.add(chunk)
         except asyncio.CancelledError:
-            self.store.stopped(shell["id"])  # a clean stop: the next server runs it again
+            with contextlib.suppress(sqlite3.Error):  # a clean stop: the next server runs it
+                self.store.stopped(shell["id"])
             raise
         except Exception as e:
             log.exception("background response %s", shell["id"])
@@ -396,6 +403,14 @@ class Responses:
             for part in item["content"]
         )
         self._put(response, [*asked, {"role": "assistant", "content": text}], inputs)
+
+    def _started(self, response_id: str, body: dict) -> None:
+        """`store.started`; one that cannot be recorded (a full disk) is logged: the response
+        runs, but not again after a restart."""
+        try:
+            self.store.started(response_id, body)
+        except sqlite3.Error as e:
+            log.warning("background response %s not recorded to run again: %s", response_id, e)
 
     def _put(self, response: dict, conversation: list[dict], inputs: int) -> None:
         """`store.put`; a store that cannot take it (a full disk) is logged, and the answer

@@ -318,11 +318,17 @@ def test_a_background_response_a_stopped_server_left_runs_again_at_the_next_star
     for _ in range(MAX_STARTS):
         store.started("resp_crashing", {"model": MODEL, "input": "Q"})
     store.put(shell | {"id": "resp_done", "status": "completed"}, conversation, 1)
+    store.put(shell | {"id": "resp_broken", "status": "in_progress"}, conversation, 1)
+    store.started("resp_broken", {"model": MODEL, "input": 5})  # damaged: the server starts
     store.close()
 
     with server(ResponseStore(path)) as second_server:
         client = second_server.client()
-        for response_id, why in (("resp_older", "server stopped"), ("resp_crashing", "3 times")):
+        for response_id, why in (
+            ("resp_older", "server stopped"),
+            ("resp_crashing", "3 times"),
+            ("resp_broken", "cannot run again: input must be a string"),
+        ):
             failed = client.responses.retrieve(response_id)
             assert failed.status == "failed" and why in failed.error.message, failed
         assert client.responses.retrieve("resp_done").status == "completed"
