@@ -104,6 +104,14 @@ _max_tokens = click.option(
 )
 @_prefix_memory
 @_store_gb
+@click.option(
+    "--responses-gb",
+    default=1.0,
+    show_default=True,
+    type=Finite(min=0, min_open=True),
+    help="Stored responses (the Responses API's, in the state dir) kept at most: past it the "
+    "least recently used go.",
+)
 @_max_tokens
 @dtype_option
 @speculation_options
@@ -119,6 +127,7 @@ def serve(
     max_queue: int,
     prefix_memory: float,
     store_gb: float,
+    responses_gb: float,
     max_tokens: int,
     dtype: str,
     draft: str,
@@ -158,7 +167,9 @@ def serve(
     with ExitStack() as opened:  # what opened closes again unless the engine loads
         store = BatchStore(os.path.join(root, "batches"))
         opened.callback(store.close)
-        responses = ResponseStore(os.path.join(root, "responses.sqlite"))
+        responses = ResponseStore(
+            os.path.join(root, "responses.sqlite"), limit=int(responses_gb * 2**30)
+        )
         opened.callback(responses.close)
         engine, tok = _engine(
             model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation

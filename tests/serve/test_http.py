@@ -1073,12 +1073,14 @@ def get(port: int, path: str, key: str | None = None) -> int:
 
 
 def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigterm(tmp_path):
-    """Either stop is clean: exit 0, the prefixes held written to the prefix store."""
+    """Either stop is clean: exit 0, the prefixes held written to the prefix store. (And
+    `--responses-gb` bounds the stored responses: ~4 KB keeps the last of two 2-3 KB ones.)"""
     opened_at = {"state": tmp_path / "open"}
     keyed_at = {"state": tmp_path / "keyed", "env": {"SALABATCH_API_KEY": KEY}}
+    small = ("--responses-gb", str(4096 / 2**30))
     with (
         serve_process(tmp_path, "--host", "0.0.0.0", **opened_at) as (open_port, opened, open_log),
-        serve_process(tmp_path, **keyed_at) as (port, keyed, keyed_log),
+        serve_process(tmp_path, *small, **keyed_at) as (port, keyed, keyed_log),
     ):
         wait_healthy(open_port, opened)
         wait_healthy(port, keyed)
@@ -1092,7 +1094,16 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigter
                 max_tokens=2,
             )
             # the Responses API is served too (tests/serve/test_responses.py)
-            assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output
+            asked = [
+                client.responses.create(model=MODEL, input="word " * 300, max_output_tokens=2)
+                for _ in range(2)
+            ]
+            assert client.responses.retrieve(asked[1].id).output
+            if at == port:  # past --responses-gb: the least recently used went
+                with pytest.raises(openai.NotFoundError):
+                    client.responses.retrieve(asked[0].id)
+            else:
+                assert client.responses.retrieve(asked[0].id).output
         for process, stop in ((opened, signal.SIGINT), (keyed, signal.SIGTERM)):
             process.send_signal(stop)
             assert process.wait(30) == 0, stop
