@@ -163,6 +163,30 @@ def test_batch_generate_answers_in_question_order(loaded):
     assert salabatch.batch_generate(model, tok, DOC, []) == []
 
 
+def test_numpy_numbers_are_taken_as_python_ones(loaded):
+    """A sweep over `np.linspace` temperatures, NumPy seeds and top-k: the same answers as the
+    Python numbers give (MLX refused them deep in the decode loop, and an int64 seed overflowed
+    in the seeds' mixing)."""
+    import numpy as np
+
+    model, tok = loaded
+    python = {"temperature": 0.5, "seed": 3, "top_k": 5, "repetition_penalty": 1.1}
+    numpy = {
+        "temperature": np.linspace(0, 1, 3)[1],
+        "seed": np.int64(3),
+        "top_k": np.int32(5),
+        "repetition_penalty": np.float32(1.1),
+    }
+    want = salabatch.generate(model, tok, "Say hi.", max_tokens=8, **python)
+    got = salabatch.generate(model, tok, "Say hi.", max_tokens=8, **numpy)
+    assert got == want
+    got = salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], max_tokens=4, **numpy)
+    assert got == salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], max_tokens=4, **python)
+    params = SamplingParams(**numpy, logit_bias=((np.int64(5), np.float32(2.0)),))
+    assert all(type(getattr(params, k)) is type(v) for k, v in python.items())
+    assert params.logit_bias == ((5, 2.0),) and type(params.logit_bias[0][0]) is int
+
+
 @pytest.mark.parametrize(
     ("settings", "named"),
     [

@@ -75,6 +75,15 @@ class SamplingParams:
                     f"must be (token id ≥ 0, bias in [-100, 100]) pairs, got {pair!r}",
                     field="logit_bias",
                 )
+        # as Python numbers: NumPy's (np.float32, np.int64) pass the checks above, but MLX
+        # refuses them in an array and int64 arithmetic overflows in the seeds' mixing
+        reals = ("temperature", "top_p", "repetition_penalty", "min_p")
+        for name in (*reals, "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("top_k", "seed"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        pairs = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        object.__setattr__(self, "logit_bias", pairs)
 
     @property
     def plain_greedy(self) -> bool:
