@@ -88,6 +88,11 @@ def load(
     from salabatch.engine.tokenizer import load_tokenizer
     from salabatch.models import resolve_model
 
+    if not isinstance(path_or_ref, str | os.PathLike):
+        raise GenerationError(
+            f"must be a checkpoint folder or a model reference, got {_shown(path_or_ref)}",
+            field="path_or_ref",
+        )
     path = resolve_model(path_or_ref, cache_dir)
     return load_model(path, dtype=dtype), load_tokenizer(path)
 
@@ -138,6 +143,12 @@ def stream_generate(
 
     _counts(max_tokens=max_tokens, prefill_chunk=prefill_chunk)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
+    _flags(think=think)
+    if prompt_progress_callback is not None and not callable(prompt_progress_callback):
+        raise GenerationError(
+            f"must be callable, got {_shown(prompt_progress_callback)}",
+            field="prompt_progress_callback",
+        )
     ids = _prompt_ids(model, tokenizer, prompt, system=system, think=think)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed, logit_bias)
     _vocab_ids(model, logit_bias)
@@ -224,7 +235,6 @@ def generate(
     model: Model,
     tokenizer: Tokenizer,
     prompt: str | Sequence[int],
-    *,
     verbose: bool = False,
     **settings,
 ) -> str:
@@ -294,6 +304,7 @@ def batch_generate(
         raise GenerationError(
             "must be a list of strings (one question: [question])", field="questions"
         )
+    _flags(think=think)
     _text_or_none(system=system)
     speculation = _speculation(draft, num_draft_tokens, draft_layers)
     params = _params(temperature, top_p, top_k, min_p, repetition_penalty, seed, logit_bias)
@@ -302,7 +313,10 @@ def batch_generate(
     grammar = _grammar(tokenizer, json_schema, choices)
     if not questions:
         return []
-    doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
+    try:
+        doc_prompt = tokenizer.document_prompt(document, system=system, think=think)
+    except TokenizerError as e:  # a document of only whitespace
+        raise GenerationError(e.message, field="document") from None
     context = tuple(doc_prompt)  # one tuple for every row: what the lookup drafter searches
     # the server's rule, before any prefill: each row's prompt is the document and its question
     answer_room(model.config, len(doc_prompt), max_tokens, field="document")
@@ -435,7 +449,7 @@ def score(
         if not ids:
             raise GenerationError("the text has no tokens", field="text")
     else:
-        ids = _prompt_ids(model, tokenizer, text)
+        ids = _prompt_ids(model, tokenizer, text, field="text")
     context = model.config.context_length
     if len(ids) > context:
         raise GenerationError(
@@ -461,11 +475,13 @@ def _prompt_ids(
     *,
     system: str | None = None,
     think: bool = False,
+    field: str = "prompt",
 ) -> list[int]:
     """The token ids of a prompt: a text is one user message in the chat template (after
     `system`, if given); token ids (a list, or a 1-D array, of integers) are checked against
-    the model's vocabulary. GenerationError naming `prompt` for anything else (bytes, floats,
-    None, a 2-D array), where `int()` would have taken bytes and floats silently."""
+    the model's vocabulary. GenerationError naming `field` (the caller's argument) for
+    anything else (bytes, floats, None, a 2-D array, no ids, ids past the vocabulary), where
+    `int()` would have taken bytes and floats silently."""
 
     _text_or_none(system=system)
     if isinstance(prompt, str):
@@ -476,26 +492,24 @@ def _prompt_ids(
     if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):  # an MLX or NumPy array
         if prompt.ndim != 1:
             shape = tuple(prompt.shape)
-            raise GenerationError(
-                f"must be {expected}, got an array of shape {shape}", field="prompt"
-            )
+            raise GenerationError(f"must be {expected}, got an array of shape {shape}", field=field)
         prompt = prompt.tolist()
     if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
-        raise GenerationError(f"must be {expected}, got {_shown(prompt)}", field="prompt")
+        raise GenerationError(f"must be {expected}, got {_shown(prompt)}", field=field)
     odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if odd:
-        raise GenerationError(f"must be {expected}, got the item {odd[0]!r}", field="prompt")
+        raise GenerationError(f"must be {expected}, got the item {odd[0]!r}", field=field)
     if system is not None:
-        raise TokenizerError(
+        raise GenerationError(
             "a system prompt needs a text prompt; token ids are used as they are", field="system"
         )
     ids = [int(t) for t in prompt]
     vocab = model.config.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if not ids or bad:
-        raise TokenizerError(
-            "prompt token ids out of range" if bad else "the prompt has no tokens",
-            field="prompt",
+        raise GenerationError(
+            "token ids out of range" if bad else "the prompt has no tokens",
+            field=field,
             expected=f"ids in [0, {vocab})",
             got=bad[0] if bad else [],
         )
@@ -557,7 +571,18 @@ def _speculation(draft: str, tokens: int, layers: int) -> Speculation:
     from salabatch.engine.speculative import Speculation
 
     _counts(num_draft_tokens=tokens, draft_layers=layers)
-    return Speculation(draft, tokens, layers)  # it names the drafts allowed
+    try:
+        return Speculation(draft, tokens, layers)  # it names the drafts allowed
+    except ValueError as e:
+        raise GenerationError(str(e), field="draft") from None
+
+
+def _flags(**flags) -> None:
+    """GenerationError naming an argument that must be True or False (a string such as "no"
+    would be taken as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise GenerationError(f"must be True or False, got {_shown(value)}", field=name)
 
 
 def _vocab_ids(model: Model, logit_bias: dict[int, float] | None) -> None:

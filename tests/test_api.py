@@ -18,7 +18,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import Generator, Request
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.speculative import OFF, Speculation
-from salabatch.errors import GenerationError, TokenizerError
+from salabatch.errors import GenerationError
 from tests.drafts import record_generators
 from tests.engine.test_threads import on_thread
 
@@ -142,12 +142,12 @@ def test_token_ids_are_used_as_they_are(loaded):
     )
     by_text = salabatch.generate(model, tok, "Say hi.", system="Be brief.", max_tokens=6)
     assert salabatch.generate(model, tok, ids, max_tokens=6) == by_text
-    with pytest.raises(TokenizerError, match="out of range") as e:
+    with pytest.raises(GenerationError, match="out of range") as e:
         salabatch.generate(model, tok, [5, model.config.vocab_size])
     assert e.value.field == "prompt"
-    with pytest.raises(TokenizerError, match="no tokens"):
+    with pytest.raises(GenerationError, match="no tokens"):
         salabatch.generate(model, tok, [])
-    with pytest.raises(TokenizerError, match="system prompt needs a text prompt"):
+    with pytest.raises(GenerationError, match="system prompt needs a text prompt"):
         salabatch.generate(model, tok, ids, system="Be brief.")
 
 
@@ -299,6 +299,12 @@ def test_the_model_refuses_a_call_without_tokens(loaded):
         ({"prompt": b"hi"}, "prompt", "b'hi'"),  # taken as the ids 104, 105
         ({"prompt": "2-D"}, "prompt", "shape (1, 3)"),
         ({"system": 5}, "system", "5"),
+        ({"prompt": [5000]}, "prompt", "5000"),  # past the vocabulary: a TokenizerError before
+        ({"prompt": []}, "prompt", "no tokens"),
+        ({"prompt": [1, 2], "system": "Brief."}, "system", "needs a text prompt"),
+        ({"draft": "bogus"}, "draft", "'bogus'"),  # a plain ValueError, naming no field
+        ({"think": "no"}, "think", "'no'"),  # taken as true
+        ({"prompt_progress_callback": 5}, "prompt_progress_callback", "5"),  # failed mid-prefill
     ],
 )
 def test_bad_arguments_are_typed_errors_naming_them(loaded, call, named, shown):
@@ -315,6 +321,25 @@ def test_bad_arguments_are_typed_errors_naming_them(loaded, call, named, shown):
         salabatch.generate(model, tok, **settings)
     assert e.value.field == named and shown in str(e.value) and isinstance(e.value, ValueError)
     assert "SamplingParams(" not in str(e.value)  # the value, not the whole settings
+
+
+def test_other_entry_points_name_their_own_bad_arguments(loaded):
+    """`score`'s argument is `text` (it reused the prompt's name); a document of whitespace,
+    `think` not a bool and `load(None)` are GenerationErrors naming theirs; mlx-lm's positional
+    `verbose` is taken."""
+    model, tok = loaded
+    for call, named in (
+        (lambda: salabatch.score(model, tok, b"abc"), "text"),
+        (lambda: salabatch.score(model, tok, [1, 5000]), "text"),
+        (lambda: salabatch.batch_generate(model, tok, "  ", ["q"]), "document"),
+        (lambda: salabatch.batch_generate(model, tok, DOC, ["q"], think="no"), "think"),
+        (lambda: salabatch.load(None), "path_or_ref"),
+    ):
+        with pytest.raises(GenerationError) as e:
+            call()
+        assert e.value.field == named, e.value
+    quiet = salabatch.generate(model, tok, "Say hi.", max_tokens=3)
+    assert salabatch.generate(model, tok, "Say hi.", True, max_tokens=3) == quiet
 
 
 def test_batch_generate_names_a_document_that_is_not_a_text(loaded):
