@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from salabatch.engine.sampling import SamplingParams
@@ -47,6 +47,8 @@ def read_document(path: str | Path) -> tuple[str, str]:
     from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
 
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ChatError(f"{path}: a directory, not a document file")
     if not path.is_file():
         raise ChatError(f"{path}: no such file")
     docs = list(iter_documents([DocumentSource(str(path), max_tokens=MAX_DOCUMENT_TOKENS)]))
@@ -121,6 +123,7 @@ class ChatSession:
         self.max_tokens, self.think = max_tokens, think
         self.history: list[dict] = []
         self.leading_ids = LeadingIds(tok)  # the system message (the documents) tokenized once
+        self._trailer: int | None = None  # tokens the template writes after a system message
 
     @property
     def system(self) -> list[dict]:
@@ -130,6 +133,28 @@ class ChatSession:
     @property
     def messages(self) -> list[dict]:
         return self.system + self.history
+
+    def _documents_end(self) -> int:
+        """Where the system message's text ends in the prompt, before the template's end of
+        turn (0: no system message): held there, a document added after it (or a /reset)
+        resumes from the documents before it, where the end of the whole system message
+        would no longer be a prefix."""
+        if not self._parts:
+            return 0
+        if self._trailer is None:
+
+            def ids(text: str) -> list[int]:
+                message = [{"role": "system", "content": text}]
+                return self.tok.chat_prompt_ids(
+                    message, think=self.think, add_generation_prompt=False
+                )
+
+            one, more = ids("Notes."), ids("Notes.\n\nMore notes.")
+            same = next(
+                (i for i, (a, b) in enumerate(zip(one, more, strict=False)) if a != b), len(one)
+            )
+            self._trailer = len(one) - same
+        return len(self.leading_ids.ids(self.system, self.think)) - self._trailer
 
     def add_document(self, name: str, text: str) -> None:
         """Puts a document after those in the system message (`Document: NAME`, then its
@@ -165,6 +190,8 @@ class ChatSession:
                 max_tokens=self.max_tokens,
                 leading_ids=self.leading_ids,
             )
+            if (end := self._documents_end()) and end < len(job.prompt):
+                job = replace(job, boundaries=tuple(sorted({*job.boundaries, end})))
             ticket = self.engine.submit(job)
             while finished is None:
                 event = ticket.next_event(every if status and first_at is None else None)

@@ -85,19 +85,42 @@ def test_chat_over_documents_resumes_each_turn_from_them_and_saves_the_conversat
         assert answer in result.stdout  # what was streamed is what was kept
 
     system_ids = tok.chat_prompt_ids([system], think=False, add_generation_prompt=False)
+    # held where the documents' text ends, before the template's end of turn (<|im_end|>, a
+    # newline): a document added later resumes from there
+    documents = len(system_ids) - 2
     turn_one = [system, history[0]]
     assert first["prompt"] == len(tok.chat_prompt_ids(turn_one, think=False))
     assert first["cached"] == 0  # a fresh state dir: the documents are prefilled once, here
     assert second["prompt"] == len(tok.chat_prompt_ids([system, *history[:3]], think=False))
     # the second turn resumes from the first's snapshot (the documents at least), so it
     # prefills at most SNAPSHOT_MIN tokens more than its own
-    assert second["cached"] >= max(len(system_ids), first["prompt"] - SNAPSHOT_MIN)
+    assert second["cached"] >= max(documents, first["prompt"] - SNAPSHOT_MIN)
     # after /reset the conversation is gone, the documents stay held
     reset = [system, {"role": "user", "content": script[4]}]
     assert third["prompt"] == len(tok.chat_prompt_ids(reset, think=False))
-    assert third["cached"] >= len(system_ids)
+    assert third["cached"] >= documents
     assert "unknown command /nonsense" in result.stderr
     assert "[saved to" in result.stderr and "forgotten" in result.stderr
+
+
+def test_a_document_added_mid_chat_resumes_from_the_documents_before_it(tmp_path):
+    """`/document` appends to the system message: the next question resumes from the first
+    document held up to its text's end (the end of the whole system message is no longer a
+    prefix of the prompt), not from nothing; a folder given is named as one."""
+    shutil.copy(DOCS / "redwater-robotics.txt", tmp_path / "doc.txt")
+    (tmp_path / "note.txt").write_text("Note: the parking code is 9.\n")
+    (tmp_path / "folder").mkdir()
+    script = ["Who is the provider?", f"/document {tmp_path / 'note.txt'}", "And the code?"]
+    script.append(f"/document {tmp_path / 'folder'}")
+    args = ["chat", "--model", MODEL, "--document", str(tmp_path / "doc.txt")]
+    args += ["--state-dir", str(tmp_path / "state"), "--max-tokens", "4"]
+    result = CliRunner().invoke(main, args, input="\n".join(script) + "\n")
+    assert result.exit_code == 0, result.output
+    first, second = turns(result.stderr)
+    assert first["cached"] == 0 and second["prompt"] > first["prompt"]
+    # all but the few tokens of the first system message's end, and its first question
+    assert second["cached"] >= first["prompt"] - 64 - len(script[0])
+    assert "folder: a directory, not a document file" in result.stderr
 
 
 def test_chat_drafts_from_the_documents_and_answers_as_without(tmp_path):
