@@ -35,8 +35,10 @@ class SalabatchError(Exception):
     def __str__(self) -> str:
         parts = [p for p in (self.path, self.doc_id and f"document {self.doc_id}", self.field) if p]
         text = ": ".join([*parts, self.message])
-        if self.expected is not None or self.got is not None:
+        if self.expected is not None:
             text += f" (expected {self.expected}, got {self.got!r})"
+        elif self.got is not None:
+            text += f" (got {self.got!r})"
         return text
 
 

@@ -5,6 +5,7 @@ heavy is imported until a command runs."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import click
@@ -108,6 +109,24 @@ def generate(
         f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
         err=True,
     )
+
+
+def _json_target(json_path: str) -> None:
+    """A UsageError (exit 2) naming --json where its file cannot be written: a folder, or a
+    folder that cannot be made; the missing folders are made, as `export` makes them."""
+    from pathlib import Path
+
+    target = Path(json_path).expanduser()
+    if target.is_dir():
+        raise click.UsageError(f"--json {json_path}: a folder, not a file")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.UsageError(
+            f"--json {json_path}: cannot make its folder ({e.strerror})"
+        ) from None
+    if not os.access(target.parent, os.W_OK):
+        raise click.UsageError(f"--json {json_path}: its folder is not writable")
 
 
 @click.command("convert")
@@ -220,6 +239,9 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
     from salabatch.cli.main import EXIT_ERROR_ROWS
     from salabatch.errors import SalabatchError
     from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    if json_path and json_path != "-":  # checked before any scoring, which may take hours
+        _json_target(json_path)
 
     def show(line: str) -> None:  # the table; on stderr where stdout takes the JSON
         click.echo(line, err=json_path == "-")

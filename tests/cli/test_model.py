@@ -225,3 +225,28 @@ def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeyp
     assert "the first 40 of" in cut.stderr and "(--max-tokens)" in cut.stderr
     assert json.loads(cut.stdout)["documents"][0]["tokens"] == 40  # the table on stderr
     assert "a.txt" in cut.stderr
+
+
+def test_perplexity_checks_its_json_path_before_scoring(tmp_path, monkeypatch):
+    """--json naming a folder, or under a file, is a usage error (exit 2) before the model
+    loads (the figures of hours of scoring were lost at the end); missing folders are made."""
+    import salabatch.api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    doc = tmp_path / "a.txt"
+    doc.write_text("The gate code is 4411.\n")
+    monkeypatch.setattr(salabatch.api, "load", no_load)
+    for target, message in ((tmp_path, "a folder, not a file"), (doc / "x.json", "cannot make")):
+        result = CliRunner().invoke(
+            main, ["perplexity", "builtin:random", str(doc), "--json", str(target)]
+        )
+        assert result.exit_code == 2 and message in result.output, result.output
+    monkeypatch.undo()
+    made = tmp_path / "new" / "deeper" / "pp.json"
+    result = CliRunner().invoke(
+        main, ["perplexity", "builtin:random", str(doc), "--json", str(made)]
+    )
+    assert result.exit_code == 0, result.output
+    assert made.exists() and "documents" in made.read_text()
