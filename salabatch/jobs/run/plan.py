@@ -214,21 +214,31 @@ class Planner:
             return plan
         mode = self.spec.engine.on_overflow
         full = len(doc_prompt)
-        if mode == "error" or budget <= 0:
-            limit = self.spec.engine.max_context
+        limit = self.spec.engine.max_context
+        # the prompt's tokens around the document's own (system prompt, template)
+        around = len(tok.document_prompt(".", system=system, think=think)) - 1
+        if mode == "error" or budget <= around:
             plan.doc_prompt = None
             plan.error = (
                 f"document has {full} tokens with its prompt; engine.max_context {limit} leaves "
-                f"{max(budget, 0)} after the question and answer ({room}); raise max_context or "
-                "set engine.on_overflow to truncate_middle or truncate_end"
+                f"{max(budget, 0)} after the question and answer ({room}); "
+                + (
+                    "raise max_context or set engine.on_overflow to truncate_middle or truncate_end"
+                    if mode == "error" and budget > around
+                    else "raise max_context, or lower max_tokens or the system prompt"
+                )
             )
             return plan
-        for _ in range(12):  # shrink the text by the overshoot until the prompt fits
-            keep = int(len(text) * min(budget / len(doc_prompt), 0.999) * 0.99)
+        keep = len(text)
+        for _ in range(12):  # cut the original text by the overshoot until the prompt fits
+            share = (budget - around) / max(len(doc_prompt) - around, 1)
+            keep = int(keep * min(share, 0.999) * 0.99)
             if mode == "truncate_end":
-                text = text[:keep]
+                text = doc.text[:keep]
             else:
-                text = text[: keep // 2] + TRUNCATION_MARK + text[len(text) - keep // 2 :]
+                text = (
+                    doc.text[: keep // 2] + TRUNCATION_MARK + doc.text[len(doc.text) - keep // 2 :]
+                )
             doc_prompt = tok.document_prompt(text, system=system, think=think)
             if len(doc_prompt) <= budget:
                 plan.doc_prompt = doc_prompt

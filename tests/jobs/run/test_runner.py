@@ -523,6 +523,27 @@ def test_context_overflow(tmp_path, tiny_model):
     assert all(r["prompt_tokens"] + 6 <= 400 for r in cut)
 
 
+def test_truncate_middle_fits_what_truncate_end_fits(tmp_path, tiny_model):
+    """A tight context after a long system prompt: the middle cut fits the document as the end
+    cut does (it cut text already holding the last cut's mark, and stalled at the mark's
+    length: error rows); an answer longer than the context names max_tokens as the fix."""
+    write_docs(tmp_path)
+    system = "You are a careful analyst. " * 8
+    sizes = {}
+    for mode in ("truncate_middle", "truncate_end"):
+        engine = {"max_context": 520, "pool_max_tokens": 128, "on_overflow": mode}
+        job = write_job(tmp_path, tiny_model, engine=engine, system=system)
+        result = run_cli("run", str(job), "--dry-run", "--no-resume")
+        assert result.exit_code == 0 and "error" not in result.output, result.output
+        sizes[mode] = re.findall(rf"{mode}: document cut from \d+ to (\d+) tokens", result.output)
+    assert sizes["truncate_middle"] and len(sizes["truncate_middle"]) == len(sizes["truncate_end"])
+    job = write_job(
+        tmp_path, tiny_model, engine={"max_context": 520}, generation={"max_tokens": 600}
+    )
+    result = run_cli("run", str(job), "--dry-run", "--no-resume")
+    assert "lower max_tokens" in result.output, result.output
+
+
 def test_ctrl_c_stops_after_finished_rows(tmp_path, tiny_model):
     # Interrupted early and with long answers left: a loaded machine may be slow to send the
     # signal, and the run must still be going when it arrives.
