@@ -50,7 +50,7 @@ from salabatch.jobs.run.answerer import RunIdentity
 from salabatch.jobs.run.plan import Row
 from salabatch.jobs.run.prepare import prepared
 from salabatch.jobs.run.progress import Progress
-from salabatch.jobs.run.runner import RunSummary, count_rows
+from salabatch.jobs.run.runner import RunSummary, count_rows, cut_short
 from salabatch.jobs.spec.models import JobSpec
 
 SLOT = "salabatch_slot"  # the custom resource an actor takes one of: a model on that machine
@@ -100,10 +100,10 @@ def run_job_ray(
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
     try:
-        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
-            writer,
-            setup,
-        ):
+        limited = limit is not None
+        with prepared(
+            spec, resume=resume, retry_errors=retry_errors, limited=limited, echo=echo
+        ) as (writer, setup):
             manifest = plan_manifest(setup, writer.done_keys(), limit)
             identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
             summary.skipped, summary.documents = manifest.skipped, manifest.documents
@@ -127,12 +127,13 @@ def run_job_ray(
                 shown.close()
             if manifest.complete:
                 # Rows of earlier runs outside the job go when the writer closes.
-                summary.dropped = writer.retain(manifest.job_keys)
+                job = frozenset(manifest.job_keys)
+                summary.dropped = writer.retain(job)
                 if summary.dropped:
                     echo(f"warning: {stale_rows(summary.dropped)}")
             else:  # --limit: counted as the local runner counts it
-                summary.left = setup.outstanding(writer.done_keys())[0]
-            summary.failed = len(manifest.job_keys & writer.failed_keys())
+                job = cut_short(setup, writer, summary)
+            summary.failed = len(job & writer.failed_keys())
         if jsonl is not None:  # from the merged results, earlier runs' rows included
             export_openai_jsonl(spec.output.path, jsonl, lines=manifest.request_lines)
     except KeyboardInterrupt:

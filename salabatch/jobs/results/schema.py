@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
@@ -54,6 +54,9 @@ META_JOB_SPEC = b"salabatch.job_spec"
 META_VERSIONS = b"salabatch.versions"
 META_CREATED_AT = b"salabatch.created_at"
 META_UPDATED_AT = b"salabatch.updated_at"
+# The run_ids of the `--retry-errors --limit` runs since the last run that saw the whole job:
+# their error rows are not redone by the next such run (see ResultWriter).
+META_RETRIED_BY = b"salabatch.retried_by"
 
 _S, _I, _F = pa.string(), pa.int64(), pa.float64()
 _TS = pa.timestamp("us", tz="UTC")
@@ -336,7 +339,12 @@ def current_versions() -> dict[str, str | None]:
 
 
 def encode_metadata(
-    *, job_spec_json: str, versions_json: str, created_at: str, updated_at: str | None = None
+    *,
+    job_spec_json: str,
+    versions_json: str,
+    created_at: str,
+    updated_at: str | None = None,
+    retried_by: Iterable[str] = (),
 ) -> dict[bytes, bytes]:
     """The file metadata of a part (no updated_at: not merged yet) or of a merged file."""
     meta = {
@@ -347,13 +355,15 @@ def encode_metadata(
     }
     if updated_at is not None:
         meta[META_UPDATED_AT] = updated_at.encode()
+    if retried_by := sorted(retried_by):
+        meta[META_RETRIED_BY] = json.dumps(retried_by).encode()
     return meta
 
 
 def decode_metadata(metadata: Mapping[bytes, bytes] | None) -> dict[str, Any]:
     """A results file's metadata as Python values: schema_version (int or None), job_spec and
-    versions (JSON-decoded, or None), created_at and updated_at (ISO 8601 UTC strings, or None).
-    """
+    versions (JSON-decoded, or None), created_at and updated_at (ISO 8601 UTC strings, or None),
+    retried_by (a frozenset of run_ids, see META_RETRIED_BY)."""
     metadata = metadata or {}
 
     def text(key: bytes) -> str | None:
@@ -373,4 +383,12 @@ def decode_metadata(metadata: Mapping[bytes, bytes] | None) -> dict[str, Any]:
         "versions": parsed(META_VERSIONS),
         "created_at": text(META_CREATED_AT),
         "updated_at": text(META_UPDATED_AT),
+        "retried_by": _strings(parsed(META_RETRIED_BY)),
     }
+
+
+def _strings(value: Any) -> frozenset[str]:
+    """A list of strings from the metadata, or nothing for anything else (a damaged value)."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    return frozenset()

@@ -7,7 +7,11 @@ fsyncs it, renames it over x.parquet, and only then deletes the parts; a merge i
 point loses nothing, and the next writer's close redoes it with the same result.
 
 Resume (the default): rows whose request_key is already there count as done (error rows too,
-unless retry_errors), and the runner skips them. Once the runner has planned the whole job, it
+unless retry_errors), and the runner skips them. `--retry-errors --limit N` runs redo the error
+rows N at a time: the merged file names the runs of such a series (META_RETRIED_BY), whose own
+error rows the next one does not redo again, so the same command goes on with the next N; the
+series ends with a retry run that sees the whole job (and a retry run without a limit redoes
+every error row). Once the runner has planned the whole job, it
 names the job's keys (`retain`) and the merge drops rows of earlier runs that are no longer in
 the job (a removed document or question, a changed document or model). `--no-resume` deletes
 leftover parts, marks the run FRESH and leaves x.parquet untouched on disk until this run closes
@@ -58,6 +62,8 @@ class ResultWriter:
     resume: keep the rows already in `path` (and in the parts of a killed run) and report their
         keys in `done_keys()`; False starts fresh (the old rows are replaced when this closes).
     retry_errors: error rows do not count as done, so they are recomputed.
+    limited: a run cut by --limit: with retry_errors, the error rows of the earlier retry runs
+        the file names (see the module docstring) still count as done.
     Closing (normally, on an exception or on KeyboardInterrupt) merges the rows into `path`.
     Raises OutputError if `path` holds something that is not a salabatch results file, or
     another writer has it open.
@@ -71,16 +77,21 @@ class ResultWriter:
         versions: Mapping[str, str | None],
         resume: bool = True,
         retry_errors: bool = False,
+        limited: bool = False,
     ) -> None:
         json.loads(job_spec_json)  # ValueError for a caller bug; the spec is stored verbatim
         self.path = Path(path)
         self.parts_dir = parts_dir_of(self.path)
         self.resume = resume
         self.retry_errors = retry_errors
+        self.limited = limited
         self._job_spec_json = job_spec_json
         self._versions_json = json.dumps(dict(versions), sort_keys=True)
         self._done: dict[str, bool] = {}  # request_key -> an ok row exists
+        self._failed_by: dict[str, str] = {}  # request_key -> run_id of its latest error row
+        self._retried_by: frozenset[str] = frozenset()  # the file's META_RETRIED_BY
         self._written: set[str] = set()
+        self._run_ids: set[str] = set()  # of the rows written
         self._retain: set[str] | None = None
         self._bad_parts: set[Path] = set()
         self._closed = False
@@ -116,8 +127,9 @@ class ResultWriter:
         else:
             fresh = (self.parts_dir / FRESH).exists()
             if self.path.exists() and not fresh:
-                final, meta = read_final(self.path, columns=["request_key", "status"])
+                final, meta = read_final(self.path, columns=["request_key", "status", "run_id"])
                 created = decode_metadata(meta)["created_at"]
+                self._retried_by = decode_metadata(meta)["retried_by"]
                 self._note_done(final)
             for _, part in list_parts(self.parts_dir):
                 table, meta = self._read_part(part)
@@ -136,8 +148,17 @@ class ResultWriter:
 
     def done_keys(self) -> frozenset[str]:
         """request_keys finished in earlier runs or by this writer (error rows count unless
-        retry_errors)."""
-        return frozenset(k for k, ok in self._done.items() if ok or not self.retry_errors)
+        retry_errors; those of the series a limited retry run goes on with count still)."""
+        series = self._retried_by if self.limited else frozenset()
+        return frozenset(
+            key
+            for key, ok in self._done.items()
+            if ok or not self.retry_errors or self._failed_by.get(key) in series
+        )
+
+    def written_keys(self) -> frozenset[str]:
+        """request_keys of the rows this writer wrote."""
+        return frozenset(self._written)
 
     def failed_keys(self) -> frozenset[str]:
         """request_keys that have only error rows, from earlier runs or this writer."""
@@ -170,6 +191,7 @@ class ResultWriter:
         self._seq += 1
         self._note_done(table)
         self._written.update(r["request_key"] for r in records)
+        self._run_ids.update(r["run_id"] for r in records)
 
     def close(self) -> None:
         """Merge everything into `path` (atomically), then remove the parts. Idempotent."""
@@ -185,7 +207,8 @@ class ResultWriter:
         fresh_marker = self.parts_dir / FRESH
         fresh = fresh_marker.exists()
         parts = [part for _, part in list_parts(self.parts_dir)]
-        if not parts and (fresh or self._retain is None):
+        same_series = self._series() == self._retried_by
+        if not parts and (fresh or self._retain is None) and same_series:
             # No new row: keep the results as they are (a --no-resume run that failed before
             # its first row must not wipe the old results).
             fresh_marker.unlink(missing_ok=True)
@@ -201,7 +224,7 @@ class ResultWriter:
         if self._retain is not None:
             keep = pa.array(sorted(self._retain | self._written), pa.string())
             retained = merged.filter(pc.is_in(merged["request_key"], value_set=keep))
-            if not parts and retained.num_rows == merged.num_rows:
+            if not parts and retained.num_rows == merged.num_rows and same_series:
                 return  # no new row and none to drop: the results stay as they are
             merged = retained
         merged = merged.replace_schema_metadata(self._metadata(updated=True))
@@ -226,8 +249,21 @@ class ResultWriter:
     def _note_done(self, table: pa.Table) -> None:
         keys = table.column("request_key").to_pylist()
         statuses = table.column("status").to_pylist()
-        for key, status in zip(keys, statuses, strict=True):
+        run_ids = table.column("run_id").to_pylist()
+        for key, status, run_id in zip(keys, statuses, run_ids, strict=True):
             self._done[key] = self._done.get(key, False) or status == "ok"
+            if status != "ok":
+                self._failed_by[key] = run_id
+
+    def _series(self) -> frozenset[str]:
+        """The retry runs the merged file names: this one added while a retry series goes on
+        (a limited retry run that did not see the whole job: cut, or stopped), none once a
+        retry run ends it, the file's own otherwise."""
+        if not self.retry_errors:
+            return self._retried_by
+        if self.limited and self._retain is None:
+            return self._retried_by | self._run_ids
+        return frozenset()
 
     def _metadata(self, *, updated: bool) -> dict[bytes, bytes]:
         return encode_metadata(
@@ -235,6 +271,7 @@ class ResultWriter:
             versions_json=self._versions_json,
             created_at=self._created_at,
             updated_at=_now_iso() if updated else None,
+            retried_by=self._series() if updated else (),
         )
 
     def _unlock(self) -> None:

@@ -483,7 +483,9 @@ def _prefill_columns(
 
 
 def _run_id(spec: JobSpec) -> str:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    # to the microsecond: runs of one results file take its lock in turn, so no two share an id
+    # (a retry series is named by its runs' ids, see ResultWriter)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     return f"{stamp}-{spec_fingerprint(spec)[:8]}"
 
 

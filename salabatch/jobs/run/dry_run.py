@@ -14,6 +14,7 @@ from pathlib import Path
 
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.results.read import parts_dir_of, read_results
+from salabatch.jobs.results.schema import decode_metadata
 from salabatch.jobs.results.writer import stale_rows
 from salabatch.jobs.run.openai_batch import plan_requests
 from salabatch.jobs.run.plan import DocPlan, Limit, Planner
@@ -35,9 +36,14 @@ def dry_run(
     limit=limit)`: with a limit, only the documents and rows that run would do."""
     setup = JobSetup.of(spec)
     config = ModelConfig.from_file(setup.model_path)  # checked; no weights are read
-    earlier = _earlier_rows(spec.output.path)
+    earlier, series = _earlier_rows(spec.output.path)
+    series = series if limit is not None else frozenset()
     # the keys a run skips, as its ResultWriter.done_keys() gives them
-    done = [key for key, ok in earlier.items() if ok or not retry_errors] if resume else []
+    done = (
+        [key for key, (ok, by) in earlier.items() if ok or not retry_errors or by in series]
+        if resume
+        else []
+    )
     planner = setup.planner(done)
     note = model_note(spec.model)
     note = f" ({note})" if note else ""
@@ -64,7 +70,8 @@ def dry_run(
         )
     skipped, later = planner.skipped, ""
     if cut.cut:  # the run plans no further: the rest of the job is counted as it would count it
-        todo, skipped = setup.outstanding(done)
+        job = setup.outstanding(done)
+        todo, skipped = job.todo, job.done
         later = f" (--limit {limit}; {todo - rows} more of the job left for later runs)"
     echo(
         f"plan: {counted(rows, 'row')} to do{later}, {skipped} already done; prefill {prefill} "
@@ -161,11 +168,13 @@ def _memory_line(
     return f"memory: {what} needs {plan.line()}; {memory.gb(free)} free now ({fits})"
 
 
-def _earlier_rows(path: Path) -> dict[str, bool]:
-    """request_key -> whether it is an ok row, for the rows already in the results file; {} when
-    there is none yet. Like a run, raises OutputError for a file that is not salabatch's."""
+def _earlier_rows(path: Path) -> tuple[dict[str, tuple[bool, str]], frozenset[str]]:
+    """(request_key -> (whether it is an ok row, its run_id), for the rows already in the
+    results file; the retry runs the file names, see ResultWriter). Nothing when there is no
+    file yet. Like a run, raises OutputError for a file that is not salabatch's."""
     if not path.exists() and not parts_dir_of(path).is_dir():
-        return {}
+        return {}, frozenset()
     table = read_results(path)
-    keys, statuses = table.column("request_key").to_pylist(), table.column("status").to_pylist()
-    return {key: status == "ok" for key, status in zip(keys, statuses, strict=True)}
+    columns = [table.column(name).to_pylist() for name in ("request_key", "status", "run_id")]
+    rows = {key: (status == "ok", by) for key, status, by in zip(*columns, strict=True)}
+    return rows, decode_metadata(table.schema.metadata)["retried_by"]

@@ -30,6 +30,15 @@ MIN_FREE_BYTES = 64 * 2**20  # refuse to start a run with less room than this fo
 
 
 @dataclass(frozen=True)
+class Outstanding:
+    """The rows of a whole job against its results (`JobSetup.outstanding`)."""
+
+    todo: int  # rows still to do
+    done: int  # rows already done
+    keys: frozenset[str]  # every row's request_key
+
+
+@dataclass(frozen=True)
 class JobSetup:
     """What a run prepares before its model loads, and what `--dry-run` shows without loading
     it: the checkpoint folder, the tokenizer, the weights digest, the dtype, the prefix store."""
@@ -64,10 +73,10 @@ class JobSetup:
             return planner.documents()
         return chain(planner.documents(), plan_requests(self.spec, self.tok, planner))
 
-    def outstanding(self, done: Iterable[str]) -> tuple[int, int]:
-        """(rows of the whole job still to do, rows already done), `done` the keys in the
-        results, without extracting any text: files are hashed (their rows' keys need no
-        more), request lines read. What a run cut by --limit leaves, and what it would do."""
+    def outstanding(self, done: Iterable[str]) -> Outstanding:
+        """The rows of the whole job, `done` the keys in the results, without extracting any
+        text: files are hashed (their rows' keys need no more), request lines read. What a run
+        cut by --limit leaves, and what it would do."""
         planner = self.planner(done)
         todo = 0
         for found in identify_documents(self.spec.sources()):
@@ -76,7 +85,7 @@ class JobSetup:
                 todo += len(planner.rows_of(doc))
         if self.spec.requests:
             todo += sum(len(p.rows) for p in plan_requests(self.spec, self.tok, planner))
-        return todo, planner.skipped
+        return Outstanding(todo, planner.skipped, frozenset(planner.job_keys))
 
     def is_pooled(self, plan: DocPlan) -> bool:
         """Whether the rows of `plan` decode in batches across documents, each with its whole
@@ -97,7 +106,12 @@ class JobSetup:
 
 @contextmanager
 def prepared(
-    spec: JobSpec, *, resume: bool, retry_errors: bool, echo: Callable[[str], None]
+    spec: JobSpec,
+    *,
+    resume: bool,
+    retry_errors: bool,
+    limited: bool,
+    echo: Callable[[str], None],
 ) -> Iterator[tuple[ResultWriter, JobSetup]]:
     """What every executor does before its expensive part, cheap checks first: the results
     writer (writable, not another run's: its lock), room for the results, then the model's
@@ -108,6 +122,7 @@ def prepared(
         versions=current_versions(),
         resume=resume,
         retry_errors=retry_errors,
+        limited=limited,
     ) as writer:
         check_free_space(spec.output.path.parent)
         setup = JobSetup.of(spec)

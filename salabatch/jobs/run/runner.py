@@ -72,10 +72,10 @@ def run_job(
     start = time.perf_counter()
     summary = RunSummary(str(spec.output.path))
     try:
-        with prepared(spec, resume=resume, retry_errors=retry_errors, echo=echo) as (
-            writer,
-            setup,
-        ):
+        limited = limit is not None
+        with prepared(
+            spec, resume=resume, retry_errors=retry_errors, limited=limited, echo=echo
+        ) as (writer, setup):
             model = load_model(setup.model_path, dtype=setup.dtype)
             chunk = setup.spec.engine.prefill_chunk
             with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
@@ -121,16 +121,18 @@ class _Runner:
                 self._write(rows)
             self._count_skipped(planner)
             if cut.cut:
-                # The rest of the job is unplanned: nothing is dropped; what is left is
-                # counted without reading the documents' text.
-                self.summary.left = self.setup.outstanding(self.writer.done_keys())[0]
+                # The rest of the job is unplanned: nothing is dropped; what is done and left
+                # is counted over the whole job without reading the documents' text.
+                job = cut_short(self.setup, self.writer, self.summary)
+                self.progress.found_done(self.summary.skipped)
             else:
                 # Rows of earlier runs outside the job go when the writer closes (a document or
                 # question removed from the job, a changed document).
-                self.summary.dropped = self.writer.retain(planner.job_keys)
+                job = frozenset(planner.job_keys)
+                self.summary.dropped = self.writer.retain(job)
                 if self.summary.dropped:
                     self.progress.write(f"warning: {stale_rows(self.summary.dropped)}")
-            self.summary.failed = len(planner.job_keys & self.writer.failed_keys())
+            self.summary.failed = len(job & self.writer.failed_keys())
             self.request_lines = planner.request_lines
         finally:
             self.progress.close()
@@ -153,6 +155,16 @@ class _Runner:
         self.summary.written += len(rows)
         self.summary.errors += sum(r.status == "error" for r in rows)
         self.progress.rows(len(rows))
+
+
+def cut_short(setup: JobSetup, writer: ResultWriter, summary: RunSummary) -> frozenset[str]:
+    """The counts of a run `--limit` cut, over the whole job: the rows left (this run's error
+    rows are not left, even when it retried errors), the rows done before it; the keys of the
+    job's rows."""
+    job = setup.outstanding(writer.done_keys() | writer.written_keys())
+    summary.left = job.todo
+    summary.skipped = job.done - len(writer.written_keys())
+    return job.keys
 
 
 def count_rows(spec: JobSpec) -> int:

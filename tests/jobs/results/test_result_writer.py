@@ -100,6 +100,36 @@ def test_retry_errors_redoes_error_rows(tmp_path):
     assert read_results(path).column("status").to_pylist() == ["ok", "ok"]
 
 
+def test_limited_retry_runs_name_themselves_until_one_sees_the_whole_job(tmp_path):
+    """The file names the `--retry-errors --limit` runs of a series, whose error rows the next
+    such run counts as done; a run without retry_errors keeps the series, a retry run that
+    sees the whole job (retain) or has no limit ends it."""
+    path = tmp_path / "r.parquet"
+    errors = [f"a.q{i}" for i in range(4)]
+    with writer(path) as out:
+        out.write([make_row(key, status="error", run_id="first") for key in errors])
+    with writer(path, retry_errors=True, limited=True) as out:
+        assert out.done_keys() == set()
+        out.write([make_row("a.q0", status="error", run_id="r1")])  # cut: no retain
+    assert read_metadata(path)["retried_by"] == {"r1"}
+    with writer(path, retry_errors=True, limited=True) as out:
+        assert out.done_keys() == {"a.q0"}
+        out.write([make_row("a.q1", status="error", run_id="r2")])
+    with writer(path) as out:  # a run that does not retry keeps the series
+        assert out.done_keys() == set(errors)
+        out.write([make_row("b.q0", run_id="plain")])
+    assert read_metadata(path)["retried_by"] == {"r1", "r2"}
+    with writer(path, retry_errors=True) as out:  # no limit: every error row, and the end
+        assert out.done_keys() == {"b.q0"}
+    assert read_metadata(path)["retried_by"] == frozenset()
+    with writer(path, retry_errors=True, limited=True) as out:
+        out.write([make_row("a.q2", status="error", run_id="r3")])
+    with writer(path, retry_errors=True, limited=True) as out:
+        assert out.done_keys() == {"a.q2", "b.q0"}
+        out.retain([*errors, "b.q0"])  # it saw the whole job, with nothing to do: the end
+    assert read_metadata(path)["retried_by"] == frozenset()
+
+
 def test_no_resume_replaces_the_results_when_it_closes(tmp_path):
     path = tmp_path / "r.parquet"
     with writer(path) as out:

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from salabatch.cli import main
 from salabatch.jobs.results.read import read_metadata, read_results
 from salabatch.models import resolve_model
+from salabatch.plural import counted
 from tests import REPO, SHARED
 from tests.jobs.results.test_results import DESIGN_COLUMNS
 
@@ -233,6 +234,8 @@ def test_a_choices_question_is_answered_by_the_likeliest_choice_with_its_probabi
     assert listed.count("    choices: ") == 2
     first_only = run_cli("inspect", results, "--below", str(cut), "--show", "1").output
     assert first_only.count("    choices: ") == 1 and "… and 1 more" in first_only
+    nan = run_cli("inspect", results, "--below", "nan")  # passed a range's comparisons
+    assert nan.exit_code == 2 and "'nan' is not a finite number" in nan.output
     first = {r["custom_id"]: r["request_key"] for r in rows(tmp_path)}
     assert run_cli("run", str(job)).exit_code == 0  # nothing to do
     assert {r["custom_id"]: r["request_key"] for r in rows(tmp_path)} == first
@@ -338,6 +341,45 @@ def test_a_limit_that_ends_inside_the_last_document_says_its_rows_are_left(tmp_p
     assert run_cli("run", str(job), "--limit", "1").exit_code == 0  # the last row: done
 
 
+def test_retry_errors_with_a_limit_goes_on_with_the_next_error_rows(tmp_path, tiny_model):
+    """`--retry-errors --limit N` redoes N error rows a run, each once, as `--limit` goes on with
+    the next rows; the series ends with the run that reaches the end of the job (exit 3 when the
+    rows fail again). Before, each run redid the same first N and said the other rows and
+    those N were left (exit 4), for ever."""
+    write_docs(tmp_path)
+    engine = {"prefill_chunk": 128, "pool_max_tokens": 128, "max_context": 40}
+    job = write_job(tmp_path, tiny_model, engine=engine)  # every document overflows: 9 errors
+    assert run_cli("run", str(job)).exit_code == 3
+    first = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+    redone, codes = [], []
+    for limit, left in ((4, 5), (4, 1)):
+        before = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+        plan = run_cli("run", str(job), "--retry-errors", "--limit", str(limit), "--dry-run")
+        done = 9 - limit - left
+        assert f"(--limit {limit}; {left} more of the job left for later runs), {done} already" in (
+            plan.output
+        )
+        result = run_cli("run", str(job), "--retry-errors", "--limit", str(limit))
+        assert f"{limit} rows written ({limit} errors), {done} already done" in result.output
+        assert f"--limit {limit}: {counted(left, 'row')} of the job left" in result.output
+        assert "the job has 9 error rows" in result.output  # all of the job's, not the planned
+        codes.append(result.exit_code)
+        now = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+        redone.append({key for key in now if now[key] != before[key]})
+    last = run_cli("run", str(job), "--retry-errors", "--limit", "4")
+    assert "1 row written (1 error), 8 already done" in last.output
+    codes.append(last.exit_code)
+    now = {r["request_key"]: r["run_id"] for r in rows(tmp_path)}
+    redone.append({key for key in now if now[key] != first[key]} - redone[0] - redone[1])
+    assert codes == [4, 4, 3]
+    assert [len(keys) for keys in redone] == [4, 4, 1] and set().union(*redone) == set(first)
+    # the series ended: the next retry run starts again from the job's first error rows
+    again = run_cli("run", str(job), "--retry-errors", "--limit", "4")
+    assert again.exit_code == 4 and "4 rows written (4 errors), 0 already done" in again.output
+    assert run_cli("run", str(job), "--retry-errors").exit_code == 3  # no limit: every one
+    assert {r["run_id"] for r in rows(tmp_path)} == {rows(tmp_path)[0]["run_id"]}
+
+
 def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
     docs = write_docs(tmp_path)
     assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
@@ -356,6 +398,8 @@ def test_rows_no_longer_in_the_job_are_dropped(tmp_path, tiny_model):
     limited = run_cli("run", str(job), "--limit", "1")
     assert limited.exit_code == 4  # the job is not finished: rows are left
     assert "--limit 1: 2 rows of the job left; run the same command" in limited.output
+    # over the whole job, as its dry run counts them (not only the planned document's 2)
+    assert "1 row written (0 errors), 6 already done, 1 document" in limited.output
     assert "no longer in the job" not in limited.output
     assert len(pairs()) == 10 and ("notes.txt", "cost") in pairs()
     plan = run_cli("run", str(job), "--dry-run").output
@@ -538,7 +582,7 @@ def test_truncate_middle_fits_what_truncate_end_fits(tmp_path, tiny_model):
         sizes[mode] = re.findall(rf"{mode}: document cut from \d+ to (\d+) tokens", result.output)
     assert sizes["truncate_middle"] and len(sizes["truncate_middle"]) == len(sizes["truncate_end"])
     job = write_job(
-        tmp_path, tiny_model, engine={"max_context": 520}, generation={"max_tokens": 600}
+        tmp_path, tiny_model, engine={"max_context": 520}, generation={"max_tokens": 510}
     )
     result = run_cli("run", str(job), "--dry-run", "--no-resume")
     assert "lower max_tokens" in result.output, result.output
