@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 
 import click
@@ -113,6 +114,9 @@ def run(
 
     if executor == "local" and (address is not None or workers is not None):
         raise click.UsageError("--address and --workers are options of --executor ray")
+    for option, value in (("--output", output), ("--requests", requests), ("--model", model)):
+        if value is not None and not value.strip():  # not the current folder
+            raise click.UsageError(f"{option} is empty")
 
     note = None
     if job:
@@ -160,7 +164,7 @@ def run(
         how = "terminated (SIGTERM)" if terminated else "interrupted"
         click.echo(f"{how}: finished rows are saved; run the same command to resume", err=True)
         sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
-    click.echo(f"see: salabatch inspect {summary.output} --show 5", err=True)
+    click.echo(f"see: salabatch inspect {shlex.quote(summary.output)} --show 5", err=True)
     if summary.failed:
         click.echo(
             f"the job has {counted(summary.failed, 'error row')}: fix the cause, then rerun "

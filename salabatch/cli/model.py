@@ -196,6 +196,7 @@ def convert_cmd(
         dtype=dtype,
         force=force,
         max_shard_bytes=int(max_shard_gb * 2**30),
+        progress=sys.stderr.isatty(),  # a bar's redraws are noise in a log file
     )
     click.echo(
         f"{s['quantized']} tensors quantized, {s['kept']} kept; "

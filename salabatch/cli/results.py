@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from salabatch.cli.main import Finite
+
 
 @click.command()
 @click.argument("results", type=click.Path())
@@ -19,7 +21,7 @@ import click
 )
 @click.option(
     "--below",
-    type=click.FloatRange(0, 1),
+    type=Finite(0, 1),
     default=None,
     help="Print the choices questions' answers less probable than P (every one, or the first "
     "N with --show): the answers to check by hand.",

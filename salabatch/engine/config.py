@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,16 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: str | Path = "config.json") -> ModelConfig:
         return _Reader(raw, path).build()
+
+    @classmethod
+    def of_checkpoint(cls, folder: str | Path) -> ModelConfig:
+        """The config of a checkpoint folder; a path that is no folder is a ConfigError (exit
+        code 2: bad input), as a folder without config.json is."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            what = "not a folder" if os.path.lexists(folder) else "no such folder"
+            raise ConfigError(f"{what} (expected a checkpoint folder)", path=folder)
+        return cls.from_file(folder / "config.json")
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:

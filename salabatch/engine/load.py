@@ -26,7 +26,7 @@ from salabatch.engine.model import Model
 from salabatch.engine.quantize import quantize_like
 from salabatch.engine.runtime import resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
-from salabatch.errors import CheckpointError, SalabatchError
+from salabatch.errors import SalabatchError
 
 
 def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
@@ -48,9 +48,7 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
 def _checked(path: Path) -> tuple[Model, dict[str, mx.array]]:
     """The model structure of `path` and its weights, checked against each other by name and
     shape. The weights are not read yet: `mx.load` reads a safetensors header, the data later."""
-    if not path.is_dir():
-        raise CheckpointError("not a checkpoint directory", path=path)
-    cfg = ModelConfig.from_file(path / "config.json")
+    cfg = ModelConfig.of_checkpoint(path)
     model = Model(cfg)  # its random init is lazy, and replaced before anything evaluates it
     weights = model.sanitize(read_weights(path))
     if cfg.quantization is not None:

@@ -158,9 +158,7 @@ def convert(
     if head_bits is not None:
         check_bits(head_bits, group_size)
     dt = resolve_dtype(dtype)
-    if not src.is_dir():
-        raise CheckpointError("not a checkpoint directory", path=src)
-    cfg = ModelConfig.from_file(src / "config.json")
+    cfg = ModelConfig.of_checkpoint(src)
     if cfg.quantization is not None:
         raise CheckpointError("already quantized; convert from the full-precision model", path=src)
     check_destination(src, dst, force)

@@ -49,6 +49,11 @@ def test_validate_prints_a_summary_or_every_error(tmp_path, home):
     assert lines[1].startswith("  generation.top_k: must be greater than or equal to 0, got -1")
     assert lines[2].startswith("  engine.batchsize: unknown field")
 
+    numbered = write(tmp_path, MINIMAL + "2024: yes\n", "numbered.yaml")  # a key YAML reads as 2024
+    (line,) = validate(str(numbered)).stderr.splitlines()
+    assert line.startswith(f"error: {numbered}: 2024: unknown field (allowed: name, model,")
+    assert line.endswith("(line 5)")
+
     result = validate(str(tmp_path / "none.yaml"))
     assert result.exit_code == 2
     assert result.stderr == f"error: {tmp_path / 'none.yaml'}: job file not found\n"

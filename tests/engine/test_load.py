@@ -9,7 +9,7 @@ import pytest
 
 from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.load import check_checkpoint, load_model
-from salabatch.errors import CheckpointError
+from salabatch.errors import CheckpointError, ConfigError
 from tests.tiny import write_tiny_checkpoint
 
 IDS = mx.array([[5, 9, 17, 33, 65, 129]], dtype=mx.int32)
@@ -87,8 +87,11 @@ def test_missing_shard_and_bad_files(tmp_path, tiny_dir):
     (empty / "model.safetensors").write_bytes(b"\x10\x00garbage")
     with pytest.raises(CheckpointError, match="cannot read safetensors"):
         load_model(empty)
-    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+    with pytest.raises(ConfigError, match="no such folder") as info:
         load_model(tmp_path / "nowhere")
+    assert info.value.exit_code == 2  # bad input, as a folder without config.json is
+    with pytest.raises(ConfigError, match="not a folder"):
+        load_model(empty / "model.safetensors")
 
 
 def test_rotary_buffers_some_exports_carry_are_ignored(tmp_path, tiny_dir):

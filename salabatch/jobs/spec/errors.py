@@ -86,6 +86,9 @@ def error_lines(
     lines = []
     for err in error.errors(include_url=False):
         loc = tuple(err["loc"])
+        if err["type"] == "invalid_key":  # a key YAML read as a number: no field is one
+            loc = (*loc[:-1], str(loc[-1]))
+            err = {**err, "type": "extra_forbidden", "loc": loc}
         lines.append(f"{render_loc(loc)}: {_message(err, root)}{note(loc) if note else ''}")
     return lines
 

@@ -144,7 +144,7 @@ def line_of(root: yaml.Node, loc: Loc) -> int | None:
     node, line = root, None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            match = next((kv for kv in node.value if kv[0].value == part), None)
+            match = next((kv for kv in node.value if kv[0].value == str(part)), None)
             if match is None:
                 break
             line, node = match[0].start_mark.line + 1, match[1]

@@ -222,10 +222,10 @@ def check_paths(
     spec: JobSpec, *, batch_beside: bool = False, note: Note | None = None
 ) -> list[str]:
     """`location: message` lines for what the job names but the disk lacks or holds in its
-    way: the model folder, the requests file, the output files (see `_output_problems`;
-    `batch_beside` as in `batch_output`), document paths and globs (as `iter_documents` would
-    report them, every entry). Empty when all is there. `note` (from `read_job`) follows each
-    location with its line in the job file."""
+    way: the model folder, the requests file, the cache folder, the output files (see
+    `_output_problems`; `batch_beside` as in `batch_output`), document paths and globs (as
+    `iter_documents` would report them, every entry). Empty when all is there. `note` (from
+    `read_job`) follows each location with its line in the job file."""
     return path_problems(spec, batch_beside=batch_beside, note=note)[0]
 
 
@@ -247,6 +247,8 @@ def path_problems(
     if spec.requests is not None and (problem := _requests_problem(spec.requests)):
         problem = problem.replace(" (expected a .jsonl file)", "")
         problems.append((("requests",), f"{problem}: {spec.requests} (expected a .jsonl file)"))
+    if spec.cache.enabled and (blocked := _not_a_folder(spec.cache.dir)) is not None:
+        problems.append((("cache", "dir"), f"{blocked} is not a folder"))
     results, batch = batch_output(spec, batch_beside)
     for problem in _output_problems(results.output.path, batch, spec.requests):
         problems.append((("output", "path"), problem))
@@ -271,6 +273,9 @@ def _output_problems(results: Path, batch: Path | None, requests: Path | None) -
             problems.append(f"is a folder: {path} (expected a file path)")
             continue
         if not os.path.lexists(path):
+            blocked = _not_a_folder(path.parent)
+            if blocked is not None and not any(str(blocked) in p for p in problems):
+                problems.append(f"cannot make the folder of {path}: {blocked} is not a folder")
             continue
         if requests is not None and _same_file(path, requests):
             problems.append(f"{path} is the requests file; refusing to overwrite the input")
@@ -290,6 +295,15 @@ def _output_problems(results: Path, batch: Path | None, requests: Path | None) -
                     "path or move the file away"
                 )
     return problems
+
+
+def _not_a_folder(folder: Path) -> Path | None:
+    """The nearest of `folder` and its parents that exists, where it is not a folder (a file,
+    a dangling link) and so no output can be made under it; else None."""
+    for path in (folder, *folder.parents):
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+    return None
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -50,6 +50,8 @@ from salabatch.structure import choice_pattern, schema_pattern
 # Job names and question ids name files and Parquet columns: keep them portable.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _SAFE_TEXT = "1 to 100 letters, digits, _ . - (not starting with . or -)"
+_MAX_TOKENS = 512  # generation.max_tokens by default
+_CONTEXT = 1_048_576  # engine.max_context by default: the model's own context
 
 
 def slug(text: str) -> str:
@@ -190,7 +192,7 @@ class Question(_Strict):
 class GenerationSettings(_Strict):
     """Sampling settings of every question (greedy by default): the job's `generation:`."""
 
-    max_tokens: StrictInt = Field(512, ge=1)
+    max_tokens: StrictInt = Field(_MAX_TOKENS, ge=1)
     temperature: StrictFloat = Field(0.0, ge=0, allow_inf_nan=False)  # 0: greedy
     top_p: StrictFloat = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=0)  # 0: off
@@ -231,7 +233,7 @@ class Engine(_Strict):
     prefill_chunk: StrictInt = Field(2048, ge=16)  # tokens per prefill step
     batch_size: StrictInt = Field(8, ge=1)  # questions of a document decoded together
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_context: StrictInt = Field(1_048_576, ge=1)  # document + question tokens
+    max_context: StrictInt = Field(_CONTEXT, ge=1)  # document + question tokens
     # A document over max_context: fail its rows (the message gives its token count), or keep
     # its start and end, or its start.
     on_overflow: Literal["error", "truncate_middle", "truncate_end"] = "error"
@@ -451,7 +453,55 @@ def _job_problems(data: Any) -> list[tuple[Loc, str]]:
         auto = "; a question without an id is q<position>" if re.fullmatch(r"q\d+", qid) else ""
         message = f"duplicate id {qid!r} (also questions[{first[qid]}].id){auto}"
         problems.append((("questions", index, "id"), message))
+    return problems + _room_problems(data, questions)
+
+
+def _room_problems(data: dict[str, Any], questions: list[Any]) -> list[tuple[Loc, str]]:
+    """Answer lengths that leave no token of `engine.max_context` for the document and its
+    question, so that every row asking them would be an error row: a question's own
+    max_tokens, the job's (where given, or where a question takes its default of 512). A value
+    of the wrong type is reported by its own field."""
+    engine = data.get("engine")
+    context = engine.get("max_context", _CONTEXT) if isinstance(engine, dict) else _CONTEXT
+    generation = data.get("generation")
+    given = generation.get("max_tokens") if isinstance(generation, dict) else None
+    own = [q.get("max_tokens") if isinstance(q, dict) else None for q in questions]
+    if not _is_int(context):
+        return []
+    fix = "lower it or raise engine.max_context"
+    problems = [
+        (
+            ("questions", index, "max_tokens"),
+            f"{value} leaves no room for a document within "
+            f"engine.max_context {context} (the document, question and answer together): {fix}",
+        )
+        for index, value in enumerate(own)
+        if _is_int(value) and value >= context
+    ]
+    if given is not None:
+        if _is_int(given) and given >= context:
+            problems.append(
+                (
+                    ("generation", "max_tokens"),
+                    f"{given} leaves no room for a "
+                    f"document within engine.max_context {context} (the document, "
+                    f"question and answer together): {fix}",
+                )
+            )
+    elif context <= _MAX_TOKENS and any(value is None for value in own):
+        problems.append(
+            (
+                ("engine", "max_context"),
+                f"{context} leaves no room for a document "
+                f"beside answers of generation.max_tokens (default {_MAX_TOKENS}): raise "
+                "it or give a lower generation.max_tokens",
+            )
+        )
     return problems
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---- what identifies a job and a question's answers -------------------------------------------

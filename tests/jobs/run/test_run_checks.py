@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import shlex
 
 import pytest
 
@@ -90,7 +91,10 @@ def test_an_unwritable_output_folder_fails_before_the_model_loads(
     write_docs(tmp_path)
     (tmp_path / "out").write_text("a file where the output folder should be")
     result = run_cli("run", str(write_job(tmp_path, tiny_model)))
-    assert result.exit_code == 2 and "cannot create the parts folder" in result.output
+    assert result.exit_code == 2, result.output
+    assert f"output.path: cannot make the folder of {tmp_path / 'out' / 'results.parquet'}: " in (
+        result.output
+    )  # found with the job's paths, as validate finds it
 
 
 def test_a_full_output_disk_mid_run_is_one_line(tmp_path, tiny_model, monkeypatch):
@@ -241,8 +245,9 @@ def test_output_never_overwrites_the_requests_file_or_a_jsonl_that_is_not_salaba
         ("r" * 250 + ".parquet", "file name of 258 bytes"),
         (os.fsdecode(b"r\xe9s.parquet"), "not valid UTF-8"),
         ("res.csv", "must end in .parquet"),
+        ("job.yaml/res.parquet", "job.yaml is not a folder"),  # validate said ok
     ],
-    ids=["nul", "long-name", "not-utf8", "csv"],
+    ids=["nul", "long-name", "not-utf8", "csv", "under-a-file"],
 )
 def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
     tmp_path, tiny_model, no_model_load, output, problem
@@ -262,6 +267,21 @@ def test_output_path_problems_exit_2_in_validate_and_run_before_the_model_loads(
         assert "output.path: " in result.output and problem in result.output, result.output
         assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "job.yaml"]
+
+
+def test_the_closing_hint_is_a_command_to_paste_and_an_empty_path_is_no_folder(
+    tmp_path, tiny_model
+):
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model, questions=QUESTIONS[:1]))
+    spaced = tmp_path / "my results" / "it's.parquet"
+    result = run_cli("run", job, "-o", str(spaced))
+    assert result.exit_code == 0, result.output
+    hint = f"see: salabatch inspect {shlex.quote(str(spaced))} --show 5"
+    assert hint in result.output and "'\"'\"'" in hint  # quoted for a shell
+    for option in ("-o", "--requests", "--model"):  # the current folder, before
+        empty = run_cli("run", job, option, "")
+        assert empty.exit_code == 2 and "is empty" in empty.output, empty.output
 
 
 def test_each_failed_document_is_named_in_one_line_during_the_run(tmp_path, tiny_model):

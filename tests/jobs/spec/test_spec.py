@@ -370,6 +370,39 @@ def test_what_to_do_is_required(tmp_path):
     ]
 
 
+def test_an_answer_that_leaves_no_room_for_a_document_is_refused(tmp_path):
+    """max_tokens at or past engine.max_context makes every row an error row: the job says so
+    before it runs, at the field given (a question's, the job's, or the context where the
+    default max_tokens of 512 does not fit)."""
+    job = write(
+        tmp_path,
+        """\
+        name: room
+        model: builtin:random
+        documents: [{path: d}]
+        questions:
+          - {text: a, max_tokens: 300}
+          - {text: b}
+        engine: {max_context: 300}
+        """,
+    )
+    assert errors_of(job) == [
+        "questions[0].max_tokens: 300 leaves no room for a document within engine.max_context "
+        "300 (the document, question and answer together): lower it or raise "
+        "engine.max_context (line 5)",
+        "engine.max_context: 300 leaves no room for a document beside answers of "
+        "generation.max_tokens (default 512): raise it or give a lower generation.max_tokens "
+        "(line 7)",
+    ]
+    (given,) = errors_of(job, ("generation.max_tokens=400", "questions.0.max_tokens=8"))
+    assert given.startswith("generation.max_tokens: 400 leaves no room for a document")
+    assert given.endswith("(from the command line)")
+    load_job(job, ("generation.max_tokens=299", "questions.0.max_tokens=8"))
+    load_job(job, ("engine.max_context=513",))  # the default 512 fits
+    (wrong,) = errors_of(job, ("generation.max_tokens=lots", "questions.0.max_tokens=8"))
+    assert wrong.startswith("generation.max_tokens: ") and "room" not in wrong
+
+
 def test_glob_on_a_glob_path_is_refused(tmp_path):
     job = write(tmp_path, MINIMAL.replace("{path: docs}", "{path: 'docs/*.md', glob: '*.txt'}"))
     assert error_of(job).startswith("documents[0].glob: path is already a glob pattern")
@@ -470,6 +503,36 @@ def test_problems_on_disk_name_their_line_or_the_command_line(tmp_path):
     assert info.value.errors == [
         f"model: no such folder: {tmp_path / 'nowhere'} (from the command line)"
     ]
+
+
+def test_an_output_or_cache_under_a_file_is_refused_before_the_run(tmp_path):
+    """A results path or cache folder under a file (or a dangling link) cannot be made: the
+    run failed making it after the model loaded, and validate said ok."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    job = write(
+        tmp_path,
+        """\
+        name: under
+        model: builtin:random
+        documents: [{path: docs}]
+        questions: [{text: q}]
+        output: {path: afile/out.parquet}
+        """,
+    )
+    assert errors_of_files(job) == [
+        f"output.path: cannot make the folder of {tmp_path / 'afile' / 'out.parquet'}: "
+        f"{tmp_path / 'afile'} is not a folder (line 5)"
+    ]
+    (gone,) = errors_of_files(job, ("output.path=gone/x/out.jsonl",))
+    assert gone.endswith(f"{tmp_path / 'gone'} is not a folder (from the command line)")
+    cache = ("output.path=out.parquet", "cache.dir=afile/cache")
+    assert errors_of_files(job, cache) == [
+        f"cache.dir: {tmp_path / 'afile'} is not a folder (from the command line)"
+    ]
+    assert check_paths(load_job(job, (*cache, "cache.enabled=false"))) == []
 
 
 # ---- identities --------------------------------------------------------------------------------
