@@ -13,6 +13,7 @@ killed stays: `temp_pid` names its writer and `pid_alive` says whether it may st
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -152,3 +153,20 @@ def lock_now(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# Characters Python's str.splitlines() (and JavaScript's older JSON parsers) take for line ends
+# inside a JSON string, which JSON itself leaves unescaped.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def json_line(value: object) -> str:
+    """`value` as one line of a JSON Lines file, without its newline: text as itself (not
+    \\u escapes), except what would split the line for a reader that splits on every line
+    break Unicode has (U+2028, U+2029, U+0085) and a lone surrogate UTF-8 cannot hold."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"): escaped, as JSON says it
+        return json.dumps(value)
+    return text.translate(_LINE_BREAKS)

@@ -4,6 +4,7 @@ field, cancel, a restart mid-batch on the same state dir, chat answered while a 
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -168,6 +169,29 @@ def test_round_trip_files_and_output_in_input_order(tiny, tmp_path):
         with pytest.raises(openai.APIStatusError) as e:
             s.api.files.create(file=("big.jsonl", b"x" * (2 << 20)), purpose="batch")
         assert e.value.status_code == 413
+        # chunked (no length): the form was spooled whole, of any size, before it was counted
+        form = b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b--\r\n'
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        headers = {"Content-Type": "multipart/form-data; boundary=b"}
+        conn.request("POST", "/v1/files", body=iter([form]), headers=headers)
+        assert conn.getresponse().status == 411
+        conn.close()
+        with pytest.raises(openai.BadRequestError, match="expires_after"):  # refused, not ignored
+            s.api.files.create(
+                file=("in.jsonl", b"{}"),
+                purpose="batch",
+                extra_body={"expires_after": {"anchor": "created_at", "seconds": 3600}},
+            )
+        fresh = s.upload(lines[:1])
+        with pytest.raises(openai.BadRequestError, match="at most 16 strings"):  # OpenAI's limits
+            s.api.batches.create(
+                input_file_id=fresh,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata={f"k{i}": "v" for i in range(17)},
+            )
+        status, _, data = s.raw("GET", "/v1/batches?after=batch_nope")
+        assert status == 400 and json.loads(data)["error"]["param"] == "after"
 
 
 def test_a_line_with_n_answers_n_choices_as_chat_answers_each_seed(tiny, tmp_path):
@@ -248,6 +272,8 @@ def test_a_responses_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_path
         {"input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTIONS[1]}]}],
          "max_output_tokens": 40, "text": {"format": {"type": "json_object"}}},
         {"input": "Hi", "previous_response_id": "resp_x"},
+        {"input": "Hi", "stream": True},  # a line is no stream: refused, as `run` refuses it
+        {"input": "Hi", "background": True},
     ]  # fmt: skip
     lines = endpoint_lines("/v1/responses", "r", bodies)
     with Server(tiny, tmp_path) as s:
@@ -261,9 +287,10 @@ def test_a_responses_batch_answers_each_line_as_the_endpoint_does(tiny, tmp_path
             assert text == want.output_text and got["status"] == want.status
             assert got["usage"]["input_tokens"] == want.usage.input_tokens
         assert isinstance(json.loads(want.output_text), dict)
-        (error,) = s.output(batch.error_file_id)
-        assert error["custom_id"] == "r2"
-        assert error["response"]["body"]["error"]["param"] == "previous_response_id"
+        errors = s.output(batch.error_file_id)
+        params = [e["response"]["body"]["error"]["param"] for e in errors]
+        assert [e["custom_id"] for e in errors] == ["r2", "r3", "r4"]
+        assert params == ["previous_response_id", "stream", "background"]
 
 
 def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
@@ -308,6 +335,10 @@ def test_a_line_that_is_not_text_is_refused_and_the_runner_goes_on(tiny, tmp_pat
         assert error["param"] == "messages[1].content" and "U+D800" in error["message"]
         (out,) = s.output(batch.output_file_id)
         assert out["custom_id"] == "id-\ud800" and out["response"]["status_code"] == 200
+        # U+2028, which JSON leaves raw: escaped, so that README's splitlines() loop reads it
+        spaced = s.done(s.start_batch([line("a\u2028b", "redwater-robotics.txt", "Who?")]).id)
+        (text,) = s.api.files.content(spaced.output_file_id).text.splitlines()
+        assert json.loads(text)["custom_id"] == "a\u2028b"
         later = s.done(s.start_batch(many(1, max_tokens=4)).id)
         assert later.status == "completed"
 
@@ -337,6 +368,7 @@ def test_a_fault_of_the_server_fails_its_line_or_batch_not_the_runner(tiny, tmp_
         monkeypatch.undo()
         assert broken.status == "failed"
         assert "ZeroDivisionError" in broken.errors.data[0].message
+        assert broken.request_counts.completed == 1  # its line ran: counted, not 0
         assert s.done(s.start_batch(many(1, max_tokens=4)).id).status == "completed"
     with Server(tiny, tmp_path) as s:  # a restart finds nothing open
         assert s.api.batches.retrieve(broken.id).status == "failed"
@@ -392,6 +424,52 @@ def test_cancel_mid_batch(tiny, tmp_path):
         after = s.metrics()
         key = 'salabatch_http_requests_total{endpoint="/v1/batches/{batch_id}/cancel",status="400"}'
         assert after.get(key, 0) - requests.get(key, 0) == 1  # a 400: the client does not retry
+
+
+def test_a_cancel_while_validating_or_queued_ends_the_batch_cancelled(tiny, tmp_path):
+    """A cancel that lands while the input is read was written over by `in_progress` (the
+    batch ran on); one queued behind another batch stayed `cancelling` until that one ended."""
+    with Server(tiny, tmp_path) as s:
+        read = s.runner._read_input
+
+        def read_then_cancel(file_id, endpoint):
+            found = read(file_id, endpoint)
+            (validating,) = [b for b in s.store.open_batches() if b["status"] == "validating"]
+            s.api.batches.cancel(validating["id"])
+            return found
+
+        s.runner._read_input = read_then_cancel
+        batch = s.done(s.start_batch(many(4, 4)).id)
+        s.runner._read_input = read
+        assert batch.status == "cancelled" and batch.in_progress_at is None
+        assert batch.request_counts.completed == 0 and batch.output_file_id is None
+
+        running = s.start_batch(many(40, 48))
+        queued = s.start_batch(many(2, 4))
+        s.wait(running.id, lambda b: b.request_counts.completed >= 1)
+        cancelled = s.api.batches.cancel(queued.id)
+        assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+        assert s.api.batches.retrieve(running.id).status == "in_progress"
+        s.api.batches.cancel(running.id)
+        assert s.done(running.id).status == "cancelled"
+
+
+def test_the_input_of_a_batch_not_ended_cannot_be_deleted(tiny, tmp_path):
+    """Deleting it and restarting ended the batch `completed` with the lines not answered yet
+    missing: it is a 400 naming the batch; were the file gone anyway (a disk's fault), the
+    restarted batch fails saying so, its answered lines in its output file and counts."""
+    with Server(tiny, tmp_path) as s:
+        batch = s.start_batch(many(16, 24))
+        s.wait(batch.id, lambda b: b.request_counts.completed >= 2)
+        with pytest.raises(openai.BadRequestError, match=f"input of batch {batch.id}"):
+            s.api.files.delete(batch.input_file_id)
+        s.store.file_path(batch.input_file_id).unlink()  # the bytes lost behind its back
+    with Server(tiny, tmp_path) as s:
+        failed = s.done(batch.id)
+        assert failed.status == "failed" and failed.errors.data[0].code == "missing_file"
+        answered = failed.request_counts.completed
+        assert answered >= 2 and len(s.output(failed.output_file_id)) == answered
+        s.api.files.delete(failed.input_file_id)  # it ended: the record goes
 
 
 def test_a_restart_mid_batch_answers_every_line_once(tiny, tmp_path):

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from salabatch.errors import OutputError
-from salabatch.files import write_atomic
+from salabatch.files import json_line, write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import (
     RESPONSE_ROWS,
@@ -164,7 +164,7 @@ def export_openai_jsonl(
             OutputWarning,
             stacklevel=2,
         )
-    lines = (json.dumps(_openai_line(r), ensure_ascii=False) + "\n" for r in records)
+    lines = (json_line(_openai_line(r)) + "\n" for r in records)
     _write_text(out, lines)
     return len(records)
 
@@ -200,7 +200,7 @@ def export_rows_jsonl(path: str | os.PathLike, out: str | os.PathLike | TextIO) 
     """Write the rows as flat JSON lines: one object per row, every column (RESULT_SCHEMA's
     names and order), timestamps in ISO 8601, in the results' order. Returns the rows."""
     records = read_results(path).to_pylist()
-    _write_text(out, (json.dumps(_plain(r), ensure_ascii=False) + "\n" for r in records))
+    _write_text(out, (json_line(_plain(r)) + "\n" for r in records))
     return len(records)
 
 

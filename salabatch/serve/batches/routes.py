@@ -53,9 +53,13 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         message = f"the file is larger than {max_file} bytes"
         too_large = APIError(413, message, code="file_too_large")
         declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > max_file + (64 << 10):
+        if not (declared.isascii() and declared.isdigit()):  # the form is spooled whole first
+            raise APIError(411, "an upload needs its Content-Length", code="length_required")
+        if int(declared) > max_file + (64 << 10):
             raise too_large
         async with request.form(max_files=1, max_fields=8) as form:
+            if unknown := [k for k in form if k not in ("purpose", "file")]:
+                raise APIError(400, f"unsupported field: {unknown[0]}", param=unknown[0])
             purpose, file = form.get("purpose"), form.get("file")
             if purpose != "batch":
                 raise APIError(400, "purpose must be 'batch'", param="purpose")
@@ -109,6 +113,12 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
 
     async def delete_file(request: Request) -> Response:
         file_id = request.path_params["file_id"]
+        if (batch := store.reading(file_id)) is not None:
+            message = (
+                f"file {file_id} is the input of batch {batch['id']}, which is "
+                f"{batch['status']}: cancel the batch or wait for it to end"
+            )
+            raise APIError(400, message, param="file_id")
         if not store.delete_file(file_id):
             file_or_404(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
@@ -134,9 +144,17 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
             raise APIError(400, "completion_window must be '24h'", param="completion_window")
         metadata = body.get("metadata")
         if metadata is not None and not (
-            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+            isinstance(metadata, dict)
+            and len(metadata) <= 16
+            and all(
+                len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
+            )
         ):
-            raise APIError(400, "metadata must be an object of strings", param="metadata")
+            message = (
+                "metadata must be an object of at most 16 strings, keys of at most 64 "
+                "characters and values of at most 512"
+            )
+            raise APIError(400, message, param="metadata")
         return JSONResponse(runner.create(file_id, metadata, endpoint))
 
     async def get_batch(request: Request) -> Response:
@@ -145,7 +163,10 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
 
     async def list_batches(request: Request) -> Response:
         limit = query_int(request.query_params, "limit", 20, 1, 100)
-        data, more = store.batches(request.query_params.get("after"), limit)
+        after = request.query_params.get("after")
+        if after is not None and store.status(after) is None:  # as a files list says it
+            raise APIError(400, f"no batch with id {after!r}", param="after")
+        data, more = store.batches(after, limit)
         return JSONResponse(
             {
                 "object": "list",
@@ -158,7 +179,8 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
 
     async def cancel_batch(request: Request) -> Response:
         batch_id = request.path_params["batch_id"]
-        return JSONResponse(batch_or_404(runner.cancel(batch_id), batch_id))
+        cancelled = await run_in_threadpool(runner.cancel, batch_id)  # may write its files
+        return JSONResponse(batch_or_404(cancelled, batch_id))
 
     return [
         Route("/v1/files", upload, methods=["POST"]),

@@ -49,7 +49,7 @@ from salabatch.serve.app import (
     text_completion,
     text_request,
 )
-from salabatch.serve.batches.store import BatchStore, new_id
+from salabatch.serve.batches.store import OPEN, BatchStore, new_id
 from salabatch.serve.completion import AnswerText, LeadingIds, chat_job
 from salabatch.serve.engine import (
     EngineClosed,
@@ -151,9 +151,10 @@ class BatchRunner:
         return self.store.batch(batch["id"])
 
     def cancel(self, batch_id: str) -> dict | None:
-        """Marks a validating or in-progress batch cancelling (the runner ends it cancelled);
-        one cancelling or cancelled already is returned as it is; APIError 400 for one that
-        finished otherwise (not 409, which the OpenAI SDK retries); None for no such batch."""
+        """Marks a validating or in-progress batch cancelling: the runner ends it cancelled,
+        at once where it waits behind another batch; one cancelling or cancelled already is
+        returned as it is; APIError 400 for one that finished otherwise (not 409, which the
+        OpenAI SDK retries); None for no such batch."""
 
         def cancelling(batch: dict) -> dict | None:
             if batch["status"] in ("cancelling", "cancelled"):
@@ -164,12 +165,19 @@ class BatchRunner:
             return {**batch, "status": "cancelling", "cancelling_at": int(time.time())}
 
         batch = self.store.update_batch(batch_id, cancelling)
-        if batch is not None:
-            with self._cv:
-                if self._current == batch_id:
-                    for ticket in self._tickets:
-                        ticket.cancel()
-                self._cv.notify_all()
+        if batch is None or batch["status"] != "cancelling":
+            return batch
+        with self._cv:
+            queued = batch_id in self._queue
+            if queued:  # waiting behind another batch: none of its lines runs
+                self._queue.remove(batch_id)
+            if self._current == batch_id:
+                for ticket in self._tickets:
+                    ticket.cancel()
+            self._cv.notify_all()
+        if queued:
+            self._end_cancelled(batch_id)
+            return self.store.batch(batch_id)
         return batch
 
     # ---- the thread --------------------------------------------------------------------------
@@ -193,42 +201,56 @@ class BatchRunner:
                 self._current = None
 
     def _run(self, batch_id: str) -> None:
+        """Takes a batch from where it is (a restart's too) to its end. Each change of status
+        is made only from the status it was seen in, so a cancel that lands meanwhile wins
+        and the batch then ends cancelled."""
         batch = self.store.batch(batch_id)
-        if batch is None or batch["status"] not in ("validating", "in_progress", "finalizing"):
-            if batch is not None and batch["status"] == "cancelling":
+        status = None if batch is None else batch["status"]
+        if status not in ("validating", "in_progress", "finalizing"):
+            if status == "cancelling":
                 self._end_cancelled(batch_id)
             return
-        endpoint = batch["endpoint"]
-        lines, errors = self._read_input(batch["input_file_id"], endpoint)
-        if batch["status"] == "validating":
+        lines, errors = self._read_input(batch["input_file_id"], batch["endpoint"])
+        if status == "validating":
             if errors:
-                self._set(batch_id, "failed", errors={"object": "list", "data": errors})
-                return
-            total = {"total": len(lines), "completed": 0, "failed": 0}
-            self._set(batch_id, "in_progress", request_counts=total)
-        if self.store.batch(batch_id)["status"] == "in_progress":
-            done = self.store.done_lines(batch_id)
-            if not self._answer(batch_id, [x for x in lines if x[0] not in done], endpoint):
-                return
-        if self.store.batch(batch_id)["status"] == "cancelling":
-            self._end_cancelled(batch_id)
+                listed = {"object": "list", "data": errors}
+                self._set(batch_id, "failed", ("validating",), errors=listed)
+            else:
+                total = {"total": len(lines), "completed": 0, "failed": 0}
+                self._set(batch_id, "in_progress", ("validating",), request_counts=total)
+        elif errors:  # its input is gone since it was validated (a disk's fault)
+            self._fail(batch_id, errors)
             return
-        if self._expired(batch_id):
+        if self.store.status(batch_id) == "in_progress":
+            done = self.store.done_lines(batch_id)
+            todo = [x for x in lines if x[0] not in done]
+            if not self._answer(batch_id, todo, batch["endpoint"], batch["expires_at"]):
+                return
+        status = self.store.status(batch_id)
+        if status == "in_progress" and time.time() >= batch["expires_at"]:
             done = self.store.done_lines(batch_id)
             for number, custom_id, _ in (x for x in lines if x[0] not in done):
                 self.store.add_line(batch_id, number, _expired_line(custom_id), failed=True)
-            self._set(batch_id, "expired", **self._write_files(batch_id))
+            if self._set(batch_id, "expired", ("in_progress",), **self._write_files(batch_id)):
+                return
+        elif status in ("in_progress", "finalizing") and self._set(
+            batch_id, "finalizing", ("in_progress", "finalizing")
+        ):
+            self._set(batch_id, "completed", ("finalizing",), **self._write_files(batch_id))
             return
-        self._set(batch_id, "finalizing")
-        self._set(batch_id, "completed", **self._write_files(batch_id))
+        if self.store.status(batch_id) == "cancelling":
+            self._end_cancelled(batch_id)
 
-    def _answer(self, batch_id: str, lines: list[tuple[int, str, dict]], endpoint: str) -> bool:
+    def _answer(
+        self, batch_id: str, lines: list[tuple[int, str, dict]], endpoint: str, expires_at: int
+    ) -> bool:
         """Answers `lines` (line, custom_id, body) as `endpoint` does, `in_flight` jobs at a
-        time, recording each line as it ends; False when the runner stopped first (the rest
-        stay unanswered)."""
+        time, recording each line as it ends, until they are answered, the batch is cancelled
+        or `expires_at` passes; False when the runner stopped first (the rest stay
+        unanswered)."""
         pending, running = deque(lines), deque()
         while pending or running:
-            stop = self.store.batch(batch_id)["status"] == "cancelling" or self._expired(batch_id)
+            stop = self.store.status(batch_id) == "cancelling" or time.time() >= expires_at
             if self._stopping or stop:
                 for _, tickets, _ in running:
                     for ticket in tickets:
@@ -314,7 +336,9 @@ class BatchRunner:
         """([its ticket], [its AnswerText], respond) of a Responses line's body, as
         `/v1/responses` reads one (`responses.response_request`), except that a line continues
         no stored response and is stored by none (its output line is the response)."""
-        openai_api.check_fields(body, responses.FIELDS, responses.NO_OP)
+        # the fields a Responses line may hold, as `salabatch run` takes one: no stream or
+        # background (a batch line is neither), no previous_response_id (it continues none)
+        openai_api.check_fields(body, openai_api.RESPONSE_HONOURED, openai_api.RESPONSE_NO_OP)
         if body.get("model") is not None:
             check_model(body["model"], self.model_id)
         asked = responses.response_request(
@@ -428,32 +452,37 @@ class BatchRunner:
                 ids[key] = file_id
         return ids
 
-    def _expired(self, batch_id: str) -> bool:
-        """Whether the batch's completion window has passed (its unanswered lines then end with
-        `batch_expired` errors, its answered ones in its output file)."""
-        return time.time() >= self.store.batch(batch_id)["expires_at"]
-
-    def _fail(self, batch_id: str, e: Exception) -> None:
-        """Ends a batch a fault of the server's stopped: failed, with the files of its answered
-        lines where they can be written (what cannot be recorded is in the log)."""
-        message = f"the server failed running this batch ({type(e).__name__}: {e})"
-        errors = {"object": "list", "data": [{"code": "server_error", "message": message}]}
+    def _fail(self, batch_id: str, why: Exception | list[dict]) -> None:
+        """Ends a batch a fault of the server's stopped (an exception, or the errors of an input
+        gone since it was validated): failed, with the files of its answered lines where they
+        can be written (what cannot be recorded is in the log)."""
+        if isinstance(why, Exception):
+            message = f"the server failed running this batch ({type(why).__name__}: {why})"
+            why = [{"code": "server_error", "message": message}]
+        errors = {"object": "list", "data": why}
         try:
             try:
                 files = self._write_files(batch_id)
             except Exception:
                 log.exception("batch %s: cannot write its files", batch_id)
                 files = {}
-            self._set(batch_id, "failed", errors=errors, **files)
+            self._set(batch_id, "failed", OPEN, errors=errors, **files)
         except Exception:
             log.exception("batch %s: cannot record its failure", batch_id)
 
     def _end_cancelled(self, batch_id: str) -> None:
-        self._set(batch_id, "cancelled", **self._write_files(batch_id))
+        self._set(batch_id, "cancelled", ("cancelling",), **self._write_files(batch_id))
 
-    def _set(self, batch_id: str, status: str, **fields) -> None:
-        at = {} if status == "validating" else {f"{status}_at": int(time.time())}
-        self.store.update_batch(batch_id, lambda b: {**b, **fields, **at, "status": status})
+    def _set(self, batch_id: str, status: str, was: tuple[str, ...], **fields) -> bool:
+        """The batch `status` (its `<status>_at` now, `fields` with it) if it is still one of
+        `was`; whether it was."""
+        at = {f"{status}_at": int(time.time())}
+
+        def change(batch: dict) -> dict | None:
+            return {**batch, **fields, **at, "status": status} if batch["status"] in was else None
+
+        changed = self.store.update_batch(batch_id, change)
+        return changed is not None and changed["status"] == status
 
 
 def _last(ticket, answer: AnswerText):

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from salabatch.errors import SalabatchError, StateError, not_utf8
-from salabatch.files import fsync_dir, fsync_path, lock_now, temp_path
+from salabatch.errors import SalabatchError, StateError
+from salabatch.files import fsync_dir, fsync_path, json_line, lock_now, temp_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -163,6 +163,12 @@ class BatchStore:
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
+    def reading(self, file_id: str) -> dict | None:
+        """The batch not ended yet whose input is the file, if any: its runner reads the lines
+        again after a restart."""
+        found = [b for b in self.open_batches() if b["input_file_id"] == file_id]
+        return found[0] if found else None
+
     def delete_file(self, file_id: str) -> bool:
         """Removes the record, then the bytes; False when there was none."""
         with self._lock:
@@ -185,6 +191,11 @@ class BatchStore:
         """The Batch object, its request_counts from the lines answered so far."""
         rows = self._run("SELECT object FROM batches WHERE id = ?", (batch_id,))
         return self._with_counts(json.loads(rows[0][0])) if rows else None
+
+    def status(self, batch_id: str) -> str | None:
+        """The batch's status alone (its counts are not read: the runner asks for every line)."""
+        rows = self._run("SELECT status FROM batches WHERE id = ?", (batch_id,))
+        return rows[0][0] if rows else None
 
     def batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """Up to `limit` batches, newest first, from after the batch `after`; and whether more
@@ -230,9 +241,7 @@ class BatchStore:
     def add_line(self, batch_id: str, line: int, output: dict, failed: bool) -> None:
         """Records line `line`'s output line, durably; a line answered already keeps its
         first answer."""
-        text = json.dumps(output, ensure_ascii=False)
-        if not_utf8(text):  # a custom_id with a lone surrogate: escaped, as JSON can say it
-            text = json.dumps(output)
+        text = json_line(output)  # a line of the output file as it is stored
         self._run(
             "INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?)", (batch_id, line, int(failed), text)
         )
@@ -256,8 +265,6 @@ class BatchStore:
             (batch["id"],),
         )
         total = batch.get("request_counts", {}).get("total", 0)
-        if batch["status"] == "failed":  # validation failed: no line ran
-            completed = failed = 0
         counts = {"total": total, "completed": completed, "failed": failed}
         return {**batch, "request_counts": counts}
 
