@@ -56,11 +56,17 @@ from salabatch.errors import JobSpecError, TokenizerError, not_utf8
 from salabatch.jobs.ingest.documents import Document
 from salabatch.jobs.results.schema import CHAT_ROWS, RESPONSE_ROWS, TEXT_ROWS
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
+from salabatch.jobs.spec.errors import show_value
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.openai_api import BodyError
 
 PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
 ONE_ANSWER = "a row of the results holds one answer; salabatch serve's /v1/batches answers n > 1"
+_KINDS = {
+    "/v1/chat/completions": CHAT_ROWS,
+    "/v1/completions": TEXT_ROWS,
+    "/v1/responses": RESPONSE_ROWS,
+}
 ECHOED = "a row holds the answer alone; salabatch serve's /v1/completions echoes the prompt"
 
 
@@ -147,17 +153,17 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return f"line-{number}", None, "custom_id is missing", CHAT_ROWS
-    body = line.get("body")
-    url = str(line.get("url", "/v1/chat/completions"))
-    text = url.endswith("/completions") and not url.endswith("/chat/completions")
-    response = url.endswith("/responses")
-    # another url's error row: a request's
-    kind = TEXT_ROWS if text else RESPONSE_ROWS if response else CHAT_ROWS
+    body, url = line.get("body"), line.get("url")
+    kind = _KINDS.get(url, CHAT_ROWS) if isinstance(url, str) else CHAT_ROWS  # another's: a chat
     if not isinstance(body, dict):
         return custom_id, None, "body is missing", kind
-    if not (url.endswith("/completions") or response):
-        served = "only /v1/chat/completions, /v1/completions and /v1/responses requests are served"
-        return custom_id, body, f"{served}, not {url}", kind
+    if (
+        not isinstance(url, str) or url not in _KINDS
+    ):  # as OpenAI's batches (and salabatch serve's) check a line
+        given = "url is missing" if url is None else f"url {show_value(url)} is not served"
+        return custom_id, body, f"{given}: it must be one of {', '.join(_KINDS)}", kind
+    if line.get("method") != "POST":
+        return custom_id, body, f"method must be POST, got {show_value(line.get('method'))}", kind
     try:
         if kind == RESPONSE_ROWS:  # previous_response_id among the refused: a row stores none
             openai_api.check_fields(body, openai_api.RESPONSE_HONOURED, openai_api.RESPONSE_NO_OP)

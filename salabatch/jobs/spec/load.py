@@ -166,9 +166,9 @@ def _requests_model(path: Path) -> str:
     if problem := _requests_problem(path):
         raise JobSpecError(problem, path=path)
     names = set()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError) as e:
+    try:  # lines end at a newline only, as a run reads them (str.splitlines ends more: U+2028)
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
         raise JobSpecError(f"cannot read the model from the requests ({e})", path=path) from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -195,13 +195,29 @@ def _requests_model(path: Path) -> str:
 
 
 def _requests_problem(path: Path) -> str | None:
-    """Why the requests file cannot be read, or None: it must be a regular file (a FIFO would
-    wait for a writer forever)."""
+    """Why the requests file cannot be used, or None: it must be a regular file (a FIFO would
+    wait for a writer forever) with a request line."""
     if path.is_file():
-        return None
+        return None if _has_line(path) else _NO_LINES
     if path.is_dir():
         return "a folder (expected a .jsonl file)"
     return "not a regular file" if os.path.lexists(path) else "no such file"
+
+
+_NO_LINES = "no request lines in it"
+
+
+def _has_line(path: Path) -> bool:
+    """Whether the file holds a line that is not blank (read a block at a time; a file that
+    cannot be read says so when the run reads it)."""
+    try:
+        with path.open("rb") as f:
+            while block := f.read(1 << 20):
+                if block.strip():
+                    return True
+    except OSError:
+        return True
+    return False
 
 
 def batch_output(spec: JobSpec, beside: bool = False) -> tuple[JobSpec, Path | None]:
@@ -245,8 +261,12 @@ def path_problems(
             message = f"no config.json in {model} (expected a checkpoint folder)"
             problems.append((("model",), message))
     if spec.requests is not None and (problem := _requests_problem(spec.requests)):
-        problem = problem.replace(" (expected a .jsonl file)", "")
-        problems.append((("requests",), f"{problem}: {spec.requests} (expected a .jsonl file)"))
+        if problem == _NO_LINES:
+            problems.append((("requests",), f"no request lines in {spec.requests}"))
+        else:
+            problem = problem.replace(" (expected a .jsonl file)", "")
+            message = f"{problem}: {spec.requests} (expected a .jsonl file)"
+            problems.append((("requests",), message))
     if spec.cache.enabled and (blocked := _not_a_folder(spec.cache.dir)) is not None:
         problems.append((("cache", "dir"), f"{blocked} is not a folder"))
     results, batch = batch_output(spec, batch_beside)

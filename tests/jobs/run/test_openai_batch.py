@@ -306,6 +306,41 @@ def test_fields_that_cannot_be_honoured_give_an_error_row_naming_them(
     assert row.custom_id == "a" and row.request_line == 1
 
 
+def test_a_line_needs_post_and_a_served_url_as_the_batches_api_checks_them(tmp_path, tiny_model):
+    """A GET line was answered, a line without url taken for a chat one, and any url ending
+    in /completions served: each is now an error row naming the field."""
+    get, bare, other = line("get"), line("bare"), line("other")
+    get["method"] = "GET"
+    del bare["url"]
+    other["url"] = "/v2/chat/completions"
+    plans = plans_of(tmp_path, tiny_model, [get, bare, other, line("ok")])
+    assert [p.error for p in plans] == [
+        "line 1: method must be POST, got 'GET'",
+        "line 2: url is missing: it must be one of /v1/chat/completions, /v1/completions, "
+        "/v1/responses",
+        "line 3: url '/v2/chat/completions' is not served: it must be one of "
+        "/v1/chat/completions, /v1/completions, /v1/responses",
+        None,
+    ]
+
+
+def test_a_line_break_unicode_has_inside_json_is_no_line_end(tmp_path, tiny_model):
+    """U+2028 in a line (JSON leaves it as it is): the model was read from str.splitlines'
+    halves (not valid JSON, exit 2), and the output line held it raw, so that the README's
+    `.text.splitlines()` split it in two."""
+    request = line("a\u2028b", "Name a river\u2029.")
+    request["body"]["model"] = str(tiny_model)
+    requests = write_requests(tmp_path / "batch.jsonl", [request])
+    out = tmp_path / "out.jsonl"
+    result = run_cli("run", "--requests", str(requests), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    (text,) = out.read_text().splitlines()
+    assert json.loads(text)["custom_id"] == "a\u2028b" and "\\u2028" in text
+    empty = write_requests(tmp_path / "empty.jsonl", ["", "  "])
+    result = run_cli("run", "--requests", str(empty), "--model", str(tiny_model))
+    assert result.exit_code == 2 and f"requests: no request lines in {empty}" in result.output
+
+
 def test_n_above_1_is_an_error_row_that_says_where_it_is_answered(tmp_path, tiny_model):
     plan, _ = only_row(plans_of(tmp_path, tiny_model, [line("a", n=2)]))
     assert plan.error == (
