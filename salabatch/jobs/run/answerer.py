@@ -197,15 +197,20 @@ class Answerer:
             scores = choice_scores(self.model, prefix.cache, asks, top, self.spec.engine.batch_size)
             seconds = (time.perf_counter() - start) / len(chosen)
             for r, s in zip(chosen, scores, strict=True):
-                rows.pop(r.key)
                 seen = _row_prefix(prefix, r, plan)
-                yield [self._chosen(r, plan, s, len(r.prompt), seconds, seen, started)]
+                row = self._finished(
+                    self._chosen, r, plan, s, len(r.prompt), seconds, seen, started
+                )
+                rows.pop(r.key)
+                yield [row]
         # one tuple for all the rows: the lookup drafter searches the document
         context = tuple(plan.doc_prompt)
         requests = [self._request(r, r.prompt, context) for r in plan.rows if r.key not in spelled]
         for g in self._decode(requests, prefix.cache, f"decode {plan.doc.doc_id}"):
-            row = rows.pop(g.request.id)
-            yield [self._row(row, plan, g, _row_prefix(prefix, row, plan), started)]
+            r = rows[g.request.id]
+            row = self._finished(self._row, r, plan, g, _row_prefix(prefix, r, plan), started)
+            rows.pop(r.key)
+            yield [row]
 
     def memory_plan(self, plan: DocPlan) -> memory.MemoryPlan:
         """What answering `plan` from its document's prefix holds at its peak."""
@@ -236,11 +241,15 @@ class Answerer:
             memory.check(needs)
             with memory.bounded(needs):
                 for key in spelled:
-                    row, plan = by_key.pop(key)
-                    yield [self._chosen_pooled(row, plan, spelled[key], started)]
+                    r, plan = by_key[key]
+                    row = self._finished(self._chosen_pooled, r, plan, spelled[key], started)
+                    by_key.pop(key)
+                    yield [row]
                 for g in self._decode(requests, None, f"decode {len(requests)} pooled rows"):
-                    row, plan = by_key.pop(g.request.id)
-                    yield [self._row(row, plan, g, None, started)]
+                    r, plan = by_key[g.request.id]
+                    row = self._finished(self._row, r, plan, g, None, started)
+                    by_key.pop(r.key)
+                    yield [row]
         except OutputError:
             raise
         except Exception as e:
@@ -412,6 +421,19 @@ class Answerer:
             started_at=started.at,
             finished_at=_now(),
         )
+
+    def _finished(
+        self, build: Callable[..., ResultRow], row: Row, plan: DocPlan, *more: Any
+    ) -> ResultRow:
+        """`build(row, plan, *more)`: the result row of an answer, or, where that fails (an
+        answer the tokenizer cannot decode), the row's own error row: the rows of its batch are
+        not lost with it, and the others are made as they come."""
+        try:
+            return build(row, plan, *more)
+        except OutputError:
+            raise
+        except Exception as e:
+            return self._error_row(row, plan, self._report(e, f"row {row.custom_id}"))
 
     def _error_row(self, row: Row, plan: DocPlan, reason: str) -> ResultRow:
         return self.identity.error_row(row, reason, plan.doc_tokens or None)

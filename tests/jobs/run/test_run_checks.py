@@ -119,6 +119,31 @@ def failing_generator(monkeypatch):
     monkeypatch.setattr(answerer, "Generator", Broken)
 
 
+def test_a_row_that_cannot_be_made_is_its_own_error_row_not_lost(tmp_path, tiny_model, monkeypatch):
+    """Making a finished row raised (an answer the tokenizer cannot decode): the row had
+    already left the rows still owed, so it was neither written nor an error row (exit 0 with
+    rows missing), and its batch's later rows became error rows too. Now it alone is an error
+    row, pooled (the short documents) or from a document's prefix (report.md)."""
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model))
+    real = answerer.Answerer._row
+
+    def row(self, r, plan, *more):
+        if r.question_id == "who":
+            raise RuntimeError("cannot decode")
+        return real(self, r, plan, *more)
+
+    monkeypatch.setattr(answerer.Answerer, "_row", row)
+    result = run_cli("run", job)
+    assert result.exit_code == 3, result.output
+    got = {(r["doc_id"], r["question_id"]): r["status"] for r in rows(tmp_path)}
+    assert len(got) == 9 and "9 rows written (3 errors)" in result.output
+    assert {key for key, status in got.items() if status == "error"} == {
+        (doc, "who") for doc in ("letter.pdf", "notes.txt", "report.md")
+    }
+    assert "error in row report.md/who: RuntimeError: cannot decode" in result.output
+
+
 def test_error_rows_exit_3_in_one_line_and_debug_shows_the_traceback(
     tmp_path, tiny_model, monkeypatch
 ):
