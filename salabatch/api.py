@@ -94,7 +94,8 @@ def load(
             field="path_or_ref",
         )
     path = resolve_model(path_or_ref, cache_dir)
-    return load_model(path, dtype=dtype), load_tokenizer(path)
+    tok = load_tokenizer(path)
+    return load_model(path, dtype=dtype, tokens=tok.vocab_size), tok
 
 
 def stream_generate(

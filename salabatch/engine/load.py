@@ -29,8 +29,11 @@ from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
 from salabatch.errors import SalabatchError
 
 
-def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
-    """Loads a checkpoint directory; `dtype` None / "auto" = float32 on CPU, bfloat16 on a GPU."""
+def load_model(
+    path: str | Path, dtype: str | mx.Dtype | None = None, *, tokens: int | None = None
+) -> Model:
+    """Loads a checkpoint directory; `dtype` None / "auto" = float32 on CPU, bfloat16 on a GPU;
+    `tokens`: its tokenizer's size, where the model is used with it (`Model.limit_vocab`)."""
     path = Path(path).expanduser()
     model, weights = _checked(path)
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
@@ -42,6 +45,8 @@ def load_model(path: str | Path, dtype: str | mx.Dtype | None = None) -> Model:
     model.fuse()
     model.path = path
     model.dtype = dt
+    if tokens is not None:
+        model.limit_vocab(tokens)
     return model
 
 

@@ -138,6 +138,7 @@ class Model(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.decoder = DecodeStep(self)  # the compiled decode step (salabatch.engine.decode)
+        self._no_token: mx.array | None = None  # see `limit_vocab`
 
     def __call__(
         self, ids: mx.array, cache: ModelCache | None = None, queue: bool = False
@@ -153,14 +154,28 @@ class Model(nn.Module):
             raise ValueError(f"ids must be [batch, tokens], both ≥ 1, got shape {tuple(ids.shape)}")
         return self.model(ids, self.make_cache() if cache is None else cache, queue)
 
+    def limit_vocab(self, tokens: int) -> None:
+        """Only ids below `tokens` (the tokenizer's) are ever drawn or scored: a checkpoint
+        whose vocab_size pads the embedding table past its tokenizer (for the matmul's shape)
+        would otherwise draw ids that decode to nothing. Their logits become -inf: one add
+        per call, none when nothing pads."""
+        vocab = self.config.vocab_size
+        if not 0 < tokens <= vocab:
+            raise ValueError(f"tokens must be in 1..{vocab}, got {tokens}")
+        if tokens == vocab:
+            self._no_token = None
+            return
+        self._no_token = mx.where(mx.arange(vocab) < tokens, 0.0, -mx.inf).astype(mx.float32)
+
     def logits(self, h: mx.array) -> mx.array:
         h = h / self.config.logit_divisor
         if "lm_head" in self:
-            return self.lm_head(h)
-        embed = self.model.embed_tokens  # the tied head
-        if "scales" in embed:  # a quantized embedding: its own quantized product
-            return embed.as_linear(h)
-        return product(h, embed.weight)
+            logits = self.lm_head(h)
+        elif "scales" in self.model.embed_tokens:  # the tied head, quantized: its own product
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = product(h, self.model.embed_tokens.weight)
+        return logits if self._no_token is None else logits + self._no_token.astype(logits.dtype)
 
     def step(self, tokens: mx.array, info: mx.array, tables: dict, layers: list, mode: str):
         """One decode step as a pure function, what `salabatch.engine.decode` compiles: tokens

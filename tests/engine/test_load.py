@@ -137,3 +137,40 @@ def test_check_checkpoint_reads_only_headers(tmp_path, tiny_dir):
     assert check_checkpoint(tmp_path / "nowhere").problems == [
         f"{tmp_path / 'nowhere'}: not a directory"
     ]
+
+
+def test_ids_past_the_tokenizer_of_a_padded_vocabulary_are_never_drawn(tmp_path):
+    """A vocab_size that pads the embedding table past the tokenizer (1024 -> 1100), its head
+    rows making a padded id the likeliest: the model drew ids that decode to nothing (a run's
+    rows failed, `generate` printed nothing). Loaded with its tokenizer, their logits are -inf
+    and the answer is the unpadded model's."""
+    import shutil
+
+    import salabatch
+    from salabatch.models import resolve_model
+
+    source = resolve_model("builtin:tiny", tmp_path / "models")
+    padded = tmp_path / "padded"
+    shutil.copytree(source, padded)
+    weights = read_weights(padded)
+    model, tok = salabatch.load(str(source), dtype="float32")
+    prompt = tok.chat_prompt_ids([{"role": "user", "content": "Who is the provider?"}], think=False)
+    first = int(mx.argmax(model(mx.array([prompt]))[0, -1]).item())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name]
+        extra = mx.broadcast_to(w[first] * (4 if name == "lm_head.weight" else 0), (76, w.shape[1]))
+        weights[name] = mx.concatenate([w, extra.astype(w.dtype)])
+    write_weights(padded, weights)
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps(config | {"vocab_size": 1100}))
+    bare = load_model(padded, dtype="float32")  # without its tokenizer: the padded id wins
+    assert int(mx.argmax(bare(mx.array([prompt]))[0, -1]).item()) >= 1024
+    model_p, tok_p = salabatch.load(str(padded), dtype="float32")
+    logits = model_p(mx.array([prompt]))[0, -1]
+    assert logits.shape == (1100,) and bool(mx.all(mx.isinf(logits[1024:])))
+    want = salabatch.generate(model, tok, "Who is the provider?", max_tokens=8)
+    assert salabatch.generate(model_p, tok_p, "Who is the provider?", max_tokens=8) == want
+    hot = {"temperature": 3.0, "seed": 1, "max_tokens": 24}
+    document = "The Provider is Acme Corp. The Client is Beta LLC."
+    answers = salabatch.batch_generate(model_p, tok_p, document, ["Who is it?"] * 4, **hot)
+    assert len(answers) == 4  # drawn, and no id past the tokenizer to decode

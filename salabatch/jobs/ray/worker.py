@@ -48,7 +48,7 @@ class UnitWorker:
                 expected=model_sha[:12],
                 got=setup.model_sha[:12],
             )
-        model = load_model(setup.model_path, dtype=setup.dtype)
+        model = load_model(setup.model_path, dtype=setup.dtype, tokens=setup.tok.vocab_size)
         self.setup, self.identity = setup, RunIdentity.of(setup, model.config, run_id)
         self.answerer = Answerer(
             setup, model, self.identity, progress=None, echo=_to_stderr, debug=debug

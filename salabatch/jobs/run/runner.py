@@ -76,7 +76,7 @@ def run_job(
         with prepared(
             spec, resume=resume, retry_errors=retry_errors, limited=limited, echo=echo
         ) as (writer, setup):
-            model = load_model(setup.model_path, dtype=setup.dtype)
+            model = load_model(setup.model_path, dtype=setup.dtype, tokens=setup.tok.vocab_size)
             chunk = setup.spec.engine.prefill_chunk
             with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
                 runner = _Runner(setup, model, writer, summary, progress, echo, debug)
