@@ -15,10 +15,11 @@ ANY_OBJECT = {"type": "object"}  # what `json_object` asks for (objects nested 3
 
 
 def schema_pattern(schema: dict) -> str:
-    """The pattern of JSON text `schema` validates; ValueError saying why outlines-core cannot
-    write one."""
+    """The pattern of JSON text `schema` validates, its objects' keys in the schema's order (as
+    OpenAI's structured outputs write them: a `reasoning` key before `answer` has the model
+    reason first); ValueError saying why outlines-core cannot write one."""
     try:
-        return build_regex_from_schema(json.dumps(schema, sort_keys=True))
+        return build_regex_from_schema(json.dumps(schema))
     except (ValueError, TypeError, RuntimeError) as e:
         raise ValueError(f"the JSON schema cannot be used ({e})") from None
 
@@ -29,6 +30,9 @@ def choice_pattern(choices: Sequence[str]) -> str:
 
 
 def _literal(text: str) -> str:
-    """`text` as a pattern that matches it literally (every ASCII character but letters,
-    digits, space and `_` escaped, as outlines-core's regex syntax takes them)."""
-    return "".join(c if c.isalnum() or c in " _" or not c.isascii() else f"\\{c}" for c in text)
+    """`text` as a pattern that matches it literally: every ASCII character but letters,
+    digits, space and `_` as its hex escape (`\\x3c`), since a backslash before some of them
+    means something else in outlines-core's regex syntax (`\\<`: the start of a word)."""
+    return "".join(
+        c if c.isalnum() or c in " _" or not c.isascii() else f"\\x{ord(c):02x}" for c in text
+    )

@@ -502,6 +502,19 @@ def test_json_schema_or_choices_shape_the_answers(loaded):
         model, tok, DOC, QUESTIONS[:2], max_tokens=8, choices=["yes", "no"]
     )
     assert len(answers) == 2 and set(answers) <= {"yes", "no"}
+    # the keys in the schema's order (they were sorted: `answer` before `reasoning`, so the
+    # model answered before it reasoned), as OpenAI's structured outputs give them
+    ordered = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "answer": {"type": "boolean"}},
+        "required": ["reasoning", "answer"],
+    }
+    text = salabatch.generate(model, tok, "Is it?", max_tokens=200, json_schema=ordered)
+    assert list(json.loads(text)) == ["reasoning", "answer"], text
+    # `<` and `>` are literal (escaped `\<` is a word's start to outlines-core: no DFA)
+    brackets = ["< 1 year", "> 1 year", "<$1M>", "a-b (c).*"]
+    answers = salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], choices=brackets)
+    assert set(answers) <= set(brackets), answers
     for bad, named in (
         ({"json_schema": schema, "choices": ["x"]}, "choices"),
         ({"json_schema": {"type": "object", "properties": 5}}, "json_schema"),

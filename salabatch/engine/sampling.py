@@ -185,7 +185,9 @@ def truncated(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
     in_k = rank < top_k
     probs = mx.softmax(mx.where(in_k, ranked, -mx.inf), axis=-1)
     before = mx.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-    kept = (in_k & (before < column(p.top_p for p in params))).sum(axis=-1, keepdims=True)
+    # top_p 1 keeps every token: a float32 running sum reaches 1 before the last ones
+    top_p = column(p.top_p if p.top_p < 1 else math.inf for p in params)
+    kept = (in_k & (before < top_p)).sum(axis=-1, keepdims=True)
     kept = mx.maximum(
         kept, 1
     )  # a top_p under float32's smallest denormal rounds to 0: keep the top

@@ -113,6 +113,16 @@ def test_a_temperature_near_zero_is_greedy_not_nan(temperature):
     assert kept == [0.0, 0.0, 1.0, 0.0]
 
 
+def test_top_p_1_keeps_every_token():
+    """A float32 running sum reaches 1 before the tail of a wide vocabulary: top_p 1 (the
+    default) made ~22,000 of 73,448 tokens impossible to draw."""
+    logits = mx.random.normal((2, 73_448), key=mx.random.key(0)) * 3
+    kept = truncated(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)])
+    assert not bool(mx.any(mx.isinf(kept)))
+    cut = truncated(logits, [SamplingParams(temperature=1.0, top_p=0.999999)])
+    assert bool(mx.any(mx.isinf(cut)))  # just under 1: the tail goes, as asked
+
+
 @pytest.mark.parametrize("top_p", [1e-44, 1e-46, 5e-324])
 def test_a_top_p_under_float32s_range_keeps_the_top_token(top_p):
     # rounded to 0, it kept nothing, and the edge read index -1 (the smallest logit): all kept
