@@ -257,7 +257,7 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
         try:
             if not doc.ok:
                 raise SalabatchError(doc.error)
-            ids = tok.encode(doc.text, add_bos=tok.add_bos_token)
+            ids = tok.encode(doc.text, add_bos=tok.add_bos_token, special=False)  # as run reads it
             if len(ids) > limit:
                 why = "--max-tokens" if limit < context else "the model's context"
                 click.echo(

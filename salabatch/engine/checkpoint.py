@@ -24,10 +24,13 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = set(weight_map.values())
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"unreadable shard index ({e})", path=index) from None
+        if bad := [n for n in names if not isinstance(n, str) or not n or "/" in n]:
+            message = f"the index's weight_map names a shard that is no file name: {bad[0]!r}"
+            raise CheckpointError(message, path=index)
         files = sorted(path / name for name in names)
         absent = [f.name for f in files if not f.is_file()]
         if absent:

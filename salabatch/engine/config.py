@@ -172,6 +172,8 @@ class ModelConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"not valid JSON: {e}", path=path) from None
+        except OSError as e:
+            raise ConfigError(f"cannot read it ({e.strerror})", path=path) from None
         if not isinstance(raw, dict):
             raise ConfigError("top level must be an object", path=path, got=type(raw).__name__)
         return cls.from_dict(raw, path)

@@ -74,9 +74,12 @@ def quantize_like(
     """Gives `model` the quantized structure of the checkpoint `weights` (see the module doc).
 
     Only the structure: the strict key check and `load_weights` come after, so a missing
-    `.scales` or a wrongly shaped tensor is reported by name there.
+    `.scales` or a wrongly shaped tensor is reported by name there. A config that says
+    quantized over weights that are all full precision is refused: rows and `validate` would
+    report bits that are not there, and `convert` would refuse the checkpoint as quantized.
     """
     config = path / "config.json"
+    quantized = 0
 
     def predicate(name: str, module: nn.Module) -> bool | dict:
         if not hasattr(module, "to_quantized"):
@@ -91,9 +94,17 @@ def quantize_like(
                 f"(quantization.{name} = false)",
                 path=path,
             )
+        nonlocal quantized
+        quantized += 1
         return module_params(quant, name, entry, config)
 
     nn.quantize(model, class_predicate=predicate)
+    if not quantized:
+        raise CheckpointError(
+            f"config.json says {quant.bits}-bit quantized, but no weight is (no .scales): for "
+            "full-precision weights, remove `quantization` from config.json",
+            path=path,
+        )
 
 
 def module_params(quant: QuantConfig, name: str, entry: Any, config: Path) -> dict:
@@ -244,8 +255,28 @@ def _write_converted(
     max_shard_bytes: int | None,
 ) -> tuple[list[Path], list[str]]:
     """(weight files, copied file names): clears the checkpoint files of `dst`, writes `weights`,
-    copies the tokenizer files of `src`, and writes its config.json with `quantization` last."""
+    copies the tokenizer files of `src`, and writes its config.json with `quantization` last.
+    A write that fails (a full disk) removes what it wrote: a CheckpointError naming `dst`."""
     clear_destination(dst)
+    try:
+        return _write_files(src, dst, weights, quantization, dtype, max_shard_bytes)
+    except (OSError, RuntimeError) as e:  # MLX's writer raises RuntimeError ("[write] Unable...")
+        clear_destination(dst)
+        raise CheckpointError(
+            f"cannot write the converted checkpoint ({e}); is the disk full? nothing of it is "
+            "left there",
+            path=dst,
+        ) from None
+
+
+def _write_files(
+    src: Path,
+    dst: Path,
+    weights: dict[str, mx.array],
+    quantization: dict,
+    dtype: mx.Dtype,
+    max_shard_bytes: int | None,
+) -> tuple[list[Path], list[str]]:
     files = write_weights(dst, weights, max_shard_bytes)
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     for name in copied:

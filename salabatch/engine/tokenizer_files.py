@@ -280,7 +280,10 @@ def _read_chat_template(model_dir: Path, tok_cfg: dict) -> tuple[str | None, Pat
     """(template source, the file it came from), or (None, None) when there is none."""
     jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():  # transformers >= 4.43 saves the template here; it takes precedence
-        return jinja_path.read_text(encoding="utf-8"), jinja_path
+        try:
+            return jinja_path.read_text(encoding="utf-8"), jinja_path
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read the chat template ({e})", path=jinja_path) from None
     value = tok_cfg.get("chat_template")
     if value is None:
         return None, None

@@ -192,7 +192,8 @@ def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeyp
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("The supplier owes the buyer ten crates of apples. " * 12)
-    (docs / "b.md").write_text("# Terms\n\nPayment is due in 30 days.\n")
+    # special-token text in a document is text, as `run` reads it (it was read as control ids)
+    (docs / "b.md").write_text("# Terms\n\nPayment is due in 30 days.<|im_end|></s>\n")
     (docs / "empty.txt").write_text("")
     out = tmp_path / "ppl.json"
     args = ["perplexity", str(tiny), str(docs), "--json", str(out), "--prefill-chunk", "64"]
@@ -205,7 +206,7 @@ def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeyp
     assert set(rows) == {"a.txt", "b.md"} and report["failed"] == 1
     scored = 0
     for name, row in rows.items():
-        ids = tok.encode((docs / name).read_text(), add_bos=tok.add_bos_token)
+        ids = tok.encode((docs / name).read_text(), add_bos=tok.add_bos_token, special=False)
         nll = [-x.logprob for x in score(model, tok, ids)]
         assert row["tokens"] == len(ids) and row["nll"] == pytest.approx(sum(nll) / len(nll))
         assert row["perplexity"] == pytest.approx(math.exp(row["nll"]))

@@ -174,3 +174,29 @@ def test_ids_past_the_tokenizer_of_a_padded_vocabulary_are_never_drawn(tmp_path)
     document = "The Provider is Acme Corp. The Client is Beta LLC."
     answers = salabatch.batch_generate(model_p, tok_p, document, ["Who is it?"] * 4, **hot)
     assert len(answers) == 4  # drawn, and no id past the tokenizer to decode
+
+
+def test_a_damaged_index_or_template_is_one_problem_line_not_a_crash(tmp_path):
+    """A weight_map value that is no file name, and a chat template that is not UTF-8, escaped
+    as a bare TypeError / UnicodeDecodeError (exit 1, "run with --debug"); a config saying
+    quantized over float weights was taken as quantized."""
+    import shutil
+
+    from salabatch.models import resolve_model
+
+    source = resolve_model("builtin:tiny", tmp_path / "models")
+    for name, damage, said in (
+        ("index", lambda d: (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"lm_head.weight": 5}})), "names a shard that is no file"),
+        ("template", lambda d: (d / "chat_template.jinja").write_bytes(b"{{ bos }}\xff"),
+         "cannot read the chat template"),
+        # said 8-bit (in validate, and every row's quant_bits) over float weights
+        ("quant", lambda d: (d / "config.json").write_text(json.dumps(json.loads(
+            (d / "config.json").read_text()) | {"quantization": {"bits": 8, "group_size": 64}})),
+         "config.json says 8-bit quantized, but no weight is"),
+    ):  # fmt: skip
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        damage(folder)
+        (problem,) = check_checkpoint(folder).problems
+        assert said in problem, problem

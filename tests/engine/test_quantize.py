@@ -196,6 +196,25 @@ def test_convert_refuses_to_overwrite(src, converted, tmp_path):
         convert(converted[8][0], tmp_path / "again", bits=4, progress=False)
 
 
+def test_a_full_disk_leaves_no_partial_checkpoint(src, tmp_path, monkeypatch):
+    """MLX's writer fails with a bare RuntimeError naming no file, and left a partial shard
+    that made the next convert refuse DST as not empty."""
+    from salabatch.engine import quantize
+
+    def full(path, weights, max_shard_bytes=None):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "model.safetensors").write_bytes(b"\0" * 1000)
+        raise RuntimeError("[write] Unable to write 1335 bytes to file.")
+
+    dst = tmp_path / "full"
+    monkeypatch.setattr(quantize, "write_weights", full)
+    with pytest.raises(CheckpointError, match="is the disk full") as info:
+        convert(src, dst, bits=8, progress=False)
+    assert str(dst) in str(info.value) and list(dst.iterdir()) == []
+    monkeypatch.undo()
+    assert convert(src, dst, bits=8, progress=False)["quantized"] > 0  # no --force needed
+
+
 def test_force_leaves_exactly_the_new_checkpoint(src, tmp_path):
     """--force over an older checkpoint removes its tokenizer-side files the source lacks (a
     stale generation_config.json would add stop ids, a stale chat_template.jinja replace the
