@@ -68,7 +68,8 @@ def requests_in(folder: Path) -> Path:
     def line(custom_id: str, content: str, **body) -> str:
         messages = [{"role": "user", "content": content}]
         body = {"model": "m", "messages": messages, "max_tokens": 4, **body}
-        return json.dumps({"custom_id": custom_id, "url": "/v1/chat/completions", "body": body})
+        line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"}
+        return json.dumps(line | {"body": body})
 
     lines = [
         line("doc-who", f"{document}\n\nWho?"),

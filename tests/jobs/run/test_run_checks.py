@@ -208,7 +208,8 @@ def test_an_unexpected_error_is_one_line_unless_debug(tmp_path, monkeypatch):
 def test_an_edited_request_body_replaces_its_row(tmp_path, tiny_model):
     def request(custom_id: str, content: str, max_tokens: int = 4) -> str:
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
-        return json.dumps({"custom_id": custom_id, "url": "/v1/chat/completions", "body": body})
+        line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"}
+        return json.dumps(line | {"body": body})
 
     requests, out = tmp_path / "in.jsonl", tmp_path / "out" / "results.parquet"
     args = ["--requests", str(requests), "--model", str(tiny_model), "-o", str(out)]
