@@ -93,9 +93,7 @@ def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None 
             ("drafts accepted", f"{_int(accepted)} of {_int(drafted)} ({accepted / drafted:.0%})")
         )
     chosen = [  # a choices question's rows: the probability of the answer each gave
-        max(c["probability"] for c in choices)
-        for choices in table.filter(ok)["choice_logprobs"].to_pylist()
-        if choices
+        p for r in table.filter(ok).to_pylist() if (p := _answer_probability(r)) is not None
     ]
     lines = _aligned(head) + [""] + _aligned(counts, right=True)
     if chosen:  # how sure they were, and how many a reader may want to check
@@ -120,7 +118,7 @@ def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None 
         unsure = [
             r
             for r in table.filter(ok).to_pylist()
-            if r["choice_logprobs"] and max(c["probability"] for c in r["choice_logprobs"]) < below
+            if (p := _answer_probability(r)) is not None and p < below
         ]
         picked = unsure[:show] if show > 0 else unsure
         lines += ["", f"choices answers less probable than {below}: {len(unsure)}"]
@@ -169,6 +167,16 @@ def export_openai_jsonl(
     return len(records)
 
 
+def _answer_probability(row: dict) -> float | None:
+    """The probability of the choice a choices row answered (drawn above temperature 0, it need
+    not be the likeliest), or None for a row of another question."""
+    choices = row["choice_logprobs"]
+    if not choices:
+        return None
+    given = [c["probability"] for c in choices if c["choice"] == row["answer"]]
+    return given[0] if given else max(c["probability"] for c in choices)
+
+
 _UNSURE = 0.5  # a choices answer less probable than this is counted as unsure by inspect
 _BATCH_LINE_KEYS = {"id", "custom_id", "response", "error"}
 _BATCH_ID = re.compile(r"batch_req_[0-9a-f]{32}")
@@ -212,7 +220,7 @@ def export_csv(path: str | os.PathLike, out: str | os.PathLike | TextIO) -> int:
 
     def lines() -> Iterator[str]:
         buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
+        writer = csv.writer(buffer, lineterminator="\r\n")  # RFC 4180: a lone CR is quoted too
         writer.writerow(table.column_names)
         for record in table.to_pylist():  # a list (logprobs) as its JSON text
             values = _plain(record).values()

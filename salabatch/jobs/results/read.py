@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError, error_text
@@ -145,8 +146,12 @@ def _read_folder(folder: Path) -> pa.Table:
             path=folder,
         )
     # The files have no order: a later finish wins (the sort is stable, ties keep file order).
+    # Each job's rows on their own: two jobs' results side by side (results/ of several jobs)
+    # share custom_ids such as "a.txt/q1" and are all kept, a job after a job.
     rows = pa.concat_tables(tables).sort_by("finished_at")
-    return dedupe([rows]).replace_schema_metadata(_folder_metadata(metas))
+    jobs = sorted(set(rows.column("job_name").to_pylist()))
+    each = [dedupe([rows.filter(pc.equal(rows["job_name"], job))]) for job in jobs]
+    return pa.concat_tables(each).replace_schema_metadata(_folder_metadata(metas))
 
 
 def _folder_metadata(metas: list[Mapping[bytes, bytes]]) -> dict[bytes, bytes]:

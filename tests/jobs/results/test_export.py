@@ -319,3 +319,35 @@ def test_export_csv_and_flat_jsonl_into_new_folders(results, tmp_path):
         )
         assert result.exit_code == 2 and f"--format {fmt} writes a" in result.output
         assert not wrong.exists()
+
+
+def test_a_carriage_return_in_a_csv_cell_stays_in_its_field(tmp_path):
+    """A lone CR (a message "Line one\\rLine two") was written bare: csv readers split the
+    record there. Records now end with CRLF (RFC 4180), so a CR in a cell is quoted."""
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row("a.q0", answer="Line one\rLine two"), make_row("b.q0", answer="x")])
+    stream = io.StringIO()
+    export_results(path, stream, "csv")
+    records = list(csv.DictReader(io.StringIO(stream.getvalue(), newline="")))
+    assert [r["answer"] for r in records] == ["Line one\rLine two", "x"]
+
+
+def test_a_drawn_choice_is_judged_by_its_own_probability(tmp_path):
+    """Above temperature 0 a choices answer is drawn, and need not be the likeliest: inspect
+    took the likeliest choice's probability for every answer, so `--below` missed an answer
+    of probability 0.1 (its likeliest 0.9)."""
+
+    def row(key: str, answer: str) -> ResultRow:
+        choices = [
+            {"choice": "yes", "logprob": -0.105, "probability": 0.9},
+            {"choice": "no", "logprob": -2.303, "probability": 0.1},
+        ]
+        return make_row(key, answer=answer, choice_logprobs=choices)
+
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([row("a.q0", "yes"), row("b.q0", "no")])
+    shown = inspect_results(path, below=0.5)
+    assert "the answer's probability 0.500 on average, 1 below 0.5" in shown
+    assert "choices answers less probable than 0.5: 1" in shown and "[b / q0]" in shown

@@ -299,6 +299,22 @@ def test_a_folder_reads_as_the_dedupe_of_its_files(tmp_path):
     assert meta["updated_at"] is None and meta["schema_version"] == SCHEMA_VERSION
 
 
+def test_a_folder_of_two_jobs_keeps_each_jobs_rows(tmp_path):
+    """results/ of two jobs whose documents share names (a.txt/q0 in each): one row per
+    custom_id across the folder dropped one job's rows without a word."""
+    write_file(tmp_path / "2024.parquet", [make_row("a.q0", job_name="y2024", request_key="k1")])
+    write_file(
+        tmp_path / "2025.parquet",
+        [make_row("a.q0", job_name="y2025", request_key="k2"), make_row("b.q0", job_name="y2025")],
+    )
+    table = read_results(tmp_path)
+    assert list(zip(table["job_name"].to_pylist(), keys_of(table), strict=True)) == [
+        ("y2024", "k1"),
+        ("y2025", "k2"),
+        ("y2025", "b.q0"),
+    ]
+
+
 def test_a_parts_folder_reads_as_its_results_file_does(tmp_path):
     path = tmp_path / "r.parquet"
     with writer(path) as out:
