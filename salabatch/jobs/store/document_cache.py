@@ -76,6 +76,6 @@ class DocumentCaches:
         if resumed < len(ids):
             prefill(self.model, ids[resumed:], cache, self.chunk, after_chunk)
         if self.store:
-            self.store.save(key, cache)
-            self.store.drop_snapshots(key)
+            self.store.save(key, cache)  # in place of its snapshots
+            self.store.drop_snapshots(key)  # where the save could not: they are no use now
         return Prefix(cache, "none", time.perf_counter() - start, resumed)

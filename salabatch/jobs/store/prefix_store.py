@@ -14,18 +14,22 @@ The digest is a content address: sha256 of (model fingerprint, tokenizer fingerp
 sha256 of the document prompt's token ids). Writes go to a temporary file, are fsync'd and
 renamed; reads check size and sha256 and the manifest's identity fields; an entry that fails any
 check is reported (PrefixStoreWarning), deleted and rebuilt, never used. A size budget evicts the
-least recently used entries, counting the temporary files in the store too. Each process that
-writes applies its own budget (a run its job's `cache.max_gb`, a server its `--store-gb`).
+least recently used entries before each write, counting the temporary files in the store too;
+a prefill's snapshots evict only snapshots and stop where there is no room, a prefix larger than
+the budget is not stored (`_room`). Each process that writes applies its own budget (a run its
+job's `cache.max_gb`, a server its `--store-gb`).
 
 The store is an optimisation and never costs an answer: a store that cannot be written
 (read-only, full, no permission, a folder that cannot be made) warns once and stores nothing
-more in this run; a file that cannot be read is a miss. When the store opens (its first locked
-use) it removes the temporaries of writers that died (killed mid-write): `files.temp_path` names
-carry their writer's PID, and a live writer's temporaries are left alone. What no entry accounts
-for counts as such a stale temporary (listed, in the budget, swept, a warning naming it): a data
-file whose manifest was never written (a writer killed between its two renames; under the
-exclusive lock, where the sweep runs, no write is between them) and a manifest that is not one
-(damaged). Sweeps and prunes also remove empty snapshot folders.
+more in this run (removals still run: they free room); a file that cannot be read is a miss.
+When the store opens (its first locked use) it removes the temporaries of writers that died
+(killed mid-write): entries are written under the exclusive lock, so under either lock every
+temporary among them is a dead writer's, whatever its PID names now (`files.temp_path` names
+carry it; the builtin models' builds, made without the lock, are judged by it). What no entry
+accounts for counts as such a stale temporary (listed, in the budget, swept, a warning naming
+it): a data file whose manifest was never written (a writer killed between its two renames;
+under the exclusive lock, where the sweep runs, no write is between them) and a manifest that is
+not one (damaged). Sweeps and prunes also remove empty snapshot folders.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import mlx.core as mx
 from salabatch.engine.cache import ModelCache
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.fingerprint import file_sha256
-from salabatch.errors import CacheFormatError, CacheWarning, error_text
+from salabatch.errors import CacheFormatError, CacheWarning, OutputError, error_text
 from salabatch.files import (
     disk_bytes,
     pid_alive,
@@ -141,6 +145,7 @@ class PrefixStore:
         self.swept: list[Temp] = []  # stale temporaries removed when the store opened
         self._opened = False
         self._cannot_write: str | None = None  # why writes stopped, once one failed
+        self._too_large: set[str] = set()  # kinds of entry that found no room, reported
         self._read_failed = False  # a read failure was reported
         self._lengths: tuple[int, frozenset[int]] = (-1, frozenset())  # (folder mtime, lengths)
         self._lengths_of: dict[str, int] = {}  # manifest name → its tokens, as last listed
@@ -158,12 +163,16 @@ class PrefixStore:
         return False
 
     def save(self, key: PrefixKey, cache: ModelCache) -> None:
-        """Stores a complete prefix cache, then evicts least recently used entries over budget."""
+        """Stores a complete prefix cache in place of its prefill's snapshots, least recently
+        used entries evicted first to make room for it; one larger than the whole budget is
+        not stored (a warning says so, once)."""
         stem = self._entry_stem(key)
 
         def change() -> None:
-            self._write(stem, key, cache, "prefix")
-            self._evict(keep=stem)
+            _remove_tree(self.root / "snapshots" / key.digest)  # no longer needed, nor counted
+            state = cache.to_state()
+            if self._room(state, stem, "prefix"):
+                self._write(stem, key, cache.offset, state, "prefix")
 
         self._change(change)
 
@@ -196,13 +205,17 @@ class PrefixStore:
             for later in (p for p in positions if p >= cache.offset):  # another prefill's
                 self._remove(folder / str(later))
             since = max((p for p in positions if p < cache.offset), default=0)
-            self._write(folder / str(cache.offset), key, cache, "snapshot", since)
+            state = cache.to_state(since)
+            if self._room(state, folder, "snapshot"):  # its chain is kept: the link continues it
+                self._write(folder / str(cache.offset), key, cache.offset, state, "snapshot")
 
         self._change(change)
 
     def drop_snapshots(self, key: PrefixKey) -> None:
+        """Removes the snapshots of a prefill that finished; also once writes have failed (a
+        full disk: what they hold is freed)."""
         folder = self.root / "snapshots" / key.digest
-        self._change(lambda: shutil.rmtree(folder, ignore_errors=True))
+        self._change(lambda: _remove_tree(folder), removing=True)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -213,7 +226,7 @@ class PrefixStore:
         """The temporary files and build folders in the store: writes in progress, and stale
         ones whose writer died, with what no entry accounts for (`cache ls` counts them, the
         budget includes them)."""
-        return self._temps(self._scan()[1])
+        return self._temps(self._scan()[1], locked=False)
 
     def listing(self) -> tuple[list[Entry], list[Temp]]:
         """`entries()` and `temps()` read together under the shared lock, as `cache ls` shows
@@ -225,15 +238,19 @@ class PrefixStore:
             entries, unaccounted = self._scan()
             return entries, self._temps(unaccounted)
 
-    def _temps(self, unaccounted: list[Path]) -> list[Temp]:
-        folders = [self.root, self.root / "prefixes", self.root / "models"]
-        folders += _glob(self.root, "snapshots/*")
+    def _temps(self, unaccounted: list[Path], locked: bool = True) -> list[Temp]:
+        """The temporaries (see `temps`). Entries are written under the exclusive lock: to a
+        caller `locked` (holding either lock), a temporary among them is a killed writer's,
+        whatever its PID now names (reused: a container's writer is PID 1 on every run).
+        Builtin models are built without the lock: their writer's PID tells."""
+        entries = [self.root / "prefixes", *_glob(self.root, "snapshots/*")]
         out = []
-        for folder in folders:
+        for folder in [self.root, self.root / "models", *entries]:
             for path in _glob(folder, ".*"):
                 pid = temp_pid(path)
                 if pid is not None:
-                    out.append(Temp(path, disk_bytes(path), stale=not pid_alive(pid)))
+                    stale = (locked and folder in entries) or not pid_alive(pid)
+                    out.append(Temp(path, disk_bytes(path), stale=stale))
         return out + [Temp(p, disk_bytes(p), stale=True) for p in unaccounted]
 
     def prefix_lengths(self) -> frozenset[int]:
@@ -261,7 +278,8 @@ class PrefixStore:
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> list[Entry]:
         """Removes entries unused for `older_than_s`, then the least recently used over
         `max_bytes` (each only where given). Returns what was removed (the stale temporaries
-        and damaged files removed on opening are in `swept`)."""
+        and damaged files removed on opening are in `swept`); OutputError where the store
+        cannot be changed (read-only)."""
 
         def change() -> list[Entry]:
             removed: list[Entry] = []
@@ -273,20 +291,27 @@ class PrefixStore:
                     removed += self._drop(e, entries)
             removed += [] if max_bytes is None else self._evict(max_bytes=max_bytes)
             self._drop_empty_snapshot_folders()
+            if kept := [e for e in removed if e.path.with_suffix(".json").exists()]:
+                raise OSError(f"cannot remove {kept[0].path} (a read-only store?)")
             return removed
 
-        return self._change(change) or []
+        if not self.root.is_dir():
+            return []  # nothing stored
+        return self._change(change, strict=True) or []
 
     def clear(self) -> int:
-        """Removes every entry; returns the bytes freed."""
+        """Removes every entry; returns the bytes freed; OutputError where the store cannot be
+        changed (read-only)."""
 
         def change() -> int:
             before = sum(e.bytes for e in self.entries())
-            shutil.rmtree(self.root / "prefixes", ignore_errors=True)
-            shutil.rmtree(self.root / "snapshots", ignore_errors=True)
+            _remove_tree(self.root / "prefixes")
+            _remove_tree(self.root / "snapshots")
             return before - sum(e.bytes for e in self.entries())
 
-        return self._change(change) or 0
+        if not self.root.is_dir():
+            return 0  # nothing stored
+        return self._change(change, strict=True) or 0
 
     # -- opening, locking, failing ---------------------------------------------------------------
     def _open(self) -> None:
@@ -300,13 +325,13 @@ class PrefixStore:
         except OSError as e:
             self._stop_writing(e)
             return
-        if any(t.stale for t in self.temps()):
+        if self.temps():  # which are stale is known under the lock
             self._change(self._sweep)
 
     def _sweep(self) -> None:
         """(Under the exclusive lock) removes the stale temporaries, and what no entry accounts
         for (`_scan`) with a warning naming it."""
-        for t in self.temps():
+        for t in self._temps(self._scan()[1]):
             if t.stale and temp_pid(t.path) is None:  # not a temporary: unaccounted
                 warnings.warn(
                     f"{t.path}: left by a write that did not finish, or damaged; removed",
@@ -366,18 +391,24 @@ class PrefixStore:
                 stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
             yield
 
-    def _change(self, change: Callable[[], T]) -> T | None:
-        """`change()` under the exclusive lock; None once writing has failed. A write that
-        fails (read-only, full, no permission) stops this store's writes for the rest of the
-        run, with one warning: a full disk stays full, and each failure costs time."""
+    def _change(self, change: Callable[[], T], *, removing=False, strict=False) -> T | None:
+        """`change()` under the exclusive lock; None once writing has failed (unless it only
+        `removing` files: that frees room). A write that fails (read-only, full, no permission)
+        stops this store's writes for the rest of the run, with one warning: a full disk stays
+        full, and each failure costs time. `strict` (prune, clear: what a user asked for) raises
+        OutputError instead."""
         self._open()
-        if self._cannot_write is not None:
+        if self._cannot_write is not None and not (removing or strict):
             return None
         try:
             with self._lock():
                 return change()
         except OSError as e:
-            self._stop_writing(e)
+            if strict:
+                message = f"cannot change the store ({error_text(e)})"
+                raise OutputError(message, path=self.root) from None
+            if not removing:
+                self._stop_writing(e)
             return None
 
     def _stop_writing(self, e: OSError) -> None:
@@ -405,12 +436,45 @@ class PrefixStore:
         """A complete prefix's entry, without its suffix (.json manifest, .safetensors data)."""
         return self.root / "prefixes" / key.digest
 
+    def _room(
+        self, state: tuple[dict[str, mx.array], dict[str, str]], keep: Path, kind: str
+    ) -> bool:
+        """Makes room for `state` (`ModelCache.to_state`'s) within the budget, evicting the
+        least recently used entries but `keep` (a prefix's stem, or a snapshot folder: its
+        chain); a snapshot evicts only other snapshots (a prefill's snapshots go when it ends:
+        prefixes evicted for them would be lost for nothing). False, with a warning once for
+        each kind, when it cannot fit even so."""
+        size = sum(a.nbytes for a in state[0].values())
+        entries = self.entries()
+        kept = sum(e.bytes for e in entries if keep in (e.path, e.path.parent))
+        if kind == "snapshot":  # the prefixes stay
+            kept += sum(e.bytes for e in entries if e.kind == "prefix")
+        if size + kept <= self.max_bytes:
+            self._evict(keep=keep, room=size, snapshots_only=kind == "snapshot")
+            return True
+        if kind not in self._too_large:
+            self._too_large.add(kind)
+            what = "prefill snapshots stop" if kind == "snapshot" else "not stored"
+            warnings.warn(
+                f"{self.root}: no room for a {kind} of {size / 2**20:.1f} MB within the "
+                f"store's budget of {self.max_bytes / 2**20:.1f} MB (max_gb): {what}",
+                PrefixStoreWarning,
+                stacklevel=4,
+            )
+        return False
+
     def _write(
-        self, stem: Path, key: PrefixKey, cache: ModelCache, kind: str, since: int = 0
+        self,
+        stem: Path,
+        key: PrefixKey,
+        position: int,
+        state: tuple[dict[str, mx.array], dict[str, str]],
+        kind: str,
     ) -> None:
-        """Writes the data (what came after `since`), then its manifest; a failure leaves
-        neither (nor a temporary)."""
-        arrays, meta = cache.to_state(since)
+        """Writes the data (`state`, see `ModelCache.to_state`: what came after its `since`),
+        then its manifest; a failure leaves neither (nor a temporary)."""
+        arrays, meta = state
+        since = int(meta.get("since", "0"))
         data = stem.with_suffix(".safetensors")
         try:
             stem.parent.mkdir(parents=True, exist_ok=True)
@@ -425,7 +489,7 @@ class PrefixStore:
                 "model": key.model,
                 "document": key.document,
                 "kind": kind,
-                "position": cache.offset,
+                "position": position,
                 "since": since,
                 "bytes": data.stat().st_size,
                 "sha256": hashed.hexdigest(),
@@ -532,15 +596,26 @@ class PrefixStore:
             with contextlib.suppress(OSError):
                 stem.parent.rmdir()
 
-    def _evict(self, keep: Path | None = None, max_bytes: int | None = None) -> list[Entry]:
-        budget = self.max_bytes if max_bytes is None else max_bytes
+    def _evict(
+        self,
+        keep: Path | None = None,
+        max_bytes: int | None = None,
+        room: int = 0,
+        snapshots_only: bool = False,
+    ) -> list[Entry]:
+        """Removes the least recently used entries (`snapshots_only`: snapshots) until the
+        store and `room` more bytes fit the budget (`max_bytes`, else the store's), never
+        `keep` (an entry's stem, or a snapshot folder)."""
+        budget = (self.max_bytes if max_bytes is None else max_bytes) - room
         entries, unaccounted = self._scan()
         total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps(unaccounted))
         removed: list[Entry] = []
         for e in reversed(entries):  # least recently used first
             if total <= budget:
                 break
-            if (keep is not None and e.path == keep) or e in removed:
+            if keep in (e.path, e.path.parent) or e in removed:
+                continue
+            if snapshots_only and e.kind != "snapshot":
                 continue
             gone = self._drop(e, entries)
             total -= sum(x.bytes for x in gone)
@@ -610,6 +685,12 @@ class _Hashing:
 
     def __getattr__(self, name: str):
         return getattr(self.f, name)
+
+
+def _remove_tree(folder: Path) -> None:
+    """Removes `folder` and what it holds, if it is there (OSError where it cannot)."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(folder)
 
 
 def _manifests(folder: Path, pattern: str) -> list[Path]:

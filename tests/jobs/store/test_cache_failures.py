@@ -23,7 +23,7 @@ import yaml
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
-from salabatch.errors import CacheWarning
+from salabatch.errors import CacheWarning, OutputError
 from salabatch.files import temp_path, temp_pid
 from salabatch.jobs.store import prefix_store
 from salabatch.jobs.store.document_cache import DocumentCaches
@@ -233,14 +233,17 @@ def test_stale_temps_are_counted_by_ls_and_removed_by_prune(tmp_path):
     build.unlink()
     build.mkdir()
     (build / "model.safetensors").write_bytes(bytes(1500))
-    live = stale_temp(root / "prefixes" / f"{'c' * 64}.safetensors", os.getpid(), 7000)
+    # entries are written under the store's lock, which ls and prune hold: one left in
+    # prefixes/ is a killed writer's though its PID is alive (reused: a container's PID 1)
+    stale.append(stale_temp(root / "prefixes" / f"{'c' * 64}.safetensors", os.getpid(), 2000))
+    live = stale_temp(root / "models" / "builtin-tiny-v9", os.getpid(), 7000)  # a build going on
 
     listed = run_cli("cache", "ls", "--dir", str(root))
     assert listed.exit_code == 0, listed.output
-    assert "4 stale temporary files, 5.9 KB" in listed.output  # 3000 + 1000 + 500 + 1500
+    assert "5 stale temporary files, 7.8 KB" in listed.output  # 3000+1000+500+1500+2000
     pruned = run_cli("cache", "prune", "--dir", str(root), "--max-gb", "1")
     assert pruned.exit_code == 0, pruned.output
-    assert "removed 0 entries, 0 B; 4 stale temporary files, 5.9 KB" in pruned.output
+    assert "removed 0 entries, 0 B; 5 stale temporary files, 7.8 KB" in pruned.output
     assert not any(p.exists() for p in [*stale, build]) and live.exists()
     assert "stale" not in run_cli("cache", "ls", "--dir", str(root)).output
 
@@ -252,10 +255,13 @@ def test_the_store_sweeps_stale_temps_when_it_opens(tmp_path, tiny_model):
     manifest = stale_temp(root / "prefixes" / f"{'a' * 64}.json", os.getpid())
     manifest.write_text('{"position": 2, "tokens": 2}')  # a manifest being written
     store = PrefixStore(root)
+    # unlocked, a live writer's temporaries may be writes in progress
     assert {t.path: t.stale for t in store.temps()} == {dead: True, live: False, manifest: False}
     assert store.entries() == []
     assert store.load(key_for([5, 6]), ModelConfig.from_file(tiny_model)) is None
-    assert [t.path for t in store.swept] == [dead] and not dead.exists() and live.exists()
+    # opened, under the lock no entry is being written: every temporary of one is stale
+    assert {t.path for t in store.swept} == {dead, live, manifest}
+    assert not (dead.exists() or live.exists() or manifest.exists())
 
 
 def test_the_budget_counts_temp_bytes(model, tmp_path):
@@ -272,6 +278,88 @@ def test_the_budget_counts_temp_bytes(model, tmp_path):
     stale_temp(store.root / "prefixes" / "x.safetensors", os.getpid(), size)  # a live write
     store.save(*entries[1])
     assert [e.total_tokens for e in store.entries()] == [301]
+
+
+def prefilled(model, n: int):
+    cache = model.make_cache()
+    prefill(model, doc_ids(n), cache)
+    return key_for(doc_ids(n)), cache
+
+
+def test_a_prefix_in_place_of_its_snapshots_evicts_no_prefix_that_fits(model, tmp_path):
+    """A saved prefix counted its own snapshots, about to go, against the budget: the most
+    recently written entries, so older prefixes that fit were evicted instead."""
+    entries = [prefilled(model, n) for n in (300, 301)]
+    probe = PrefixStore(tmp_path / "probe")
+    probe.save(*entries[0])
+    size = probe.entries()[0].bytes
+    store = PrefixStore(tmp_path / "store", max_gb=3.3 * size / 2**30)  # three prefixes fit
+    for entry in entries:
+        store.save(*entry)
+    ids = doc_ids(302)
+    DocumentCaches(model, store, chunk=64, snapshot_every=128).get(key_for(ids), ids)
+    assert sorted(e.total_tokens for e in store.entries()) == [300, 301, 302]
+
+
+def test_snapshots_keep_to_the_budget_and_a_cache_over_it_is_not_stored(model, tmp_path):
+    """Snapshots were never evicted (a 1M-token prefill on the 9B writes ~8 GB of them,
+    whatever max_gb says), and a prefix larger than the whole budget was stored anyway, every
+    other entry evicted for it. Snapshots now evict only snapshots, then stop; a prefix over
+    the budget is not stored; both say so once."""
+    small = prefilled(model, 300)
+    probe = PrefixStore(tmp_path / "probe")
+    probe.save(*small)
+    budget = int(2.1 * probe.entries()[0].bytes)  # under the 900-token prefix's ~2.7 times
+    store = PrefixStore(tmp_path / "store", max_gb=budget / 2**30)
+    store.save(*small)
+    totals: list[int] = []
+    ids = doc_ids(900)
+    caches = DocumentCaches(model, store, chunk=32, snapshot_every=32)
+    with pytest.warns(CacheWarning, match="within the store's budget") as caught:
+        caches.get(key_for(ids), ids, lambda *_: totals.append(store_bytes(store)))
+    said = sorted(str(w.message).split(": ")[-1] for w in caught)
+    assert said == ["not stored", "prefill snapshots stop"]
+    assert max(totals) <= budget and max(totals) > 1.5 * budget / 2.1  # snapshots were written
+    assert [e.total_tokens for e in store.entries()] == [300]  # kept; the 900 over the budget
+
+
+def store_bytes(store: PrefixStore) -> int:
+    return sum(e.bytes for e in store.entries())
+
+
+def test_prune_and_clear_that_cannot_change_the_store_say_so(model, tmp_path, monkeypatch):
+    """On a read-only store they reported "removed 0 entries" / "freed 0 B", exit 0."""
+    store = PrefixStore(tmp_path / "store")
+    store.save(*prefilled(model, 300))
+    monkeypatch.setattr(PrefixStore, "_remove", lambda self, stem: None)
+    with pytest.raises(OutputError, match="cannot change the store .*cannot remove"):
+        store.prune(max_bytes=0)
+
+    def read_only(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(prefix_store.shutil, "rmtree", read_only)
+    with pytest.raises(OutputError, match="Read-only file system"):
+        store.clear()
+    assert len(store.entries()) == 1
+
+
+def test_snapshots_go_when_the_prefix_cannot_be_written(model, tmp_path, monkeypatch):
+    """A full disk stops the store's writes: the snapshots of the prefill that finished were
+    then kept for ever (their removal was a write too), holding the disk that is full."""
+    real = prefix_store._save_safetensors
+
+    def prefixes_fail(path, arrays, meta, hashed):
+        if path.parent.name == "prefixes":
+            raise FULL
+        return real(path, arrays, meta, hashed)
+
+    monkeypatch.setattr(prefix_store, "_save_safetensors", prefixes_fail)
+    store = PrefixStore(tmp_path / "store")
+    ids = doc_ids(400)
+    with pytest.warns(CacheWarning, match="cannot store prefix caches"):
+        DocumentCaches(model, store, chunk=64, snapshot_every=128).get(key_for(ids), ids)
+    assert store.entries() == [] and not (store.root / "snapshots" / key_for(ids).digest).exists()
 
 
 # -- real file systems: a full and a read-only cache dir ----------------------------------------
