@@ -137,10 +137,10 @@ def report(scored: list[Scored]) -> str:
 def _document(name: str, documents: dict[str, str], key_path: str | os.PathLike) -> str:
     """The doc_id of the one document `name` names: its doc_id, its path or the path's last
     components."""
-    if name in documents:
-        return name
     parts = Path(name).parts
     found = [d for d, p in documents.items() if Path(p).parts[-len(parts) :] == parts]
+    if name in documents:  # a doc_id; ambiguous where its path's end names another document
+        found = [name, *(d for d in found if d != name)]
     if len(found) == 1:
         return found[0]
     if not found:

@@ -68,6 +68,8 @@ def read_results(path: str | os.PathLike) -> pa.Table:
             parts_dir = parts_dir_of(path)
             if not path.exists() and not parts_dir.is_dir():
                 raise OutputError("no such results file", path=path)
+            if path.exists() and not path.is_file():  # a FIFO would wait for a writer forever
+                raise OutputError("not a regular file", path=path)
             return _read_contents(path, parts_dir)
         except (FileNotFoundError, _Changed):
             continue  # a writer merged and removed its parts while we read: read again
@@ -115,7 +117,11 @@ def dataset_files(folder: Path) -> list[Path]:
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
         found += [
-            Path(root, n) for n in names if n.endswith(".parquet") and not n.startswith((".", "_"))
+            Path(root, n)
+            for n in names
+            if n.endswith(".parquet")
+            and not n.startswith((".", "_"))
+            and Path(root, n).is_file()  # not a FIFO, which would wait for a writer forever
         ]
     return sorted(found)
 

@@ -121,6 +121,18 @@ def test_one_name_for_two_documents_is_refused(tmp_path):
         score(read_results(path), read_answer_key(key_path), key_path)
     key_path = _key(tmp_path, "y/doc.txt:\n  q: 1\n")
     assert score(read_results(path), read_answer_key(key_path), key_path)[0].document == "y/doc.txt"
+    # one document's doc_id and another's file name: bound to the doc_id without a word
+    path = tmp_path / "ids.parquet"
+    with writer(path) as out:
+        out.write(
+            [
+                make_row("a.q", doc_id="x.txt", doc_path="/A/x.txt"),
+                make_row("b.q", doc_id="x.txt~2", doc_path="/B/x.txt"),
+            ]
+        )
+    key_path = _key(tmp_path, "x.txt:\n  q: 1\n")
+    with pytest.raises(JobSpecError, match=r"names 2 documents \(x.txt, x.txt~2\)"):
+        score(read_results(path), read_answer_key(key_path), key_path)
 
 
 def test_inspect_expected_prints_the_comparison_and_the_count(tmp_path, results):

@@ -349,3 +349,14 @@ def test_an_empty_folder_is_a_one_line_error(tmp_path):
     assert str(e.value) == (
         f"{tmp_path}: a folder without .parquet files; expected a results file or a folder of them"
     )
+
+
+def test_a_fifo_named_as_results_is_refused_not_waited_on(tmp_path):
+    """inspect and export of a FIFO, or of a folder holding one named *.parquet, waited for a
+    writer forever."""
+    fifo = tmp_path / "r.parquet"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="not a regular file"):
+        read_results(fifo)
+    write_file(tmp_path / "real.parquet", [make_row("a.q0")])
+    assert keys_of(read_results(tmp_path)) == ["a.q0"]  # the folder: the FIFO is no file of it
