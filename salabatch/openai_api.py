@@ -311,6 +311,12 @@ def echo(body: Mapping) -> bool:
     return bool(value)
 
 
+def structure_field(body: Mapping) -> str:
+    """The field `structure` reads (the first given of STRUCTURE; response_format where none
+    is), for an error about its pattern."""
+    return next((name for name in STRUCTURE if body.get(name) is not None), "response_format")
+
+
 def structure(body: Mapping) -> str | None:
     """The regular expression the answer must match whole, of the body's `response_format`
     (`json_object`: any JSON object; `json_schema`: JSON its `schema` validates; `text`: none)

@@ -163,14 +163,20 @@ def serve(
 
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     root = os.path.expanduser(state_dir or cache_dir())
-    # first: a second server on this state dir is refused before a model loads
+    # first: a second server on this state dir, or on this port, is refused before a model loads
     with ExitStack() as opened:  # what opened closes again unless the engine loads
-        store = BatchStore(os.path.join(root, "batches"))
-        opened.callback(store.close)
-        responses = ResponseStore(
-            os.path.join(root, "responses.sqlite"), limit=int(responses_gb * 2**30)
-        )
-        opened.callback(responses.close)
+        try:
+            store = BatchStore(os.path.join(root, "batches"))
+            opened.callback(store.close)
+            responses = ResponseStore(
+                os.path.join(root, "responses.sqlite"), limit=int(responses_gb * 2**30)
+            )
+            opened.callback(responses.close)
+        except OSError as e:
+            why = f"cannot keep the server's state in {root} ({e.strerror or e})"
+            raise click.BadParameter(why, param_hint="--state-dir") from None
+        sock = _listening(host, port)
+        opened.callback(sock.close)
         engine, tok = _engine(
             model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
         )
@@ -188,20 +194,80 @@ def serve(
         routes=[*batch_routes(runner), *answers.routes],
         starting=[answers.resume],  # background responses a stopped server left run again
     )
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=GRACE_S, log_level="info"
+    )
+    server = _server(config, engine)
     # SIGTERM as Ctrl-C: uvicorn stops on either, then raises the signal again once it has; as
-    # a KeyboardInterrupt (which uvicorn.run ends on quietly) the closing below runs, where the
+    # a KeyboardInterrupt (which uvicorn ends on quietly) the closing below runs, where the
     # default SIGTERM would end the process before it
     with sigterm_as_ctrl_c():
         engine.start()
         runner.start()  # batches a killed server left go on
         try:
-            # A stream still running at Ctrl-C gets 5 s, then the engine stops it.
-            uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
         finally:
             runner.close()
             engine.close()  # the prefixes it holds go to the prefix store
             responses.close()
             store.close()
+            sock.close()
+    if not server.started:
+        raise click.ClickException("the server did not start (its log above says why)")
+
+
+GRACE_S = 5  # what a request still running at Ctrl-C or SIGTERM has to end
+
+
+def _listening(host: str, port: int):
+    """The server's socket, bound (a port in use, or a host this machine is not, is a usage
+    error before the model loads, not uvicorn's exit 3 after it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = f"cannot listen on {host}:{port} ({e.strerror or e})"
+        raise click.BadParameter(why, param_hint="--host/--port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(config, engine):
+    """uvicorn's server, whose engine ends the requests still running a second before the
+    grace is over: each gets its end (a stream's error event and [DONE], a 503), where uvicorn
+    would cut its connection (a stream without an end, a plain-text 500)."""
+    import logging
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where only of a socket it bound itself
+                host, port = sockets[0].getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port
+                )
+
+        async def shutdown(self, sockets=None) -> None:
+            timer = threading.Timer(GRACE_S - 1, engine.close)
+            timer.daemon = True
+            timer.start()
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(config)
 
 
 @click.command()

@@ -320,7 +320,7 @@ class _Server:
         tickets = self._submit([job], n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
-            chunks = self._chat_chunks(tickets, answers, reply, include_usage)
+            chunks = self._chat_chunks(tickets, answers, reply, include_usage, think)
             return EventStream(chunks, tickets)
         finished = await collect(tickets, answers, request)
         return JSONResponse(chat_completion(reply, answers, think, finished, self.tok))
@@ -347,7 +347,8 @@ class _Server:
         pattern = openai_api.structure(body)
         if pattern is None:
             return None
-        return await run_in_threadpool(grammar_of, self.tok, pattern)
+        field = openai_api.structure_field(body)
+        return await run_in_threadpool(grammar_of, self.tok, pattern, field)
 
     async def _body(self, request: Request, fields: tuple[str, ...], no_op: dict) -> dict:
         return await read_body(request, self.max_body, fields, no_op, self.model_id)
@@ -359,15 +360,11 @@ class _Server:
         submitted)."""
         for job in jobs:
             check_context(job, self.engine.model.config.context_length, param)
-        loop, tickets = asyncio.get_running_loop(), []
+        choices = [one for job in jobs for one in seeded(job, n)]
         try:
-            for one in (one for job in jobs for one in seeded(job, n)):
-                tickets.append(self.engine.submit(one, loop))
+            return self.engine.submit_all(choices, asyncio.get_running_loop())
         except (QueueFull, EngineClosed) as e:
-            for ticket in tickets:
-                ticket.cancel()
             raise engine_error(e) from None
-        return tickets
 
     # ---- streams -------------------------------------------------------------------------
 
@@ -377,6 +374,7 @@ class _Server:
         answers: list[AnswerText],
         reply: Reply,
         include_usage: bool,
+        think: bool,
     ) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
 
@@ -406,7 +404,8 @@ class _Server:
                 yield chunk(i, {}, event.finish_reason)
                 finished[i] = event
                 if include_usage and len(finished) == len(tickets):
-                    yield sse(reply.chunk([], usage=usage(_in_order(finished))))
+                    counted = chat_usage(_in_order(finished), answers, think)
+                    yield sse(reply.chunk([], usage=counted))
             else:
                 yield sse(event.body)
         yield b"data: [DONE]\n\n"
@@ -495,7 +494,9 @@ def text_request(body: dict, tok: Tokenizer, engine: ServeEngine, defaults) -> T
     if echo and (logprobs is not None or max_tokens == 0):
         scored = logprobs or 0
     pattern = openai_api.structure(body)
-    grammar = None if pattern is None else grammar_of(tok, pattern)
+    grammar = (
+        None if pattern is None else grammar_of(tok, pattern, openai_api.structure_field(body))
+    )
     jobs = []
     for prompt in prompts:
         job = text_job(tok, prompt, params=params, max_tokens=max_tokens, stop_strings=stops)
@@ -584,11 +585,18 @@ def chat_completion(
         out.append(
             {"index": i, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}
         )
+    return reply.body(out, chat_usage(finished, answers, think))
+
+
+def chat_usage(finished: Sequence[Finished], answers: Sequence[AnswerText], think: bool) -> dict:
+    """`usage` of a chat completion, streamed or whole: with `think`, the think blocks'
+    generated tokens as `completion_tokens_details.reasoning_tokens` (a run's export counts
+    them alike)."""
     counted = usage(finished)
-    if think:  # the think blocks' generated tokens (a run's export counts them alike)
+    if think:
         thought = sum(a.thinking.count for a in answers)
         counted.setdefault("completion_tokens_details", {})["reasoning_tokens"] = thought
-    return reply.body(out, counted)
+    return counted
 
 
 class TextLogprobs:
@@ -649,13 +657,13 @@ def choices(body: dict, engine: ServeEngine) -> int:
     return openai_api.choices(body, most, why)
 
 
-def grammar_of(tok: Tokenizer, pattern: str) -> Grammar:
+def grammar_of(tok: Tokenizer, pattern: str, field: str) -> Grammar:
     """`pattern` compiled against `tok`'s vocabulary (`Tokenizer.grammars`); one outlines-core
-    cannot compile a BodyError."""
+    cannot compile a BodyError naming `field`, the body's field it came from."""
     try:
-        return tok.grammars.regex(pattern)
+        return tok.grammars.regex(pattern, field)
     except GenerationError as e:
-        raise BodyError(str(e), "response_format") from None
+        raise BodyError(str(e), field) from None
 
 
 def seeded(job: Job, n: int) -> list[Job]:
@@ -957,6 +965,8 @@ async def read_json(request: Request, limit: int) -> dict:
         )
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON ({e})") from None
+    except RecursionError:  # arrays nested past Python's stack: no body of ours is
+        raise APIError(400, "the body is not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
     return body

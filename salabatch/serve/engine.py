@@ -455,7 +455,15 @@ class ServeEngine:
         """Queues `job` and returns at once (thread-safe). Events go to `loop` (thread-safe
         calls: nothing blocks it) for `async for`, else to a blocking `for`. QueueFull when
         `max_queue` jobs are waiting already; EngineClosed after `close()`."""
-        ticket = Ticket(job, loop, self._wake)
+        return self.submit_all([job], loop)[0]
+
+    def submit_all(
+        self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop | None = None
+    ) -> list[Ticket]:
+        """`submit` of the jobs of one request (its n choices) together: each queued, or, where
+        the queue cannot take them all, none (QueueFull): no choice of a refused request runs
+        or holds a place."""
+        tickets = [Ticket(job, loop, self._wake) for job in jobs]
         with self._cv:
             if self._closing:
                 raise EngineClosed(self._stopped_why)
@@ -464,17 +472,18 @@ class ServeEngine:
             waiting = len(self._queue) - (
                 self.batch_size - len(self._admitting) - len(self._running)
             )
-            if waiting >= self.max_queue:
+            if waiting + len(jobs) - 1 >= self.max_queue:
                 self._stat("requests_rejected_total")
                 raise QueueFull(
-                    f"{waiting} requests are waiting for a row, as many as the queue holds "
-                    f"(max_queue {self.max_queue}); retry later"
+                    f"{max(waiting, 0)} requests are waiting for a row (max_queue "
+                    f"{self.max_queue}): no room for {len(jobs)} more; retry later"
                 )
-            self._count += 1
-            self._queue.append(_Work(ticket, f"#{self._count}", time.perf_counter()))
-            self._stat("requests_total")
+            for ticket in tickets:
+                self._count += 1
+                self._queue.append(_Work(ticket, f"#{self._count}", time.perf_counter()))
+                self._stat("requests_total")
             self._cv.notify_all()
-        return ticket
+        return tickets
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for /metrics: requests, prompt/completion/cached tokens, queue

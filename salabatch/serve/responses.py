@@ -646,7 +646,7 @@ def response_request(
         inputs = min(inputs, len(conversation))
         job = job_of(conversation)
     if pattern is not None:
-        job = replace(job, grammar=grammar_of(tok, pattern))
+        job = replace(job, grammar=grammar_of(tok, pattern, "text.format"))
     response_id = response_id or "resp_" + uuid.uuid4().hex
     created = int(time.time()) if created is None else created
     shell = openai_api.response_echo(body, params, response_id, created, model_id)

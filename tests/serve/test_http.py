@@ -919,22 +919,25 @@ def test_a_full_queue_answers_429(tiny):
 
 
 def test_n_choices_the_queue_cannot_take_are_a_429_and_none_is_left_queued(tiny):
-    """One row, one place in the queue, the row busy: n = 2 is refused with 429, and its first
-    job, queued already, is cancelled at once; with the row free, n = 2 runs (one job waits)."""
+    """One row, one place in the queue, the row busy: n = 2 is refused with 429, none of its
+    jobs queued (its first was queued, then cancelled: until the engine thread dropped it, it
+    held the place, and an n = 1 request that fits got a 429 too; counted accepted, cancelled
+    and rejected); with the row free, n = 2 runs (one job waits)."""
     model, tok = tiny
     with Served(ServeEngine(model, tok, batch_size=1, max_queue=1), tok) as s:
         client = s.client()
         busy = client.completions.create(model=MODEL, prompt="x", max_tokens=5000, stream=True)
         next(iter(busy))  # its row decodes
+        before = s.engine.stats()
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model=MODEL, prompt="y", max_tokens=2, n=2)
         assert e.value.body["code"] == "queue_full"
-        s.wait_for(
-            lambda: (
-                (x := s.engine.stats())["requests_cancelled_total"] == 1 and x["queue_depth"] == 0
-            )
-        )
-        assert s.engine.stats()["requests_rejected_total"] == 1
+        after = s.engine.stats()
+        assert after["queue_depth"] == 0 and after["requests_rejected_total"] == 1
+        for counter in ("requests_total", "requests_cancelled_total"):
+            assert after[counter] == before[counter], counter
+        # the place is free: queued (the stream's 200 is its answer), not a 429
+        client.completions.create(model=MODEL, prompt="y", max_tokens=2, stream=True).close()
         busy.close()
         s.wait_for(lambda: s.engine.stats()["running_rows"] == 0)
         both = client.completions.create(model=MODEL, prompt="y", max_tokens=2, n=2)
@@ -1114,6 +1117,87 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigter
     assert "warning" not in keyed_log.read_text()
 
 
+def test_requests_still_running_when_the_grace_ends_get_their_end(tmp_path):
+    """SIGTERM with answers that outlast the 5 s grace: uvicorn cut them off (a stream without
+    an end, a plain-text 500). The engine now ends them first: the stream's error event and
+    [DONE], the whole answer's 503 OpenAI error; the server exits 0."""
+    import threading
+
+    body = {"model": MODEL, "prompt": "The provider", "max_tokens": 20000}
+    got: dict[str, object] = {}
+
+    def ask(port: int, stream: bool) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps(body | {"stream": stream}), headers)
+        response = conn.getresponse()
+        got[f"stream={stream}"] = (response.status, response.read().decode())
+
+    with serve_process(tmp_path) as (port, process, _):
+        wait_healthy(port, process)
+        asks = [threading.Thread(target=ask, args=(port, s)) for s in (True, False)]
+        for thread in asks:
+            thread.start()
+        time.sleep(1.5)  # both are decoding
+        process.send_signal(signal.SIGTERM)
+        for thread in asks:
+            thread.join(60)
+        assert process.wait(30) == 0
+    status, text = got["stream=True"]
+    events = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "data: [DONE]", text[-500:]
+    assert "error" in json.loads(events[-2].removeprefix("data: ")), events[-2]
+    status, text = got["stream=False"]
+    assert status == 503 and json.loads(text)["error"]["type"] == "service_unavailable", text
+
+
+def test_a_port_in_use_or_a_state_dir_under_a_file_is_a_usage_error_before_the_model(
+    tmp_path, monkeypatch
+):
+    """uvicorn's exit 3 (the code of error rows) after the model loaded, and a raw
+    NotADirectoryError (exit 1): now exit 2 naming the option, before anything loads."""
+    import importlib
+    import socket
+
+    serve_cli = importlib.import_module("salabatch.cli.serve")  # the module, not the command
+    monkeypatch.setattr(serve_cli, "_engine", lambda *a, **k: pytest.fail("the model loaded"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = str(taken.getsockname()[1])
+        state = ["--state-dir", str(tmp_path / "state")]
+        used = CliRunner().invoke(main, ["serve", MODEL, "--port", port, *state])
+        assert used.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in used.output
+    finally:
+        taken.close()
+    (tmp_path / "afile").write_text("x")
+    under = CliRunner().invoke(main, ["serve", MODEL, "--state-dir", str(tmp_path / "afile" / "s")])
+    assert under.exit_code == 2 and "--state-dir" in under.output, under.output
+    assert "cannot keep the server's state" in under.output
+
+
+def test_a_body_nested_too_deeply_or_a_bad_guided_regex_is_a_400_naming_it(served):
+    """A body of 100,000 nested arrays was a 500 (RecursionError, a traceback in the log); an
+    unusable guided_regex was reported against response_format."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, _, data = served.raw("POST", "/v1/chat/completions", deep)
+    assert status == 400 and "nested too deeply" in json.loads(data)["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"guided_regex": "(?<=a)b"},  # look-behind: outlines-core refuses it
+        )
+    assert e.value.body["param"] == "guided_regex", e.value.body
+    assert e.value.body["message"].startswith("guided_regex: "), e.value.body
+
+
+def served_nothing(server, sockets=None) -> None:
+    """uvicorn.Server.run, serving nothing: started, then stopped at once."""
+    server.started = True
+
+
 def test_serve_draft_flags_reach_the_engine(tmp_path, monkeypatch):
     made: list[ServeEngine] = []
 
@@ -1123,10 +1207,11 @@ def test_serve_draft_flags_reach_the_engine(tmp_path, monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(engine_module, "ServeEngine", Recording)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: None)  # serve nothing
+    monkeypatch.setattr(uvicorn.Server, "run", served_nothing)
 
     def serve(*args: str):
-        command = ["serve", "--model", MODEL, "--state-dir", str(tmp_path / "state"), *args]
+        command = ["serve", "--model", MODEL, "--port", "0", "--state-dir", str(tmp_path / "state")]
+        command += args
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 0, result.output
         return made[-1].speculation
@@ -1148,8 +1233,8 @@ def test_serve_takes_the_model_as_an_argument_or_an_option(tmp_path, monkeypatch
         return create_app(*args, **kwargs)
 
     monkeypatch.setattr(app_module, "create_app", recording)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: None)  # serve nothing
-    state = ["--state-dir", str(tmp_path / "state")]
+    monkeypatch.setattr(uvicorn.Server, "run", served_nothing)
+    state = ["--state-dir", str(tmp_path / "state"), "--port", "0"]
     for command in (["serve", MODEL, *state], ["serve", "--model", MODEL, *state]):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 0, result.output
@@ -1183,9 +1268,12 @@ def test_a_thought_answer_splits_off_its_reasoning_and_counts_its_tokens(served)
     closed = next(i for i in range(len(spelled)) if "</think>" in "".join(spelled[: i + 1]))
     details = whole.usage.completion_tokens_details
     assert details.reasoning_tokens == closed + 1 < whole.usage.completion_tokens
-    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = list(client.chat.completions.create(**ask, **streamed))
     reasoning = "".join(
         getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
     )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert (reasoning, content) == ("plan the answer", "Acme")
+    # the streamed usage counts them too (it had no completion_tokens_details)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == closed + 1

@@ -148,6 +148,8 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
     except UnicodeDecodeError as e:
         bad = f"not valid UTF-8: byte 0x{e.object[e.start]:02x}"
         return f"line-{number}", None, bad, CHAT_ROWS
+    except RecursionError:  # arrays nested past Python's stack: no request is
+        return f"line-{number}", None, "not valid JSON: nested too deeply", CHAT_ROWS
     if not isinstance(line, dict):
         return f"line-{number}", None, "a request line must be a JSON object", CHAT_ROWS
     custom_id = line.get("custom_id")

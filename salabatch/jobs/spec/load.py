@@ -175,7 +175,7 @@ def _requests_model(path: Path) -> str:
             continue
         try:
             request = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             where = f" ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
             raise JobSpecError(
                 f"line {number}: not valid JSON{where}, so the model it names is unknown; fix "

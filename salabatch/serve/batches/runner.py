@@ -321,16 +321,8 @@ class BatchRunner:
                 return text_completion(reply, request, answers, finished, self.tok)
         else:
             jobs, n, answers, respond = self._chat(body)
-        tickets = []
-        try:
-            for job in jobs:
-                for one in seeded(replace(job, background=True), n):
-                    tickets.append(self.engine.submit(one))
-        except QueueFull:
-            for ticket in tickets:
-                ticket.cancel()
-            raise
-        return tickets, answers, respond
+        choices = [one for job in jobs for one in seeded(replace(job, background=True), n)]
+        return self.engine.submit_all(choices), answers, respond
 
     def _response(self, body: dict):
         """([its ticket], [its AnswerText], respond) of a Responses line's body, as
@@ -351,7 +343,8 @@ class BatchRunner:
         """([the job], n, AnswerText of each choice, respond) of a chat line's body."""
         n, logprobs = choices(body, self.engine), openai_api.logprobs(body)
         pattern = openai_api.structure(body)
-        grammar = None if pattern is None else grammar_of(self.tok, pattern)
+        field = openai_api.structure_field(body)
+        grammar = None if pattern is None else grammar_of(self.tok, pattern, field)
         messages = openai_api.messages(body.get("messages"))
         params, max_tokens = sampling(body, self.defaults, self.tok.vocab_size)
         think = openai_api.think(body.get("chat_template_kwargs"), self.defaults.think)
@@ -408,6 +401,9 @@ class BatchRunner:
                 line = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 error(number, "invalid_json_line", f"line {number} is not valid JSON ({e})")
+                continue
+            except RecursionError:
+                error(number, "invalid_json_line", f"line {number} is nested too deeply")
                 continue
             if not isinstance(line, dict):
                 error(number, "invalid_request", f"line {number} is not a JSON object")
