@@ -259,7 +259,17 @@ def _write_converted(
     A write that fails (a full disk) removes what it wrote: a CheckpointError naming `dst`."""
     clear_destination(dst)
     try:
-        return _write_files(src, dst, weights, quantization, dtype, max_shard_bytes)
+        files = write_weights(dst, weights, max_shard_bytes)
+        copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+        for name in copied:
+            shutil.copy2(src / name, dst / name)
+        raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        raw["quantization"] = quantization
+        for key in ("torch_dtype", "dtype"):
+            if key in raw:
+                raw[key] = dtype_name(dtype)
+        (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+        return files, copied
     except (OSError, RuntimeError) as e:  # MLX's writer raises RuntimeError ("[write] Unable...")
         clear_destination(dst)
         raise CheckpointError(
@@ -267,27 +277,6 @@ def _write_converted(
             "left there",
             path=dst,
         ) from None
-
-
-def _write_files(
-    src: Path,
-    dst: Path,
-    weights: dict[str, mx.array],
-    quantization: dict,
-    dtype: mx.Dtype,
-    max_shard_bytes: int | None,
-) -> tuple[list[Path], list[str]]:
-    files = write_weights(dst, weights, max_shard_bytes)
-    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    for name in copied:
-        shutil.copy2(src / name, dst / name)
-    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    raw["quantization"] = quantization
-    for key in ("torch_dtype", "dtype"):
-        if key in raw:
-            raw[key] = dtype_name(dtype)
-    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    return files, copied
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
