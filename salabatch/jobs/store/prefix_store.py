@@ -445,10 +445,11 @@ class PrefixStore:
         prefixes evicted for them would be lost for nothing). False, with a warning once for
         each kind, when it cannot fit even so."""
         size = sum(a.nbytes for a in state[0].values())
-        entries = self.entries()
-        kept = sum(e.bytes for e in entries if keep in (e.path, e.path.parent))
-        if kind == "snapshot":  # the prefixes stay
-            kept += sum(e.bytes for e in entries if e.kind == "prefix")
+        kept = 0  # a prefix stored again replaces itself
+        if kind == "snapshot":  # its chain stays, and so do the prefixes
+            kept = sum(
+                e.bytes for e in self.entries() if keep == e.path.parent or e.kind == "prefix"
+            )
         if size + kept <= self.max_bytes:
             self._evict(keep=keep, room=size, snapshots_only=kind == "snapshot")
             return True
