@@ -11,9 +11,9 @@ unless retry_errors), and the runner skips them. `--retry-errors --limit N` runs
 rows N at a time: the merged file names the runs of such a series (META_RETRIED_BY), whose own
 error rows the next one does not redo again, so the same command goes on with the next N; the
 series ends with a retry run that sees the whole job (and a retry run without a limit redoes
-every error row). Once the runner has planned the whole job, it
-names the job's keys (`retain`) and the merge drops rows of earlier runs that are no longer in
-the job (a removed document or question, a changed document or model). `--no-resume` deletes
+every error row). Once the runner has planned the whole job, it names the job's keys (`retain`)
+and the merge drops rows of earlier runs that are no longer in the job (a removed document or
+question, a changed document or model). `--no-resume` deletes
 leftover parts, marks the run FRESH and leaves x.parquet untouched on disk until this run closes
 and replaces it; from the start, readers see only the new run's rows, and a killed --no-resume
 run resumes as itself. A run that closes without a new row (it failed before its first
