@@ -8,6 +8,7 @@ import sys
 import click
 
 from salabatch.cli.main import Finite
+from salabatch.plural import counted
 
 
 @click.command()
@@ -75,4 +76,4 @@ def export(results: str, fmt: str | None, output: str) -> None:
     fmt = fmt or export_format(None if to_stdout else output)
     n = export_results(results, sys.stdout if to_stdout else output, fmt)
     if not to_stdout:
-        click.echo(f"{n} {'lines' if fmt != 'csv' else 'rows'} -> {output}", err=True)
+        click.echo(f"{counted(n, 'row' if fmt == 'csv' else 'line')} -> {output}", err=True)

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError
 from salabatch.files import json_line, write_atomic
@@ -266,11 +267,34 @@ def export_results(path: str | os.PathLike, out: str | os.PathLike | TextIO, fmt
                 f"x{suffix}, or choose the format that fits",
                 path=out,
             )
+        if (requests := _requests_of(path)) is not None and _same(out, requests):
+            raise OutputError(
+                "is the requests file these results answer; refusing to overwrite the input",
+                path=out,
+            )
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create its folder ({e.strerror or e})", path=out) from e
     return export(path, out)
+
+
+def _requests_of(path: str | os.PathLike) -> Path | None:
+    """The requests file of a results file's job (from its footer alone), or None."""
+    try:
+        meta = decode_metadata(pq.read_schema(path).metadata)
+    except (OSError, ValueError, pa.ArrowException):  # a folder, parts only: read as it is
+        return None
+    spec = meta["job_spec"]
+    requests = spec.get("requests") if isinstance(spec, dict) else None
+    return Path(requests) if isinstance(requests, str) else None
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _plain(record: dict[str, Any]) -> dict[str, Any]:

@@ -338,6 +338,11 @@ def test_a_line_break_unicode_has_inside_json_is_no_line_end(tmp_path, tiny_mode
     assert result.exit_code == 0, result.output
     (text,) = out.read_text().splitlines()
     assert json.loads(text)["custom_id"] == "a\u2028b" and "\\u2028" in text
+    # export: never over the requests file these results answer (run refuses it too)
+    exported = run_cli("export", str(out.with_suffix(".parquet")), "-o", str(requests))
+    assert exported.exit_code == 2 and "refusing to overwrite the input" in exported.output
+    again = run_cli("export", str(out.with_suffix(".parquet")), "-o", str(tmp_path / "x.jsonl"))
+    assert again.exit_code == 0 and "1 line -> " in again.output, again.output
     empty = write_requests(tmp_path / "empty.jsonl", ["", "  "])
     result = run_cli("run", "--requests", str(empty), "--model", str(tiny_model))
     assert result.exit_code == 2 and f"requests: no request lines in {empty}" in result.output
