@@ -371,11 +371,16 @@ class Responses:
         """Runs a background response's events (`_events`) into `events` (an EventLog) to their
         end: `_done` stores it completed, incomplete or cancelled (the answer so far); a failed
         job or a fault of the server's own stores it failed. The server stopping (the event
-        loop cancels the task) leaves it in progress, to run again at the next start."""
+        loop cancels the task, or the engine closes first, ending its job) leaves it in
+        progress, to run again at the next start."""
         shell = asked.shell
         done = functools.partial(self._done, asked)
 
-        async def failed(message: str) -> None:
+        async def failed(message: str, code: str = "server_error") -> None:
+            if code == "engine_closed":  # the server is stopping: the next one runs it again
+                with contextlib.suppress(sqlite3.Error):
+                    await run_in_threadpool(self.store.stopped, shell["id"])
+                return
             error = {"code": "server_error", "message": message}
             out = shell | {"status": "failed", "error": error, "output": [], "usage": None}
             await run_in_threadpool(self._keep_unanswered, out, asked)
@@ -428,7 +433,7 @@ class Responses:
         """The Responses stream: created, in progress; the reasoning item (with `think`) and
         the message item, each added, its text in deltas, done; then completed (or incomplete),
         with the whole response (`done`'s; a cancelled one ends without). A job that fails ends
-        it with an error event, after `failed(message)` where given."""
+        it with an error event, after `failed(message, code)` where given."""
         number = 0
         order: list[str] = []  # the kinds of the items opened, by output index
         sent = {"reasoning": "", "content": ""}
@@ -514,7 +519,7 @@ class Responses:
             elif isinstance(got, StreamFailed):
                 error = got.body["error"]
                 if failed is not None:
-                    await failed(error["message"])
+                    await failed(error["message"], error["code"])
                 yield event(
                     "error", code=error["code"], message=error["message"], param=error["param"]
                 )

@@ -1120,7 +1120,8 @@ def test_salabatch_serve_warns_when_open_to_others_and_stops_on_ctrl_c_or_sigter
 def test_requests_still_running_when_the_grace_ends_get_their_end(tmp_path):
     """SIGTERM with answers that outlast the 5 s grace: uvicorn cut them off (a stream without
     an end, a plain-text 500). The engine now ends them first: the stream's error event and
-    [DONE], the whole answer's 503 OpenAI error; the server exits 0."""
+    [DONE], the whole answer's 503 OpenAI error; the server exits 0. A background response
+    ended so runs again at the next start (it was stored failed: "the engine is closed")."""
     import threading
 
     body = {"model": MODEL, "prompt": "The provider", "max_tokens": 20000}
@@ -1135,10 +1136,15 @@ def test_requests_still_running_when_the_grace_ends_get_their_end(tmp_path):
 
     with serve_process(tmp_path) as (port, process, _):
         wait_healthy(port, process)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        long = "The provider shall deliver. " * 4000  # seconds of prefill here
+        background = client.responses.create(
+            model=MODEL, input=long, max_output_tokens=4, background=True
+        )
         asks = [threading.Thread(target=ask, args=(port, s)) for s in (True, False)]
         for thread in asks:
             thread.start()
-        time.sleep(1.5)  # both are decoding
+        time.sleep(1.5)  # all three are decoding
         process.send_signal(signal.SIGTERM)
         for thread in asks:
             thread.join(60)
@@ -1149,6 +1155,15 @@ def test_requests_still_running_when_the_grace_ends_get_their_end(tmp_path):
     assert "error" in json.loads(events[-2].removeprefix("data: ")), events[-2]
     status, text = got["stream=False"]
     assert status == 503 and json.loads(text)["error"]["type"] == "service_unavailable", text
+    # the background response the closing engine ended is no failure: the next server runs it
+    with serve_process(tmp_path) as (port, process, _):
+        wait_healthy(port, process)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        deadline = time.monotonic() + 120
+        while (again := client.responses.retrieve(background.id)).status == "in_progress":
+            assert time.monotonic() < deadline, "the background response did not run again"
+            time.sleep(0.2)
+        assert again.status in ("completed", "incomplete") and again.output_text, again
 
 
 def test_a_port_in_use_or_a_state_dir_under_a_file_is_a_usage_error_before_the_model(
