@@ -487,7 +487,8 @@ def input_messages(raw) -> list[dict]:
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             kind = item.get("type") if isinstance(item, dict) else type(item).__name__
             raise BodyError(f"{at}: only messages are supported, not {kind!r}", at)
-        extra = sorted(k for k in item if k not in ("type", "role", "content", "id", "status"))
+        given = (k for k, v in item.items() if v is not None)  # null: unset (the SDK's dumps)
+        extra = sorted(k for k in given if k not in ("type", "role", "content", "id", "status"))
         if extra:
             raise BodyError(f"unsupported field: {at}.{extra[0]}", f"{at}.{extra[0]}")
         role = item.get("role")
@@ -497,10 +498,12 @@ def input_messages(raw) -> list[dict]:
         content = item.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
+                where = f"{at}.content[{j}]"
                 if not isinstance(part, dict) or part.get("type") not in PART_TYPES:
-                    where = f"{at}.content[{j}]"
                     raise BodyError(f"{where}: only text parts are supported", where)
-            content = "".join(str(part.get("text", "")) for part in content)
+                if not isinstance(part.get("text"), str):
+                    raise BodyError(f"{where}.text must be a string", f"{where}.text")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise BodyError(f"{at}.content must be text", f"{at}.content")
         out.append({"role": ROLES[role], "content": text(content, f"{at}.content")})
@@ -530,13 +533,20 @@ def _response_format(text) -> dict:
         return {}
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise BodyError("text must be an object with a format", "text")
+    if text.get("verbosity") not in (None, "medium"):  # medium: OpenAI's default, no change
+        raise BodyError("text.verbosity cannot be honoured (only medium)", "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return {}
     if not isinstance(fmt, dict):
         raise BodyError("text.format must be an object", "text.format")
     if fmt.get("type") == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        fields = ("type", "name", "schema", "strict", "description")
+        if unknown := sorted(k for k in fmt if k not in fields):
+            raise BodyError(
+                f"unsupported field: text.format.{unknown[0]}", f"text.format.{unknown[0]}"
+            )
+        schema = {k: fmt[k] for k in fields[1:] if k in fmt}
         return {"response_format": {"type": "json_schema", "json_schema": schema}}
     return {"response_format": fmt}
 
@@ -547,6 +557,8 @@ def response_think(reasoning, default: bool) -> bool:
         return default
     if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
         raise BodyError("reasoning must be an object with effort", "reasoning")
+    if reasoning.get("summary") is not None:  # the think block is the reasoning item, whole
+        raise BodyError("reasoning.summary cannot be honoured: no summaries", "reasoning.summary")
     effort = reasoning.get("effort")
     if effort is None:
         return default
@@ -557,13 +569,23 @@ def response_think(reasoning, default: bool) -> bool:
 
 
 def response_metadata(raw) -> dict:
-    """A body's `metadata`, echoed in its response: an object of strings (OpenAI's rule)."""
+    """A body's `metadata`, echoed in its response: at most 16 strings, keys of at most 64
+    characters and values of at most 512 (OpenAI's rule)."""
     if raw is None:
         return {}
-    if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    if not (
+        isinstance(raw, dict)
+        and len(raw) <= 16
+        and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in raw.items()
+        )
     ):
-        raise BodyError("metadata must be an object of strings", "metadata")
+        raise BodyError(
+            "metadata must be an object of at most 16 strings, keys of at most 64 characters "
+            "and values of at most 512",
+            "metadata",
+        )
     for key, value in raw.items():
         text(key, "metadata")
         text(value, "metadata")

@@ -193,19 +193,23 @@ class Responses:
         except (QueueFull, EngineClosed) as e:
             raise engine_error(e) from None
 
-        done = functools.partial(self._done, asked)
         if background:
             running, log = await self._start(ticket, asked, body)
             return EventStream(log.follow(0), []) if stream else JSONResponse(running)
+        # in the foreground, a job cancelled is a client that left: it never had the id
+        done = functools.partial(self._done, asked, keep_cancelled=False)
         if stream:
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(await done(finished))
 
-    async def _done(self, asked: ResponseRequest, finished: Finished) -> dict:
-        """The whole response of a job that finished, stored where it is to be."""
+    async def _done(
+        self, asked: ResponseRequest, finished: Finished, keep_cancelled: bool = True
+    ) -> dict:
+        """The whole response of a job that finished, stored where it is to be (a cancelled
+        one only where `keep_cancelled`)."""
         out = asked.response(finished)
-        if asked.store:
+        if asked.store and (keep_cancelled or out["status"] != "cancelled"):
             await run_in_threadpool(self._keep, out, asked.conversation, asked.inputs)
         return out
 
@@ -257,14 +261,17 @@ class Responses:
                 start, end = (
                     (ids.index(at) + 1, end) if param == "after" else (start, ids.index(at))
                 )
-        page = items[start:end][:limit]
+        between = items[start:end]
+        # `before` alone pages back: the items just before it (the first page, before)
+        back = query.get("before") is not None and query.get("after") is None
+        page = between[-limit:] if back else between[:limit]
         return JSONResponse(
             {
                 "object": "list",
                 "data": page,
                 "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None,
-                "has_more": start + len(page) < end,
+                "has_more": len(page) < len(between),
             }
         )
 

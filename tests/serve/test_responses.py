@@ -158,6 +158,10 @@ def test_input_items_are_a_responses_own_input_paged_as_openai_pages_them(served
         second.id, order="asc", extra_query={"before": rest.first_id}
     )
     assert texts(before.data) == ["One", "Two"]
+    back = client.responses.input_items.list(  # the page just before it, not the first one
+        second.id, order="asc", limit=1, extra_query={"before": rest.first_id}
+    )
+    assert texts(back.data) == ["Two"] and back.has_more
     walked = client.responses.input_items.list(second.id, order="asc", limit=1)
     assert texts(walked) == ["One", "Two", "Three"]  # the client's own paging, page by page
     assert texts(client.responses.input_items.list(first.id)) == ["Who signs?"]
@@ -487,6 +491,19 @@ def test_text_format_reasoning_and_length(served):
         ({"input": []}, "input"),
         ({"truncation": "middle"}, "truncation"),
         ({"max_output_tokens": 0}, "max_output_tokens"),  # not chat's max_tokens, a field unknown
+        # accepted before, and ignored or coerced:
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's 16 at most
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input[0].content[0].text",
+        ),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "junk": 1}}},
+            "text.format.junk",
+        ),
     ],
 )
 def test_refused_fields_and_items_are_400s_naming_them(served, extra, param):
@@ -495,6 +512,34 @@ def test_refused_fields_and_items_are_400s_naming_them(served, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**ask)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_null_fields_of_an_item_are_unset_and_a_client_that_left_leaves_nothing(served):
+    """The SDK's dump of an output item holds nulls (`phase: None`): feeding it back was a 400.
+    A foreground stream whose client left was stored `cancelled`, an id no one has."""
+    client = served.client()
+    first = client.responses.create(model=MODEL, input="Who signs?", max_output_tokens=4)
+    items = [{"role": "user", "content": "Who signs?"}, *(o.model_dump() for o in first.output)]
+    items.append({"role": "user", "content": "And who pays?", "phase": None})
+    assert client.responses.create(model=MODEL, input=items, max_output_tokens=4).output_text
+
+
+def test_a_foreground_answer_whose_client_left_is_not_stored(tiny):
+    """It was stored `cancelled`: an id no one has, counted against --responses-gb."""
+    model, tok = tiny
+    engine = ServeEngine(model, tok, batch_size=4, max_queue=16)
+    answers = Responses(engine, tok, model_id=MODEL, defaults=ServeDefaults())
+    kept: list[str] = []
+    keep = answers._keep
+    answers._keep = lambda response, *rest: (kept.append(response["status"]), keep(response, *rest))
+    with Served(engine, tok, api_key=KEY, routes=answers.routes) as s:
+        impatient = s.client().with_options(timeout=1.0, max_retries=0)
+        long = "The provider shall deliver. " * 4000  # seconds of prefill here
+        with pytest.raises(openai.APITimeoutError):
+            impatient.responses.create(model=MODEL, input=long, max_output_tokens=4)
+        s.wait_for(lambda: s.engine.stats()["requests_cancelled_total"] == 1, timeout=60)
+        s.client().responses.create(model=MODEL, input="Who signs?", max_output_tokens=2)
+    assert kept == ["incomplete"]  # the later one only (2 tokens: cut)
 
 
 class _Fed:
