@@ -160,9 +160,11 @@ def run(
     )
     if jsonl is not None and not summary.interrupted:
         click.echo(f"OpenAI Batch output -> {jsonl}", err=True)
+    # --no-resume again would start over: what goes on is the same command without it
+    again = "the same command" if resume else "the same command without --no-resume"
     if summary.interrupted:
         how = "terminated (SIGTERM)" if terminated else "interrupted"
-        click.echo(f"{how}: finished rows are saved; run the same command to resume", err=True)
+        click.echo(f"{how}: finished rows are saved; run {again} to resume", err=True)
         sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
     click.echo(f"see: salabatch inspect {shlex.quote(summary.output)} --show 5", err=True)
     if summary.failed:
@@ -174,8 +176,8 @@ def run(
     if summary.left:
         # Before the error rows' code: the job is not finished yet.
         click.echo(
-            f"--limit {limit}: {counted(summary.left, 'row')} of the job left; run the same "
-            "command for the next ones, or without --limit for all of them",
+            f"--limit {limit}: {counted(summary.left, 'row')} of the job left; run {again} "
+            "for the next ones, or without --limit for all of them",
             err=True,
         )
         sys.exit(EXIT_LIMITED)

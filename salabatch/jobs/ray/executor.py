@@ -167,27 +167,12 @@ def _cluster(
     reports each failed document itself)."""
     started = not ray.is_initialized()
     # ray.init puts in a SIGTERM handler of its own that exits at once (status 15, the rows
-    # finished not merged): the command's own (SIGTERM as Ctrl-C) goes back after it
+    # finished not merged): the command's own (SIGTERM as Ctrl-C) goes back after it, and a
+    # SIGTERM that Ray's took while it started is given to the command's (`_started`)
     terminate = signal.getsignal(signal.SIGTERM)
-    if started and address is None:
-        cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
-        ray.init(
-            address="local",  # a new Ray here, even where another already runs
-            num_cpus=cpus,
-            resources={SLOT: workers or 1},
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=debug,
-        )
-    elif started:
-        _reachable(address)
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=debug)
-        except ConnectionError as e:
-            raise RayClusterError(f"cannot connect to Ray at {address}: {error_text(e)}") from e
-    if started and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminate)
-    try:
+    try:  # Ray shut down however its start ends (Ctrl-C mid-start left its agents running)
+        if started:
+            _started(ray, address, workers, debug, terminate)
         slots = int(ray.cluster_resources().get(SLOT, 0))
         if slots == 0:
             raise RayClusterError(
@@ -198,8 +183,39 @@ def _cluster(
             echo(f"note: --workers {workers}, but the cluster offers {slots} {SLOT}: {slots}")
         yield min(workers or slots, slots)
     finally:
-        if started:
+        if started and ray.is_initialized():
             ray.shutdown()
+
+
+def _started(ray, address: str | None, workers: int | None, debug: bool, terminate) -> None:
+    """`ray.init`: a local Ray started (`address` None) or the cluster at `address` joined;
+    then the command's SIGTERM handler `terminate` back in place of Ray's."""
+    try:
+        if address is None:
+            cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
+            ray.init(
+                address="local",  # a new Ray here, even where another already runs
+                num_cpus=cpus,
+                resources={SLOT: workers or 1},
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=debug,
+            )
+        else:
+            _reachable(address)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=debug)
+            except ConnectionError as e:
+                message = f"cannot connect to Ray at {address}: {error_text(e)}"
+                raise RayClusterError(message) from e
+    except SystemExit as e:  # Ray's handler took a SIGTERM that came while it started
+        if e.code != signal.SIGTERM or not callable(terminate):
+            raise
+        terminate(signal.SIGTERM, None)  # the command's: as Ctrl-C, the run stops cleanly
+        raise
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminate)
 
 
 def _reachable(address: str) -> None:

@@ -34,8 +34,10 @@ FRESH = "FRESH"  # the marker of a --no-resume run in the parts folder
 
 
 def parts_dir_of(path: Path) -> Path:
-    """The parts folder of the results file `path`."""
-    return path.with_name(path.name + ".parts")
+    """The parts folder of the results file `path`, beside the file a link names (one run's
+    lock is every path's to the same file)."""
+    real = Path(os.path.realpath(path))
+    return real.with_name(real.name + ".parts")
 
 
 def list_parts(parts_dir: Path) -> list[tuple[int, Path]]:

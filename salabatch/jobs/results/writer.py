@@ -80,7 +80,9 @@ class ResultWriter:
         limited: bool = False,
     ) -> None:
         json.loads(job_spec_json)  # ValueError for a caller bug; the spec is stored verbatim
-        self.path = Path(path)
+        # the file a link names: its lock is every path's to it, and the merge replaces the
+        # file, not the link
+        self.path = Path(os.path.realpath(path))
         self.parts_dir = parts_dir_of(self.path)
         self.resume = resume
         self.retry_errors = retry_errors

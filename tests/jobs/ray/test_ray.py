@@ -243,6 +243,43 @@ def test_a_local_ray_is_a_new_one_and_sigterm_stays_the_commands():
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_sigterm_while_ray_starts_stops_the_run_as_the_commands_and_shuts_ray_down():
+    """Ray's own handler took a SIGTERM that came while ray.init ran: the command exited with
+    status 15, nothing merged, no summary, and Ray's agents were left running."""
+    import os
+
+    class Stopped(_LikeRay):
+        up = False
+        shut = 0
+
+        def init(self, **settings) -> None:
+            super().init(**settings)
+            self.up = True
+            os.kill(os.getpid(), signal.SIGTERM)  # after Ray's handler went in
+
+        def is_initialized(self) -> bool:
+            return self.up
+
+        def shutdown(self) -> None:
+            self.shut += 1
+
+    came: list[int] = []
+
+    def ours(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        like = Stopped()
+        with pytest.raises(KeyboardInterrupt), _cluster(like, None, None, print):
+            pass
+        assert came == [signal.SIGTERM] and like.shut == 1
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.parametrize("address", ["notahost", ":::", "host:0", "host:99999", "ray://h:x"])
 def test_a_malformed_address_is_refused_at_once(address):
     with pytest.raises(RayClusterError, match="is not auto or HOST:PORT"):

@@ -73,6 +73,20 @@ def test_one_writer_per_file(tmp_path):
         pass
 
 
+def test_one_writer_per_file_through_a_link_too_and_the_link_stays(tmp_path):
+    """A run through a link to the results took its own lock (the link's .parts): both runs
+    did the whole job, and the merge replaced the link with a file of its own."""
+    path = tmp_path / "r.parquet"
+    link = tmp_path / "link.parquet"
+    link.symlink_to(path)
+    with writer(path), pytest.raises(OutputError, match="another salabatch run"):
+        writer(link)
+    with writer(link) as out:
+        out.write([make_row("a.q0")])
+    assert link.is_symlink() and keys_of(read_results(path)) == ["a.q0"]
+    assert keys_of(read_results(link)) == ["a.q0"]
+
+
 # --- resume ----------------------------------------------------------------------------------
 
 

@@ -339,6 +339,11 @@ def test_a_limit_that_ends_inside_the_last_document_says_its_rows_are_left(tmp_p
     assert limited.exit_code == 4, limited.output
     assert "--limit 8: 1 row of the job left" in limited.output
     assert run_cli("run", str(job), "--limit", "1").exit_code == 0  # the last row: done
+    # --no-resume again would start over, the same first rows each time: the hint says so
+    fresh = run_cli("run", str(job), "--no-resume", "--limit", "8")
+    assert fresh.exit_code == 4
+    assert "run the same command without --no-resume for the next ones" in fresh.output
+    assert run_cli("run", str(job), "--limit", "8").exit_code == 0  # as it says: the 9th
 
 
 def test_retry_errors_with_a_limit_goes_on_with_the_next_error_rows(tmp_path, tiny_model):
