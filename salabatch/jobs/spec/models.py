@@ -468,35 +468,27 @@ def _room_problems(data: dict[str, Any], questions: list[Any]) -> list[tuple[Loc
     own = [q.get("max_tokens") if isinstance(q, dict) else None for q in questions]
     if not _is_int(context):
         return []
-    fix = "lower it or raise engine.max_context"
-    problems = [
-        (
-            ("questions", index, "max_tokens"),
-            f"{value} leaves no room for a document within "
-            f"engine.max_context {context} (the document, question and answer together): {fix}",
+
+    def no_room(value: int) -> str:
+        return (
+            f"{value} leaves no room for a document within engine.max_context {context} (the "
+            "document, question and answer together): lower it or raise engine.max_context"
         )
+
+    problems = [
+        (("questions", index, "max_tokens"), no_room(value))
         for index, value in enumerate(own)
         if _is_int(value) and value >= context
     ]
     if given is not None:
         if _is_int(given) and given >= context:
-            problems.append(
-                (
-                    ("generation", "max_tokens"),
-                    f"{given} leaves no room for a "
-                    f"document within engine.max_context {context} (the document, "
-                    f"question and answer together): {fix}",
-                )
-            )
+            problems.append((("generation", "max_tokens"), no_room(given)))
     elif context <= _MAX_TOKENS and any(value is None for value in own):
-        problems.append(
-            (
-                ("engine", "max_context"),
-                f"{context} leaves no room for a document "
-                f"beside answers of generation.max_tokens (default {_MAX_TOKENS}): raise "
-                "it or give a lower generation.max_tokens",
-            )
+        message = (
+            f"{context} leaves no room for a document beside answers of generation.max_tokens "
+            f"(default {_MAX_TOKENS}): raise it or give a lower generation.max_tokens"
         )
+        problems.append((("engine", "max_context"), message))
     return problems
 
 
