@@ -133,7 +133,9 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
+        # a full queue frees as rows finish: the OpenAI client waits this long, not its backoff
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(self.body, status_code=self.status, headers=headers)
 
 
 def create_app(

@@ -932,6 +932,7 @@ def test_n_choices_the_queue_cannot_take_are_a_429_and_none_is_left_queued(tiny)
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model=MODEL, prompt="y", max_tokens=2, n=2)
         assert e.value.body["code"] == "queue_full"
+        assert e.value.response.headers["retry-after"] == "1"  # when the client tries again
         after = s.engine.stats()
         assert after["queue_depth"] == 0 and after["requests_rejected_total"] == 1
         for counter in ("requests_total", "requests_cancelled_total"):
