@@ -416,7 +416,7 @@ class PrefixStore:
             self._cannot_write = error_text(e)
             warnings.warn(
                 f"{self.root}: cannot store prefix caches ({self._cannot_write}); "
-                "the run goes on without storing them",
+                "the work goes on without storing them",
                 PrefixStoreWarning,
                 stacklevel=2,
             )
