@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from salabatch.errors import not_utf8
+
 TEMP_MARK = ".tmp-"
 _TEMP_NAME = re.compile(r"\.(.*)\.tmp-([0-9]+)-[0-9a-f]{8}(.*)", re.S)
 
@@ -165,8 +167,15 @@ def json_line(value: object) -> str:
     \\u escapes), except what would split the line for a reader that splits on every line
     break Unicode has (U+2028, U+2029, U+0085) and a lone surrogate UTF-8 cannot hold."""
     text = json.dumps(value, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"): escaped, as JSON says it
+    if not_utf8(text, from_bytes=False):  # a lone surrogate (JSON allows "\ud800"): escaped
         return json.dumps(value)
     return text.translate(_LINE_BREAKS)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file (through links too); paths compared where either
+    cannot be looked at (not there yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)

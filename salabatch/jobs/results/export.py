@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from salabatch.errors import OutputError
-from salabatch.files import json_line, write_atomic
+from salabatch.files import json_line, same_file, write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import (
     RESPONSE_ROWS,
@@ -267,7 +267,7 @@ def export_results(path: str | os.PathLike, out: str | os.PathLike | TextIO, fmt
                 f"x{suffix}, or choose the format that fits",
                 path=out,
             )
-        if (requests := _requests_of(path)) is not None and _same(out, requests):
+        if (requests := _requests_of(path)) is not None and same_file(out, requests):
             raise OutputError(
                 "is the requests file these results answer; refusing to overwrite the input",
                 path=out,
@@ -288,13 +288,6 @@ def _requests_of(path: str | os.PathLike) -> Path | None:
     spec = meta["job_spec"]
     requests = spec.get("requests") if isinstance(spec, dict) else None
     return Path(requests) if isinstance(requests, str) else None
-
-
-def _same(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _plain(record: dict[str, Any]) -> dict[str, Any]:

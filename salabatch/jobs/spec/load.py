@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from salabatch.errors import JobSpecError, JobValidationError, OutputError
+from salabatch.files import same_file
 from salabatch.jobs.ingest.documents import DocumentSource, SourceFile, expand_sources
 from salabatch.jobs.results.export import is_batch_output
 from salabatch.jobs.results.read import read_final
@@ -297,7 +298,7 @@ def _output_problems(results: Path, batch: Path | None, requests: Path | None) -
             if blocked is not None and not any(str(blocked) in p for p in problems):
                 problems.append(f"cannot make the folder of {path}: {blocked} is not a folder")
             continue
-        if requests is not None and _same_file(path, requests):
+        if requests is not None and same_file(path, requests):
             problems.append(f"{path} is the requests file; refusing to overwrite the input")
         elif not os.path.isfile(path):
             problems.append(f"{path} is not a regular file")
@@ -324,13 +325,6 @@ def _not_a_folder(folder: Path) -> Path | None:
         if os.path.lexists(path):
             return None if os.path.isdir(path) else path
     return None
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _document_problems(
