@@ -445,13 +445,12 @@ class PrefixStore:
         prefixes evicted for them would be lost for nothing). False, with a warning once for
         each kind, when it cannot fit even so."""
         size = sum(a.nbytes for a in state[0].values())
+        scanned = self._scan()  # read once, for this and for `_evict`
         kept = 0  # a prefix stored again replaces itself
         if kind == "snapshot":  # its chain stays, and so do the prefixes
-            kept = sum(
-                e.bytes for e in self.entries() if keep == e.path.parent or e.kind == "prefix"
-            )
+            kept = sum(e.bytes for e in scanned[0] if keep == e.path.parent or e.kind == "prefix")
         if size + kept <= self.max_bytes:
-            self._evict(keep=keep, room=size, snapshots_only=kind == "snapshot")
+            self._evict(keep=keep, room=size, snapshots_only=kind == "snapshot", scanned=scanned)
             return True
         if kind not in self._too_large:
             self._too_large.add(kind)
@@ -603,12 +602,13 @@ class PrefixStore:
         max_bytes: int | None = None,
         room: int = 0,
         snapshots_only: bool = False,
+        scanned: tuple[list[Entry], list[Path]] | None = None,
     ) -> list[Entry]:
         """Removes the least recently used entries (`snapshots_only`: snapshots) until the
         store and `room` more bytes fit the budget (`max_bytes`, else the store's), never
-        `keep` (an entry's stem, or a snapshot folder)."""
+        `keep` (an entry's stem, or a snapshot folder). `scanned`: `_scan()` just made."""
         budget = (self.max_bytes if max_bytes is None else max_bytes) - room
-        entries, unaccounted = self._scan()
+        entries, unaccounted = scanned or self._scan()
         total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps(unaccounted))
         removed: list[Entry] = []
         for e in reversed(entries):  # least recently used first
