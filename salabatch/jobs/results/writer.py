@@ -151,11 +151,12 @@ class ResultWriter:
     def done_keys(self) -> frozenset[str]:
         """request_keys finished in earlier runs or by this writer (error rows count unless
         retry_errors; those of the series a limited retry run goes on with count still)."""
-        series = self._retried_by if self.limited else frozenset()
         return frozenset(
             key
             for key, ok in self._done.items()
-            if ok or not self.retry_errors or self._failed_by.get(key) in series
+            if counts_done(
+                ok, self._failed_by.get(key), self.retry_errors, self.limited, self._retried_by
+            )
         )
 
     def written_keys(self) -> frozenset[str]:
@@ -291,6 +292,16 @@ class ResultWriter:
 
 
 # ---- durable files, one writer -------------------------------------------------------------------
+
+
+def counts_done(
+    ok: bool, failed_by: str | None, retry_errors: bool, limited: bool, retried_by: frozenset[str]
+) -> bool:
+    """Whether a run skips a row of the results (`ResultWriter.done_keys`, and `--dry-run`
+    as it): an ok row; an error row unless `retry_errors`, or when a `limited` retry run goes
+    on with the series `retried_by` (the run ids the file names) whose run `failed_by` wrote
+    it."""
+    return ok or not retry_errors or (limited and failed_by in retried_by)
 
 
 def stale_rows(n: int) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from salabatch.engine.config import ModelConfig
 from salabatch.jobs.results.read import parts_dir_of, read_results
 from salabatch.jobs.results.schema import decode_metadata
-from salabatch.jobs.results.writer import stale_rows
+from salabatch.jobs.results.writer import counts_done, stale_rows
 from salabatch.jobs.run.openai_batch import plan_requests
 from salabatch.jobs.run.plan import DocPlan, Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup
@@ -37,13 +37,12 @@ def dry_run(
     setup = JobSetup.of(spec)
     config = ModelConfig.from_file(setup.model_path)  # checked; no weights are read
     earlier, series = _earlier_rows(spec.output.path)
-    series = series if limit is not None else frozenset()
-    # the keys a run skips, as its ResultWriter.done_keys() gives them
-    done = (
-        [key for key, (ok, by) in earlier.items() if ok or not retry_errors or by in series]
-        if resume
-        else []
-    )
+    limited = limit is not None
+    done = [  # the keys a run skips, as its ResultWriter.done_keys() gives them
+        key
+        for key, (ok, by) in earlier.items()
+        if resume and counts_done(ok, by, retry_errors, limited, series)
+    ]
     planner = setup.planner(done)
     note = model_note(spec.model)
     note = f" ({note})" if note else ""
