@@ -394,23 +394,28 @@ class ThinkingTokens:
     """The generated tokens of a leading `<think>…</think>` block, counted as they come (what
     OpenAI's `reasoning_tokens` counts): every token while the text so far may still open the
     block or is inside it, the one that closes it included; all of them where the block never
-    closes; none where the text opens no block. `add` takes the text so far after each token."""
+    closes; none where the text opens no block (an answer that ends while it may still open
+    one, `"<"` or blank, included). `add` takes the text so far after each token."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self._count = 0
         self._done = False
         self._inside: int | None = None  # where the block's text starts, once opened
+
+    @property
+    def count(self) -> int:
+        return 0 if self._inside is None else self._count
 
     def add(self, text: str) -> None:
         if self._done:
             return
-        self.count += 1
+        self._count += 1
         if self._inside is None:
             head = text.lstrip()
             if THINK_OPEN.startswith(head):  # may still open one
                 return
             if not head.startswith(THINK_OPEN):
-                self.count, self._done = 0, True
+                self._done = True
                 return
             self._inside = len(text) - len(head) + len(THINK_OPEN)
         # the closing tag looked for only where it can end: in what this token added

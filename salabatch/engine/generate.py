@@ -235,6 +235,10 @@ class Request:
     # The tokens before `prompt` that the row continues (its document), where the `lookup`
     # drafter looks for what came next; the prompt and answer are searched too.
     context: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    # The tokens whose text the answer's continues (a text completion's prompt): its text is
+    # decoded after them (`StreamingDetokenizer`'s `after`), a leading space included; none: a
+    # chat answer, decoded alone.
+    after: tuple[int, ...] = field(default=(), repr=False, compare=False)
     # None: no log-probabilities; k: each token's, with its k most likely alternatives' (0-20)
     logprobs: int | None = None
     grammar: Grammar | None = field(default=None, repr=False, compare=False)  # what it must match
@@ -301,9 +305,9 @@ class Generation:
 
 class Generator:
     """Continuous batching of requests, optionally over one shared prefix. `detokenizer` makes
-    a fresh streaming decoder (e.g. `Tokenizer.detokenizer`): requests with stop strings need
-    one, and only they use it. `reserve_ahead`: as `Batch`'s (None: each row's whole answer
-    is reserved when it joins).
+    a fresh streaming decoder of a request's text, called with its `after=` (e.g.
+    `Tokenizer.detokenizer`): requests with stop strings need one, and only they use it.
+    `reserve_ahead`: as `Batch`'s (None: each row's whole answer is reserved when it joins).
 
     Each request is prefilled on its own row, then joins a `Batch` (the decoding loop, one step
     at a time), which keeps up to `batch_size` rows; a finished row leaves and a waiting request
@@ -316,7 +320,7 @@ class Generator:
         batch_size: int = 8,
         prefill_chunk: int = 2048,
         on_token: Callable[[Request, int], None] | None = None,
-        detokenizer: Callable[[], StreamingDetokenizer] | None = None,
+        detokenizer: Callable[..., StreamingDetokenizer] | None = None,
         speculation: Speculation = OFF,
         reserve_ahead: int | None = None,
         on_prefill: Callable[[Request, int, int], None] | None = None,
@@ -397,7 +401,7 @@ class Batch:
         *,
         forked: bool,
         on_token: Callable[[Request, int], None] | None = None,
-        detokenizer: Callable[[], StreamingDetokenizer] | None = None,
+        detokenizer: Callable[..., StreamingDetokenizer] | None = None,
         reserve_ahead: int | None = None,
         speculation: Speculation = OFF,
     ) -> None:
@@ -447,7 +451,7 @@ class Batch:
         self.check(request)
         g = Generation(request, cached_tokens=cached_tokens)
         if request.stop_strings:
-            g._detok = self.detokenizer()
+            g._detok = self.detokenizer(after=request.after)
         g.prefill_s = time.perf_counter() - admitted
         g._admitted = admitted
         allowed = None

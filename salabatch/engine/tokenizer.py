@@ -180,10 +180,13 @@ class Tokenizer:
 
         return Grammars(self)
 
-    def detokenizer(self, *, skip_special: bool = False) -> StreamingDetokenizer:
-        """A fresh streaming decoder of this vocabulary."""
+    def detokenizer(
+        self, *, skip_special: bool = False, after: Sequence[int] = ()
+    ) -> StreamingDetokenizer:
+        """A fresh streaming decoder of this vocabulary (`after`: the tokens its text
+        continues, see StreamingDetokenizer)."""
         path = self.model_dir / TOKENIZER_FILE
-        return StreamingDetokenizer(self.backend, path, skip_special=skip_special)
+        return StreamingDetokenizer(self.backend, path, skip_special=skip_special, after=after)
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         if self.bos_id is None:

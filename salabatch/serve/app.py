@@ -472,8 +472,11 @@ class TextRequest:
 
     def answers(self, tok: Tokenizer) -> list[AnswerText]:
         """An AnswerText for each choice, in order (choice p·n + j: prompt p's j-th)."""
-        n = len(self.jobs) * self.n
-        return [AnswerText(tok, stop_strings=self.stops, split_think=False) for _ in range(n)]
+        return [
+            AnswerText(tok, stop_strings=self.stops, split_think=False, after=job.prompt)
+            for job in self.jobs
+            for _ in range(self.n)
+        ]
 
 
 def text_request(body: dict, tok: Tokenizer, engine: ServeEngine, defaults) -> TextRequest:

@@ -187,6 +187,7 @@ def text_job(
         frozenset(tok.eos_ids),
         stop_strings,
         tuple(tail(len(ids), ())),
+        continues=True,
     )
 
 
@@ -206,7 +207,8 @@ class AnswerText:
     <think>…</think> block is the reasoning and the text after it the content, both without
     their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
-    drops it). Without `split_think` (a text completion) the text is the content, as it is.
+    drops it). Without `split_think` (a text completion) the text is the content, as it is:
+    what it adds to the text of `after`, its prompt (`StreamingDetokenizer`).
     `logprobs`: the tokens' log-probabilities as added (None unless some were);
     `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`);
     `thinking.count`: the tokens of the think block (`ThinkingTokens`), whether sent or not.
@@ -219,8 +221,9 @@ class AnswerText:
         stop_strings: tuple[str, ...] = (),
         split_think: bool = True,
         think: bool = False,
+        after: Sequence[int] = (),
     ) -> None:
-        self._detok = tok.detokenizer(skip_special=True)
+        self._detok = tok.detokenizer(skip_special=True, after=after)
         self._stops = stop_strings
         self._split, self._think = split_think, think
         self._sent = {"reasoning": 0, "content": 0}

@@ -157,7 +157,8 @@ class Job:
     first scored the same way, in one PromptLogprobs event before the answer's; such a job
     resumes only from a prefix held with its scores (a scoring job's snapshot, in memory: each
     token's score needs its position's logits) and may have `max_tokens` 0 (it then only
-    scores)."""
+    scores). `continues`: a text completion, whose answer's text is what it adds to the
+    prompt's (`Request.after`), not decoded alone as a chat answer is."""
 
     id: str
     prompt: tuple[int, ...]
@@ -170,6 +171,7 @@ class Job:
     logprobs: int | None = None
     grammar: Grammar | None = field(default=None, repr=False, compare=False)
     prompt_logprobs: int | None = None
+    continues: bool = False  # a text completion: its answer's text continues the prompt's
 
 
 @dataclass(frozen=True)
@@ -806,6 +808,7 @@ class ServeEngine:
             job.stop,
             job.stop_strings,
             context=job.prompt[:base],  # the held prefix's tokens, where lookup drafts search
+            after=job.prompt if job.continues else (),
             logprobs=job.logprobs,
             grammar=job.grammar,
         )
@@ -882,7 +885,9 @@ class ServeEngine:
             self._groups[key] = Batch(
                 self.model,
                 forked=shared is not None,
-                detokenizer=None if detok is None else lambda: detok(skip_special=True),
+                detokenizer=None
+                if detok is None
+                else lambda after: detok(skip_special=True, after=after),
                 reserve_ahead=RESERVE_AHEAD,
                 speculation=self.speculation,
             )

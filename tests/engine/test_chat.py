@@ -188,6 +188,8 @@ def test_split_thinking(text, expected):
         (["<think>x</think>tail"], 1),  # one token opens and closes it
         (["<think>", "</thi", "nk>", "</think>"], 3),  # the tag split across tokens
         ([], 0),
+        (["\n", "\n\n"], 0),  # the answer ended while it might still have opened one
+        (["<", "th"], 0),
     ],
 )
 def test_thinking_tokens_counts_the_leading_blocks_tokens(pieces, expected):

@@ -104,7 +104,7 @@ def test_stop_strings_cut_the_text_before_the_first_one(tiny):
     prompt = tuple(tok.chat_prompt_ids([{"role": "user", "content": "Name a river."}], think=False))
 
     def generate(*requests: Request) -> dict:
-        detok = lambda: tok.detokenizer(skip_special=True)  # noqa: E731
+        detok = lambda after: tok.detokenizer(skip_special=True, after=after)  # noqa: E731
         out = Generator(model, batch_size=4, detokenizer=detok).generate(requests)
         return {g.request.id: g for g in out}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_tokenizer import TEXTS, check_stream
+from salabatch.engine.tokenizer import load_tokenizer
+from tests.engine.test_tokenizer import TEXTS, check_stream, sentencepiece_style_dir
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -51,3 +52,56 @@ def test_streaming_skips_special_tokens_like_decode(tok):
         det.add_token(i)
     det.finalize()
     assert det.text == tok.decode(ids, skip_special=True) == "ok 你"
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    """The SentencePiece-style tokenizer (byte fallback, a Strip decoder): MiniCPM's family."""
+    return load_tokenizer(sentencepiece_style_dir(tmp_path_factory.mktemp("sp") / "sp"))
+
+
+def _streamed(det, ids) -> list[str]:
+    pieces = []
+    for i in ids:
+        det.add_token(i)
+        pieces.append(det.last_segment)
+    det.finalize()
+    return [*pieces, det.last_segment]
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<0xC3>", "<0xA9>", "<0xE4>", "▁the"],  # "é", then a character cut off, then a word
+        ["<0x41>", "<0xA9>", "."],  # a stray continuation byte
+        ["▁the", "<0xE4>"],  # the answer ends inside a character
+        ["<0xFF>", "<0xFE>", "a"],  # bytes UTF-8 never uses
+    ],
+)
+def test_streaming_bytes_that_make_no_character_give_replacement_characters(sp, pieces):
+    """A model may draw byte tokens that are no UTF-8: its answer decodes to U+FFFD there, as a
+    whole decode gives it, never an error (one failed the whole batch's rows)."""
+    ids = [sp.token_id(p) for p in pieces]
+    det = sp.detokenizer()
+    streamed = "".join(_streamed(det, ids))
+    assert streamed == det.text and "\ufffd" in streamed
+    # the characters the bytes make, as a lossy UTF-8 decode reads them
+    raw = b"".join(
+        bytes([int(p[3:5], 16)]) if p.startswith("<0x") else p.replace("▁", " ").encode()
+        for p in pieces
+    )
+    lossy = raw.decode("utf-8", "replace").removeprefix(" ")
+    assert streamed.replace("\ufffd", "") == lossy.replace("\ufffd", "")
+
+
+def test_streaming_after_a_prompt_keeps_the_answers_leading_space(sp):
+    """A text completion's answer continues its prompt: what it adds to the prompt's text, its
+    first word's space included (a Strip decoder drops it from text decoded alone)."""
+    prompt = sp.encode("Hello world and", add_bos=True)
+    answer = [sp.token_id(p) for p in ("▁the", "▁a", ".")]
+    whole = sp.decode(prompt + answer, skip_special=True)
+    det = sp.detokenizer(skip_special=True, after=prompt)
+    pieces = _streamed(det, answer)
+    assert det.text == " the a." and det.tokens == answer
+    assert sp.decode(prompt, skip_special=True) + "".join(pieces) == whole
+    assert sp.decode(answer) == "the a."  # alone, as a chat answer is decoded

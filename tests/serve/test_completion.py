@@ -196,3 +196,27 @@ def test_text_job_takes_text_or_token_ids(tok):
     with pytest.raises(BodyError) as e:
         text_job(tok, [5, tok.vocab_size], params=SamplingParams(), max_tokens=4)
     assert e.value.param == "prompt"
+
+
+def test_a_text_completions_answer_continues_its_prompts_text(tmp_path):
+    """With a SentencePiece-style tokenizer (MiniCPM's family; its decoder strips the text's
+    first space) a text completion's answer keeps its first word's space: prompt + answer is
+    the text of prompt + answer tokens. A chat answer is decoded alone."""
+    from salabatch.engine.tokenizer import load_tokenizer
+    from salabatch.serve.app import TextRequest
+    from tests.engine.test_tokenizer import sentencepiece_style_dir
+
+    sp = load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))
+    job = text_job(sp, "Hello world and", params=SamplingParams(), max_tokens=4)
+    assert job.continues
+    answer = [sp.token_id(p) for p in ("▁the", "▁a", ".")]
+    (text,) = TextRequest([job], 1, False, None, (), [""]).answers(sp)
+    sent = "".join(p.text for t in answer for p in text.add(t))
+    sent += "".join(p.text for p in text.finish(finished()))
+    assert sent == text.content == " the a."
+    assert sp.decode([*job.prompt, *answer], skip_special=True) == "Hello world and the a."
+    chat = AnswerText(sp)
+    for t in answer:
+        chat.add(t)
+    chat.finish(finished())
+    assert chat.content == "the a."

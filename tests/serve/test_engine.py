@@ -51,10 +51,11 @@ STATE_REL = 1e-5
 
 
 class Detok:
-    """A streaming detokenizer's interface; token t reads as `<t>`."""
+    """A streaming detokenizer's interface; token t reads as `<t>`, the tokens it continues
+    (`after`) as `[t]` before them."""
 
-    def __init__(self) -> None:
-        self.text = ""
+    def __init__(self, after=()) -> None:
+        self.text = "".join(f"[{t}]" for t in after)
 
     def add_token(self, token: int) -> None:
         self.text += f"<{token}>"
@@ -68,8 +69,8 @@ class Tok:
 
     fingerprint = "test-tokenizer"
 
-    def detokenizer(self, *, skip_special: bool = False) -> Detok:
-        return Detok()
+    def detokenizer(self, *, skip_special: bool = False, after=()) -> Detok:
+        return Detok(after)
 
 
 @pytest.fixture(scope="module")
@@ -696,6 +697,10 @@ def test_stop_strings_end_a_row_with_its_text_cut(model):
     assert fin.finish_reason == "stop" and fin.text == "".join(f"<{t}>" for t in free)[:cut]
     assert tokens == free[: len(tokens)] and len(tokens) <= 5
     assert plain.text is None and plain.finish_reason == "length"
+    # a text completion's text continues its prompt's: decoded after it
+    with ServeEngine(model, Tok()) as engine:
+        text = collect(engine.submit(job("c", prompt, stop_strings=(stop,), continues=True)))[1]
+    assert text.text == "".join(f"[{t}]" for t in prompt) + fin.text
 
 
 def test_close_ends_everything(model):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -21,7 +21,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.chat import split_thinking, thinking_tokens
 from salabatch.engine.choose import choice_scores, pick, probabilities, spelled_choices
 from salabatch.engine.config import ModelConfig
-from salabatch.engine.detokenizer import StreamingDetokenizer
+from salabatch.engine.detokenizer import CONTEXT_TOKENS, StreamingDetokenizer
 from salabatch.engine.generate import Generation, Generator, Request, prefill
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import TokenLogprob
@@ -298,6 +298,9 @@ class Answerer:
 
     # -- rows ----------------------------------------------------------------------------------
     def _request(self, row: Row, prompt: tuple[int, ...], context: tuple[int, ...] = ()) -> Request:
+        # a text completion's answer continues its prompt's text (a chat answer's stands alone)
+        text = row.question_id == TEXT_ROWS
+        after = (*context[-CONTEXT_TOKENS:], *prompt)[-CONTEXT_TOKENS:] if text else ()
         return Request(
             row.key,
             tuple(prompt),
@@ -306,6 +309,7 @@ class Answerer:
             self.stop,
             row.stop_strings,
             context=context,
+            after=after,
             logprobs=row.logprobs,
             grammar=None if row.grammar is None else self.tok.grammars.regex(row.grammar),
         )
@@ -377,9 +381,21 @@ class Answerer:
             finished_at=_now(),
         )
 
-    def _detokenizer(self) -> StreamingDetokenizer:
+    def _detokenizer(self, after: Sequence[int] = ()) -> StreamingDetokenizer:
         """The decoder the Generator follows a row's text with (rows with stop strings only)."""
-        return self.tok.detokenizer(skip_special=True)
+        return self.tok.detokenizer(skip_special=True, after=after)
+
+    def _text(self, g: Generation) -> str:
+        """Row g's answer text: the Generator's where a stop string cut it, else its tokens'
+        as the server streams them (what they add to its prompt's text, for a text
+        completion)."""
+        if g.text is not None:
+            return g.text
+        detok = self._detokenizer(g.request.after)
+        for token in g.tokens:
+            detok.add_token(token)
+        detok.finalize()
+        return detok.text
 
     def _thinking_tokens(self, ids: list[int]) -> int:
         """The tokens of the answer's think block, as the server counts a stream's."""
@@ -395,7 +411,7 @@ class Answerer:
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
-        text = g.text if g.text is not None else self.tok.decode(g.tokens, skip_special=True)
+        text = self._text(g)
         # a text completion's answer is the text as generated; a chat answer's <think> block
         # is its reasoning
         reasoning, answer = (None, text) if row.question_id == TEXT_ROWS else split_thinking(text)
