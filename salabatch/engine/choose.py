@@ -70,16 +70,14 @@ def choice_scores(
     per choice, each of its tokens' log-probability with its `top` most likely alternatives.
 
     Each head is prefilled once, `rows` heads to a padded call on forks of `base`
-    (`prefill_forks`; the heads of a call on one side of dense_len, which a padded call decides
-    for its longest row): its last logits give its choices' first tokens; each choice's other
-    tokens then run on a copy of its head's row, `rows` choices to a call."""
+    (`prefill_forks`): its last logits give its choices' first tokens; each choice's other
+    tokens then run on a copy of its head's row, `rows` choices to a padded call. A call's
+    rows are each on its own side of dense_len, padding included (`_calls`)."""
     if not all(head and all(cs) for head, cs in asks):
         raise ValueError("choice_scores needs a head and non-empty choices for each question")
     out: list[list] = [[None] * len(cs) for _, cs in asks]
     dense_len = model.config.sparse.dense_len
-    for group in _calls(
-        range(len(asks)), rows, lambda a: base.offset + len(asks[a][0]) >= dense_len
-    ):
+    for group in _calls([(base.offset, len(head)) for head, _ in asks], rows, dense_len):
         heads = prefill_forks(model, base, [asks[a][0] for a in group])
         tails = []  # (question, choice, its head's row) of the choices longer than one token
         for a, (row, logits) in zip(group, heads, strict=True):
@@ -90,7 +88,9 @@ def choice_scores(
                 out[a][j] = [read_logprobs(scored[j].tolist(), c[0], top)]
                 if len(c) > 1:
                     tails.append((a, j, row))
-        for part in _calls(range(len(tails)), rows, lambda t: 0):
+        # a tail runs from its head's end for its choice's tokens but the last
+        spans = [(base.offset + len(asks[a][0]), len(asks[a][1][j]) - 1) for a, j, _ in tails]
+        for part in _calls(spans, rows, dense_len):
             cache = ModelCache.concat([tails[t][2].select([0]) for t in part])  # a copy each
             feed = [asks[tails[t][0]][1][tails[t][1]] for t in part]
             T = max(len(c) - 1 for c in feed)
@@ -105,13 +105,27 @@ def choice_scores(
     return out
 
 
-def _calls(items: Sequence[int], rows: int, side) -> list[list[int]]:
-    """`items` in calls of at most `rows`, each call's items of one `side`."""
-    out = []
-    for s in sorted({side(i) for i in items}):
-        same = [i for i in items if side(i) == s]
-        out += [same[k : k + rows] for k in range(0, len(same), rows)]
-    return out
+def _calls(spans: Sequence[tuple[int, int]], rows: int, dense_len: int) -> list[list[int]]:
+    """The rows of `spans` in padded calls of at most `rows`, in order. Row i runs from
+    `spans[i]` = (start, length), padded to its call's longest; the model decides a row's
+    mode from its padded end (SPEC P7), so a row that ends below dense_len shares a call only
+    with rows that end below it, and only where the padding takes none of them to it; the
+    others go together."""
+    dense: list[list[int]] = []
+    sparse = []
+    for i, (start, n) in enumerate(spans):
+        if start + n >= dense_len:
+            sparse.append(i)
+            continue
+        call = [*dense[-1], i] if dense else [i]
+        T = max(spans[j][1] for j in call)
+        if len(call) > rows or max(spans[j][0] for j in call) + T >= dense_len:
+            call = [i]
+        if len(call) == 1:
+            dense.append(call)
+        else:
+            dense[-1] = call
+    return dense + [sparse[k : k + rows] for k in range(0, len(sparse), rows)]
 
 
 def probabilities(logprobs: Sequence[float]) -> list[float]:

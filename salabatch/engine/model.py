@@ -200,12 +200,25 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.fuse()
 
+    @property
+    def is_fused(self) -> bool:
+        return any(layer.mlp.fused is not None for layer in self.layers)
+
     def update(self, *args, **kwargs):
         """nn.Module.update (what loading weights and optimizers call); new weights make the
         fused buffers stale, so the decode step runs each projection on its own after it."""
+        self._unfuse()
+        return super().update(*args, **kwargs)
+
+    def update_modules(self, *args, **kwargs):
+        """nn.Module.update_modules (what quantizing calls): new layers make the fused buffers
+        stale, as new weights do."""
+        self._unfuse()
+        return super().update_modules(*args, **kwargs)
+
+    def _unfuse(self) -> None:
         for layer in self.layers:
             layer.self_attn.fused = layer.mlp.fused = None
-        return super().update(*args, **kwargs)
 
     def make_cache(self) -> ModelCache:
         return ModelCache.for_config(self.config)

@@ -56,15 +56,20 @@ def quantize_model(
     """Quantizes `model` in place with the conversion predicate; returns how many layers.
 
     Scales and biases take `dtype` (default: the weights' own dtype), and their dtype is the
-    output dtype of `QuantizedLinear`, so it should be the activation dtype.
+    output dtype of `QuantizedLinear`, so it should be the activation dtype. A Model whose
+    projections were fused (`Model.fuse`, as loaded) is fused again over its new layers: its
+    decode step kept the float buffers before.
     """
     check_bits(bits, group_size)
+    fused = isinstance(model, Model) and model.is_fused
     paths = [p for p, m in model.named_modules() if quantizable(m, group_size)]
     nn.quantize(model, group_size, bits, class_predicate=lambda _, m: quantizable(m, group_size))
     if dtype is not None:
         for _, m in model.named_modules():
             if isinstance(m, nn.QuantizedLinear):
                 m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
+    if fused:
+        model.fuse()
     return len(paths)
 
 

@@ -19,7 +19,7 @@ from salabatch.engine.generate import prefill
 from salabatch.engine.load import load_model
 from salabatch.engine.tokenizer import load_tokenizer
 from tests.engine.test_tokenizer import sentencepiece_style_dir
-from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, SPARSE_AT_512, tiny_config_dict, write_tiny_checkpoint
 
 
 def reference_logprobs(model, tok, prompt: list[int], choices: list[str]) -> list[float]:
@@ -70,6 +70,35 @@ def test_choice_scores_are_one_calls_log_softmax(model, doc_len, engine_path):
         assert flat == pytest.approx([x.logprob for q in got for s in q for x in s], abs=1e-5)
     with pytest.raises(ValueError, match="needs a head"):
         choice_scores(model, base, [([], asks[0][1])])
+
+
+def test_a_choice_below_dense_len_scores_as_one_dense_call_whatever_it_is_padded_with(
+    tmp_path,
+):
+    """Choices padded to a longer one in a call: a row whose own tokens end below dense_len
+    must run dense even where the padding reaches it (the mode is decided per row from its
+    padded end: a short choice ran InfLLM-v2, 1.8e-2 off). Sparse from 512 tokens, where a
+    query sees more blocks than it attends."""
+    raw = tiny_config_dict(**SPARSE_AT_512)
+    model = load_model(write_tiny_checkpoint(tmp_path / "m", raw), dtype="float32")
+    doc = ids(502, 1)
+    # heads end at 509 and 505; tails: (509, 3) crosses 512, (509, 1), (505, 1), (505, 4) not
+    asks = [(ids(7, 2), [ids(1, 3), ids(4, 4), ids(2, 5)]), (ids(3, 6), [ids(2, 7), ids(5, 8)])]
+    base = model.make_cache()
+    prefill(model, doc, base, 128)
+    got = choice_scores(model, base, asks, rows=3)
+    alone = choice_scores(model, base, asks, rows=1)
+    flat = [x.logprob for q in got for s in q for x in s]
+    assert flat == pytest.approx([x.logprob for q in alone for s in q for x in s], abs=1e-5)
+    for (head, choices), per_choice in zip(asks, got, strict=True):
+        for c, scores in zip(choices, per_choice, strict=True):
+            if len(doc + head + c) >= 512:
+                continue  # one call would run the prefix sparse too: the rows=1 check above
+            whole = model(mx.array([doc + head + c]), model.make_cache())[0].astype(mx.float32)
+            lp = np.array(whole - mx.logsumexp(whole, axis=-1, keepdims=True))
+            at = len(doc) + len(head) - 1
+            want = [lp[at + i, t] for i, t in enumerate(c)]
+            assert [x.logprob for x in scores] == pytest.approx(want, abs=2e-4)
 
 
 def test_choice_ids_spell_the_choice_mid_text(tmp_path, tok):

@@ -136,6 +136,25 @@ def test_quantize_model_matches_convert(src, reference):
     assert mx.array_equal(model(IDS), load_model(dst, dtype="float32")(IDS))
 
 
+def test_quantizing_a_loaded_model_quantizes_its_decode_step(src, monkeypatch):
+    """A loaded model's decode step runs fused buffers of its projections; quantizing it in
+    memory fuses the quantized layers again (the step kept the float weights: logits 0.04
+    off on the GPU path)."""
+    from salabatch.engine.decode import decode
+
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")  # where the step takes the fused buffers
+    model = load_model(src, dtype="float32")
+    assert model.is_fused
+    quantize_model(model, bits=4, group_size=64)
+    assert model.is_fused
+    token = IDS[:, 30]
+    per_layer, stepped = model.make_cache(), model.make_cache()
+    model(IDS[:, :30], per_layer)
+    model(IDS[:, :30], stepped)
+    want = model(token[:, None], per_layer)[:, -1]
+    assert mx.allclose(decode(model, token, stepped), want, atol=1e-5, rtol=0).item()
+
+
 @pytest.mark.parametrize(("bits", "group_size"), [(2, 32), (3, 64), (5, 64), (6, 128)])
 def test_other_bit_widths_and_group_sizes_load_and_run(src, tmp_path, bits, group_size):
     """Every bit width MLX packs converts, loads and generates; convert → load equals quantizing
