@@ -7,12 +7,14 @@ fingerprint memos, the patched BLAS): `$XDG_CACHE_HOME/salabatch`, else `~/.cach
 the same file system), fsyncs it, renames it over `dst` and fsyncs the folder: a reader sees the
 old file or the new one, never a part. Temporary files are named `.<stem>.tmp-<pid>-<hex><suffix>`
 (`is_temp` recognises them) and are deleted when the write fails. A temporary whose writer was
-killed stays: `temp_pid` names its writer and `pid_alive` says whether it may still finish it.
+killed stays until the next write of the same file: `temp_pid` names its writer and `pid_alive`
+says whether it may still finish it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -90,8 +92,11 @@ def remove_path(path: Path) -> bool:
 
 
 def write_atomic(dst: Path, write: Callable[[Path], None], *, tmp_dir: Path | None = None) -> None:
-    """`write(tmp)` fills a temporary file; then it becomes `dst`, durably (see the module)."""
+    """`write(tmp)` fills a temporary file; then it becomes `dst`, durably (see the module).
+    Temporaries of `dst` whose writer was killed go first: rewriting a file cleans up after
+    the write of it that died."""
     tmp = temp_path(dst, tmp_dir)
+    _drop_dead_temps(dst, tmp.parent)
     try:
         write(tmp)
         fsync_path(tmp)
@@ -101,6 +106,16 @@ def write_atomic(dst: Path, write: Callable[[Path], None], *, tmp_dir: Path | No
             os.unlink(tmp)
         raise
     fsync_dir(dst.parent)
+
+
+def _drop_dead_temps(dst: Path, folder: Path) -> None:
+    pattern = f".{glob.escape(dst.stem)}{TEMP_MARK}*{glob.escape(dst.suffix)}"
+    for path in folder.glob(pattern):
+        match = _TEMP_NAME.fullmatch(path.name)
+        ours = match and (match[1], match[3]) == (dst.stem, dst.suffix)
+        if ours and not pid_alive(int(match[2])):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def write_text_atomic(dst: Path, text: str) -> None:

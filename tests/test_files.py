@@ -72,6 +72,22 @@ def test_a_temporary_names_its_writer_and_a_dead_writer_is_not_alive(tmp_path):
     assert not files.pid_alive(0) and not files.pid_alive(2**40)
 
 
+def test_a_write_removes_the_temporaries_of_its_file_a_killed_writer_left(tmp_path):
+    """A run killed while it wrote its OpenAI Batch output left `.x.tmp-PID-hex.jsonl` beside
+    it for good, one more each time; the next write of x.jsonl removes those of dead writers,
+    not a live writer's, nor another file's."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    dead = tmp_path / f".x.tmp-{child.pid}-0123abcd.jsonl"
+    live = tmp_path / f".x.tmp-{os.getpid()}-0123abcd.jsonl"
+    other = tmp_path / f".x.tmp-{child.pid}-0123abcd.parquet"
+    for path in (dead, live, other):
+        path.write_text("half")
+    files.write_text_atomic(tmp_path / "x.jsonl", "{}\n")
+    assert not dead.exists() and live.exists() and other.exists()
+    assert (tmp_path / "x.jsonl").read_text() == "{}\n"
+
+
 def test_disk_bytes_and_remove_path_take_files_and_folders(tmp_path):
     (tmp_path / "d" / "e").mkdir(parents=True)
     (tmp_path / "d" / "e" / "f").write_bytes(bytes(300))

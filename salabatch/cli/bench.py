@@ -4,12 +4,11 @@ heavy is imported until a command runs."""
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 
 import click
 
-from salabatch.cli.main import EXIT_INTERRUPTED, EXIT_TERMINATED, Finite, sigterm_as_ctrl_c
+from salabatch.cli.main import Finite
 
 
 class NumberList(click.ParamType):
@@ -110,23 +109,11 @@ def doctor(as_json: bool) -> None:
     click.echo(f"{'decode':10s} {report['decode_gbps']:.1f} GB/s (fp32 [1,4096] @ [4096,4096]^T)")
 
 
-class _Benchmarks(click.Group):
-    """Ctrl-C or SIGTERM stops a benchmark as it stops `salabatch run`: the servers it started
-    stop, what it measured so far stays written (the benchmarks that save as they go), and it
-    exits 130 or 143."""
-
-    def invoke(self, ctx: click.Context):
-        with sigterm_as_ctrl_c() as terminated:
-            try:
-                return super().invoke(ctx)
-            except KeyboardInterrupt:
-                click.echo("terminated (SIGTERM)" if terminated else "interrupted", err=True)
-                sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
-
-
-@click.group(cls=_Benchmarks)
+@click.group()
 def bench() -> None:
-    """Benchmarks; each prints its results (and writes them as JSON with --out)."""
+    """Benchmarks; each prints its results (and writes them as JSON with --out). Ctrl-C or
+    SIGTERM stops one as it stops `salabatch run`: the servers it started stop, what it
+    measured so far stays written (those that save as they go), and it exits 130 or 143."""
 
 
 def _emit(name: str, result: dict, out: str | None) -> None:

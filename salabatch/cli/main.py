@@ -35,7 +35,9 @@ EXIT_TERMINATED = 143
 
 class _Group(click.Group):
     """Loads the BLAS first; prints warnings and errors as one line each (`--debug`: with their
-    traceback) and exits with the error's code; ends quietly when standard output is closed."""
+    traceback) and exits with the error's code; ends quietly when standard output is closed;
+    Ctrl-C or SIGTERM that the command does not end on by itself (while it starts, say) exits
+    130 or 143 saying so, never click's "Aborted!" and 1."""
 
     def invoke(self, ctx: click.Context):
         # Before any command can import mlx.core: the BLAS swap only works before that import.
@@ -51,9 +53,14 @@ class _Group(click.Group):
             warnings.showwarning = show
             activate_blas()
             try:
-                result = super().invoke(ctx)
+                with sigterm_as_ctrl_c():  # from the start: a command's own may take over
+                    result = super().invoke(ctx)
                 sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
                 return result
+            except KeyboardInterrupt as e:  # what the command did not end on by itself
+                terminated = isinstance(e, Terminated)
+                click.echo("terminated (SIGTERM)" if terminated else "interrupted", err=True)
+                sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
             except BrokenPipeError:
                 _quiet_stdout()
                 sys.exit(EXIT_BROKEN_PIPE)
@@ -233,6 +240,10 @@ class Finite(click.FloatRange):
         return number
 
 
+class Terminated(KeyboardInterrupt):
+    """The KeyboardInterrupt `sigterm_as_ctrl_c` raises for SIGTERM."""
+
+
 @contextlib.contextmanager
 def sigterm_as_ctrl_c() -> Iterator[list[int]]:
     """SIGTERM (`kill`, a scheduler's stop, a container's end) stops a command as Ctrl-C does
@@ -243,7 +254,7 @@ def sigterm_as_ctrl_c() -> Iterator[list[int]]:
     def stop(signum: int, frame: object) -> None:
         if not received:  # once: a second one must not break what saves the work
             received.append(signum)
-            raise KeyboardInterrupt
+            raise Terminated
 
     if threading.current_thread() is not threading.main_thread():
         yield received  # only the main thread may handle signals

@@ -164,23 +164,34 @@ def serve(
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     root = os.path.expanduser(state_dir or cache_dir())
     # first: a second server on this state dir, or on this port, is refused before a model loads
-    with ExitStack() as opened:  # what opened closes again unless the engine loads
-        try:
-            store = BatchStore(os.path.join(root, "batches"))
-            opened.callback(store.close)
-            responses = ResponseStore(
-                os.path.join(root, "responses.sqlite"), limit=int(responses_gb * 2**30)
+    try:
+        with ExitStack() as opened:  # what opened closes again unless the engine loads
+            try:
+                store = BatchStore(os.path.join(root, "batches"))
+                opened.callback(store.close)
+                responses = ResponseStore(
+                    os.path.join(root, "responses.sqlite"), limit=int(responses_gb * 2**30)
+                )
+                opened.callback(responses.close)
+            except OSError as e:
+                why = f"cannot keep the server's state in {root} ({e.strerror or e})"
+                raise click.BadParameter(why, param_hint="--state-dir") from None
+            sock = _listening(host, port)
+            opened.callback(sock.close)
+            engine, tok = _engine(
+                model_ref,
+                dtype,
+                state_dir,
+                batch_size,
+                max_queue,
+                prefix_memory,
+                store_gb,
+                speculation,
             )
-            opened.callback(responses.close)
-        except OSError as e:
-            why = f"cannot keep the server's state in {root} ({e.strerror or e})"
-            raise click.BadParameter(why, param_hint="--state-dir") from None
-        sock = _listening(host, port)
-        opened.callback(sock.close)
-        engine, tok = _engine(
-            model_ref, dtype, state_dir, batch_size, max_queue, prefix_memory, store_gb, speculation
-        )
-        opened.pop_all()
+            opened.pop_all()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it starts: a clean stop, as later
+        click.echo("stopped before the server started", err=True)
+        return
     model_id = served_model_name or model_ref
     defaults = ServeDefaults(max_tokens=max_tokens)
     runner = BatchRunner(engine, tok, store, model_id=model_id, defaults=defaults)

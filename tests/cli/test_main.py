@@ -51,3 +51,34 @@ def test_every_command_ends_quietly_on_a_closed_pipe(monkeypatch):
 def test_float_options_refuse_nan_and_infinity_before_anything_runs(args):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "is not a finite number" in result.output, result.output
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_ctrl_c_or_sigterm_while_a_command_starts_exits_130_or_143(monkeypatch, terminated):
+    """A signal before the command's own handling (reading the job, loading the model) ended
+    in click's "Aborted!" and exit 1, or for SIGTERM the bare signal."""
+    import os
+    import signal
+
+    @click.command()
+    def starting() -> None:
+        if terminated:
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(main.commands, "starting", starting)
+    result = CliRunner().invoke(main, ["starting"])
+    assert result.exit_code == (143 if terminated else 130)
+    assert result.output.strip() == ("terminated (SIGTERM)" if terminated else "interrupted")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ctrl_c_while_salabatch_run_reads_its_job_exits_130(monkeypatch, tmp_path):
+    from salabatch.jobs.spec import load
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(load, "read_job", interrupted)
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml")])
+    assert result.exit_code == 130 and "Aborted" not in result.output

@@ -495,6 +495,22 @@ def test_a_second_server_on_the_same_state_dir_is_refused(tiny, tmp_path):
     BatchStore(tmp_path / "batches").close()  # free once the first one closed
 
 
+def test_a_start_removes_the_half_made_files_a_killed_server_left(tmp_path):
+    """An upload killed mid-write left its temporary file, one killed after the rename its
+    bytes with no record (not listed, never deleted): both are gone at the next start; the
+    files that have a record stay."""
+    store = BatchStore(tmp_path / "batches")
+    kept = store.add_file("in.jsonl", "batch", lambda f: f.write(b"{}\n"))
+    store.close()
+    files = tmp_path / "batches" / "files"
+    (files / ".file-abc.tmp-123-deadbeef").write_bytes(b"x" * 1000)
+    (files / "file-0123456789abcdef").write_bytes(b"y" * 1000)
+    store = BatchStore(tmp_path / "batches")
+    assert sorted(p.name for p in files.iterdir()) == [kept["id"]]
+    assert store.file(kept["id"])["bytes"] == 3
+    store.close()
+
+
 def test_chat_is_answered_while_a_batch_runs(tiny, tmp_path):
     with Server(tiny, tmp_path) as s:
         batch = s.start_batch(many(30, 48))

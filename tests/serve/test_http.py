@@ -1193,6 +1193,28 @@ def test_a_port_in_use_or_a_state_dir_under_a_file_is_a_usage_error_before_the_m
     assert "cannot keep the server's state" in under.output
 
 
+def test_ctrl_c_while_the_model_loads_stops_cleanly_and_frees_the_port(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) before the server is up: click's "Aborted!" and exit 1 before; a
+    stop as any other now (exit 0), with the port and the state dir let go."""
+    import importlib
+    import socket
+
+    serve_cli = importlib.import_module("salabatch.cli.serve")
+
+    def loading(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cli, "_engine", loading)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    state = ["--state-dir", str(tmp_path / "state")]
+    result = CliRunner().invoke(main, ["serve", MODEL, "--port", port, *state])
+    assert result.exit_code == 0 and "stopped before the server started" in result.output
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", int(port)))  # let go
+
+
 def test_a_body_nested_too_deeply_or_a_bad_guided_regex_is_a_400_naming_it(served):
     """A body of 100,000 nested arrays was a 500 (RecursionError, a traceback in the log); an
     unusable guided_regex was reported against response_format."""

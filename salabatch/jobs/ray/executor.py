@@ -104,6 +104,7 @@ def run_job_ray(
         with prepared(
             spec, resume=resume, retry_errors=retry_errors, limited=limited, echo=echo
         ) as (writer, setup):
+            summary.skipped = len(writer.done_keys())  # until the manifest counts the job's
             manifest = plan_manifest(setup, writer.done_keys(), limit)
             identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
             summary.skipped, summary.documents = manifest.skipped, manifest.documents

@@ -43,7 +43,7 @@ class RunSummary:
     output: str
     written: int = 0
     errors: int = 0
-    skipped: int = 0  # rows already in the results file
+    skipped: int = 0  # rows of the job already in the results file (of it, before planned)
     failed: int = 0  # error rows of the job in the results, this run's and earlier ones'
     left: int = 0  # rows of the job --limit left for a later run
     dropped: int = 0  # rows of earlier runs no longer in the job, dropped from the results
@@ -76,6 +76,8 @@ def run_job(
         with prepared(
             spec, resume=resume, retry_errors=retry_errors, limited=limited, echo=echo
         ) as (writer, setup):
+            # until the plan counts those of the job: a run stopped before then says this
+            summary.skipped = len(writer.done_keys())
             model = load_model(setup.model_path, dtype=setup.dtype, tokens=setup.tok.vocab_size)
             chunk = setup.spec.engine.prefill_chunk
             with engine_runtime(cache_limit(model.config, chunk, on_gpu())):
@@ -120,6 +122,7 @@ class _Runner:
             for rows in self.answerer.answer(self._plans(planner, cut)):
                 self._write(rows)
             self._count_skipped(planner)
+            self.summary.skipped = planner.skipped  # the plan is whole: the job's rows alone
             if cut.cut:
                 # The rest of the job is unplanned: nothing is dropped; what is done and left
                 # is counted over the whole job without reading the documents' text.
@@ -146,7 +149,6 @@ class _Runner:
 
     def _count_skipped(self, planner: Planner) -> None:
         self.progress.found_done(planner.skipped)
-        self.summary.skipped = planner.skipped
 
     def _write(self, rows: list[ResultRow]) -> None:
         if not rows:

@@ -1,6 +1,7 @@
 """The Batch API's durable state under the server's state dir: `batches.sqlite` (WAL, a commit
 reaches the disk before it returns) holds the file and batch records and every answered line of
-a batch; `files/<id>` holds each file's bytes, written to a temporary file, fsynced and renamed.
+a batch; `files/<id>` holds each file's bytes, written to a temporary file, fsynced and renamed
+(what a killed server left there half made is removed at the next start).
 
 A batch's answered lines are rows keyed by (batch, line): a line is answered once however often
 the server is killed and restarted, and its output file is written from them, in input order.
@@ -107,6 +108,16 @@ class BatchStore:
                 "batches and files",
                 path=path,
             ) from None
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Removes what a killed server left in `files/`: a write's temporary file, and bytes
+        renamed into place whose record was never made. No one else writes there: the store
+        holds the state dir."""
+        known = {row[0] for row in self._run("SELECT id FROM files")}
+        for path in self.files_dir.iterdir():
+            if path.name not in known and path.is_file():
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         with self._lock:

@@ -623,6 +623,25 @@ def test_a_file_name_that_is_not_utf8_is_stored_escaped_and_its_row_says_so(tmp_
     assert again.exit_code == 0 and "12 already done" in again.output
 
 
+def test_a_rerun_stopped_before_its_plan_counts_the_rows_already_done(
+    tmp_path, tiny_model, monkeypatch
+):
+    """Ctrl-C while the model loads: it said "0 already done" of a job all done."""
+    from salabatch.jobs.run import runner
+
+    write_docs(tmp_path)
+    job = str(write_job(tmp_path, tiny_model))
+    assert run_cli("run", job).exit_code == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "load_model", interrupted)
+    again = run_cli("run", job)
+    done = len(rows(tmp_path))
+    assert again.exit_code == 130 and f"{done} already done" in again.output, again.output
+
+
 def test_sigterm_stops_like_ctrl_c_and_says_the_rows_are_safe(tmp_path, tiny_model):
     proc = start_long_run(tmp_path, tiny_model, parts_wanted=1, max_tokens=128)
     proc.send_signal(signal.SIGTERM)
