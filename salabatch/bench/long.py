@@ -387,7 +387,7 @@ def table(result: dict) -> str:
     lines = [
         f"{'context':>8} | {'prefill s SALA':>14} {'peer':>8} {'x':>6} | "
         f"{'decode b1 SALA':>14} {'peer':>7} {'x':>6} | {f'b{batch} SALA':>8} {'x b1':>5} | "
-        f"{'peak GB SALA':>12} {'peer':>6}"
+        f"{'peak GiB SALA':>13} {'peer':>6}"
     ]
 
     def cell(row, key, width, fmt="{:.1f}"):
@@ -401,7 +401,7 @@ def table(result: dict) -> str:
             f"{cell(r, 'prefill_speedup', 6, '{:.2f}')} | {cell(s, 'decode_b1_tok_s', 14)} "
             f"{cell(p, 'decode_b1_tok_s', 7)} {cell(r, 'decode_b1_speedup', 6, '{:.2f}')} | "
             f"{cell(s, f'decode_b{batch}_tok_s', 8)} {cell(r, f'b{batch}_over_b1', 5, '{:.2f}')} | "
-            f"{cell(s, 'peak_gb', 12, '{:.2f}')} {cell(p, 'peak_gb', 6, '{:.2f}')}"
+            f"{cell(s, 'peak_gb', 13, '{:.2f}')} {cell(p, 'peak_gb', 6, '{:.2f}')}"
         )
     return "\n".join(lines)
 

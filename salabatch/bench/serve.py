@@ -196,11 +196,18 @@ def _run_job(model_ref, text, questions, max_tokens, batch) -> dict:
     }
 
 
+def _sized(tok, text: str, tokens: int) -> str:
+    """A document of about `tokens` tokens: `text` repeated, or its first tokens' text."""
+    ids = tok.encode(text)
+    if len(ids) >= tokens:
+        return tok.decode(ids[:tokens])
+    return "\n\n".join([text] * round(tokens / len(ids)))
+
+
 def _turns(model_ref, tok, text, tokens, max_tokens) -> dict:
     """Two turns of one conversation over a document of about `tokens` tokens (the document
     repeated): what the second prefills, by its usage."""
-    copies = max(1, round(tokens / len(tok.encode(text))))
-    document = "\n\n".join([text] * copies)
+    document = _sized(tok, text, tokens)
     messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTIONS[0]}]
     with _server(model_ref, batch_size=8) as (url, _):
         usage = []
@@ -233,8 +240,7 @@ def _unmarked(model_ref, tok, text, tokens, max_tokens) -> dict:
     completions scoring it with a choice after it (`echo`, `logprobs: 1`, `max_tokens: 0`: an
     lm-eval loglikelihood). What each prefilled, by its usage: the first of each kind all of
     it, the next ones their last tokens (they resume before the first's tail)."""
-    copies = max(1, round(tokens / len(tok.encode(text))))
-    document = "\n\n".join([text] * copies)
+    document = _sized(tok, text, tokens)
     out: dict = {}
     with _server(model_ref, batch_size=8) as (url, _):
         asked = []

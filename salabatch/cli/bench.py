@@ -8,7 +8,7 @@ from functools import partial
 
 import click
 
-from salabatch.cli.main import Finite
+from salabatch.cli.main import Finite, OutputFile
 
 
 class NumberList(click.ParamType):
@@ -143,7 +143,7 @@ def _emit(name: str, result: dict, out: str | None) -> None:
     help="Tokens of the chunked prefill whose peak memory is measured (0: skip).",
 )
 @click.option("--chunk", default=2048, show_default=True, type=POSITIVE, help="Prefill chunk size.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_sparse(contexts: list[int], prefill_tokens: int, chunk: int, out: str | None) -> None:
     """InfLLM-v2: sparse-layer decode time vs context, and chunked-prefill peak memory."""
     from salabatch.bench import sparse
@@ -155,7 +155,7 @@ def bench_sparse(contexts: list[int], prefill_tokens: int, chunk: int, out: str 
 @click.option("--doc-tokens", default=16384, show_default=True, type=POSITIVE)
 @click.option("--questions", default=8, show_default=True, type=POSITIVE)
 @click.option("--max-tokens", default=32, show_default=True, type=POSITIVE)
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | None) -> None:
     """Prefix store on builtin:random: questions over one document, re-prefilled per question vs
     prefilled once (stored) and answered as one batch, then a second run from disk."""
@@ -197,10 +197,8 @@ def bench_prefix(doc_tokens: int, questions: int, max_tokens: int, out: str | No
     type=click.IntRange(min=0),
     help="Also two turns of a conversation over a document this long (0: not).",
 )
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
-@click.option(
-    "--chart", type=click.Path(dir_okay=False), help="PNG chart here (default: beside --out)."
-)
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
+@click.option("--chart", type=OutputFile(), help="PNG chart here (default: beside --out).")
 def bench_serve(
     model_ref: str,
     clients: int,
@@ -244,7 +242,7 @@ def bench_serve(
 @click.option("--lines", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--documents", default=10, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out: str | None):
     """The Batch API: one batch over many documents through `salabatch serve` (prefills per
     document, every line once) and chat TTFT while it runs against the idle server."""
@@ -306,7 +304,7 @@ def bench_batch(model_ref: str, lines: int, documents: int, max_tokens: int, out
     default="auto",
     show_default=True,
 )
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_quant(
     model_ref: str | None,
     contexts: list[int],
@@ -326,6 +324,8 @@ def bench_quant(
 
     default = quant_quality.FORMATS if model_ref else quant.FORMATS
     chosen = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else default
+    if not chosen:
+        raise click.BadParameter(f"names no format: {formats!r}", param_hint="--formats")
     if model_ref:
         result = quant_quality.run(
             model_ref,
@@ -375,10 +375,10 @@ def bench_quant(
     type=click.IntRange(min=64),
     help="The cost workload's document, tokens [default: 32768 on a GPU, 2048 on a CPU].",
 )
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 @click.option(
     "--chart",
-    type=click.Path(dir_okay=False),
+    type=OutputFile(),
     help="PNG chart here (default: beside --out, as .png).",
 )
 def bench_spec(
@@ -416,7 +416,7 @@ def bench_spec(
 
 @bench.command("gla")
 @click.option("--repeat", default=5, show_default=True, type=POSITIVE, help="Timed runs per op.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_gla(repeat: int, out: str | None) -> None:
     """Lightning kernels at the 9B's shape: 2048-token chunked prefill, decode steps."""
     from salabatch.bench import gla
@@ -462,10 +462,10 @@ def bench_gla(repeat: int, out: str | None) -> None:
     help="No timing: the GPU path's kernels per decode step and prefill chunk and the estimated "
     "FLOPs and bytes, SALA and the peer [contexts 32K,128K,256K; chunk 8192]; runs anywhere.",
 )
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 @click.option(
     "--chart",
-    type=click.Path(dir_okay=False),
+    type=OutputFile(),
     help="PNG chart here (default: beside --out, as .png).",
 )
 def bench_long(
@@ -487,6 +487,9 @@ def bench_long(
 
     from salabatch.bench import environment, long
 
+    if graph and chart is not None:
+        why = "--graph counts draw no chart (they print a table)"
+        raise click.BadParameter(why, param_hint="--chart")
     chart = _chart_path(out, chart)
     env = environment()
     if graph:
@@ -533,25 +536,28 @@ def bench_long(
 )
 @click.option(
     "--documents",
-    default=1,
-    show_default=True,
     type=click.IntRange(min=1),
-    help="Documents per context (each holds one needle per depth).",
+    help="Documents per context (each holds one needle per depth) [1].",
 )
-@click.option("--quick", is_flag=True, help="4K and 8K, depths 10,50,90: a few minutes on a CPU.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="4K and 8K, depths 10,50,90, one document (what is given takes precedence): a few "
+    "minutes on a CPU.",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--chunk", default=2048, show_default=True, type=click.IntRange(min=1))
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 @click.option(
     "--chart",
-    type=click.Path(dir_okay=False),
+    type=OutputFile(),
     help="PNG heatmap here (default: beside --out, as .png).",
 )
 def bench_needle(
     model_ref: str,
     contexts: list[int] | None,
     depths: list[float] | None,
-    documents: int,
+    documents: int | None,
     quick: bool,
     seed: int,
     chunk: int,
@@ -575,7 +581,7 @@ def bench_needle(
         tokenizer,
         contexts or preset.get("contexts", needle.CONTEXTS),
         depths or preset.get("depths", needle.DEPTHS),
-        documents=documents if not quick else preset["documents"],
+        documents=documents or preset.get("documents", 1),
         seed=seed,
         chunk=chunk,
         progress=lambda line: click.echo(line, err=True),
@@ -682,7 +688,7 @@ def _depths(text: str) -> list[float]:
 @click.option(
     "--max-tokens", default=8, show_default=True, type=POSITIVE, help="Tokens per answer."
 )
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--out", type=OutputFile(), help="Also write the JSON here.")
 def bench_scale(
     docs: int, tokens: int, actors: list[int], questions: int, max_tokens: int, out: str | None
 ) -> None:

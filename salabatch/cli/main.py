@@ -14,6 +14,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 
@@ -227,6 +228,32 @@ def human_size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+class OutputFile(click.ParamType):
+    """A file a command writes when it ends (a benchmark's --out, perplexity's --json): `~`
+    expanded, missing folders made, and refused (exit 2) before any work where it is a folder
+    or its folder cannot be made or written (the figures of hours were lost at the end).
+    `stdout`: "-" stands for standard output."""
+
+    name = "file"
+
+    def __init__(self, *, stdout: bool = False) -> None:
+        self.stdout = stdout
+
+    def convert(self, value, param, ctx):
+        if self.stdout and value == "-":
+            return value
+        target = Path(os.path.expanduser(value))
+        if target.is_dir():
+            self.fail(f"{value}: a folder, not a file", param, ctx)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.fail(f"{value}: cannot make its folder ({e.strerror or e})", param, ctx)
+        if not os.access(target.parent, os.W_OK):
+            self.fail(f"{value}: its folder is not writable", param, ctx)
+        return str(target)
 
 
 class Finite(click.FloatRange):

@@ -5,13 +5,13 @@ heavy is imported until a command runs."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import click
 
 from salabatch.cli.main import (
     Finite,
+    OutputFile,
     dtype_option,
     human_size,
     positional,
@@ -111,24 +111,6 @@ def generate(
     )
 
 
-def _json_target(json_path: str) -> None:
-    """A UsageError (exit 2) naming --json where its file cannot be written: a folder, or a
-    folder that cannot be made; the missing folders are made, as `export` makes them."""
-    from pathlib import Path
-
-    target = Path(json_path).expanduser()
-    if target.is_dir():
-        raise click.UsageError(f"--json {json_path}: a folder, not a file")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise click.UsageError(
-            f"--json {json_path}: cannot make its folder ({e.strerror})"
-        ) from None
-    if not os.access(target.parent, os.W_OK):
-        raise click.UsageError(f"--json {json_path}: its folder is not writable")
-
-
 @click.command("convert")
 @click.argument("args", nargs=-1, metavar="[SRC] [DST]")
 @click.option("--hf-path", "--model", "src_opt", help="SRC as an option (mlx-lm's spelling).")
@@ -221,6 +203,7 @@ def convert_cmd(
     "--json",
     "json_path",
     default=None,
+    type=OutputFile(stdout=True),
     help="Also write the figures as JSON to this file (-: to standard output, the table then to"
     " standard error).",
 )
@@ -241,16 +224,15 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
     from salabatch.errors import SalabatchError
     from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
 
-    if json_path and json_path != "-":  # checked before any scoring, which may take hours
-        _json_target(json_path)
-
     def show(line: str) -> None:  # the table; on stderr where stdout takes the JSON
         click.echo(line, err=json_path == "-")
 
     loaded, tok = load(model, dtype)
     context = loaded.config.context_length
     limit = min(max_tokens or context, context)
-    docs = iter_documents([DocumentSource(p, max_tokens=context) for p in paths])
+    # a text file is read as far as the tokens scored reach: a big one is cut, not refused
+    sources = [DocumentSource(p, max_tokens=context, first_tokens=limit) for p in paths]
+    docs = iter_documents(sources)
     rows, failed, positions = [], 0, Positions()
     show(f"{'document':<40} {'tokens':>9} {'nll/token':>10} {'perplexity':>11} {'s':>7}")
     for doc in docs:

@@ -17,6 +17,7 @@ for a module left in full precision), else from the global pair.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +37,7 @@ from salabatch.engine.config import ModelConfig, QuantConfig
 from salabatch.engine.model import Model
 from salabatch.engine.runtime import dtype_name, resolve_dtype
 from salabatch.engine.tokenizer_files import TOKENIZER_FILES
-from salabatch.errors import CheckpointError, ConfigError
+from salabatch.errors import CheckpointError, ConfigError, OutputError
 
 BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine mode packs
 GROUP_SIZES = (32, 64, 128)
@@ -277,21 +278,27 @@ def _write_converted(
         return files, copied
     except (OSError, RuntimeError) as e:  # MLX's writer raises RuntimeError ("[write] Unable...")
         clear_destination(dst)
+        # MLX's says no more; an OSError says what it was
+        full = not isinstance(e, OSError) or e.errno == errno.ENOSPC
         raise CheckpointError(
-            f"cannot write the converted checkpoint ({e}); is the disk full? nothing of it is "
-            "left there",
+            f"cannot write the converted checkpoint ({e}){'; is the disk full?' if full else ''}"
+            "; nothing of it is left there",
             path=dst,
         ) from None
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
-    """Refuses the source itself, a file, and a non-empty directory unless `force`."""
+    """Refuses (OutputError, a usage error) the source itself, a file or a path under one,
+    and a non-empty directory unless `force`."""
     if dst.resolve() == src.resolve():
-        raise CheckpointError("the destination is the source checkpoint", path=dst)
+        raise OutputError("the destination is the source checkpoint", path=dst)
     if dst.exists() and not dst.is_dir():
-        raise CheckpointError("the destination exists and is not a directory", path=dst)
+        raise OutputError("the destination exists and is not a directory", path=dst)
+    above = next((p for p in dst.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise OutputError(f"the destination cannot be made: {above} is a file", path=dst)
     if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise CheckpointError("the destination is not empty (--force overwrites it)", path=dst)
+        raise OutputError("the destination is not empty (--force overwrites it)", path=dst)
 
 
 def clear_destination(dst: Path) -> None:

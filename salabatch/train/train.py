@@ -55,7 +55,7 @@ from salabatch.engine.checkpoint import write_weights
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
-from salabatch.errors import ConfigError
+from salabatch.errors import ConfigError, OutputError
 from salabatch.models import resolve_model
 from salabatch.train.data import END_OF_TURN, EVAL, KINDS, TRAIN, TaskGenerator
 from salabatch.train.deepen import deepen
@@ -186,7 +186,12 @@ def train(
     `cache_dir`: where builtin:random (the tokenizer's source) is built, default the user's cache
     dir."""
     out = Path(cfg.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot make the folder ({e.strerror or e})", path=out) from None
+    # a run into the same folder starts over: an earlier run's best is no checkpoint of this one
+    shutil.rmtree(out / "best", ignore_errors=True)
     _write_record(out, cfg, None)  # a run stopped early still says how it was made
     if blas.active().kind == "reference" and mx.default_device() == mx.cpu:
         # measured 15x slower fwd+bwd at hidden 128 than with OpenBLAS on the 2-core dev box
@@ -201,7 +206,15 @@ def train(
     eos = [2, tok.token_id(END_OF_TURN)]
     if cfg.init:  # go on from a checkpoint this function wrote (a curriculum's next stage)
         init = Path(cfg.init).expanduser()
-        raw = _restage(json.loads((init / "config.json").read_text()), cfg.model)
+        raw = json.loads((init / "config.json").read_text())
+        if raw.get("quantization") or raw.get("quantization_config"):
+            raise ConfigError(
+                "a quantized checkpoint cannot be trained on: give the float one it was "
+                "converted from",
+                path=init,
+                field="init",
+            )
+        raw = _restage(raw, cfg.model)
         model = Model(ModelConfig.from_dict(raw))
         model.load_weights(str(init / "model.safetensors"))
         if cfg.deepen:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -128,3 +130,49 @@ def test_a_stopped_benchmark_exits_as_a_stopped_run(monkeypatch, terminated):
     result = CliRunner().invoke(main, ["bench", "gla"])
     assert result.exit_code == (143 if terminated else 130), result.output
     assert ("terminated (SIGTERM)" if terminated else "interrupted") in result.output
+
+
+def test_an_out_file_is_checked_before_the_benchmark_runs(monkeypatch, tmp_path):
+    """--out (and --chart) in a folder that does not exist: the folder is made; a folder, or a
+    path under a file, is a usage error before anything runs (the benchmark ran, then failed
+    writing: its figures lost, exit 1). `~` is the home folder."""
+    from salabatch.bench import gla
+
+    ran = []
+    monkeypatch.setattr(gla, "run", lambda repeat: ran.append(repeat) or {"ops": []})
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path, tmp_path / "afile" / "x.json"):
+        result = CliRunner().invoke(main, ["bench", "gla", "--out", str(bad)])
+        assert result.exit_code == 2 and "--out" in result.output and not ran, result.output
+    made = tmp_path / "new" / "deeper" / "g.json"
+    assert CliRunner().invoke(main, ["bench", "gla", "--out", str(made)]).exit_code == 0
+    assert json.loads(made.read_text())["bench"] == "gla"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert CliRunner().invoke(main, ["bench", "gla", "--out", "~/home.json"]).exit_code == 0
+    assert (tmp_path / "home.json").is_file()
+
+
+def test_needle_quick_fills_only_what_is_not_given(monkeypatch):
+    """--quick's preset gives what the command line does not: an explicit --documents was
+    overridden by it (--contexts and --depths were not)."""
+    import salabatch.api
+    from salabatch.bench import needle
+
+    asked = {}
+
+    def run(model, tokenizer, contexts, depths, *, documents, **kwargs):
+        asked.update(contexts=contexts, depths=depths, documents=documents)
+        raise KeyboardInterrupt  # enough: what it was asked is known
+
+    monkeypatch.setattr(salabatch.api, "load", lambda ref: (None, None))
+    monkeypatch.setattr(needle, "run", run)
+    CliRunner().invoke(main, ["bench", "needle", "--quick", "--documents", "2"])
+    assert asked == {"contexts": (4096, 8192), "depths": (0.1, 0.5, 0.9), "documents": 2}
+    CliRunner().invoke(main, ["bench", "needle", "--quick", "--contexts", "2K"])
+    assert asked["contexts"] == [2048] and asked["documents"] == 1
+
+
+def test_long_graph_with_a_chart_is_refused_before_it_counts(tmp_path):
+    """--graph prints counts and draws nothing: its --chart was ignored without a word."""
+    result = CliRunner().invoke(main, ["bench", "long", "--graph", "--chart", str(tmp_path / "g")])
+    assert result.exit_code == 2 and "--chart" in result.output, result.output

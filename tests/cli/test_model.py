@@ -228,6 +228,25 @@ def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeyp
     assert "a.txt" in cut.stderr
 
 
+def test_perplexity_of_a_text_bigger_than_the_context_scores_its_first_tokens(
+    tiny, tmp_path, monkeypatch
+):
+    """A text file over what the model's context can hold (16 bytes a token) was refused
+    ("too large ... raise max_context", exit 3) though README says such a document is scored
+    over its first tokens; only what they can take is read. --json takes `~`."""
+    import json
+
+    big = tmp_path / "big.txt"
+    line = "The supplier owes the buyer ten crates of apples. "
+    big.write_text(line * (16 * 2**20 // len(line) + 1000))  # > 16 MiB: 1M tokens' bytes
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = ["perplexity", str(tiny), str(big), "--max-tokens", "40", "--json", "~/ppl.json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "the first 40 of" in result.stderr, result.stderr
+    assert json.loads((tmp_path / "ppl.json").read_text())["documents"][0]["tokens"] == 40
+
+
 def test_perplexity_checks_its_json_path_before_scoring(tmp_path, monkeypatch):
     """--json naming a folder, or under a file, is a usage error (exit 2) before the model
     loads (the figures of hours of scoring were lost at the end); missing folders are made."""

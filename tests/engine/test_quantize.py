@@ -15,7 +15,7 @@ from salabatch.engine.checkpoint import read_weights, write_weights
 from salabatch.engine.load import load_model
 from salabatch.engine.quantize import convert, quantize_model
 from salabatch.engine.tokenizer_files import TOKENIZER_FILES
-from salabatch.errors import CheckpointError, ConfigError
+from salabatch.errors import CheckpointError, ConfigError, OutputError
 from tests.tiny import tiny_config_dict, write_tiny_checkpoint
 
 # Relative RMS of the logits against float32, by bits.
@@ -205,12 +205,20 @@ def test_convert_refuses_to_overwrite(src, converted, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "model-00001-of-00002.safetensors").write_bytes(b"stale")
-    with pytest.raises(CheckpointError, match="not empty"):
+    with pytest.raises(OutputError, match="not empty"):
         convert(src, dst, bits=8, progress=False)
     convert(src, dst, bits=8, force=True, progress=False)  # and removes the stale shard
     assert sorted(p.name for p in dst.glob("*.safetensors")) == ["model.safetensors"]
-    with pytest.raises(CheckpointError, match="is the source"):
+    with pytest.raises(OutputError, match="is the source"):
         convert(src, src, bits=8, force=True, progress=False)
+    # an output path that cannot be used is bad input (exit 2), as everywhere: it was exit 1,
+    # under a file after the whole conversion with "is the disk full?"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputError, match="is not a directory") as e:
+        convert(src, tmp_path / "afile", bits=8, progress=False)
+    assert e.value.exit_code == 2
+    with pytest.raises(OutputError, match="afile is a file"):
+        convert(src, tmp_path / "afile" / "sub" / "q8", bits=8, progress=False)
     with pytest.raises(CheckpointError, match="already quantized"):
         convert(converted[8][0], tmp_path / "again", bits=4, progress=False)
 

@@ -3,6 +3,7 @@ through the sparse (InfLLM-v2) path."""
 
 import json
 import math
+import shutil
 from dataclasses import replace
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from salabatch.engine.kernels.gla import decay_slopes
 from salabatch.engine.load import load_model
 from salabatch.engine.model import Model
 from salabatch.engine.tokenizer import load_tokenizer
-from salabatch.errors import ConfigError
+from salabatch.errors import ConfigError, OutputError
 from salabatch.models import resolve_model
 from salabatch.train.data import EVAL, TaskGenerator
 from salabatch.train.scoring import answer_logits, evaluate, loss_fn, make_batch
@@ -164,13 +165,24 @@ def test_a_stage_goes_on_from_a_checkpoint_with_new_sparse_settings(tmp_path, mo
         out=str(tmp_path / "b"), steps=1, length=160, batch=1, warmup=0, eval_samples=0,
         init=str(a), model={"dense_len": 128}, kinds=("needle",),
     )  # fmt: skip
+    (tmp_path / "b" / "best").mkdir(parents=True)  # an earlier run's, of another model
     b = train(second, cache_dir=models_dir)
+    assert not (b / "best").exists()  # this run evaluated nothing: it has no best
     raw = json.loads((b / "config.json").read_text())
     assert raw["sparse_config"]["dense_len"] == 128 and raw["hidden_size"] == TINY["hidden"]
     with pytest.raises(ConfigError, match="keeps its shape"):
         train(TrainConfig(out=str(tmp_path / "c"), steps=1, init=str(a), model={"hidden": 32}))
     with pytest.raises(ConfigError, match="unknown model sizes"):
         TrainConfig(out=str(tmp_path / "d"), model={"width": 3})
+    quantized = tmp_path / "q"
+    shutil.copytree(a, quantized)
+    raw = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps(raw | {"quantization": {"bits": 4}}))
+    with pytest.raises(ConfigError, match="a quantized checkpoint cannot be trained on"):
+        train(TrainConfig(out=str(tmp_path / "e"), steps=1, init=str(quantized)))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputError, match="cannot make the folder"):
+        train(TrainConfig(out=str(tmp_path / "afile" / "run"), steps=1))
 
 
 def test_cli_reads_model_sizes_and_refuses_bad_ones(tmp_path):

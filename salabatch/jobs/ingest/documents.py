@@ -129,6 +129,9 @@ class DocumentSource:
     skip: the job's own files (its results and their parts folder, its Batch output, its
         requests): a walk or a glob never takes them, so results written into a documents
         folder are not read back as documents by the next run.
+    first_tokens: only a text file's first tokens are wanted (`salabatch perplexity
+        --max-tokens`): it is read as far as `BYTES_PER_TOKEN` bytes each can reach and cut
+        there, at a character's end, never refused for its size.
     """
 
     path: str | Path
@@ -138,6 +141,7 @@ class DocumentSource:
     format: str | None = None
     max_tokens: int | None = None
     skip: tuple[Path, ...] = ()
+    first_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -606,7 +610,12 @@ def _too_large(size: int, file: SourceFile, fmt: str, what: str = "file") -> str
 
 
 def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
-    """All of a text or PDF file, unless it is over its limit: its size is looked at first."""
+    """All of a text or PDF file, unless it is over its limit: its size is looked at first;
+    of a text file whose first tokens only are wanted, as much as they can take."""
+    if fmt == "text" and file.source.first_tokens is not None:
+        most = file.source.first_tokens * BYTES_PER_TOKEN[fmt]
+        data = f.read(most + 1)
+        return data if len(data) <= most else _whole_characters(data[:most])
     limit = _limit(file, fmt)
     if limit is None:
         return f.read()
@@ -616,6 +625,20 @@ def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
     data = f.read(limit + 1)  # a file that grew, or one whose size says 0 (/proc)
     if len(data) > limit:
         raise _Unreadable(_too_large(max(size, len(data)), file, fmt))
+    return data
+
+
+def _whole_characters(data: bytes) -> bytes:
+    """`data` cut at its end without the start of a UTF-8 character the cut split (what is
+    not UTF-8 at all is left to the decoding)."""
+    for end in range(len(data), max(0, len(data) - 4), -1):
+        try:
+            data[:end].decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason != "unexpected end of data":
+                return data
+            continue
+        return data[:end]
     return data
 
 

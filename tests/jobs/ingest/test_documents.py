@@ -625,3 +625,19 @@ def test_the_jobs_own_files_in_a_documents_folder_are_never_documents(tmp_path):
     assert [f.rel_id for f in expand_sources(spec.sources())] == ["a.txt"]
     # the same folder for another job: they are documents (.parquet is not a document type)
     assert len(expand_sources([DocumentSource(docs)])) == 4
+
+
+def test_a_text_whose_first_tokens_only_are_wanted_is_cut_at_a_characters_end(tmp_path):
+    """`first_tokens` (perplexity --max-tokens): a text file is read as far as 16 bytes a token
+    reach, cut where a character ends (a cut inside "é" is no decoding error), never refused
+    for its size however small max_tokens is."""
+    path = tmp_path / "accents.txt"
+    path.write_text("é" * 1000)  # 2,000 bytes: 3 tokens' 48 bytes end inside no character
+    for first, chars in ((3, 24), (1, 8)):
+        source = DocumentSource(path, max_tokens=2, first_tokens=first)
+        (doc,) = iter_documents([source])
+        assert doc.ok and doc.text == "é" * chars, doc.error
+    odd = tmp_path / "odd.txt"
+    odd.write_text("a" + "é" * 1000)  # 16 bytes end inside the eighth "é": it goes
+    (doc,) = iter_documents([DocumentSource(odd, first_tokens=1)])
+    assert doc.ok and doc.text == "a" + "é" * 7
