@@ -67,7 +67,7 @@ class GenerationResponse:
     prompt_tps: float  # prompt tokens per second, up to the first token
     generation_tokens: int  # tokens of the answer so far
     generation_tps: float  # answer tokens per second after the first (0.0 until the second)
-    peak_memory: float  # GB, MLX's peak so far
+    peak_memory: float  # GB of 10^9 bytes (as mlx-lm's), MLX's peak so far
     finish_reason: str | None = None  # "stop" | "length" on the last response
     draft_tokens: int = 0  # tokens drafted so far (speculative decoding)
     accepted_tokens: int = 0  # of those, accepted

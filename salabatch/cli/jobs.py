@@ -152,9 +152,10 @@ def run(
             debug=debug_enabled(),
             jsonl=jsonl,
         )
+    requests = f", {counted(summary.requests, 'request line')}" if summary.requests else ""
     click.echo(
         f"{counted(summary.written, 'row')} written ({counted(summary.errors, 'error')}), "
-        f"{summary.skipped} already done, {counted(summary.documents, 'document')}, "
+        f"{summary.skipped} already done, {counted(summary.documents, 'document')}{requests}, "
         f"{summary.seconds:.1f} s -> {summary.output}",
         err=True,
     )

@@ -103,10 +103,11 @@ def generate(
     )
     click.echo()
     answer = counted(stats["completion_tokens"], "token")
+    if stats["completion_tokens"] > 1:  # one token has no rate
+        answer += f" at {stats['decode_tok_s']:.1f} tok/s"
     click.echo(
         f"prompt {stats['prompt_tokens']} tokens, prefill {stats['prefill_tok_s']:.1f} tok/s, "
-        f"first token after {stats['ttft_s']:.2f} s, {answer} at "
-        f"{stats['decode_tok_s']:.1f} tok/s ({stats['finish_reason']})",
+        f"first token after {stats['ttft_s']:.2f} s, {answer} ({stats['finish_reason']})",
         err=True,
     )
 

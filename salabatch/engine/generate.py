@@ -298,9 +298,11 @@ class Generation:
         return len(self.tokens)
 
     @property
-    def decode_tok_s(self) -> float:
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second after the first (decode_s starts at it); None for an answer of
+        fewer than two tokens, which has no rate."""
         steps = len(self.tokens) - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else None
 
 
 class Generator:

@@ -73,25 +73,26 @@ class Turn:
     accepted_tokens: int = 0
 
     @property
-    def decode_tok_s(self) -> float:
+    def decode_tok_s(self) -> float | None:
         """Tokens per second after the first, as the engine counts (`Generation.decode_tok_s`,
         what `salabatch generate` shows): decode_s starts at the first token, so it spans
-        n − 1 of them (counting all n showed a short answer up to twice as fast)."""
+        n − 1 of them (counting all n showed a short answer up to twice as fast); None for
+        fewer than two tokens."""
         steps = self.completion_tokens - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else None
 
     def summary(self) -> str:
         """The line shown after an answer."""
-        rate = self.decode_tok_s
+        rate = "–" if self.decode_tok_s is None else f"{self.decode_tok_s:.1f}"
         if self.finish_reason == "cancelled":  # the engine's counts never came
-            return f"[stopped after {self.completion_tokens} tokens, {rate:.1f} tok/s]"
+            return f"[stopped after {self.completion_tokens} tokens, {rate} tok/s]"
         drafts = (
             f"drafts {self.accepted_tokens}/{self.draft_tokens} accepted; "
             if self.draft_tokens
             else ""
         )
         return (
-            f"[{self.completion_tokens} tokens, {rate:.1f} tok/s; prompt {self.prompt_tokens} "
+            f"[{self.completion_tokens} tokens, {rate} tok/s; prompt {self.prompt_tokens} "
             f"tokens, {self.cached_tokens} cached; {drafts}first token after "
             f"{self.ttft_s:.2f} s; {self.finish_reason}]"
         )

@@ -67,10 +67,11 @@ def test_ctrl_c_or_sigterm_while_a_command_starts_exits_130_or_143(monkeypatch, 
         raise KeyboardInterrupt
 
     monkeypatch.setitem(main.commands, "starting", starting)
+    before = signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(main, ["starting"])
     assert result.exit_code == (143 if terminated else 130)
     assert result.output.strip() == ("terminated (SIGTERM)" if terminated else "interrupted")
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before  # put back
 
 
 def test_ctrl_c_while_salabatch_run_reads_its_job_exits_130(monkeypatch, tmp_path):

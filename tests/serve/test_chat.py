@@ -22,7 +22,7 @@ SUMMARY = re.compile(
     r"\[(\d+) tokens, [\d.]+ tok/s; prompt (\d+) tokens, (\d+) cached; "
     r"(?:drafts (\d+)/(\d+) accepted; )?first token after [\d.]+ s; (stop|length)\]"
 )
-STOPPED = re.compile(r"\[stopped after (\d+) tokens, [\d.]+ tok/s\]")
+STOPPED = re.compile(r"\[stopped after (\d+) tokens, (?:[\d.]+|–) tok/s\]")
 
 
 def turns(text: str) -> list[dict]:
@@ -218,7 +218,7 @@ def test_the_summary_rate_is_the_engines_decode_rate():
     turn = Turn(48, 0, 2, 0.05, 0.01, "length")
     assert "[2 tokens, 100.0 tok/s;" in turn.summary()
     assert Turn(48, 0, 201, 0.05, 0.5, "length").decode_tok_s == 400.0
-    assert Turn(48, 0, 1, 0.05, 0.0, "stop").decode_tok_s == 0.0
+    assert Turn(48, 0, 1, 0.05, 0.0, "stop").decode_tok_s is None  # one token: no rate
     assert Turn(0, 0, 5, 0.1, 2.0, "cancelled").summary() == "[stopped after 5 tokens, 2.0 tok/s]"
 
 

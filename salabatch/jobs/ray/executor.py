@@ -108,6 +108,7 @@ def run_job_ray(
             manifest = plan_manifest(setup, writer.done_keys(), limit)
             identity = RunIdentity.of(setup, ModelConfig.from_file(setup.model_path))
             summary.skipped, summary.documents = manifest.skipped, manifest.documents
+            summary.requests = manifest.requests
             shown = Progress.to(
                 sys.stderr, spec.name, count_rows(spec), enabled=progress, echo=echo
             )

@@ -49,7 +49,8 @@ class Manifest:
 
     units: list[Unit] = field(default_factory=list)
     errors: list[DocPlan] = field(default_factory=list)  # request lines that cannot be served
-    documents: int = 0  # documents and request groups with rows to do
+    documents: int = 0  # documents with rows to do
+    requests: int = 0  # request lines to do
     skipped: int = 0  # rows already in the results
     job_keys: set[str] = field(default_factory=set)  # every row of the job, done or not
     request_lines: dict[str, int] = field(default_factory=dict)  # request key -> its line
@@ -79,7 +80,7 @@ def plan_manifest(setup: JobSetup, done: frozenset[str], limit: int | None = Non
     if setup.spec.requests and not cut.cut:
         pool: list[DocPlan] = []
         for plan in cut.take(plan_requests(setup.spec, setup.tok, planner)):
-            manifest.documents += 1
+            manifest.requests += len(plan.rows)
             if plan.error:
                 manifest.errors.append(plan)
             elif setup.is_pooled(plan):

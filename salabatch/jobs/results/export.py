@@ -29,6 +29,7 @@ from salabatch.errors import OutputError
 from salabatch.files import json_line, same_file, write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import (
+    CHAT_ROWS,
     RESPONSE_ROWS,
     TEXT_ROWS,
     OutputWarning,
@@ -70,12 +71,20 @@ def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None 
         ),
         ("runs", str(len(pc.unique(table["run_id"])))),
     ]
+    # a request line's row has its custom_id for a document: it is counted as a request
+    of_lines = pc.is_in(table["question_id"], pa.array([CHAT_ROWS, TEXT_ROWS, RESPONSE_ROWS]))
+    asked = table.filter(pc.invert(of_lines))
     counts = [
         ("rows", _int(table.num_rows)),
         ("  ok", _int(n_ok)),
         ("  errors", _int(table.num_rows - n_ok)),
-        ("documents", _int(len(pc.unique(table["doc_id"])))),
-        ("questions", _int(len(pc.unique(table["question_id"])))),
+        ("documents", _int(len(pc.unique(asked["doc_id"])))),
+        ("questions", _int(len(pc.unique(asked["question_id"])))),
+        *(
+            [("request lines", _int(table.num_rows - asked.num_rows))]
+            if len(asked) < len(table)
+            else []
+        ),
         ("prompt tokens", _int(pc.sum(table["prompt_tokens"]).as_py())),
         ("cached tokens", _int(pc.sum(table["cached_tokens"]).as_py())),
         ("completion tokens", _int(pc.sum(table["completion_tokens"]).as_py())),

@@ -144,10 +144,19 @@ RESULT_SCHEMA = pa.schema(
             "load, or its batch) to its first token",
         ),
         _col("decode_s", _F, "seconds decoding the answer"),
-        _col("decode_tok_s", _F, "decode throughput of this sequence, tokens/s"),
+        _col(
+            "decode_tok_s",
+            _F,
+            "decode throughput of this sequence after its first token, tokens/s; null for an "
+            "answer of fewer than 2 tokens",
+        ),
         _col("batch_size", _I, "sequences decoded together"),
         _col("cache_source", _S, "where the document's prefix came from: memory | disk | none"),
-        _col("peak_mem_gb", _F, "peak accelerator/process memory during the request, GB"),
+        _col(
+            "peak_mem_gb",
+            _F,
+            "peak accelerator/process memory during the request, GB of 2^30 bytes (GiB)",
+        ),
         _col("started_at", _TS, "when the request started (UTC)"),
         _col("finished_at", _TS, "when the row was finished (UTC)", nullable=False),
     ],

@@ -52,12 +52,14 @@ def dry_run(
         echo(f"  {q.id}: {q.text}")
     echo("documents:")
     cut = Limit(limit)
-    rows, prefill, cached, largest = _show_documents(setup, planner, cut, echo)
+    prefixes = _Prefixes(setup)
+    rows, largest = _show_documents(setup, planner, cut, prefixes, echo)
     if spec.requests and not cut.cut:
         plans = list(cut.take(plan_requests(spec, setup.tok, planner)))
         for plan in plans:
             if not plan.error:
                 largest.add(plan, setup.is_pooled(plan))
+                prefixes.state(plan)
         todo = sum(len(p.rows) for p in plans)
         bad = sum(len(p.rows) for p in plans if p.error)
         shared = [p for p in plans if p.doc_prompt is not None]
@@ -73,8 +75,8 @@ def dry_run(
         todo, skipped = job.todo, job.done
         later = f" (--limit {limit}; {todo - rows} more of the job left for later runs)"
     echo(
-        f"plan: {counted(rows, 'row')} to do{later}, {skipped} already done; prefill {prefill} "
-        f"document tokens, {cached} from stored prefixes"
+        f"plan: {counted(rows, 'row')} to do{later}, {skipped} already done; prefill "
+        f"{prefixes.prefill} document tokens, {prefixes.cached} from stored prefixes"
     )
     if largest.document:
         what = f"the longest document ({largest.document} tokens)"
@@ -106,12 +108,48 @@ class _Largest:
             self.document, self.rows = plan.doc_tokens, own
 
 
+class _Prefixes:
+    """Where each prefix a run answers from would come from, as `DocumentCaches` takes it:
+    the last one in memory, a stored one (before the run, or saved by it earlier), the
+    furthest snapshot of a killed prefill, or a prefill; with the tokens to prefill and those
+    already held, in all."""
+
+    def __init__(self, setup: JobSetup) -> None:
+        self.setup, self.prefill, self.cached = setup, 0, 0
+        self._saved: set[str] = set()  # prefixes this run stores as it goes
+        self._last: str | None = None
+
+    def state(self, plan: DocPlan) -> str:
+        setup, tokens = self.setup, plan.doc_tokens
+        if setup.is_pooled(plan):
+            self.prefill += tokens * len(plan.rows)
+            return "short: prefilled with each question, batched across documents"
+        key, store = setup.prefix_key(plan), setup.store
+        last, self._last = self._last, key.digest
+        if key.digest == last:
+            self.cached += tokens
+            return "prefix in memory (the one before)"
+        if store is not None and (key.digest in self._saved or store.has(key)):
+            self.cached += tokens
+            return "prefix stored"
+        resumed = 0 if store is None else min(store.snapshot_tokens(key), tokens)
+        self.cached += resumed
+        self.prefill += tokens - resumed
+        if store is not None:
+            self._saved.add(key.digest)
+        return f"resumes a snapshot at {resumed} tokens" if resumed else "to prefill once"
+
+
 def _show_documents(
-    setup: JobSetup, planner: Planner, cut: Limit, echo: Callable[[str], None]
-) -> tuple[int, int, int, _Largest]:
-    """One line per document the run would take (`cut`: its --limit); returns (rows to do,
-    tokens to prefill, tokens already stored, what decides the peak memory)."""
-    rows = prefill = cached = 0
+    setup: JobSetup,
+    planner: Planner,
+    cut: Limit,
+    prefixes: _Prefixes,
+    echo: Callable[[str], None],
+) -> tuple[int, _Largest]:
+    """One line per document the run would take (`cut`: its --limit), its prefix counted by
+    `prefixes`; returns (rows to do, what decides the peak memory)."""
+    rows = 0
     largest = _Largest()
     for plan in cut.take(planner.documents()):
         rows += len(plan.rows)
@@ -124,19 +162,12 @@ def _show_documents(
         pages = f", {counted(n_pages, 'page')}" if n_pages else ""
         notes = "".join(f", {n}" for n in plan.notes)
         largest.add(plan, setup.is_pooled(plan))
-        if setup.is_pooled(plan):
-            state = "short: prefilled with each question, batched across documents"
-            prefill += plan.doc_tokens * len(plan.rows)
-        else:
-            hit = setup.store is not None and setup.store.has(setup.prefix_key(plan))
-            cached += plan.doc_tokens if hit else 0
-            prefill += 0 if hit else plan.doc_tokens
-            state = "prefix stored" if hit else "to prefill once"
+        state = prefixes.state(plan)
         echo(
             f"  {plan.doc.doc_id}: {counted(plan.doc_tokens, 'token')}{pages}, "
             f"{counted(len(plan.rows), 'row')}, {state}{notes}"
         )
-    return rows, prefill, cached, largest
+    return rows, largest
 
 
 def _memory_line(

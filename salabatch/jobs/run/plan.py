@@ -60,6 +60,12 @@ class DocPlan:
     def doc_tokens(self) -> int:
         return len(self.doc_prompt) if self.doc_prompt else 0
 
+    @property
+    def of_requests(self) -> bool:
+        """Whether its rows are request lines (one, or a group sharing a prefix), not a
+        document's questions."""
+        return any(r.request_line is not None for r in self.rows)
+
 
 def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
     """Rows without a shared prefix (request lines that share none with another), and short

@@ -47,7 +47,8 @@ class RunSummary:
     failed: int = 0  # error rows of the job in the results, this run's and earlier ones'
     left: int = 0  # rows of the job --limit left for a later run
     dropped: int = 0  # rows of earlier runs no longer in the job, dropped from the results
-    documents: int = 0
+    documents: int = 0  # with rows to do
+    requests: int = 0  # request lines to do
     seconds: float = 0.0
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
@@ -144,7 +145,10 @@ class _Runner:
         """The job's plans in order, as many as `cut` (--limit) takes."""
         for plan in cut.take(self.setup.plans(planner)):
             self._count_skipped(planner)
-            self.summary.documents += 1
+            if plan.of_requests:
+                self.summary.requests += len(plan.rows)
+            else:
+                self.summary.documents += 1
             yield plan
 
     def _count_skipped(self, planner: Planner) -> None:

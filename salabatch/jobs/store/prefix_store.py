@@ -162,6 +162,12 @@ class PrefixStore:
             return self._entry_stem(key).with_suffix(".json").exists()
         return False
 
+    def snapshot_tokens(self, key: PrefixKey) -> int:
+        """The tokens the furthest snapshot of this prefix's prefill holds, 0 for none (not
+        verified: see `load_snapshot`)."""
+        folder = self.root / "snapshots" / key.digest
+        return max((_position(m) for m in _manifests(folder, "*.json")), default=0)
+
     def save(self, key: PrefixKey, cache: ModelCache) -> None:
         """Stores a complete prefix cache in place of its prefill's snapshots, least recently
         used entries evicted first to make room for it; one larger than the whole budget is

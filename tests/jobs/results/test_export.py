@@ -53,6 +53,15 @@ def test_inspect_summarizes_counts_tokens_speeds_and_errors(results):
     assert "answers" not in text
 
 
+def test_inspect_means_only_the_rates_there_are(tmp_path):
+    """A one-token answer has no decode rate (null): it drew the mean down as 0.0."""
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row("a.q0", decode_tok_s=40.0), make_row("a.q1", decode_tok_s=None)])
+    text = inspect_results(path)
+    assert "decode tok/s, mean 40.0" in " ".join(text.split()), text
+
+
 def test_inspect_shows_answers(results):
     text = inspect_results(results, show=2)
     assert "answers (first 2 of 6)" in text

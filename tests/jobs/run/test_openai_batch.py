@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,10 @@ def test_rerun_keeps_input_order_of_the_file_as_it_is_now(tmp_path, tiny_model):
     write_requests(requests, [line("new", "Name a lake."), line("b", "Name a sea."), line("a")])
     again = run_requests(tmp_path, tiny_model, requests, out)
     assert "1 row written" in again.output and "2 already done" in again.output
+    # request lines are counted as such, not as documents (each line was one)
+    assert "0 documents, 1 request line," in again.output, again.output
+    shown = run_cli("inspect", str(out.with_suffix(".parquet"))).output
+    assert re.search(r"documents +0\n", shown) and re.search(r"request lines +3\n", shown), shown
     after = out.read_text().splitlines()
     assert [json.loads(x)["custom_id"] for x in after] == ["new", "b", "a"]
     assert after[1:] == [before["b"], before["a"]]  # done rows: the same lines

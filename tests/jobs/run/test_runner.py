@@ -106,7 +106,9 @@ def test_three_documents_three_questions(tmp_path, tiny_model):
         assert r["status"] == "ok" and r["error"] is None
         assert 0 < r["completion_tokens"] <= 6 and r["finish_reason"] in ("stop", "length")
         assert r["prompt_tokens"] >= r["doc_tokens"] > 0
-        assert r["ttft_s"] > 0 and r["decode_tok_s"] >= 0 and r["prefill_tok_s"] > 0
+        assert r["ttft_s"] > 0 and r["prefill_tok_s"] > 0
+        # a rate after the first token: none for a one-token answer (it was 0.0)
+        assert (r["decode_tok_s"] is None) == (r["completion_tokens"] < 2)
         assert r["started_at"] <= r["finished_at"] and r["peak_mem_gb"] > 0
         assert r["quant_bits"] is None and r["cache_source"] == "none"
     shared = [r for r in got if r["doc_id"] != "notes.txt"]  # over pool_max_tokens: one prefix
@@ -263,6 +265,41 @@ def test_each_document_and_each_pool_measures_its_own_peak_memory(
     write_docs(tmp_path)
     assert run_cli("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
     assert len(resets) == 3  # report.md and letter.pdf (a prefix each), the pool of notes.txt
+
+
+def test_the_dry_run_counts_the_prefill_the_run_does(tmp_path, tiny_model):
+    """A document twice (the second answers from the first's prefix in memory) and a request
+    group sharing a prefix: the dry run counted the copy's prefill and not the group's; after
+    the run, every prefix is stored."""
+    docs = write_docs(tmp_path)
+    shutil.copy(docs / "report.md", docs / "report-copy.md")
+    system = "Answer from the document. " * 30  # request lines sharing a long system prompt
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "system", "content": system},
+                               {"role": "user", "content": f"Question {i}?"}]}}
+        for i in range(5)
+    ]  # fmt: skip
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = str(write_job(tmp_path, tiny_model, requests=str(requests)))
+    plan = run_cli("run", job, "--dry-run").output
+    assert "report-copy.md" in plan and "prefix in memory" in plan, plan
+    prefill, stored = map(
+        int, re.search(r"prefill (\d+) document tokens, (\d+) from", plan).groups()
+    )
+    assert run_cli("run", job).exit_code == 0
+    done = rows(tmp_path)
+    # per prefix: notes.txt is short (pooled: prefilled with each of its 3 questions), the
+    # request lines' group is one prefix (its first row prefilled it, the others reused it)
+    docs_rows = [r for r in done if r["doc_id"] in {p.name for p in docs.iterdir()}]
+    fresh = {r["doc_id"]: r["doc_tokens"] for r in docs_rows if r["cache_source"] == "none"}
+    reused = {r["doc_id"]: r["doc_tokens"] for r in docs_rows if r["cache_source"] == "memory"}
+    group = next(r["doc_tokens"] for r in done if r["doc_id"] == "r0")
+    assert set(reused) == {"report.md"} and fresh["notes.txt"] < 128
+    assert prefill == sum(fresh.values()) + 2 * fresh["notes.txt"] + group
+    assert stored == reused["report.md"]
+    assert run_cli("run", job, "--no-resume", "--dry-run").output.count("prefix stored") >= 2
 
 
 def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_model, monkeypatch):

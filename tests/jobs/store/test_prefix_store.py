@@ -326,6 +326,8 @@ def test_snapshots_write_each_tokens_keys_once_and_load_as_their_chain(model, tm
     )
     loaded = store.load_snapshot(key_for(ids), model.config)
     assert loaded.offset == 768 and loaded.prefill_len == 1000
+    assert store.snapshot_tokens(key_for(ids)) == 768  # what --dry-run says it resumes at
+    assert store.snapshot_tokens(key_for(doc_ids(10))) == 0
     assert mx.array_equal(model(mx.array(NEXT), loaded), model(mx.array(NEXT), live))
 
     data = folder / "512.safetensors"
