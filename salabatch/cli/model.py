@@ -278,6 +278,7 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
             {
                 "document": doc.doc_id,
                 "tokens": len(ids),
+                "scored": len(nll),  # all but the first: nll is their mean
                 "nll": mean,
                 "perplexity": math.exp(mean),
                 "seconds": seconds,
@@ -286,11 +287,12 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
         show(_ppl_line(doc.doc_id, len(ids), mean, seconds))
     report = {"model": model, "dtype": dtype, "documents": rows, "failed": failed}
     if rows:
-        scored = sum(r["tokens"] - 1 for r in rows)
-        mean = sum(r["nll"] * (r["tokens"] - 1) for r in rows) / scored
+        scored = sum(r["scored"] for r in rows)
+        mean = sum(r["nll"] * r["scored"] for r in rows) / scored
         seconds = sum(r["seconds"] for r in rows)
         show(_ppl_line(f"all ({len(rows)})", sum(r["tokens"] for r in rows), mean, seconds))
-        report["total"] = {"tokens": scored + len(rows), "nll": mean, "perplexity": math.exp(mean)}
+        total = {"tokens": sum(r["tokens"] for r in rows), "scored": scored}
+        report["total"] = total | {"nll": mean, "perplexity": math.exp(mean)}
         report["by_position"] = positions.rows()
         show("\nby position in the document (all documents):")
         for b in report["by_position"]:

@@ -209,6 +209,7 @@ def test_perplexity_scores_each_document_and_by_position(tiny, tmp_path, monkeyp
         ids = tok.encode((docs / name).read_text(), add_bos=tok.add_bos_token, special=False)
         nll = [-x.logprob for x in score(model, tok, ids)]
         assert row["tokens"] == len(ids) and row["nll"] == pytest.approx(sum(nll) / len(nll))
+        assert row["scored"] == len(nll) == len(ids) - 1  # the first token has no prediction
         assert row["perplexity"] == pytest.approx(math.exp(row["nll"]))
         assert f"{name:<40} {len(ids):>9,}" in result.stdout
         scored += len(nll)
