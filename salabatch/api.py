@@ -329,15 +329,23 @@ def batch_generate(
         requests.append(
             Request(str(i), suffix, params, room, stop, context=context, grammar=grammar)
         )
+    # a document below dense_len whose prompts reach it: each row from its whole prompt, as
+    # `salabatch run` pools it (a prefix prefilled alone would run the sparse layers dense)
+    longest = len(doc_prompt) + max(len(r.prompt) for r in requests)
+    whole = model.config.splits_modes(len(doc_prompt), longest)
+    if whole:
+        requests = [replace(r, prompt=(*doc_prompt, *r.prompt), context=()) for r in requests]
     # as `salabatch run` answers a document: refused before its prefill where it cannot fit
     rows = [len(r.prompt) + r.max_tokens for r in requests]
+    doc_tokens = 0 if whole else len(doc_prompt)
     needs = memory.model_plan(
-        model, doc_tokens=len(doc_prompt), rows=rows, chunk=prefill_chunk, batch_size=batch_size
+        model, doc_tokens=doc_tokens, rows=rows, chunk=prefill_chunk, batch_size=batch_size
     )
     memory.check(needs)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
-        prefix = model.make_cache()
-        prefill(model, doc_prompt, prefix, prefill_chunk)
+        prefix = None if whole else model.make_cache()
+        if prefix is not None:
+            prefill(model, doc_prompt, prefix, prefill_chunk)
         generator = Generator(
             model,
             batch_size=batch_size,
@@ -404,7 +412,11 @@ def choose(
     memory.check(needs)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = model.make_cache()
-        prefill(model, doc_prompt, prefix, prefill_chunk)
+        # a document below dense_len that every question's prompt takes past it: prefilled
+        # as those prompts' one call runs it, InfLLM-v2 (alone it would run dense, SPEC P7)
+        shortest = len(doc_prompt) + min(len(h) for h in heads) + 1
+        planned = shortest if model.config.splits_modes(len(doc_prompt), shortest) else None
+        prefill(model, doc_prompt, prefix, prefill_chunk, planned=planned)
         scores = choice_scores(model, prefix, [(h, spelled) for h in heads], rows=batch_size)
     out = []
     for per_choice in scores:

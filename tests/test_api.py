@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import salabatch
@@ -209,6 +210,30 @@ def test_bad_settings_are_refused_by_name_before_any_work(loaded, settings, name
     ):
         with pytest.raises(ValueError, match=named):
             call()
+
+
+def test_a_document_below_dense_len_its_questions_reach_answers_as_one_call(loaded):
+    """A document prompt just under dense_len whose questions take it past: prefilled alone it
+    ran the sparse layers dense, one call over a question's whole prompt runs them InfLLM-v2
+    (SPEC P7): answers differed from `generate` on the same ids. Each question now answers
+    from its whole prompt."""
+    model, tok = loaded
+    sc = model.config.sparse
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "lamp", "quiet", "north", "seven"]
+    doc = " ".join(np.random.default_rng(0).choice(words, 3000))
+    while len(tok.document_prompt(doc, system=None, think=False)) > sc.dense_len - 20:
+        doc = doc[: int(len(doc) * 0.98)].rsplit(" ", 1)[0]
+    questions = [
+        "Which word comes most often in the text above, and how many times does it come?",
+        "Name it.",
+    ]
+    doc_ids = tok.document_prompt(doc, system=None, think=False)
+    assert sc.topk_eff * sc.block_size < len(doc_ids) < sc.dense_len
+    got = salabatch.batch_generate(model, tok, doc, questions, max_tokens=8)
+    wholes = [doc_ids + tok.prompt_suffix(q, system=None, think=False) for q in questions]
+    assert len(wholes[0]) >= sc.dense_len  # the first reaches it (the second, shorter, not)
+    for ids, answer in zip(wholes, got, strict=True):
+        assert answer == tok.decode(engine_tokens(model, tok, ids, 8), skip_special=True)
 
 
 def test_batch_generate_takes_a_list_of_questions_and_a_batch_size(loaded):

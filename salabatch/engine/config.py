@@ -147,6 +147,16 @@ class ModelConfig:
     def sparse_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == SPARSE)
 
+    def splits_modes(self, prefix: int, whole: int) -> bool:
+        """Whether a prefix of `prefix` tokens prefilled alone holds other values than one call
+        over a prompt of `whole` tokens computes for it (SPEC P7): alone it is below dense_len
+        (dense), the prompt reaches it (InfLLM-v2 over all of it), and some of its positions
+        have more blocks than a query selects (below that the two modes agree)."""
+        sc = self.sparse
+        if not self.sparse_layers or prefix <= sc.topk_eff * sc.block_size:
+            return False
+        return prefix < sc.dense_len <= whole
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: str | Path = "config.json") -> ModelConfig:
         return _Reader(raw, path).build()

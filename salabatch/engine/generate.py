@@ -93,13 +93,15 @@ def prefill(
     cache: ModelCache,
     chunk: int = 2048,
     progress: Callable[[int, int], None] | None = None,
+    planned: int | None = None,
 ) -> mx.array:
     """Feeds `ids` into a one-row cache in chunks; returns the last position's logits [vocab].
 
     On a fresh cache the whole length is planned first, so every chunk runs the sparse layers
-    as one call over all of `ids` would. `progress(done, total)` is called after each chunk.
+    as one call over all of `ids` would (`planned`: over a prompt of that many tokens that
+    `ids` begin, see `Prefill`). `progress(done, total)` is called after each chunk.
     """
-    feed = Prefill(model, ids, cache, chunk)
+    feed = Prefill(model, ids, cache, chunk, planned=planned)
     while not feed.finished:
         done = feed.step()
         if progress:
@@ -116,7 +118,10 @@ class Prefill:
     (`scores()`: a prompt's logprobs, or a document's perplexity). The head runs over
     `memory.SCORE_ELEMENTS` logits at a time, and only the rows read back stay. `before`: the
     logits [vocab] of the position before the first id (a prompt resumed from a held prefix:
-    the prefix's last), so the first id is scored too."""
+    the prefix's last), so the first id is scored too. `planned`: the whole prompt's length
+    where `ids` is only its first piece (prefilled in pieces, snapshots between): a fresh
+    cache is planned for it, so that the sparse layers decide as one call over the whole
+    prompt would (`ModelCache.plan_prefill`)."""
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class Prefill:
         chunk: int = 2048,
         score: int | None = None,
         before: mx.array | None = None,
+        planned: int | None = None,
     ):
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -134,7 +140,7 @@ class Prefill:
         if before is not None and score is None:
             raise ValueError("before= scores the first id: it needs score=")
         if cache.positions is None:
-            cache.plan_prefill(len(ids))
+            cache.plan_prefill(max(planned or 0, len(ids)))
         self.model, self.cache, self.chunk, self.score = model, cache, chunk, score
         self.tokens = mx.array(list(ids), dtype=mx.int32)[None]  # [1, T]
         self.total, self.done = len(ids), 0

@@ -761,7 +761,9 @@ class ServeEngine:
         for q in points if points and points[-1] == n else [*points, n]:
             if q > at:
                 before = None if score is None or at == 0 else logits
-                feed = Prefill(model, job.prompt[at:q], row, self.prefill_chunk, score, before)
+                feed = Prefill(
+                    model, job.prompt[at:q], row, self.prefill_chunk, score, before, planned=n
+                )
                 while not feed.finished:
                     feed.chunk = self._chunk(job)
                     done = feed.done

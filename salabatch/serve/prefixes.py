@@ -197,7 +197,7 @@ class HeldPrefixes:
         found = None
         for t in sorted(lengths, reverse=True):
             h = self.held.get(digests[t]) or self.lent.get(digests[t])
-            if h is None or (t == n and h.logits is None):
+            if h is None or (t == n and h.logits is None) or not self._serves(h.cache, t, n):
                 continue
             if scored is None or h.scored(scored):
                 found = h
@@ -209,7 +209,7 @@ class HeldPrefixes:
                 if not store.has(key):
                     continue
                 cache = store.load(key, self.cfg)
-                if cache is not None:
+                if cache is not None and self._serves(cache, t, n):
                     self.hits_disk += 1
                     return self.hold(digests[t], t, cache, None, use=True, stored=True), "disk"
         if found is None:
@@ -218,6 +218,17 @@ class HeldPrefixes:
         self.hits_memory += 1
         self._acquire(found)
         return found, "memory"
+
+    def _serves(self, cache: ModelCache, tokens: int, n: int) -> bool:
+        """Whether a prefix of `tokens` (its `cache`, prefilled for a prompt of
+        `cache.prefill_len`) holds what one call over a prompt of `n` tokens computes over
+        them: its sparse layers ran as that call runs them (dense below dense_len, InfLLM-v2
+        from there, for the whole prompt: SPEC P7), or no position of it has more blocks than
+        a query selects (the two modes agree)."""
+        dense_len = self.cfg.sparse.dense_len
+        sparse_then = max(cache.prefill_len, tokens) >= dense_len  # how it was computed
+        sparse_now = n >= dense_len  # how the prompt's one call computes it
+        return sparse_then == sparse_now or not self.cfg.splits_modes(tokens, dense_len)
 
     def hold(
         self,

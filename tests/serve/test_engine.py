@@ -924,3 +924,38 @@ def test_each_prefill_chunk_runs_within_its_jobs_memory_plan(model, monkeypatch)
     assert isinstance(fin, Finished) and len(tokens) == 4
     assert len(checked) == 1 and bounded_plans == checked * 3  # 1500 tokens, 512 a chunk
     assert mx.get_memory_limit() == before
+
+
+def test_a_prompt_past_dense_len_prefilled_in_pieces_answers_as_one_call(tmp_path):
+    """A fresh prompt past dense_len prefilled in pieces (a snapshot at a boundary between
+    them) ran its first piece's sparse layers dense (planned for the piece): its answer's
+    log-probabilities differed from one call's. Now planned for the whole prompt, and a
+    prefix held so serves only a prompt on its side of dense_len (SPEC P7). Sparse from 512
+    tokens, where a query at 256-511 sees more blocks than it attends."""
+    from tests.tiny import SPARSE_AT_512
+
+    path = write_tiny_checkpoint(tmp_path / "m", tiny_config_dict(**SPARSE_AT_512))
+    model = load_model(path, dtype="float32")
+    prompt = ids(530, 41)
+
+    def alone_logprobs(tokens) -> list[float]:
+        request = Request("r", tuple(tokens), GREEDY, 6, logprobs=0)
+        g = next(iter(Generator(model, batch_size=1).generate([request])))
+        return [lp.logprob for lp in g.logprobs]
+
+    def served(engine, tokens, boundaries=()) -> tuple[list[float], Finished]:
+        events = list(engine.submit(job("j", tokens, 6, boundaries=boundaries, logprobs=0)))
+        return [e.logprob.logprob for e in events if isinstance(e, Token)], events[-1]
+
+    with ServeEngine(model, Tok(), snapshot_min=256) as engine:
+        got, fin = served(engine, prompt, boundaries=(400,))
+        assert fin.cached_tokens == 0
+        assert got == pytest.approx(alone_logprobs(prompt), abs=1e-4)
+        # the prefix held at 400 was computed for a prompt past dense_len: it serves one
+        short = prompt[:400] + ids(60, 42)  # 460 tokens: below dense_len, dense throughout
+        got, fin = served(engine, short)
+        assert fin.cached_tokens == 0 and got == pytest.approx(alone_logprobs(short), abs=1e-4)
+        longer = prompt[:400] + ids(150, 43)  # 550: past it, as the held prefix was made
+        got, fin = served(engine, longer)
+        assert fin.cached_tokens == 400
+        assert got == pytest.approx(alone_logprobs(longer), abs=1e-4)

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
+from salabatch.engine.config import ModelConfig
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
 from salabatch.jobs.ingest.documents import Document, iter_documents
@@ -67,12 +68,21 @@ class DocPlan:
         return any(r.request_line is not None for r in self.rows)
 
 
-def pooled(plan: DocPlan, pool_max_tokens: int, batch_size: int) -> bool:
+def pooled(
+    plan: DocPlan, pool_max_tokens: int, batch_size: int, config: ModelConfig | None = None
+) -> bool:
     """Rows without a shared prefix (request lines that share none with another), and short
     documents (`engine.pool_max_tokens`) with fewer questions than a batch, whose rows carry
-    their whole prompt so they decode in full batches across documents."""
+    their whole prompt so they decode in full batches across documents. Also a document
+    below dense_len whose rows' prompts reach it (`ModelConfig.splits_modes`): one call over
+    a row's whole prompt runs the sparse layers over the document too, a prefix prefilled
+    alone runs them dense, so no shared prefix answers those rows as their own prompts
+    would (SPEC P7)."""
+    if plan.doc_prompt is None:
+        return True
     short = plan.doc_tokens <= pool_max_tokens and len(plan.rows) < batch_size
-    return plan.doc_prompt is None or short
+    longest = plan.doc_tokens + max((len(r.prompt) for r in plan.rows), default=0)
+    return short or (config is not None and config.splits_modes(plan.doc_tokens, longest))
 
 
 class Limit:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
+from salabatch.engine.config import ModelConfig
 from salabatch.engine.fingerprint import model_fingerprint
 from salabatch.engine.runtime import dtype_name, resolve_dtype
 from salabatch.engine.tokenizer import Tokenizer, load_tokenizer
@@ -49,11 +50,13 @@ class JobSetup:
     model_sha: str
     dtype: str  # e.g. "bfloat16": the weights are loaded in it, and it is part of every key
     store: PrefixStore | None
+    config: ModelConfig | None = None  # the model's (config.json; no weights)
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobSetup:
         """Resolves the model (a builtin one is made on first use); reads no weights into memory."""
         path = resolve_model(spec.model, spec.cache.dir)
+        config = ModelConfig.from_file(path)
         return cls(
             spec=spec,
             model_path=path,
@@ -61,6 +64,7 @@ class JobSetup:
             model_sha=model_fingerprint(path, memo=spec.cache.dir / "fingerprints.json"),
             dtype=dtype_name(resolve_dtype(spec.engine.dtype)),
             store=PrefixStore(spec.cache.dir, spec.cache.max_gb) if spec.cache.enabled else None,
+            config=config,
         )
 
     def planner(self, done: Iterable[str]) -> Planner:
@@ -90,7 +94,8 @@ class JobSetup:
     def is_pooled(self, plan: DocPlan) -> bool:
         """Whether the rows of `plan` decode in batches across documents, each with its whole
         prompt (see `plan.pooled`), rather than from the document's shared prefix."""
-        return pooled(plan, self.spec.engine.pool_max_tokens, self.spec.engine.batch_size)
+        engine = self.spec.engine
+        return pooled(plan, engine.pool_max_tokens, engine.batch_size, self.config)
 
     def prefix_key(self, plan: DocPlan) -> PrefixKey:
         """Where the prefix of `plan` (its document prompt, prefilled) is stored."""

@@ -732,3 +732,37 @@ def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
     monkeypatch.undo()
     again = run_cli("run", str(job), "--retry-errors")
     assert again.exit_code == 0 and all(r["status"] == "ok" for r in rows(tmp_path))
+
+
+def test_a_document_whose_rows_reach_dense_len_is_answered_from_whole_prompts(tmp_path):
+    """A document prefilled alone below dense_len runs the sparse layers dense; one call over
+    a row's whole prompt past dense_len runs them sparse over the document too (SPEC P7): such
+    a document's rows carry their whole prompts (pooled), as a single request prefills them,
+    or the answers differed (a greedy token changed on builtin:random)."""
+    from salabatch.engine.sampling import SamplingParams
+    from salabatch.jobs.ingest.documents import Document
+    from salabatch.jobs.run.plan import DocPlan, Row, pooled
+
+    doc = Document("d", "d.txt", "x", "")
+
+    def plan(doc_tokens: int, *prompts: int) -> DocPlan:
+        rows = [
+            Row(f"k{i}", doc, f"q{i}", "?", f"d.q{i}", SamplingParams(), 8, False, (0,) * n)
+            for i, n in enumerate(prompts)
+        ]
+        return DocPlan(doc, rows, doc_prompt=list(range(doc_tokens)))
+
+    from salabatch.jobs.run.prepare import JobSetup
+    from salabatch.jobs.spec.load import read_job
+
+    write_docs(tmp_path)
+    spec, _ = read_job(str(write_job(tmp_path, "builtin:tiny")), ())
+    config = JobSetup.of(spec).config
+    sc = config.sparse  # builtin:tiny: sparse from 2048, a query selects 12 blocks of 64
+    assert (sc.dense_len, sc.topk_eff * sc.block_size) == (2048, 768)
+    big = dict(pool_max_tokens=0, batch_size=8)  # never short: only crossing pools
+    assert pooled(plan(2030, 40, 10), **big, config=config)  # one row's prompt reaches it
+    assert not pooled(plan(2000, 40, 10), **big, config=config)  # none does
+    assert not pooled(plan(2048, 40), **big, config=config)  # sparse alone already
+    assert not pooled(plan(700, 1400), **big, config=config)  # the modes agree over 700
+    assert not pooled(plan(2030, 40), **big)  # no config: as before
