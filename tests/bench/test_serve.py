@@ -19,7 +19,7 @@ def result():
         max_tokens=6,
         soak=50,
         soak_documents=3,
-        turn_tokens=2000,
+        turn_tokens=1500,  # its prompts all below builtin:tiny's dense_len (2048): one side
         progress=lambda _: None,
     )
 
@@ -49,7 +49,7 @@ def test_three_modes_answer_the_same_questions(result):
 
 def test_a_second_turn_resumes_from_the_first(result):
     t = result["turns"]
-    assert t["turn1_cached_tokens"] == 0 and t["turn1_prompt_tokens"] >= 2000
+    assert t["turn1_cached_tokens"] == 0 and t["turn1_prompt_tokens"] >= 1500
     assert t["turn2_cached_tokens"] >= t["turn1_prompt_tokens"] - 256  # the snapshot rule
     assert t["turn2_prefilled_share_of_turn1"] < 0.2
 
@@ -59,7 +59,7 @@ def test_questions_and_choices_after_an_unmarked_document_resume(result):
     the later questions and scored choices resume before the first's tail."""
     for name in ("questions", "choices"):
         u = result["unmarked"][name]
-        assert u["cached_tokens"][0] == 0 and min(u["cached_tokens"][1:]) >= 2000 - 256, name
+        assert u["cached_tokens"][0] == 0 and min(u["cached_tokens"][1:]) >= 1500 - 256, name
         assert u["later_prefilled_share_of_first"] < 0.2, name
 
 
