@@ -119,9 +119,9 @@ class Prefill:
     `memory.SCORE_ELEMENTS` logits at a time, and only the rows read back stay. `before`: the
     logits [vocab] of the position before the first id (a prompt resumed from a held prefix:
     the prefix's last), so the first id is scored too. `planned`: the whole prompt's length
-    where `ids` is only its first piece (prefilled in pieces, snapshots between): a fresh
-    cache is planned for it, so that the sparse layers decide as one call over the whole
-    prompt would (`ModelCache.plan_prefill`)."""
+    where `ids` is only a piece of it (prefilled in pieces, snapshots between, or resumed from
+    a held prefix): the cache is planned for it, so that the sparse layers decide as one call
+    over the whole prompt would (`ModelCache.plan_prefill`)."""
 
     def __init__(
         self,
@@ -141,6 +141,8 @@ class Prefill:
             raise ValueError("before= scores the first id: it needs score=")
         if cache.positions is None:
             cache.plan_prefill(max(planned or 0, len(ids)))
+        elif planned is not None:  # the rest of a prompt, resumed from a prefix of it
+            cache.plan_prefill(planned)
         self.model, self.cache, self.chunk, self.score = model, cache, chunk, score
         self.tokens = mx.array(list(ids), dtype=mx.int32)[None]  # [1, T]
         self.total, self.done = len(ids), 0

@@ -959,3 +959,11 @@ def test_a_prompt_past_dense_len_prefilled_in_pieces_answers_as_one_call(tmp_pat
         got, fin = served(engine, longer)
         assert fin.cached_tokens == 400
         assert got == pytest.approx(alone_logprobs(longer), abs=1e-4)
+    with ServeEngine(model, Tok(), snapshot_min=64) as engine:
+        # a prefix short enough to serve both sides (no query of it attends fewer blocks than
+        # it has), then the rest in pieces: one that ends below dense_len ran dense
+        served(engine, prompt[:240], boundaries=(200,))
+        resumed = prompt[:200] + ids(340, 44)  # 540 tokens, a boundary at 450 below 512
+        got, fin = served(engine, resumed, boundaries=(200, 450))
+        assert fin.cached_tokens == 200
+        assert got == pytest.approx(alone_logprobs(resumed), abs=1e-4)
