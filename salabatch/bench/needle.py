@@ -96,6 +96,12 @@ def _document(
     samples = tasks.needle_document(sample, n, list(depths))
     document = samples[0].document
     doc_prompt = tokenizer.document_prompt(document, system=None, think=False)
+    if len(doc_prompt) > 1.25 * n + 32:  # its facts alone: a row would say n, untrue
+        raise ConfigError(
+            f"{n} tokens hold no document with {len(samples)} needles: it takes "
+            f"{len(doc_prompt)}; give a longer context or fewer depths",
+            field="contexts",
+        )
     needles = [_locate(tokenizer, document, s) for s in samples]
     start = time.perf_counter()
     prefix = model.make_cache()

@@ -72,7 +72,7 @@ def run(
     from salabatch.models import resolve_model
 
     tok = load_tokenizer(resolve_model(model_ref))
-    text = (document or DEMO / "docs" / "rivercrest-labs-long.txt").read_text()
+    text = document_text(document or DEMO / "docs" / "rivercrest-labs-long.txt")
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(clients)]
     out: dict = {
         "model": model_ref,
@@ -194,6 +194,19 @@ def _run_job(model_ref, text, questions, max_tokens, batch) -> dict:
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
     }
+
+
+def document_text(path: Path) -> str:
+    """The text of the benchmark's document, read as `salabatch run` reads it (a PDF's
+    included); ValueError saying why where there is none (an empty or unreadable file)."""
+    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+
+    docs = list(iter_documents([DocumentSource(path)]))
+    if len(docs) != 1:
+        raise ValueError(f"holds {len(docs)} documents (a .jsonl file's records): give one")
+    if not docs[0].ok or not docs[0].text.strip():
+        raise ValueError(docs[0].error or "no text")
+    return docs[0].text
 
 
 def _sized(tok, text: str, tokens: int) -> str:

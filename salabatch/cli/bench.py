@@ -220,6 +220,11 @@ def bench_serve(
     from salabatch.bench import serve as serving
 
     chart = _chart_path(out, chart)
+    if document:  # before any server starts
+        try:
+            serving.document_text(Path(document))
+        except ValueError as e:
+            raise click.BadParameter(f"{document}: {e}", param_hint="--document") from None
     result = serving.run(
         model_ref,
         clients=clients,

@@ -151,6 +151,13 @@ def test_cli_writes_json_and_heatmap(folder, tmp_path):
     assert (tmp_path / "needle.png").stat().st_size > 0
 
 
+def test_a_context_too_short_for_its_needles_is_refused(folder):
+    """--contexts 1 ran a ~260-token document and reported its rows as context 1."""
+    args = ["bench", "needle", "--model", str(folder), "--contexts", "1", "--depths", "10,90"]
+    got = CliRunner().invoke(main, args)
+    assert got.exit_code == 2 and "1 tokens hold no document with 2 needles" in got.output
+
+
 @pytest.mark.parametrize(
     "text, want",
     [("10..90", [0.1, 0.3, 0.5, 0.7, 0.9]), ("25,75", [0.25, 0.75]), ("0..0", [0.0])],

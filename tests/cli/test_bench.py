@@ -176,3 +176,19 @@ def test_long_graph_with_a_chart_is_refused_before_it_counts(tmp_path):
     """--graph prints counts and draws nothing: its --chart was ignored without a word."""
     result = CliRunner().invoke(main, ["bench", "long", "--graph", "--chart", str(tmp_path / "g")])
     assert result.exit_code == 2 and "--chart" in result.output, result.output
+
+
+def test_bench_serve_reads_its_document_as_run_does_and_refuses_one_without_text(tmp_path):
+    """An empty --document ended in "the bench's salabatch run failed" after the servers
+    started; a PDF was read as UTF-8 text (UnicodeDecodeError)."""
+    from salabatch.bench import serve as serving
+    from tests import REPO
+
+    (tmp_path / "empty.txt").write_text("")
+    result = CliRunner().invoke(
+        main, ["bench", "serve", "--document", str(tmp_path / "empty.txt"), "--clients", "1"]
+    )
+    assert result.exit_code == 2 and "--document" in result.output and "empty" in result.output
+    pdf = next((REPO / "jobs" / "demo" / "docs").glob("*.pdf"))
+    text = serving.document_text(pdf)  # its extracted text, not its bytes
+    assert len(text.split()) > 50 and "%PDF" not in text and "endobj" not in text
