@@ -631,15 +631,11 @@ def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
 def _whole_characters(data: bytes) -> bytes:
     """`data` cut at its end without the start of a UTF-8 character the cut split (what is
     not UTF-8 at all is left to the decoding)."""
-    for end in range(len(data), max(0, len(data) - 4), -1):
-        try:
-            data[:end].decode("utf-8")
-        except UnicodeDecodeError as e:
-            if e.reason != "unexpected end of data":
-                return data
-            continue
-        return data[:end]
-    return data
+    try:
+        _, whole = codecs.utf_8_decode(data, "strict", False)  # stops before a split end
+    except UnicodeDecodeError:
+        return data
+    return data[:whole]
 
 
 # ---- jsonl --------------------------------------------------------------------------------------
