@@ -29,7 +29,6 @@ from salabatch.errors import OutputError
 from salabatch.files import json_line, same_file, write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import (
-    CHAT_ROWS,
     RESPONSE_ROWS,
     TEXT_ROWS,
     OutputWarning,
@@ -71,9 +70,8 @@ def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None 
         ),
         ("runs", str(len(pc.unique(table["run_id"])))),
     ]
-    # a request line's row has its custom_id for a document: it is counted as a request
-    of_lines = pc.is_in(table["question_id"], pa.array([CHAT_ROWS, TEXT_ROWS, RESPONSE_ROWS]))
-    asked = table.filter(pc.invert(of_lines))
+    # a request line's row (its line in request_line) has its custom_id for a document
+    asked = table.filter(pc.is_null(table["request_line"]))
     counts = [
         ("rows", _int(table.num_rows)),
         ("  ok", _int(n_ok)),
