@@ -18,7 +18,7 @@ import mlx.core as mx
 from salabatch import openai_api
 from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.chat import split_thinking, thinking_tokens
+from salabatch.engine.chat import ThinkingTokens, split_thinking
 from salabatch.engine.choose import choice_scores, pick, probabilities, spelled_choices
 from salabatch.engine.config import ModelConfig
 from salabatch.engine.detokenizer import CONTEXT_TOKENS, StreamingDetokenizer
@@ -385,33 +385,26 @@ class Answerer:
         """The decoder the Generator follows a row's text with (rows with stop strings only)."""
         return self.tok.detokenizer(skip_special=True, after=after)
 
-    def _text(self, g: Generation) -> str:
-        """Row g's answer text: the Generator's where a stop string cut it, else its tokens'
-        as the server streams them (what they add to its prompt's text, for a text
-        completion)."""
-        if g.text is not None:
-            return g.text
+    def _decoded(self, g: Generation, think: bool) -> tuple[str, int | None]:
+        """Row g's answer text, as the server streams it (what its tokens add to its prompt's
+        text, for a text completion; the Generator's where a stop string cut it), and for a
+        row that thought, the tokens of its think block as the server counts them: one
+        streaming decode gives both."""
         detok = self._detokenizer(g.request.after)
-        for token in g.tokens:
-            detok.add_token(token)
-        detok.finalize()
-        return detok.text
-
-    def _thinking_tokens(self, ids: list[int]) -> int:
-        """The tokens of the answer's think block, as the server counts a stream's."""
-        detok = self.tok.detokenizer(skip_special=True)
-
-        def texts() -> Iterator[str]:
-            for token in ids:
+        thought = ThinkingTokens() if think else None
+        if g.text is None or thought is not None:
+            for token in g.tokens:
                 detok.add_token(token)
-                yield detok.text
-
-        return thinking_tokens(texts())
+                if thought is not None:
+                    thought.add(detok.text)
+            detok.finalize()
+        text = g.text if g.text is not None else detok.text
+        return text, None if thought is None else thought.count
 
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
-        text = self._text(g)
+        text, reasoning_tokens = self._decoded(g, row.think)
         # a text completion's answer is the text as generated; a chat answer's <think> block
         # is its reasoning
         reasoning, answer = (None, text) if row.question_id == TEXT_ROWS else split_thinking(text)
@@ -425,7 +418,7 @@ class Answerer:
             else [openai_api.logprob_entry(self.tok, lp) for lp in g.logprobs],
             **_prefill_columns(plan, g.prompt_tokens, g.prefill_s, prefix),
             completion_tokens=g.completion_tokens,
-            reasoning_tokens=self._thinking_tokens(g.tokens) if row.think else None,
+            reasoning_tokens=reasoning_tokens,
             # from the start of its document's prefix (or pool), waiting for a slot included
             ttft_s=max(0.0, g.first_token_at - started.clock) if g.first_token_at else g.ttft_s,
             decode_s=g.decode_s,
