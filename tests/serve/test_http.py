@@ -968,7 +968,16 @@ def test_one_choice_that_fails_fails_the_request_and_stops_the_others(tiny, monk
         events = data.decode().split("\n\n")
         assert status == 200 and events[-2:] == ["data: [DONE]", ""]
         assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == "out_of_memory"
-        stats = s.wait_for(lambda: (x := s.engine.stats())["running_rows"] == 0 and x)
+        # every choice's job has ended (a cancelled one still queued or prefilling decodes no
+        # row, so running_rows alone can read 0 before it is counted)
+        ended = ("requests_finished_total", "requests_cancelled_total", "requests_failed_total")
+        stats = s.wait_for(
+            lambda: (
+                (x := s.engine.stats())["requests_total"] == sum(x[k] for k in ended)
+                and x["running_rows"] == x["prefilling"] == 0
+                and x
+            )
+        )
     assert stats["requests_failed_total"] == 2 and stats["requests_cancelled_total"] == 4
     assert stats["completion_tokens_total"] < 3000
 
