@@ -1065,6 +1065,14 @@ def _bound_port(log: Path, process) -> int:
         time.sleep(0.1)
 
 
+def process_metrics(port: int) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    assert response.status == 200
+    return parse_metrics(response.read().decode())
+
+
 def wait_healthy(port: int, process) -> None:
     deadline = time.monotonic() + 60
     while True:
@@ -1154,7 +1162,12 @@ def test_requests_still_running_when_the_grace_ends_get_their_end(tmp_path):
         asks = [threading.Thread(target=ask, args=(port, s)) for s in (True, False)]
         for thread in asks:
             thread.start()
-        time.sleep(1.5)  # all three are decoding
+        # both asks decode (a fixed sleep was too short on a loaded machine)
+        deadline = time.monotonic() + 60
+        while process_metrics(port)["salabatch_running_rows"] < 2:
+            assert time.monotonic() < deadline, "the two asks did not start decoding"
+            time.sleep(0.05)
+        time.sleep(0.5)  # some of their tokens streamed
         process.send_signal(signal.SIGTERM)
         for thread in asks:
             thread.join(60)
