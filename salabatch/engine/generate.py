@@ -630,11 +630,12 @@ class Batch:
 
     def _draft_room(self, rows: list[Generation], k: int) -> list[int]:
         """Drafts each row may have: at most k, its room to max_tokens, none with penalties, and
-        what keeps the pass on one side of dense_len (a pass over it would attend as one call
-        does, sparsely from its first query: SPEC P7)."""
+        what keeps the pass on one side of dense_len (its queries then attend together; a
+        query's sequence reaching dense_len attends sparsely: SPEC P7)."""
         dense_len = self.model.config.sparse.dense_len
-        # every row is fed the pass's length, so its side of dense_len bounds every row's drafts
-        side = min(dense_len - 1 - p if p + 1 < dense_len else k for p in self.cache.positions)
+        # every row is fed the pass's length, so its side of dense_len bounds every row's drafts:
+        # a dense row's last query, at p + drafts, keeps its sequence below dense_len
+        side = min(dense_len - 2 - p if p + 1 < dense_len else k for p in self.cache.positions)
         return [
             0
             if penalized([g.request.params])

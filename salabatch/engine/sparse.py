@@ -64,8 +64,9 @@ class SparseAttention(nn.Module):
         a batch with rows on both sides of dense_len, go one by one (`attend` with `ahead`)."""
         B, H, T, d = q.shape
         sc = self.sparse
-        starts = [n - T for n in cache.lengths]  # a pass never crosses dense_len (SPEC P7)
-        modes = {self.is_sparse(cache.prefill_len, s, 1) for s in starts}
+        starts = [n - T for n in cache.lengths]
+        # each query's own mode (SPEC P7): a pass whose last query reaches dense_len is mixed
+        modes = {self.is_sparse(cache.prefill_len, s + t, 1) for s in starts for t in range(T)}
         kv = cache.kv_view()
         # the decode step's top-k: min(topk, blocks of the longest row at that step)
         longest = max(cache.lengths)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from salabatch.engine import lightning, sparse
-from salabatch.engine.generate import Batch, Generator, Request, prefill
+from salabatch.engine.generate import Batch, Generation, Generator, Request, prefill
 from salabatch.engine.kernels import native, sparse_decode
 from salabatch.engine.load import load_model
 from salabatch.engine.sampling import SamplingParams, sample_tokens
@@ -25,7 +25,7 @@ from salabatch.engine.speculative import (
 )
 from salabatch.engine.tokenizer import load_tokenizer
 from salabatch.models import resolve_model
-from tests.tiny import SPARSE_AT_256, tiny_config_dict, write_tiny_checkpoint
+from tests.tiny import SPARSE_AT_256, SPARSE_AT_512, tiny_config_dict, write_tiny_checkpoint
 
 ATOL = 2e-5  # float32: a verify pass and decode steps differ by rounding at most
 
@@ -162,6 +162,31 @@ def test_a_verify_pass_computes_exactly_what_decode_steps_compute(
     if native.missing() is None:
         assert 5 in together
     assert mx.array_equal(passed, one_by_one)
+
+
+def test_a_verify_pass_whose_last_query_reaches_dense_len_attends_as_its_steps(tmp_path):
+    """A pass from 506 to 511 with dense_len 512 (where sparse attention, 4 of 8 blocks, is not
+    dense): its last query's sequence reaches dense_len, so that query attends sparsely as its
+    decode step does, the others densely (it was taken with the first query's mode, dense:
+    greedy speculation changed a token there); and the drafts a batch gives a row keep every
+    pass below dense_len, where its queries go together."""
+    path = write_tiny_checkpoint(tmp_path, tiny_config_dict(**SPARSE_AT_512))
+    model = load_model(path, dtype="float32")
+    _, doc = document(model, 506)
+    fed = [ids(6, 70 + b) for b in range(2)]
+    cache, steps = doc.fork(2), doc.fork(2)
+    cache.checkpoint()
+    passed = model(mx.array(fed), cache)
+    one_by_one = mx.stack(
+        [model(mx.array([[f[t]] for f in fed]), steps)[:, -1] for t in range(6)], axis=1
+    )
+    assert mx.abs(passed - one_by_one).max().item() < ATOL
+    batch = Batch(model, forked=True, speculation=Speculation("lookup", tokens=8))
+    rows = [Generation(Request("q", (5,), max_tokens=50))]
+    batch.cache = doc.fork(1)
+    for position, room in ((506, 4), (509, 1), (510, 0), (511, 8), (600, 8)):
+        batch.cache.positions = [position]
+        assert batch._draft_room(rows, 8) == [room], position
 
 
 @pytest.mark.parametrize(
