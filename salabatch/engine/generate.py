@@ -580,13 +580,14 @@ class Batch:
         produced = 0
         for g, d, v in zip(live, drafts, verdicts, strict=True):
             g.draft_tokens += len(d)
-            g.accepted_tokens += v.accepted
             g._stats.passed(len(d), v.accepted)
+            answered = len(g.tokens)
             for token in d[: v.accepted]:
                 if not g.done:
                     self._read(g, token, now)
-                    produced += 1
-            produced += 1
+            # accepted: the drafts in its answer (not a stop token, nor those after its stop)
+            g.accepted_tokens += len(g.tokens) - answered
+            produced += len(g.tokens) - answered + (not g.done)
         self._policy.verify_pass(len(live), produced, now - began)
         kept = [d[: v.accepted] for d, v in zip(drafts, verdicts, strict=True)]
         known = [v.next_token for v in verdicts]

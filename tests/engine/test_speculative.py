@@ -265,6 +265,26 @@ def test_greedy_speculation_gives_plain_greedy_tokens(model, draft, doc_len):
             assert accepted > 0  # the passes ran and kept drafts
 
 
+def test_accepted_drafts_are_those_in_the_answer(model, monkeypatch):
+    """Drafts that are plain decoding's own tokens, 8 a pass, over a stop token: the answer is
+    plain decoding's, and the accepted count holds only the drafts in it (it counted the stop
+    token and the drafts after it: more accepted than the answer's tokens)."""
+    prompt = tuple(ids(12, 90))
+    plain = generate(model, [Request("q", prompt, max_tokens=40)], None, 1)["q"].tokens
+    at = next(i for i in range(10, 40) if plain[i] not in plain[:i])
+    request = Request("q", prompt, max_tokens=40, stop=frozenset({plain[at]}))
+
+    def oracle(self, row, limit):
+        done = len(row.own) - row.prompt
+        return plain[done : done + limit]
+
+    monkeypatch.setattr(Lookup, "propose", oracle)
+    g = generate(model, [request], None, 1, "lookup", tokens=8)["q"]
+    assert g.tokens == plain[:at] and g.finish_reason == "stop"
+    assert g.draft_tokens > g.accepted_tokens > 0
+    assert g.accepted_tokens <= g.completion_tokens - 1  # the first token is no draft
+
+
 @pytest.mark.parametrize("draft", ["lookup", "auto"])
 def test_sampled_speculation_with_certain_drafts_gives_plain_samplings_tokens(model, draft):
     """Lookup's drafts are certain: a row keeps one while plain sampling's own draw (its seed,
