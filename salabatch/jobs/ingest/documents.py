@@ -322,7 +322,8 @@ def walk(
     Glob syntax: `*`, `?`, `[...]` within a name, `**` for any number of folders, letters of
     either case (`*.pdf` takes `SCAN.PDF`, as the default walk does); a name starting with `.`
     only where the pattern spells the dot (as `glob.glob`). Links are followed, but a folder
-    is walked once: a link back up into a folder being walked, or to one walked before, is not
+    is walked once: a link back up (into a folder being walked, or to one above `root`, which
+    would widen the walk to its parents' other files) or to one walked before is not
     entered."""
     parts = tuple(part for part in pattern.split("/") if part not in ("", "."))
     end = len(parts)
@@ -330,6 +331,7 @@ def walk(
     left_out = 0
     unreadable: list[tuple[str, str]] = []
     walked: set[tuple[int, int]] = set()
+    above = _folders_above(root)
 
     def closure(states: set[int]) -> frozenset[int]:
         # `**` may match no folder at all: before it is also after it.
@@ -385,7 +387,7 @@ def walk(
                 if end in after and wanted(child) and os.path.islink(path):
                     unreadable.append((child, _stat_reason(e)))
                 continue
-            if key in skip:
+            if key in skip or (key in above and os.path.islink(path)):
                 continue
             if end in after and stat.S_ISREG(mode):
                 if wanted(child):
@@ -399,6 +401,17 @@ def walk(
 
     visit(root, "", closure({0}))
     return sorted(found), left_out, sorted(unreadable)
+
+
+def _folders_above(root: Path) -> frozenset[tuple[int, int]]:
+    """The (st_dev, st_ino) of the folders above `root` (its real path's parents)."""
+    keys = set()
+    for folder in Path(os.path.realpath(root)).parents:
+        try:
+            keys.add(_mode_and_key(folder)[1])
+        except OSError:
+            continue
+    return frozenset(keys)
 
 
 def _name_matches(name: str, part: str) -> bool:

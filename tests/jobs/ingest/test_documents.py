@@ -286,6 +286,9 @@ def test_a_folder_walk_never_follows_a_link_back_into_a_walked_folder(tmp_path):
     assert ids(read(root)) == ["a/ok.txt", "a/out/x.txt", "b/also.md"]
     assert ids(read(DocumentSource(root, glob="**/*.txt"))) == ["a/ok.txt", "a/out/x.txt"]
     assert ids(read(root / "**" / "*.md")) == ["b/also.md"]
+    # a link up out of the entry's folder is a link back up too: the walk took the files
+    # beside its folder (`a/up/outside/x.txt`), every other job's results beside it
+    assert ids(read(root / "a")) == ["ok.txt", "out/x.txt"]
 
 
 def test_a_folder_with_two_upward_link_loops_lists_each_folder_once_a_way_in(tmp_path, monkeypatch):
