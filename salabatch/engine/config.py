@@ -178,15 +178,21 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError("model config not found", path=path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"not valid JSON: {e}", path=path) from None
-        except OSError as e:
-            raise ConfigError(f"cannot read it ({e.strerror})", path=path) from None
-        if not isinstance(raw, dict):
-            raise ConfigError("top level must be an object", path=path, got=type(raw).__name__)
-        return cls.from_dict(raw, path)
+        return cls.from_dict(read_config_json(path), path)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's config.json as its JSON object (the model's config, and the tokenizer's
+    ids where it holds them): one reader, one error (a ConfigError) for both."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"not valid JSON: {e}", path=path) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read it ({e.strerror})", path=path) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("top level must be an object", path=path, got=type(raw).__name__)
+    return raw
 
 
 class _Reader:

@@ -89,5 +89,6 @@ def check_checkpoint(path: str | Path) -> CheckpointReport:
     try:
         report.tokenizer = load_tokenizer(path)
     except SalabatchError as e:
-        report.problems.append(str(e))
+        if str(e) not in report.problems:  # config.json's problem, read for its ids too
+            report.problems.append(str(e))
     return report

@@ -19,6 +19,7 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
+from salabatch.engine.config import read_config_json
 from salabatch.errors import TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -213,9 +214,12 @@ def _read_backend(model_dir: Path) -> Backend:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; {} when the file is absent (every config file is optional)."""
+    """The JSON object in `path`; {} when the file is absent (every config file is optional).
+    config.json is the model's config, read and refused as the model reads it."""
     if not path.is_file():
         return {}
+    if path.name == "config.json":
+        return read_config_json(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

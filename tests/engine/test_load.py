@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import pytest
@@ -200,3 +201,19 @@ def test_a_damaged_index_or_template_is_one_problem_line_not_a_crash(tmp_path):
         damage(folder)
         (problem,) = check_checkpoint(folder).problems
         assert said in problem, problem
+
+
+def test_a_config_json_that_is_not_json_is_one_model_config_error(tmp_path):
+    """config.json not JSON: a ConfigError (exit 2, as the README's "model config" says) from
+    every loader, the tokenizer's (which reads its ids there) too, and `validate FOLDER` says
+    so once (it was a TokenizerError, exit 1, from `generate`/`serve`/`load`, and twice)."""
+    from salabatch.api import load
+    from salabatch.models import resolve_model
+
+    bad = tmp_path / "bad"
+    shutil.copytree(resolve_model("builtin:tiny"), bad)
+    (bad / "config.json").write_text("{bad")
+    with pytest.raises(ConfigError, match="not valid JSON") as e:
+        load(bad)
+    assert e.value.exit_code == 2 and e.value.path == str(bad / "config.json")
+    assert check_checkpoint(bad).problems == [str(e.value)]
