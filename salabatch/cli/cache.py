@@ -46,7 +46,9 @@ def cache_ls(root: str | None) -> None:
     store = _store(root)
     entries, temps = store.listing()
     if not entries:
-        click.echo("no stored prefixes")
+        click.echo(
+            "no stored prefixes" + (f" (no store at {store.root})" if _absent(store) else "")
+        )
     else:
         names = [_clip(e.document or "-", _DOCUMENT_WIDTH) for e in entries]
         width = max(len("document"), *map(len, names))

@@ -13,13 +13,13 @@ from salabatch.cli import main
 )
 def test_a_missing_store_is_empty_and_stays_missing(tmp_path, args):
     """prune and clear made the folder they were pointed at (a typo in --dir became a store);
-    like ls, they report it empty and create nothing. clear does not ask about it either."""
+    they report it empty, saying no store is there (a typo in --dir), and create nothing. clear does not ask about it either."""
     missing = tmp_path / "no" / "store"
     got = CliRunner().invoke(main, ["cache", *args, "--dir", str(missing)], input="")
     assert got.exit_code == 0, got.output
     assert not (tmp_path / "no").exists()
     assert got.output.splitlines()[-1] in (
-        "no stored prefixes",
+        f"no stored prefixes (no store at {missing})",
         f"removed 0 entries, 0 B (no store at {missing})",
         f"freed 0 B (no store at {missing})",
     )
