@@ -13,7 +13,8 @@ from salabatch.cli import main
 )
 def test_a_missing_store_is_empty_and_stays_missing(tmp_path, args):
     """prune and clear made the folder they were pointed at (a typo in --dir became a store);
-    they report it empty, saying no store is there (a typo in --dir), and create nothing. clear does not ask about it either."""
+    every command reports it empty, saying no store is there, and creates nothing. clear does
+    not ask about it either."""
     missing = tmp_path / "no" / "store"
     got = CliRunner().invoke(main, ["cache", *args, "--dir", str(missing)], input="")
     assert got.exit_code == 0, got.output
