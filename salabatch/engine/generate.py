@@ -685,7 +685,14 @@ class Batch:
             self._keep(keep)
 
     def _join(self) -> None:
-        joined, self._joining = self._joining, []
+        """The rows added since the last step join, but those cancelled since: never read."""
+        joined = [j for j in self._joining if not j[0].done]
+        for g, _, _, _ in self._joining:
+            if g.done and self._lookup is not None:
+                self._lookup.release(g.request.context)  # prepared when it was added
+        self._joining = []
+        if not joined:
+            return
         old = len(self.rows)
         self.rows = self.rows + [g for g, _, _, _ in joined]
         caches = [c for _, c, _, _ in joined]

@@ -360,3 +360,40 @@ def test_logit_bias_bans_or_forces_tokens_and_the_other_rows_are_as_alone(model)
     for bad in (((1, 101.0),), ((-1, 1.0),), ((1.5, 1.0),), ((1,),)):
         with pytest.raises(GenerationError):
             SamplingParams(logit_bias=bad)
+
+
+@pytest.mark.parametrize("draft", ["off", "lookup"])
+def test_a_row_cancelled_before_it_joins_reads_nothing(model, draft):
+    """The server cancels a row it added before the batch's next step: the row never joins (it
+    joined, read a token, called on_token after its end and took back finish_reason)."""
+    import time
+
+    from salabatch.engine.generate import Batch
+    from salabatch.engine.speculative import Speculation
+
+    read = []
+    batch = Batch(
+        model,
+        forked=False,
+        on_token=lambda r, t: read.append(r.id),
+        speculation=Speculation(draft, 3),
+    )
+
+    def add(rid: str):
+        req = Request(rid, ids(6, len(rid)), max_tokens=5)
+        cache = model.make_cache()
+        return batch.add(
+            req, cache, prefill(model, req.prompt, cache), admitted=time.perf_counter()
+        )
+
+    kept, gone = add("kept"), add("gone")
+    batch.cancel(gone)
+    while not kept.done:
+        batch.step()
+    assert gone.finish_reason == "cancelled" and not gone.tokens and gone.last_token is None
+    assert set(read) == {"kept"} and len(kept.tokens) == 5
+    alone = add("alone")
+    batch.cancel(alone)
+    assert batch.step() == [] and alone.finish_reason == "cancelled" and not batch.rows
+    if draft == "lookup":
+        assert not batch._lookup._rows  # the cancelled rows' documents left with them
