@@ -334,10 +334,10 @@ class PrefixStore:
         if self.temps():  # which are stale is known under the lock
             self._change(self._sweep)
 
-    def _sweep(self) -> None:
+    def _sweep(self, unaccounted: list[Path] | None = None) -> None:
         """(Under the exclusive lock) removes the stale temporaries, and what no entry accounts
-        for (`_scan`) with a warning naming it."""
-        for t in self._temps(self._scan()[1]):
+        for (`unaccounted`, else `_scan`'s) with a warning naming it."""
+        for t in self._temps(self._scan()[1] if unaccounted is None else unaccounted):
             if t.stale and temp_pid(t.path) is None:  # not a temporary: unaccounted
                 warnings.warn(
                     f"{t.path}: left by a write that did not finish, or damaged; removed",
@@ -615,7 +615,10 @@ class PrefixStore:
         `keep` (an entry's stem, or a snapshot folder). `scanned`: `_scan()` just made."""
         budget = (self.max_bytes if max_bytes is None else max_bytes) - room
         entries, unaccounted = scanned or self._scan()
-        total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps(unaccounted))
+        # (under the exclusive lock) what killed writers left since the store opened goes
+        # first: counted, it evicted live entries in its place for the rest of the process
+        self._sweep(unaccounted)
+        total = sum(e.bytes for e in entries) + sum(t.bytes for t in self._temps([]))
         removed: list[Entry] = []
         for e in reversed(entries):  # least recently used first
             if total <= budget:

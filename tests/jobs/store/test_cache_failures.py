@@ -275,9 +275,26 @@ def test_the_budget_counts_temp_bytes(model, tmp_path):
     size = probe.entries()[0].bytes
     store = PrefixStore(tmp_path / "store", max_gb=2.5 * size / 2**30)  # two entries fit
     store.save(*entries[0])
-    stale_temp(store.root / "prefixes" / "x.safetensors", os.getpid(), size)  # a live write
+    live = stale_temp(store.root / "models" / "x", os.getpid(), size)  # a model being built
     store.save(*entries[1])
     assert [e.total_tokens for e in store.entries()] == [301]
+    live.unlink()
+
+
+def test_a_killed_writers_temp_left_after_the_store_opened_goes_at_the_next_save(model, tmp_path):
+    """A temporary another process's killed write leaves while this one runs: under the lock
+    it is stale, and the next save removes it (it was counted, and live entries were evicted
+    in its place for the rest of the process)."""
+    entries = [prefilled(model, n) for n in (300, 301)]
+    probe = PrefixStore(tmp_path / "probe")
+    probe.save(*entries[0])
+    size = probe.entries()[0].bytes
+    store = PrefixStore(tmp_path / "store", max_gb=2.5 * size / 2**30)  # two entries fit
+    store.save(*entries[0])
+    dead = stale_temp(store.root / "prefixes" / f"{'d' * 64}.safetensors", dead_pid(), size)
+    store.save(*entries[1])
+    assert [e.total_tokens for e in store.entries()] == [301, 300]
+    assert not dead.exists() and dead in {t.path for t in store.swept}
 
 
 def prefilled(model, n: int):
