@@ -164,14 +164,23 @@ class SourceFile:
 
     @property
     def unread(self) -> str | None:
-        """Why the file's one document is an error before anything is read (see `error`, or
-        an unknown type), or None."""
-        if self.error or self.format is not None:
+        """Why the file's one document is an error before anything is read (see `error`, an
+        unknown type, or not a regular file: a FIFO or a device named directly), or None."""
+        if self.error:
             return self.error
-        return (
-            f"unsupported file type {self.path.suffix or '(none)'}; supported: {_DEFAULT_TEXT}, "
-            "text files (.rst .html .py …), or any file with the entry's format:"
-        )
+        if self.format is None:
+            return (
+                f"unsupported file type {self.path.suffix or '(none)'}; supported: "
+                f"{_DEFAULT_TEXT}, text files (.rst .html .py …), or any file with the "
+                "entry's format:"
+            )
+        try:
+            _check_regular(os.stat(self.path).st_mode)
+        except OSError:
+            return None  # reading it says why
+        except _Unreadable as e:
+            return str(e)
+        return None
 
 
 def format_of(path: Path) -> str | None:

@@ -333,6 +333,10 @@ def test_a_3gb_file_and_a_fifo_in_a_job_become_error_rows_without_being_read(tmp
         f.truncate(3 * 2**30)  # sparse: no disk used; reading it would take seconds and GBs
     os.mkfifo(docs / "pipe.md")  # a walk leaves it out; named, it is an error row
     job = write_job(tmp_path, tiny_model, documents=[{"path": "docs"}, {"path": "docs/pipe.md"}])
+    # validate warns of it, as of every error row it can tell before reading (it said "ok")
+    checked = run_cli("validate", str(job))
+    assert checked.exit_code == 0, checked.output
+    assert "pipe.md: not a regular file: a FIFO (named pipe)" in checked.output
     result = run_cli("run", str(job))
     assert result.exit_code == 3, result.output
     got = {(r["doc_id"], r["question_id"]): r for r in rows(tmp_path)}
