@@ -594,3 +594,29 @@ def test_a_questions_json_schema_or_choices_is_its_pattern(tmp_path):
     ], errors
     assert "cannot be used" in errors[0] and "not both" in errors[1]
     assert "'yes' more than once" in errors[4]
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}, "maximum"),
+        ({"type": "array", "items": {"const": 1}, "uniqueItems": True}, "uniqueItems"),
+        ({"anyOf": [{"type": "integer"}, {"not": {"const": 1}}]}, "not"),
+        ({"$defs": {"a": {"type": "string", "if": {}}}, "$ref": "#/$defs/a"}, "if"),
+    ],
+)
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused_by_its_path(schema, keyword):
+    """outlines-core leaves out what it cannot write (`maximum`, `uniqueItems`, `not`, `if`...):
+    the answer broke the schema, as `ok` rows and 200s. Refused, naming where: a job's
+    question, a request's response_format. Annotations and a property named as a keyword pass."""
+    from salabatch.openai_api import BodyError, structure
+    from salabatch.structure import schema_pattern
+
+    with pytest.raises(ValueError, match=rf"\b{keyword} is a keyword the grammar does not enforce"):
+        schema_pattern(schema)
+    body = {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    with pytest.raises(BodyError, match=keyword) as e:
+        structure(body)
+    assert e.value.param == "response_format.json_schema.schema"
+    fine = {"type": "object", "title": "t", "properties": {"maximum": {"type": "integer"}}}
+    assert schema_pattern(fine).startswith("\\{")
