@@ -317,7 +317,12 @@ class _Server:
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None
         grammar = await self._grammar(body)
-        answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
+        # an answer held to a pattern is its text as generated (no think block, not stripped)
+        split = grammar is None
+        answers = [
+            AnswerText(self.tok, stop_strings=stops, think=think, split_think=split)
+            for _ in range(n)
+        ]
         job = replace(job, logprobs=logprobs, grammar=grammar)
         tickets = self._submit([job], n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))

@@ -207,8 +207,9 @@ class AnswerText:
     <think>…</think> block is the reasoning and the text after it the content, both without
     their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
-    drops it). Without `split_think` (a text completion) the text is the content, as it is:
-    what it adds to the text of `after`, its prompt (`StreamingDetokenizer`).
+    drops it). Without `split_think` (a text completion, or a chat answer held to a pattern)
+    the text is the content, as it is: what it adds to the text of `after`, its prompt
+    (`StreamingDetokenizer`).
     `logprobs`: the tokens' log-probabilities as added (None unless some were);
     `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`);
     `thinking.count`: the tokens of the think block (`ThinkingTokens`), whether sent or not.

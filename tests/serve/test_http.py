@@ -632,6 +632,17 @@ def test_response_format_and_guided_fields_constrain_the_answer(served):
     choice = ["yes", "no", "not stated"]
     picked = client.chat.completions.create(**ask, extra_body={"guided_choice": choice})
     assert picked.choices[0].message.content in choice
+    # a choice's own spaces and newlines are its text: a chat answer was stripped (no choice)
+    spaced = [" Ireland ", "\nFrance\n"]
+    for stream in (False, True):
+        got = client.chat.completions.create(
+            **ask, extra_body={"guided_choice": spaced}, stream=stream
+        )
+        if stream:
+            got = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
+        else:
+            got = got.choices[0].message.content
+        assert got in spaced, (stream, got)
     code = client.completions.create(
         model=MODEL,
         prompt="The gate code is",

@@ -404,10 +404,14 @@ class Answerer:
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
-        text, reasoning_tokens = self._decoded(g, row.think)
-        # a text completion's answer is the text as generated; a chat answer's <think> block
-        # is its reasoning
-        reasoning, answer = (None, text) if row.question_id == TEXT_ROWS else split_thinking(text)
+        # a text completion's answer, or one held to a pattern (from its first token: it writes
+        # no think block), is the text as generated; a chat answer's <think> block is its
+        # reasoning, both stripped
+        as_generated = row.question_id == TEXT_ROWS or row.grammar is not None
+        text, reasoning_tokens = self._decoded(g, row.think and not as_generated)
+        if row.think and row.grammar is not None:
+            reasoning_tokens = 0  # as the server counts it
+        reasoning, answer = (None, text) if as_generated else split_thinking(text)
         return ResultRow(
             **self.identity.columns(row),
             answer=answer,

@@ -358,7 +358,11 @@ class BatchRunner:
             stop_strings=stops,
             leading_ids=self.leading_ids,
         )
-        answers = [AnswerText(self.tok, stop_strings=stops, think=think) for _ in range(n)]
+        split = grammar is None  # held to a pattern: its text as generated, as the server's
+        answers = [
+            AnswerText(self.tok, stop_strings=stops, think=think, split_think=split)
+            for _ in range(n)
+        ]
 
         def respond(reply_id: str, finished) -> dict:
             reply = Reply(reply_id, "chat.completion", self.model_id, int(time.time()))

@@ -534,6 +534,8 @@ def test_response_format_and_guided_lines_answer_within_their_pattern(tmp_path, 
         ),
         line("object", max_tokens=40, response_format={"type": "json_object"}),
         line("choice", max_tokens=8, guided_choice=["Nile", "Rhine"]),
+        # a choice's own spaces and newlines are its text (a chat answer was stripped)
+        line("spaced", max_tokens=8, guided_choice=[" Nile ", "\nRhine\n"]),
         line("bad", max_tokens=8, guided_regex="(?=a)b"),
         line("free", max_tokens=8),
     ]
@@ -545,6 +547,7 @@ def test_response_format_and_guided_lines_answer_within_their_pattern(tmp_path, 
     assert set(json.loads(rows["schema"]["answer"])) == {"river"}
     assert isinstance(json.loads(rows["object"]["answer"]), dict)
     assert rows["choice"]["answer"] in ("Nile", "Rhine")
+    assert rows["spaced"]["answer"] in (" Nile ", "\nRhine\n")
     assert all(rows[c]["finish_reason"] == "stop" for c in ("schema", "object", "choice"))
     assert rows["bad"]["status"] == "error" and "pattern cannot be used" in rows["bad"]["error"]
     assert rows["free"]["status"] == "ok"
