@@ -412,7 +412,7 @@ class ThinkingTokens:
         self._count += 1
         if self._inside is None:
             head = text.lstrip()
-            if THINK_OPEN.startswith(head):  # may still open one
+            if THINK_OPEN.startswith(head) and head != THINK_OPEN:  # may still open one
                 return
             if not head.startswith(THINK_OPEN):
                 self._done = True

@@ -190,6 +190,8 @@ def test_split_thinking(text, expected):
         ([], 0),
         (["\n", "\n\n"], 0),  # the answer ended while it might still have opened one
         (["<", "th"], 0),
+        (["<think>"], 1),  # an answer ending as the block opens: it was counted 0
+        (["<", "think", ">"], 3),
     ],
 )
 def test_thinking_tokens_counts_the_leading_blocks_tokens(pieces, expected):
