@@ -374,20 +374,23 @@ def compile_template(source: str, path: Path | None) -> Any:
         ) from e
 
 
-def split_thinking(text: str) -> tuple[str, str]:
+def split_thinking(text: str, strip: bool = True) -> tuple[str, str]:
     """(reasoning, answer) of generated text; both stripped of surrounding whitespace.
 
     A leading `<think>…</think>` block is the reasoning. An unterminated block (generation cut
     at max_tokens) is all reasoning and the answer is empty. Without a block: ("", text).
+    Without `strip` (an answer held to a pattern: its spaces are its text) the answer keeps
+    its whitespace, but for what separates it from a think block.
     """
     body = text.lstrip()
     if not body.startswith(THINK_OPEN):
-        return "", text.strip()
+        return "", text.strip() if strip else text
     body = body[len(THINK_OPEN) :]
     end = body.find(THINK_CLOSE)
     if end < 0:
         return body.strip(), ""
-    return body[:end].strip(), body[end + len(THINK_CLOSE) :].strip()
+    answer = body[end + len(THINK_CLOSE) :].lstrip()
+    return body[:end].strip(), answer.rstrip() if strip else answer
 
 
 class ThinkingTokens:

@@ -317,11 +317,9 @@ class _Server:
         except TokenizerError as e:  # the chat template refused the messages
             raise APIError(400, str(e), param="messages") from None
         grammar = await self._grammar(body)
-        # an answer held to a pattern is its text as generated (no think block, not stripped)
-        split = grammar is None
+        strip = grammar is None  # an answer held to a pattern keeps its spaces: its text
         answers = [
-            AnswerText(self.tok, stop_strings=stops, think=think, split_think=split)
-            for _ in range(n)
+            AnswerText(self.tok, stop_strings=stops, think=think, strip=strip) for _ in range(n)
         ]
         job = replace(job, logprobs=logprobs, grammar=grammar)
         tickets = self._submit([job], n, "messages")

@@ -207,9 +207,10 @@ class AnswerText:
     <think>…</think> block is the reasoning and the text after it the content, both without
     their surrounding whitespace, exactly `salabatch.engine.chat.split_thinking` of the final
     text; reasoning pieces come only with `think` (else the block is dropped, as the Batch path
-    drops it). Without `split_think` (a text completion, or a chat answer held to a pattern)
-    the text is the content, as it is: what it adds to the text of `after`, its prompt
-    (`StreamingDetokenizer`).
+    drops it); without `strip` (a chat answer held to a pattern: its spaces are its text) the
+    content keeps its whitespace but what follows `</think>`. Without `split_think` (a text
+    completion) the text is the content, as it is: what it adds to the text of `after`, its
+    prompt (`StreamingDetokenizer`).
     `logprobs`: the tokens' log-probabilities as added (None unless some were);
     `prompt_logprobs`: the prompt's, where its job scored it (`Job.prompt_logprobs`);
     `thinking.count`: the tokens of the think block (`ThinkingTokens`), whether sent or not.
@@ -221,12 +222,13 @@ class AnswerText:
         *,
         stop_strings: tuple[str, ...] = (),
         split_think: bool = True,
+        strip: bool = True,
         think: bool = False,
         after: Sequence[int] = (),
     ) -> None:
         self._detok = tok.detokenizer(skip_special=True, after=after)
         self._stops = stop_strings
-        self._split, self._think = split_think, think
+        self._split, self._strip, self._think = split_think, strip, think
         self._sent = {"reasoning": 0, "content": 0}
         self.reasoning = ""  # what was sent of each, so far
         self.content = ""
@@ -268,7 +270,7 @@ class AnswerText:
     def _pieces(self, text: str, *, final: bool) -> list[Piece]:
         if not self._split:
             return self._send("content", text)
-        reasoning, content = _split(text, final)
+        reasoning, content = _split(text, final, self._strip)
         pieces = self._send("reasoning", reasoning) if self._think else []
         return pieces + self._send("content", content)
 
@@ -281,21 +283,22 @@ class AnswerText:
         return [Piece(channel, text[sent:])]
 
 
-def _split(text: str, final: bool) -> tuple[str, str]:
+def _split(text: str, final: bool, strip: bool = True) -> tuple[str, str]:
     """(reasoning, content) of the answer so far, as far as they are certain: each grows by
-    appending only, and ends as `split_thinking(text)` when `final`. Before the end, a text
-    that may still open a think block shows nothing, the tail that may be the start of its
-    `</think>` is held, and so is trailing whitespace (it is stripped if nothing follows)."""
+    appending only, and ends as `split_thinking(text, strip)` when `final`. Before the end, a
+    text that may still open a think block shows nothing, the tail that may be the start of
+    its `</think>` is held, and so is trailing whitespace (it is stripped if nothing follows;
+    kept without `strip`)."""
     head = text.lstrip()
     if not final and THINK_OPEN.startswith(head):
         return "", ""  # nothing yet, or maybe the start of a think block
     if not head.startswith(THINK_OPEN):
-        return "", head.rstrip()
+        return "", head.rstrip() if strip else text
     body = head[len(THINK_OPEN) :]
     end = body.find(THINK_CLOSE)
     if end >= 0:
         reasoning, content = body[:end].strip(), body[end + len(THINK_CLOSE) :].lstrip()
-        return reasoning, content.rstrip()
+        return reasoning, content.rstrip() if strip else content
     if not final:
         body = body[: len(body) - _partial(body, THINK_CLOSE)]
     return body.strip(), ""

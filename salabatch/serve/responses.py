@@ -662,7 +662,7 @@ def response_request(
     response_id = response_id or "resp_" + uuid.uuid4().hex
     created = int(time.time()) if created is None else created
     shell = openai_api.response_echo(body, params, response_id, created, model_id)
-    answer = AnswerText(tok, think=think, split_think=pattern is None)
+    answer = AnswerText(tok, think=think, strip=pattern is None)
     return ResponseRequest(job, answer, shell, conversation, inputs, shell["store"])
 
 

@@ -29,10 +29,12 @@ def finished(text: str | None = None) -> Finished:
     return Finished("stop", 1, 1, 0, text, 0.0, 0.0, 0.0, 0.0)
 
 
-def stream(tok, text: str, *, stops=(), think=True, split=True, engine_text=None) -> dict:
+def stream(
+    tok, text: str, *, stops=(), think=True, split=True, strip=True, engine_text=None
+) -> dict:
     """What AnswerText sends for `text` fed a token at a time, per channel; every piece is
     checked to come only once its text is certain (no piece is ever taken back)."""
-    answer = AnswerText(tok, stop_strings=stops, split_think=split, think=think)
+    answer = AnswerText(tok, stop_strings=stops, split_think=split, strip=strip, think=think)
     sent = {"reasoning": "", "content": ""}
     for token in tok.encode(text):
         for piece in answer.add(token):
@@ -63,6 +65,12 @@ def test_streamed_reasoning_and_content_are_split_thinking_of_the_whole(tok, tex
     assert stream(tok, text) == {"reasoning": reasoning, "content": content}
     # without think the reasoning is dropped, as the Batch path drops it
     assert stream(tok, text, think=False) == {"reasoning": "", "content": content}
+    # an answer held to a pattern keeps its own spaces (" Ireland " was sent as "Ireland")
+    reasoning, content = split_thinking(text, strip=False)
+    assert stream(tok, text, strip=False) == {"reasoning": reasoning, "content": content}
+    assert content.strip() == split_thinking(text)[1]
+    if not text.lstrip().startswith("<think>"):
+        assert content == text
 
 
 def test_nothing_of_a_think_block_is_sent_as_content_before_it_closes(tok):

@@ -404,14 +404,13 @@ class Answerer:
     def _row(
         self, row: Row, plan: DocPlan, g: Generation, prefix: Prefix | None, started: _Start
     ) -> ResultRow:
-        # a text completion's answer, or one held to a pattern (from its first token: it writes
-        # no think block), is the text as generated; a chat answer's <think> block is its
-        # reasoning, both stripped
-        as_generated = row.question_id == TEXT_ROWS or row.grammar is not None
-        text, reasoning_tokens = self._decoded(g, row.think and not as_generated)
-        if row.think and row.grammar is not None:
-            reasoning_tokens = 0  # as the server counts it
-        reasoning, answer = (None, text) if as_generated else split_thinking(text)
+        text, reasoning_tokens = self._decoded(g, row.think)
+        # a text completion's answer is the text as generated; a chat answer's <think> block
+        # is its reasoning (an answer held to a pattern keeps its own spaces: they are its text)
+        if row.question_id == TEXT_ROWS:
+            reasoning, answer = None, text
+        else:
+            reasoning, answer = split_thinking(text, strip=row.grammar is None)
         return ResultRow(
             **self.identity.columns(row),
             answer=answer,

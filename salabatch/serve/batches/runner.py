@@ -358,10 +358,9 @@ class BatchRunner:
             stop_strings=stops,
             leading_ids=self.leading_ids,
         )
-        split = grammar is None  # held to a pattern: its text as generated, as the server's
+        strip = grammar is None  # an answer held to a pattern keeps its spaces: its text
         answers = [
-            AnswerText(self.tok, stop_strings=stops, think=think, split_think=split)
-            for _ in range(n)
+            AnswerText(self.tok, stop_strings=stops, think=think, strip=strip) for _ in range(n)
         ]
 
         def respond(reply_id: str, finished) -> dict:
