@@ -126,9 +126,13 @@ def answer_plan(
     longest row decides, as the model's context allows."""
     tail = 2 * cfg.sparse.compression[1][1] if doc_tokens else 0
     longest = min(max(rows), cfg.context_length)
+    batch = min(batch_size, len(rows))
+    # no call is fed more than the document, or a batch of its longest rows: a chunk past that
+    # is never filled (planned whole, prefill_chunk 2,000,000 refused a 6K-token document)
+    chunk = max(1, min(chunk, max(doc_tokens, batch * (tail + longest))))
     return plan_memory(
         cfg, weights=weights, doc_tokens=doc_tokens, chunk=chunk,
-        batch=min(batch_size, len(rows)), row_tokens=tail + longest, itemsize=itemsize, gpu=gpu,
+        batch=batch, row_tokens=tail + longest, itemsize=itemsize, gpu=gpu,
     )  # fmt: skip
 
 

@@ -68,3 +68,22 @@ def test_a_plan_that_does_not_fit_is_refused_naming_both(model):
 def test_checkpoint_weights_are_counted_without_loading(model):
     cfg = ModelConfig.from_file(model.path / "config.json")
     assert memory.checkpoint_weights_bytes(model.path, cfg, 4) == memory.weights_bytes(model)
+
+
+def test_a_chunk_wider_than_the_work_is_planned_as_the_work(model):
+    """prefill_chunk 2,000,000 planned its temporaries whole: short work was refused as needing
+    tens of GB. No call is fed more than the document or a batch of the longest rows."""
+
+    def plan(chunk, doc_tokens=6_000, rows=(300,) * 8):
+        return memory.answer_plan(
+            model.config, weights=0, doc_tokens=doc_tokens, rows=list(rows), chunk=chunk,
+            batch_size=8, itemsize=4, gpu=True,
+        )  # fmt: skip
+
+    whole = memory.plan_memory(
+        model.config, weights=0, doc_tokens=6_000, chunk=2_000_000, batch=8, row_tokens=300,
+        itemsize=4, gpu=True,
+    )  # fmt: skip
+    assert plan(2_000_000).transient == plan(6_000).transient < whole.transient / 3
+    pooled = plan(2_000_000, doc_tokens=0, rows=(900,) * 8)  # 8 whole prompts fed at once
+    assert pooled.transient == plan(8 * 900, doc_tokens=0, rows=(900,) * 8).transient
