@@ -425,11 +425,3 @@ class ThinkingTokens:
         found = text.find(THINK_CLOSE, self._inside)
         self._done = found >= 0
         self._inside = max(self._inside, len(text) - len(THINK_CLOSE) + 1)
-
-
-def thinking_tokens(texts) -> int:
-    """ThinkingTokens of a whole answer, from its text after each of its tokens."""
-    counter = ThinkingTokens()
-    for text in texts:
-        counter.add(text)
-    return counter.count
