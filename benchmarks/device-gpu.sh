@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU section of benchmarks/README.md in one device call (a lent H100/H200, MLX's CUDA
-# backend). Prepare here with ../shared/tools/device-mlx-cuda.sh, make its first call (carry
-# .device/p1), then run this as the second (carry .device/p2):
+# backend). Prepare here with benchmarks/device-prep.sh (../shared/tools/device-mlx-cuda.sh, and
+# outlines-core, which the CLI imports and the GPU image lacks: without it every `bench long`
+# exits at once), make the shared tool's first call (carry .device/p1), then run this as the
+# second (carry .device/p2):
 #
 #     bash benchmarks/device-gpu.sh
 #
@@ -38,6 +40,17 @@
 # H100: 32K prefill 1.81 s, peak 41.6 GB).
 #
 # `bench long` reports a process's first prefill as prefill_first_s and times a second one.
+#
+# On 2026-11-28 (H200, 15 minutes) call 2 `PROFILE_ARGS="32768 131072" PROFILE_S=240 CONTEXTS=
+# KERNEL_S=110` ran 357 s (parity: `norm` and `rows` cut at 110 s while compiling; the profile
+# cut at 240 s after the decode step's parts), call 3 `KERNELS=auto CONTEXTS="32K:230 128K:170"
+# PROFILE_S=0` 160 s (32K 88 s, 128K 70 s). The machine goes back after ~30 s idle: have every
+# call's command written before the first, and make them back to back (a fourth call, 256K,
+# found it cold and the session's time too short to start another). Next: call 2 the defaults
+# (stage1,stage2,decode; stage 2's kernel past STAGE2_KERNEL_KEYS) as they stand, `KERNELS=
+# stage1,stage2,decode CONTEXTS="32K:200 128K:150 256K:200" PROFILE_S=0`, then call 3 the
+# parity of `norm` and `rows` alone with time to compile (`PARITY="norm rows" KERNEL_S=240
+# CONTEXTS= PROFILE_S=0`).
 #
 # With SPEC_S > 0, `salabatch bench spec`'s cost workload (issue 38: the 9B in bf16 over a
 # 32K-token document, off / lookup / auto at batch 1 and 8, and a verify pass's time in plain
@@ -89,7 +102,8 @@ passed=()
 [ -n "${KERNELS:-}" ] && passed=("$KERNELS")
 # each kernel's parity in its own process, all at once (NVRTC compiles on the CPU's cores), each
 # with its own compiled-kernel folder: two processes writing one cache file would race
-kernels=(stage1 scores stage2 decode gla norm rows) pids=()
+# (PARITY: a narrower list, e.g. PARITY="norm rows" with KERNEL_S=240 for the slow compilers)
+kernels=(${PARITY:-stage1 scores stage2 decode gla norm rows}) pids=()
 [ -n "${KERNELS:-}" ] && kernels=()
 for kernel in "${kernels[@]}"; do
     MLX_PTX_CACHE_DIR="/tmp/mlx-ptx-$kernel" MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" \

@@ -21,7 +21,8 @@ from salabatch.engine.kernels import attention, sparse_attention
 
 CHUNK = 8192
 # tokens once the chunk is in, prefill planned: stage 2's masked form at the first two, its
-# gathers at the others (sparse_attention.MASKED_KEYS)
+# gathers at the others (sparse_attention.MASKED_KEYS); with the CUDA kernels, the masked form at
+# the first, stage 2's kernel at the others (STAGE2_KERNEL_KEYS)
 CONTEXTS = (24 * 1024, 56 * 1024, 120 * 1024, 248 * 1024)
 MAX_SPARSE_KERNELS = 1000  # issue 34: per sparse layer per 8K chunk
 SAME_AT_EVERY_CONTEXT = 0.10  # issue 34: ±10 % between 24K and 248K, within each form
@@ -52,14 +53,16 @@ def test_sparse_prefill_chunk_is_under_a_thousand_kernels_at_every_context(layer
 
 def test_with_the_cuda_kernels_a_sparse_chunk_is_the_same_at_every_context(layers):
     """On CUDA with the custom kernels (each launch one node), stage 1's softmax and pooling
-    and all of stage 2 are kernels: one graph at every context, fewer kernels than either
-    MLX-op form."""
+    and, past STAGE2_KERNEL_KEYS, all of stage 2 are kernels: one graph at every context
+    there, fewer kernels than either MLX-op form; below, stage 2 is the masked form."""
     counts = {}
-    for ctx in (CONTEXTS[0], CONTEXTS[-1]):
+    for ctx in CONTEXTS:
         cache = filled_sparse_cache(layers[0], ctx - CHUNK, ctx)
         counts[ctx] = kernels(prefill_chunk(layers[0], cache, CHUNK, cuda=True)[0])
-    assert counts[CONTEXTS[0]] == counts[CONTEXTS[-1]], counts
+    assert CONTEXTS[0] <= sparse_attention.STAGE2_KERNEL_KEYS < CONTEXTS[1], counts
+    assert counts[CONTEXTS[1]] == counts[CONTEXTS[-1]], counts
     assert counts[CONTEXTS[-1]] < min(sparse_kernels(layers[0], ctx) for ctx in CONTEXTS[::3])
+    assert counts[CONTEXTS[0]] != counts[CONTEXTS[1]], counts
 
 
 def test_tiles_follow_the_device_memory():

@@ -78,14 +78,14 @@ def gather_products(a: mx.array, b: mx.array, lhs: mx.array, rhs: mx.array) -> m
 # The custom CUDA kernels (`kernels/stage1_cuda.py`, `scores_cuda.py`, `stage2_cuda.py`,
 # `decode_cuda.py`, `gla_cuda.py`, `norm_cuda.py`, `rows_cuda.py`), and those on by default:
 # the ones whose parity tests (marked `gpu`) have passed on a GPU and that won there
-# (benchmarks/README.md, GPU). On an H100 (2026-11-27) `scores`, `stage2` and `decode` passed
-# too; `scores` did not clearly win, `decode` took batch-8 decode from 385-405 to 471-486
-# tok/s (batch 1 about even). `stage2` and `gla` passed in forms since rewritten (they lost:
-# the 32K prefill 2.28 s with that `stage2`, 1.81 without; 3.4 ms a lightning chunk with that
-# `gla` against the MLX ops' 2.8), and `norm`'s model-level bound was too tight for bf16
-# (since widened): the three are untested as they stand, as is `rows` (written after).
+# (benchmarks/README.md, GPU). On an H200 (2026-11-28) `stage1`, `scores`, `stage2`, `decode`
+# and `gla` passed; `stage2` won past ~45K keys (19 ms a chunk and layer at 32K and 128K, the
+# masked form 14.4 and 53.5: its dispatcher takes it past STAGE2_KERNEL_KEYS), `scores` and
+# `gla` lost to the MLX ops (stage 1 22.0 ms against 20.5 at 32K and 128K together; a
+# lightning layer 5.10 ms against 4.86). `norm` and `rows` ran out of their parity call's time
+# compiling (8 of `rows`' tests and 2 of `norm`'s passed): untimed.
 CUDA_KERNELS = ("stage1", "scores", "stage2", "decode", "gla", "norm", "rows")
-DEFAULT_CUDA_KERNELS = "stage1,decode"
+DEFAULT_CUDA_KERNELS = "stage1,stage2,decode"
 
 
 def on_cuda() -> bool:

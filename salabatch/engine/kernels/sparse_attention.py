@@ -58,11 +58,16 @@ SCORED_KEYS_PER_SLOT = 16
 KEY_BUCKET = 4096
 # GPU path: while a query tile's keys (rounded up to MASKED_BUCKET) are at most this many, stage
 # 2 is one fused SDPA over all of them with the selection as an additive mask (`_masked_tile`);
-# beyond, each query's blocks are gathered (`_sparse_tile`). Measured on an H200 (9B shapes,
-# bf16, one 8K chunk): the gathers take 39 ms at any context, dense causal SDPA over the same
-# keys 6.2 ms at 32K and 28.9 ms at 128K (benchmarks/HISTORY.md); the mask's own reads and the
-# crossover are estimates until `benchmarks/device-profile.py` times the masked form.
-MASKED_KEYS = 64 * 1024
+# beyond, each query's blocks are gathered (`_sparse_tile`). Timed on an H200 (2026-11-28,
+# `device-profile.py`: 9B shapes, bf16, one 8K chunk a layer): the masked form 14.4 ms at 32K
+# keys and 53.5 at 128K (~0.41 ms more a 1K keys), the gathers 37.6 and 39.8: they cross near
+# 92K keys.
+MASKED_KEYS = 88 * 1024
+# With the stage-2 kernel on (`stage2_cuda`, CUDA), rows with their own keys take it past this
+# many keys (as the masked form reads them), the masked form up to it: the kernel took 18.5-19.3
+# ms at 32K and at 128K on the same H200, flat with the context, where the masked form grows
+# as above: they cross near 45K keys.
+STAGE2_KERNEL_KEYS = 40 * 1024
 # The masked form's keys are a multiple of this (the mask hides the rest): its SDPA and mask
 # shapes, and so cuDNN's built graphs, repeat across chunks and documents.
 MASKED_BUCKET = 8192
@@ -197,8 +202,8 @@ def block_sparse_attention_gpu(
     `mx.gather_mm` reads each query's selected blocks in place from the cache (no copy of keys
     or values), the G heads of a kv head as the rows of one small matmul per block, scores in
     q's dtype, softmax in float32, tiles the same at every context (`_sparse_tile`). On CUDA
-    with the stage-2 kernel switched on (`stage2_cuda`: off by default, untested on a GPU in
-    its current form), rows with their own keys only send all their queries to it, one call."""
+    with the stage-2 kernel on (`stage2_cuda`, a default), rows with their own keys only send
+    all their queries to it in one call once their keys pass STAGE2_KERNEL_KEYS."""
     B, H, T, d = q.shape
     Hk, K = kv.rows_k.shape[1], idx.shape[-1]
     G = H // Hk
@@ -208,7 +213,8 @@ def block_sparse_attention_gpu(
         outs.append(_causal(q[:, :, :dense], kv, starts, 0, scale).transpose(0, 2, 1, 3))
     keys = _masked_keys(kv, max(starts) + T)
     own = dense < T and kv.start == 0  # rows with their own keys only
-    if own and stage2_cuda.available() and stage2_cuda.supports(q, G, block):
+    kernel = own and keys > STAGE2_KERNEL_KEYS and stage2_cuda.available()
+    if kernel and stage2_cuda.supports(q, G, block):
         first = mx.array([s + dense for s in starts], dtype=mx.int32)
         o = stage2_cuda.attend(
             q[:, :, dense:].transpose(0, 2, 1, 3), kv.rows_k, kv.rows_v, idx[:, :, dense:], first,

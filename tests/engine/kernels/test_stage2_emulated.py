@@ -64,7 +64,9 @@ def test_the_kernel_source_matches_the_reference(G, d, tile, start, T, qreg):
 
 def test_the_dispatcher_and_wrapper_run_it_as_on_cuda(monkeypatch):
     """`block_sparse_attention_gpu` with the kernel on, its launch emulated: the wrapper's
-    layout, sort, grid and shared memory as MLX would get them, two rows at their own starts."""
+    layout, sort, grid and shared memory as MLX would get them, two rows at their own starts
+    (the kernel taken at any number of keys)."""
+    monkeypatch.setattr(sparse_attention, "STAGE2_KERNEL_KEYS", 0)
     q, kv, idx, starts = prefill_case(16, 128, 12, 2_000, 23, mx.bfloat16, seed=3, B=2)
     with cuda_emu.emulated_kernels(monkeypatch, stage2_cuda) as launched:
         got = sparse_attention.block_sparse_attention_gpu(q, kv, idx, starts, 128**-0.5, BLOCK)
@@ -74,3 +76,25 @@ def test_the_dispatcher_and_wrapper_run_it_as_on_cuda(monkeypatch):
                  kv.lengths)  # fmt: skip
     want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, 128**-0.5, BLOCK)
     assert relative_error(got, want) < TOL_BF16
+
+
+def test_the_dispatcher_takes_it_only_past_its_crossover(monkeypatch):
+    """With the kernel on, queries whose keys are at most STAGE2_KERNEL_KEYS take the masked
+    form, to the bit as with the kernel off; one bucket more and they take the kernel."""
+    q, kv, idx, starts = prefill_case(16, 128, 12, 2_000, 23, mx.bfloat16, seed=3, B=2)
+    args = (q, kv, idx, starts, 128**-0.5, BLOCK)
+    keys = sparse_attention._masked_keys(kv, max(starts) + q.shape[2])
+    monkeypatch.setenv("SALABATCH_GPU_PATH", "1")
+    masked = sparse_attention.block_sparse_attention_gpu(*args)
+    monkeypatch.setattr(sparse_attention, "STAGE2_KERNEL_KEYS", keys)
+    with cuda_emu.emulated_kernels(monkeypatch, stage2_cuda) as launched:
+        below = sparse_attention.block_sparse_attention_gpu(*args)
+        assert launched == []
+        monkeypatch.setattr(sparse_attention, "STAGE2_KERNEL_KEYS", keys - 1)
+        past = sparse_attention.block_sparse_attention_gpu(*args)
+        assert launched == ["salabatch_stage2_queries"]
+    assert mx.array_equal(below, masked)
+    f32 = KVView(None, None, 0, *(a.astype(mx.float32) for a in (kv.rows_k, kv.rows_v)),
+                 kv.lengths)  # fmt: skip
+    want = block_sparse_attention_ref(q.astype(mx.float32), f32, idx, starts, 128**-0.5, BLOCK)
+    assert relative_error(past.astype(mx.float32), want) < TOL_BF16
