@@ -405,7 +405,7 @@ def choose(
     needs = memory.model_plan(
         model,
         doc_tokens=len(doc_prompt),
-        rows=[longest],
+        rows=[longest] * len(heads),  # scored batch_size questions to a call
         chunk=prefill_chunk,
         batch_size=batch_size,
     )
@@ -417,7 +417,8 @@ def choose(
         shortest = len(doc_prompt) + min(len(h) for h in heads) + 1
         planned = shortest if model.config.splits_modes(len(doc_prompt), shortest) else None
         prefill(model, doc_prompt, prefix, prefill_chunk, planned=planned)
-        scores = choice_scores(model, prefix, [(h, spelled) for h in heads], rows=batch_size)
+        asks = [(h, spelled) for h in heads]
+        scores = choice_scores(model, prefix, asks, rows=batch_size, chunk=prefill_chunk)
     out = []
     for per_choice in scores:
         chances = probabilities([sum(x.logprob for x in s) for s in per_choice])

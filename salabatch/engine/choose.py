@@ -63,6 +63,7 @@ def choice_scores(
     asks: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
     top: int = 0,
     rows: int = 8,
+    chunk: int | None = None,
 ) -> list[list[list[TokenLogprob]]]:
     """The choices of questions over one prompt start, scored: `base` a one-row cache of it (a
     document prefix; it stays as it is); `asks` each question's (head: its tokens after
@@ -72,12 +73,14 @@ def choice_scores(
     Each head is prefilled once, `rows` heads to a padded call on forks of `base`
     (`prefill_forks`): its last logits give its choices' first tokens; each choice's other
     tokens then run on a copy of its head's row, `rows` choices to a padded call. A call's
-    rows are each on its own side of dense_len, padding included (`_calls`)."""
+    rows are each on its own side of dense_len, padding included, and it feeds at most `chunk`
+    tokens, padding included (a prefill chunk: what a memory plan counts a call to take), but
+    for a row longer than that, which goes alone (`_calls`)."""
     if not all(head and all(cs) for head, cs in asks):
         raise ValueError("choice_scores needs a head and non-empty choices for each question")
     out: list[list] = [[None] * len(cs) for _, cs in asks]
     dense_len = model.config.sparse.dense_len
-    for group in _calls([(base.offset, len(head)) for head, _ in asks], rows, dense_len):
+    for group in _calls([(base.offset, len(head)) for head, _ in asks], rows, dense_len, chunk):
         heads = prefill_forks(model, base, [asks[a][0] for a in group])
         tails = []  # (question, choice, its head's row) of the choices longer than one token
         for a, (row, logits) in zip(group, heads, strict=True):
@@ -90,7 +93,7 @@ def choice_scores(
                     tails.append((a, j, row))
         # a tail runs from its head's end for its choice's tokens but the last
         spans = [(base.offset + len(asks[a][0]), len(asks[a][1][j]) - 1) for a, j, _ in tails]
-        for part in _calls(spans, rows, dense_len):
+        for part in _calls(spans, rows, dense_len, chunk):
             cache = ModelCache.concat([tails[t][2].select([0]) for t in part])  # a copy each
             feed = [asks[tails[t][0]][1][tails[t][1]] for t in part]
             T = max(len(c) - 1 for c in feed)
@@ -105,27 +108,29 @@ def choice_scores(
     return out
 
 
-def _calls(spans: Sequence[tuple[int, int]], rows: int, dense_len: int) -> list[list[int]]:
+def _calls(
+    spans: Sequence[tuple[int, int]], rows: int, dense_len: int, cap: int | None = None
+) -> list[list[int]]:
     """The rows of `spans` in padded calls of at most `rows`, in order. Row i runs from
-    `spans[i]` = (start, length), padded to its call's longest; the model decides a row's
-    mode from its padded end (SPEC P7), so a row that ends below dense_len shares a call only
-    with rows that end below it, and only where the padding takes none of them to it; the
+    `spans[i]` = (start, length), padded to its call's longest: a call feeds its rows times
+    that, at most `cap` tokens (None: no bound) unless it is one row. The model decides a
+    row's mode from its padded end (SPEC P7), so a row that ends below dense_len shares a call
+    only with rows that end below it, and only where the padding takes none of them to it; the
     others go together."""
-    dense: list[list[int]] = []
-    sparse = []
+    calls: dict[bool, list[list[int]]] = {True: [], False: []}  # by: the row ends below it
     for i, (start, n) in enumerate(spans):
-        if start + n >= dense_len:
-            sparse.append(i)
-            continue
-        call = [*dense[-1], i] if dense else [i]
+        dense = start + n < dense_len
+        same = calls[dense]
+        call = [*same[-1], i] if same else [i]
         T = max(spans[j][1] for j in call)
-        if len(call) > rows or max(spans[j][0] for j in call) + T >= dense_len:
+        crosses = dense and max(spans[j][0] for j in call) + T >= dense_len
+        if len(call) > rows or crosses or (cap is not None and len(call) * T > cap):
             call = [i]
         if len(call) == 1:
-            dense.append(call)
+            same.append(call)
         else:
-            dense[-1] = call
-    return dense + [sparse[k : k + rows] for k in range(0, len(sparse), rows)]
+            same[-1] = call
+    return calls[True] + calls[False]
 
 
 def probabilities(logprobs: Sequence[float]) -> list[float]:

@@ -72,6 +72,30 @@ def test_choice_scores_are_one_calls_log_softmax(model, doc_len, engine_path):
         choice_scores(model, base, [([], asks[0][1])])
 
 
+def test_no_call_feeds_more_than_a_chunk_but_a_row_longer_than_it(model, monkeypatch):
+    """`chunk` bounds each call's rows times its padded length (what a memory plan counts a
+    call to take; 8 heads in one call took 1.26x the plan at the 9B's tiles): the calls split,
+    the scores stay; a head longer than the chunk goes alone."""
+    doc = ids(100, 1)
+    asks = [(ids(n, 10 + n), [ids(1, 3), ids(6, 4), ids(2, 5)]) for n in (5, 9, 12, 30, 7)]
+    base = model.make_cache()
+    prefill(model, doc, base, 128)
+    whole = choice_scores(model, base, asks, rows=8)
+    fed, hidden = [], model.hidden
+
+    def counted(x, cache, *args, **kwargs):
+        fed.append(x.shape[:2])
+        return hidden(x, cache, *args, **kwargs)
+
+    monkeypatch.setattr(model, "hidden", counted)
+    split = choice_scores(model, base, asks, rows=8, chunk=20)
+    assert max(n * T for n, T in fed if n > 1) <= 20, fed
+    assert (1, 30) in fed  # the 30-token head, alone
+    assert len(fed) > 2  # without the bound: one call for the heads, one for the tails
+    flat = [x.logprob for q in split for s in q for x in s]
+    assert flat == pytest.approx([x.logprob for q in whole for s in q for x in s], abs=1e-5)
+
+
 def test_a_choice_below_dense_len_scores_as_one_dense_call_whatever_it_is_padded_with(
     tmp_path,
 ):

@@ -194,7 +194,10 @@ class Answerer:
             start = time.perf_counter()
             asks = [(r.prompt, spelled[r.key]) for r in chosen]
             top = max(r.logprobs or 0 for r in chosen)
-            scores = choice_scores(self.model, prefix.cache, asks, top, self.spec.engine.batch_size)
+            engine = self.spec.engine
+            scores = choice_scores(
+                self.model, prefix.cache, asks, top, engine.batch_size, engine.prefill_chunk
+            )
             seconds = (time.perf_counter() - start) / len(chosen)
             for r, s in zip(chosen, scores, strict=True):
                 seen = _row_prefix(prefix, r, plan)
@@ -335,7 +338,10 @@ class Answerer:
         prompt = [*(plan.doc_prompt or ()), *row.prompt]
         base = self.model.make_cache()
         prefill(self.model, prompt[:-1], base, self.spec.engine.prefill_chunk)
-        (scores,) = choice_scores(self.model, base, [(prompt[-1:], spelled)], row.logprobs or 0)
+        (scores,) = choice_scores(
+            self.model, base, [(prompt[-1:], spelled)], row.logprobs or 0,
+            self.spec.engine.batch_size, self.spec.engine.prefill_chunk,
+        )  # fmt: skip
         seconds = time.perf_counter() - start
         return self._chosen(row, plan, scores, len(prompt), seconds, None, started)
 
