@@ -27,7 +27,8 @@ class Prefix:
 
 
 class DocumentCaches:
-    """Keeps the last document's prefix in memory and the rest in the store."""
+    """Keeps the last document's prefix in memory, until another is asked for, and the rest in
+    the store."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class DocumentCaches:
     ) -> Prefix:
         if self._last and self._last[0] == key.digest:
             return Prefix(self._last[1], "memory")
+        self._last = None  # no plan counts the last document's cache beside this one's
         cache = self.store.load(key, self.model.config) if self.store else None
         found = Prefix(cache, "disk") if cache is not None else self._prefill(key, ids, progress)
         self._last = (key.digest, found.cache)
