@@ -385,3 +385,18 @@ def test_quantization_config_errors_are_named(src, tmp_path):
         load_model(path)
     with pytest.raises(ConfigError, match="bits"):
         convert(src, tmp_path / "q7", bits=7, progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_quantized_checkpoint_is_counted_as_it_loads(converted, dtype):
+    """The dry run's weights (`memory.checkpoint_weights_bytes`, from the safetensors headers
+    alone) are what loading takes: bf16 scales and unquantized tensors load in the model's
+    dtype (their file sizes were ~20 % under a float32 load)."""
+    from salabatch.engine import memory
+    from salabatch.engine.config import ModelConfig
+
+    path = converted[4][0]
+    model = load_model(path, dtype=dtype)
+    cfg = ModelConfig.from_file(path / "config.json")
+    counted = memory.checkpoint_weights_bytes(path, cfg, model.dtype.size)
+    assert counted == memory.weights_bytes(model)
