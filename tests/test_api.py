@@ -507,7 +507,8 @@ def test_what_cannot_fit_is_refused_before_its_prefill_and_the_rest_runs_in_its_
     monkeypatch.setattr(memory, "available_bytes", lambda gpu: 1 << 10)
     prefilled = []
     monkeypatch.setattr(generate_module, "prefill", lambda *a, **k: prefilled.append(a))
-    with pytest.raises(OutOfMemoryError, match="is free"):
+    # the advice names the call's own keywords, not a job file's keys
+    with pytest.raises(OutOfMemoryError, match="is free: lower prefill_chunk or batch_size"):
         salabatch.generate(model, tok, "Say hi.", max_tokens=4)
     with pytest.raises(OutOfMemoryError, match="is free"):
         salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)

@@ -305,10 +305,18 @@ def available_bytes(gpu: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check(plan: MemoryPlan, free: int | None = None) -> None:
+# What a refused plan's error tells its user to change, by who made the plan
+ADVICE_JOB = "lower engine.prefill_chunk or engine.batch_size, or free memory"
+ADVICE_API = "lower prefill_chunk or batch_size, or free memory"
+ADVICE_SERVE = (
+    "send a shorter prompt or a lower max_tokens, or free memory (a smaller --prefix-memory)"
+)
+
+
+def check(plan: MemoryPlan, free: int | None = None, advice: str = ADVICE_JOB) -> None:
     """Refuses (OutOfMemoryError) the plan when its new memory (all but the weights, loaded
     already) exceeds `free` (by default what the device has available now, `available_bytes`),
-    in one line naming both."""
+    in one line naming both, and `advice`."""
     if free is None:
         free = available_bytes(attention.on_gpu())
     needs = plan.peak - plan.weights
@@ -316,7 +324,7 @@ def check(plan: MemoryPlan, free: int | None = None) -> None:
         shown = gb if gb(needs) != gb(free) else (lambda n: f"{n / 2**20:.1f} MB")
         raise OutOfMemoryError(
             f"needs {shown(needs)} more than the weights ({plan.line()}) and {shown(free)} is "
-            "free: lower engine.prefill_chunk or engine.batch_size, or free memory"
+            f"free: {advice}"
         )
 
 

@@ -95,6 +95,10 @@ OPEN_PATHS = ("/health",)  # served without the API key
 # an SSE comment sent after this many seconds without an event (a long prefill before the first
 # token), so that proxies and clients that cut an idle connection keep it; clients ignore it
 KEEP_ALIVE_S = 15.0
+# a stream's status goes out with its first byte: first, up to this long for the engine to
+# check its jobs, so that one it refuses (out of memory) gets its status (503), not a 200
+# and an error event (`refused`)
+CHECK_WAIT_S = 5.0
 KEEP_ALIVE = b": keep-alive\n\n"
 log = logging.getLogger(__name__)
 
@@ -325,6 +329,7 @@ class _Server:
         tickets = self._submit([job], n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
+            await refused(tickets)
             chunks = self._chat_chunks(tickets, answers, reply, include_usage, think)
             return EventStream(chunks, tickets)
         finished = await collect(tickets, answers, request)
@@ -339,6 +344,7 @@ class _Server:
         answers = text.answers(self.tok)
         reply = Reply(text.jobs[0].id, "text_completion", self.model_id, int(time.time()))
         if stream:
+            await refused(tickets)
             chunks = self._text_chunks(tickets, answers, text, reply, include_usage)
             return EventStream(chunks, tickets)
         finished = await collect(tickets, answers, request)
@@ -715,6 +721,21 @@ def check_context(job: Job, context: int, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
+
+
+async def refused(tickets: Sequence[Ticket], wait: float | None = None) -> None:
+    """Before a stream's status is sent: the APIError (`engine_error`: 503 out of memory) of
+    the first of its jobs the engine fails within `wait` seconds while it checks them, all of
+    them cancelled; nothing once each is begun (or the time is up: a later failure is the
+    stream's error event)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (CHECK_WAIT_S if wait is None else wait)
+    for ticket in tickets:
+        failed = await ticket.checked(max(0.0, deadline - loop.time()))
+        if failed is not None:
+            for other in tickets:
+                other.cancel()
+            raise engine_error(failed.error)
 
 
 def check_model(model: str, served: str) -> None:

@@ -45,6 +45,7 @@ names it; the others go on). `close()` ends what is left with Failed(EngineClose
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -236,6 +237,7 @@ class Ticket:
         self._ready = asyncio.Event()  # bound to `loop` at its first wait, set only there
         self._cancelled = False
         self._ended = False  # the last event was put
+        self._checked = False  # the engine has begun it: it fits (`Engine._begin`)
         self.prefilled = 0  # set by the engine's thread
 
     @property
@@ -274,6 +276,34 @@ class Ticket:
             if not self._cond.wait_for(lambda: self._events, timeout):
                 return None
             return self._events.popleft()
+
+    async def checked(self, timeout: float) -> Failed | None:
+        """On the loop given to `submit`, before iterating: waits up to `timeout` seconds
+        until the engine has begun the job, its checks passed (its length, its memory) → None,
+        or has failed it → its Failed, left first in line to be read. None too when neither
+        came in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._ready.clear()  # before looking: a wake after the look is not lost
+            with self._cond:
+                first = self._events[0] if self._events else None
+            if isinstance(first, Failed):
+                return first
+            left = deadline - loop.time()
+            if self._checked or first is not None or left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._ready.wait(), left)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                return None
+
+    def _began(self) -> None:
+        """From the engine thread: the job passed its checks (`checked`)."""
+        self._checked = True
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(self._ready.set)
 
     async def _async_events(self) -> AsyncIterator[Event]:
         last = False
@@ -684,6 +714,7 @@ class ServeEngine:
         marks = (*job.boundaries, agreed) if agreed else job.boundaries
         w.points = save_points(w.cached, len(job.prompt), marks, self.snapshot_min)
         w.needs = self._check_memory(job, w.cached, w.points, w.max_tokens)
+        w.ticket._began()
 
     def _joinable(self, w: _Work) -> bool:
         """Whether begun job w can prefill together with others (`_admit_together`): its row
@@ -870,7 +901,7 @@ class ServeEngine:
             + (memory.score_bytes(cfg, chunk) if job.prompt_logprobs is not None else 0),
             overshoot=memory.overshoot_bytes(cfg, chunk, on_gpu()),
         )
-        memory.check(plan)
+        memory.check(plan, advice=memory.ADVICE_SERVE)
         return plan
 
     def _group(self, row: ModelCache) -> Batch:

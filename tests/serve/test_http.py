@@ -26,6 +26,7 @@ from click.testing import CliRunner
 
 from salabatch.cli import main
 from salabatch.engine import generate as generate_module
+from salabatch.engine import memory
 from salabatch.engine.speculative import OFF, Speculation
 from salabatch.errors import OutOfMemoryError
 from salabatch.serve import app as app_module
@@ -957,8 +958,10 @@ def test_n_choices_the_queue_cannot_take_are_a_429_and_none_is_left_queued(tiny)
 
 
 def test_one_choice_that_fails_fails_the_request_and_stops_the_others(tiny, monkeypatch):
-    """The second of three choices cannot be given its memory: the whole answer is that 503
-    (streamed: the error event, then [DONE]), and the other choices' rows stop."""
+    """The second of three choices cannot be given its memory: the whole answer is that 503,
+    streamed too (the engine checks a stream's jobs before its status goes: it was a 200
+    and an error event), and the other choices' rows stop. Found after that wait, a stream's
+    failure is its error event, then [DONE]."""
     model, tok = tiny
     engine = ServeEngine(model, tok, batch_size=4)
     real = engine._check_memory
@@ -976,6 +979,10 @@ def test_one_choice_that_fails_fails_the_request_and_stops_the_others(tiny, monk
         assert (status, error["code"]) == (503, "out_of_memory") and "1 GB" in error["message"]
         streamed = json.dumps(body | {"stream": True}).encode()
         status, _, data = s.raw("POST", "/v1/completions", streamed)
+        error = json.loads(data)["error"]
+        assert (status, error["code"]) == (503, "out_of_memory") and "1 GB" in error["message"]
+        monkeypatch.setattr(app_module, "CHECK_WAIT_S", 0.0)
+        status, _, data = s.raw("POST", "/v1/completions", streamed)
         events = data.decode().split("\n\n")
         assert status == 200 and events[-2:] == ["data: [DONE]", ""]
         assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == "out_of_memory"
@@ -989,8 +996,21 @@ def test_one_choice_that_fails_fails_the_request_and_stops_the_others(tiny, monk
                 and x
             )
         )
-    assert stats["requests_failed_total"] == 2 and stats["requests_cancelled_total"] == 4
+    assert stats["requests_failed_total"] == 3 and stats["requests_cancelled_total"] == 6
     assert stats["completion_tokens_total"] < 3000
+
+
+def test_a_stream_that_does_not_fit_is_refused_with_its_status(tiny, monkeypatch):
+    """A streamed chat whose prefill cannot have its memory: 503 `out_of_memory` before any
+    event, its advice what a client or `serve` can change (no job-file keys)."""
+    model, tok = tiny
+    monkeypatch.setattr(memory, "available_bytes", lambda gpu: 1 << 10)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with Served(ServeEngine(model, tok, batch_size=2), tok) as s:
+        status, _, data = s.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    error = json.loads(data)["error"]
+    assert (status, error["code"]) == (503, "out_of_memory"), data
+    assert "max_tokens" in error["message"] and "engine." not in error["message"]
 
 
 def test_max_queue_0_queues_no_request_beyond_the_batch_rows(tiny):
