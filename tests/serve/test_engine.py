@@ -915,7 +915,7 @@ def test_each_prefill_chunk_runs_within_its_jobs_memory_plan(model, monkeypatch)
             assert mx.get_memory_limit() == limit
             yield limit
 
-    monkeypatch.setattr(memory, "check", lambda p, free=None: checked.append(p) or check(p, free))
+    monkeypatch.setattr(memory, "check", lambda p, **kw: checked.append(p) or check(p, **kw))
     monkeypatch.setattr(memory, "bounded", recorded)
     before = mx.get_memory_limit()
     engine = ServeEngine(model, Tok(), batch_size=2, prefill_chunk=512)

@@ -313,7 +313,7 @@ def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_m
     checked = []
     check = memory.check
     monkeypatch.setattr(
-        memory, "check", lambda plan, free=None: checked.append(plan) or check(plan, free)
+        memory, "check", lambda plan, **kw: checked.append(plan) or check(plan, **kw)
     )
     assert run_cli("run", str(job)).exit_code == 0
     documents, pools = checked[:-1], checked[-1:]  # the pool of short ones runs last
@@ -339,7 +339,7 @@ def test_each_document_and_pool_runs_within_the_plan_it_was_checked_against(
             limits.append((plan, limit, mx.get_memory_limit()))
             yield limit
 
-    monkeypatch.setattr(memory, "check", lambda p, free=None: checked.append(p) or check(p, free))
+    monkeypatch.setattr(memory, "check", lambda p, **kw: checked.append(p) or check(p, **kw))
     monkeypatch.setattr(memory, "bounded", recorded)
     before = mx.get_memory_limit()
     write_docs(tmp_path)
