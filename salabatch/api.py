@@ -179,7 +179,7 @@ def stream_generate(
     needs = memory.model_plan(
         model, doc_tokens=0, rows=[len(ids) + max_tokens], chunk=prefill_chunk, batch_size=1
     )
-    memory.check(needs, advice=memory.ADVICE_API)
+    memory.check(needs, advice="lower prefill_chunk or max_tokens, or free memory")
     limit = cache_limit(model.config, prefill_chunk, on_gpu())
     steps = generator.stream([request])
     first_at = None
@@ -341,7 +341,7 @@ def batch_generate(
     needs = memory.model_plan(
         model, doc_tokens=doc_tokens, rows=rows, chunk=prefill_chunk, batch_size=batch_size
     )
-    memory.check(needs, advice=memory.ADVICE_API)
+    memory.check(needs, advice="lower prefill_chunk, batch_size or max_tokens, or free memory")
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = None if whole else model.make_cache()
         if prefix is not None:
@@ -409,7 +409,7 @@ def choose(
         chunk=prefill_chunk,
         batch_size=batch_size,
     )
-    memory.check(needs, advice=memory.ADVICE_API)
+    memory.check(needs, advice="lower prefill_chunk or batch_size, or free memory")
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         prefix = model.make_cache()
         # a document below dense_len that every question's prompt takes past it: prefilled
@@ -472,7 +472,7 @@ def score(
     chunk = min(prefill_chunk, len(ids))
     needs = memory.model_plan(model, doc_tokens=0, rows=[len(ids)], chunk=chunk, batch_size=1)
     needs = replace(needs, transient=needs.transient + memory.score_bytes(model.config, chunk))
-    memory.check(needs, advice=memory.ADVICE_API)
+    memory.check(needs, advice="lower prefill_chunk, or free memory")
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
         feed = Prefill(model, ids, model.make_cache(), prefill_chunk, score=int(logprobs))
         while not feed.finished:

@@ -508,10 +508,12 @@ def test_what_cannot_fit_is_refused_before_its_prefill_and_the_rest_runs_in_its_
     prefilled = []
     monkeypatch.setattr(generate_module, "prefill", lambda *a, **k: prefilled.append(a))
     # the advice names the call's own keywords, not a job file's keys
-    with pytest.raises(OutOfMemoryError, match="is free: lower prefill_chunk or batch_size"):
+    with pytest.raises(OutOfMemoryError, match="is free: lower prefill_chunk or max_tokens"):
         salabatch.generate(model, tok, "Say hi.", max_tokens=4)
-    with pytest.raises(OutOfMemoryError, match="is free"):
+    with pytest.raises(OutOfMemoryError, match="is free: lower prefill_chunk, batch_size or"):
         salabatch.batch_generate(model, tok, DOC, QUESTIONS[:2], 4)
+    with pytest.raises(OutOfMemoryError, match="is free: lower prefill_chunk, or free memory"):
+        salabatch.score(model, tok, "Say hi.")
     assert not prefilled and len(limits) == steps + 1
 
 

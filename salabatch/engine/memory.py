@@ -305,9 +305,9 @@ def available_bytes(gpu: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# What a refused plan's error tells its user to change, by who made the plan
+# What a refused plan's error tells its user to change, by who made the plan (the Python API's
+# calls each name their own keywords)
 ADVICE_JOB = "lower engine.prefill_chunk or engine.batch_size, or free memory"
-ADVICE_API = "lower prefill_chunk or batch_size, or free memory"
 ADVICE_SERVE = (
     "send a shorter prompt or a lower max_tokens, or free memory (a smaller --prefix-memory)"
 )

@@ -79,6 +79,7 @@ from salabatch.serve.engine import (
     ServeEngine,
     Ticket,
     Token,
+    first_failure,
 )
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
@@ -329,7 +330,7 @@ class _Server:
         tickets = self._submit([job], n, "messages")
         reply = Reply(job.id, "chat.completion", self.model_id, int(time.time()))
         if stream:
-            await refused(tickets)
+            await refused(tickets, request)
             chunks = self._chat_chunks(tickets, answers, reply, include_usage, think)
             return EventStream(chunks, tickets)
         finished = await collect(tickets, answers, request)
@@ -344,7 +345,7 @@ class _Server:
         answers = text.answers(self.tok)
         reply = Reply(text.jobs[0].id, "text_completion", self.model_id, int(time.time()))
         if stream:
-            await refused(tickets)
+            await refused(tickets, request)
             chunks = self._text_chunks(tickets, answers, text, reply, include_usage)
             return EventStream(chunks, tickets)
         finished = await collect(tickets, answers, request)
@@ -723,19 +724,32 @@ def check_context(job: Job, context: int, param: str) -> None:
         )
 
 
-async def refused(tickets: Sequence[Ticket], wait: float | None = None) -> None:
+async def refused(tickets: Sequence[Ticket], request: Request) -> None:
     """Before a stream's status is sent: the APIError (`engine_error`: 503 out of memory) of
-    the first of its jobs the engine fails within `wait` seconds while it checks them, all of
-    them cancelled; nothing once each is begun (or the time is up: a later failure is the
-    stream's error event)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + (CHECK_WAIT_S if wait is None else wait)
-    for ticket in tickets:
-        failed = await ticket.checked(max(0.0, deadline - loop.time()))
-        if failed is not None:
-            for other in tickets:
-                other.cancel()
-            raise engine_error(failed.error)
+    the first of its jobs the engine fails while it checks them (`first_failure`, at most
+    CHECK_WAIT_S), all of them cancelled; nothing once each is begun, or one has an event to
+    send, or the time is up (a later failure is the stream's error event). A client that
+    leaves meanwhile cancels them at once."""
+    failed = None
+
+    async def check() -> None:
+        nonlocal failed
+        failed = await first_failure(tickets, CHECK_WAIT_S)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for ticket in tickets:
+            ticket.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        await check()
+        group.cancel_scope.cancel()
+    if failed is not None:
+        for ticket in tickets:
+            ticket.cancel()
+        raise engine_error(failed.error)
 
 
 def check_model(model: str, served: str) -> None:

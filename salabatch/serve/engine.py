@@ -277,29 +277,8 @@ class Ticket:
                 return None
             return self._events.popleft()
 
-    async def checked(self, timeout: float) -> Failed | None:
-        """On the loop given to `submit`, before iterating: waits up to `timeout` seconds
-        until the engine has begun the job, its checks passed (its length, its memory) → None,
-        or has failed it → its Failed, left first in line to be read. None too when neither
-        came in time."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            self._ready.clear()  # before looking: a wake after the look is not lost
-            with self._cond:
-                first = self._events[0] if self._events else None
-            if isinstance(first, Failed):
-                return first
-            left = deadline - loop.time()
-            if self._checked or first is not None or left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._ready.wait(), left)
-            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                return None
-
     def _began(self) -> None:
-        """From the engine thread: the job passed its checks (`checked`)."""
+        """From the engine thread: the job passed its checks (`first_failure`)."""
         self._checked = True
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed
@@ -334,6 +313,34 @@ class Ticket:
             except RuntimeError:  # the loop is closed
                 return False
         return True
+
+
+async def first_failure(tickets: Sequence[Ticket], timeout: float) -> Failed | None:
+    """On the loop given to `submit`, before iterating the tickets: waits up to `timeout`
+    seconds while the engine checks their jobs (their length, their memory) → the Failed of
+    the first it fails, left first in its line to be read. None, without waiting longer, once
+    every job is begun or any ticket has an event to send (a choice decoding while another
+    waits for a row must not be held back), or when the time is up."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        for ticket in tickets:
+            ticket._ready.clear()  # before looking: a wake after the look is not lost
+        firsts = []
+        for ticket in tickets:
+            with ticket._cond:
+                firsts.append(ticket._events[0] if ticket._events else None)
+        if failed := next((e for e in firsts if isinstance(e, Failed)), None):
+            return failed
+        left = deadline - loop.time()
+        if any(e is not None for e in firsts) or all(t._checked for t in tickets) or left <= 0:
+            return None
+        waits = [asyncio.ensure_future(t._ready.wait()) for t in tickets]
+        try:
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
 
 @dataclass(eq=False)

@@ -200,7 +200,7 @@ class Responses:
         # in the foreground, a job cancelled is a client that left: it never had the id
         done = functools.partial(self._done, asked, keep_cancelled=False)
         if stream:
-            await refused([ticket])
+            await refused([ticket], request)
             return EventStream(self._events(ticket, asked.answer, asked.shell, done), [ticket])
         (finished,) = await collect([ticket], [asked.answer], request)
         return JSONResponse(await done(finished))

@@ -1013,6 +1013,49 @@ def test_a_stream_that_does_not_fit_is_refused_with_its_status(tiny, monkeypatch
     assert "max_tokens" in error["message"] and "engine." not in error["message"]
 
 
+def test_a_choice_waiting_for_a_row_does_not_hold_back_the_tokens_of_one_decoding(tiny):
+    """n = 2 streamed on one row: choice 0 decodes at once, choice 1 waits for the row. The
+    stream's check of its jobs (`refused`) ends as choice 0 has a token to send: it held the
+    first text back for CHECK_WAIT_S (5 s)."""
+    model, tok = tiny
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "n": 2, "stream": True}
+    with Served(ServeEngine(model, tok, batch_size=1), tok) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/completions", json.dumps(body))
+        response = conn.getresponse()
+        first_text = None
+        while first_text is None and (line := response.fp.readline()):
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                first_text = time.monotonic() - t0
+        conn.close()
+    assert response.status == 200 and first_text is not None
+    assert first_text < 2.0, f"choice 0's first text held back {first_text:.2f} s"
+
+
+def test_a_client_that_leaves_while_its_stream_waits_frees_its_place_at_once(tiny):
+    """A stream queued behind a busy row (max_queue 1) whose client leaves while its jobs are
+    checked: its job is cancelled at once (it kept its queue place, others getting 429, until
+    the check's wait ended)."""
+    model, tok = tiny
+    with Served(ServeEngine(model, tok, batch_size=1, max_queue=1), tok) as s:
+        client = s.client()
+        busy = client.completions.create(model=MODEL, prompt="x", max_tokens=20000, stream=True)
+        next(iter(busy))
+        body = json.dumps({"model": MODEL, "prompt": "y", "max_tokens": 50, "stream": True})
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        s.wait_for(lambda: s.engine.stats()["queue_depth"] == 1)
+        sock.close()
+        time.sleep(1.0)
+        depth = s.engine.stats()["queue_depth"]
+        busy.close()
+    assert depth == 0, "the gone client's job still holds its queue place 1 s after it left"
+
+
 def test_max_queue_0_queues_no_request_beyond_the_batch_rows(tiny):
     """Rows are free: a request takes one, whatever max_queue says."""
     model, tok = tiny
