@@ -162,6 +162,7 @@ class Answerer:
         mx.reset_peak_memory()
         key = self.setup.prefix_key(plan)
         rows = {r.key: r for r in plan.rows}
+        self.caches.keep_only(key)  # the check must see the previous document's memory free
         try:
             needs = self.memory_plan(plan)
             memory.check(needs)
@@ -239,6 +240,7 @@ class Answerer:
             for r, plan in pool
             if r.key not in spelled
         ]
+        self.caches.keep_only(None)  # a pool's plan counts no document's prefix
         try:
             needs = self.pool_memory_plan(pool)
             memory.check(needs)

@@ -42,6 +42,13 @@ class DocumentCaches:
         self.chunk, self.snapshot_every = chunk, snapshot_every
         self._last: tuple[str, ModelCache] | None = None
 
+    def keep_only(self, key: PrefixKey | None) -> None:
+        """Lets go of the last document's prefix unless it is `key`'s: before a memory check
+        for other work (another document, or a pool that holds none), which must see that
+        memory free, as its plan counts it."""
+        if self._last and (key is None or self._last[0] != key.digest):
+            self._last = None
+
     def get(
         self,
         key: PrefixKey,
@@ -50,7 +57,7 @@ class DocumentCaches:
     ) -> Prefix:
         if self._last and self._last[0] == key.digest:
             return Prefix(self._last[1], "memory")
-        self._last = None  # no plan counts the last document's cache beside this one's
+        self.keep_only(key)  # no plan counts the last document's cache beside this one's
         cache = self.store.load(key, self.model.config) if self.store else None
         found = Prefix(cache, "disk") if cache is not None else self._prefill(key, ids, progress)
         self._last = (key.digest, found.cache)

@@ -321,6 +321,38 @@ def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_m
     assert planned["pooled"] == memory.gb(pools[0].peak)
 
 
+def test_no_earlier_prefix_is_held_when_the_next_work_is_checked(tmp_path, tiny_model, monkeypatch):
+    """A document's or a pool's memory check sees the last document's prefix let go (its plan
+    counts no other: the check, and MLX's limit after it, counted it as used)."""
+    import gc
+    import weakref
+
+    from salabatch.engine import memory
+    from salabatch.jobs.store import document_cache
+
+    write_docs(tmp_path)
+    job = write_job(tmp_path, tiny_model, engine={"prefill_chunk": 128, "pool_max_tokens": 128})
+    prefixes, held = [], []
+    get = document_cache.DocumentCaches.get
+
+    def recorded(self, *args, **kwargs):
+        found = get(self, *args, **kwargs)
+        prefixes.append(weakref.ref(found.cache))
+        return found
+
+    def check(plan, **kw):
+        gc.collect()
+        held.append(sum(p() is not None for p in prefixes))
+        return memory_check(plan, **kw)
+
+    memory_check = memory.check
+    monkeypatch.setattr(document_cache.DocumentCaches, "get", recorded)
+    monkeypatch.setattr(memory, "check", check)
+    assert run_cli("run", str(job)).exit_code == 0
+    assert len(prefixes) >= 2 and len(held) >= 3  # two documents, then the pool
+    assert held == [0] * len(held), held
+
+
 def test_each_document_and_pool_runs_within_the_plan_it_was_checked_against(
     tmp_path, tiny_model, monkeypatch
 ):
