@@ -158,20 +158,27 @@ def weights_bytes(model) -> int:
 
 def checkpoint_weights_bytes(path, cfg: ModelConfig, itemsize: int) -> int:
     """Bytes a checkpoint's weights will take once loaded, without reading them: its
-    parameter count in `itemsize` bytes, or for a quantized checkpoint its tensors as its
-    safetensors headers list them, the packed integer weights as they are and every float
-    tensor (scales, biases, unquantized weights) in `itemsize`, as loading casts them (a
-    bf16-scaled checkpoint loaded in float32 takes ~20 % more than its files)."""
+    parameter count in `itemsize` bytes, or for a quantized checkpoint the tensors loading
+    keeps (the index's shards, less what `Model.sanitize` drops) as its safetensors headers
+    list them, the packed integer weights as they are and every float tensor (scales, biases,
+    unquantized weights) in `itemsize`, as loading casts them (a bf16-scaled checkpoint loaded
+    in float32 takes ~20 % more than its files)."""
     from pathlib import Path
 
     from mlx.utils import tree_flatten
 
+    from salabatch.engine.checkpoint import weight_files
     from salabatch.engine.model import Model
+    from salabatch.errors import CheckpointError
 
-    if cfg.quantization is not None:
-        return sum(_loaded_bytes(f, itemsize) for f in sorted(Path(path).glob("*.safetensors")))
-    shapes = tree_flatten(Model(cfg).parameters())  # lazy: nothing is allocated
-    return sum(p.size for _, p in shapes) * itemsize
+    model = Model(cfg)  # lazy: nothing is allocated
+    if cfg.quantization is None:
+        return sum(p.size for _, p in tree_flatten(model.parameters())) * itemsize
+    try:
+        files = weight_files(Path(path))
+    except CheckpointError:  # loading reports it; the sizes of what is there meanwhile
+        files = sorted(Path(path).glob("*.safetensors"))
+    return sum(_loaded_bytes(f, itemsize, model.sanitize) for f in files)
 
 
 # safetensors' dtype names → bytes an element; the float ones load in the model's dtype
@@ -180,23 +187,24 @@ _SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4,
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 
 
-def _loaded_bytes(file, itemsize: int) -> int:
-    """A safetensors file's tensors once loaded, from its header alone (8 bytes of its length,
-    then JSON: each tensor's dtype and shape); a header that cannot be read counts the file's
-    size (loading reports what is wrong with it)."""
+def _loaded_bytes(file, itemsize: int, kept) -> int:
+    """A safetensors file's tensors that `kept` (a names → names filter: `Model.sanitize`)
+    keeps, once loaded, from its header alone (8 bytes of its length, then JSON: each tensor's
+    dtype and shape); a header that cannot be read, or lists a shape that is not one, counts
+    the file's size (loading reports what is wrong with it)."""
     try:
         with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size)) if 0 < size <= 100 << 20 else None
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
         total = 0
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            kind = entry["dtype"]
-            each = itemsize if kind in _FLOATS else _SAFETENSORS_BYTES[kind]
-            total += math.prod(entry["shape"]) * each
+        for name in kept(dict.fromkeys(tensors)):
+            kind, shape = tensors[name]["dtype"], tensors[name]["shape"]
+            if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+                raise ValueError(f"{name}: no shape")
+            total += math.prod(shape) * (itemsize if kind in _FLOATS else _SAFETENSORS_BYTES[kind])
         return total
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return file.stat().st_size if file.exists() else 0
 
 

@@ -400,3 +400,37 @@ def test_a_quantized_checkpoint_is_counted_as_it_loads(converted, dtype):
     cfg = ModelConfig.from_file(path / "config.json")
     counted = memory.checkpoint_weights_bytes(path, cfg, model.dtype.size)
     assert counted == memory.weights_bytes(model)
+
+
+def test_the_count_takes_what_loading_reads_and_keeps(src, tmp_path):
+    """The index's shards only (not a stray file beside them), less what `Model.sanitize`
+    drops (a rotary buffer); a header that is no header counts its file's size, never a
+    crash or a negative figure."""
+    import struct
+
+    from salabatch.engine import memory
+    from salabatch.engine.config import ModelConfig
+
+    sharded = tmp_path / "sharded"
+    convert(src, sharded, bits=8, max_shard_bytes=20_000, progress=False)
+    shutil.copy(sorted(sharded.glob("model-*.safetensors"))[0], sharded / "stray.safetensors")
+    buffered = tmp_path / "buffered"
+    convert(src, buffered, bits=8, progress=False)
+    weights = read_weights(buffered)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = mx.zeros((4,), mx.float32)
+    write_weights(buffered, weights)
+    for path in (sharded, buffered):
+        counted = memory.checkpoint_weights_bytes(
+            path, ModelConfig.from_file(path / "config.json"), 4
+        )
+        assert counted == memory.weights_bytes(load_model(path, dtype="float32")), path.name
+    headers = [
+        b"[" * 100_000,
+        b'{"a": {"dtype": "U32", "shape": [-5, 4]}}',
+        b'{"a": {"dtype": "F32", "shape": [1.5]}}',
+        b"not json",
+    ]
+    for i, header in enumerate(headers):
+        file = tmp_path / f"bad{i}.safetensors"
+        file.write_bytes(struct.pack("<Q", len(header)) + header)
+        assert memory._loaded_bytes(file, 4, lambda names: names) == file.stat().st_size
