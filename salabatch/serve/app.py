@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
@@ -81,6 +81,8 @@ from salabatch.serve.engine import (
     Token,
     first_failure,
 )
+
+T = TypeVar("T")
 
 MAX_BODY = 32 << 20  # bytes of a request body: a long document fits, a runaway upload does not
 CHAT_FIELDS = (*openai_api.HONOURED, "stream", "stream_options")
@@ -730,22 +732,7 @@ async def refused(tickets: Sequence[Ticket], request: Request) -> None:
     CHECK_WAIT_S), all of them cancelled; nothing once each is begun, or one has an event to
     send, or the time is up (a later failure is the stream's error event). A client that
     leaves meanwhile cancels them at once."""
-    failed = None
-
-    async def check() -> None:
-        nonlocal failed
-        failed = await first_failure(tickets, CHECK_WAIT_S)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        for ticket in tickets:
-            ticket.cancel()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(watch)
-        await check()
-        group.cancel_scope.cancel()
+    failed = await while_connected(request, tickets, first_failure(tickets, CHECK_WAIT_S))
     if failed is not None:
         for ticket in tickets:
             ticket.cancel()
@@ -854,6 +841,19 @@ async def collect(
                 if isinstance(event, Failed):
                     return  # closing `events` cancels the others
 
+    await while_connected(request, tickets, read())
+    if failed := [e for e in last.values() if isinstance(e, Failed)]:
+        raise engine_error(failed[0].error)
+    finished = _in_order(last)
+    for answer, one in zip(answers, finished, strict=True):
+        answer.finish(one)
+    return finished
+
+
+async def while_connected(request: Request, tickets: Sequence[Ticket], work: Awaitable[T]) -> T:
+    """What `work` gives; a client that leaves before it ends cancels `tickets` (their jobs
+    then end, and `work` with them)."""
+
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -862,14 +862,9 @@ async def collect(
 
     async with anyio.create_task_group() as group:
         group.start_soon(watch)
-        await read()
+        result = await work
         group.cancel_scope.cancel()
-    if failed := [e for e in last.values() if isinstance(e, Failed)]:
-        raise engine_error(failed[0].error)
-    finished = _in_order(last)
-    for answer, one in zip(answers, finished, strict=True):
-        answer.finish(one)
-    return finished
+    return result
 
 
 def _in_order(finished: dict[int, Finished]) -> list[Finished]:
