@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.generate import prefill_forks
+from salabatch.engine.generate import prefill, prefill_forks
 from salabatch.engine.grammar import answer_end
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import TokenLogprob, read_logprobs, token_logprobs
@@ -74,14 +74,15 @@ def choice_scores(
     (`prefill_forks`): its last logits give its choices' first tokens; each choice's other
     tokens then run on a copy of its head's row, `rows` choices to a padded call. A call's
     rows are each on its own side of dense_len, padding included, and it feeds at most `chunk`
-    tokens, padding included (a prefill chunk: what a memory plan counts a call to take), but
-    for a row longer than that, which goes alone (`_calls`)."""
+    tokens, padding included (a prefill chunk: what a memory plan counts a call to take): a
+    longer head goes alone, chunk by chunk (`_calls`, `_prefilled`); a choice longer than that
+    is fed whole."""
     if not all(head and all(cs) for head, cs in asks):
         raise ValueError("choice_scores needs a head and non-empty choices for each question")
     out: list[list] = [[None] * len(cs) for _, cs in asks]
     dense_len = model.config.sparse.dense_len
     for group in _calls([(base.offset, len(head)) for head, _ in asks], rows, dense_len, chunk):
-        heads = prefill_forks(model, base, [asks[a][0] for a in group])
+        heads = _prefilled(model, base, [asks[a][0] for a in group], chunk)
         tails = []  # (question, choice, its head's row) of the choices longer than one token
         for a, (row, logits) in zip(group, heads, strict=True):
             cs = asks[a][1]
@@ -106,6 +107,19 @@ def choice_scores(
                 a, j, _ = tails[t]
                 out[a][j] += [read_logprobs(x, tok, top) for x, tok in rest]
     return out
+
+
+def _prefilled(
+    model: Model, base: ModelCache, heads: list[Sequence[int]], chunk: int | None
+) -> list[tuple[ModelCache, mx.array]]:
+    """`prefill_forks` of `heads`; a lone head longer than `chunk` prefilled chunk by chunk on
+    a fork of `base` instead, planned to its end, so that its chunks decide dense or sparse as
+    its one call would (SPEC P7)."""
+    if chunk is None or len(heads) > 1 or len(heads[0]) <= chunk:
+        return prefill_forks(model, base, heads)
+    row = base.fork(1)
+    logits = prefill(model, heads[0], row, chunk, planned=base.offset + len(heads[0]))
+    return [(row, logits)]
 
 
 def _calls(
