@@ -45,7 +45,6 @@ names it; the others go on). `close()` ends what is left with Failed(EngineClose
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 import time
@@ -237,7 +236,7 @@ class Ticket:
         self._ready = asyncio.Event()  # bound to `loop` at its first wait, set only there
         self._cancelled = False
         self._ended = False  # the last event was put
-        self._checked = False  # the engine has begun it: it fits (`Engine._begin`)
+        self._begun = False  # the engine has begun it: it fits (`Engine._begin`)
         self.prefilled = 0  # set by the engine's thread
 
     @property
@@ -279,10 +278,8 @@ class Ticket:
 
     def _began(self) -> None:
         """From the engine thread: the job passed its checks (`first_failure`)."""
-        self._checked = True
-        if self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                self._loop.call_soon_threadsafe(self._ready.set)
+        self._begun = True
+        self._wake_reader()
 
     async def _async_events(self) -> AsyncIterator[Event]:
         last = False
@@ -307,6 +304,11 @@ class Ticket:
             self._events.append(event)
             self._ended = isinstance(event, Finished | Failed)
             self._cond.notify_all()
+        return self._wake_reader()
+
+    def _wake_reader(self) -> bool:
+        """From the engine thread: wakes a reader on the caller's event loop; False when that
+        loop is closed."""
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._ready.set)
@@ -333,7 +335,7 @@ async def first_failure(tickets: Sequence[Ticket], timeout: float) -> Failed | N
         if failed := next((e for e in firsts if isinstance(e, Failed)), None):
             return failed
         left = deadline - loop.time()
-        if any(e is not None for e in firsts) or all(t._checked for t in tickets) or left <= 0:
+        if any(e is not None for e in firsts) or all(t._begun for t in tickets) or left <= 0:
             return None
         waits = [asyncio.ensure_future(t._ready.wait()) for t in tickets]
         try:
