@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from salabatch.engine import memory
 from salabatch.engine.cache import ModelCache
-from salabatch.engine.generate import prefill, prefill_forks
+from salabatch.engine.generate import Prefill, prefill, prefill_forks
 from salabatch.engine.grammar import answer_end
 from salabatch.engine.model import Model
 from salabatch.engine.sampling import TokenLogprob, read_logprobs, token_logprobs
@@ -75,8 +76,7 @@ def choice_scores(
     tokens then run on a copy of its head's row, `rows` choices to a padded call. A call's
     rows are each on its own side of dense_len, padding included, and it feeds at most `chunk`
     tokens, padding included (a prefill chunk: what a memory plan counts a call to take): a
-    longer head goes alone, chunk by chunk (`_calls`, `_prefilled`); a choice longer than that
-    is fed whole."""
+    longer head or choice goes alone, chunk by chunk (`_calls`, `_prefilled`, `_tails`)."""
     if not all(head and all(cs) for head, cs in asks):
         raise ValueError("choice_scores needs a head and non-empty choices for each question")
     out: list[list] = [[None] * len(cs) for _, cs in asks]
@@ -97,15 +97,41 @@ def choice_scores(
         for part in _calls(spans, rows, dense_len, chunk):
             cache = ModelCache.concat([tails[t][2].select([0]) for t in part])  # a copy each
             feed = [asks[tails[t][0]][1][tails[t][1]] for t in part]
-            T = max(len(c) - 1 for c in feed)
-            ids = mx.array([c[:-1] + [c[-2]] * (T - len(c) + 1) for c in feed], dtype=mx.int32)
-            h = model.hidden(ids, cache)  # [n, T, hidden]: position i gives token i + 1
-            for b, (t, c) in enumerate(zip(part, feed, strict=True)):
-                logits = model.logits(h[b, : len(c) - 1])  # [len(c) - 1, vocab]
-                scored = token_logprobs(logits, mx.array(c[1:], dtype=mx.int32), top)
-                rest = zip(np.asarray(scored).tolist(), c[1:], strict=True)
+            scored = _tails(model, cache, feed, top, chunk)
+            for t, c, got in zip(part, feed, scored, strict=True):
                 a, j, _ = tails[t]
+                rest = zip(got.tolist(), c[1:], strict=True)
                 out[a][j] += [read_logprobs(x, tok, top) for x, tok in rest]
+    return out
+
+
+def _tails(
+    model: Model, cache: ModelCache, feed: list[Sequence[int]], top: int, chunk: int | None
+) -> list[np.ndarray]:
+    """Choices after their heads, one on each row of `cache`, run for their tokens but the
+    last → per choice, the rows of `token_logprobs` of its tokens after the first. One call
+    right-padded to the longest, the head run over `memory.score_rows` positions at a time (a
+    choice's whole length at once took its length × vocab floats five times over); a lone
+    choice longer than `chunk` fed chunk by chunk, planned to its end (`_prefilled`'s rule)."""
+    if chunk is not None and len(feed) == 1 and len(feed[0]) - 1 > chunk:
+        c = feed[0]
+        run = Prefill(model, c[:-1], cache, chunk, score=top, planned=cache.offset + len(c) - 1)
+        while not run.finished:
+            run.step()
+        last = token_logprobs(run.logits()[None], mx.array(c[-1:], dtype=mx.int32), top)
+        return [np.concatenate([run.score_rows(), np.asarray(last)])]
+    T = max(len(c) - 1 for c in feed)
+    ids = mx.array([c[:-1] + [c[-2]] * (T - len(c) + 1) for c in feed], dtype=mx.int32)
+    h = model.hidden(ids, cache)  # [n, T, hidden]: position i gives token i + 1
+    step, out = memory.score_rows(model.config), []
+    for b, c in enumerate(feed):
+        n = len(c) - 1
+        targets = mx.array(c[1:], dtype=mx.int32)
+        parts = [
+            token_logprobs(model.logits(h[b, i : min(i + step, n)]), targets[i : i + step], top)
+            for i in range(0, n, step)
+        ]
+        out.append(np.concatenate([np.asarray(x) for x in parts]))
     return out
 
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from salabatch.engine import memory
 from salabatch.engine.choose import (
     choice_ids,
     choice_scores,
@@ -72,15 +73,17 @@ def test_choice_scores_are_one_calls_log_softmax(model, doc_len, engine_path):
         choice_scores(model, base, [([], asks[0][1])])
 
 
-def test_no_call_feeds_more_than_a_chunk_but_a_row_longer_than_it(model, monkeypatch):
+def test_no_call_feeds_more_than_a_chunk(model, monkeypatch):
     """`chunk` bounds each call's rows times its padded length (what a memory plan counts a
     call to take; 8 heads in one call took 1.26x the plan at the 9B's tiles): the calls split,
-    the scores stay; a head longer than the chunk goes alone, chunk by chunk."""
+    the scores stay; a head or a choice longer than the chunk goes alone, chunk by chunk (a
+    choice was fed whole). The head runs over `score_rows` positions at a time."""
     doc = ids(100, 1)
     asks = [(ids(n, 10 + n), [ids(1, 3), ids(6, 4), ids(2, 5)]) for n in (5, 9, 12, 30, 7)]
+    asks[1][1].append(ids(45, 6))
     base = model.make_cache()
     prefill(model, doc, base, 128)
-    whole = choice_scores(model, base, asks, rows=8)
+    whole = choice_scores(model, base, asks, rows=8, top=2)
     fed, hidden = [], model.hidden
 
     def counted(x, cache, *args, **kwargs):
@@ -88,12 +91,17 @@ def test_no_call_feeds_more_than_a_chunk_but_a_row_longer_than_it(model, monkeyp
         return hidden(x, cache, *args, **kwargs)
 
     monkeypatch.setattr(model, "hidden", counted)
-    split = choice_scores(model, base, asks, rows=8, chunk=20)
+    monkeypatch.setattr(memory, "score_rows", lambda cfg: 4)
+    split = choice_scores(model, base, asks, rows=8, top=2, chunk=20)
     assert max(n * T for n, T in fed) <= 20, fed
     assert (1, 10) in fed  # the 30-token head's last chunk
+    assert (1, 4) in fed  # the 45-token choice's last: 44 tokens in chunks of 20
     assert len(fed) > 2  # without the bound: one call for the heads, one for the tails
-    flat = [x.logprob for q in split for s in q for x in s]
-    assert flat == pytest.approx([x.logprob for q in whole for s in q for x in s], abs=1e-5)
+    flat = [(x.token, x.logprob, x.top) for q in split for s in q for x in s]
+    want = [(x.token, x.logprob, x.top) for q in whole for s in q for x in s]
+    assert [x[0] for x in flat] == [x[0] for x in want]
+    assert [x[1] for x in flat] == pytest.approx([x[1] for x in want], abs=1e-5)
+    assert [[t for t, _ in x[2]] for x in flat] == [[t for t, _ in x[2]] for x in want]
 
 
 def test_a_choice_below_dense_len_scores_as_one_dense_call_whatever_it_is_padded_with(
