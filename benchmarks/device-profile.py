@@ -463,7 +463,15 @@ def profile_context(sparse, cfg, x, n: int, chunk: int, dt) -> None:
     def score_matmuls():
         return [qg @ c[:, :, None].swapaxes(-1, -2) for c in (c1, c2)]
 
+    def folded_matmuls():  # the G heads as rows of one product per kv head: no broadcast batch
+        rows = qg.reshape(1, 2, -1, 128)
+        return [(rows @ c.swapaxes(-1, -2)).reshape(*qg.shape[:-1], -1) for c in (c1, c2)]
+
     timed(f"{n}: stage 1's two score matmuls alone", score_matmuls)
+    timed(f"{n}: stage 1's two score matmuls, heads folded into rows", folded_matmuls)
+    for a, b in zip(score_matmuls(), folded_matmuls(), strict=True):
+        diff = (a.astype(mx.float32) - b.astype(mx.float32)).abs().max().item()
+        print(f"{n}: stage 1, folded matmuls: {diff:.3g} at most from the batched", flush=True)
     s1, s2 = score_matmuls()
     mx.eval(s1, s2)
     r = sc.block_size // sc.compression[0][1]

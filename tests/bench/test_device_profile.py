@@ -31,6 +31,8 @@ def test_every_part_runs_with_every_kernel_and_choose_kernels_reads_its_log(caps
         "9216: stage 1 (select_blocks), block scores CUDA kernel",
         "9216: stage 2, CUDA kernel, 8 queries a thread block, query in shared memory",
         "9216: stage 1 pooling alone, of the scores (CUDA kernels)",
+        "9216: stage 1's two score matmuls, heads folded into rows",
+        "9216: stage 1, folded matmuls: 0 at most from the batched",
         "lightning layer, whole (8K chunk), recurrence CUDA kernel",
         "lightning recurrence alone, CUDA kernel",
         "1 row(s), head x8: rows kernel, 8 loads in flight",
