@@ -64,6 +64,9 @@ from salabatch.files import (
 
 T = TypeVar("T")
 
+# How long a folder's modification time may still be followed by a change in its tick
+SETTLE_NS = 3 * 10**9
+
 
 class PrefixStoreWarning(CacheWarning):
     """The prefix store could not be used as it should: a stored cache was unusable (corrupt,
@@ -263,13 +266,16 @@ class PrefixStore:
         """The token counts of the complete prefixes stored, of any model: the lengths at which
         a prompt may start with another process's entry (a run's document, for the server).
         The folder is listed again only when it changed, and only new manifests are read (a
-        server asks before every prompt, on its engine thread)."""
+        server asks before every prompt, on its engine thread). A folder changed within the
+        last `SETTLE_NS` is listed again at every call: its time ticks coarsely (a few ms on
+        ext4, 2 s on FAT), so a manifest renamed into it in the tick of a listing leaves the
+        time as that listing saw it, and would go unseen until the folder next changed."""
         folder = self.root / "prefixes"
         try:
             stamp = folder.stat().st_mtime_ns
         except OSError:
             return frozenset()
-        if stamp != self._lengths[0]:
+        if stamp != self._lengths[0] or time.time_ns() - stamp < SETTLE_NS:
             known = self._lengths_of
             self._lengths_of = {}
             for m in _manifests(folder, "*.json"):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -508,6 +509,21 @@ def test_the_lengths_of_the_stored_prefixes_follow_the_folder(model, tmp_path):
     assert store.prefix_lengths() == {300, 310}
     store.prune(older_than_s=-1)  # every entry
     assert store.prefix_lengths() == frozenset() and not store.has(first)
+
+
+def test_a_manifest_renamed_in_the_tick_of_a_listing_is_seen_at_the_next(model, tmp_path):
+    """A folder's time ticks coarsely: an entry written in the tick of the last listing left
+    the time it saw, and the server never tried that prefix until the folder changed again.
+    (The tick is made here: the folder's time set back to what the listing saw.)"""
+    root = tmp_path / "store"
+    stored(model, root, 300)
+    store, folder = PrefixStore(root), root / "prefixes"
+    tick = time.time_ns() + 10**9  # this tick (a clock a little ahead of ours)
+    os.utime(folder, ns=(tick, tick))
+    assert store.prefix_lengths() == {300}
+    stored(model, root, 310)
+    os.utime(folder, ns=(tick, tick))
+    assert store.prefix_lengths() == {300, 310}
 
 
 def test_cache_ls_waits_for_a_write_in_progress_instead_of_calling_it_stale(model, tmp_path):
