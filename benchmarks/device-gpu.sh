@@ -46,11 +46,16 @@
 # cut at 240 s after the decode step's parts), call 3 `KERNELS=auto CONTEXTS="32K:230 128K:170"
 # PROFILE_S=0` 160 s (32K 88 s, 128K 70 s). The machine goes back after ~30 s idle: have every
 # call's command written before the first, and make them back to back (a fourth call, 256K,
-# found it cold and the session's time too short to start another). Next: call 2 the defaults
-# (stage1,stage2,decode; stage 2's kernel past STAGE2_KERNEL_KEYS) as they stand, `KERNELS=
-# stage1,stage2,decode CONTEXTS="32K:200 128K:150 256K:200" PROFILE_S=0`, then call 3 the
-# parity of `norm` and `rows` alone with time to compile (`PARITY="norm rows" KERNEL_S=240
-# CONTEXTS= PROFILE_S=0`).
+# found it cold and the session's time too short to start another).
+#
+# Next (session 73's plan): the decode target is the nearest. Pipelined, as `salabatch run`
+# decodes, the H200's 32K step was 119.5 against the peer's 105.3 tok/s (1.13×, 1.2× wanted),
+# and the profile's small products ran far under the bandwidth (attention out, 4096 × 4096:
+# 1.07 TB/s; gate+up 2.75): the `rows` kernel is for them, untested. Call 2 the defaults with
+# `norm` and `rows` added where their parity passes (their decode-step tests now compile one
+# model fewer): `KERNELS=stage1,stage2,decode PARITY="norm rows" KERNEL_S=200 CONTEXTS="32K:200"
+# PROFILE_S=0`; call 3 the defaults alone, the baseline of the same machine and the 128K and
+# 256K rows: `KERNELS=stage1,stage2,decode CONTEXTS="32K:150 128K:150 256K:200" PROFILE_S=0`.
 #
 # With SPEC_S > 0, `salabatch bench spec`'s cost workload (issue 38: the 9B in bf16 over a
 # 32K-token document, off / lookup / auto at batch 1 and 8, and a verify pass's time in plain
@@ -103,8 +108,9 @@ passed=()
 # each kernel's parity in its own process, all at once (NVRTC compiles on the CPU's cores), each
 # with its own compiled-kernel folder: two processes writing one cache file would race
 # (PARITY: a narrower list, e.g. PARITY="norm rows" with KERNEL_S=240 for the slow compilers)
+# With KERNELS and PARITY both: PARITY's kernels are tested, and those that pass are added.
 kernels=(${PARITY:-stage1 scores stage2 decode gla norm rows}) pids=()
-[ -n "${KERNELS:-}" ] && kernels=()
+[ -n "${KERNELS:-}" ] && [ -z "${PARITY:-}" ] && kernels=()
 for kernel in "${kernels[@]}"; do
     MLX_PTX_CACHE_DIR="/tmp/mlx-ptx-$kernel" MLX_ENABLE_TF32=0 timeout "${KERNEL_S:-90}" \
         python3 -m pytest -q -p no:cacheprovider -rfE "tests/engine/kernels/test_${kernel}_cuda.py" \
