@@ -14,6 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from salabatch.serve.app import ServeDefaults
+from salabatch.serve.batches import runner as runner_module
 from salabatch.serve.batches.routes import batch_routes
 from salabatch.serve.batches.runner import BatchRunner
 from salabatch.serve.batches.store import BatchStore, StateDirBusy
@@ -317,6 +318,35 @@ def test_an_invalid_input_file_fails_with_its_errors(tiny, tmp_path):
         )
         errors = {(e.line, e.code) for e in s.done(batch.id).errors.data}
         assert errors == {(1, "invalid_json_line"), (3, "duplicate_custom_id")}
+
+
+def test_a_file_of_many_bad_lines_or_too_many_requests_fails_with_a_short_list(
+    tiny, tmp_path, monkeypatch
+):
+    """A batch's errors listed one entry a bad line (a 1 MB file of them: a 74 MB batch object at
+    every retrieve and list); now the first MAX_ERRORS and a count of the rest. More request
+    lines than MAX_REQUESTS (OpenAI's 50,000) fail validation too (they ran)."""
+    monkeypatch.setattr(runner_module, "MAX_REQUESTS", 3)
+    good = [line(f"r{i}", "redwater-robotics.txt", QUESTIONS[0]) for i in range(4)]
+    with Server(tiny, tmp_path) as s:
+        file_id = s.api.files.create(file=("bad.jsonl", b"x\n" * 5000), purpose="batch").id
+        batch = s.api.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        batch = s.done(batch.id)
+        codes = [e.code for e in batch.errors.data]
+        assert batch.status == "failed" and len(codes) == runner_module.MAX_ERRORS + 2, len(codes)
+        assert codes[0] == "too_many_requests" and "5000 requests" in batch.errors.data[0].message
+        assert codes[1:-1] == ["invalid_json_line"] * runner_module.MAX_ERRORS
+        assert codes[-1] == "too_many_errors"
+        assert batch.errors.data[-1].message.startswith(f"{5000 - runner_module.MAX_ERRORS} more")
+        status, _, body = s.raw("GET", "/v1/batches?limit=1")
+        assert status == 200 and len(body) < 40_000, len(body)
+
+        batch = s.done(s.start_batch(good).id)
+        assert batch.status == "failed" and batch.request_counts.completed == 0
+        assert [e.code for e in batch.errors.data] == ["too_many_requests"]
+        assert s.done(s.start_batch(good[:3]).id).status == "completed"
 
 
 def test_a_line_that_is_not_text_is_refused_and_the_runner_goes_on(tiny, tmp_path):

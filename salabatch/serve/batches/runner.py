@@ -66,6 +66,8 @@ RESPONSES = "/v1/responses"
 ENDPOINTS = (CHAT, TEXT, RESPONSES)
 WINDOW_S = 24 * 3600  # completion_window "24h"
 DEFAULTS = ServeDefaults()
+MAX_REQUESTS = 50_000  # request lines a batch may hold (OpenAI's limit, beside 200 MB a file)
+MAX_ERRORS = 100  # errors a failed validation lists (one more entry counts the rest)
 IN_FLIGHT = 2  # jobs of a batch in the engine at once: chat requests keep the other rows
 log = logging.getLogger(__name__)
 
@@ -386,11 +388,17 @@ class BatchRunner:
     ) -> tuple[list[tuple[int, str, dict]], list[dict]]:
         """(lines as (line number, custom_id, body), errors) of an input file: every line a JSON
         object with a unique custom_id, method POST, url the batch's `endpoint`, a body
-        object."""
-        lines, errors, seen = [], [], set()
+        object; at most MAX_REQUESTS of them. The first MAX_ERRORS errors are listed, then one
+        entry counts the rest (the list is the batch's `errors`, returned by every retrieve and
+        list: one entry a bad line made a 1 MB file's batch 74 MB)."""
+        lines, errors, seen, requests, unlisted = [], [], set(), 0, 0
 
         def error(number: int | None, code: str, message: str, param: str | None = None):
-            errors.append({"code": code, "message": message, "param": param, "line": number})
+            nonlocal unlisted
+            if len(errors) < MAX_ERRORS:
+                errors.append({"code": code, "message": message, "param": param, "line": number})
+            else:
+                unlisted += 1
 
         try:
             data = self.store.file_path(file_id).read_bytes()
@@ -400,6 +408,7 @@ class BatchRunner:
         for number, raw in enumerate(data.splitlines(), 1):
             if not raw.strip():
                 continue
+            requests += 1
             try:
                 line = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -427,7 +436,15 @@ class BatchRunner:
                 seen.add(custom_id)
             if not errors:
                 lines.append((number, custom_id, line["body"]))
-        if not lines and not errors:
+        if requests > MAX_REQUESTS:
+            message = f"the input file has {requests} requests; a batch takes {MAX_REQUESTS}"
+            errors.insert(0, {"code": "too_many_requests", "message": message, "param": None,
+                              "line": None})  # fmt: skip
+        if unlisted:
+            message = f"{unlisted} more errors in later lines, not listed"
+            errors.append({"code": "too_many_errors", "message": message, "param": None,
+                           "line": None})  # fmt: skip
+        if not requests:
             error(None, "empty_file", "the input file has no request lines")
         return lines, errors
 
