@@ -393,10 +393,13 @@ class BatchRunner:
         list: one entry a bad line made a 1 MB file's batch 74 MB)."""
         lines, errors, seen, requests, unlisted = [], [], set(), 0, 0
 
-        def error(number: int | None, code: str, message: str, param: str | None = None):
+        def entry(number: int | None, code: str, message: str, param: str | None = None):
+            return {"code": code, "message": message, "param": param, "line": number}
+
+        def error(*args):
             nonlocal unlisted
             if len(errors) < MAX_ERRORS:
-                errors.append({"code": code, "message": message, "param": param, "line": number})
+                errors.append(entry(*args))
             else:
                 unlisted += 1
 
@@ -438,12 +441,10 @@ class BatchRunner:
                 lines.append((number, custom_id, line["body"]))
         if requests > MAX_REQUESTS:
             message = f"the input file has {requests} requests; a batch takes {MAX_REQUESTS}"
-            errors.insert(0, {"code": "too_many_requests", "message": message, "param": None,
-                              "line": None})  # fmt: skip
+            errors.insert(0, entry(None, "too_many_requests", message))
         if unlisted:
             message = f"{unlisted} more errors in later lines, not listed"
-            errors.append({"code": "too_many_errors", "message": message, "param": None,
-                           "line": None})  # fmt: skip
+            errors.append(entry(None, "too_many_errors", message))
         if not requests:
             error(None, "empty_file", "the input file has no request lines")
         return lines, errors
