@@ -211,20 +211,19 @@ class SparseAttention(nn.Module):
             block=block,
             compression=sc.compression,
         )
-        levels = range(len(sc.compression))
-        if q.shape[2] == 1 and rows is None:  # decode: one compiled step
-            whole = [cache.chunk_parts(level, whole=True) for level in levels]
-            o, selected = infllm_v2_step(q, kv, *whole, starts, **settings)
-            if cache.trace is not None:
-                cache.trace.append(selected)
-            return o
-        parts = [cache.chunk_parts(level) for level in levels]
+        step = q.shape[2] == 1  # decode: one compiled step, a mixed batch's sparse rows too
+        parts = [cache.chunk_parts(level, whole=step) for level in range(len(sc.compression))]
         if rows is not None:
             kv = kv.take(rows)
             idx = mx.array(rows)
             parts = [(*p[:-1], p[-1][idx]) for p in parts]  # the shared part is not per row
-        n_blocks = -(-max(kv.lengths) // block)
-        settings["n_blocks"], settings["k"] = n_blocks, min(sc.topk_eff, n_blocks)
+            n_blocks = -(-max(kv.lengths) // block)
+            settings["n_blocks"], settings["k"] = n_blocks, min(sc.topk_eff, n_blocks)
+        if step:  # the same kernels as the row's step alone: its logits keep to its own company
+            o, selected = infllm_v2_step(q, kv, *parts, starts, **settings)
+            if cache.trace is not None:
+                cache.trace.append(selected)
+            return o
         # The choice of blocks is discrete: no gradient through it (its ids index gathers), only
         # through the keys and values it attends (what training needs; inference is unchanged).
         selected = mx.stop_gradient(select_blocks(q, parts[0], parts[1], starts, **settings))

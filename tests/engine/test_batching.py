@@ -185,3 +185,23 @@ def test_unrelated_prompts_of_different_lengths(model, engine_path):
         for t, tok in enumerate(steps[b]):
             want = model(mx.array([[tok]], dtype=mx.int32), c)[:, -1]
             assert mx.abs(outs[t][b] - want[0]).max().item() < TOL, f"row {b} step {t}"
+
+
+def test_a_sparse_row_beside_dense_rows_decodes_as_alone_in_bfloat16(tmp_path):
+    """A decode step (T = 1) whose rows sit on both sides of dense_len: the sparse row takes the
+    same kernels as its step alone, so in bfloat16 its logits do not depend on its company (it
+    took the prefill's block selection and attention, 6e-3 apart: greedy speculation, whose
+    passes break into such steps at dense_len, then left plain greedy decoding's tokens)."""
+    path = write_tiny_checkpoint(tmp_path, tiny_config_dict(**SPARSE_AT_256))
+    model = load_model(path, dtype="bfloat16")
+    doc = model.make_cache()
+    model(tokens(250, 1), doc)
+    fed = tokens(6, 2)
+    mixed, one = doc.fork(2), doc.fork(1)
+    point = mixed.checkpoint()
+    model(mx.concatenate([fed, fed]), mixed)
+    mixed.rollback(point, [5, 0])  # row 0 at 255, its step reaches dense_len; row 1 at 250
+    model(fed[:, :5], one)
+    step = fed[:, 5:]
+    together = model(mx.concatenate([step, tokens(1, 3)]), mixed)[0, -1]
+    assert mx.array_equal(together, model(step, one)[0, -1])
