@@ -295,9 +295,8 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
     if not matches and not unreadable:
         kinds = "files of a known type" if globbed else f"{_DEFAULT_TEXT} files"
         hint = f" ({others} of another type: give the entry a format:)" if others else ""
-        raise JobSpecError(
-            f"no {kinds} match {pattern!r} in {root}{hint}", path=raw, field=f"{where}.path"
-        )
+        field = f"{where}.glob" if source.glob else f"{where}.path"  # the part that missed
+        raise JobSpecError(f"no {kinds} match {pattern!r} in {root}{hint}", path=raw, field=field)
     files = [(rel, SourceFile(root / rel, _sanitize(rel), source)) for rel in matches]
     for rel, reason in unreadable:
         # `root` itself (rel ""): its name, as a file named directly gets

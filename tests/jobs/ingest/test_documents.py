@@ -212,8 +212,11 @@ def test_source_matching_nothing_is_a_job_error(tree, source):
     (tree / "sub" / "deep" / "d.PDF").unlink()
     with pytest.raises(
         JobSpecError, match=r"no (files of a known type|\.txt \.md \.pdf \.jsonl files) match"
-    ):
+    ) as info:
         expand_sources([source(tree)])
+    # the part of the entry that matched nothing: its glob, where it has one
+    part = "glob" if source(tree).glob else "path"
+    assert info.value.field == f"documents[0].{part}"
 
 
 def test_glob_on_a_file_is_a_job_error(tree):

@@ -449,15 +449,15 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
         f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder)",
         f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file)",
         f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'}",
-        f"documents[2].path: no files of a known type match '*.pdf' in {tmp_path / 'docs'}",
+        f"documents[2].glob: no files of a known type match '*.pdf' in {tmp_path / 'docs'}",
     ]
     # load_job (as validate and run) gives each its line in the job file
     assert errors_of_files(job) == [
         f"model: no config.json in {tmp_path / 'model'} (expected a checkpoint folder) (line 2)",
         f"requests: no such file: {tmp_path / 'missing.jsonl'} (expected a .jsonl file) (line 3)",
         f"documents[1].path: document path does not exist: {tmp_path / 'nowhere'} (line 6)",
-        f"documents[2].path: no files of a known type match '*.pdf' in {tmp_path / 'docs'} "
-        "(line 7)",
+        f"documents[2].glob: no files of a known type match '*.pdf' in {tmp_path / 'docs'} "
+        "(line 8)",
     ]
     (tmp_path / "model" / "config.json").write_text("{}")
     # a file of an unknown type named directly is no mistake of the job: it is an error row
