@@ -439,7 +439,9 @@ def score(
     its log-probability, with its `logprobs` (0 to 20) most likely alternatives'. The mean of
     the negated log-probabilities is the text's negative log-likelihood per token, its exp the
     perplexity (`salabatch perplexity`). A text is scored as it is, no chat template (after the
-    tokenizer's BOS, where it adds one); token ids as they are. The text is prefilled once in
+    tokenizer's BOS, where it adds one), special-token text as its control token (as a prompt;
+    `perplexity` reads a document's as text, as `run` does: give its ids); token ids as they
+    are. The text is prefilled once in
     chunks of `prefill_chunk`, `progress(done, total)` after each; one longer than the model's
     context, or needing more memory than is free, is refused before any work."""
     from salabatch.engine import memory

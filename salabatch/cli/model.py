@@ -213,7 +213,8 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
     perplexity, and, over all of them, by how far into its document a token lies (does the
     model read the long context?). PATH: files, folders or globs, read as `salabatch run` reads
     documents (text, Markdown, PDF, JSON lines); a document that cannot be read or scored is
-    reported and the others go on (exit 3 then)."""
+    reported and the others go on (exit 3 then), as is a PATH that names nothing to read.
+    Special-token text in a document is text, as `run` reads it."""
     import json
     import sys
     import time
@@ -222,8 +223,8 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
 
     from salabatch.api import load, score
     from salabatch.cli.main import EXIT_ERROR_ROWS
-    from salabatch.errors import SalabatchError
-    from salabatch.jobs.ingest.documents import DocumentSource, iter_documents
+    from salabatch.errors import JobSpecError, SalabatchError
+    from salabatch.jobs.ingest.documents import DocumentSource, expand_sources, iter_documents
 
     def show(line: str) -> None:  # the table; on stderr where stdout takes the JSON
         click.echo(line, err=json_path == "-")
@@ -232,9 +233,18 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
     context = loaded.config.context_length
     limit = min(max_tokens or context, context)
     # a text file is read as far as the tokens scored reach: a big one is cut, not refused
-    sources = [DocumentSource(p, max_tokens=context, first_tokens=limit) for p in paths]
+    sources, failed = [], 0
+    for path in paths:  # a PATH that names nothing to read is its own error line
+        source = DocumentSource(path, max_tokens=context, first_tokens=limit)
+        try:
+            expand_sources([source])
+        except JobSpecError as e:
+            failed += 1
+            click.echo(f"error in {path}: {e.message}", err=True)
+            continue
+        sources.append(source)
     docs = iter_documents(sources)
-    rows, failed, positions = [], 0, Positions()
+    rows, positions = [], Positions()
     show(f"{'document':<40} {'tokens':>9} {'nll/token':>10} {'perplexity':>11} {'s':>7}")
     for doc in docs:
         try:

@@ -248,6 +248,26 @@ def test_perplexity_of_a_text_bigger_than_the_context_scores_its_first_tokens(
     assert json.loads((tmp_path / "ppl.json").read_text())["documents"][0]["tokens"] == 40
 
 
+def test_perplexity_reports_a_path_that_names_nothing_and_scores_the_others(tmp_path):
+    """A PATH that does not exist, or a folder with nothing to read, is an error line naming
+    that PATH (it was `documents[1].path`, the job file's word, and no document was scored);
+    the other PATHs are scored, exit 3."""
+    import json
+
+    doc = tmp_path / "a.txt"
+    doc.write_text("The gate code is 4411.\n")
+    (tmp_path / "empty").mkdir()
+    missing, empty = tmp_path / "nowhere.txt", tmp_path / "empty"
+    args = ["perplexity", "builtin:random", str(missing), str(doc), str(empty), "--json", "-"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 3, result.output
+    assert f"error in {missing}: document path does not exist" in result.stderr
+    assert f"error in {empty}: no .txt .md .pdf .jsonl files match" in result.stderr
+    assert "documents[" not in result.stderr
+    report = json.loads(result.stdout)
+    assert [r["document"] for r in report["documents"]] == ["a.txt"] and report["failed"] == 2
+
+
 def test_perplexity_checks_its_json_path_before_scoring(tmp_path, monkeypatch):
     """--json naming a folder, or under a file, is a usage error (exit 2) before the model
     loads (the figures of hours of scoring were lost at the end); missing folders are made."""
