@@ -122,7 +122,7 @@ def run(
     if job:
         spec, note = read_job(job, overrides, requests=requests, output=output, model=model)
     elif requests:
-        spec = requests_job(requests, model, overrides, output=output)
+        spec, note = requests_job(requests, model, overrides, output=output)
     else:
         raise click.UsageError("give a JOB file, or --requests FILE")
     # `--requests` without `-o`: its OpenAI Batch output goes beside the results

@@ -83,7 +83,7 @@ def read_job(
     errors += override_errors
 
     def note(loc: Loc) -> str:
-        if any(tuple(str(p) for p in loc[: len(s)]) == s for s in set_paths):
+        if _set_by(loc, set_paths):
             return " (from the command line)"
         line = line_of(root, loc)
         return f" (line {line})" if line else ""
@@ -128,6 +128,11 @@ def _command_line(
     return set_paths, errors
 
 
+def _set_by(loc: Loc, set_paths: Sequence[tuple[str, ...]]) -> bool:
+    """Whether the command line set `loc` (it, or a field above it)."""
+    return any(tuple(str(p) for p in loc[: len(s)]) == s for s in set_paths)
+
+
 def command_line_model(model: str) -> str:
     """`--model` as the job's `model:` takes it: a folder relative to the current directory
     (not to the job file, as `model:` is), or a Hub repo id or builtin:NAME as given."""
@@ -142,24 +147,30 @@ def requests_job(
     overrides: Sequence[str] = (),
     *,
     output: str | Path | None = None,
-) -> JobSpec:
+) -> tuple[JobSpec, Note]:
     """A job for `salabatch run --requests FILE` without a job file: named after the file, the
     model from `model` or else the one model every request names; results under ./results
-    unless `output` (`-o`, relative to the current directory) says where."""
+    unless `output` (`-o`, relative to the current directory) says where. → (the job, the
+    note that follows a location in an error line, as `read_job`'s: "(from the command line)",
+    or "(the model the requests name)"), for `check_paths`."""
     path = Path(os.path.expanduser(requests)).absolute()
-    data: dict[str, Any] = {
-        "name": slug(path.stem) or "requests",
-        "model": _requests_model(path) if model is None else model,
-        "requests": str(path),
-    }
-    for override in overrides:
-        apply_override(data, override)
-    if output is not None:
-        data["output"] = {"path": os.path.abspath(os.path.expanduser(output))}
+    data: dict[str, Any] = {"name": slug(path.stem) or "requests"}
+    if model is None:
+        data["model"] = _requests_model(path)
+    set_paths, errors = _command_line(data, overrides, path, output, model)
+
+    def note(loc: Loc) -> str:
+        if _set_by(loc, set_paths):
+            return " (from the command line)"
+        return " (the model the requests name)" if loc[:1] == ("model",) else ""
+
     try:
-        return JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
+        spec = JobSpec.model_validate(data, context={"base_dir": Path.cwd()})
     except ValidationError as e:
-        raise JobValidationError(path, error_lines(e, JobSpec)) from None
+        raise JobValidationError(path, [*errors, *error_lines(e, JobSpec, note=note)]) from None
+    if errors:
+        raise JobValidationError(path, errors)
+    return spec, note
 
 
 def _requests_model(path: Path) -> str:

@@ -52,7 +52,7 @@ def run_requests(tmp_path: Path, model: Path, requests: Path, out: Path, *sets: 
 def plans_of(tmp_path: Path, model: Path, lines: list, *sets: str):
     """The DocPlans of a requests file, as a run plans them (no weights)."""
     requests = write_requests(tmp_path / "plan.jsonl", lines)
-    spec = requests_job(requests, str(model), [f"cache.dir={tmp_path / 'cache'}", *sets])
+    spec, _ = requests_job(requests, str(model), [f"cache.dir={tmp_path / 'cache'}", *sets])
     tok = load_tokenizer(model)
     return list(plan_requests(spec, tok, Planner(spec, tok, "sha", "float32")))
 
@@ -188,6 +188,25 @@ def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_mod
         f"error: {requests}: line 2: not valid JSON (Expecting property name enclosed in double "
         "quotes at column 2), so the model it names is unknown; fix the line or give --model\n"
     )
+
+
+def test_without_a_job_file_a_mistake_says_whether_the_command_line_made_it(tmp_path):
+    """`--requests` alone: a mistake in --model, --set or -o is marked "(from the command line)",
+    a model named by the requests "(the model the requests name)" (both were pinned on the
+    requests file, as if a line of it were wrong)."""
+    requests = write_requests(tmp_path / "batch.jsonl", [line("a")])
+    where = [
+        (("--model", str(tmp_path / "nowhere")), f"model: no such folder: {tmp_path / 'nowhere'}"),
+        (("--set", "generation.max_tokens=x"), "generation.max_tokens: expected an integer"),
+        (("-o", str(tmp_path / "x.csv")), "output.path: must end in .parquet"),
+    ]
+    for args, message in where:
+        result = run_cli("run", "--requests", str(requests), *args)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert result.output.rstrip().endswith("(from the command line)"), result.output
+    own = run_cli("run", "--requests", str(requests))  # the requests name model "m"
+    assert own.exit_code == 2
+    assert own.output.rstrip().endswith("(the model the requests name)"), own.output
 
 
 def test_requests_without_o_write_the_batch_output_beside_the_results(
