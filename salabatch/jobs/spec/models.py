@@ -197,7 +197,7 @@ class GenerationSettings(_Strict):
     top_p: StrictFloat = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=0)  # 0: off
     repetition_penalty: StrictFloat = Field(1.0, gt=0, allow_inf_nan=False)  # 1: off
-    seed: StrictInt = Field(0, ge=0)
+    seed: StrictInt = 0  # any integer, as a request line's and `generate --seed` take
     think: StrictBool = False  # MiniCPM's thinking mode in the chat template
     # None: none; k: each answer token's log-probability and its k most likely alternatives'
     # (the results' `logprobs` column); a request line's own `logprobs` wins

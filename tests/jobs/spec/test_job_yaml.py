@@ -106,6 +106,8 @@ def test_numbers_read_as_yaml_1_2_writes_them_in_the_file_and_in_overrides(tmp_p
         ["generation.temperature=5e-1", "generation.seed=010", "engine.prefill_chunk=0o100"],
     )
     assert spec.generation.temperature == 0.5 and spec.generation.seed == 10
+    # a negative seed, as a request line's body and `generate --seed` take (it was refused)
+    assert load_job(write(tmp_path, MINIMAL), ["generation.seed=-4"]).generation.seed == -4
     assert spec.engine.prefill_chunk == 64
     # neither sexagesimal nor underscores make numbers: text, refused where a number belongs
     assert "generation.seed" in error_of(write(tmp_path, MINIMAL + "generation: {seed: '1:30'}\n"))
