@@ -271,7 +271,7 @@ def export_results(path: str | os.PathLike, out: str | os.PathLike | TextIO, fmt
             got = out.suffix or "a name without a suffix"
             raise OutputError(
                 f"--format {fmt} writes a {suffix} file, not {got}: name the output "
-                f"x{suffix}, or choose the format that fits",
+                f"{out.with_suffix(suffix).name}, or choose the format that fits",
                 path=out,
             )
         if (requests := _requests_of(path)) is not None and same_file(out, requests):

@@ -318,6 +318,10 @@ def test_export_csv_and_flat_jsonl_into_new_folders(results, tmp_path):
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in flat.read_text(encoding="utf-8").splitlines()]
     assert [list(x) for x in lines] == [table.column_names] * 6
+    # a suffix that does not fit the format: the hint names the file as it would fit
+    wrong = CliRunner().invoke(main, ["export", str(results), "--format", "csv", "-o", str(flat)])
+    assert wrong.exit_code == 2, wrong.output
+    assert "writes a .csv file, not .jsonl: name the output rows.csv," in wrong.output
     assert lines[1]["custom_id"] == "a/q1" and lines[3]["answer"] is None
     assert lines[0]["started_at"] == T0.isoformat()
 
