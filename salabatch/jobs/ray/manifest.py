@@ -25,9 +25,8 @@ from salabatch.jobs.ingest.documents import (
     identify_documents,
     read_documents,
 )
-from salabatch.jobs.run.answerer import POOL_FACTOR
 from salabatch.jobs.run.openai_batch import plan_requests
-from salabatch.jobs.run.plan import DocPlan, Limit, Row
+from salabatch.jobs.run.plan import POOL_FACTOR, DocPlan, Limit, Row
 from salabatch.jobs.run.prepare import JobSetup
 
 

@@ -28,14 +28,12 @@ from salabatch.engine.sampling import TokenLogprob
 from salabatch.engine.speculative import Speculation
 from salabatch.errors import GenerationError, OutputError, error_text
 from salabatch.jobs.results.schema import TEXT_ROWS, ResultRow
-from salabatch.jobs.run.plan import DocPlan, Row
+from salabatch.jobs.run.plan import POOL_FACTOR, DocPlan, Row
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.run.progress import Progress
 from salabatch.jobs.spec.models import JobSpec, spec_fingerprint
 from salabatch.jobs.store.document_cache import DocumentCaches, Prefix
 from salabatch.jobs.store.prefix_store import PrefixKey
-
-POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from salabatch.jobs.results.read import parts_dir_of, read_results
 from salabatch.jobs.results.schema import decode_metadata
 from salabatch.jobs.results.writer import counts_done, stale_rows
 from salabatch.jobs.run.openai_batch import plan_requests
-from salabatch.jobs.run.plan import DocPlan, Limit, Planner
+from salabatch.jobs.run.plan import POOL_FACTOR, DocPlan, Limit, Planner
 from salabatch.jobs.run.prepare import JobSetup
 from salabatch.jobs.spec.models import JobSpec
 from salabatch.models import model_note
@@ -110,19 +110,23 @@ class _Largest:
 
 class _Prefixes:
     """Where each prefix a run answers from would come from, as `DocumentCaches` takes it:
-    the last one in memory, a stored one (before the run, or saved by it earlier), the
-    furthest snapshot of a killed prefill, or a prefill; with the tokens to prefill and those
-    already held, in all."""
+    the last one in memory (until a full pool of short rows decodes, as the run lets it go
+    then), a stored one (before the run, or saved by it earlier), the furthest snapshot of a
+    killed prefill, or a prefill; with the tokens to prefill and those already held, in all."""
 
     def __init__(self, setup: JobSetup) -> None:
         self.setup, self.prefill, self.cached = setup, 0, 0
         self._saved: set[str] = set()  # prefixes this run stores as it goes
         self._last: str | None = None
+        self._pool = 0  # short rows waiting for a full pool
 
     def state(self, plan: DocPlan) -> str:
         setup, tokens = self.setup, plan.doc_tokens
         if setup.is_pooled(plan):
             self.prefill += tokens * len(plan.rows)
+            self._pool += len(plan.rows)
+            if self._pool >= POOL_FACTOR * setup.spec.engine.batch_size:
+                self._pool, self._last = 0, None  # the pool decodes, the prefix is let go
             return "short: prefilled with each question, batched across documents"
         key, store = setup.prefix_key(plan), setup.store
         last, self._last = self._last, key.digest

@@ -68,6 +68,9 @@ class DocPlan:
         return any(r.request_line is not None for r in self.rows)
 
 
+POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
+
+
 def pooled(
     plan: DocPlan, pool_max_tokens: int, batch_size: int, config: ModelConfig | None = None
 ) -> bool:

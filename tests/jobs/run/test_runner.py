@@ -302,6 +302,35 @@ def test_the_dry_run_counts_the_prefill_the_run_does(tmp_path, tiny_model):
     assert run_cli("run", job, "--no-resume", "--dry-run").output.count("prefix stored") >= 2
 
 
+def test_the_dry_run_lets_a_prefix_go_where_a_full_pool_decodes(tmp_path, tiny_model):
+    """A document, 8 short ones whose rows fill a pool (4 batches of 2) and decode, then the
+    first document again: the run let its prefix go for the pool, so without a store it
+    prefills the copy again, and the dry run counts that prefill (it said "prefix in memory")."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# Report\n\n" + "The quay needs new fenders. " * 30)
+    for i in range(8):
+        (docs / f"b{i}.txt").write_text(f"Ferry {i} leaves at 7:1{i}.")
+    shutil.copy(docs / "a.md", docs / "c.md")
+    job = str(
+        write_job(
+            tmp_path,
+            tiny_model,
+            questions=QUESTIONS[:1],
+            engine={"prefill_chunk": 128, "pool_max_tokens": 64, "batch_size": 2},
+            cache={"dir": str(tmp_path / "cache"), "enabled": False},
+        )
+    )
+    plan = run_cli("run", job, "--dry-run").output
+    assert "prefix in memory" not in plan, plan
+    assert re.search(r"c\.md: .*, to prefill once", plan), plan
+    prefill = int(re.search(r"prefill (\d+) document tokens", plan).group(1))
+    assert run_cli("run", job).exit_code == 0
+    done = rows(tmp_path)
+    assert {r["doc_id"]: r["cache_source"] for r in done}["c.md"] == "none"
+    assert prefill == sum(r["doc_tokens"] for r in done)  # every row prefilled its document
+
+
 def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_model, monkeypatch):
     from salabatch.engine import memory
 
