@@ -29,6 +29,7 @@ from salabatch.errors import OutputError
 from salabatch.files import json_line, same_file, write_atomic
 from salabatch.jobs.results.read import dataset_files, read_results
 from salabatch.jobs.results.schema import (
+    META_SKIPPED_FILES,
     RESPONSE_ROWS,
     TEXT_ROWS,
     OutputWarning,
@@ -53,12 +54,13 @@ def inspect_results(path: str | os.PathLike, show: int = 0, below: float | None 
     n_ok = pc.sum(ok).as_py() or 0
     prefilled = table.filter(pc.greater(pc.fill_null(table["doc_prefill_s"], 0.0), 0.0))
 
+    skipped = int((table.schema.metadata or {}).get(META_SKIPPED_FILES, b"0"))
+    files = len(dataset_files(Path(path))) - skipped if folder else 0
+    skipped_note = f", {counted(skipped, 'other .parquet file')} skipped" if skipped else ""
     head = [
         (
             "results",
-            f"{path} (a folder: {len(dataset_files(Path(path)))} .parquet files)"
-            if folder
-            else str(path),
+            f"{path} (a folder: {files} .parquet files{skipped_note})" if folder else str(path),
         ),
         ("job", _distinct(table["job_name"]) or _job_name(meta)),
         ("model", _models(table)),

@@ -20,6 +20,7 @@ from salabatch.jobs.results.schema import (
     ADDED_COLUMNS,
     META_CREATED_AT,
     META_SCHEMA_VERSION,
+    META_SKIPPED_FILES,
     META_UPDATED_AT,
     RESULT_SCHEMA,
     SCHEMA_VERSION,
@@ -159,7 +160,10 @@ def _read_folder(folder: Path) -> pa.Table:
     rows = pa.concat_tables(tables).sort_by("finished_at")
     jobs = sorted(set(rows.column("job_name").to_pylist()))
     each = [dedupe([rows.filter(pc.equal(rows["job_name"], job))]) for job in jobs]
-    return pa.concat_tables(each).replace_schema_metadata(_folder_metadata(metas))
+    meta = _folder_metadata(metas)
+    if skipped:
+        meta[META_SKIPPED_FILES] = str(len(skipped)).encode()
+    return pa.concat_tables(each).replace_schema_metadata(meta)
 
 
 def _folder_metadata(metas: list[Mapping[bytes, bytes]]) -> dict[bytes, bytes]:

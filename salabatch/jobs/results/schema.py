@@ -57,6 +57,9 @@ META_UPDATED_AT = b"salabatch.updated_at"
 # The run_ids of the `--retry-errors --limit` runs since the last run that saw the whole job:
 # their error rows are not redone by the next such run (see ResultWriter).
 META_RETRIED_BY = b"salabatch.retried_by"
+# A results folder as read (`read_results`), never written: how many of its .parquet files were
+# skipped, not being salabatch results.
+META_SKIPPED_FILES = b"salabatch.skipped_files"
 
 _S, _I, _F = pa.string(), pa.int64(), pa.float64()
 _TS = pa.timestamp("us", tz="UTC")

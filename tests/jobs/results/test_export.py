@@ -17,7 +17,7 @@ import pytest
 from salabatch.errors import OutputError
 from salabatch.jobs.results.export import export_openai_jsonl, export_results, inspect_results
 from salabatch.jobs.results.read import read_results
-from salabatch.jobs.results.schema import RESULT_SCHEMA, ResultRow, encode_metadata
+from salabatch.jobs.results.schema import RESULT_SCHEMA, OutputWarning, ResultRow, encode_metadata
 from tests.jobs.results.test_results import SPEC, T0, make_row, write_file, writer
 
 
@@ -251,6 +251,11 @@ def test_inspect_and_export_read_a_folder_as_a_file(tmp_path, results):
     both = read_results(folder)
     assert both["request_key"].to_pylist() == ["a.q0", "a.q1", "b.q0", "b.q1", "c.q0", "c.q1"]
     assert both["status"].to_pylist() == ["ok"] * 5 + ["error"]
+    # a .parquet file that is not salabatch results: skipped, and not counted as one
+    pq.write_table(pa.table({"x": [1]}), folder / "other.parquet")
+    with pytest.warns(OutputWarning, match="not salabatch results"):
+        text = inspect_results(folder)
+    assert "(a folder: 3 .parquet files, 1 other .parquet file skipped)" in text
 
 
 @pytest.mark.ray
