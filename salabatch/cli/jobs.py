@@ -120,7 +120,9 @@ def run(
 
     note = None
     if job:
-        spec, note = read_job(job, overrides, requests=requests, output=output, model=model)
+        spec, note = read_job(
+            job, overrides, requests=requests, output=output, model=model, documents=True
+        )
     elif requests:
         spec, note = requests_job(requests, model, overrides, output=output)
     else:
@@ -206,7 +208,7 @@ def validate(job: str, overrides: tuple[str, ...], schema_only: bool) -> None:
     from salabatch.jobs.spec.errors import render_loc
     from salabatch.jobs.spec.load import path_problems, read_job
 
-    spec, note = read_job(job, overrides)
+    spec, note = read_job(job, overrides, documents=not schema_only)
     problems, files = ([], None) if schema_only else path_problems(spec, note=note)
     if not schema_only and not any(p.startswith("model:") for p in problems):
         where = note(("model",))

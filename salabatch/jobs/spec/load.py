@@ -34,7 +34,7 @@ from salabatch.jobs.spec.job_yaml import (
     parse_yaml,
     read_job_file,
 )
-from salabatch.jobs.spec.models import JobSpec, slug
+from salabatch.jobs.spec.models import DocumentEntry, JobSpec, slug
 from salabatch.models import hub_repo, is_builtin
 
 # What follows a location in an error line: " (line 7)", " (from the command line)" or "".
@@ -62,7 +62,9 @@ def load_job(
     every mistake, each with its YAML line or "(from the command line)") for one that does not
     validate.
     """
-    spec, note = read_job(path, overrides, requests=requests, output=output, model=model)
+    spec, note = read_job(
+        path, overrides, requests=requests, output=output, model=model, documents=check_files
+    )
     if check_files and (problems := check_paths(spec, note=note)):
         raise JobValidationError(path, problems)
     return spec
@@ -75,9 +77,13 @@ def read_job(
     requests: str | Path | None = None,
     output: str | Path | None = None,
     model: str | None = None,
+    documents: bool = False,
 ) -> tuple[JobSpec, Note]:
     """`load_job` without `check_files`, and the note that follows a location of the job in an
-    error line (its line in the file, or "(from the command line)"), for `check_paths`."""
+    error line (its line in the file, or "(from the command line)"), for `check_paths`. With
+    `documents`, a job that does not validate also lists what the disk lacks for its
+    `documents:` entries that do (`check_paths` lists it for a job that validates), so that one
+    listing holds every mistake the run would stop on."""
     data, root, errors = parse_yaml(read_job_file(path), path)
     set_paths, override_errors = _command_line(data, overrides, requests, output, model)
     errors += override_errors
@@ -92,10 +98,28 @@ def read_job(
     try:
         spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as e:
-        raise JobValidationError(path, [*errors, *error_lines(e, JobSpec, note=note)]) from None
+        found = [*errors, *error_lines(e, JobSpec, note=note)]
+        if documents:
+            found += _entry_lines(data, base_dir, note)
+        raise JobValidationError(path, found) from None
     if errors:
         raise JobValidationError(path, errors)
     return spec, note
+
+
+def _entry_lines(data: object, base_dir: Path, note: Note) -> list[str]:
+    """The disk's problems with the `documents:` entries of job data that are valid alone."""
+    entries = data.get("documents") if isinstance(data, dict) else None
+    lines = []
+    for index, raw in enumerate(entries if isinstance(entries, list) else []):
+        try:
+            entry = DocumentEntry.model_validate(raw, context={"base_dir": base_dir})
+        except ValidationError:
+            continue  # its own mistakes are listed
+        if (problem := _entry_problem(index, entry.to_source())) is not None:
+            loc, message = problem
+            lines.append(f"{render_loc(loc)}: {message}{note(loc)}")
+    return lines
 
 
 def _command_line(

@@ -465,6 +465,34 @@ def test_check_paths_reports_every_entry_with_its_index(tmp_path):
     assert check_paths(fixed) == []
 
 
+def test_a_job_that_does_not_validate_lists_its_missing_documents_too(tmp_path):
+    """A schema mistake and a missing document: both in one listing (the missing document was
+    reported only once the schema mistake was fixed); an entry with a mistake of its own is
+    not looked for on the disk."""
+    job = write(
+        tmp_path,
+        """\
+        name: both
+        model: builtin:tiny
+        documents:
+          - path: nowhere
+          - {path: also-missing, format: docx}
+        questions: [{text: q}]
+        generation: {max_tokens: 0}
+        """,
+    )
+    errors = errors_of_files(job)
+    assert f"documents[0].path: document path does not exist: {tmp_path / 'nowhere'} (line 4)" in (
+        errors
+    )
+    assert any(e.startswith("generation.max_tokens:") for e in errors), errors
+    assert any(e.startswith("documents[1].format:") for e in errors), errors
+    assert not any("also-missing" in e for e in errors), errors
+    with pytest.raises(JobValidationError) as schema_only:
+        load_job(job)  # without check_files: the schema's mistakes only
+    assert not any("nowhere" in e for e in schema_only.value.errors)
+
+
 def errors_of_files(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     with pytest.raises(JobValidationError) as info:
         load_job(path, overrides, check_files=True)
