@@ -4,12 +4,14 @@ expression (OpenAI's `response_format`), on outlines-core's token index.
 A `Grammar` is a pattern compiled against a tokenizer's vocabulary: for each state of the
 pattern's automaton, the tokens whose bytes keep the text inside the pattern. Compiling is the
 costly part (a specific schema takes milliseconds, "any JSON object" about 5 s on a 57K-token one),
-so `Grammars` compiles each pattern once per tokenizer and keeps it. A row holds its own `Guide`
-(its state in the automaton): a `generate.Batch` reads the row's newest token, advances the guide
-past it, and draws the next token among those the guide allows (`allowed_tokens`, a mask on the
-logits before penalties, temperature and truncation). Special tokens are never allowed, but the
-end token once the pattern is complete: nothing else is, so the row stops there. An answer cut
-by max_tokens may stop inside the pattern (finish_reason `length`).
+so `Grammars` compiles each pattern once per tokenizer and keeps it, in a child process bounded
+in time and memory (`grammar_compile`: a small pattern can take exponential time and memory). A
+row holds its own `Guide` (its state in the automaton): a `generate.Batch` reads the row's
+newest token, advances the guide past it, and draws the next token among those the guide allows
+(`allowed_tokens`, a mask on the logits before penalties, temperature and truncation). Special
+tokens are never allowed, but the end token once the pattern is complete: nothing else is, so
+the row stops there. An answer cut by max_tokens may stop inside the pattern (finish_reason
+`length`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ import mlx.core as mx
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
 
+from salabatch.engine.grammar_compile import (
+    COMPILE_BYTES,
+    COMPILE_SECONDS,
+    CompileError,
+    compile_index,
+)
 from salabatch.errors import GenerationError
 from salabatch.structure import ANY_OBJECT, schema_pattern
 
@@ -47,15 +55,23 @@ class Grammars:
     (thread-safe: a server compiles them in worker threads). The vocabulary maps every token's
     bytes (`Tokenizer.token_bytes`) to its ids, less the added tokens; the end is the eos token
     `<|im_end|>` where the tokenizer has it (a chat answer ends with it), else its first eos
-    token."""
+    token. One pattern compiles at a time (each may take `max_bytes`), for at most `seconds`."""
 
-    def __init__(self, tok, cached: int = CACHED) -> None:  # a Tokenizer (its `grammars`)
+    def __init__(
+        self,
+        tok,  # a Tokenizer (its `grammars`)
+        cached: int = CACHED,
+        seconds: float = COMPILE_SECONDS,
+        max_bytes: int = COMPILE_BYTES,
+    ) -> None:
         self.tok, self.cached = tok, cached
+        self.seconds, self.max_bytes = seconds, max_bytes
         self._vocabulary: Vocabulary | None = None
         # pattern -> its grammar, or why it cannot be compiled (a GenerationError's message)
         self._held: OrderedDict[str, Grammar | str] = OrderedDict()
         self._compiling: dict[str, threading.Lock] = {}  # one thread compiles a pattern
         self._lock = threading.Lock()
+        self._compile = threading.Lock()  # one compile at a time
 
     def json_schema(self, schema: dict, field: str = "response_format") -> Grammar:
         """The grammar of JSON text that `schema` validates (GenerationError naming `field`
@@ -82,10 +98,10 @@ class Grammars:
                     vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
             if held is None:
                 try:
-                    held = Grammar(
-                        pattern, Index(pattern, vocabulary), vocabulary.get_eos_token_id()
-                    )
-                except (ValueError, TypeError, RuntimeError) as e:
+                    with self._compile:
+                        index = compile_index(pattern, vocabulary, self.seconds, self.max_bytes)
+                    held = Grammar(pattern, index, vocabulary.get_eos_token_id())
+                except CompileError as e:
                     held = f"the pattern cannot be used: {e}"
             with self._lock:
                 self._held[pattern] = held

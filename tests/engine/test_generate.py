@@ -299,14 +299,14 @@ def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monk
 
     _, tok = tiny
     compiled: list[str] = []
-    real = grammar_module.Index
+    real = grammar_module.compile_index
 
-    def slow(pattern, vocabulary):
+    def slow(pattern, vocabulary, *bounds):
         compiled.append(pattern)
         time.sleep(0.2)
-        return real(pattern, vocabulary)
+        return real(pattern, vocabulary, *bounds)
 
-    monkeypatch.setattr(grammar_module, "Index", slow)
+    monkeypatch.setattr(grammar_module, "compile_index", slow)
     grammars = Grammars(tok)
     got: list = []
     threads = [
@@ -321,6 +321,30 @@ def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monk
         with pytest.raises(GenerationError, match="pattern cannot be used"):
             grammars.regex("(?=a)b")
     assert compiled == ["[0-9]{3}", "(?=a)b"]
+
+
+def test_a_pattern_whose_compile_explodes_is_refused_within_its_bounds(tiny):
+    """An array of at least 4 JSON values: its automaton explodes (72 s and 3 GB on this
+    1,024-token vocabulary, unbounded: a server compiled whatever a client sent). The compile
+    runs in a child process that is killed past its time, or dies past its memory (where the
+    system caps it): a GenerationError saying which, soon; the next pattern compiles."""
+    import sys
+    import time
+
+    from salabatch.engine.grammar import Grammars
+    from salabatch.errors import GenerationError
+
+    _, tok = tiny
+    explodes = {"type": "array", "minItems": 4}
+    start = time.perf_counter()
+    with pytest.raises(GenerationError, match=r"took over 0.5 s: simplify the pattern"):
+        Grammars(tok, seconds=0.5).json_schema(explodes)
+    assert time.perf_counter() - start < 5
+    if sys.platform == "linux":  # macOS does not enforce an address-space cap
+        small = Grammars(tok, seconds=60, max_bytes=2**28)
+        with pytest.raises(GenerationError, match=r"took over 0.25 GB: simplify the pattern"):
+            small.json_schema(explodes)
+        assert small.regex("[0-9]{3}").pattern == "[0-9]{3}"
 
 
 def test_logit_bias_bans_or_forces_tokens_and_the_other_rows_are_as_alone(model):
