@@ -174,10 +174,10 @@ def sampling(
         if value is None:
             return default
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (numeric and math.isfinite(value) and ok(value)) or (
+        if not (numeric and _finite(value, integer) and ok(value)) or (
             integer and value != int(value)
         ):
-            raise BodyError(f"{name} must be {expected}, got {value!r}", name)
+            raise BodyError(f"{name} must be {expected}, got {_shown(value)}", name)
         return int(value) if integer else float(value)
 
     penalty = "a number in [-2, 2]"
@@ -233,11 +233,29 @@ def choices(body: Mapping, most: int, why: str = "") -> int:
     if value is None:
         return 1
     numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (numeric and math.isfinite(value) and value == int(value) and 1 <= value <= most):
+    if not (numeric and _finite(value, True) and value == int(value) and 1 <= value <= most):
         expected = "1" if most == 1 else f"an integer in [1, {most}]"
         bound = f" ({why})" if why and most < MAX_CHOICES else ""
-        raise BodyError(f"n must be {expected}{bound}, got {value!r}", "n")
+        raise BodyError(f"n must be {expected}{bound}, got {_shown(value)}", "n")
     return int(value)
+
+
+def _finite(value: float, integer: bool) -> bool:
+    """Whether a JSON number is finite: an integer is, where an integer is asked for; else it
+    must be a finite float (JSON has integers of any length: one past float's range is not, and
+    math.isfinite raises OverflowError on it)."""
+    if integer and isinstance(value, int):
+        return True
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value: object) -> str:
+    """A value as an error shows it: its repr, a long one cut."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def logprobs(body: Mapping, default: int | None = None) -> int | None:
@@ -526,16 +544,16 @@ def response_structure(text) -> str | None:
         raise BodyError(renamed(str(e)), renamed(e.param or "text.format")) from None
 
 
-def _response_format(text) -> dict:
+def _response_format(setting) -> dict:
     """A body with the `response_format` of a Responses `text`: json_object, json_schema (its
     schema, name and strict at the top of the format, as Responses puts them) or text."""
-    if text is None:
+    if setting is None:
         return {}
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+    if not isinstance(setting, dict) or set(setting) - {"format", "verbosity"}:
         raise BodyError("text must be an object with a format", "text")
-    if text.get("verbosity") not in (None, "medium"):  # medium: OpenAI's default, no change
+    if setting.get("verbosity") not in (None, "medium"):  # medium: OpenAI's default, no change
         raise BodyError("text.verbosity cannot be honoured (only medium)", "text.verbosity")
-    fmt = text.get("format")
+    fmt = setting.get("format")
     if fmt is None:
         return {}
     if not isinstance(fmt, dict):
@@ -546,6 +564,9 @@ def _response_format(text) -> dict:
             raise BodyError(
                 f"unsupported field: text.format.{unknown[0]}", f"text.format.{unknown[0]}"
             )
+        for key in ("name", "description"):  # echoed in the response: UTF-8 must hold them
+            if isinstance(fmt.get(key), str):
+                text(fmt[key], f"text.format.{key}")
         schema = {k: fmt[k] for k in fields[1:] if k in fmt}
         return {"response_format": {"type": "json_schema", "json_schema": schema}}
     return {"response_format": fmt}

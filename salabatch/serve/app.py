@@ -968,6 +968,18 @@ def _prompt_text(tok: Tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special=True)
 
 
+def methods_route(path: str, **handlers: Callable) -> Route:
+    """One route for `path` whose methods (`GET=handler`, ...) each have their handler: a path
+    must be one route, for a 405's `Allow` (which Starlette takes from the first route whose
+    path matches) to list every method it takes."""
+
+    async def dispatch(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await handlers[method](request)
+
+    return Route(path, dispatch, methods=list(handlers))
+
+
 def query_int(query, name: str, default: int, low: int, high: int | None) -> int:
     """Query parameter `name` as an integer from `low` to `high` (None: no bound), or a 400
     naming it."""
@@ -1001,7 +1013,7 @@ async def read_json(request: Request, limit: int) -> dict:
         body = (
             json.loads(data) if len(data) < 1 << 20 else await run_in_threadpool(json.loads, data)
         )
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer past Python's 4,300 digits
         raise APIError(400, f"the body is not valid JSON ({e})") from None
     except RecursionError:  # arrays nested past Python's stack: no body of ours is
         raise APIError(400, "the body is not valid JSON (nested too deeply)") from None

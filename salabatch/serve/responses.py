@@ -66,6 +66,7 @@ from salabatch.serve.app import (
     collect,
     engine_error,
     grammar_of,
+    methods_route,
     query_int,
     read_body,
     refused,
@@ -136,9 +137,8 @@ class Responses:
         self.routes = [
             Route("/v1/responses", self.create, methods=["POST"]),
             Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
-            Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
+            methods_route("/v1/responses/{response_id}", GET=self.get, DELETE=self.delete),
             Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
-            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
         ]
 
@@ -195,7 +195,11 @@ class Responses:
             raise engine_error(e) from None
 
         if background:
-            running, log = await self._start(ticket, asked, body)
+            try:
+                running, log = await self._start(ticket, asked, body)
+            except BaseException:
+                ticket.cancel()  # no task will read it: it would decode to its end for no one
+                raise
             return EventStream(log.follow(0), []) if stream else JSONResponse(running)
         # in the foreground, a job cancelled is a client that left: it never had the id
         done = functools.partial(self._done, asked, keep_cancelled=False)

@@ -811,6 +811,8 @@ def test_auth_every_endpoint_but_health_needs_the_key(served):
             "messages[0].content",
         ),
         ({"messages": []}, "messages"),
+        ({"temperature": 10**400}, "temperature"),  # an integer past float's range: was a 500
+        ({"n": 10**400}, "n"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(served, fields, param):
@@ -865,7 +867,8 @@ def test_unknown_model_or_route_is_a_404_body_too_large_a_413(served):
 
     status, _, data = served.raw("POST", "/v1/completions", b'{"prompt": "x"}')  # no model
     assert status == 400 and json.loads(data)["error"]["param"] == "model"
-    for bad in (b"{not json", b"[1, 2]"):
+    digits = b'{"model": "m", "prompt": "x", "seed": ' + b"9" * 5000 + b"}"  # past 4,300 digits
+    for bad in (b"{not json", b"[1, 2]", digits):
         status, _, data = served.raw("POST", "/v1/chat/completions", bad)
         assert status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
 

@@ -661,3 +661,36 @@ def test_text_utf8_cannot_hold_is_a_400_naming_its_field(served):
         body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, field: "\ud800"}
         status, _, data = served.raw("POST", "/v1/responses", json.dumps(body))
         assert status == 400 and json.loads(data)["error"]["param"] == field, data
+    # echoed in the response, never tokenized (an audit: a 500 once the answer was made)
+    for key in ("name", "description"):
+        fmt = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, key: "\ud800"}
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "text": {"format": fmt}}
+        status, _, data = served.raw("POST", "/v1/responses", json.dumps(body))
+        assert status == 400 and json.loads(data)["error"]["param"] == f"text.format.{key}", data
+
+
+def test_a_background_response_that_cannot_be_stored_stops_its_job(served, monkeypatch):
+    """Where storing a background response as started fails (a fault: a 500), its job is
+    cancelled: no task would ever read it, and it decoded to its end for no one (an audit)."""
+    tickets = []
+    submit = served.engine.submit
+
+    def spy(*args, **kwargs):
+        tickets.append(submit(*args, **kwargs))
+        return tickets[-1]
+
+    def broken(*args):
+        raise RuntimeError("the store broke")
+
+    monkeypatch.setattr(served.engine, "submit", spy)
+    monkeypatch.setattr(Responses, "_started", broken)
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 64, "background": True}
+    status, _, data = served.raw("POST", "/v1/responses", json.dumps(body))
+    assert status == 500 and "RuntimeError" in json.loads(data)["error"]["message"], data
+    assert len(tickets) == 1 and tickets[0].cancelled
+
+
+def test_a_path_with_several_methods_allows_them_all_in_a_405(served):
+    """`Allow` listed the methods of the first route of a path only (GET, not DELETE)."""
+    status, headers, _ = served.raw("PUT", "/v1/responses/resp_x")
+    assert status == 405 and set(headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}

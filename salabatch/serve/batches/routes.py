@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from salabatch.serve.app import APIError, query_int, read_json
+from salabatch.serve.app import APIError, methods_route, query_int, read_json
 from salabatch.serve.batches.runner import ENDPOINTS, BatchRunner
 
 MAX_FILE = 200 << 20  # bytes of an uploaded input file (OpenAI allows 200 MB)
@@ -183,13 +183,10 @@ def batch_routes(runner: BatchRunner, max_file: int = MAX_FILE) -> list[Route]:
         return JSONResponse(batch_or_404(cancelled, batch_id))
 
     return [
-        Route("/v1/files", upload, methods=["POST"]),
-        Route("/v1/files", list_files, methods=["GET"]),
-        Route("/v1/files/{file_id}", get_file, methods=["GET"]),
-        Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+        methods_route("/v1/files", POST=upload, GET=list_files),
+        methods_route("/v1/files/{file_id}", GET=get_file, DELETE=delete_file),
         Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
-        Route("/v1/batches", create_batch, methods=["POST"]),
-        Route("/v1/batches", list_batches, methods=["GET"]),
+        methods_route("/v1/batches", POST=create_batch, GET=list_batches),
         Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
     ]
