@@ -467,7 +467,7 @@ class Batch:
         allowed = None
         if request.grammar is not None:
             g._guide = request.grammar.guide()
-            allowed = allowed_tokens([g._guide], logits.shape[-1])
+            allowed = allowed_tokens([(g._guide, request.grammar)], logits.shape[-1])
         bias = logit_biases([request.params], logits.shape[-1])
         first = sample_tokens(logits[None], [request.params], [0], allowed=allowed, bias=bias)
         lp = None if request.logprobs is None else token_logprobs(logits[None], first)
@@ -508,7 +508,7 @@ class Batch:
         live = self.rows
         logits = decode(self.model, self._feed, self.cache)
         params = [g.request.params for g in live]
-        guides = [g._guide for g in live]
+        guides = [None if g._guide is None else (g._guide, g.request.grammar) for g in live]
         allowed = allowed_tokens(guides, logits.shape[-1]) if guided else None
         steps = [g._sampled for g in live]
         drawn = sample_tokens(logits, params, steps, self._counts, allowed, self._biases(live))

@@ -36,6 +36,14 @@ from salabatch.structure import ANY_OBJECT, schema_pattern
 
 CACHED = 32  # compiled grammars `Grammars` keeps, the least recently used dropped first
 END_TOKEN = "<|im_end|>"  # the end a chat answer's grammar allows, where it is an eos token
+# What the end token spells in a grammar's vocabulary, and each pattern ends with: outlines-core
+# (0.2.14) lets a state where the pattern is complete go on only into states where it is still
+# complete (after "1" of `1(\.5)?` only the end: never "1.5"), so no state before the pattern's
+# own end is made complete, by a character only the end token spells: U+10FFFD (private use);
+# no other token may hold its first byte, 0xF4, which only the 16th plane's characters hold. A
+# pattern may hold that character itself (`.`, a JSON string's), so the end token is allowed
+# only where it leads to the complete state (`Grammar.complete`), never as that character.
+SENTINEL = "\U0010fffd"
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,11 @@ class Grammar:
 
     def guide(self) -> Guide:
         return Guide(self.index)
+
+    def complete(self, state: int) -> bool:
+        """Whether the pattern is complete in `state` (the end token leads to a final state)."""
+        after = self.index.get_next_state(state, self.end)
+        return after is not None and self.index.is_final_state(after)
 
 
 class Grammars:
@@ -98,9 +111,10 @@ class Grammars:
                     vocabulary = self._vocabulary = self._vocabulary or self._vocabulary_of()
             if held is None:
                 try:
+                    whole = f"(?:{pattern}){SENTINEL}"
                     with self._compile:
-                        index = compile_index(pattern, vocabulary, self.seconds, self.max_bytes)
-                    held = Grammar(pattern, index, vocabulary.get_eos_token_id())
+                        index = compile_index(whole, vocabulary, self.seconds, self.max_bytes)
+                    held = Grammar(pattern, index, answer_end(self.tok))
                 except CompileError as e:
                     held = f"the pattern cannot be used: {e}"
             with self._lock:
@@ -114,13 +128,17 @@ class Grammars:
         return held
 
     def _vocabulary_of(self) -> Vocabulary:
+        """Every token's bytes but the added tokens' and those holding 0xF4; the end token
+        spells SENTINEL only. The vocabulary's eos, which only the state after SENTINEL allows (no
+        row gets there: the end token ends it), is an id past the tokenizer's."""
         tok, end = self.tok, answer_end(self.tok)
         added = set(tok.backend.get_added_tokens_decoder())
-        pieces: dict[bytes, list[int]] = {}
+        pieces: dict[bytes, list[int]] = {SENTINEL.encode(): [end]}
         for token in range(tok.vocab_size):
-            if token not in added and (piece := tok.token_bytes(token)):
+            piece = tok.token_bytes(token)
+            if token not in added and token != end and piece and b"\xf4" not in piece:
                 pieces.setdefault(piece, []).append(token)
-        return Vocabulary(end, pieces)
+        return Vocabulary(tok.vocab_size, pieces)
 
 
 def answer_end(tok) -> int:
@@ -130,14 +148,21 @@ def answer_end(tok) -> int:
     return next((t for t in ends if tok.backend.id_to_token(t) == END_TOKEN), ends[0])
 
 
-def allowed_tokens(guides: Sequence[Guide | None], vocab: int) -> mx.array:
-    """[B, vocab] bool: the tokens each row's guide allows next; every token in a row without
-    one. The guides write bit masks on the host (one bit per token); they are unpacked here."""
+def allowed_tokens(rows: Sequence[tuple[Guide, Grammar] | None], vocab: int) -> mx.array:
+    """[B, vocab] bool: the tokens each row's guide (in its grammar) allows next, the end token
+    only where the pattern is complete; every token in a row without one. The guides write bit
+    masks on the host (one bit per token); they are unpacked here."""
     words = (vocab + 31) // 32
-    bits = np.full((len(guides), words), -1, dtype=np.int32)
-    for b, guide in enumerate(guides):
-        if guide is not None:
-            guide.write_mask_into(bits[b].ctypes.data, words, 4)
+    bits = np.full((len(rows), words), -1, dtype=np.int32)
+    flags = bits.view(np.uint32)
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        guide, grammar = row
+        guide.write_mask_into(bits[b].ctypes.data, words, 4)
+        word, bit = divmod(grammar.end, 32)
+        if flags[b, word] >> bit & 1 and not grammar.complete(guide.get_state()):
+            flags[b, word] &= np.uint32(~(1 << bit) & 0xFFFFFFFF)  # the end as a character
     token = mx.arange(vocab)
     word = mx.array(bits)[:, token // 32]
     return ((word >> (token % 32).astype(mx.int32)) & 1).astype(mx.bool_)

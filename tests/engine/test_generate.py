@@ -302,7 +302,7 @@ def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monk
     real = grammar_module.compile_index
 
     def slow(pattern, vocabulary, *bounds):
-        compiled.append(pattern)
+        compiled.append(pattern.removeprefix("(?:").removesuffix(f"){grammar_module.SENTINEL}"))
         time.sleep(0.2)
         return real(pattern, vocabulary, *bounds)
 
@@ -321,6 +321,32 @@ def test_a_pattern_is_compiled_once_by_threads_asking_for_it_together(tiny, monk
         with pytest.raises(GenerationError, match="pattern cannot be used"):
             grammars.regex("(?=a)b")
     assert compiled == ["[0-9]{3}", "(?=a)b"]
+
+
+def test_a_complete_pattern_may_go_on_where_it_can_complete_again(tiny):
+    """Where the pattern is complete, the end token and every token that can still lead to
+    another completion: after "1" of `1(\\.5)?` the "." (outlines-core allowed only the end:
+    a number schema never gave a decimal, choices "no"/"nope" never "nope"); the end token
+    nowhere else, not even where the pattern takes any character (a JSON string)."""
+    from salabatch.engine.grammar import SENTINEL, Grammars, allowed_tokens
+
+    _, tok = tiny
+    grammars = Grammars(tok)
+    cases = (
+        (r"1(\.5)?", "1", ".", True),
+        ("(no|nope)", "no", "p", True),
+        ("a*", "", "a", True),
+        ('"[^"]*"', '"ab', "c", False),  # inside the string: any character, the end's too
+    )
+    for pattern, text, then, complete in cases:
+        grammar = grammars.regex(pattern)
+        guide = grammar.guide()
+        for token in tok.encode(text, special=False):
+            guide.advance(token, return_tokens=False)
+        allowed = allowed_tokens([(guide, grammar)], tok.vocab_size)[0]
+        assert allowed[grammar.end].item() == complete, pattern
+        assert allowed[tok.encode(then, special=False)[0]].item(), pattern
+    assert not any(SENTINEL.encode() in tok.token_bytes(t) for t in range(tok.vocab_size))
 
 
 def test_a_pattern_whose_compile_explodes_is_refused_within_its_bounds(tiny):
