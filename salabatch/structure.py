@@ -22,10 +22,18 @@ ANY_OBJECT = {"type": "object"}  # what `json_object` asks for (objects nested 3
 _ENFORCED = {
     "type": None, "enum": None, "const": None, "format": None, "pattern": None,
     "minLength": None, "maxLength": None, "minItems": None, "maxItems": None,
-    "minProperties": None, "required": None, "$ref": None,
+    "required": None, "$ref": None,
     "properties": "map", "$defs": "map", "definitions": "map",
     "additionalProperties": "schema", "items": "schema",
     "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
+}  # fmt: skip
+# The `format`s whose pattern is exact and ASCII (outlines-core's `date` takes any Unicode digit,
+# its `uri` and `email` characters that JSON text must escape).
+_FORMATS = ("uuid", "time", "date-time")
+# JSON types, as `type` names them, of Python's JSON values
+_TYPES = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "null": (type(None),), "object": (dict,), "array": (list,),
 }  # fmt: skip
 # Annotations: they constrain nothing, so a pattern that ignores them is exact.
 _ANNOTATIONS = frozenset(
@@ -51,6 +59,9 @@ def _check_keywords(schema: object, where: str) -> None:
     pattern would not enforce."""
     if not isinstance(schema, dict):
         return  # true / false, or a value outlines-core refuses itself
+    if problem := _combination_problem(schema):
+        at = f"{where}: " if where else ""
+        raise ValueError(f"the JSON schema cannot be used: {at}{problem}")
     for key, value in schema.items():
         at = f"{where}.{key}" if where else key
         if key in _ANNOTATIONS:
@@ -69,6 +80,42 @@ def _check_keywords(schema: object, where: str) -> None:
         elif holds == "map" and isinstance(value, dict):
             for name, sub in value.items():
                 _check_keywords(sub, f"{at}.{name}")
+
+
+def _combination_problem(schema: dict) -> str | None:
+    """What outlines-core's pattern of `schema` would not hold: answers that break it would pass
+    (or, for allOf, no answer would be JSON: it writes the branches one after another)."""
+    if isinstance(all_of := schema.get("allOf"), list) and len(all_of) > 1:
+        return "allOf of more than one schema is not enforced (merge them into one)"
+    if schema.get("additionalProperties", False) is not False:
+        return "additionalProperties is enforced as false only (no key past properties)"
+    required, properties = schema.get("required"), schema.get("properties") or {}
+    if isinstance(required, list) and (extra := [k for k in required if k not in properties]):
+        return f"required names {extra[0]!r}, not in properties (add it there)"
+    if "prefixItems" in schema and ("minItems" in schema or "maxItems" in schema):
+        return "minItems/maxItems beside prefixItems are not enforced"
+    if "format" in schema and schema["format"] not in _FORMATS:
+        return f"format {schema['format']!r} is not enforced (it is: {', '.join(_FORMATS)})"
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    enum = schema.get("enum")
+    values = (enum if isinstance(enum, list) else []) + (
+        [schema["const"]] if "const" in schema else []
+    )
+    if isinstance(types, list) and all(t in _TYPES for t in types):
+        for value in values:
+            if not any(_is(value, t) for t in types):
+                return f"enum/const value {value!r} is not of its type {schema['type']!r}"
+    return None
+
+
+def _is(value: object, json_type: str) -> bool:
+    """Whether `value` is of JSON type `json_type` (a bool is no number, 1.0 an integer)."""
+    if isinstance(value, bool):
+        return json_type == "boolean"
+    if json_type == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, _TYPES[json_type])
 
 
 def choice_pattern(choices: Sequence[str]) -> str:

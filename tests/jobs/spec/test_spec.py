@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -648,3 +649,36 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused_by_its_path(s
     assert e.value.param == "response_format.json_schema.schema"
     fine = {"type": "object", "title": "t", "properties": {"maximum": {"type": "integer"}}}
     assert schema_pattern(fine).startswith("\\{")
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        (
+            {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {}}}]},
+            "allOf of more than one schema",  # two JSON values back to back: no JSON at all
+        ),
+        ({"type": "object", "minProperties": 2}, "minProperties is a keyword"),
+        ({"properties": {"a": {"type": "integer"}}, "required": ["b"]}, "required names 'b'"),
+        ({"prefixItems": [{}, {}], "minItems": 3}, "beside prefixItems"),
+        ({"type": "string", "enum": ["a", 1]}, "value 1 is not of its type 'string'"),
+        ({"type": "string", "format": "date"}, "format 'date'"),  # any Unicode digit
+        ({"type": "string", "format": "email"}, "format 'email'"),  # unescaped quotes
+        ({"properties": {"x": {"additionalProperties": True}}}, "properties.x: additional"),
+    ],
+)
+def test_a_schema_the_pattern_would_not_hold_is_refused(schema, problem):
+    """An audit walked the grammars: outlines-core's patterns of these let answers that break
+    the schema through (or, for allOf, no valid JSON): refused, naming where."""
+    from salabatch.structure import schema_pattern
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        schema_pattern(schema)
+    for fine in (
+        {"type": "string", "enum": ["a", "b"]},
+        {"type": ["integer", "null"], "enum": [1, 2.0, None]},
+        {"properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+        {"type": "string", "format": "date-time"},
+        {"allOf": [{"type": "object"}]},
+    ):
+        schema_pattern(fine)
