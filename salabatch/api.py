@@ -398,7 +398,10 @@ def choose(
     spelled = spelled_choices(tokenizer, choices)
     if not questions:
         return []
-    doc_prompt = tokenizer.document_prompt(document, system=system, think=False)
+    try:
+        doc_prompt = tokenizer.document_prompt(document, system=system, think=False)
+    except TokenizerError as e:  # a document of only whitespace
+        raise GenerationError(e.message, field="document") from None
     heads = [tokenizer.prompt_suffix(q, system=system, think=False) for q in questions]
     longest = max(len(h) for h in heads) + max(len(c) for c in spelled)
     answer_room(model.config, len(doc_prompt) + longest - 1, 1, field="document")
@@ -410,15 +413,25 @@ def choose(
         batch_size=batch_size,
     )
     memory.check(needs, advice="lower prefill_chunk or batch_size, or free memory")
+    # a document below dense_len that a question's prompt takes past it: that question's prefix
+    # is prefilled as its prompt's one call runs it, InfLLM-v2 (alone it would run dense, SPEC
+    # P7); the questions on each side of dense_len from their own prefix
+    reach = [len(doc_prompt) + len(head) + 1 for head in heads]
+    crossing = [model.config.splits_modes(len(doc_prompt), n) for n in reach]
+    scores: list = [None] * len(heads)
     with engine_runtime(cache_limit(model.config, prefill_chunk, on_gpu())), memory.bounded(needs):
-        prefix = model.make_cache()
-        # a document below dense_len that every question's prompt takes past it: prefilled
-        # as those prompts' one call runs it, InfLLM-v2 (alone it would run dense, SPEC P7)
-        shortest = len(doc_prompt) + min(len(h) for h in heads) + 1
-        planned = shortest if model.config.splits_modes(len(doc_prompt), shortest) else None
-        prefill(model, doc_prompt, prefix, prefill_chunk, planned=planned)
-        asks = [(h, spelled) for h in heads]
-        scores = choice_scores(model, prefix, asks, rows=batch_size, chunk=prefill_chunk)
+        for crosses in (False, True):
+            side = [i for i, c in enumerate(crossing) if c == crosses]
+            if not side:
+                continue
+            prefix = model.make_cache()  # the other side's was let go
+            planned = min(reach[i] for i in side) if crosses else None
+            prefill(model, doc_prompt, prefix, prefill_chunk, planned=planned)
+            asks = [(heads[i], spelled) for i in side]
+            got = choice_scores(model, prefix, asks, rows=batch_size, chunk=prefill_chunk)
+            for i, per_choice in zip(side, got, strict=True):
+                scores[i] = per_choice
+            del prefix
     out = []
     for per_choice in scores:
         chances = probabilities([sum(x.logprob for x in s) for s in per_choice])
@@ -460,6 +473,8 @@ def score(
         raise GenerationError(
             f"must be an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}", field="logprobs"
         )
+    if progress is not None and not callable(progress):
+        raise GenerationError(f"must be callable, got {_shown(progress)}", field="progress")
     if isinstance(text, str):
         ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
         if not ids:
@@ -570,6 +585,7 @@ def _grammar(tokenizer: Tokenizer, json_schema, choices) -> Grammar | None:
     elif choices is not None:
         if (
             isinstance(choices, str)
+            or not isinstance(choices, Sequence)  # an iterator: the check would use it up
             or not choices
             or not all(isinstance(c, str) and c for c in choices)
         ):

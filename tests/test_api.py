@@ -586,6 +586,18 @@ def test_score_is_what_decoding_read_and_the_same_in_any_chunk(loaded):
     assert e.value.field == "prefill_chunk"
 
 
+def test_score_and_constrained_choices_refuse_what_they_cannot_use(loaded):
+    """`progress` that is not callable failed after the first chunk with a bare TypeError;
+    choices given as an iterator were used up by their check and gave an empty answer."""
+    model, tok = loaded
+    with pytest.raises(GenerationError) as e:
+        salabatch.score(model, tok, "The ferry leaves at 7:10.", progress=5)
+    assert e.value.field == "progress"
+    with pytest.raises(GenerationError) as e:
+        salabatch.generate(model, tok, "Yes or no?", max_tokens=4, choices=iter(["yes", "no"]))
+    assert e.value.field == "choices"
+
+
 def test_score_keeps_to_the_models_context(context_64):
     """A text the context holds is scored whole; one token more is refused, naming `text`."""
     short, tok64 = context_64
@@ -625,11 +637,39 @@ def test_choose_gives_each_choice_its_probability_as_a_run_does(loaded):
         ({"choices": ["yes", ""]}, "choices"),
         ({"choices": ["yes", "no", "yes"]}, "choices"),
         ({"batch_size": 0}, "batch_size"),
+        ({"document": " \n "}, "document"),  # a TokenizerError without a field, before
     ):
-        args = {"questions": QUESTIONS[:1], "choices": choices} | bad
+        args = {"document": DOC, "questions": QUESTIONS[:1], "choices": choices} | bad
         with pytest.raises(GenerationError) as e:
-            salabatch.choose(model, tok, DOC, **args)
+            salabatch.choose(model, tok, **args)
         assert e.value.field == field
+
+
+def test_choose_scores_a_question_as_alone_beside_one_on_the_other_side_of_dense_len(loaded):
+    """A document below dense_len, one question's prompt past it, one's not: each question's
+    prefix as its own prompt's one call runs it (the shared prefix was planned from the
+    shortest question only: the longer one was scored over a dense prefix, an audit)."""
+    model, tok = loaded
+    dense_len = model.config.sparse.dense_len
+    questions = [
+        "Which word comes most often in the text above, and how many times does it come?",
+        "Name it.",
+    ]
+    heads = [len(tok.prompt_suffix(q, system=None, think=False)) for q in questions]
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "lamp", "quiet", "north", "seven"]
+    doc = " ".join(np.random.default_rng(0).choice(words, 3000))
+    while len(tok.document_prompt(doc, system=None, think=False)) > dense_len - 20:
+        doc = doc[: int(len(doc) * 0.98)].rsplit(" ", 1)[0]
+    while (n := len(tok.document_prompt(doc, system=None, think=False))) + heads[
+        1
+    ] + 1 >= dense_len:
+        doc = doc.rsplit(" ", 1)[0]  # the second question's prompt below dense_len
+    assert n + heads[0] + 1 >= dense_len  # the first's past it
+    choices = ["alpha", "beta", "stone"]
+    together = salabatch.choose(model, tok, doc, questions, choices)
+    for question, probs in zip(questions, together, strict=True):
+        (alone,) = salabatch.choose(model, tok, doc, [question], choices)
+        assert list(probs.values()) == pytest.approx(list(alone.values()), abs=1e-6, rel=0)
 
 
 def test_logit_bias_reaches_the_engine_and_bad_ones_are_refused_by_name(loaded):
