@@ -93,6 +93,8 @@ def load(
             f"must be a checkpoint folder or a model reference, got {_shown(path_or_ref)}",
             field="path_or_ref",
         )
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise GenerationError(f"must be a folder, got {_shown(cache_dir)}", field="cache_dir")
     path = resolve_model(path_or_ref, cache_dir)
     tok = load_tokenizer(path)
     return load_model(path, dtype=dtype, tokens=tok.vocab_size), tok

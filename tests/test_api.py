@@ -359,6 +359,7 @@ def test_other_entry_points_name_their_own_bad_arguments(loaded):
         (lambda: salabatch.batch_generate(model, tok, "  ", ["q"]), "document"),
         (lambda: salabatch.batch_generate(model, tok, DOC, ["q"], think="no"), "think"),
         (lambda: salabatch.load(None), "path_or_ref"),
+        (lambda: salabatch.load("builtin:random", cache_dir=5), "cache_dir"),  # a TypeError
     ):
         with pytest.raises(GenerationError) as e:
             call()
