@@ -620,12 +620,15 @@ class TextLogprobs:
     """A text completion's `logprobs` (OpenAI's legacy object) for its tokens, in order across
     calls (a stream's chunks): `tokens` (each one's text), `token_logprobs`, `top_logprobs`
     ({text: logprob} of its alternatives and itself) and `text_offset` (where its text starts in
-    the completion, in characters of the answer's decoded bytes)."""
+    the completion, in characters of the answer's decoded bytes; a special token, which the
+    text leaves out, as BOS, takes none of them)."""
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0  # characters of the tokens so far
+        added = tok.backend.get_added_tokens_decoder()
+        self._special = frozenset(i for i, t in added.items() if t.special)
 
     def of_prompt(self, prompt: Sequence[int], scores: Sequence[TokenLogprob]) -> dict:
         """The entries of an echoed prompt: its first token's with no log-probability (nothing
@@ -649,7 +652,8 @@ class TextLogprobs:
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top | {text: lp.logprob})
             out["text_offset"].append(self._chars)
-            self._chars += len(self._text.decode(raw))
+            if lp.token not in self._special:
+                self._chars += len(self._text.decode(raw))
         return out
 
 

@@ -487,6 +487,13 @@ def test_text_completion_logprobs_in_openais_legacy_form_streamed_or_not(served)
     assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
     assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert client.completions.create(**ask).choices[0].logprobs is None
+    # echoed, each token's text starts at its offset in the text; BOS, which the text leaves
+    # out, takes no characters (every offset was 3 past its token: an audit)
+    echoed = client.completions.create(**ask, logprobs=1, echo=True).choices[0]
+    lp = echoed.logprobs
+    assert lp.tokens[0] == "<s>" and echoed.text.startswith(ask["prompt"])
+    for token, at in zip(lp.tokens[1:], lp.text_offset[1:], strict=True):
+        assert echoed.text[at : at + len(token)] == token, (token, at)
     for bad in (True, -1, 21, 1.5):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**ask, logprobs=bad)
