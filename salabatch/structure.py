@@ -24,7 +24,7 @@ _ENFORCED = {
     "minLength": None, "maxLength": None, "minItems": None, "maxItems": None,
     "required": None, "$ref": None,
     "properties": "map", "$defs": "map", "definitions": "map",
-    "additionalProperties": "schema", "items": "schema",
+    "additionalProperties": None, "items": "schema",  # additionalProperties: false only
     "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
 }  # fmt: skip
 # The `format`s whose pattern is exact and ASCII (outlines-core's `date` takes any Unicode digit,

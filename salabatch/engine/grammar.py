@@ -77,7 +77,7 @@ class Grammars:
         seconds: float = COMPILE_SECONDS,
         max_bytes: int = COMPILE_BYTES,
     ) -> None:
-        self.tok, self.cached = tok, cached
+        self.tok, self.cached, self.end = tok, cached, answer_end(tok)
         self.seconds, self.max_bytes = seconds, max_bytes
         self._vocabulary: Vocabulary | None = None
         # pattern -> its grammar, or why it cannot be compiled (a GenerationError's message)
@@ -114,7 +114,7 @@ class Grammars:
                     whole = f"(?:{pattern}){SENTINEL}"
                     with self._compile:
                         index = compile_index(whole, vocabulary, self.seconds, self.max_bytes)
-                    held = Grammar(pattern, index, answer_end(self.tok))
+                    held = Grammar(pattern, index, self.end)
                 except CompileError as e:
                     held = f"the pattern cannot be used: {e}"
             with self._lock:
@@ -131,7 +131,7 @@ class Grammars:
         """Every token's bytes but the added tokens' and those holding 0xF4; the end token
         spells SENTINEL only. The vocabulary's eos, which only the state after SENTINEL allows (no
         row gets there: the end token ends it), is an id past the tokenizer's."""
-        tok, end = self.tok, answer_end(self.tok)
+        tok, end = self.tok, self.end
         added = set(tok.backend.get_added_tokens_decoder())
         pieces: dict[bytes, list[int]] = {SENTINEL.encode(): [end]}
         for token in range(tok.vocab_size):
