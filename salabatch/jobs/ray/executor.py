@@ -281,10 +281,19 @@ def _run(
         try:
             for table in answered.iter_batches(batch_size=None, batch_format="pyarrow"):
                 out.write([ResultRow.from_record(r) for r in table.to_pylist()])
-        except ray.exceptions.ActorDiedError as e:  # dropped blocks aside, only a failed start
-            cause = str(e).strip().splitlines()[-1]  # the constructor's error, last
-            raise RayClusterError(f"a model actor could not start: {cause}") from None
+        except ray.exceptions.RayActorError as e:  # dropped blocks aside, only a failed start
+            raise RayClusterError(f"a model actor could not start: {_last_line(e)}") from None
+        except ray.exceptions.RayError as e:  # Ray's own failure: the rows written stay
+            raise RayClusterError(
+                f"Ray stopped the run: {type(e).__name__}: {_last_line(e)}"
+            ) from None
     return dropped
+
+
+def _last_line(error: Exception) -> str:
+    """The last line of a Ray error's text: the constructor's or the task's own error."""
+    lines = str(error).strip().splitlines()
+    return lines[-1].strip() if lines else "no message"
 
 
 # Ray Data's warning that its own bars are off: the driver turned them off, for its own.

@@ -174,9 +174,36 @@ def test_a_machine_with_other_model_files_refuses_to_start(
 
     monkeypatch.setattr(RunIdentity, "of", other)
     result = run_cli("run", str(job), "--executor", "ray", "--workers", "1")
-    assert result.exit_code == 2
+    assert result.exit_code == 2, (result.output, repr(result.exception))
     assert "error: a model actor could not start: " in result.output
     assert "the model's files on this machine differ from the driver's" in result.output
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (
+            ray.exceptions.ActorUnavailableError("its worker did not register in time", None),
+            "error: a model actor could not start: The actor None is unavailable: its worker",
+        ),
+        (
+            ray.exceptions.GetTimeoutError("Timed out while starting actors.\nNot enough CPUs."),
+            "error: Ray stopped the run: GetTimeoutError: Not enough CPUs.",
+        ),
+    ],
+)
+def test_a_ray_failure_of_another_kind_is_an_error_line_not_a_crash(
+    tmp_path, tiny_model, kills, monkeypatch, error, said
+):
+    job = job_in(tmp_path, tiny_model)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ray.data.Dataset, "iter_batches", fail)
+    result = run_cli("run", str(job), "--executor", "ray", "--workers", "1")
+    assert result.exit_code == 2, (result.output, repr(result.exception))
+    assert said in result.output
 
 
 def test_executor_ray_without_ray_says_how_to_install(tmp_path, tiny_model, monkeypatch):
