@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check salabatch tests jobs
 
 test: lint $(NATIVE)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The demo job on builtin:tiny (a small model trained on synthetic contracts, shipped in the
 # package), then the results table and each answer beside the expected one, with the count.
