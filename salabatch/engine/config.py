@@ -316,7 +316,7 @@ class _Reader:
             )
         kinds = []
         for i, m in enumerate(mixers):
-            if m not in MIXER_KINDS:
+            if not isinstance(m, str) or m not in MIXER_KINDS:
                 raise ConfigError(
                     "unknown mixer type",
                     path=self.path,

@@ -170,9 +170,15 @@ def _named_tokens(cfgs: dict[str, dict]) -> dict[str, str]:
 
 def _token_text(cfgs: dict[str, dict], key: str) -> str | None:
     """The text of special token `key`; tokenizer_config wins over special_tokens_map."""
+    found = _token_source(cfgs, key)
+    return found[0] if found else None
+
+
+def _token_source(cfgs: dict[str, dict], key: str) -> tuple[str, str] | None:
+    """The text of special token `key` and the name of the file it came from."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (text := _content(cfgs[name].get(key))) is not None:
-            return text
+            return text, name
     return None
 
 
@@ -185,14 +191,13 @@ def _content(value: Any) -> str | None:
 
 def _text_id(backend: Backend, cfgs: dict[str, dict], key: str, model_dir: Path) -> int | None:
     """The id of special token `key` (see `_token_text`); None when no file names it."""
-    text = _token_text(cfgs, key)
-    if text is None:
+    found = _token_source(cfgs, key)
+    if found is None:
         return None
+    text, name = found
     tid = backend.token_to_id(text)
     if tid is None:
-        raise TokenizerError(
-            f"{key} {text!r} is not in the vocabulary", path=model_dir / "tokenizer_config.json"
-        )
+        raise TokenizerError(f"{key} {text!r} is not in the vocabulary", path=model_dir / name)
     return tid
 
 
@@ -250,7 +255,16 @@ def _reconcile_added_tokens(backend: Backend, tok_cfg: dict, added: dict, model_
     disagreement is an error (a silently shifted special id would corrupt every prompt).
     """
     wanted: dict[int, tuple[str, bool]] = {}
-    for tid, entry in (tok_cfg.get("added_tokens_decoder") or {}).items():
+    decoder = tok_cfg.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(
+            "bad value",
+            path=model_dir / "tokenizer_config.json",
+            field="added_tokens_decoder",
+            expected="an object: id strings mapped to {'content': ...}",
+            got=type(decoder).__name__,
+        )
+    for tid, entry in decoder.items():
         if not str(tid).isdigit() or not isinstance(entry, dict):
             raise TokenizerError(
                 "bad entry",

@@ -122,6 +122,7 @@ def test_golden_config_loads(golden_dir):
         (lambda c: c.update(qk_norm=1), "qk_norm"),
         (lambda c: c.update(vocab_size=True), "vocab_size"),
         (lambda c: c["mixer_types"].__setitem__(3, "mamba"), "mixer_types[3]"),
+        (lambda c: c["mixer_types"].__setitem__(3, ["minicpm4"]), "mixer_types[3]"),
         (lambda c: c["mixer_types"].pop(), "mixer_types"),
         (lambda c: c["sparse_config"].update(topk=-1), "sparse_config.topk"),
         (lambda c: c["sparse_config"].update(block_size=128), "sparse_config.block_size"),

@@ -187,6 +187,24 @@ def test_added_token_disagreement_is_an_error(demo_copy):
         load_tokenizer(demo_copy)
 
 
+def test_added_tokens_decoder_of_another_type_is_an_error_naming_it(demo_copy):
+    edit_json(demo_copy / "tokenizer_config.json", added_tokens_decoder=[{"content": "<x>"}])
+    with pytest.raises(TokenizerError, match="bad value") as e:
+        load_tokenizer(demo_copy)
+    assert e.value.field == "added_tokens_decoder"
+    assert e.value.path == str(demo_copy / "tokenizer_config.json")
+
+
+def test_a_special_token_outside_the_vocabulary_names_the_file_that_gives_it(demo_copy):
+    config = json.loads((demo_copy / "tokenizer_config.json").read_text())
+    config.pop("bos_token", None)
+    (demo_copy / "tokenizer_config.json").write_text(json.dumps(config))
+    (demo_copy / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<bos>"}))
+    with pytest.raises(TokenizerError, match="bos_token '<bos>' is not in the vocabulary") as e:
+        load_tokenizer(demo_copy)
+    assert e.value.path == str(demo_copy / "special_tokens_map.json")
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(demo_copy):
     """Ids past config.json's vocab_size would index past the embedding: loading refuses such a
     tokenizer (so `salabatch.load`, `generate` and `validate` all do); an equal or smaller
