@@ -356,7 +356,18 @@ def batch_generate(
             reserve_ahead=RESERVE_AHEAD,
         )
         done = {g.request.id: g.tokens for g in generator.generate(requests, prefix)}
-    return [tokenizer.decode(done[r.id], skip_special=True) for r in requests]
+    return [_streamed_text(tokenizer, done[r.id]) for r in requests]
+
+
+def _streamed_text(tokenizer: Tokenizer, tokens: Sequence[int]) -> str:
+    """An answer's text as `generate` streams it (and `salabatch run` writes it): where byte
+    tokens make no character, a stream keeps the characters before them that a whole decode
+    would turn to U+FFFD with them."""
+    detok = tokenizer.detokenizer(skip_special=True)
+    for token in tokens:
+        detok.add_token(token)
+    detok.finalize()
+    return detok.text
 
 
 def choose(

@@ -164,6 +164,32 @@ def test_batch_generate_answers_in_question_order(loaded):
     assert salabatch.batch_generate(model, tok, DOC, []) == []
 
 
+def test_batch_generate_gives_an_answers_text_as_generate_streams_it(loaded, tmp_path, monkeypatch):
+    """Byte tokens that make no character after a whole one: a SentencePiece-style tokenizer's
+    decode turns the character to U+FFFD with them, a stream has given it already. Each answer
+    of batch_generate is the streamed text, as generate and `salabatch run` give it."""
+    from types import SimpleNamespace
+
+    from salabatch.engine.tokenizer import load_tokenizer
+    from tests.engine.test_tokenizer import sentencepiece_style_dir
+
+    model, _ = loaded
+    sp = load_tokenizer(sentencepiece_style_dir(tmp_path / "sp"))
+    answer = [sp.token_id(f"<0x{b:02X}>") for b in "日".encode() + b"\x80"] + [sp.token_id("a")]
+
+    def stream(self, requests, prefix=None):
+        for r in requests:
+            yield SimpleNamespace(request=r, tokens=list(answer), done=True)
+
+    monkeypatch.setattr(Generator, "stream", stream)
+    (got,) = salabatch.batch_generate(model, sp, "A document.", ["Which?"], max_tokens=4)
+    detok = sp.detokenizer(skip_special=True)
+    for token in answer:
+        detok.add_token(token)
+    assert got == detok.text and got.startswith("日") and got.endswith("\ufffda")
+    assert sp.decode(answer, skip_special=True) != got  # the whole decode: no 日
+
+
 def test_numpy_numbers_are_taken_as_python_ones(loaded):
     """A sweep over `np.linspace` temperatures, NumPy seeds and top-k: the same answers as the
     Python numbers give (MLX refused them deep in the decode loop, and an int64 seed overflowed

@@ -26,8 +26,9 @@ class StreamingDetokenizer:
     a model's answer never fails to decode. Cost per token: two decodes of a few tokens.
 
     `after`: the tokens the answer continues (a text completion's prompt): its first tokens
-    decode after the last `CONTEXT_TOKENS` of them, so that their text is what they add to
-    the prompt's, leading space included; they are not part of `text` nor of `tokens`.
+    decode after the last `CONTEXT_TOKENS` of them (less those before the first whole
+    character), so that their text is what they add to the prompt's, leading space included;
+    they are not part of `text` nor of `tokens`.
 
     Made by `Tokenizer.detokenizer()`: `backend` is its tokenizers backend, `path` the file it
     was read from (named by a TokenizerError).
@@ -44,8 +45,18 @@ class StreamingDetokenizer:
         self._backend = backend
         self._skip = skip_special
         self._path = path
-        self._after = [int(t) for t in after[len(after) - CONTEXT_TOKENS :]] if after else []
+        self._after = self._context([int(t) for t in after[len(after) - CONTEXT_TOKENS :]])
         self.reset()
+
+    def _context(self, tail: list[int]) -> list[int]:
+        """The longest end of `tail` that decodes with the fewest U+FFFD: one that starts at a
+        character, not inside one a byte-fallback run or a byte-level token split (ByteFallback
+        turns a whole run of byte tokens to U+FFFD when any of it is no UTF-8, and the answer's
+        first bytes would join that run)."""
+        if not tail:
+            return []
+        spoiled = [self._decode(tail[i:]).count("\ufffd") for i in range(len(tail))]
+        return tail[spoiled.index(min(spoiled)) :]
 
     def reset(self) -> None:
         self.tokens: list[int] = []  # the answer's

@@ -105,3 +105,17 @@ def test_streaming_after_a_prompt_keeps_the_answers_leading_space(sp):
     assert det.text == " the a." and det.tokens == answer
     assert sp.decode(prompt, skip_special=True) + "".join(pieces) == whole
     assert sp.decode(answer) == "the a."  # alone, as a chat answer is decoded
+
+
+@pytest.mark.parametrize("prompt", ["日本", "x日本", "ab", "é日"])
+def test_streaming_after_a_prompt_cut_inside_a_character_gives_the_answers_text(sp, prompt):
+    """A prompt's last tokens may start inside a character spelled in byte tokens: the answer's
+    text is still what it adds to the prompt's (its first bytes joined a run of bytes that was
+    no UTF-8, and came out as U+FFFD)."""
+    ids = sp.encode(prompt, add_bos=True)
+    answer = [sp.token_id(f"<0x{b:02X}>") for b in "語".encode()] + [sp.token_id("a")]
+    det = sp.detokenizer(skip_special=True, after=ids)
+    pieces = _streamed(det, answer)
+    whole, before = sp.decode(ids + answer, skip_special=True), sp.decode(ids, skip_special=True)
+    assert det.text == whole[len(before) :] == "語a"
+    assert "".join(pieces) == "語a"
