@@ -92,6 +92,8 @@ class Document:
         object or holds a lone surrogate; "" when the file was not read at all.
     n_pages: page count of a PDF that could be opened, else None.
     error: one-line reason the document has no text, or None.
+    read_as: the settings of its `documents:` entry that change the text its bytes give
+        (`SourceFile.read_as`), "" for none; a row's key holds it beside `sha256`.
     meta: JSON-compatible extras, e.g. PDF `title`, `encrypted`, `bad_pages` / `page_errors`
         (pages whose extraction failed, 1-based), `warnings` (pypdf's, deduplicated); for a
         jsonl record `line`, `id` (the raw id value) and `fields` (its other fields); `encoding`
@@ -105,6 +107,7 @@ class Document:
     n_pages: int | None = None
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
+    read_as: str = ""
 
     @property
     def ok(self) -> bool:
@@ -161,6 +164,19 @@ class SourceFile:
     def format(self) -> str | None:
         """How the file is read: its entry's format, else by suffix; None: an unknown type."""
         return self.source.format or format_of(self.path)
+
+    @property
+    def read_as(self) -> str:
+        """The entry's settings that make the file's bytes give another text than the defaults
+        would: a format other than its suffix's, a jsonl file's text_field other than `text`
+        ("" for none). An edit of one changes the documents' rows' keys, so a rerun redoes them
+        as it does for an edited file."""
+        settings = []
+        if self.source.format is not None and self.source.format != format_of(self.path):
+            settings.append(f"format={self.source.format}")
+        if self.format == "jsonl" and self.source.text_field != "text":
+            settings.append(f"text_field={self.source.text_field}")
+        return " ".join(settings)
 
     @property
     def unread(self) -> str | None:
@@ -525,7 +541,9 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
     fmt = file.format
 
     def failed(reason: str, sha256: str = "", **kw: Any) -> Document:
-        return Document(file.rel_id, str(file.path), "", sha256, error=reason, **kw)
+        return Document(
+            file.rel_id, str(file.path), "", sha256, error=reason, read_as=file.read_as, **kw
+        )
 
     if (reason := file.unread) is not None:  # also for every file without a format
         yield failed(reason)
@@ -550,7 +568,10 @@ def _read_file(file: SourceFile) -> Iterator[Document]:
     if error:
         yield failed(error, sha256, n_pages=n_pages, meta=meta)
     else:
-        yield Document(file.rel_id, str(file.path), text, sha256, n_pages=n_pages, meta=meta)
+        read_as = file.read_as
+        yield Document(
+            file.rel_id, str(file.path), text, sha256, n_pages, meta=meta, read_as=read_as
+        )
 
 
 def count_documents(file: SourceFile) -> int:
@@ -670,7 +691,8 @@ def _read_jsonl(file: SourceFile, lines: _Lines) -> Iterator[Document]:
         yield _read_record(file, number, raw)
     if n_records == 0:
         reason = "empty file (0 bytes)" if lines.size == 0 else "no records: every line is blank"
-        yield Document(file.rel_id, str(file.path), "", lines.sha256, error=reason)
+        read_as = file.read_as
+        yield Document(file.rel_id, str(file.path), "", lines.sha256, error=reason, read_as=read_as)
 
 
 class _Lines:
@@ -791,7 +813,9 @@ def _read_record(file: SourceFile, number: int, raw: bytes | int) -> Document:
 
     def failed(reason: str) -> Document:
         error = f"line {number} of {file.rel_id}: {reason}"
-        return Document(doc_id, str(file.path), "", sha256, error=error, meta=meta)
+        return Document(
+            doc_id, str(file.path), "", sha256, error=error, meta=meta, read_as=file.read_as
+        )
 
     if record is not None:
         fields = {k: v for k, v in record.items() if k not in (text_field, id_field)}
@@ -810,4 +834,4 @@ def _read_record(file: SourceFile, number: int, raw: bytes | int) -> Document:
     text = clean_text(text)
     if not text.strip():
         return failed("empty document (only whitespace)")
-    return Document(doc_id, str(file.path), text, sha256, meta=meta)
+    return Document(doc_id, str(file.path), text, sha256, meta=meta, read_as=file.read_as)

@@ -64,7 +64,8 @@ def plan_manifest(setup: JobSetup, done: frozenset[str], limit: int | None = Non
     cut = Limit(limit)
     for found in identify_documents(setup.spec.sources()):
         path = str(found.file.path)
-        docs = [Document(doc_id, path, "", sha256) for doc_id, sha256 in found.ids]
+        read_as = found.file.read_as
+        docs = [Document(doc_id, path, "", sha, read_as=read_as) for doc_id, sha in found.ids]
         todo = [planner.rows_of(doc) for doc in docs]
         rows = [row for doc_rows in todo for row in doc_rows]
         if not rows:

@@ -156,9 +156,12 @@ class Planner:
         for q in spec.questions:
             gen = effective_generation(spec, q)
             pattern = self._patterns[q.id]
-            structure = {} if pattern is None else {"structure": pattern}  # old keys kept
+            # parts a key holds only where they are set: the keys of rows without them stay
+            extra = {} if pattern is None else {"structure": pattern}
+            if doc.read_as:
+                extra["read_as"] = doc.read_as
             if q.choices is not None and not gen.think:  # chosen by likelihood, not decoded
-                structure["choose"] = "likelihood"
+                extra["choose"] = "likelihood"
             key = request_key(
                 **self.identity,
                 doc_id=doc.doc_id,
@@ -169,7 +172,7 @@ class Planner:
                 generation=generation_key(spec, q),
                 max_context=spec.engine.max_context,
                 on_overflow=spec.engine.on_overflow,
-                **structure,
+                **extra,
             )
             self.job_keys.add(key)
             custom_id = f"{doc.doc_id}/{q.id}"

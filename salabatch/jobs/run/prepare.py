@@ -85,7 +85,7 @@ class JobSetup:
         todo = 0
         for found in identify_documents(self.spec.sources()):
             for doc_id, sha256 in found.ids:
-                doc = Document(doc_id, str(found.file.path), "", sha256)
+                doc = Document(doc_id, str(found.file.path), "", sha256, read_as=found.file.read_as)
                 todo += len(planner.rows_of(doc))
         if self.spec.requests:
             todo += sum(len(p.rows) for p in plan_requests(self.spec, self.tok, planner))

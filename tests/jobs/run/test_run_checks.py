@@ -52,6 +52,35 @@ def test_changed_generation_settings_rerun_every_row(tmp_path, tiny_model):
     assert len(rows(tmp_path)) == 9 and all(r["completion_tokens"] <= 3 for r in rows(tmp_path))
 
 
+def test_an_entrys_reading_settings_are_part_of_its_rows(tmp_path, tiny_model):
+    """A jsonl entry's text_field, or an entry's format, changes the text a file's bytes give:
+    a rerun after an edit of one redoes the rows (it kept answers about the old text); the
+    dry run says so too, and where nothing changed, nothing reruns."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    records = [{"id": "r1", "summary": "A ferry.", "body": "The ferry leaves at 7:10. " * 4}]
+    (docs / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (docs / "plain.dat").write_text("The quay needs new fenders. " * 5)  # no known suffix
+
+    def job(text_field, fmt):
+        entries = [{"path": "docs/records.jsonl", "text_field": text_field}]
+        entries.append({"path": "docs/plain.dat", "format": fmt})
+        return str(write_job(tmp_path, tiny_model, documents=entries, questions=QUESTIONS[:1]))
+
+    assert run_cli("run", job("summary", "text")).exit_code == 0
+    assert run_cli("run", job("summary", "text")).output.count("0 rows written") == 1
+    dry = run_cli("run", job("body", "text"), "--dry-run")
+    assert dry.exit_code == 0 and "1 row to do" in dry.output, dry.output
+    result = run_cli("run", job("body", "text"))
+    assert result.exit_code == 0 and "1 row written" in result.output, result.output
+    (record,) = [r for r in rows(tmp_path) if r["doc_id"] == "r1"]
+    assert record["doc_tokens"] > 30  # the body's text, not the summary's
+    result = run_cli("run", job("body", "pdf"))  # the same file, its text now no PDF's
+    assert result.exit_code == 3 and "1 row written" in result.output, result.output
+    (plain,) = [r for r in rows(tmp_path) if r["doc_id"] == "plain.dat"]
+    assert plain["status"] == "error" and "PDF" in plain["error"]
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if the run gets as far as loading the weights."""
