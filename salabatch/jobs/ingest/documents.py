@@ -777,6 +777,10 @@ def _parse_record(
         return doc_id, sha256, None, decode_reason(e, "utf-8")
     except json.JSONDecodeError as e:
         return doc_id, sha256, None, f"invalid JSON: {e.msg} at column {e.colno}"
+    except RecursionError:  # arrays nested past Python's stack
+        return doc_id, sha256, None, "invalid JSON: nested too deeply"
+    except ValueError:  # Python's limit on an integer's digits
+        return doc_id, sha256, None, "invalid JSON: an integer of more than 4,300 digits"
     if not isinstance(record, dict):
         return doc_id, sha256, None, f"expected a JSON object, got {type(record).__name__}"
 

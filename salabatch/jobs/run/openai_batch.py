@@ -150,6 +150,9 @@ def _parse(raw: bytes, number: int) -> tuple[str, dict | None, str | None, str]:
         return f"line-{number}", None, bad, CHAT_ROWS
     except RecursionError:  # arrays nested past Python's stack: no request is
         return f"line-{number}", None, "not valid JSON: nested too deeply", CHAT_ROWS
+    except ValueError:  # Python's limit on an integer's digits
+        too_long = "not valid JSON: an integer of more than 4,300 digits"
+        return f"line-{number}", None, too_long, CHAT_ROWS
     if not isinstance(line, dict):
         return f"line-{number}", None, "a request line must be a JSON object", CHAT_ROWS
     custom_id = line.get("custom_id")

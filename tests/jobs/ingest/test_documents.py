@@ -263,6 +263,20 @@ def test_jsonl_one_document_per_line_bad_lines_are_errors(tmp_path):
     assert all(doc.path == str(tmp_path / "batch.jsonl") for doc in docs)
 
 
+def test_jsonl_lines_python_cannot_hold_are_error_records_and_the_others_go_on(tmp_path):
+    lines = ['{"id": "big", "n": 1' + "0" * 5000 + ', "text": "x"}', "[" * 100_000]
+    lines.append(json.dumps({"id": "fine", "text": "read"}))
+    write(tmp_path / "odd.jsonl", "\n".join(lines) + "\n")
+    docs = read(tmp_path / "odd.jsonl")
+    assert [(doc.doc_id, doc.error) for doc in docs] == [
+        ("odd.jsonl#L1", "line 1 of odd.jsonl: invalid JSON: an integer of more than 4,300 digits"),
+        ("odd.jsonl#L2", "line 2 of odd.jsonl: invalid JSON: nested too deeply"),
+        ("fine", None),
+    ]
+    (found,) = identify_documents([DocumentSource(tmp_path / "odd.jsonl")])
+    assert list(found.ids) == [(doc.doc_id, doc.sha256) for doc in docs]
+
+
 def test_jsonl_custom_fields(tmp_path):
     write(tmp_path / "c.jsonl", json.dumps({"key": "k 1", "body": "hello"}) + "\n")
     (doc,) = read(DocumentSource(tmp_path / "c.jsonl", text_field="body", id_field="key"))

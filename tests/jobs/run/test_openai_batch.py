@@ -338,7 +338,8 @@ def test_a_line_needs_post_and_a_served_url_as_the_batches_api_checks_them(tmp_p
     del bare["url"]
     other["url"] = "/v2/chat/completions"
     deep = "[" * 100_000 + "]" * 100_000  # nested past Python's stack: it crashed the run
-    plans = plans_of(tmp_path, tiny_model, [get, bare, other, deep, line("ok")])
+    digits = '{"n": 1' + "0" * 5000 + "}"  # past Python's limit on an integer's: so did this
+    plans = plans_of(tmp_path, tiny_model, [get, bare, other, deep, digits, line("ok")])
     assert [p.error for p in plans] == [
         "line 1: method must be POST, got 'GET'",
         "line 2: url is missing: it must be one of /v1/chat/completions, /v1/completions, "
@@ -346,6 +347,7 @@ def test_a_line_needs_post_and_a_served_url_as_the_batches_api_checks_them(tmp_p
         "line 3: url '/v2/chat/completions' is not served: it must be one of "
         "/v1/chat/completions, /v1/completions, /v1/responses",
         "line 4: not valid JSON: nested too deeply",
+        "line 5: not valid JSON: an integer of more than 4,300 digits",
         None,
     ]
 
