@@ -640,7 +640,8 @@ def _check_regular(mode: int) -> None:
 def _limit(file: SourceFile, fmt: str) -> int | None:
     """The most bytes a document of `file` may have, from the job's max_context."""
     tokens = file.source.max_tokens
-    return None if tokens is None else tokens * BYTES_PER_TOKEN[fmt]
+    limit = None if tokens is None else tokens * BYTES_PER_TOKEN[fmt]
+    return None if limit is None or limit >= 1 << 62 else limit  # past any file: none
 
 
 def _too_large(size: int, file: SourceFile, fmt: str, what: str = "file") -> str:
@@ -656,7 +657,7 @@ def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
     of a text file whose first tokens only are wanted, as much as they can take."""
     if fmt == "text" and file.source.first_tokens is not None:
         most = file.source.first_tokens * BYTES_PER_TOKEN[fmt]
-        data = f.read(most + 1)
+        data = _read_most(f, most + 1)
         return data if len(data) <= most else _whole_characters(data[:most])
     limit = _limit(file, fmt)
     if limit is None:
@@ -664,10 +665,26 @@ def _read_whole(f: BinaryIO, file: SourceFile, fmt: str) -> bytes:
     size = os.fstat(f.fileno()).st_size
     if size > limit:
         raise _Unreadable(_too_large(size, file, fmt))
-    data = f.read(limit + 1)  # a file that grew, or one whose size says 0 (/proc)
+    data = _read_most(f, limit + 1)  # a file that grew, or one whose size says 0 (/proc)
     if len(data) > limit:
         raise _Unreadable(_too_large(max(size, len(data)), file, fmt))
     return data
+
+
+_READ_PIECE = 1 << 24  # bytes
+
+
+def _read_most(f: BinaryIO, most: int) -> bytes:
+    """Up to `most` bytes of `f`, read a piece at a time: `f.read(most)` sets aside `most`
+    bytes first, whatever the file holds (a max_context of 10^10 tokens failed every file)."""
+    pieces, got = [], 0
+    while got < most:
+        want = min(most - got, _READ_PIECE)
+        pieces.append(piece := f.read(want))
+        got += len(piece)
+        if len(piece) < want:  # the end of the file (a buffered read gives all it asks else)
+            break
+    return b"".join(pieces)
 
 
 def _whole_characters(data: bytes) -> bytes:

@@ -277,6 +277,19 @@ def test_jsonl_lines_python_cannot_hold_are_error_records_and_the_others_go_on(t
     assert list(found.ids) == [(doc.doc_id, doc.sha256) for doc in docs]
 
 
+def test_a_huge_max_context_or_first_tokens_reads_a_small_file(tmp_path):
+    """The byte limit of a max_context of 10^18 tokens: the reader set aside that many bytes
+    before reading a 50-byte file (MemoryError, or OverflowError, for every document)."""
+    path = write(tmp_path / "a.txt", "The ferry leaves at 7:10.")
+    for source in (
+        DocumentSource(path, max_tokens=10**18),
+        DocumentSource(path, first_tokens=10**18),
+        DocumentSource(write(tmp_path / "r.jsonl", '{"text": "x"}\n'), max_tokens=10**18),
+    ):
+        (doc,) = read(source)
+        assert doc.ok and doc.text in ("The ferry leaves at 7:10.", "x")
+
+
 def test_jsonl_custom_fields(tmp_path):
     write(tmp_path / "c.jsonl", json.dumps({"key": "k 1", "body": "hello"}) + "\n")
     (doc,) = read(DocumentSource(tmp_path / "c.jsonl", text_field="body", id_field="key"))
