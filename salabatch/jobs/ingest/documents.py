@@ -293,10 +293,10 @@ def _expand(source: DocumentSource, where: str) -> list[SourceFile]:
                 "glob applies to a folder, not a file", path=raw, field=f"{where}.glob"
             )
         return [SourceFile(path, _sanitize(path.name), source)]
-    elif globlib.has_magic(raw):
+    elif globlib.has_magic(raw) and globlib.has_magic((split := _split_glob(path))[1]):
         if source.glob:
             raise JobSpecError("path is already a glob pattern", path=raw, field=f"{where}.glob")
-        (root, pattern), globbed = _split_glob(path), True
+        (root, pattern), globbed = split, True
     elif os.path.islink(path):
         target = os.readlink(path)
         message = f"document path is a broken symbolic link (to {target}, which does not exist)"
@@ -472,9 +472,15 @@ def _stat_reason(e: OSError) -> str:
 
 
 def _split_glob(pattern: Path) -> tuple[Path, str]:
-    """`/data/docs/**/*.pdf` -> (`/data/docs`, `**/*.pdf`): fixed leading folders, then the rest."""
-    parts = pattern.parts
-    fixed = next(i for i, part in enumerate(parts) if globlib.has_magic(part))
+    """`/data/docs/**/*.pdf` -> (`/data/docs`, `**/*.pdf`): fixed leading folders, then the
+    rest. A leading name with glob characters that is a folder here is that folder (`Contracts
+    [2023]/*.txt`, or a job file's folder so named), not a pattern; the last name is always
+    the pattern's."""
+    parts, fixed = pattern.parts, 0
+    while fixed < len(parts) - 1 and (
+        not globlib.has_magic(parts[fixed]) or os.path.isdir(Path(*parts[: fixed + 1]))
+    ):
+        fixed += 1
     return Path(*parts[:fixed]) if fixed else Path("."), "/".join(parts[fixed:])
 
 

@@ -114,7 +114,8 @@ class DocumentEntry(_Strict):
         if value.startswith(("/", "~")):
             raise job_error(f"must be relative to the folder in path, got {show_value(value)}")
         path = info.data.get("path")
-        if path is not None and globlib.has_magic(str(path)):
+        # a folder named with glob characters (`Contracts [2023]`) is a folder
+        if path is not None and globlib.has_magic(str(path)) and not os.path.isdir(path):
             raise job_error("path is already a glob pattern: put the whole pattern in path")
         return value
 

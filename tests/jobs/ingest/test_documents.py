@@ -636,6 +636,29 @@ def test_broken_links_and_link_loops_in_a_walk_are_error_documents(tmp_path):
         read(docs / "dangling.txt")
 
 
+def test_folders_named_with_glob_characters_are_folders(tmp_path):
+    """`Contracts [2023]`: with a glob, under a pattern, and as the folder of the job file a
+    relative pattern is resolved against: `[2023]` was read as a character class (no file
+    matched), and a folder so named could not take a glob."""
+    from salabatch.jobs.spec.load import load_job
+
+    base = tmp_path / "jobs [old]"
+    write(base / "Contracts [2023]" / "a.txt", "The provider is Acme.")
+    write(base / "Contracts [2023]" / "sub" / "b.txt", "The term is two years.")
+    write(base / "Contracts [2023]" / "c.md", "Not a txt.")
+    job = base / "job.yaml"
+    for entry, expected in [
+        ({"path": "./Contracts [2023]", "glob": "**/*.txt"}, ["a.txt", "sub/b.txt"]),
+        ({"path": "./Contracts [2023]/*.md"}, ["c.md"]),
+        ({"path": "./Contracts [2023]/sub/*.txt"}, ["b.txt"]),
+    ]:
+        body = {"name": "j", "model": "builtin:tiny", "documents": [entry], "questions": ["Who?"]}
+        job.write_text(json.dumps(body))
+        assert ids(iter_documents(load_job(job, check_files=True).sources())) == expected
+    with pytest.raises(JobSpecError, match="document path does not exist"):
+        expand_sources([DocumentSource(base / "Contracts [2023]" / "nothere.txt")])
+
+
 def test_a_glob_under_a_missing_folder_says_the_folder_is_missing(tmp_path):
     with pytest.raises(JobSpecError, match="no such folder: .*nothere"):
         expand_sources([DocumentSource(tmp_path / "nothere" / "*.txt")])
