@@ -42,6 +42,7 @@ from pydantic import (
 from salabatch.errors import ConfigError, not_utf8
 from salabatch.files import cache_dir
 from salabatch.jobs.ingest.documents import DocumentSource
+from salabatch.jobs.results.export import is_batch_output
 from salabatch.jobs.results.read import parts_dir_of
 from salabatch.jobs.spec.errors import Loc, job_error, raised_again, show_value
 from salabatch.models import builtin_name, hub_repo, is_builtin
@@ -382,12 +383,25 @@ class JobSpec(_Strict):
     def sources(self) -> list[DocumentSource]:
         """The `documents:` entries for `salabatch.jobs.ingest.documents.iter_documents`, with
         the byte limit of `engine.max_context`, never taking the job's own files: its results
-        (.parquet and .jsonl, with or without Batch output) and their parts folder, its
-        requests."""
+        (.parquet) and their parts folder, its requests, and the Batch output beside the
+        results (.jsonl) where the job writes one (its output is .jsonl, or it has requests) or
+        the file holds Batch output lines; else that file is a user's (documents, say)."""
         results = self.output.path.with_suffix(".parquet")
-        own = [results, parts_dir_of(results), results.with_suffix(".jsonl"), self.requests]
+        own = [results, parts_dir_of(results), self.requests]
+        batch = results.with_suffix(".jsonl")
+        writes_batch = self.output.path.suffix.lower() == ".jsonl" or self.requests is not None
+        if writes_batch or (batch.is_file() and _readable_batch_output(batch)):
+            own.append(batch)
         skip = tuple(path for path in own if path is not None)
         return [entry.to_source(self.engine.max_context, skip) for entry in self.documents]
+
+
+def _readable_batch_output(path: Path) -> bool:
+    """Whether `path` holds OpenAI Batch output lines salabatch wrote, or nothing."""
+    try:
+        return is_batch_output(path)
+    except OSError:  # not readable: no documents either, and a walk reports it
+        return False
 
 
 def _with_defaults(data: Any) -> Any:

@@ -681,6 +681,20 @@ def test_the_jobs_own_files_in_a_documents_folder_are_never_documents(tmp_path):
     assert [f.rel_id for f in expand_sources(spec.sources())] == ["a.txt"]
     # the same folder for another job: they are documents (.parquet is not a document type)
     assert len(expand_sources([DocumentSource(docs)])) == 4
+    # a job without Batch output: a .jsonl named as its results is a user's file, unless it
+    # holds Batch output lines (an earlier run's with requests)
+    job.write_text(
+        "name: w\nmodel: builtin:tiny\ndocuments: [{path: ./w}]\nquestions: [q]\n"
+        "output: {path: ./w/answers.parquet}\n"
+    )
+    read_files = ["a.txt", "answers.jsonl", "requests.jsonl"]
+    assert [f.rel_id for f in expand_sources(load_job(job).sources())] == read_files
+    batch_line = {"id": "batch_req_" + "0" * 32, "custom_id": "a", "response": {}, "error": None}
+    write(docs / "answers.jsonl", json.dumps(batch_line) + "\n")
+    assert [f.rel_id for f in expand_sources(load_job(job).sources())] == [
+        "a.txt",
+        "requests.jsonl",
+    ]
 
 
 def test_a_text_whose_first_tokens_only_are_wanted_is_cut_at_a_characters_end(tmp_path):
