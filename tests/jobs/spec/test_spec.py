@@ -79,11 +79,8 @@ def test_design_job_resolves_paths_against_the_job_file_and_home(tmp_path, home)
     assert spec.cache.dir == home / ".cache" / "salabatch"
     assert spec.output.path == jobs / "results" / "contracts.parquet"
     results = jobs / "results"
-    own = (
-        results / "contracts.parquet",
-        results / "contracts.parquet.parts",
-        results / "contracts.jsonl",
-    )  # the job's own files: never read as documents
+    # the job's own files: never read as documents (it writes no Batch output)
+    own = (results / "contracts.parquet", results / "contracts.parquet.parts")
     assert spec.sources() == [
         DocumentSource(jobs / "contracts", "**/*.pdf", "text", "id", max_tokens=1048576, skip=own)
     ]
