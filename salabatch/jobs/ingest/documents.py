@@ -260,16 +260,25 @@ def read_documents(file: SourceFile, ids: Sequence[tuple[str, str]]) -> list[Doc
 
 def expand_sources(sources: Iterable[DocumentSource]) -> list[SourceFile]:
     """The files named by `sources`, in job order then sorted by relative path, each file once
-    (the same file named twice, also through a link, is read at its first place)."""
+    (the same file named twice, also through a link, is read at its first place). A file an
+    entry names directly is read with that entry's settings (text_field, format, ...) even
+    where an earlier folder or glob took it: naming it is how a job gives it its own."""
     files: list[SourceFile] = []
-    seen: set[object] = set()
+    at: dict[object, int] = {}
     for index, source in enumerate(sources):
         for file in _expand(source, f"documents[{index}]"):
             key = _file_key(file.path)
-            if key not in seen:
-                seen.add(key)
+            if key not in at:
+                at[key] = len(files)
                 files.append(file)
+            elif _named(file) and not _named(first := files[at[key]]):
+                files[at[key]] = replace(first, source=file.source)
     return files
+
+
+def _named(file: SourceFile) -> bool:
+    """Whether `file` is its entry's path (not one a folder's walk or a glob found)."""
+    return file.path == Path(os.path.expanduser(str(file.source.path)))
 
 
 def _expand(source: DocumentSource, where: str) -> list[SourceFile]:

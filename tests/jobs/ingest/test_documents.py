@@ -290,6 +290,20 @@ def test_a_huge_max_context_or_first_tokens_reads_a_small_file(tmp_path):
         assert doc.ok and doc.text in ("The ferry leaves at 7:10.", "x")
 
 
+def test_a_file_named_after_a_folder_that_holds_it_is_read_with_its_own_settings(tmp_path):
+    """`documents: [{path: docs}, {path: docs/records.jsonl, text_field: body}]`: the folder's
+    walk took the file first, with its defaults, and every record was an error row."""
+    write(tmp_path / "docs" / "a.txt", "A note.")
+    write(tmp_path / "docs" / "records.jsonl", json.dumps({"ref": "r1", "body": "The body."}))
+    named = DocumentSource(tmp_path / "docs" / "records.jsonl", text_field="body", id_field="ref")
+    for sources in ([DocumentSource(tmp_path / "docs"), named], [named, DocumentSource(tmp_path)]):
+        docs = list(iter_documents(sources))
+        assert [(d.doc_id, d.text, d.error) for d in docs if d.path.endswith(".jsonl")] == [
+            ("r1", "The body.", None)
+        ]
+        assert len(docs) == 2
+
+
 def test_jsonl_custom_fields(tmp_path):
     write(tmp_path / "c.jsonl", json.dumps({"key": "k 1", "body": "hello"}) + "\n")
     (doc,) = read(DocumentSource(tmp_path / "c.jsonl", text_field="body", id_field="key"))
