@@ -89,7 +89,44 @@ def parse_yaml(text: str, path: str | Path) -> tuple[dict[str, Any], yaml.Node, 
         raise JobSpecError(
             f"expected a mapping (name:, model:, …) at the top, got {got}", path=path
         )
-    return data, root, problems
+    return _names_as_written(data, root), root, problems
+
+
+def _names_as_written(data: dict[str, Any], root: yaml.Node) -> dict[str, Any]:
+    """`data` with the job's name, and each question's id (or the whole question, a plain
+    scalar), as written where YAML read a number: `name: 007` names `007`, not `7`; `id: 1e3`
+    is `1e3`, not `1000.0`."""
+    places: list[Loc] = [("name",)]
+    questions = data.get("questions")
+    if isinstance(questions, list):
+        for i, question in enumerate(questions):
+            places.append(
+                ("questions", i, "id") if isinstance(question, dict) else ("questions", i)
+            )
+    for loc in places:
+        node = _node_at(root, loc)
+        if isinstance(node, yaml.ScalarNode) and node.tag in (_INT, _FLOAT) and not node.style:
+            *at, last = loc
+            holder: Any = data
+            for part in at:
+                holder = holder[part]
+            holder[last] = node.value
+    return data
+
+
+def _node_at(root: yaml.Node, loc: Loc) -> yaml.Node | None:
+    """The node of `loc` in the YAML tree as written, or None (a key a merge gave, say)."""
+    node = root
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            node = node.value[part] if part < len(node.value) else None
+        else:
+            return None
+        if node is None:
+            return None
+    return node
 
 
 def read_yaml(

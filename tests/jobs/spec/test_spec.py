@@ -401,6 +401,20 @@ def test_an_answer_that_leaves_no_room_for_a_document_is_refused(tmp_path):
     assert wrong.startswith("generation.max_tokens: ") and "room" not in wrong
 
 
+def test_a_name_or_question_id_that_reads_as_a_number_is_kept_as_written(tmp_path):
+    """`name: 007` wrote results/7.parquet; ids `01`, `1e3`, `0x10` became 1, 1000.0, 16 in
+    every custom_id. Quoted or not, they are what the file says."""
+    questions = "[{id: 01, text: a}, {id: 1e3, text: b}, {id: '0x10', text: c}, 2.50]"
+    job = write(tmp_path, MINIMAL.replace("name: mini", "name: 007").replace(
+        "[{text: Summarize.}]", questions))  # fmt: skip
+    spec = load_job(job)
+    assert spec.name == "007" and spec.output.path.name == "007.parquet"
+    assert [(q.id, q.text) for q in spec.questions] == [
+        ("01", "a"), ("1e3", "b"), ("0x10", "c"), ("q4", "2.50")
+    ]  # fmt: skip
+    assert load_job(job, ("name=2024",)).name == "2024"  # from the command line: a number
+
+
 def test_glob_on_a_glob_path_is_refused(tmp_path):
     job = write(tmp_path, MINIMAL.replace("{path: docs}", "{path: 'docs/*.md', glob: '*.txt'}"))
     assert error_of(job).startswith("documents[0].glob: path is already a glob pattern")
