@@ -26,7 +26,19 @@ _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 class _Loader(yaml.SafeLoader):
     """The safe loader with YAML 1.2's numbers, as people write them: `1e-3` is a float, `010`
     the integer 10 (`0o10` octal, `0x10` hex), `1_000` and `1:30` text. PyYAML's YAML 1.1
-    rules read `1e-3` as text and `010` as 8, silently."""
+    rules read `1e-3` as text and `010` as 8, silently. A key written `on`, `no`, `~` is that
+    text, not True, False or None (no field is named so: the error names the key as written;
+    a JSON schema's property may be)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag in _KEY_AS_TEXT and not key.style:
+                key.tag = _STR
+        return super().construct_mapping(node, deep)
+
+
+_STR = "tag:yaml.org,2002:str"
+_KEY_AS_TEXT = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:null")
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:

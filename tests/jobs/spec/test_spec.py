@@ -415,6 +415,16 @@ def test_a_name_or_question_id_that_reads_as_a_number_is_kept_as_written(tmp_pat
     assert load_job(job, ("name=2024",)).name == "2024"  # from the command line: a number
 
 
+def test_a_key_yaml_reads_as_a_boolean_or_null_is_named_as_written_with_its_line(tmp_path):
+    """`on:`, `no:`, `~:` were named `1`, `0` and `None`, the top level ones without a line."""
+    for key, where in [("generation: {on: 3}", "generation.on"), ("no: 3", "no"), ("~: 3", "~")]:
+        error = error_of(write(tmp_path, MINIMAL + key + "\n"))
+        assert error.startswith(f"{where}: unknown field") and error.endswith("(line 5)"), error
+    schema = "[{text: a, json_schema: {type: object, properties: {yes: {type: string}}}}]"
+    spec = load_job(write(tmp_path, MINIMAL.replace("[{text: Summarize.}]", schema)))
+    assert list(spec.questions[0].json_schema["properties"]) == ["yes"]
+
+
 def test_glob_on_a_glob_path_is_refused(tmp_path):
     job = write(tmp_path, MINIMAL.replace("{path: docs}", "{path: 'docs/*.md', glob: '*.txt'}"))
     assert error_of(job).startswith("documents[0].glob: path is already a glob pattern")
