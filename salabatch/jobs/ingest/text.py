@@ -29,9 +29,20 @@ _NOT_UTF8_HINT = (
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _decodes(data: bytes, codec: str) -> bool:
+    try:
+        data.decode(codec)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def decode_text(data: bytes) -> tuple[str, str | None, dict[str, Any]]:
     """(text, error, meta) of a text file: UTF-8 (BOM or not), or UTF-16/32 when a BOM says so."""
     bom, codec = bom_codec(data)
+    if codec == "utf-32-le" and not _decodes(data[len(bom) :], codec):
+        # FF FE 00 00: also UTF-16-LE's BOM before a U+0000, which that reading then holds
+        bom, codec = codecs.BOM_UTF16_LE, "utf-16-le"
     try:
         text = data[len(bom) :].decode(codec)
     except UnicodeDecodeError as e:

@@ -114,6 +114,11 @@ def test_utf16_with_bom_is_decoded(tmp_path):
     doc = read_one(write(tmp_path / "w.txt", "\ufeffNotes: Grüße\r\n".encode("utf-16-le")))
     assert doc.text == "Notes: Grüße\n"
     assert doc.meta == {"encoding": "utf-16-le"}
+    # a U+0000 first: FF FE 00 00 is also UTF-32-LE's BOM, which the rest is not
+    doc = read_one(write(tmp_path / "z.txt", "\ufeff\x00Notes\r\n".encode("utf-16-le")))
+    assert (doc.text, doc.meta) == ("Notes\n", {"encoding": "utf-16-le"})
+    doc = read_one(write(tmp_path / "u.txt", "\ufeffNotes\n".encode("utf-32-le")))
+    assert (doc.text, doc.meta) == ("Notes\n", {"encoding": "utf-32-le"})
 
 
 def test_unsupported_file_named_directly_is_an_error_document(tmp_path):
