@@ -203,6 +203,21 @@ def read_final(
         raise OutputError(f"not a readable Parquet file ({error_text(e)})", path=path) from e
 
 
+def check_final(path: Path) -> None:
+    """OutputError unless `path` is a results file salabatch wrote whose every page reads
+    back, checksums verified: what a run looks at before its work, not to fail at the merge
+    after it. A row group at a time."""
+    try:
+        with pq.ParquetFile(path, page_checksum_verification=True) as f:
+            _check_schema(f.schema_arrow, path)
+            for group in range(f.num_row_groups):
+                f.read_row_group(group)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as e:
+        raise OutputError(f"not a readable Parquet file ({error_text(e)})", path=path) from e
+
+
 def _check_schema(schema: pa.Schema, path: Path) -> None:
     version = (schema.metadata or {}).get(META_SCHEMA_VERSION)
     if version is None:

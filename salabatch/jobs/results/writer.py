@@ -40,6 +40,7 @@ from salabatch.errors import OutputError, error_text
 from salabatch.files import fsync, fsync_dir, is_temp, lock_now, write_atomic
 from salabatch.jobs.results.read import (
     FRESH,
+    check_final,
     dedupe,
     list_parts,
     parts_dir_of,
@@ -101,7 +102,7 @@ class ResultWriter:
             raise OutputError("is a folder, expected a .parquet results file", path=self.path)
         if self.path.exists():  # before anything is written: whose file is it?
             try:
-                read_final(self.path, columns=[])
+                check_final(self.path)
             except OutputError as e:
                 raise OutputError(
                     f"{e.message}; refusing to overwrite it, choose another output path or move "

@@ -26,7 +26,7 @@ from salabatch.errors import JobSpecError, JobValidationError, OutputError
 from salabatch.files import same_file
 from salabatch.jobs.ingest.documents import DocumentSource, SourceFile, expand_sources
 from salabatch.jobs.results.export import is_batch_output
-from salabatch.jobs.results.read import read_final
+from salabatch.jobs.results.read import check_final
 from salabatch.jobs.spec.errors import Loc, error_lines, render_loc
 from salabatch.jobs.spec.job_yaml import (
     apply_override,
@@ -344,7 +344,7 @@ def _output_problems(results: Path, batch: Path | None, requests: Path | None) -
             )
         elif kind == "results":
             try:
-                read_final(path, columns=[])
+                check_final(path)
             except OutputError as e:
                 problems.append(
                     f"{path}: {e.message}; refusing to overwrite it: choose another output "

@@ -190,6 +190,30 @@ def test_invalid_rows_are_refused(change, complaint):
 # --- files that are not ours, damaged parts ---------------------------------------------------
 
 
+def test_a_results_file_with_a_damaged_page_is_refused_before_any_work(tmp_path):
+    """One byte flipped in the answers' page, the footer intact: the checks before a run read
+    the footer only, and the run failed at its merge, after all its work, every time."""
+    from salabatch.jobs.spec.load import _output_problems
+
+    path = tmp_path / "r.parquet"
+    with writer(path) as out:
+        out.write([make_row(f"d{i}.q0", answer=f"answer number {i} " * 20) for i in range(50)])
+    column = next(
+        c
+        for c in (pq.ParquetFile(path).metadata.row_group(0).column(i) for i in range(40))
+        if c.path_in_schema == "answer"
+    )
+    at = (column.dictionary_page_offset or column.data_page_offset) + column.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[at - 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(OutputError, match="CRC.*refusing to overwrite it") as e:
+        writer(path)
+    assert e.value.exit_code == 2 and path.read_bytes() == bytes(data)
+    (problem,) = _output_problems(path, None, None)
+    assert "refusing to overwrite it" in problem
+
+
 @pytest.mark.parametrize("kind", ["foreign-parquet", "garbage", "empty", "folder"])
 def test_refuses_to_touch_a_file_that_is_not_salabatch_results(tmp_path, kind):
     path = tmp_path / "r.parquet"
