@@ -87,10 +87,18 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
         if not raw.strip():
             continue
         custom_id, body, problem, kind = _parse(raw, number)
-        if custom_id in seen or custom_id in planner.custom_ids:
+
+        def taken(name: str) -> bool:
+            return name in seen or name in planner.custom_ids
+
+        if taken(custom_id):
             whose = "an earlier line's" if custom_id in seen else "a document row's"
             problem = f"duplicate custom_id {custom_id!r} ({whose})"
-            custom_id = f"{custom_id}#line-{number}"
+            renamed, n = f"{custom_id}#line-{number}", 1
+            while taken(renamed):  # an earlier line's own id, say: one row each
+                n += 1
+                renamed = f"{custom_id}#line-{number}~{n}"
+            custom_id = renamed
         seen.add(custom_id)
         canonical = (
             json.dumps(body, sort_keys=True, ensure_ascii=False)

@@ -180,6 +180,18 @@ def test_a_request_line_repeating_a_document_rows_custom_id_is_an_error_row(tmp_
     assert "0 rows written (0 errors), 3 already done" in again.output, again.output
 
 
+def test_a_repeated_custom_id_is_renamed_to_one_no_line_has(tmp_path, tiny_model):
+    """Lines `a#line-3`, `a`, `a`: the third, renamed `a#line-3`, took the first's id, and one
+    of the two rows was lost at every merge."""
+    plans = plans_of(tmp_path, tiny_model, [line("a#line-3"), line("a"), line("a")])
+    errors = {row.custom_id: plan.error for plan in plans for row in plan.rows}
+    assert errors == {
+        "a#line-3": None,
+        "a": None,
+        "a#line-3~2": "line 3: duplicate custom_id 'a' (an earlier line's)",
+    }
+
+
 def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_model):
     requests = write_requests(tmp_path / "batch.jsonl", [line("a"), "{oops", line("b")])
     result = run_cli("run", "--requests", str(requests))
