@@ -12,7 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from salabatch.engine import memory
 from salabatch.engine.config import ModelConfig
+from salabatch.engine.kernels.attention import on_gpu
+from salabatch.engine.memory import MemoryPlan
 from salabatch.jobs.results.read import parts_dir_of, read_results
 from salabatch.jobs.results.schema import decode_metadata
 from salabatch.jobs.results.writer import counts_done, stale_rows
@@ -53,7 +56,8 @@ def dry_run(
     echo("documents:")
     cut = Limit(limit)
     prefixes = _Prefixes(setup)
-    rows, largest = _show_documents(setup, planner, cut, prefixes, echo)
+    largest = _Largest(config, _sizes(setup, config))
+    rows = _show_documents(setup, planner, cut, prefixes, largest, echo)
     if spec.requests and not cut.cut:
         plans = list(cut.take(plan_requests(spec, setup.tok, planner)))
         for plan in plans:
@@ -78,12 +82,12 @@ def dry_run(
         f"plan: {counted(rows, 'row')} to do{later}, {skipped} already done; prefill "
         f"{prefixes.prefill} document tokens, {prefixes.cached} from stored prefixes"
     )
-    if largest.document:
-        what = f"the longest document ({largest.document} tokens)"
-        echo(_memory_line(setup, config, largest, what, pooled=False))
+    if largest.document is not None:
+        plan, what = largest.document
+        echo(_memory_line(plan, f"the largest of the documents, {what}"))
     if largest.pooled:
         what = f"the longest pooled row ({max(largest.pooled)} tokens, its document with it)"
-        echo(_memory_line(setup, config, largest, what, pooled=True))
+        echo(_memory_line(largest.pooled_plan(), what))
     # a run cut by --limit drops nothing: it has not seen the whole job
     stale = len(earlier.keys() - planner.job_keys) if resume and not cut.cut else 0
     if stale:
@@ -92,20 +96,29 @@ def dry_run(
 
 @dataclass
 class _Largest:
-    """What decides a run's peak memory, as the run plans it (`engine.memory`): the longest
-    document prompt answered from its own prefix and its rows (question and answer, in
-    tokens); every pooled row (its whole prompt, document included, and its answer)."""
+    """What decides a run's peak memory, as the run plans it (`engine.memory`): of the
+    documents answered from their own prefix, the one whose prefix and rows still to do
+    (question and answer, in tokens) plan the most (not always the longest: a resumed one may
+    have a row left, a shorter one all of them); every pooled row (its whole prompt, document
+    included, and its answer)."""
 
-    document: int = 0
-    rows: list[int] = field(default_factory=list)
+    config: ModelConfig
+    sizes: dict
+    document: tuple[MemoryPlan, str] | None = None  # its plan, and what it is
     pooled: list[int] = field(default_factory=list)
 
     def add(self, plan: DocPlan, pooled: bool) -> None:
         own = [len(r.prompt) + r.max_tokens for r in plan.rows]
         if pooled:
             self.pooled += [len(plan.doc_prompt or ()) + n for n in own]
-        elif plan.doc_tokens > self.document:
-            self.document, self.rows = plan.doc_tokens, own
+            return
+        needs = memory.answer_plan(self.config, doc_tokens=plan.doc_tokens, rows=own, **self.sizes)
+        if self.document is None or needs.peak > self.document[0].peak:
+            what = f"{plan.doc.doc_id} ({plan.doc_tokens} tokens, {counted(len(own), 'row')})"
+            self.document = needs, what
+
+    def pooled_plan(self) -> MemoryPlan:
+        return memory.answer_plan(self.config, doc_tokens=0, rows=self.pooled, **self.sizes)
 
 
 class _Prefixes:
@@ -149,12 +162,12 @@ def _show_documents(
     planner: Planner,
     cut: Limit,
     prefixes: _Prefixes,
+    largest: _Largest,
     echo: Callable[[str], None],
-) -> tuple[int, _Largest]:
+) -> int:
     """One line per document the run would take (`cut`: its --limit), its prefix counted by
-    `prefixes`; returns (rows to do, what decides the peak memory)."""
+    `prefixes`, its memory by `largest`; returns the rows to do."""
     rows = 0
-    largest = _Largest()
     for plan in cut.take(planner.documents()):
         rows += len(plan.rows)
         if plan.error:
@@ -171,32 +184,27 @@ def _show_documents(
             f"  {plan.doc.doc_id}: {counted(plan.doc_tokens, 'token')}{pages}, "
             f"{counted(len(plan.rows), 'row')}, {state}{notes}"
         )
-    return rows, largest
+    return rows
 
 
-def _memory_line(
-    setup: JobSetup, config: ModelConfig, largest: _Largest, what: str, *, pooled: bool
-) -> str:
-    """The peak the run plans for `what` (its longest document, or its pooled rows, as the
-    run's own check sizes them), and the memory free now."""
+def _sizes(setup: JobSetup, config: ModelConfig) -> dict:
+    """`memory.answer_plan`'s arguments of the job as a whole (its weights, chunk, batch)."""
     import mlx.core as mx
-
-    from salabatch.engine import memory
-    from salabatch.engine.kernels.attention import on_gpu
 
     engine = setup.spec.engine
     itemsize = getattr(mx, setup.dtype).size
-    sizes = {
+    return {
         "weights": memory.checkpoint_weights_bytes(setup.model_path, config, itemsize),
         "chunk": engine.prefill_chunk,
         "batch_size": engine.batch_size,
         "itemsize": itemsize,
         "gpu": on_gpu(),
     }
-    if pooled:
-        plan = memory.answer_plan(config, doc_tokens=0, rows=largest.pooled, **sizes)
-    else:
-        plan = memory.answer_plan(config, doc_tokens=largest.document, rows=largest.rows, **sizes)
+
+
+def _memory_line(plan: MemoryPlan, what: str) -> str:
+    """The peak the run plans for `what` (as the run's own check sizes it), and the memory
+    free now."""
     free = memory.available_bytes(on_gpu())
     fits = "fits" if plan.peak <= free else "does NOT fit: the run refuses it"
     return f"memory: {what} needs {plan.line()}; {memory.gb(free)} free now ({fits})"

@@ -338,7 +338,10 @@ def test_the_dry_runs_memory_lines_are_the_plans_the_run_checks(tmp_path, tiny_m
     engine = {"prefill_chunk": 128, "pool_max_tokens": 128, "batch_size": 512}
     job = write_job(tmp_path, tiny_model, engine=engine)  # far more rows a batch than there are
     said = run_cli("run", str(job), "--dry-run").output
-    planned = dict(re.findall(r"memory: the longest (\w+) .*? needs about (\S+ GB)", said))
+    found = re.findall(
+        r"memory: the (largest of the documents|longest pooled row).*? needs about (\S+ GB)", said
+    )
+    planned = {"document" if what.startswith("largest") else "pooled": gb for what, gb in found}
     checked = []
     check = memory.check
     monkeypatch.setattr(
@@ -775,7 +778,9 @@ def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
     job = write_job(tmp_path, tiny_model)
     plan = run_cli("run", str(job), "--dry-run")
     assert re.search(
-        r"memory: the longest document \(\d+ tokens\) needs about .* free now", plan.output
+        r"memory: the largest of the documents, \S+ \(\d+ tokens, 3 rows\) needs about .* "
+        "free now",
+        plan.output,
     )
     assert re.search(  # notes.txt, short: pooled
         r"memory: the longest pooled row \(\d+ tokens, its document with it\) needs about",
@@ -793,6 +798,24 @@ def test_a_document_that_does_not_fit_is_refused_before_its_prefill(
     monkeypatch.undo()
     again = run_cli("run", str(job), "--retry-errors")
     assert again.exit_code == 0 and all(r["status"] == "ok" for r in rows(tmp_path))
+
+
+def test_the_dry_runs_memory_line_is_the_document_that_plans_the_most(tmp_path, tiny_model):
+    """Not the longest document: cut by --limit (or resumed) it may have one row left, a
+    shorter one all of theirs; the dry run said the job fits where the run refused one."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The ferry to Eastwick leaves at 7:10 every day. " * 20)
+    (docs / "z.txt").write_text("The quay needs new fenders before the winter. " * 60)
+    job = write_job(tmp_path, tiny_model, generation={"max_tokens": 300})
+    plan = run_cli("run", str(job), "--dry-run", "--limit", "4")
+    assert plan.exit_code == 0, plan.output
+    assert re.search(r"a\.txt: \d+ tokens, 3 rows", plan.output)
+    assert re.search(r"z\.txt: \d+ tokens, 1 row", plan.output)
+    assert re.search(
+        r"memory: the largest of the documents, a\.txt \(\d+ tokens, 3 rows\) needs about",
+        plan.output,
+    ), plan.output
 
 
 def test_a_document_whose_rows_reach_dense_len_is_answered_from_whole_prompts(tmp_path):
