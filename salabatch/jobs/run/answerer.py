@@ -123,6 +123,8 @@ class Answerer:
         a document together. Pooled rows wait for a full pool, or for the last plan."""
         pool: list[tuple[Row, DocPlan]] = []
         for plan in plans:
+            for note in plan.notes:  # a truncated document
+                self.echo(f"note: {plan_name(plan)}: {note}")
             if not plan.error:
                 yield from self._compile(plan)
                 if not plan.rows:

@@ -71,6 +71,25 @@ class DocPlan:
 POOL_FACTOR = 4  # pooled short rows are decoded once this many batches' worth are waiting
 
 
+def _no_room(row: Row, need: int, limit: int) -> str:
+    """The error of a row whose question and answer leave no room for a document."""
+    return (
+        f"question {row.question_id} has {len(row.prompt)} tokens with its prompt and room for "
+        f"a {row.max_tokens}-token answer: {need} of engine.max_context {limit}, which leaves "
+        "no room for the document; raise max_context, or lower max_tokens, the question or "
+        "the system prompt"
+    )
+
+
+def _too_long(full: int, limit: int, need: int) -> str:
+    """The error of a row the document does not fit beside (on_overflow `error`)."""
+    return (
+        f"document has {full} tokens with its prompt; engine.max_context {limit} leaves "
+        f"{limit - need} after the question and answer ({need}); raise max_context or set "
+        "engine.on_overflow to truncate_middle or truncate_end"
+    )
+
+
 def pooled(
     plan: DocPlan, pool_max_tokens: int, batch_size: int, config: ModelConfig | None = None
 ) -> bool:
@@ -199,21 +218,22 @@ class Planner:
 
     def plan(self, doc: Document) -> list[DocPlan]:
         """One DocPlan per distinct document prompt (questions that differ in `think` may need
-        their own when a chat template depends on it); [] when every row is done."""
+        their own when a chat template depends on it), and one per error the rows of the
+        document get; [] when every row is done."""
         rows = self.rows_of(doc)
         if not rows:
             return []
         if not doc.ok:
             return [DocPlan(doc, rows, error=doc.error)]
-        plans: dict[tuple[int, ...], DocPlan] = {}
+        plans: dict[tuple, DocPlan] = {}
         for think in sorted({r.think for r in rows}):
             group = [r for r in rows if r.think == think]
-            plan = self._prompts(doc, group, think)
-            key = tuple(plan.doc_prompt or ()) if plan.error is None else ("error", think)
-            if key in plans:
-                plans[key].rows += plan.rows
-            else:
-                plans[key] = plan
+            for plan in self._prompts(doc, group, think):
+                key = tuple(plan.doc_prompt or ()) if plan.error is None else ("error", plan.error)
+                if key in plans:
+                    plans[key].rows += plan.rows
+                else:
+                    plans[key] = plan
         return list(plans.values())
 
     def _suffix(self, question: str, think: bool) -> tuple[int, ...]:
@@ -224,37 +244,51 @@ class Planner:
             self._suffixes[key] = tuple(ids)
         return self._suffixes[key]
 
-    def _prompts(self, doc: Document, rows: list[Row], think: bool) -> DocPlan:
+    def _prompts(self, doc: Document, rows: list[Row], think: bool) -> list[DocPlan]:
+        """The plans of a document's rows that share `think`, within engine.max_context: each
+        row needs its question's prompt and its answer's room after the document prompt. A
+        row that leaves no room for any document fails alone, naming its question; with
+        on_overflow `error` the rows the document does not fit beside fail, the others are
+        answered; with truncate_* the document is cut to fit beside the one needing the most
+        room (one prefix for all)."""
         tok, system = self.tok, self.spec.system
+        limit, mode = self.spec.engine.max_context, self.spec.engine.on_overflow
         with_prompts = [replace(r, prompt=self._suffix(r.question, think)) for r in rows]
-        room = max(len(r.prompt) + r.max_tokens for r in with_prompts)
-        budget = self.spec.engine.max_context - room
-        text = doc.text
-        doc_prompt = tok.document_prompt(text, system=system, think=think)
-        plan = DocPlan(doc, with_prompts, doc_prompt)
-        if len(doc_prompt) <= budget:
-            return plan
-        mode = self.spec.engine.on_overflow
+        doc_prompt = tok.document_prompt(doc.text, system=system, think=think)
         full = len(doc_prompt)
-        limit = self.spec.engine.max_context
         # the prompt's tokens around the document's own (system prompt, template)
         around = len(tok.document_prompt(".", system=system, think=think)) - 1
-        if mode == "error" or budget <= around:
-            plan.doc_prompt = None
-            plan.error = (
-                f"document has {full} tokens with its prompt; engine.max_context {limit} leaves "
-                f"{max(budget, 0)} after the question and answer ({room}); "
-                + (
-                    "raise max_context or set engine.on_overflow to truncate_middle or truncate_end"
-                    if mode == "error" and budget > around
-                    else "raise max_context, or lower max_tokens or the system prompt"
-                )
-            )
-            return plan
-        keep = len(text)
-        for _ in range(12):  # cut the original text by the overshoot until the prompt fits
-            share = (budget - around) / max(len(doc_prompt) - around, 1)
-            keep = int(keep * min(share, 0.999) * 0.99)
+        plans = []
+        fitting = []
+        for r in with_prompts:
+            need = len(r.prompt) + r.max_tokens
+            if limit - need <= around:
+                plans.append(DocPlan(doc, [r], error=_no_room(r, need, limit)))
+            elif full <= limit - need or mode != "error":
+                fitting.append(r)
+            else:
+                plans.append(DocPlan(doc, [r], error=_too_long(full, limit, need)))
+        if not fitting:
+            return plans
+        room = max(len(r.prompt) + r.max_tokens for r in fitting)
+        plan = DocPlan(doc, fitting, doc_prompt)
+        if full > limit - room:
+            cut = self._truncated(doc, limit - room, around, think)
+            if cut is None:
+                plan.doc_prompt = None
+                plan.error = f"could not truncate the document to {limit - room} tokens"
+            else:
+                plan.doc_prompt = cut
+                plan.notes.append(f"{mode}: document cut from {full} to {len(cut)} tokens")
+        return [plan, *plans]
+
+    def _truncated(self, doc: Document, budget: int, around: int, think: bool) -> list[int] | None:
+        """The document prompt of `doc`'s text cut (at its end, or in its middle with
+        TRUNCATION_MARK, as engine.on_overflow says) to the most characters whose prompt fits
+        in `budget` tokens, as near as a few steps find it; None if none is found."""
+        tok, system, mode = self.tok, self.spec.system, self.spec.engine.on_overflow
+        keep, tokens = len(doc.text), None
+        for _ in range(16):  # tokens follow characters about evenly: a step or two fits
             if mode == "truncate_end":
                 text = doc.text[:keep]
             else:
@@ -263,8 +297,9 @@ class Planner:
                 )
             doc_prompt = tok.document_prompt(text, system=system, think=think)
             if len(doc_prompt) <= budget:
-                plan.doc_prompt = doc_prompt
-                plan.notes.append(f"{mode}: document cut from {full} to {len(doc_prompt)} tokens")
-                return plan
-        plan.doc_prompt, plan.error = None, f"could not truncate the document to {budget} tokens"
-        return plan
+                return doc_prompt
+            tokens = len(doc_prompt) - around
+            keep = min(keep - 1, int(keep * (budget - around) / max(tokens, 1)))
+            if keep <= 0:
+                return None
+        return None

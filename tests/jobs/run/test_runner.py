@@ -673,6 +673,46 @@ def test_context_overflow(tmp_path, tiny_model):
     assert all(r["prompt_tokens"] + 6 <= 400 for r in cut)
 
 
+def test_each_row_of_a_document_is_planned_within_max_context_by_its_own_room(tmp_path, tiny_model):
+    """One question's longer answer, or a question longer than the context, failed every row
+    of the document, rows that fit included; truncation cut ~1 % more than the overshoot,
+    and only the dry run said it cut."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "report.md").write_text("# Report\n\n" + "The quay needs new fenders. " * 60)
+
+    runs = iter(range(10))
+
+    def run(*args, questions, **engine):
+        engine = {"prefill_chunk": 128, "pool_max_tokens": 0, **engine}
+        out = {"path": f"out/{next(runs)}.parquet"}  # each run its own results
+        job = write_job(tmp_path, tiny_model, questions=questions, engine=engine, output=out)
+        return run_cli("run", str(job), *args), tmp_path / out["path"]
+
+    short = {"id": "short", "text": "Who?", "max_tokens": 6}
+    plan, _ = run("--dry-run", questions=[short], max_context=100_000)
+    tokens = int(re.search(r"report\.md: (\d+) tokens", plan.output).group(1))
+    long = {"id": "long", "text": "Who?", "max_tokens": 60}
+    huge = {"id": "huge", "text": "word " * (tokens + 80), "max_tokens": 6}
+    result, path = run(questions=[short, long, huge], max_context=tokens + 40)
+    assert result.exit_code == 3, result.output
+    got = {r["question_id"]: r for r in read_results(path).to_pylist()}
+    assert got["short"]["status"] == "ok" and got["short"]["doc_tokens"] == tokens
+    assert got["long"]["error"].startswith(f"document has {tokens} tokens with its prompt")
+    assert got["huge"]["error"].startswith("question huge has ")
+    assert "which leaves no room for the document" in got["huge"]["error"]
+
+    room = got["short"]["prompt_tokens"] - tokens + 6  # the question's prompt and answer
+    for over in (1, 40):  # tokens over: the cut keeps what fits, within a few tokens
+        result, path = run(
+            questions=[short], max_context=tokens + room - over, on_overflow="truncate_end"
+        )
+        (row,) = read_results(path).to_pylist()
+        assert tokens - over - 3 <= row["doc_tokens"] <= tokens - over, (row, over)
+        said = f"note: document report.md: truncate_end: document cut from {tokens} to "
+        assert f"{said}{row['doc_tokens']} tokens" in result.output, result.output
+
+
 def test_truncate_middle_fits_what_truncate_end_fits(tmp_path, tiny_model):
     """A tight context after a long system prompt: the middle cut fits the document as the end
     cut does (it cut text already holding the last cut's mark, and stalled at the mark's
