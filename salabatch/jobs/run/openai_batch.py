@@ -57,7 +57,7 @@ from salabatch.jobs.ingest.documents import Document
 from salabatch.jobs.results.schema import CHAT_ROWS, RESPONSE_ROWS, TEXT_ROWS
 from salabatch.jobs.run.plan import DocPlan, Planner, Row, request_key
 from salabatch.jobs.spec.errors import show_value
-from salabatch.jobs.spec.models import JobSpec
+from salabatch.jobs.spec.models import Engine, JobSpec
 from salabatch.openai_api import BodyError
 
 PREFIX_BLOCK = 64  # a shared prefix is cut at a multiple of this many tokens (see _shared)
@@ -81,6 +81,9 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
     except OSError as e:
         raise JobSpecError(f"cannot read requests file ({e.strerror})", path=path) from None
     generation = spec.generation.key()  # the defaults of unset fields
+    # engine.max_context cuts a line's answer: part of its key where set (other keys stay)
+    limit = spec.engine.max_context
+    bound = {} if limit == Engine.model_fields["max_context"].default else {"max_context": limit}
     lines: list[_Line] = []
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
@@ -109,7 +112,11 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
             canonical = json.dumps(body, sort_keys=True)
         sha = hashlib.sha256(canonical.encode()).hexdigest()
         key = request_key(
-            **planner.identity, custom_id=custom_id, request=canonical, generation=generation
+            **planner.identity,
+            custom_id=custom_id,
+            request=canonical,
+            generation=generation,
+            **bound,
         )
         planner.job_keys.add(key)
         planner.request_lines[key] = number
@@ -134,8 +141,14 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
             except (BodyError, ValueError, TypeError, KeyError, TokenizerError) as e:  # a template
                 problem = str(e).strip("'\"")  # may refuse the messages: that line fails
             else:
-                lines.append(_Line(number, ids, None if done else row))
-                continue
+                if len(ids) < limit:  # the answer cut where max_context ends, as the server cuts
+                    row = replace(row, max_tokens=min(row.max_tokens, limit - len(ids)))
+                    lines.append(_Line(number, ids, None if done else row))
+                    continue
+                problem = (
+                    f"the prompt has {len(ids)} tokens; engine.max_context {limit} leaves no "
+                    "room for an answer"
+                )
         if not done:
             yield DocPlan(doc, [row], error=f"line {number}: {problem}")
     min_shared = max(spec.engine.pool_max_tokens + 1, PREFIX_BLOCK)

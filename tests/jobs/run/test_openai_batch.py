@@ -192,6 +192,25 @@ def test_a_repeated_custom_id_is_renamed_to_one_no_line_has(tmp_path, tiny_model
     }
 
 
+def test_engine_max_context_bounds_a_request_line_as_it_bounds_a_documents_row(
+    tmp_path, tiny_model
+):
+    """A prompt over max_context was answered whole; now it is an error row, and an answer
+    is cut where max_context ends (as the server cuts it where the model's context does)."""
+    long, short = line("long", "word " * 300), line("short", "Name a river.", max_tokens=500)
+    plans = plans_of(tmp_path, tiny_model, [long, short], "engine.max_context=200")
+    rows = {row.custom_id: (plan, row) for plan in plans for row in plan.rows}
+    plan, _ = rows["long"]
+    assert re.fullmatch(
+        r"line 1: the prompt has \d+ tokens; engine\.max_context 200 leaves no room for an answer",
+        plan.error,
+    )
+    plan, row = rows["short"]
+    assert plan.error is None and 0 < row.max_tokens < 200
+    unbounded = {r.custom_id: r for p in plans_of(tmp_path, tiny_model, [short]) for r in p.rows}
+    assert unbounded["short"].max_tokens == 500 and unbounded["short"].key != row.key
+
+
 def test_a_bad_line_that_hides_the_model_is_named_by_its_line(tmp_path, tiny_model):
     requests = write_requests(tmp_path / "batch.jsonl", [line("a"), "{oops", line("b")])
     result = run_cli("run", "--requests", str(requests))
