@@ -22,7 +22,7 @@ from salabatch.engine.cache import ModelCache
 from salabatch.engine.generate import Prefill, prefill, prefill_forks
 from salabatch.engine.grammar import answer_end
 from salabatch.engine.model import Model
-from salabatch.engine.sampling import TokenLogprob, read_logprobs, token_logprobs
+from salabatch.engine.sampling import TokenLogprob, read_logprobs, seed_word, token_logprobs
 from salabatch.errors import GenerationError
 
 
@@ -187,4 +187,4 @@ def pick(logprobs: Sequence[float], temperature: float, seed: int) -> int:
     if temperature <= 0:
         return max(range(len(logprobs)), key=lambda i: (logprobs[i], -i))
     weights = probabilities([v / temperature for v in logprobs])
-    return int(np.random.default_rng(seed).choice(len(weights), p=weights))
+    return int(np.random.default_rng(seed_word(seed)).choice(len(weights), p=weights))

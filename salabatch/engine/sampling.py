@@ -13,6 +13,7 @@ OpenAI's and vLLM's are), so they do not depend on how the token was chosen.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from collections.abc import Sequence
@@ -96,10 +97,20 @@ class SamplingParams:
         )
 
 
+def seed_word(seed: int) -> int:
+    """A seed as the 64 bits its draws start from: itself from 0 to 2^64 - 1, any other
+    integer (a negative one, a larger one) a digest of it, so that no two seeds share their
+    draws (modulo 2^64, -1 and 2^64 - 1 were one seed)."""
+    if 0 <= seed < 1 << 64:
+        return seed
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little")
+
+
 def step_keys(seeds: Sequence[int], steps: Sequence[int]) -> mx.array:
     """The random keys [B, 2] uint32 of token steps[b] of a row with seed seeds[b]: what
-    `mx.random.key((seed · φ + step) mod 2^64)` makes, built on the host in one array."""
-    words = [(s * _GOLDEN + t) % (1 << 64) for s, t in zip(seeds, steps, strict=True)]
+    `mx.random.key((seed_word(seed) · φ + step) mod 2^64)` makes, built on the host in one
+    array."""
+    words = [(seed_word(s) * _GOLDEN + t) % (1 << 64) for s, t in zip(seeds, steps, strict=True)]
     return mx.array(np.array([[w >> 32, w & 0xFFFFFFFF] for w in words], dtype=np.uint32))
 
 

@@ -153,6 +153,8 @@ def test_pick_and_probabilities():
     draws = [pick([-0.7, -0.7, -1e9], 1.0, seed) for seed in range(200)]
     assert set(draws) == {0, 1} and draws == [pick([-0.7, -0.7, -1e9], 1.0, s) for s in range(200)]
     assert 60 < draws.count(0) < 140
+    # any integer seeds a draw (a job's seed may be negative: NumPy refused it)
+    assert {pick([-0.7, -0.7], 1.0, seed) for seed in range(-40, 0)} == {0, 1}
 
 
 def test_a_head_fed_in_chunks_past_dense_len_scores_as_its_one_call(tmp_path):

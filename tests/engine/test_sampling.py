@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from salabatch.engine.sampling import SamplingParams, sample, truncated
+from salabatch.engine.sampling import SamplingParams, sample, step_keys, truncated
 
 LOGITS = mx.array([[0.0, 5.0, 4.0, -1.0, 4.5]])
 
@@ -77,6 +77,18 @@ def test_rows_keep_their_own_settings_and_seed_in_a_batch():
     alone = [pick(p, g, step) for p, g, step in zip(rows, generated, [3, 4, 5, 6], strict=True)]
     assert together == alone
     assert together[0] == 1 and together[2] == 4  # greedy rows: plain, and penalized
+
+
+def test_every_integer_seed_has_its_own_draws():
+    """Seeds were taken modulo 2^64: -1 drew as 2^64 - 1 and 2^64 as 0. Seeds in [0, 2^64)
+    draw as they always did."""
+    seeds = [0, 1, 2**64 - 1, 2**64, -1, -(2**64), 2**64 + 1, 10**30]
+    keys = step_keys(seeds, [0] * len(seeds)).tolist()
+    assert len({tuple(k) for k in keys}) == len(seeds)
+    assert keys[1] == [0x9E3779B9, 0x7F4A7C15]  # 1 · φ: as before
+    logits = mx.array([[0.0] * 64])
+    draws = {s: sample(logits, [SamplingParams(temperature=1.0, seed=s)], [0], [[]]) for s in seeds}
+    assert draws[-1] != draws[2**64 - 1] or draws[0] != draws[2**64]
 
 
 @pytest.mark.parametrize(
