@@ -133,6 +133,11 @@ class OutOfMemoryError(SalabatchError):
     it starts, never discovered by the kernel's OOM killer)."""
 
 
+class Terminated(KeyboardInterrupt):
+    """What SIGTERM raises (`cli.main.sigterm_as_ctrl_c`): a KeyboardInterrupt, so that what
+    saves work on Ctrl-C saves it, but a stop, never one a loop goes on from as from Ctrl-C."""
+
+
 class CacheWarning(UserWarning):
     """The cache (prefix store, snapshots, builtin model, fingerprint memo) could not be used;
     the run goes on without it. The cache is an optimisation: it never costs an answer."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from salabatch._version import __version__
-from salabatch.errors import SalabatchError
+from salabatch.errors import SalabatchError, Terminated
 
 # Exit codes (README "Exit codes"): 0 done; 1 a failure (a model or cache that cannot be used,
 # an unexpected error); 2 bad input (usage, job file, model config, an unusable results file);
@@ -265,10 +265,6 @@ class Finite(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
-
-
-class Terminated(KeyboardInterrupt):
-    """The KeyboardInterrupt `sigterm_as_ctrl_c` raises for SIGTERM."""
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
-from salabatch.errors import SalabatchError
+from salabatch.errors import SalabatchError, Terminated
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import Finished, ServeEngine, Token
 
@@ -213,8 +213,8 @@ class ChatSession:
                     raise event.error
                 for piece in pieces:
                     show(piece)
-        except KeyboardInterrupt:
-            if ticket is None:
+        except KeyboardInterrupt as e:
+            if ticket is None or isinstance(e, Terminated):  # SIGTERM: the session ends
                 raise
         finally:
             if ticket is not None and finished is None:
@@ -287,7 +287,7 @@ def run_chat(
     end; answers stream through `write` (reasoning styled by `dim`), summaries, notices and
     errors go to `note` (one line each), a long prefill's progress to `status` (`ask`'s).
     Ctrl-C while reading a line only starts a new one; Ctrl-C while the prompt is still being
-    tokenized drops the question."""
+    tokenized drops the question; SIGTERM (`Terminated`) ends the session wherever it comes."""
 
     def show(piece: Piece) -> None:
         write(piece.text if piece.channel == "content" else dim(piece.text))
@@ -295,7 +295,9 @@ def run_chat(
     while True:
         try:
             line = read_line()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminated):  # SIGTERM ends the session (exit 143), Ctrl-C a line
+                raise
             write("\n")
             continue
         if line is None:
@@ -343,7 +345,9 @@ def run_chat(
         else:
             try:
                 turn = session.ask(line, show, status)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
+                if isinstance(e, Terminated):
+                    raise
                 note("[stopped before the answer began; the question is dropped]")
                 continue
             except SalabatchError as e:

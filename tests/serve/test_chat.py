@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from salabatch.cli import main
+from salabatch.errors import Terminated
 from salabatch.serve.chat import ChatSession, run_chat
 from salabatch.serve.engine import SNAPSHOT_MIN, ServeEngine
 from tests import REPO
@@ -173,6 +178,56 @@ def test_ctrl_c_stops_the_answer_not_the_session(tmp_path, tiny):
     # the first answer stopped early: far short of its 400 tokens
     assert stats["completion_tokens_total"] - second["completion"] < 400
     assert [m["role"] for m in session.history] == ["user", "assistant"] * 2
+
+
+def test_sigterm_ends_the_session_where_ctrl_c_goes_on(tiny):
+    """SIGTERM raises a KeyboardInterrupt (`Terminated`): chat took it for a Ctrl-C and went
+    on, while reading a line or streaming an answer, so `kill` never ended it."""
+    model, tok = tiny
+    with ServeEngine(model, tok, batch_size=1, max_queue=2) as engine:
+        session = ChatSession(engine, tok, max_tokens=400)
+
+        reads = iter([Terminated, None])
+
+        def read_line() -> str | None:
+            if (got := next(reads)) is Terminated:
+                raise Terminated
+            return got
+
+        with pytest.raises(Terminated):
+            run_chat(session, read_line, lambda text: None, lambda line: None)
+
+        def write(text: str) -> None:
+            if text.strip():
+                raise Terminated
+
+        lines = iter(["A question that runs long.", "never asked"])
+        with pytest.raises(Terminated):
+            run_chat(session, lambda: next(lines, None), write, lambda line: None)
+        deadline = time.monotonic() + 120
+        while engine.stats()["requests_cancelled_total"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["requests_cancelled_total"] == 1
+
+
+def test_kill_ends_a_chat_waiting_for_a_line_with_143():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "salabatch.cli", "chat", MODEL, "--max-tokens", "4"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "chat with" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.readline()  # the greeting: the loop is reading a line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_chat_takes_the_model_as_an_argument_too(tmp_path):
