@@ -19,6 +19,7 @@ from salabatch.cli.main import (
     speculation_options,
     status_line,
 )
+from salabatch.errors import not_utf8
 
 API_KEY_ENV = "SALABATCH_API_KEY"
 
@@ -327,6 +328,8 @@ def chat(
     from salabatch.engine.speculative import Speculation
     from salabatch.serve.chat import HELP, ChatSession, run_chat
 
+    if system is not None and (bad := not_utf8(system)):
+        raise click.BadParameter(f"the text is not UTF-8 ({bad})", param_hint="--system")
     texts = [_read_document(path) for path in documents]
     speculation = Speculation(draft, num_draft_tokens, draft_layers)
     # One conversation: one row at a time, room for an answer Ctrl-C is still stopping.

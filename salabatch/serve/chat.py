@@ -22,7 +22,7 @@ from pathlib import Path
 
 from salabatch.engine.sampling import SamplingParams
 from salabatch.engine.tokenizer import Tokenizer
-from salabatch.errors import SalabatchError, Terminated
+from salabatch.errors import SalabatchError, Terminated, not_utf8
 from salabatch.serve.completion import AnswerText, LeadingIds, Piece, chat_job
 from salabatch.serve.engine import Finished, ServeEngine, Token
 
@@ -55,7 +55,10 @@ def read_document(path: str | Path) -> tuple[str, str]:
     bad = next((d for d in docs if not d.ok), None)
     if bad is not None or not docs:
         raise ChatError(f"{path}: {bad.error if bad is not None else 'no document in it'}")
-    return path.name, "\n\n".join(d.text for d in docs)
+    # a name's bytes that are no UTF-8 (Python holds them as surrogates) as U+FFFD: the name
+    # goes into the prompt
+    name = path.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return name, "\n\n".join(d.text for d in docs)
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,9 @@ class ChatSession:
                 raise ChatError(
                     f"{path}: messages[{i}] is not a {'/'.join(roles)} message with text content"
                 )
+        for text in [*(m["content"] for m in messages), *names]:
+            if bad := not_utf8(str(text), from_bytes=False):
+                raise ChatError(f"{path}: a text UTF-8 cannot hold ({bad}) in its messages")
         system = messages[:1] if messages and messages[0]["role"] == "system" else []
         self._parts = [system[0]["content"]] if system else []
         self.documents = [str(n) for n in names]

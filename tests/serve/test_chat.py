@@ -265,6 +265,29 @@ def test_a_line_that_is_not_utf8_is_an_error_not_the_end_of_the_session(tiny):
     assert [m["role"] for m in session.history] == ["user", "assistant"]
 
 
+def test_text_utf8_cannot_hold_never_reaches_the_prompt(tmp_path, tiny):
+    """A file name of Latin-1 bytes, a saved conversation holding "\\udcff", a --system of
+    such bytes: the next question (and /save) failed with a UnicodeEncodeError, exit 1."""
+    model, tok = tiny
+    named = tmp_path / "caf\udce9.txt"  # the byte 0xe9, as Python names it
+    named.write_text("The provider is Redwater Robotics.")
+    saved = tmp_path / "saved.json"
+    saved.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "x\udcff"}], "documents": []})
+    )
+    lines = iter([f"/document {named}", f"/load {saved}", "Who?", f"/save {tmp_path / 'o.json'}"])
+    notes: list[str] = []
+    with ServeEngine(model, tok, batch_size=1, max_queue=2) as engine:
+        session = ChatSession(engine, tok, max_tokens=4)
+        run_chat(session, lambda: next(lines, None), lambda text: None, notes.append)
+    assert notes[0].startswith("[added caf\ufffd.txt (")
+    cannot = "a text UTF-8 cannot hold (lone surrogate U+DCFF at character 1) in its messages"
+    assert notes[1] == f"error: {saved}: {cannot}"
+    assert len(turns("\n".join(notes))) == 1 and notes[-1].startswith("[saved to ")
+    result = CliRunner().invoke(main, ["chat", MODEL, "--system", "bad \udcff"])
+    assert result.exit_code == 2 and "--system" in result.output and "byte 0xff" in result.output
+
+
 def test_the_summary_rate_is_the_engines_decode_rate():
     """decode_s runs from the first token to the last: n − 1 tokens after the first, as
     `salabatch generate` counts them (n / decode_s showed 2 tokens at twice their rate)."""
