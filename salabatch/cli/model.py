@@ -72,7 +72,14 @@ def generate(
         args, ("MODEL", "PROMPT"), (model_opt, prompt_opt), "--model and --prompt"
     )
     if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
+        data = click.get_binary_stream("stdin").read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise click.BadParameter(
+                f"standard input is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})",
+                param_hint="PROMPT",
+            ) from None
     if note := model_note(model):
         click.echo(f"note: {note}", err=True)
     loaded, tok = load(model, dtype)

@@ -90,6 +90,10 @@ def test_generate_takes_mlx_lm_spellings(tiny):
     ):
         result = CliRunner().invoke(main, ["generate", *args])
         assert result.exit_code == 2 and message in result.output
+    # a prompt piped in bytes that are no UTF-8: a usage error, not a Python one (exit 1)
+    result = CliRunner().invoke(main, ["generate", "builtin:random", "-"], input=b"hi \xff")
+    assert result.exit_code == 2, result.output
+    assert "standard input is not UTF-8 (byte 0xff at offset 3)" in result.output
 
 
 def test_generate_shows_a_long_prefills_progress_on_a_terminal(tiny, monkeypatch):
