@@ -703,13 +703,16 @@ def _read_most(f: BinaryIO, most: int) -> bytes:
 
 
 def _whole_characters(data: bytes) -> bytes:
-    """`data` cut at its end without the start of a UTF-8 character the cut split (what is
-    not UTF-8 at all is left to the decoding)."""
+    """`data` cut at its end without the start of a character the cut split, in the encoding
+    the text is read in (UTF-8, or UTF-16/32 after a BOM: half a surrogate pair, a unit's
+    first bytes); what that encoding cannot read at all is left to the decoding."""
+    bom, codec = bom_codec(data)
+    decoder = codecs.getincrementaldecoder(codec)("strict")
     try:
-        _, whole = codecs.utf_8_decode(data, "strict", False)  # stops before a split end
+        decoder.decode(data[len(bom) :], final=False)  # keeps back a split end
     except UnicodeDecodeError:
         return data
-    return data[:whole]
+    return data[: len(data) - len(decoder.getstate()[0])]
 
 
 # ---- jsonl --------------------------------------------------------------------------------------

@@ -730,3 +730,9 @@ def test_a_text_whose_first_tokens_only_are_wanted_is_cut_at_a_characters_end(tm
     odd.write_text("a" + "é" * 1000)  # 16 bytes end inside the eighth "é": it goes
     (doc,) = iter_documents([DocumentSource(odd, first_tokens=1)])
     assert doc.ok and doc.text == "a" + "é" * 7
+    # UTF-16 after its BOM: 16 bytes end inside the emoji's surrogate pair (the text was "not
+    # valid utf-16-le"): the pair goes
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes(("\ufeffabcdef😀" * 20).encode("utf-16-le"))
+    (doc,) = iter_documents([DocumentSource(wide, first_tokens=1)])
+    assert doc.ok and doc.text == "abcdef", doc.error
