@@ -259,11 +259,13 @@ def perplexity(model, paths, max_tokens, dtype, prefill_chunk, json_path) -> Non
                 raise SalabatchError(doc.error)
             ids = tok.encode(doc.text, add_bos=tok.add_bos_token, special=False)  # as run reads it
             if len(ids) > limit:
-                why = "--max-tokens" if limit < context else "the model's context"
-                click.echo(
-                    f"note: {doc.doc_id}: the first {limit:,} of {len(ids):,} tokens ({why})",
-                    err=True,
+                # a text file is read only as far as --max-tokens reach: its length is unknown
+                said = (
+                    f"the first {limit:,} tokens (--max-tokens; the rest is not read)"
+                    if limit < context
+                    else f"the first {limit:,} of {len(ids):,} tokens (the model's context)"
                 )
+                click.echo(f"note: {doc.doc_id}: {said}", err=True)
                 ids = ids[:limit]
             if len(ids) < 2:
                 raise SalabatchError("fewer than two tokens: nothing to score")
