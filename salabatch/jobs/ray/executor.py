@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -256,10 +257,13 @@ def _run(
     from salabatch.jobs.ray.worker import UnitWorker
 
     items = [{"unit": pickle.dumps(unit)} for unit in units]
-    data = ray.data.from_items(items, override_num_blocks=len(items))  # a block per unit
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dropped_units() as dropped:
+        # Ray's own settings it deprecates (its DataContext's, as it copies them): nothing a
+        # user of salabatch can change
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray(\.|$)")
         # max_task_retries has no named parameter yet; Ray Data passes it to the actors
         warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+        data = ray.data.from_items(items, override_num_blocks=len(items))  # a block per unit
         answered = data.map_batches(
             UnitWorker,
             batch_size=1,
@@ -275,9 +279,8 @@ def _run(
             resources={SLOT: 1},
             max_task_retries=max_retries,
         )
-    answered.context.max_errored_blocks = -1  # a unit that failed every try: error rows
-    answered.context.enable_progress_bars = False  # the driver shows its own, in rows
-    with _dropped_units() as dropped:
+        answered.context.max_errored_blocks = -1  # a unit that failed every try: error rows
+        answered.context.enable_progress_bars = False  # the driver shows its own, in rows
         try:
             for table in answered.iter_batches(batch_size=None, batch_format="pyarrow"):
                 out.write([ResultRow.from_record(r) for r in table.to_pylist()])
@@ -291,13 +294,22 @@ def _run(
 
 
 def _last_line(error: Exception) -> str:
-    """The last line of a Ray error's text: the constructor's or the task's own error."""
+    """The last line of a Ray error's text: the constructor's or the task's own error, as a
+    local run says it (salabatch's own by its message, another by its class's name alone)."""
     lines = str(error).strip().splitlines()
-    return lines[-1].strip() if lines else "no message"
+    last = lines[-1].strip() if lines else "no message"
+    return re.sub(r"^salabatch\.errors\.\w+: |^(?:\w+\.)+(?=\w+: )", "", last)
 
 
-# Ray Data's warning that its own bars are off: the driver turned them off, for its own.
-_RAY_NOISE = ("Progress bars disabled",)
+# Ray Data's lines that say nothing to a salabatch user: that its own bars are off (the driver
+# turned them off, for its own); an actor's failed start, which the run's error line names,
+# said as a Ray bug whose stack trace does not follow
+_RAY_NOISE = (
+    "Progress bars disabled",
+    "actors died during initialization",
+    "Exception occurred in Ray Data or Ray Core internal code",
+    "Full stack trace:",
+)
 
 
 @contextmanager
@@ -315,7 +327,7 @@ def _ray_logs(write: Callable[[str], None], debug: bool) -> Iterator[None]:
                 return
             self.last = record
             message = " ".join(record.getMessage().split())
-            if debug or not message.startswith(_RAY_NOISE):
+            if debug or not any(noise in message for noise in _RAY_NOISE):
                 kind = "warning" if record.levelno < logging.ERROR else "error"
                 write(f"{kind}: ray: {message}")
 

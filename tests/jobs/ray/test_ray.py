@@ -177,6 +177,9 @@ def test_a_machine_with_other_model_files_refuses_to_start(
     assert result.exit_code == 2, (result.output, repr(result.exception))
     assert "error: a model actor could not start: " in result.output
     assert "the model's files on this machine differ from the driver's" in result.output
+    # one line says it: no Ray lines calling it a Ray bug, no class path, no Ray deprecations
+    (said,) = [line for line in result.output.splitlines() if line.startswith(("error", "warn"))]
+    assert said.startswith(f"error: a model actor could not start: {tiny_model}: the model's")
 
 
 @pytest.mark.parametrize(
