@@ -223,8 +223,8 @@ def _started(ray, address: str | None, workers: int | None, debug: bool, termina
 
 def _reachable(address: str) -> None:
     """RayClusterError unless `address` ("auto", or [ray://]HOST:PORT) is well formed and, for a
-    host and port, something listens there: Ray itself retries an address nothing answers for
-    about a quarter of an hour before it gives up."""
+    host and port, something listens there and speaks gRPC, as Ray does: Ray itself retries
+    an address nothing answers, or something else does, for a quarter of an hour."""
     if address == "auto":
         return
     hostport = address.removeprefix("ray://")
@@ -235,10 +235,33 @@ def _reachable(address: str) -> None:
             f"--address {address!r} is not auto or HOST:PORT (as ray start prints it, "
             "e.g. 10.0.0.5:6379, or ray://HOST:PORT for a Ray client server)"
         )
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() not in ("0", "false")  # no plain probe
     try:
-        socket.create_connection((host, int(port)), timeout=REACH_S).close()
+        with socket.create_connection((host, int(port)), timeout=REACH_S) as conn:
+            ray_there = tls or _speaks_grpc(conn)
     except OSError as e:
         raise RayClusterError(f"cannot reach Ray at {address}: {error_text(e)}") from None
+    if not ray_there:
+        raise RayClusterError(
+            f"{address} answers, but not as Ray does (no gRPC there: a dashboard's port, say); "
+            "give the address `ray start --head` prints, e.g. 10.0.0.5:6379"
+        )
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, its client
+# server) answers with its own SETTINGS frame (type 4 on stream 0)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _speaks_grpc(conn: socket.socket) -> bool:
+    """Whether the server at the end of `conn` speaks HTTP/2, as gRPC does (Ray's GCS, which
+    `ray.init` would otherwise retry for minutes on a port that answers something else);
+    OSError where it says nothing within the connection's timeout."""
+    conn.sendall(_H2_PREFACE)
+    head = b""
+    while len(head) < 9 and (got := conn.recv(9 - len(head))):
+        head += got
+    return len(head) == 9 and head[3] == 4 and head[5:9] == bytes(4)
 
 
 def _run(

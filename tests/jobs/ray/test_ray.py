@@ -316,6 +316,25 @@ def test_a_malformed_address_is_refused_at_once(address):
         _cluster(_LikeRay(), address, None, print).__enter__()
 
 
+def test_an_address_that_answers_but_not_as_ray_is_refused_and_rays_own_is_taken(kills):
+    """A port where an HTTP server answers (a dashboard's, say): ray.init retried it for many
+    minutes. The local Ray's GCS, and its client server, speak gRPC: taken."""
+    import http.server
+    import threading
+
+    from salabatch.jobs.ray.executor import _reachable
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(RayClusterError, match=f"{address} answers, but not as Ray does"):
+            _reachable(address)
+    finally:
+        server.shutdown()
+    _reachable(ray.get_runtime_context().gcs_address)
+
+
 def test_an_address_nothing_answers_is_refused_in_seconds_not_retried_for_minutes():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
