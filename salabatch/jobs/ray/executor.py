@@ -192,7 +192,12 @@ def _cluster(
 
 def _started(ray, address: str | None, workers: int | None, debug: bool, terminate) -> None:
     """`ray.init`: a local Ray started (`address` None) or the cluster at `address` joined;
-    then the command's SIGTERM handler `terminate` back in place of Ray's."""
+    then the command's SIGTERM handler `terminate` back in place of Ray's. SIGTERM waits while
+    Ray starts (its C++ core's handler, in place for a moment, aborted the driver: exit 134,
+    nothing merged), and stops the run once the command's handler is back."""
+    held = threading.current_thread() is threading.main_thread()
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         if address is None:
             cpus = max(LOCAL_CPUS, os.cpu_count() or 1)
@@ -217,8 +222,9 @@ def _started(ray, address: str | None, workers: int | None, debug: bool, termina
         terminate(signal.SIGTERM, None)  # the command's: as Ctrl-C, the run stops cleanly
         raise
     finally:
-        if threading.current_thread() is threading.main_thread():
+        if held:
             signal.signal(signal.SIGTERM, terminate)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came: now
 
 
 def _reachable(address: str) -> None:

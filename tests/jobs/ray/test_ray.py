@@ -259,6 +259,37 @@ class _LikeRay:
         pass
 
 
+def test_a_sigterm_before_rays_handler_is_in_waits_for_the_commands():
+    """Ray's C++ core takes SIGTERM for a moment while ray.init runs (it aborted the driver,
+    exit 134): a SIGTERM then waits, and the command's handler stops the run after."""
+    import threading
+
+    came: list[int] = []
+    during: list[list[int]] = []
+
+    class Early(_LikeRay):
+        def init(self, **settings) -> None:
+            # before any handler of Ray's, to the thread that starts Ray (another thread of
+            # this process, Ray's own from an earlier test here, would take a process's)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+            during.append(list(came))
+            super().init(**settings)
+
+    def ours(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        with pytest.raises(KeyboardInterrupt), _cluster(Early(), None, None, print):
+            pass
+        assert during == [[]] and came == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is ours
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_local_ray_is_a_new_one_and_sigterm_stays_the_commands():
     def ours(signum, frame):
         raise KeyboardInterrupt
