@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -192,26 +193,28 @@ def read_final(
     path: Path, columns: list[str] | None = None
 ) -> tuple[pa.Table, Mapping[bytes, bytes]]:
     """The final file's rows (`columns` only) and metadata; OutputError unless salabatch's."""
-    try:
-        with pq.ParquetFile(path, page_checksum_verification=True) as f:
-            _check_schema(f.schema_arrow, path)
-            table = f.read(columns=columns)
-            return table if columns is not None else _with_added(table), f.schema_arrow.metadata
-    except FileNotFoundError:
-        raise
-    except (pa.ArrowException, OSError) as e:
-        raise OutputError(f"not a readable Parquet file ({error_text(e)})", path=path) from e
+    with _final(path) as f:
+        table = f.read(columns=columns)
+        return table if columns is not None else _with_added(table), f.schema_arrow.metadata
 
 
 def check_final(path: Path) -> None:
     """OutputError unless `path` is a results file salabatch wrote whose every page reads
     back, checksums verified: what a run looks at before its work, not to fail at the merge
     after it. A row group at a time."""
+    with _final(path) as f:
+        for group in range(f.num_row_groups):
+            f.read_row_group(group)
+
+
+@contextmanager
+def _final(path: Path) -> Iterator[pq.ParquetFile]:
+    """The final file open, its pages' checksums verified as they are read, its schema
+    checked; what fails in the block (Arrow's errors, the disk's) an OutputError naming it."""
     try:
         with pq.ParquetFile(path, page_checksum_verification=True) as f:
             _check_schema(f.schema_arrow, path)
-            for group in range(f.num_row_groups):
-                f.read_row_group(group)
+            yield f
     except FileNotFoundError:
         raise
     except (pa.ArrowException, OSError) as e:

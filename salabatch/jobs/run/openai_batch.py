@@ -86,14 +86,14 @@ def plan_requests(spec: JobSpec, tok: Tokenizer, planner: Planner) -> Iterator[D
     bound = {} if limit == Engine.model_fields["max_context"].default else {"max_context": limit}
     lines: list[_Line] = []
     seen: set[str] = set()
+
+    def taken(name: str) -> bool:
+        return name in seen or name in planner.custom_ids
+
     for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
         custom_id, body, problem, kind = _parse(raw, number)
-
-        def taken(name: str) -> bool:
-            return name in seen or name in planner.custom_ids
-
         if taken(custom_id):
             whose = "an earlier line's" if custom_id in seen else "a document row's"
             problem = f"duplicate custom_id {custom_id!r} ({whose})"

@@ -163,6 +163,7 @@ class Planner:
         self.request_lines: dict[str, int] = {}  # request line keys -> line, done ones too
         self.custom_ids: set[str] = set()  # every document row's planned so far, done ones too
         self._suffixes: dict[tuple[str, bool], tuple[int, ...]] = {}  # the same for every doc
+        self._arounds: dict[bool, int] = {}  # by think, see _around
         self._patterns = {q.id: q.pattern() for q in spec.questions}  # what answers must match
 
     def documents(self) -> Iterator[DocPlan]:
@@ -256,8 +257,7 @@ class Planner:
         with_prompts = [replace(r, prompt=self._suffix(r.question, think)) for r in rows]
         doc_prompt = tok.document_prompt(doc.text, system=system, think=think)
         full = len(doc_prompt)
-        # the prompt's tokens around the document's own (system prompt, template)
-        around = len(tok.document_prompt(".", system=system, think=think)) - 1
+        around = self._around(think)
         plans = []
         fitting = []
         for r in with_prompts:
@@ -273,7 +273,7 @@ class Planner:
         room = max(len(r.prompt) + r.max_tokens for r in fitting)
         plan = DocPlan(doc, fitting, doc_prompt)
         if full > limit - room:
-            cut = self._truncated(doc, limit - room, around, think)
+            cut = self._truncated(doc, full, limit - room, think)
             if cut is None:
                 plan.doc_prompt = None
                 plan.error = f"could not truncate the document to {limit - room} tokens"
@@ -282,13 +282,26 @@ class Planner:
                 plan.notes.append(f"{mode}: document cut from {full} to {len(cut)} tokens")
         return [plan, *plans]
 
-    def _truncated(self, doc: Document, budget: int, around: int, think: bool) -> list[int] | None:
-        """The document prompt of `doc`'s text cut (at its end, or in its middle with
-        TRUNCATION_MARK, as engine.on_overflow says) to the most characters whose prompt fits
-        in `budget` tokens, as near as a few steps find it; None if none is found."""
+    def _around(self, think: bool) -> int:
+        """The document prompt's tokens around the document's own (system prompt, template):
+        the same for every document, so counted once."""
+        if think not in self._arounds:
+            prompt = self.tok.document_prompt(".", system=self.spec.system, think=think)
+            self._arounds[think] = len(prompt) - 1
+        return self._arounds[think]
+
+    def _truncated(self, doc: Document, full: int, budget: int, think: bool) -> list[int] | None:
+        """The document prompt of `doc`'s text (`full` tokens with its prompt) cut (at its end,
+        or in its middle with TRUNCATION_MARK, as engine.on_overflow says) to the most
+        characters whose prompt fits in `budget` tokens, as near as a few steps find it; None
+        if none is found."""
         tok, system, mode = self.tok, self.spec.system, self.spec.engine.on_overflow
-        keep, tokens = len(doc.text), None
+        around = self._around(think)
+        keep, tokens = len(doc.text), full - around
         for _ in range(16):  # tokens follow characters about evenly: a step or two fits
+            keep = min(keep - 1, int(keep * (budget - around) / max(tokens, 1)))
+            if keep <= 0:
+                return None
             if mode == "truncate_end":
                 text = doc.text[:keep]
             else:
@@ -299,7 +312,5 @@ class Planner:
             if len(doc_prompt) <= budget:
                 return doc_prompt
             tokens = len(doc_prompt) - around
-            keep = min(keep - 1, int(keep * (budget - around) / max(tokens, 1)))
-            if keep <= 0:
-                return None
+        return None
         return None

@@ -116,7 +116,8 @@ def _names_as_written(data: dict[str, Any], root: yaml.Node) -> dict[str, Any]:
                 ("questions", i, "id") if isinstance(question, dict) else ("questions", i)
             )
     for loc in places:
-        node = _node_at(root, loc)
+        steps = _walk(root, loc)
+        node = steps[-1][1] if len(steps) == len(loc) else None  # None: a merge gave it, say
         if isinstance(node, yaml.ScalarNode) and node.tag in (_INT, _FLOAT) and not node.style:
             *at, last = loc
             holder: Any = data
@@ -124,21 +125,6 @@ def _names_as_written(data: dict[str, Any], root: yaml.Node) -> dict[str, Any]:
                 holder = holder[part]
             holder[last] = node.value
     return data
-
-
-def _node_at(root: yaml.Node, loc: Loc) -> yaml.Node | None:
-    """The node of `loc` in the YAML tree as written, or None (a key a merge gave, say)."""
-    node = root
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if k.value == str(part)), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            node = node.value[part] if part < len(node.value) else None
-        else:
-            return None
-        if node is None:
-            return None
-    return node
 
 
 def read_yaml(
@@ -190,21 +176,28 @@ def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
 def line_of(root: yaml.Node, loc: Loc) -> int | None:
     """1-based line of `loc` in the YAML tree, or of its deepest part present (a missing field
     points at the mapping that lacks it); None for the top level."""
-    node, line = root, None
+    steps = _walk(root, loc)
+    return steps[-1][0] if steps else None
+
+
+def _walk(root: yaml.Node, loc: Loc) -> list[tuple[int, yaml.Node]]:
+    """(1-based line, node) of each part of `loc` the YAML tree as written holds, in order, up
+    to the first it lacks (a mapping key's line is its key's)."""
+    node, steps = root, []
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             match = next((kv for kv in node.value if kv[0].value == str(part)), None)
             if match is None:
                 break
-            line, node = match[0].start_mark.line + 1, match[1]
+            steps.append((match[0].start_mark.line + 1, match[1]))
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
             if part >= len(node.value):
                 break
-            node = node.value[part]
-            line = node.start_mark.line + 1
+            steps.append((node.value[part].start_mark.line + 1, node.value[part]))
         else:
             break
-    return line
+        node = steps[-1][1]
+    return steps
 
 
 def tree_problems(node: yaml.Node, loc: Loc = (), seen: set[int] | None = None) -> list[str]:
